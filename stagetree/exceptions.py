@@ -1,0 +1,98 @@
+"""Errors raised by stagetree.
+
+Hierarchy::
+
+    StagetreeError                 base of every stagetree error
+    ├── InvalidSequenceError       (also ValueError) bad arguments to a sequence in stagetree.hp
+    ├── InvalidSpaceError          (also ValueError) bad search space or distribution
+    ├── InvalidTrialError          (also ValueError) a trial that does not fit its study / plan
+    ├── StorageError               a storage URL that cannot be opened, or a failed transaction
+    │   └── SchemaVersionError     database written by a newer (or unknown) schema version
+    ├── CheckpointError            a checkpoint that is missing, corrupt or cannot be written
+    ├── TrainerError               user trainer code raised; carries the formatted traceback
+    ├── SchedulerError             an event the scheduler cannot accept (a bug or bad input)
+    ├── TrialFailedError           a request failed (its stage or an ancestor stage raised)
+    ├── TrialCancelledError        a request was cancelled before it finished
+    └── TunerError                 (also ValueError) invalid tuner arguments or metric
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "InvalidSequenceError",
+    "InvalidSpaceError",
+    "InvalidTrialError",
+    "SchedulerError",
+    "SchemaVersionError",
+    "StagetreeError",
+    "StorageError",
+    "TrainerError",
+    "TrialCancelledError",
+    "TrialFailedError",
+    "TunerError",
+]
+
+
+class StagetreeError(Exception):
+    """Base class of every error stagetree raises on purpose."""
+
+
+class InvalidSequenceError(StagetreeError, ValueError):
+    """A hyper-parameter sequence got arguments it cannot honour."""
+
+
+class InvalidSpaceError(StagetreeError, ValueError):
+    """A search space or a distribution is malformed (e.g. an empty grid)."""
+
+
+class InvalidTrialError(StagetreeError, ValueError):
+    """A trial does not fit: wrong hyper-parameter names, bad step count, ..."""
+
+
+class StorageError(StagetreeError):
+    """A storage backend could not be opened or a transaction failed."""
+
+
+class SchemaVersionError(StorageError):
+    """The database was written by a schema version this code does not know."""
+
+
+class CheckpointError(StagetreeError):
+    """A checkpoint is missing, fails its checksum, or could not be written."""
+
+
+class TrainerError(StagetreeError):
+    """User trainer code raised. ``traceback`` holds the formatted original traceback."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}\n{self.traceback}" if self.traceback else base
+
+
+class SchedulerError(StagetreeError):
+    """The scheduler received an event it cannot apply."""
+
+
+class TrialFailedError(StagetreeError):
+    """A request failed because a stage it depends on failed."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}\n{self.traceback}" if self.traceback else base
+
+
+class TrialCancelledError(StagetreeError):
+    """A request was cancelled before its result was available."""
+
+
+class TunerError(StagetreeError, ValueError):
+    """Invalid tuner arguments, or a metric the trainer never reports."""

@@ -1,0 +1,57 @@
+"""The :class:`Trainer` base class that users subclass."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """One model under training. stagetree drives it one step at a time.
+
+    Contract (held to exactly by every executor):
+
+    * ``__init__(config)`` receives the trial's *fixed* hyper-parameters (optimizer
+      type, weight decay, architecture, seed, ...) and builds model, data and optimizer.
+      It must be deterministic given ``config``.
+    * ``setup(hp)`` receives values of *sequential* hyper-parameters. Before the t-th call
+      of ``train()`` (t = 0, 1, ...) the trainer has been given the value at step t of
+      every sequence: all of them before the first step and after any restore from a
+      checkpoint, only the changed ones otherwise.
+    * ``train()`` runs one step (one logical iteration) and may return training metrics.
+    * ``evaluate()`` returns metrics of the current model. Metrics "at step S" are
+      ``evaluate()`` after S calls of ``train()``. It must leave no trace on training:
+      no RNG draws that training sees, no change of train/eval mode, no data position.
+    * ``state_dict()`` / ``load_state_dict(state)`` capture and restore *everything*
+      that shapes future training (model, optimizer, every RNG, data order and
+      position), so that a restored trainer continues bit for bit. The state must be
+      made of tensors, numpy arrays, numbers, strings, lists, tuples and dicts only.
+      The restored trainer is constructed fresh with the same ``config`` first.
+
+    ``TorchTrainer`` in :mod:`stagetree.torch` implements ``state_dict`` for PyTorch
+    users by itself.
+    """
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.config = dict(config)
+
+    def setup(self, hp: Mapping[str, Any]) -> None:
+        """Receive sequence values for the coming step (see the class contract)."""
+
+    def train(self) -> Mapping[str, float] | None:
+        """Run one step."""
+        raise NotImplementedError
+
+    def evaluate(self) -> Mapping[str, float]:
+        """Return metrics of the current model without changing training."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume training exactly."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        raise NotImplementedError

@@ -1,0 +1,147 @@
+"""Messages between the scheduler, executors and workers.
+
+The scheduler turns events into instructions and performs no I/O; executors carry the
+instructions out on workers and feed what happens back as events. Every message is a
+frozen, picklable dataclass so that it crosses process (and Ray) boundaries as is.
+
+Steps: a segment ``[start, stop)`` trains the steps ``start .. stop-1`` (``train()``
+calls number ``start`` to ``stop-1``); "the model at step s" is the model after ``s``
+calls of ``train()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Abort",
+    "AddCheckpoint",
+    "BatchDone",
+    "BatchFailed",
+    "CheckpointSaved",
+    "Instruction",
+    "MetricsReported",
+    "Progress",
+    "RunBatch",
+    "Segment",
+    "WorkerEvent",
+]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Steps ``[start, stop)`` trained under ``hp`` (node ``node`` of the plan)."""
+
+    node: int
+    start: int
+    stop: int
+    hp: Mapping[str, Any] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class RunBatch:
+    """Instruction: train consecutive segments of one root-to-leaf path on one worker.
+
+    Attributes:
+        batch_id: unique id of this batch.
+        worker: worker id that must run it.
+        root_key: the plan tree.
+        config: fixed hyper-parameters, passed to ``Trainer(config)``.
+        start_step: step the batch starts at (== ``segments[0].start``).
+        start_checkpoint: checkpoint ref to load before training, None to start fresh at 0.
+        segments: consecutive segments; ``segments[i].stop == segments[i+1].start``.
+        evaluate_at: ``(node, step)`` points to evaluate and report metrics at.
+        checkpoint_at: ``(node, step)`` points to save a checkpoint at (in background).
+    """
+
+    batch_id: int
+    worker: int
+    root_key: str
+    config: Mapping[str, Any] = field(hash=False)
+    start_step: int
+    start_checkpoint: str | None
+    segments: tuple[Segment, ...]
+    evaluate_at: tuple[tuple[int, int], ...] = ()
+    checkpoint_at: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class AddCheckpoint:
+    """Instruction (live split): the running batch must also checkpoint at ``(node, step)``,
+    and evaluate there when ``evaluate`` is set. Ignored by the worker if already past
+    it, in which case it reports nothing for it; the scheduler sees that from Progress."""
+
+    batch_id: int
+    worker: int
+    node: int
+    step: int
+    evaluate: bool = False
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Instruction: stop the batch after the current step (its work is no longer needed)."""
+
+    batch_id: int
+    worker: int
+
+
+Instruction = RunBatch | AddCheckpoint | Abort
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The worker finished training up to ``step`` (model at ``step``) on ``node``."""
+
+    batch_id: int
+    worker: int
+    node: int
+    step: int
+    seconds_per_step: float
+
+
+@dataclass(frozen=True)
+class MetricsReported:
+    batch_id: int
+    worker: int
+    node: int
+    step: int
+    metrics: Mapping[str, float] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    """A checkpoint of ``(node, step)`` is durable under ``ref``."""
+
+    batch_id: int
+    worker: int
+    node: int
+    step: int
+    ref: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    batch_id: int
+    worker: int
+    busy_seconds: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class BatchFailed:
+    """A trainer raised while training step ``step`` of ``node`` (or while loading)."""
+
+    batch_id: int
+    worker: int
+    node: int
+    step: int
+    error: str
+    traceback: str
+
+
+WorkerEvent = Progress | MetricsReported | CheckpointSaved | BatchDone | BatchFailed
