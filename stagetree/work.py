@@ -50,6 +50,9 @@ class RunBatch:
         root_key: the plan tree.
         config: fixed hyper-parameters, passed to ``Trainer(config)``.
         start_step: step the batch starts at (== ``segments[0].start``).
+        start_at: canonical ``(node, step)`` of the model the batch starts from, None for
+            a fresh model at step 0. A worker whose in-memory trainer is exactly at
+            ``start_at`` (it just finished there) may skip loading ``start_checkpoint``.
         start_checkpoint: checkpoint ref to load before training, None to start fresh at 0.
         segments: consecutive segments; ``segments[i].stop == segments[i+1].start``.
         evaluate_at: ``(node, step)`` points to evaluate and report metrics at.
@@ -61,6 +64,7 @@ class RunBatch:
     root_key: str
     config: Mapping[str, Any] = field(hash=False)
     start_step: int
+    start_at: tuple[int, int] | None
     start_checkpoint: str | None
     segments: tuple[Segment, ...]
     evaluate_at: tuple[tuple[int, int], ...] = ()
