@@ -26,7 +26,10 @@ __all__ = [
     "Progress",
     "RunBatch",
     "Segment",
+    "SplitMissed",
     "WorkerEvent",
+    "WorkerLost",
+    "WorkerReady",
 ]
 
 
@@ -75,7 +78,8 @@ class RunBatch:
 class AddCheckpoint:
     """Instruction (live split): the running batch must also checkpoint at ``(node, step)``,
     and evaluate there when ``evaluate`` is set. Ignored by the worker if already past
-    it, in which case it reports nothing for it; the scheduler sees that from Progress."""
+    it, in which case it answers with :class:`SplitMissed` so the scheduler can plan a
+    recomputation instead."""
 
     batch_id: int
     worker: int
@@ -148,4 +152,40 @@ class BatchFailed:
     traceback: str
 
 
-WorkerEvent = Progress | MetricsReported | CheckpointSaved | BatchDone | BatchFailed
+@dataclass(frozen=True)
+class SplitMissed:
+    """Answer to :class:`AddCheckpoint`: the worker was already past ``step``."""
+
+    batch_id: int
+    worker: int
+    node: int
+    step: int
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Executor event: worker ``worker`` is up and idle (also sent for a replacement)."""
+
+    worker: int
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """Executor event: the worker died; ``batch_id`` is the batch it was running, if any.
+    Checkpoints it reported as saved stay valid."""
+
+    worker: int
+    batch_id: int | None
+    reason: str = ""
+
+
+WorkerEvent = (
+    Progress
+    | MetricsReported
+    | CheckpointSaved
+    | BatchDone
+    | BatchFailed
+    | SplitMissed
+    | WorkerReady
+    | WorkerLost
+)
