@@ -1,0 +1,814 @@
+"""Hyper-parameter sequences: values as functions of the training step.
+
+Every sequential hyper-parameter of a trial is a :class:`Sequence`: an immutable,
+hashable object whose value at step ``t`` is ``seq(t)``. Sharing between trials is
+decided by *values* (``MultiStep(0.1, [100], 0.1)`` and ``Constant(0.1)`` agree on
+steps 0-99), so the module's hot path is :func:`first_difference`.
+
+Families whose name matches a PyTorch scheduler give, at step ``t``, the learning
+rate that scheduler gives after ``t`` calls of ``scheduler.step()`` (up to float
+rounding; see ``tests/test_hp_torch_parity.py``).
+
+Equality and hashing are *typed*: ``Constant(1) != Constant(1.0) != Constant(True)``,
+because an int batch size 1 and a float learning rate 1.0 are different values.
+:func:`first_difference` follows the same rule. Numeric families (``Step``,
+``Cosine``...) store their numeric arguments as floats, so ``Step(1, 10, 0.5) ==
+Step(1.0, 10, 0.5)`` and their values are floats.
+
+Random search: when any argument of a family is a
+:class:`stagetree.distributions.Distribution` (or a :class:`SequenceTemplate`), the
+constructor returns a :class:`SequenceTemplate`, whose ``sample(rng)`` draws the
+arguments and builds the real sequence.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+from stagetree.distributions import Distribution, sample_value
+from stagetree.exceptions import InvalidSequenceError
+
+__all__ = [
+    "Constant",
+    "Cosine",
+    "CosineWarmRestarts",
+    "Cyclic",
+    "Exponential",
+    "Linear",
+    "MultiStep",
+    "OneCycle",
+    "Piecewise",
+    "Sequence",
+    "SequenceTemplate",
+    "Step",
+    "Then",
+    "Value",
+    "Warmup",
+    "as_sequence",
+    "dumps_hp",
+    "first_difference",
+    "from_json",
+    "loads_hp",
+]
+
+Value = Union[int, float, str, bool]
+"""A hyper-parameter value at one step."""
+
+_SCALARS = (int, float, str, bool)
+# Values are computed and cached in aligned chunks of this many steps.
+_CHUNK = 1024
+_FAMILIES: dict[str, type[Sequence]] = {}
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_step(name: str, value: Any, minimum: int = 0) -> int:
+    """A step count/position: an int (not bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSequenceError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidSequenceError(f"{name} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value: Any) -> float:
+    """A finite real number (int or float, not bool), returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSequenceError(f"{name} must be a number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x):
+        raise InvalidSequenceError(f"{name} must be finite, got {value!r}")
+    return x + 0.0  # turns -0.0 into 0.0 so that equal sequences have equal values
+
+
+def _check_value(name: str, value: Any) -> Value:
+    """A scalar hyper-parameter value (int, float, str, bool); floats must be finite."""
+    if not isinstance(value, _SCALARS):
+        raise InvalidSequenceError(
+            f"{name} must be an int, float, str or bool, got {type(value).__name__} {value!r}"
+        )
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidSequenceError(f"{name} must be finite, got {value!r}")
+        return value + 0.0
+    return value
+
+
+def _check_milestones(name: str, value: Any) -> tuple[int, ...]:
+    """A strictly increasing list of non-negative int steps, stored as a tuple."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidSequenceError(f"{name} must be a list of ints, got {value!r}")
+    steps = tuple(_check_step(f"{name}[{i}]", m) for i, m in enumerate(value))
+    for i in range(1, len(steps)):
+        if steps[i] <= steps[i - 1]:
+            raise InvalidSequenceError(
+                f"{name} must be strictly increasing (sorted, no duplicates), got {list(steps)}"
+            )
+    return steps
+
+
+def _set(obj: object, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _is_random(value: Any) -> bool:
+    """Whether ``value`` holds a distribution or a template (recursively in lists/tuples)."""
+    if isinstance(value, Distribution) or getattr(value, "is_template", False) is True:
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_is_random(v) for v in value)
+    return False
+
+
+def _typed(value: Any) -> Any:
+    """Key for typed equality: scalars carry their type, tuples recurse, sequences
+    stand for themselves (their own equality is typed)."""
+    tp = type(value)
+    if tp is tuple:
+        return tuple(_typed(v) for v in value)
+    if tp in _SCALARS:
+        return (tp, value)
+    return value
+
+
+# --------------------------------------------------------------------------- base
+
+
+class Sequence(ABC):
+    """Base class of every hyper-parameter sequence.
+
+    Contract for subclasses: a frozen dataclass (``@dataclass(frozen=True,
+    eq=False)``; equality and hashing come from this base and are typed), whose
+    ``__post_init__`` validates and normalises its arguments (lists become tuples,
+    numbers of numeric families become floats) and raises
+    :class:`~stagetree.exceptions.InvalidSequenceError`, and which implements
+    ``_value(t)``; it may override ``_values(start, stop)`` with a faster equivalent
+    that returns exactly ``[self._value(t) for t in range(start, stop)]``.
+    """
+
+    is_template: ClassVar[bool] = False
+    # Field name -> constructor/JSON argument name, where they differ.
+    _json_names: ClassVar[Mapping[str, str]] = {}
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A distribution among the arguments makes this a template for random search.
+        # Unpickling and copying call ``cls.__new__(cls)`` without arguments.
+        if _is_random(args) or _is_random(tuple(kwargs.values())):
+            return SequenceTemplate(cls, args, kwargs)
+        return super().__new__(cls)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Families are found by class name in JSON; a user class never shadows a built-in.
+        existing = _FAMILIES.get(cls.__name__)
+        if existing is None or existing.__module__ != __name__:
+            _FAMILIES[cls.__name__] = cls
+
+    # -- values
+
+    @abstractmethod
+    def _value(self, t: int) -> Value:
+        """Value at step ``t`` (already validated)."""
+
+    def _values(self, start: int, stop: int) -> list[Value]:
+        """Values at steps ``start..stop-1``; overridden where a faster form exists."""
+        value = self._value
+        return [value(t) for t in range(start, stop)]
+
+    def __call__(self, t: int) -> Value:
+        """Value at step ``t`` (a non-negative int)."""
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InvalidSequenceError(f"step must be a non-negative int, got {t!r}")
+        return self._value(t)
+
+    def values(self, start: int, stop: int) -> list[Value]:
+        """Values at steps ``start, ..., stop - 1`` (a new list; cached underneath)."""
+        _check_step("start", start)
+        _check_step("stop", stop)
+        if stop <= start:
+            return []
+        out: list[Value] = []
+        for k in range(start // _CHUNK, (stop - 1) // _CHUNK + 1):
+            chunk = _chunk(self, k)
+            base = k * _CHUNK
+            out.extend(chunk[max(start - base, 0) : min(stop - base, _CHUNK)])
+        return out
+
+    # -- composition
+
+    def then(self, other: Sequence | SequenceTemplate | Value, at: int) -> Sequence:
+        """``self`` before step ``at``, then ``other`` (which counts its steps from ``at``)."""
+        return Then(first=self, second=other, at=at)  # type: ignore[arg-type]
+
+    # -- identity
+
+    def _key(self) -> tuple[Any, int]:
+        """``(typed field values, hash)``, cached in the instance (it is frozen); not
+        pickled, since the hash of a str differs between processes."""
+        key = self.__dict__.get("_cached_key")
+        if key is None:
+            fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+            typed = _typed(fields)
+            key = (typed, hash((type(self).__name__, typed)))
+            _set(self, "_cached_key", key)
+        return key
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_cached_key"}
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        if type(self) is not type(other):
+            return False
+        a, b = self._key(), other._key()
+        return a[1] == b[1] and a[0] == b[0]
+
+    def __hash__(self) -> int:
+        return self._key()[1]
+
+    # -- JSON
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict with a ``"type"`` key; :func:`from_json` inverts it."""
+        out: dict[str, Any] = {"type": type(self).__name__}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            out[self._json_names.get(f.name, f.name)] = _to_json_value(getattr(self, f.name))
+        return out
+
+
+def _to_json_value(value: Any) -> Any:
+    if isinstance(value, Sequence):
+        return value.to_json()
+    if isinstance(value, tuple):
+        return [_to_json_value(v) for v in value]
+    return value
+
+
+@functools.lru_cache(maxsize=512)
+def _chunk(seq: Sequence, k: int) -> tuple[Value, ...]:
+    """Values of ``seq`` at steps ``[k * _CHUNK, (k + 1) * _CHUNK)``.
+
+    Keyed by the sequence itself: typed equality guarantees that equal keys have
+    identical values (``Constant(1)`` and ``Constant(1.0)`` never share an entry).
+    """
+    return tuple(seq._values(k * _CHUNK, (k + 1) * _CHUNK))
+
+
+# --------------------------------------------------------------------------- templates
+
+
+@dataclass(frozen=True)
+class SequenceTemplate:
+    """A sequence family with random arguments; ``sample(rng)`` builds a real sequence.
+
+    Created by a family's constructor when an argument is (or contains) a
+    :class:`~stagetree.distributions.Distribution` or another template. Argument names
+    are checked on creation; values are validated when sampled.
+
+    Attributes:
+        family: the sequence class to build.
+        args: positional arguments, possibly random.
+        kwargs: keyword arguments, possibly random.
+    """
+
+    family: type[Sequence]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+
+    is_template: ClassVar[bool] = True
+
+    def __init__(
+        self, family: type[Sequence], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        try:
+            inspect.signature(family.__init__).bind(None, *args, **kwargs)
+        except TypeError as exc:
+            raise InvalidSequenceError(f"{family.__name__}: {exc}") from None
+        _set(self, "family", family)
+        _set(self, "args", tuple(args))
+        _set(self, "kwargs", dict(kwargs))
+
+    def __hash__(self) -> int:
+        return hash((self.family, repr(self)))
+
+    def sample(self, rng: random.Random) -> Sequence:
+        """Draw every random argument from ``rng`` (in order) and build the sequence."""
+        args = [sample_value(a, rng) for a in self.args]
+        kwargs = {k: sample_value(v, rng) for k, v in self.kwargs.items()}
+        seq = self.family(*args, **kwargs)
+        if not isinstance(seq, Sequence):  # a distribution drew another distribution
+            raise InvalidSequenceError(f"sampling {self!r} did not give a sequence: {seq!r}")
+        return seq
+
+    def then(self, other: Sequence | SequenceTemplate | Value, at: int) -> SequenceTemplate:
+        """Template of ``Then(first=self, second=other, at=at)``."""
+        out = Then(first=self, second=other, at=at)  # type: ignore[arg-type]
+        assert isinstance(out, SequenceTemplate)
+        return out
+
+    def __repr__(self) -> str:
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"{self.family.__name__}({', '.join(parts)})"
+
+
+# --------------------------------------------------------------------------- families
+
+
+@dataclass(frozen=True, eq=False)
+class Constant(Sequence):
+    """The same ``value`` (int, float, str or bool) at every step."""
+
+    value: Value
+
+    def __post_init__(self) -> None:
+        _set(self, "value", _check_value("Constant.value", self.value))
+
+    def _value(self, t: int) -> Value:
+        return self.value
+
+    def _values(self, start: int, stop: int) -> list[Value]:
+        return [self.value] * (stop - start)
+
+
+def _segments(
+    start: int, stop: int, bounds: SequenceABC[int], value_of: Any, index: int
+) -> list[Value]:
+    """Values of a piecewise-constant sequence whose ``i``-th piece starts at
+    ``bounds[i - 1]``, where ``index`` is the piece holding ``start``."""
+    out: list[Value] = []
+    t = start
+    while t < stop:
+        end = bounds[index] if index < len(bounds) else stop
+        end = min(end, stop)
+        out.extend([value_of(index)] * (end - t))
+        t = end
+        index += 1
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Step(Sequence):
+    """``init * gamma ** (t // step_size)`` (PyTorch ``StepLR``)."""
+
+    init: float
+    step_size: int
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        _set(self, "init", _check_float("Step.init", self.init))
+        _check_step("Step.step_size", self.step_size, 1)
+        _set(self, "gamma", _check_float("Step.gamma", self.gamma))
+
+    def _value(self, t: int) -> float:
+        return self._level(t // self.step_size)
+
+    def _level(self, k: int) -> float:
+        try:
+            return self.init * self.gamma**k
+        except OverflowError:
+            raise InvalidSequenceError(f"{self!r} overflows after {k} decays") from None
+
+    def _values(self, start: int, stop: int) -> list[Value]:
+        out: list[Value] = []
+        t = start
+        while t < stop:
+            k = t // self.step_size
+            end = min((k + 1) * self.step_size, stop)
+            out.extend([self._level(k)] * (end - t))
+            t = end
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class MultiStep(Sequence):
+    """``init * gamma ** (number of milestones <= t)`` (PyTorch ``MultiStepLR``)."""
+
+    init: float
+    milestones: SequenceABC[int]
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        _set(self, "init", _check_float("MultiStep.init", self.init))
+        _set(self, "milestones", _check_milestones("MultiStep.milestones", self.milestones))
+        _set(self, "gamma", _check_float("MultiStep.gamma", self.gamma))
+
+    def _level(self, k: int) -> float:
+        try:
+            return self.init * self.gamma**k
+        except OverflowError:
+            raise InvalidSequenceError(f"{self!r} overflows after {k} decays") from None
+
+    def _value(self, t: int) -> float:
+        return self._level(bisect.bisect_right(self.milestones, t))
+
+    def _values(self, start: int, stop: int) -> list[Value]:
+        k = bisect.bisect_right(self.milestones, start)
+        return _segments(start, stop, self.milestones, self._level, k)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Piecewise(Sequence):
+    """``values[0]`` before ``milestones[0]``, ``values[i]`` from ``milestones[i - 1]`` on.
+
+    Values may be of any scalar type (ints for a batch size, strings for an
+    optimizer name); ``len(values) == len(milestones) + 1``. The values are stored as
+    the attribute ``levels`` because ``values`` is the method of every sequence; the
+    constructor, ``repr`` and JSON call them ``values``.
+    """
+
+    levels: SequenceABC[Value]
+    milestones: SequenceABC[int]
+
+    _json_names: ClassVar[Mapping[str, str]] = {"levels": "values"}
+
+    def __init__(self, values: SequenceABC[Value], milestones: SequenceABC[int]) -> None:
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise InvalidSequenceError(f"Piecewise.values must be a list, got {values!r}")
+        vals = tuple(_check_value(f"Piecewise.values[{i}]", v) for i, v in enumerate(values))
+        ms = _check_milestones("Piecewise.milestones", milestones)
+        if len(vals) != len(ms) + 1:
+            raise InvalidSequenceError(
+                f"Piecewise needs len(values) == len(milestones) + 1, "
+                f"got {len(vals)} values and {len(ms)} milestones"
+            )
+        _set(self, "levels", vals)
+        _set(self, "milestones", ms)
+
+    def __repr__(self) -> str:
+        return f"Piecewise(values={self.levels!r}, milestones={self.milestones!r})"
+
+    def _value(self, t: int) -> Value:
+        return self.levels[bisect.bisect_right(self.milestones, t)]
+
+    def _values(self, start: int, stop: int) -> list[Value]:
+        k = bisect.bisect_right(self.milestones, start)
+        return _segments(start, stop, self.milestones, self.levels.__getitem__, k)
+
+
+@dataclass(frozen=True, eq=False)
+class Then(Sequence):
+    """``first(t)`` for ``t < at``, then ``second(t - at)``: ``second`` counts from ``at``."""
+
+    first: Sequence
+    second: Sequence
+    at: int
+
+    def __post_init__(self) -> None:
+        _set(self, "first", _as_sequence("Then.first", self.first))
+        _set(self, "second", _as_sequence("Then.second", self.second))
+        _check_step("Then.at", self.at)
+
+    def _value(self, t: int) -> Value:
+        return self.first._value(t) if t < self.at else self.second._value(t - self.at)
+
+    def _values(self, start: int, stop: int) -> list[Value]:
+        at = self.at
+        out: list[Value] = []
+        if start < at:
+            out = self.first._values(start, min(stop, at))
+        if stop > at:
+            out.extend(self.second._values(max(start, at) - at, stop - at))
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class Exponential(Sequence):
+    """``init * gamma ** t`` (PyTorch ``ExponentialLR``)."""
+
+    init: float
+    gamma: float
+
+    def __post_init__(self) -> None:
+        _set(self, "init", _check_float("Exponential.init", self.init))
+        _set(self, "gamma", _check_float("Exponential.gamma", self.gamma))
+
+    def _value(self, t: int) -> float:
+        try:
+            return self.init * self.gamma**t
+        except OverflowError:
+            raise InvalidSequenceError(f"{self!r} overflows at step {t}") from None
+
+
+def _cosine_factor(num: float, den: float) -> float:
+    # Same expression as PyTorch's closed forms: ``(1 + cos(pi * num / den)) / 2``.
+    return (1 + math.cos(math.pi * num / den)) / 2
+
+
+@dataclass(frozen=True, eq=False)
+class Cosine(Sequence):
+    """``eta_min + (init - eta_min) * (1 + cos(pi * t / t_max)) / 2``
+    (PyTorch ``CosineAnnealingLR``).
+
+    Like PyTorch, the cosine goes on after ``t_max``: it climbs back to ``init`` at
+    ``2 * t_max`` (period ``2 * t_max``). To hold ``eta_min`` instead, write
+    ``Cosine(init, t_max, eta_min).then(Constant(eta_min), at=t_max)``.
+    """
+
+    init: float
+    t_max: int
+    eta_min: float = 0.0
+
+    def __post_init__(self) -> None:
+        _set(self, "init", _check_float("Cosine.init", self.init))
+        _check_step("Cosine.t_max", self.t_max, 1)
+        _set(self, "eta_min", _check_float("Cosine.eta_min", self.eta_min))
+
+    def _value(self, t: int) -> float:
+        return (
+            self.eta_min + (self.init - self.eta_min) * (1 + math.cos(math.pi * t / self.t_max)) / 2
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class CosineWarmRestarts(Sequence):
+    """Cosine from ``init`` towards ``eta_min`` over ``t_0`` steps, then restarts at
+    ``init``; each cycle is ``t_mult`` times longer than the previous one (PyTorch
+    ``CosineAnnealingWarmRestarts``)."""
+
+    init: float
+    t_0: int
+    t_mult: int = 1
+    eta_min: float = 0.0
+
+    def __post_init__(self) -> None:
+        _set(self, "init", _check_float("CosineWarmRestarts.init", self.init))
+        _check_step("CosineWarmRestarts.t_0", self.t_0, 1)
+        _check_step("CosineWarmRestarts.t_mult", self.t_mult, 1)
+        _set(self, "eta_min", _check_float("CosineWarmRestarts.eta_min", self.eta_min))
+
+    def _value(self, t: int) -> float:
+        # Exact integer cycle arithmetic (PyTorch tracks T_cur, T_i the same way).
+        t_i = self.t_0
+        if self.t_mult == 1:
+            t_cur = t % t_i
+        else:
+            t_cur = t
+            while t_cur >= t_i:
+                t_cur -= t_i
+                t_i *= self.t_mult
+        return self.eta_min + (self.init - self.eta_min) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
+
+
+@dataclass(frozen=True, eq=False)
+class Linear(Sequence):
+    """Linear from ``start`` at step 0 to ``end`` at step ``steps``; ``end`` afterwards
+    (``steps == 0`` gives ``end`` everywhere). PyTorch ``LinearLR(start_factor,
+    end_factor, total_iters)`` on base lr ``L`` is ``Linear(L * start_factor,
+    L * end_factor, total_iters)``."""
+
+    start: float
+    end: float
+    steps: int
+
+    def __post_init__(self) -> None:
+        _set(self, "start", _check_float("Linear.start", self.start))
+        _set(self, "end", _check_float("Linear.end", self.end))
+        _check_step("Linear.steps", self.steps)
+
+    def _value(self, t: int) -> float:
+        if t >= self.steps:
+            return self.end
+        return self.start + (self.end - self.start) * t / self.steps
+
+
+@dataclass(frozen=True, eq=False)
+class Warmup(Sequence):
+    """Linear from ``start`` (at step 0) to ``target`` (at step ``steps``), then
+    ``target``. Usually followed by a decay: ``Warmup(5, 0.1).then(Cosine(0.1, 95), 5)``."""
+
+    steps: int
+    target: float
+    start: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_step("Warmup.steps", self.steps)
+        _set(self, "target", _check_float("Warmup.target", self.target))
+        _set(self, "start", _check_float("Warmup.start", self.start))
+
+    def _value(self, t: int) -> float:
+        if t >= self.steps:
+            return self.target
+        return self.start + (self.target - self.start) * t / self.steps
+
+
+_CYCLIC_MODES = ("triangular", "triangular2", "exp_range")
+
+
+@dataclass(frozen=True, eq=False)
+class Cyclic(Sequence):
+    """Cyclical learning rate between ``base`` and ``max`` (PyTorch ``CyclicLR`` with
+    ``cycle_momentum=False``): up over ``step_size_up`` steps, down over
+    ``step_size_down`` (default ``step_size_up``). ``triangular2`` halves the amplitude
+    every cycle; ``exp_range`` scales it by ``gamma ** t``."""
+
+    base: float
+    max: float
+    step_size_up: int
+    step_size_down: int | None = None
+    mode: str = "triangular"
+    gamma: float = 1.0
+
+    def __post_init__(self) -> None:
+        _set(self, "base", _check_float("Cyclic.base", self.base))
+        _set(self, "max", _check_float("Cyclic.max", self.max))
+        _check_step("Cyclic.step_size_up", self.step_size_up, 1)
+        if self.step_size_down is not None:
+            _check_step("Cyclic.step_size_down", self.step_size_down, 1)
+        if self.mode not in _CYCLIC_MODES:
+            raise InvalidSequenceError(
+                f"Cyclic.mode must be one of {_CYCLIC_MODES}, got {self.mode!r}"
+            )
+        _set(self, "gamma", _check_float("Cyclic.gamma", self.gamma))
+
+    def _value(self, t: int) -> float:
+        # Same operations, in the same order, as torch.optim.lr_scheduler.CyclicLR.
+        up = float(self.step_size_up)
+        down = float(self.step_size_down) if self.step_size_down is not None else up
+        total = up + down
+        ratio = up / total
+        cycle = math.floor(1 + t / total)
+        x = 1.0 + t / total - cycle
+        scale = x / ratio if x <= ratio else (x - 1) / (ratio - 1)
+        height = (self.max - self.base) * scale
+        if self.mode == "triangular":
+            return self.base + height * 1.0
+        if self.mode == "triangular2":
+            try:
+                amplitude = 1 / (2.0 ** (cycle - 1))
+            except OverflowError:  # PyTorch raises here after ~1000 cycles
+                amplitude = 0.0
+            return self.base + height * amplitude
+        try:
+            return self.base + height * self.gamma**t
+        except OverflowError:
+            raise InvalidSequenceError(f"{self!r} overflows at step {t}") from None
+
+
+@dataclass(frozen=True, eq=False)
+class OneCycle(Sequence):
+    """One-cycle policy (PyTorch ``OneCycleLR`` with ``cycle_momentum=False``,
+    ``three_phase=False``): from ``max / div_factor`` up to ``max`` over the first
+    ``pct_start`` of ``total_steps``, then down to ``max / div_factor /
+    final_div_factor`` at step ``total_steps - 1``, which it holds afterwards
+    (PyTorch extrapolates at step ``total_steps`` and raises after it)."""
+
+    max: float
+    total_steps: int
+    pct_start: float = 0.3
+    anneal: str = "cos"
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+
+    def __post_init__(self) -> None:
+        _set(self, "max", _check_float("OneCycle.max", self.max))
+        _check_step("OneCycle.total_steps", self.total_steps, 1)
+        pct = _check_float("OneCycle.pct_start", self.pct_start)
+        if not 0.0 < pct < 1.0:
+            raise InvalidSequenceError(f"OneCycle.pct_start must be in (0, 1), got {pct!r}")
+        _set(self, "pct_start", pct)
+        if self.anneal not in ("cos", "linear"):
+            raise InvalidSequenceError(
+                f"OneCycle.anneal must be 'cos' or 'linear', got {self.anneal!r}"
+            )
+        for name in ("div_factor", "final_div_factor"):
+            value = _check_float(f"OneCycle.{name}", getattr(self, name))
+            if value <= 0:
+                raise InvalidSequenceError(f"OneCycle.{name} must be > 0, got {value!r}")
+            _set(self, name, value)
+
+    def _anneal(self, start: float, end: float, pct: float) -> float:
+        if self.anneal == "cos":
+            return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    def _value(self, t: int) -> float:
+        # Same operations, in the same order, as torch.optim.lr_scheduler.OneCycleLR.
+        step = min(t, self.total_steps - 1)
+        initial = self.max / self.div_factor
+        final = initial / self.final_div_factor
+        end_up = float(self.pct_start * self.total_steps) - 1
+        if step <= end_up:
+            # PyTorch divides by zero when the warm-up phase is one step long
+            # (pct_start * total_steps == 1); that step is the phase's end: max.
+            pct = step / end_up if end_up != 0 else 1.0
+            return self._anneal(initial, self.max, pct)
+        pct = (step - end_up) / (self.total_steps - 1 - end_up)
+        return self._anneal(self.max, final, pct)
+
+
+# --------------------------------------------------------------------------- functions
+
+
+def _as_sequence(name: str, x: Any) -> Sequence:
+    if isinstance(x, Sequence):
+        return x
+    if isinstance(x, _SCALARS):
+        return Constant(x)
+    if getattr(x, "is_template", False):
+        raise InvalidSequenceError(f"{name} is a template; sample it first: {x!r}")
+    raise InvalidSequenceError(
+        f"{name} must be a Sequence or an int, float, str or bool, got {type(x).__name__} {x!r}"
+    )
+
+
+def as_sequence(x: Any) -> Sequence:
+    """``x`` if it is a :class:`Sequence`; ``Constant(x)`` for a plain int, float, str
+    or bool; :class:`~stagetree.exceptions.InvalidSequenceError` otherwise."""
+    return _as_sequence("value", x)
+
+
+def _first_mismatch(a: SequenceABC[Value], b: SequenceABC[Value]) -> int | None:
+    """Index of the first typed difference of two equally long chunks, or None."""
+    # Fast C-level checks first; fall back to a scan only when something differs.
+    if a == b and list(map(type, a)) == list(map(type, b)):
+        return None
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y or type(x) is not type(y):
+            return i
+    return None
+
+
+def first_difference(a: Sequence, b: Sequence, start: int, stop: int) -> int | None:
+    """First step ``t`` in ``[start, stop)`` with ``a(t) != b(t)``, or None.
+
+    Values of different types differ even when ``==`` holds (int ``1`` vs float ``1.0``
+    vs ``True``): an int batch size and a float learning rate are different values.
+    Compares cached chunks of values, not one call per step.
+    """
+    _check_step("start", start)
+    _check_step("stop", stop)
+    if a == b or stop <= start:
+        return None
+    for k in range(start // _CHUNK, (stop - 1) // _CHUNK + 1):
+        base = k * _CHUNK
+        lo, hi = max(start - base, 0), min(stop - base, _CHUNK)
+        ca, cb = _chunk(a, k), _chunk(b, k)
+        if lo == 0 and hi == _CHUNK:
+            i = _first_mismatch(ca, cb)
+        else:
+            i = _first_mismatch(ca[lo:hi], cb[lo:hi])
+            i = None if i is None else i + lo
+        if i is not None:
+            return base + i
+    return None
+
+
+def _from_json_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return from_json(value)
+    return value
+
+
+def from_json(d: Mapping[str, Any]) -> Sequence:
+    """Rebuild a sequence from :meth:`Sequence.to_json` output."""
+    if not isinstance(d, Mapping) or "type" not in d:
+        raise InvalidSequenceError(f"not a sequence description (no 'type'): {d!r}")
+    family = _FAMILIES.get(d["type"])
+    if family is None:
+        raise InvalidSequenceError(f"unknown sequence type {d['type']!r}")
+    names = set(inspect.signature(family.__init__).parameters) - {"self"}
+    kwargs = {k: _from_json_value(v) for k, v in d.items() if k != "type"}
+    unknown = set(kwargs) - names
+    if unknown:
+        raise InvalidSequenceError(f"{d['type']} has no argument(s) {sorted(unknown)}")
+    try:
+        seq = family(**kwargs)
+    except TypeError as exc:
+        raise InvalidSequenceError(f"cannot build {d['type']}: {exc}") from None
+    if not isinstance(seq, Sequence):
+        raise InvalidSequenceError(f"{d!r} does not describe a plain sequence")
+    return seq
+
+
+def dumps_hp(hp: Mapping[str, Sequence | Value]) -> str:
+    """Canonical JSON (sorted keys, no spaces) of sequences by name; plain values
+    become :class:`Constant`."""
+    out: dict[str, Any] = {}
+    for name, seq in hp.items():
+        if not isinstance(name, str):
+            raise InvalidSequenceError(f"hyper-parameter names must be str, got {name!r}")
+        out[name] = _as_sequence(f"hp[{name!r}]", seq).to_json()
+    return json.dumps(out, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def loads_hp(s: str) -> dict[str, Sequence]:
+    """Inverse of :func:`dumps_hp`."""
+    data = json.loads(s)
+    if not isinstance(data, dict):
+        raise InvalidSequenceError(f"expected a JSON object of sequences, got {s[:80]!r}")
+    return {name: from_json(d) for name, d in data.items()}
