@@ -1,0 +1,169 @@
+"""Asynchronous successive halving (ASHA) and asynchronous Hyperband.
+
+Follows Algorithm 2 of Li et al., "A System for Massively Parallel Hyperparameter
+Tuning" (MLSys 2020): whenever a worker frees, ``get_job`` looks for a promotable
+configuration from the top rung down (one in the top ``floor(|rung k| / eta)`` of rung
+``k`` that was not promoted yet) and promotes it to rung ``k+1``; otherwise it starts
+a new configuration on the bottom rung. Promotion resubmits the same trial with more
+steps, so the study resumes it from its checkpoint (pause-and-resume, not the
+stop-only variant).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from stagetree.exceptions import TunerError
+from stagetree.tuners.base import (
+    Job,
+    ReplayingRunner,
+    Tuner,
+    check_int,
+    draw_specs,
+    rung_levels,
+)
+from stagetree.tuners.sha import check_halving
+
+__all__ = ["ASHA", "AsyncHyperband"]
+
+
+class ASHA(Tuner):
+    """Asynchronous successive halving with promotions (the paper's Algorithm 2).
+
+    Rungs: ``levels = rung_levels(min_steps, max_steps, eta, max_rungs)``, i.e.
+    ``min_steps * eta**k`` for at most ``max_rungs - 1`` lower rungs and ``max_steps`` as
+    the top rung (defaults follow the paper's production setting: ``eta=4``, at most 5
+    rungs). At most ``max_concurrent`` (default: the runner's worker count) jobs are in
+    flight; each time one finishes, free slots are filled by ``get_job``. The search
+    ends when ``num_trials`` configurations have been started, every job has finished
+    and nothing is promotable.
+
+    Brackets: bracket ``s = 0..brackets-1`` starts at rung ``s`` (the paper's minimum
+    early-stopping rate ``s``) and has its own rungs. New configurations are assigned to
+    brackets round-robin (configuration ``i`` to bracket ``i % brackets``) so every
+    bracket grows at the same rate; ``get_job`` scans rungs from the top level down,
+    and at each level brackets in order.
+
+    Ranking: a rung ranks its members by value (ties to the older trial). Failed
+    trials and non-finite values stay in the rung (they count in ``|rung k|``) but rank
+    worst and are never promoted. On a grid, configurations are taken in an order
+    shuffled by ``seed``.
+
+    After ``run``: :attr:`rungs` ``[bracket][level]`` maps trial id to its value at
+    that level, :attr:`promotions` lists ``(trial id, bracket, from level)`` in order.
+    """
+
+    def __init__(
+        self,
+        space: Any,
+        metric: str,
+        mode: str = "max",
+        *,
+        min_steps: int,
+        max_steps: int,
+        num_trials: int,
+        eta: int = 4,
+        seed: int = 0,
+        max_rungs: int = 5,
+        brackets: int = 1,
+        max_concurrent: int | None = None,
+    ) -> None:
+        super().__init__(metric, mode, seed, max_concurrent)
+        check_halving(min_steps, max_steps, eta)
+        self.space = space
+        self.min_steps, self.max_steps, self.eta = min_steps, max_steps, eta
+        self.num_trials = check_int("num_trials", num_trials, 1)
+        self.max_rungs = check_int("max_rungs", max_rungs, 1)
+        self.levels = rung_levels(min_steps, max_steps, eta, max_rungs)
+        self.num_brackets = check_int("brackets", brackets, 1)
+        if brackets > len(self.levels):
+            raise TunerError(
+                f"brackets must be <= the number of rungs ({len(self.levels)}: {self.levels}), "
+                f"got {brackets}"
+            )
+        self.rungs: list[list[dict[int, float]]] = []
+        self.promotions: list[tuple[int, int, int]] = []
+
+    async def _search(self, ctx: ReplayingRunner) -> None:
+        specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
+        levels, eta = self.levels, self.eta
+        top = len(levels) - 1
+        self.rungs = [[{} for _ in levels] for _ in range(self.num_brackets)]
+        self.promotions = []
+        promoted: list[list[set[int]]] = [[set() for _ in levels] for _ in self.rungs]
+        in_flight: dict[Job, tuple[int, int]] = {}
+
+        def get_job() -> Job | None:
+            for level in range(top - 1, -1, -1):
+                for b, rungs in enumerate(self.rungs):
+                    rung = rungs[level]
+                    for tid in self._ranked(rung)[: len(rung) // eta]:
+                        if rung[tid] > -math.inf and tid not in promoted[b][level]:
+                            promoted[b][level].add(tid)
+                            self.promotions.append((tid, b, level))
+                            job = ctx.submit(
+                                self.trials[tid], levels[level + 1], "promote", bracket=b,
+                                rung=level + 1,
+                            )  # fmt: skip
+                            in_flight[job] = (b, level + 1)
+                            return job
+            if len(self.trials) < len(specs):
+                spec = specs[len(self.trials)]
+                trial = self._new_trial(spec.config, spec.hp)
+                b = trial.id % self.num_brackets
+                job = ctx.submit(trial, levels[b], "submit", bracket=b, rung=b)
+                in_flight[job] = (b, b)
+                return job
+            return None
+
+        while True:
+            while len(in_flight) < self._workers(ctx) and get_job() is not None:
+                pass
+            if not in_flight:
+                return
+            job = await ctx.wait_first(in_flight)
+            b, level = in_flight.pop(job)
+            self.rungs[b][level][job.trial.id] = self._observe(job)
+
+
+class AsyncHyperband(ASHA):
+    """Asynchronous Hyperband: ASHA brackets run concurrently.
+
+    Same as :class:`ASHA` with one bracket per rung by default (bracket ``s`` starts at
+    rung ``s``; the last one trains its configurations straight to ``max_steps``), new
+    configurations assigned round-robin. Pass ``brackets`` to use fewer.
+    """
+
+    def __init__(
+        self,
+        space: Any,
+        metric: str,
+        mode: str = "max",
+        *,
+        min_steps: int,
+        max_steps: int,
+        num_trials: int,
+        eta: int = 4,
+        seed: int = 0,
+        max_rungs: int = 5,
+        brackets: int | None = None,
+        max_concurrent: int | None = None,
+    ) -> None:
+        if brackets is None:
+            check_halving(min_steps, max_steps, eta)
+            check_int("max_rungs", max_rungs, 1)
+            brackets = len(rung_levels(min_steps, max_steps, eta, max_rungs))
+        super().__init__(
+            space,
+            metric,
+            mode,
+            min_steps=min_steps,
+            max_steps=max_steps,
+            num_trials=num_trials,
+            eta=eta,
+            seed=seed,
+            max_rungs=max_rungs,
+            brackets=brackets,
+            max_concurrent=max_concurrent,
+        )

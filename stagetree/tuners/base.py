@@ -1,0 +1,554 @@
+"""Tuner contract, the runner protocol and the replaying wrapper every tuner uses.
+
+A tuner is a seeded, deterministic coroutine: given its seed and the *order* in which
+results arrive, it always takes the same decisions. Completion order (and the worker
+count) are its only nondeterministic inputs, so :class:`ReplayingRunner` logs every
+completion the tuner observes, every worker count it reads and every decision it takes
+(``runner.append_log``); a study that is killed and started again replays the logged
+inputs (``runner.read_log``), the tuner takes the same decisions, and it goes on
+asynchronously once the log is used up.
+
+Log records are small JSON objects, one per event, in the order they happened::
+
+    {"event": "submit", "key": 0, "trial": 0, "steps": 1, "fp": "..."}  # new trial
+    {"event": "promote", "key": 5, "trial": 2, "steps": 4, "fp": "..."}  # more steps
+    {"event": "done", "key": 0, "status": "ok"}      # "ok" | "failed" | "cancelled"
+    {"event": "workers", "n": 8}                       # worker count seen (an input too)
+    {"event": "stop", "trial": 3, "steps": 6}          # other decisions: stop, exploit...
+    {"event": "diverged", "keep": 17, "reason": "..."}  # see below
+
+``key`` numbers submissions in order; ``fp`` fingerprints the trial's config and
+sequences. When a replayed run does not take the logged decision (the tuner's
+arguments or the space changed, or a trial that succeeded before fails now), the
+wrapper warns (:class:`ReplayDivergedWarning`), appends a ``diverged`` record that
+drops the rest of the old log (``keep`` = number of records still valid) and goes on
+live from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import json
+import math
+import random
+import warnings
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from stagetree.exceptions import TrialCancelledError, TrialFailedError, TunerError
+
+if TYPE_CHECKING:
+    from stagetree.hp import Sequence
+
+__all__ = [
+    "Job",
+    "JobQueue",
+    "ReplayDivergedWarning",
+    "ReplayingRunner",
+    "Trial",
+    "TrialResult",
+    "TrialRunner",
+    "Tuner",
+    "draw_specs",
+    "rung_levels",
+]
+
+_MODES = ("max", "min")
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What a trial trained to ``steps`` reports.
+
+    Attributes:
+        config: fixed hyper-parameters of the trial.
+        hp: sequential hyper-parameters by name.
+        steps: the number of steps the trial was trained for.
+        metrics: metrics at ``steps``.
+        history: all known metrics at steps ``<= steps``; left empty, it becomes
+            ``{steps: metrics}``.
+    """
+
+    config: dict[str, Any]
+    hp: dict[str, Sequence]
+    steps: int
+    metrics: dict[str, float]
+    history: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.history:
+            object.__setattr__(self, "history", {self.steps: dict(self.metrics)})
+
+
+@runtime_checkable
+class TrialRunner(Protocol):
+    """What a tuner needs from a study.
+
+    ``submit`` trains (or resumes, or answers from the plan) the trial up to ``steps``
+    and returns its result; it raises :class:`~stagetree.exceptions.TrialFailedError`
+    if training failed and :class:`~stagetree.exceptions.TrialCancelledError` if the
+    request was cancelled. ``append_log`` stores one JSON-serialisable record durably
+    for this study; ``read_log`` returns the records of previous runs of this study in
+    the order they were appended.
+    """
+
+    async def submit(
+        self, config: dict[str, Any], hp: dict[str, Sequence], steps: int
+    ) -> TrialResult:
+        """Train the trial up to ``steps`` and return its result."""
+        ...
+
+    def num_workers(self) -> int:
+        """How many trials can train at the same time."""
+        ...
+
+    def append_log(self, record: dict[str, Any]) -> None:
+        """Store one record durably."""
+        ...
+
+    def read_log(self) -> list[dict[str, Any]]:
+        """Records of previous runs of this study, in order."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class Trial:
+    """One configuration as a tuner sees it: a tuner-wide ``id`` (0, 1, ... in the order
+    the tuner created them), fixed ``config`` and sequences ``hp``."""
+
+    id: int
+    config: dict[str, Any]
+    hp: dict[str, Sequence]
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Short stable hash of the config and the sequences' JSON, for the replay log."""
+        from stagetree.hp import dumps_hp
+
+        text = json.dumps(self.config, sort_keys=True, default=repr) + dumps_hp(self.hp)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(eq=False)
+class Job:
+    """One submission: ``trial`` trained to ``steps``. ``key`` numbers submissions."""
+
+    key: int
+    trial: Trial
+    steps: int
+    task: asyncio.Task[TrialResult]
+
+    @property
+    def status(self) -> str:
+        """``"ok"``, ``"failed"`` or ``"cancelled"`` once the task is done.
+
+        Raises:
+            BaseException: any other exception the runner raised (a bug, not an outcome).
+        """
+        if not self.task.done():
+            raise RuntimeError(f"job {self.key} is not done")
+        if self.task.cancelled():
+            return "cancelled"
+        exc = self.task.exception()
+        if exc is None:
+            return "ok"
+        if isinstance(exc, TrialFailedError):
+            return "failed"
+        if isinstance(exc, TrialCancelledError):
+            return "cancelled"
+        raise exc
+
+    def result(self) -> TrialResult | None:
+        """The result, or None when the trial failed or was cancelled."""
+        return self.task.result() if self.status == "ok" else None
+
+
+class ReplayDivergedWarning(RuntimeWarning):
+    """A resumed tuner did not take the logged decisions; it goes on live."""
+
+
+def _json(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record as it comes back from JSON storage (tuples become lists...)."""
+    out = json.loads(json.dumps(dict(record), allow_nan=False))
+    assert isinstance(out, dict)
+    return out
+
+
+def _effective_log(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Apply ``diverged`` records: each keeps only the first ``keep`` records before it."""
+    out: list[dict[str, Any]] = []
+    for rec in records:
+        if rec.get("event") == "diverged":
+            del out[int(rec["keep"]) :]
+        else:
+            out.append(_json(rec))
+    return out
+
+
+class ReplayingRunner:
+    """Wraps a :class:`TrialRunner`: submits, waits, and logs and replays both.
+
+    Every tuner goes through one of these (``Tuner.run`` builds it), so replay logic
+    lives here only. While the previous run's log lasts, :meth:`wait_first` returns the
+    job the log names next (awaiting that very job), and decisions are checked against
+    the log instead of being appended again.
+    """
+
+    def __init__(self, runner: TrialRunner) -> None:
+        self._runner = runner
+        self._log = _effective_log(runner.read_log())
+        self._pos = 0
+        self._next_key = 0
+        self._jobs: dict[int, Job] = {}
+        self._workers: int | None = None
+
+    # -- state
+
+    @property
+    def replaying(self) -> bool:
+        """Whether records of the previous run are still being replayed."""
+        return self._pos < len(self._log)
+
+    def num_workers(self) -> int:
+        """The runner's worker count (at least 1), itself a logged input.
+
+        The count shapes asynchronous decisions (how many jobs a free worker's turn
+        fills), so a change is logged as ``{"event": "workers", "n": ...}`` and a
+        replay uses the logged count: a study resumed on a different number of workers
+        replays the same decisions, then adapts. Tuners may call this at every decision
+        point to follow an elastic cluster.
+        """
+        if self.replaying:
+            rec = self._log[self._pos]
+            if rec.get("event") == "workers":
+                self._pos += 1
+                self._workers = int(rec["n"])
+            if self._workers is not None:
+                return self._workers
+        real = max(1, int(self._runner.num_workers()))
+        if real != self._workers:
+            self._append({"event": "workers", "n": real})
+            self._workers = real
+        return real
+
+    # -- logging
+
+    def _append(self, record: dict[str, Any]) -> None:
+        rec = _json(record)
+        if self.replaying:
+            expected = self._log[self._pos]
+            if expected == rec:
+                self._pos += 1
+                return
+            self._diverge(f"logged {expected}, now {rec}")
+        self._runner.append_log(rec)
+
+    def _diverge(self, reason: str) -> None:
+        warnings.warn(
+            f"tuner replay diverged from the log at record {self._pos}: {reason}; "
+            "going on live from here",
+            ReplayDivergedWarning,
+            stacklevel=3,
+        )
+        self._runner.append_log({"event": "diverged", "keep": self._pos, "reason": reason})
+        del self._log[self._pos :]
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Log a decision that is not a submission (``stop``, ``exploit``...).
+
+        ``fields`` must be JSON-serialisable.
+        """
+        self._append({"event": event, **fields})
+
+    # -- submitting and waiting
+
+    def submit(self, trial: Trial, steps: int, event: str = "submit", **fields: Any) -> Job:
+        """Log the decision and start ``runner.submit(trial.config, trial.hp, steps)``.
+
+        Args:
+            trial: the trial to train.
+            steps: train it up to this many steps (resuming when it has trained before).
+            event: the decision's name in the log: ``submit`` for a new trial,
+                ``promote`` or ``continue`` for more steps of a known one.
+            **fields: extra JSON-serialisable fields of the log record.
+        """
+        key = self._next_key
+        self._next_key += 1
+        self._append(
+            {
+                "event": event,
+                "key": key,
+                "trial": trial.id,
+                "steps": steps,
+                "fp": trial.fingerprint,
+                **fields,
+            }
+        )
+        runner = self._runner
+
+        async def call() -> TrialResult:
+            return await runner.submit(dict(trial.config), dict(trial.hp), steps)
+
+        job = Job(key, trial, steps, asyncio.ensure_future(call()))
+        self._jobs[key] = job
+        return job
+
+    async def wait_first(self, jobs: Iterable[Job]) -> Job:
+        """Wait until one of ``jobs`` is done and return it (one job per call).
+
+        Live, the finished job with the smallest key wins when several are done; while
+        replaying, the job the log names next. Failed and cancelled jobs are returned
+        too (see :attr:`Job.status`); any other exception from the runner propagates.
+        """
+        pool = list(jobs)
+        if not pool:
+            raise ValueError("wait_first needs at least one job")
+        by_key = {j.key: j for j in pool}
+        if self.replaying:
+            rec = self._log[self._pos]
+            job = by_key.get(rec.get("key", -1)) if rec.get("event") == "done" else None
+            if job is None:
+                self._diverge(f"logged {rec}, now waiting for jobs {sorted(by_key)}")
+            else:
+                await asyncio.wait([job.task])
+                status = job.status
+                if status == rec.get("status"):
+                    self._pos += 1
+                    return job
+                self._diverge(f"job {job.key} was {rec.get('status')!r}, now {status!r}")
+                self._runner.append_log({"event": "done", "key": job.key, "status": status})
+                return job
+        done = [j for j in pool if j.task.done()]
+        if not done:
+            await asyncio.wait([j.task for j in pool], return_when=asyncio.FIRST_COMPLETED)
+            done = [j for j in pool if j.task.done()]
+        job = min(done, key=lambda j: j.key)
+        self._append({"event": "done", "key": job.key, "status": job.status})
+        return job
+
+    wait_any = wait_first
+
+    async def wait_all(self, jobs: Iterable[Job]) -> list[Job]:
+        """Wait for every job; returns them in the order they were observed."""
+        pending = list(jobs)
+        out: list[Job] = []
+        while pending:
+            job = await self.wait_first(pending)
+            pending.remove(job)
+            out.append(job)
+        return out
+
+    async def aclose(self, finished: bool) -> None:
+        """Cancel jobs still running; when the tuner ``finished`` normally, warn if the
+        log holds records it did not reach."""
+        if finished and self.replaying:
+            self._diverge(f"the tuner finished before record {self._log[self._pos]}")
+        pending = [j.task for j in self._jobs.values() if not j.task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+class JobQueue:
+    """Submissions in FIFO order with at most ``limit`` in flight (None: no limit).
+
+    Decisions are pushed as they are taken and submitted (and logged) when a slot is
+    free, at the next :meth:`next` call, so the log order stays deterministic.
+    """
+
+    def __init__(self, ctx: ReplayingRunner, limit: int | None) -> None:
+        self._ctx = ctx
+        self._limit = limit
+        self._queue: deque[tuple[Trial, int, str, Any, dict[str, Any]]] = deque()
+        self.in_flight: dict[Job, Any] = {}
+
+    def push(self, trial: Trial, steps: int, event: str, tag: Any = None, **fields: Any) -> None:
+        """Queue ``trial`` up to ``steps``; ``tag`` comes back with the job from :meth:`next`."""
+        self._queue.append((trial, steps, event, tag, fields))
+
+    def __bool__(self) -> bool:
+        return bool(self._queue or self.in_flight)
+
+    async def next(self) -> tuple[Job, Any]:
+        """Submit what fits, wait for the next finished job; returns it and its tag."""
+        while self._queue and (self._limit is None or len(self.in_flight) < self._limit):
+            trial, steps, event, tag, fields = self._queue.popleft()
+            self.in_flight[self._ctx.submit(trial, steps, event, **fields)] = tag
+        job = await self._ctx.wait_first(self.in_flight)
+        return job, self.in_flight.pop(job)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int ``>= minimum``, else :class:`TunerError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TunerError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise TunerError(f"{name} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def rung_levels(
+    min_steps: int, max_steps: int, eta: int, max_rungs: int | None = None
+) -> list[int]:
+    """Steps of successive-halving rungs: ``min_steps * eta**k`` below ``max_steps``,
+    then ``max_steps`` itself as the top rung.
+
+    With ``max_rungs``, only the first ``max_rungs - 1`` of the lower rungs are kept:
+    the top rung is always ``max_steps``, so the best trials always train fully.
+    """
+    levels: list[int] = []
+    steps = min_steps
+    while steps < max_steps:
+        levels.append(steps)
+        steps *= eta
+    if max_rungs is not None:
+        levels = levels[: max_rungs - 1]
+    return [*levels, max_steps]
+
+
+def draw_specs(space: Any, n: int | None, seed: int, shuffle_grid: bool = False) -> list[Any]:
+    """``n`` trial specs (objects with ``config`` and ``hp``) from ``space``.
+
+    A random space (it has ``sample``) gives ``space.sample(n, seed)``. Anything else
+    is enumerated in order (a ``GridSpace``, or a plain list of specs); with
+    ``shuffle_grid`` the enumeration is shuffled by ``seed`` first (adaptive tuners
+    assume configurations arrive in random order), then the first ``n`` are kept.
+    """
+    if hasattr(space, "sample"):
+        if n is None:
+            raise TunerError("num_trials is required for a random search space")
+        return list(space.sample(n, seed))
+    specs = list(space.trials()) if hasattr(space, "trials") else list(space)
+    if not specs:
+        raise TunerError("the search space has no trials")
+    if shuffle_grid:
+        random.Random(seed).shuffle(specs)
+    return specs if n is None else specs[:n]
+
+
+# --------------------------------------------------------------------------- Tuner
+
+
+class Tuner(ABC):
+    """Base class of every tuner.
+
+    Contract:
+
+    * ``await tuner.run(runner)`` drives a whole search through ``runner`` (a
+      :class:`TrialRunner`) and returns the best result, or None when no trial
+      produced a finite value of ``metric``. "Best" compares results at the largest
+      number of steps any finite result reached (a 1-step metric never beats a
+      64-step one); ties go to the trial created first.
+    * Every tuner takes ``metric`` (a name the trainer reports) and ``mode``
+      (``"max"`` or ``"min"``), and a ``seed``: given the seed and the order in which
+      results arrive, decisions are identical. Subclasses implement :meth:`_search`
+      against a :class:`ReplayingRunner` and use only its ``submit``/``wait_*``/
+      ``record`` so that a resumed study replays them.
+    * A result without ``metric`` raises :class:`~stagetree.exceptions.TunerError`
+      naming the metric and the names that were returned. NaN and +/-inf values rank
+      worst: they are never promoted, never donors, never the best. Failed or
+      cancelled trials rank worst too.
+    * Invalid arguments raise :class:`~stagetree.exceptions.TunerError` naming the
+      argument, in the constructor.
+
+    After ``run``, :attr:`results` holds ``(trial id, result)`` for every result
+    observed, in observation order, and :attr:`trials` every trial by id.
+    """
+
+    def __init__(
+        self, metric: str, mode: str = "max", seed: int = 0, max_concurrent: int | None = None
+    ) -> None:
+        if not isinstance(metric, str) or not metric:
+            raise TunerError(f"metric must be a non-empty str, got {metric!r}")
+        if mode not in _MODES:
+            raise TunerError(f"mode must be 'max' or 'min', got {mode!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TunerError(f"seed must be an int, got {seed!r}")
+        if max_concurrent is not None:
+            check_int("max_concurrent", max_concurrent, 1)
+        self.metric = metric
+        self.mode = mode
+        self.seed = seed
+        self.max_concurrent = max_concurrent
+        self.results: list[tuple[int, TrialResult]] = []
+        self.trials: dict[int, Trial] = {}
+
+    async def run(self, runner: TrialRunner) -> TrialResult | None:
+        """Run the search to its end and return the best result (see the class doc)."""
+        self.results = []
+        self.trials = {}
+        ctx = ReplayingRunner(runner)
+        finished = False
+        try:
+            await self._search(ctx)
+            finished = True
+        finally:
+            await ctx.aclose(finished)
+        return self.best()
+
+    @abstractmethod
+    async def _search(self, ctx: ReplayingRunner) -> None:
+        """The algorithm: submit and wait through ``ctx`` until done."""
+
+    # -- helpers for subclasses
+
+    def _new_trial(self, config: Mapping[str, Any], hp: Mapping[str, Sequence]) -> Trial:
+        trial = Trial(len(self.trials), dict(config), dict(hp))
+        self.trials[trial.id] = trial
+        return trial
+
+    def _workers(self, ctx: ReplayingRunner) -> int:
+        return self.max_concurrent if self.max_concurrent is not None else ctx.num_workers()
+
+    def value(self, result: TrialResult) -> float:
+        """Rank value of ``result``: higher is better whatever the mode; ``-inf`` for a
+        non-finite metric.
+
+        Raises:
+            TunerError: ``metric`` is not among the result's metrics.
+        """
+        if self.metric not in result.metrics:
+            raise TunerError(
+                f"metric {self.metric!r} is not among the metrics the trainer returned: "
+                f"{sorted(result.metrics)}"
+            )
+        try:
+            v = float(result.metrics[self.metric])
+        except (TypeError, ValueError):
+            return -math.inf
+        if not math.isfinite(v):
+            return -math.inf
+        return v if self.mode == "max" else -v
+
+    def _observe(self, job: Job) -> float:
+        """Record ``job``'s result; return its rank value (``-inf`` if it failed)."""
+        result = job.result()
+        if result is None:
+            return -math.inf
+        v = self.value(result)
+        self.results.append((job.trial.id, result))
+        return v
+
+    @staticmethod
+    def _ranked(values: Mapping[int, float]) -> list[int]:
+        """Trial ids best first; ties go to the smaller id."""
+        return sorted(values, key=lambda tid: (-values[tid], tid))
+
+    def best(self) -> TrialResult | None:
+        """Best observed result (see the class doc), None without a finite one."""
+        finite = [(tid, r, self.value(r)) for tid, r in self.results]
+        finite = [x for x in finite if x[2] > -math.inf]
+        if not finite:
+            return None
+        top = max(r.steps for _, r, _ in finite)
+        candidates = [x for x in finite if x[1].steps == top]
+        return min(candidates, key=lambda x: (-x[2], x[0]))[1]

@@ -1,0 +1,122 @@
+"""Median stopping (the Google Vizier rule)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from stagetree.exceptions import TunerError
+from stagetree.tuners.base import Job, ReplayingRunner, Tuner, check_int, draw_specs
+
+__all__ = ["MedianStopping"]
+
+
+class MedianStopping(Tuner):
+    """Train trials in chunks of ``eval_every`` steps; stop the ones below the median.
+
+    Each chunk resubmits the trial with ``eval_every`` more steps (the study resumes
+    it). After a chunk ending at step ``s >= grace_steps``, the trial stops when its
+    best value so far (over its known metrics at steps ``<= s``) is strictly worse than
+    the median of the *running averages* (mean over steps ``<= s``) of the other trials
+    that have reached step ``s`` -- the Vizier rule, applied to every trial seen so far
+    rather than to completed ones only. The rule needs at least ``min_samples`` such
+    trials. Non-finite values are left out of running averages; a trial whose values
+    are all non-finite has the worst possible best value and stops at its first check.
+    A failed chunk ends its trial.
+
+    At most ``max_concurrent`` (default: the runner's worker count) trials train at
+    once; a stopped or finished trial frees its slot for the next configuration. On a
+    grid, configurations are taken in an order shuffled by ``seed``. After ``run``,
+    :attr:`stopped` lists ``(trial id, step)`` of every stopped trial.
+    """
+
+    def __init__(
+        self,
+        space: Any,
+        metric: str,
+        mode: str = "max",
+        *,
+        steps: int,
+        num_trials: int,
+        grace_steps: int = 0,
+        eval_every: int = 1,
+        min_samples: int = 3,
+        seed: int = 0,
+        max_concurrent: int | None = None,
+    ) -> None:
+        super().__init__(metric, mode, seed, max_concurrent)
+        self.space = space
+        self.steps = check_int("steps", steps, 1)
+        self.num_trials = check_int("num_trials", num_trials, 1)
+        self.grace_steps = check_int("grace_steps", grace_steps, 0)
+        self.eval_every = check_int("eval_every", eval_every, 1)
+        self.min_samples = check_int("min_samples", min_samples, 1)
+        if grace_steps > steps:
+            raise TunerError(f"grace_steps must be <= steps, got {grace_steps} > {steps}")
+        self.stopped: list[tuple[int, int]] = []
+        self._history: dict[int, dict[int, float]] = {}
+
+    def _merge(self, tid: int, job: Job) -> None:
+        """Add the job's known metrics to the trial's history (as rank values)."""
+        result = job.result()
+        if result is None:
+            return
+        hist = self._history.setdefault(tid, {})
+        for key, metrics in result.history.items():
+            step = int(key)  # JSON storage may give string keys
+            if step <= result.steps and self.metric in metrics:
+                hist[step] = self._rank_value(metrics[self.metric])
+        hist[result.steps] = self.value(result)
+
+    def _rank_value(self, raw: Any) -> float:
+        try:
+            v = float(raw)
+        except (TypeError, ValueError):
+            return -math.inf
+        if not math.isfinite(v):
+            return -math.inf
+        return v if self.mode == "max" else -v
+
+    def should_stop(self, tid: int, step: int) -> bool:
+        """The median rule for trial ``tid`` after ``step`` steps (see the class doc)."""
+        own = [v for s, v in self._history.get(tid, {}).items() if s <= step]
+        best = max(own, default=-math.inf)
+        averages: list[float] = []
+        for other, hist in self._history.items():
+            if other == tid or not hist or max(hist) < step:
+                continue
+            vals = [v for s, v in hist.items() if s <= step and v > -math.inf]
+            if vals:
+                averages.append(sum(vals) / len(vals))
+        if len(averages) < self.min_samples:
+            return False
+        return best < statistics.median(averages)
+
+    async def _search(self, ctx: ReplayingRunner) -> None:
+        specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
+        self.stopped = []
+        self._history = {}
+        in_flight: set[Job] = set()
+        while True:
+            while len(in_flight) < self._workers(ctx) and len(self.trials) < len(specs):
+                spec = specs[len(self.trials)]
+                trial = self._new_trial(spec.config, spec.hp)
+                in_flight.add(ctx.submit(trial, min(self.eval_every, self.steps)))
+            if not in_flight:
+                return
+            job = await ctx.wait_first(in_flight)
+            in_flight.discard(job)
+            self._observe(job)
+            tid = job.trial.id
+            if job.status != "ok":
+                continue
+            self._merge(tid, job)
+            if job.steps >= self.steps:
+                continue
+            if job.steps >= self.grace_steps and self.should_stop(tid, job.steps):
+                self.stopped.append((tid, job.steps))
+                ctx.record("stop", trial=tid, steps=job.steps)
+                continue
+            nxt = min(job.steps + self.eval_every, self.steps)
+            in_flight.add(ctx.submit(job.trial, nxt, "continue"))
