@@ -1,0 +1,131 @@
+"""Per-process caches that make the insertion walk cheap.
+
+The trials of a study share a handful of sequence objects, so the walk asks the same
+questions over and over: the value of a sequence at a step, the first difference of two
+sequences, the JSON of a sequence. Hashing a sequence walks its fields, so the caches
+key on object ids and keep each object alive (``_alive``) while an entry refers to it,
+which stops ids from being reused (entries and kept objects are dropped together).
+Decoding interns sequences, so that nodes loaded from
+a database share objects (and cache entries) too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from stagetree.hp import Sequence, first_difference, from_json
+
+__all__ = ["SeqCache"]
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable image of a JSON value (dicts become sorted item tuples)."""
+    if isinstance(value, dict):
+        return ("{", tuple(sorted((k, _freeze(v)) for k, v in value.items())))
+    if isinstance(value, list):
+        return ("[", tuple(_freeze(v) for v in value))
+    return (type(value), value)
+
+
+class SeqCache:
+    """Memoised values, differences, JSON and decoding of sequences.
+
+    Args:
+        max_entries: the caches are emptied when one grows past this.
+
+    Attributes:
+        values: ``(id(seq), step) -> (type, value)``; read-only for callers (hot loops
+            may look up directly and call :meth:`value` on a miss).
+        diffs: ``(id(a), id(b), stop) -> first difference``; same rule
+            (:meth:`first_difference` on a miss).
+    """
+
+    def __init__(self, max_entries: int = 500_000) -> None:
+        self._max = max_entries
+        self._alive: dict[int, Sequence] = {}
+        self.values: dict[tuple[int, int], tuple[type, Any]] = {}
+        self.diffs: dict[tuple[int, int, int], int | None] = {}
+        self._json: dict[int, str] = {}
+        self._decoded: dict[Any, Sequence] = {}
+
+    def _keep(self, seq: Sequence) -> int:
+        key = id(seq)
+        if key not in self._alive:
+            if len(self._alive) >= self._max:
+                self.clear()
+            self._alive[key] = seq
+        return key
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._alive.clear()
+        self.values.clear()
+        self.diffs.clear()
+        self._json.clear()
+        self._decoded.clear()
+
+    def value(self, seq: Sequence, step: int) -> tuple[type, Any]:
+        """``(type, value)`` of ``seq`` at ``step`` (typed: 1 and 1.0 differ)."""
+        key = (id(seq), step)
+        hit = self.values.get(key)
+        if hit is not None:
+            return hit
+        value = seq(step)
+        typed = (type(value), value)
+        if len(self.values) >= self._max:
+            self.clear()
+        self._keep(seq)
+        self.values[key] = typed
+        return typed
+
+    def first_difference(self, a: Sequence, b: Sequence, stop: int) -> int | None:
+        """First step in ``[0, stop)`` where ``a`` and ``b`` differ, None if none."""
+        if a is b:
+            return None
+        key = (id(a), id(b), stop)
+        try:
+            return self.diffs[key]
+        except KeyError:
+            pass
+        d = first_difference(a, b, 0, stop)
+        if len(self.diffs) >= self._max:
+            self.clear()
+        self._keep(a)
+        self._keep(b)
+        self.diffs[key] = d
+        return d
+
+    def encode_hp(self, hp: Mapping[str, Sequence]) -> str:
+        """Same text as :func:`stagetree.hp.dumps_hp` (canonical JSON: sorted names, no
+        spaces), built from cached per-sequence JSON."""
+        parts = []
+        for name in sorted(hp):
+            seq = hp[name]
+            key = id(seq)
+            text = self._json.get(key)
+            if text is None:
+                text = json.dumps(
+                    seq.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False
+                )
+                self._keep(seq)
+                self._json[key] = text
+            parts.append(json.dumps(name) + ":" + text)
+        return "{" + ",".join(parts) + "}"
+
+    def decode_hp(self, text: str) -> dict[str, Sequence]:
+        """Inverse of :meth:`encode_hp` (like :func:`stagetree.hp.loads_hp`); equal
+        sequences come back as one shared object."""
+        data = json.loads(text)
+        out: dict[str, Sequence] = {}
+        for name, desc in data.items():
+            key = _freeze(desc)
+            seq = self._decoded.get(key)
+            if seq is None:
+                seq = from_json(desc)
+                if len(self._decoded) >= self._max:
+                    self.clear()
+                self._decoded[key] = seq
+            out[name] = seq
+        return out

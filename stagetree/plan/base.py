@@ -1,0 +1,400 @@
+"""The contract every search-plan storage fulfils, and the records it returns."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from stagetree.exceptions import StorageError
+from stagetree.hp import Sequence
+from stagetree.plan.model import Node, Request, RequestState
+from stagetree.plan.tree import Insertion, is_canonical
+
+__all__ = [
+    "BasePlanStorage",
+    "CheckpointRecord",
+    "Insertion",
+    "PlanKeyError",
+    "RequestError",
+    "after_add",
+    "after_release",
+    "check_canonical",
+]
+
+
+class PlanKeyError(StorageError, KeyError):
+    """A node, request, study or trial that the plan does not hold."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RequestError(StorageError, ValueError):
+    """A request operation that breaks the request rules (e.g. releasing more than held)."""
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A durable checkpoint of the model at some canonical ``(node, step)``.
+
+    Attributes:
+        ref: where the checkpoint store keeps it (opaque to the plan).
+        nbytes: its size in bytes.
+        created: wall-clock time (``time.time()``) it was recorded.
+    """
+
+    ref: str
+    nbytes: int
+    created: float
+
+
+def after_add(request: Request | None, node: int, step: int, count: int) -> Request:
+    """The request after ``count`` new references (shared rule of every backend).
+
+    A cancelled or failed request becomes pending again (its error is cleared); a done
+    one stays done.
+    """
+    if count < 1:
+        raise RequestError(f"count must be >= 1, got {count}")
+    if request is None:
+        return Request(node, step, count, RequestState.PENDING, None)
+    state, error = request.state, request.error
+    if state in (RequestState.CANCELLED, RequestState.FAILED):
+        state, error = RequestState.PENDING, None
+    return Request(node, step, request.refcount + count, state, error)
+
+
+def after_release(request: Request | None, node: int, step: int, count: int) -> Request:
+    """The request after ``count`` references are dropped.
+
+    At zero references a request that is not final (pending, scheduled) becomes
+    cancelled; done and failed requests keep their state.
+
+    Raises:
+        PlanKeyError: no such request.
+        RequestError: ``count`` exceeds the reference count.
+    """
+    if request is None:
+        raise PlanKeyError(f"no request at (node {node}, step {step})")
+    if count < 1:
+        raise RequestError(f"count must be >= 1, got {count}")
+    if count > request.refcount:
+        raise RequestError(
+            f"cannot release {count} references of request (node {node}, step {step}): "
+            f"it holds {request.refcount}"
+        )
+    refcount = request.refcount - count
+    state = request.state
+    if refcount == 0 and state in (RequestState.PENDING, RequestState.SCHEDULED):
+        state = RequestState.CANCELLED
+    return Request(node, step, refcount, state, request.error)
+
+
+def check_canonical(node: Node, step: int) -> None:
+    """Raise :class:`ValueError` unless ``(node, step)`` is a canonical model key."""
+    if isinstance(step, bool) or not isinstance(step, int) or not is_canonical(node, step):
+        raise ValueError(
+            f"(node {node.id}, step {step!r}) is not canonical: the step must exceed the "
+            f"node's branch step {node.branch_step} (or be 0 at the root)"
+        )
+
+
+def check_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Metrics as ``{str: float}``; NaN and infinities are kept as they are."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise ValueError(f"metric names must be str, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                value = float(value)  # numpy / torch scalars
+            except (TypeError, ValueError):
+                raise ValueError(f"metric {key!r} must be a number, got {value!r}") from None
+        out[key] = float(value)
+    return out
+
+
+class BasePlanStorage(ABC):
+    """A search plan: one append-only tree per root key, plus what hangs off its nodes.
+
+    Contract (every backend; the shared suite ``tests/test_plan_storage.py`` checks it):
+
+    * **Trees** are append-only. :meth:`insert_trials` walks each trial through its tree
+      by value (:mod:`stagetree.plan.tree`, the one implementation of the walk) and
+      creates at most one node per trial. Nodes are never changed or removed; node ids
+      are unique across the storage and grow with insertion order. Siblings branching at
+      the same step differ at that step. Identical trials end at the same
+      ``(node, step)``.
+    * **Keys**: the model after ``S`` steps of a path is keyed by its canonical
+      ``(node, S)``: the deepest node of the path with ``branch_step < S`` (the root for
+      ``S == 0``). Requests, checkpoints and metrics only accept canonical keys
+      (``ValueError`` otherwise) of existing nodes (:class:`PlanKeyError` otherwise).
+    * **Atomicity**: every method is one transaction. ``insert_trials`` validates every
+      item before writing: a trial whose hyper-parameter names differ from its tree's
+      raises :class:`~stagetree.exceptions.InvalidTrialError` and nothing is written.
+      Backends shared between processes (SQL) serialise write transactions, and read
+      the tree inside the write transaction that extends it, so concurrent inserts never
+      duplicate nodes or lose references.
+    * **Requests** are reference counted: inserting a trial (with ``request=True``)
+      or :meth:`add_request` adds references; a cancelled or failed request becomes
+      pending again, a done one stays done. :meth:`release_request` drops references;
+      at zero a pending or scheduled request becomes cancelled.
+    * **Values** round-trip exactly: hp sequences (via ``stagetree.hp.dumps_hp``),
+      configs, metrics including NaN and infinities, log records.
+    * Returned records are copies: mutating them does not change the plan.
+    """
+
+    # -- roots ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
+        """Store the fixed config (JSON-able) of ``root_key``; idempotent.
+
+        Raises:
+            StorageError: ``root_key`` is registered with a different config.
+        """
+
+    @abstractmethod
+    def root_config(self, root_key: str) -> dict[str, Any]:
+        """The config registered for ``root_key``.
+
+        Raises:
+            PlanKeyError: ``root_key`` was never registered.
+        """
+
+    @abstractmethod
+    def root_keys(self) -> list[str]:
+        """Registered root keys and keys of non-empty trees, sorted."""
+
+    # -- trees ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def insert_trials(
+        self,
+        root_key: str,
+        items: Seq[tuple[Mapping[str, Sequence], int]],
+        *,
+        request: bool = True,
+    ) -> list[Insertion]:
+        """Insert trials ``(hp, steps)`` into ``root_key``'s tree in one transaction.
+
+        Args:
+            root_key: the tree (the first trial of an empty tree becomes its root).
+            items: ``(hp, steps)`` pairs, inserted in order.
+            request: also add one reference to each trial's request ``(node, steps)``.
+
+        Returns:
+            One :class:`Insertion` per item.
+
+        Raises:
+            InvalidTrialError: an item does not fit the tree (nothing is written).
+        """
+
+    def insert_trial(
+        self, root_key: str, hp: Mapping[str, Sequence], steps: int, *, request: bool = True
+    ) -> Insertion:
+        """Insert one trial; see :meth:`insert_trials`."""
+        return self.insert_trials(root_key, [(hp, steps)], request=request)[0]
+
+    @abstractmethod
+    def locate(
+        self, root_key: str, hp: Mapping[str, Sequence], step: int
+    ) -> tuple[int, int] | None:
+        """Canonical ``(node, step)`` of the trial after ``step`` steps, without inserting.
+
+        Returns None when the tree does not hold that path (yet).
+
+        Raises:
+            InvalidTrialError: the names differ from the tree's.
+        """
+
+    @abstractmethod
+    def node(self, node_id: int) -> Node:
+        """The node ``node_id``.
+
+        Raises:
+            PlanKeyError: no such node.
+        """
+
+    @abstractmethod
+    def nodes(self, root_key: str | None = None) -> list[Node]:
+        """Nodes of one tree (or of all trees) in id order."""
+
+    def path(self, node_id: int) -> list[Node]:
+        """Nodes from the root of ``node_id``'s tree down to it."""
+        out = [self.node(node_id)]
+        while out[-1].parent is not None:
+            parent = out[-1].parent
+            assert parent is not None
+            out.append(self.node(parent))
+        out.reverse()
+        return out
+
+    # -- requests ------------------------------------------------------------------------
+
+    @abstractmethod
+    def add_request(self, node: int, step: int, count: int = 1) -> Request:
+        """Add ``count`` references to request ``(node, step)`` (created pending)."""
+
+    @abstractmethod
+    def release_request(self, node: int, step: int, count: int = 1) -> Request:
+        """Drop ``count`` references; see :func:`after_release`.
+
+        Raises:
+            PlanKeyError: no such request.
+            RequestError: more references released than held.
+        """
+
+    @abstractmethod
+    def set_request_state(
+        self, node: int, step: int, state: RequestState | str, error: str | None = None
+    ) -> Request:
+        """Set the state (and error text, cleared when None) of an existing request.
+
+        Raises:
+            PlanKeyError: no such request.
+        """
+
+    @abstractmethod
+    def request(self, node: int, step: int) -> Request | None:
+        """Request ``(node, step)`` or None."""
+
+    @abstractmethod
+    def requests(
+        self,
+        root_key: str | None = None,
+        states: Collection[RequestState | str] | None = None,
+    ) -> list[Request]:
+        """Requests of one tree (or all), optionally only in ``states``, by (node, step)."""
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    @abstractmethod
+    def put_checkpoint(self, node: int, step: int, ref: str, nbytes: int) -> CheckpointRecord:
+        """Record (or replace) the checkpoint of ``(node, step)``."""
+
+    @abstractmethod
+    def remove_checkpoint(self, node: int, step: int) -> bool:
+        """Forget the checkpoint of ``(node, step)``; False if there was none."""
+
+    @abstractmethod
+    def checkpoint(self, node: int, step: int) -> CheckpointRecord | None:
+        """The checkpoint of ``(node, step)`` or None."""
+
+    @abstractmethod
+    def checkpoints(self, root_key: str | None = None) -> dict[tuple[int, int], CheckpointRecord]:
+        """Checkpoints of one tree (or all) by ``(node, step)``."""
+
+    # -- metrics -------------------------------------------------------------------------
+
+    @abstractmethod
+    def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
+        """Merge ``metrics`` into those of ``(node, step)`` (NaN and inf are kept)."""
+
+    @abstractmethod
+    def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
+        """Metrics of ``(node, step)`` or None."""
+
+    @abstractmethod
+    def metrics_along(
+        self, root_key: str, hp: Mapping[str, Sequence], steps: int
+    ) -> dict[int, dict[str, float]]:
+        """Every known metric on the trial's path at steps ``<= steps``, by step.
+
+        The part of the path that is not in the tree has no metrics; an empty tree
+        gives ``{}``.
+        """
+
+    # -- accounting ----------------------------------------------------------------------
+
+    @abstractmethod
+    def add_stats(self, scope: str, **deltas: float) -> None:
+        """Atomically add ``deltas`` to the counters of ``scope`` (created at 0)."""
+
+    @abstractmethod
+    def stats(self, scope: str | None = None) -> dict[str, float]:
+        """Counters of ``scope``, or their sums over all scopes when None."""
+
+    # -- studies -------------------------------------------------------------------------
+
+    @abstractmethod
+    def create_study(self, name: str, meta: Mapping[str, Any]) -> bool:
+        """Create study ``name``; idempotent (the first ``meta`` stays). True if created."""
+
+    @abstractmethod
+    def studies(self) -> list[dict[str, Any]]:
+        """``{"name", "meta", "created"}`` per study, in creation order."""
+
+    @abstractmethod
+    def add_trial(
+        self,
+        study: str,
+        root_key: str,
+        config: Mapping[str, Any],
+        hp: Mapping[str, Sequence],
+        steps: int,
+        node: int | None,
+        step: int | None,
+        *,
+        state: str = "pending",
+        attrs: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Record a trial of ``study``; returns its id (unique across the storage).
+
+        Raises:
+            PlanKeyError: the study does not exist.
+        """
+
+    @abstractmethod
+    def update_trial(
+        self,
+        trial_id: int,
+        *,
+        steps: int | None = None,
+        node: int | None = None,
+        step: int | None = None,
+        state: str | None = None,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Change the given fields of a trial (``attrs`` replaces); returns the trial.
+
+        Raises:
+            PlanKeyError: no such trial.
+        """
+
+    @abstractmethod
+    def trial(self, trial_id: int) -> dict[str, Any]:
+        """One trial record (the keys of :meth:`trials`).
+
+        Raises:
+            PlanKeyError: no such trial.
+        """
+
+    @abstractmethod
+    def trials(self, study: str) -> list[dict[str, Any]]:
+        """Trials of ``study`` in id order: ``{"id", "study", "root_key", "config", "hp",
+        "steps", "node", "step", "state", "attrs", "created"}``."""
+
+    @abstractmethod
+    def append_log(self, study: str, record: Mapping[str, Any]) -> int:
+        """Append a JSON-able record to the study's decision log; returns its sequence
+        number (0, 1, 2, ... per study)."""
+
+    @abstractmethod
+    def read_log(self, study: str) -> list[dict[str, Any]]:
+        """The study's log records in order."""
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections; the storage must not be used afterwards."""
+
+    def __enter__(self) -> BasePlanStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,397 @@
+"""A search plan held in process memory (tests, simulations, throw-away studies)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Collection, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+from typing import Any
+
+from stagetree.exceptions import StorageError
+from stagetree.hp import Sequence
+from stagetree.plan import _codec
+from stagetree.plan._seqcache import SeqCache
+from stagetree.plan.base import (
+    BasePlanStorage,
+    CheckpointRecord,
+    PlanKeyError,
+    after_add,
+    after_release,
+    check_canonical,
+    check_metrics,
+)
+from stagetree.plan.model import Node, Request, RequestState
+from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
+
+__all__ = ["MemoryPlanStorage"]
+
+
+class MemoryPlanStorage(BasePlanStorage):
+    """:class:`BasePlanStorage` in dictionaries, guarded by one lock (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._roots: dict[str, dict[str, Any]] = {}
+        self._trees: dict[str, TreeIndex] = {}
+        self._seqs = SeqCache()
+        self._nodes: dict[int, Node] = {}
+        self._next_id = 1
+        self._requests: dict[tuple[int, int], Request] = {}
+        self._checkpoints: dict[tuple[int, int], CheckpointRecord] = {}
+        self._metrics: dict[int, dict[int, dict[str, float]]] = {}
+        self._stats: dict[str, dict[str, float]] = defaultdict(dict)
+        self._studies: dict[str, dict[str, Any]] = {}
+        self._trials: dict[int, dict[str, Any]] = {}
+        self._next_trial = 1
+        self._logs: dict[str, list[str]] = defaultdict(list)
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError("memory:// plan storage is closed")
+
+    def _tree(self, root_key: str) -> TreeIndex:
+        tree = self._trees.get(root_key)
+        if tree is None:
+            tree = self._trees[root_key] = TreeIndex(root_key, self._seqs)
+        return tree
+
+    def _node(self, node_id: int) -> Node:
+        try:
+            return self._nodes[node_id]
+        except KeyError:
+            raise PlanKeyError(f"no node {node_id} in the plan") from None
+
+    def _canonical_node(self, node_id: int, step: int) -> Node:
+        node = self._node(node_id)
+        check_canonical(node, step)
+        return node
+
+    # -- roots ---------------------------------------------------------------------------
+
+    def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
+        text = _codec.dumps(dict(config), "root config")
+        with self._lock:
+            self._check_open()
+            old = self._roots.get(root_key)
+            if old is not None and _codec.dumps(old) != text:
+                raise StorageError(f"root {root_key!r} is registered with another config")
+            self._roots[root_key] = _codec.loads(text)
+
+    def root_config(self, root_key: str) -> dict[str, Any]:
+        with self._lock:
+            self._check_open()
+            if root_key not in self._roots:
+                raise PlanKeyError(f"root {root_key!r} is not registered")
+            return _codec.copy(self._roots[root_key])
+
+    def root_keys(self) -> list[str]:
+        with self._lock:
+            self._check_open()
+            return sorted(set(self._roots) | {k for k, t in self._trees.items() if len(t)})
+
+    # -- trees ---------------------------------------------------------------------------
+
+    def insert_trials(
+        self,
+        root_key: str,
+        items: Seq[tuple[Mapping[str, Sequence], int]],
+        *,
+        request: bool = True,
+    ) -> list[Insertion]:
+        with self._lock:
+            self._check_open()
+            tree = self._tree(root_key)
+            checked = check_items(tree, items)
+            mark = tree.last_id
+            out: list[Insertion] = []
+            try:
+                for hp, steps in checked:
+                    out.append(insert(tree, hp, steps, self._new_id, checked=True))
+            except BaseException:
+                tree.discard_after(mark)  # nothing is written on failure
+                raise
+            for ins in out:
+                for node in ins.new_nodes:
+                    self._nodes[node.id] = node
+                if request:
+                    key = (ins.node, ins.step)
+                    self._requests[key] = after_add(self._requests.get(key), *key, 1)
+            return out
+
+    def _new_id(self) -> int:
+        node_id = self._next_id
+        self._next_id += 1
+        return node_id
+
+    def locate(
+        self, root_key: str, hp: Mapping[str, Sequence], step: int
+    ) -> tuple[int, int] | None:
+        with self._lock:
+            self._check_open()
+            result = walk(self._tree(root_key), hp, step)
+            return None if result.end is None else (result.end, step)
+
+    def node(self, node_id: int) -> Node:
+        with self._lock:
+            self._check_open()
+            return self._node(node_id)
+
+    def nodes(self, root_key: str | None = None) -> list[Node]:
+        with self._lock:
+            self._check_open()
+            if root_key is None:
+                return [self._nodes[i] for i in sorted(self._nodes)]
+            tree = self._trees.get(root_key)
+            return [] if tree is None else [tree.nodes[i] for i in sorted(tree.nodes)]
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(self, node: int, step: int, count: int = 1) -> Request:
+        with self._lock:
+            self._check_open()
+            self._canonical_node(node, step)
+            req = after_add(self._requests.get((node, step)), node, step, count)
+            self._requests[(node, step)] = req
+            return replace(req)
+
+    def release_request(self, node: int, step: int, count: int = 1) -> Request:
+        with self._lock:
+            self._check_open()
+            req = after_release(self._requests.get((node, step)), node, step, count)
+            self._requests[(node, step)] = req
+            return replace(req)
+
+    def set_request_state(
+        self, node: int, step: int, state: RequestState | str, error: str | None = None
+    ) -> Request:
+        state = RequestState(state)
+        with self._lock:
+            self._check_open()
+            req = self._requests.get((node, step))
+            if req is None:
+                raise PlanKeyError(f"no request at (node {node}, step {step})")
+            req = replace(req, state=state, error=error)
+            self._requests[(node, step)] = req
+            return replace(req)
+
+    def request(self, node: int, step: int) -> Request | None:
+        with self._lock:
+            self._check_open()
+            req = self._requests.get((node, step))
+            return None if req is None else replace(req)
+
+    def requests(
+        self,
+        root_key: str | None = None,
+        states: Collection[RequestState | str] | None = None,
+    ) -> list[Request]:
+        wanted = None if states is None else {RequestState(s) for s in states}
+        with self._lock:
+            self._check_open()
+            return [
+                replace(req)
+                for key, req in sorted(self._requests.items())
+                if (root_key is None or self._nodes[key[0]].root_key == root_key)
+                and (wanted is None or req.state in wanted)
+            ]
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def put_checkpoint(self, node: int, step: int, ref: str, nbytes: int) -> CheckpointRecord:
+        with self._lock:
+            self._check_open()
+            self._canonical_node(node, step)
+            record = CheckpointRecord(str(ref), int(nbytes), time.time())
+            self._checkpoints[(node, step)] = record
+            return record
+
+    def remove_checkpoint(self, node: int, step: int) -> bool:
+        with self._lock:
+            self._check_open()
+            return self._checkpoints.pop((node, step), None) is not None
+
+    def checkpoint(self, node: int, step: int) -> CheckpointRecord | None:
+        with self._lock:
+            self._check_open()
+            return self._checkpoints.get((node, step))
+
+    def checkpoints(self, root_key: str | None = None) -> dict[tuple[int, int], CheckpointRecord]:
+        with self._lock:
+            self._check_open()
+            return {
+                key: rec
+                for key, rec in sorted(self._checkpoints.items())
+                if root_key is None or self._nodes[key[0]].root_key == root_key
+            }
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
+        values = check_metrics(metrics)
+        with self._lock:
+            self._check_open()
+            self._canonical_node(node, step)
+            self._metrics.setdefault(node, {}).setdefault(step, {}).update(values)
+
+    def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
+        with self._lock:
+            self._check_open()
+            found = self._metrics.get(node, {}).get(step)
+            return None if found is None else dict(found)
+
+    def metrics_along(
+        self, root_key: str, hp: Mapping[str, Sequence], steps: int
+    ) -> dict[int, dict[str, float]]:
+        with self._lock:
+            self._check_open()
+            out: dict[int, dict[str, float]] = {}
+            for node, first, last in walk(self._tree(root_key), hp, steps).segments:
+                for step, values in self._metrics.get(node, {}).items():
+                    if first <= step <= last:
+                        out[step] = dict(values)
+            return dict(sorted(out.items()))
+
+    # -- accounting ----------------------------------------------------------------------
+
+    def add_stats(self, scope: str, **deltas: float) -> None:
+        with self._lock:
+            self._check_open()
+            counters = self._stats[scope]
+            for key, delta in deltas.items():
+                counters[key] = counters.get(key, 0.0) + float(delta)
+
+    def stats(self, scope: str | None = None) -> dict[str, float]:
+        with self._lock:
+            self._check_open()
+            if scope is not None:
+                return dict(sorted(self._stats.get(scope, {}).items()))
+            total: dict[str, float] = {}
+            for counters in self._stats.values():
+                for key, value in counters.items():
+                    total[key] = total.get(key, 0.0) + value
+            return dict(sorted(total.items()))
+
+    # -- studies -------------------------------------------------------------------------
+
+    def create_study(self, name: str, meta: Mapping[str, Any]) -> bool:
+        meta_copy = _codec.copy(dict(meta), "study meta")
+        with self._lock:
+            self._check_open()
+            if name in self._studies:
+                return False
+            self._studies[name] = {"name": name, "meta": meta_copy, "created": time.time()}
+            return True
+
+    def studies(self) -> list[dict[str, Any]]:
+        with self._lock:
+            self._check_open()
+            return [_codec.copy(s) for s in self._studies.values()]
+
+    def _study(self, name: str) -> None:
+        if name not in self._studies:
+            raise PlanKeyError(f"no study {name!r}")
+
+    def add_trial(
+        self,
+        study: str,
+        root_key: str,
+        config: Mapping[str, Any],
+        hp: Mapping[str, Sequence],
+        steps: int,
+        node: int | None,
+        step: int | None,
+        *,
+        state: str = "pending",
+        attrs: Mapping[str, Any] | None = None,
+    ) -> int:
+        hp = check_trial(TreeIndex(root_key), hp, steps)
+        record = {
+            "study": study,
+            "root_key": root_key,
+            "config": _codec.copy(dict(config), "trial config"),
+            "hp": dict(hp),
+            "steps": steps,
+            "node": node,
+            "step": step,
+            "state": str(state),
+            "attrs": _codec.copy(dict(attrs or {}), "trial attrs"),
+            "created": time.time(),
+        }
+        with self._lock:
+            self._check_open()
+            self._study(study)
+            trial_id = self._next_trial
+            self._next_trial += 1
+            self._trials[trial_id] = {"id": trial_id, **record}
+            return trial_id
+
+    def update_trial(
+        self,
+        trial_id: int,
+        *,
+        steps: int | None = None,
+        node: int | None = None,
+        step: int | None = None,
+        state: str | None = None,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        changes: dict[str, Any] = {
+            k: v for k, v in (("steps", steps), ("node", node), ("step", step)) if v is not None
+        }
+        if state is not None:
+            changes["state"] = str(state)
+        if attrs is not None:
+            changes["attrs"] = _codec.copy(dict(attrs), "trial attrs")
+        with self._lock:
+            self._check_open()
+            trial = self._trials.get(trial_id)
+            if trial is None:
+                raise PlanKeyError(f"no trial {trial_id}")
+            trial.update(changes)
+            return _copy_trial(trial)
+
+    def trial(self, trial_id: int) -> dict[str, Any]:
+        with self._lock:
+            self._check_open()
+            trial = self._trials.get(trial_id)
+            if trial is None:
+                raise PlanKeyError(f"no trial {trial_id}")
+            return _copy_trial(trial)
+
+    def trials(self, study: str) -> list[dict[str, Any]]:
+        with self._lock:
+            self._check_open()
+            return [_copy_trial(t) for t in self._trials.values() if t["study"] == study]
+
+    def append_log(self, study: str, record: Mapping[str, Any]) -> int:
+        text = _codec.dumps(dict(record), "log record")
+        with self._lock:
+            self._check_open()
+            self._study(study)
+            log = self._logs[study]
+            log.append(text)
+            return len(log) - 1
+
+    def read_log(self, study: str) -> list[dict[str, Any]]:
+        with self._lock:
+            self._check_open()
+            return [_codec.loads(text) for text in self._logs.get(study, [])]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def __repr__(self) -> str:
+        return f"MemoryPlanStorage(nodes={len(self._nodes)})"
+
+
+def _copy_trial(trial: dict[str, Any]) -> dict[str, Any]:
+    out = dict(trial)
+    out["config"] = _codec.copy(trial["config"])
+    out["attrs"] = _codec.copy(trial["attrs"])
+    out["hp"] = dict(trial["hp"])
+    return out

@@ -1,0 +1,818 @@
+"""A search plan in a SQL database (SQLite file or PostgreSQL) through SQLAlchemy Core.
+
+Concurrency: processes share the database, so every write transaction is serialised —
+``BEGIN IMMEDIATE`` on SQLite (WAL journal, busy timeout), a transaction-scoped
+advisory lock on PostgreSQL. The insertion walk reads the tree and writes its new
+nodes inside one such transaction, so two processes can never both create the same
+child. Each process caches trees in memory; as trees are append-only and node ids grow
+in commit order (they are allocated under the write lock), a cache is refreshed by
+loading the nodes of its tree with an id above the largest it holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Engine,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    inspect,
+    select,
+    text,
+)
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from stagetree.exceptions import SchemaVersionError, StorageError
+from stagetree.hp import Sequence, dumps_hp, loads_hp
+from stagetree.plan import _codec
+from stagetree.plan._seqcache import SeqCache
+from stagetree.plan.base import (
+    BasePlanStorage,
+    CheckpointRecord,
+    PlanKeyError,
+    after_add,
+    after_release,
+    check_canonical,
+    check_metrics,
+)
+from stagetree.plan.model import Node, Request, RequestState
+from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
+
+__all__ = ["SCHEMA_VERSION", "SQLPlanStorage"]
+
+SCHEMA_VERSION = 1
+"""Version of the tables below; bump it (and add a migration) on any change."""
+
+_PG_LOCK_KEY = 0x5747_A6E7  # advisory lock id serialising stagetree writers on PostgreSQL
+_CHUNK = 500  # bound parameters per IN (...) query
+
+_md = MetaData()
+_meta = Table(
+    "stagetree_meta",
+    _md,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
+_roots = Table(
+    "stagetree_roots",
+    _md,
+    Column("root_key", String(512), primary_key=True),
+    Column("config", Text, nullable=False),
+)
+_nodes = Table(
+    "stagetree_nodes",
+    _md,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("root_key", String(512), nullable=False),
+    Column("parent", Integer, nullable=True),
+    Column("branch_step", Integer, nullable=False),
+    Column("hp", Text, nullable=False),
+    Index("ix_stagetree_nodes_root", "root_key", "id"),
+)
+_requests = Table(
+    "stagetree_requests",
+    _md,
+    Column("node", Integer, primary_key=True, autoincrement=False),
+    Column("step", Integer, primary_key=True, autoincrement=False),
+    Column("root_key", String(512), nullable=False),
+    Column("refcount", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("error", Text, nullable=True),
+    Index("ix_stagetree_requests_root", "root_key"),
+)
+_checkpoints = Table(
+    "stagetree_checkpoints",
+    _md,
+    Column("node", Integer, primary_key=True, autoincrement=False),
+    Column("step", Integer, primary_key=True, autoincrement=False),
+    Column("root_key", String(512), nullable=False),
+    Column("ref", Text, nullable=False),
+    Column("nbytes", BigInteger, nullable=False),
+    Column("created", Float, nullable=False),
+    Index("ix_stagetree_checkpoints_root", "root_key"),
+)
+# Metrics are JSON text: SQLite turns a REAL NaN into NULL, and JSON keeps NaN/inf.
+_metrics = Table(
+    "stagetree_metrics",
+    _md,
+    Column("node", Integer, primary_key=True, autoincrement=False),
+    Column("step", Integer, primary_key=True, autoincrement=False),
+    Column("root_key", String(512), nullable=False),
+    Column("data", Text, nullable=False),
+)
+_stats = Table(
+    "stagetree_stats",
+    _md,
+    Column("scope", String(512), primary_key=True),
+    Column("key", String(128), primary_key=True),
+    Column("value", Float, nullable=False),
+)
+_studies = Table(
+    "stagetree_studies",
+    _md,
+    Column("seq", Integer, primary_key=True, autoincrement=False),
+    Column("name", String(512), nullable=False, unique=True),
+    Column("meta", Text, nullable=False),
+    Column("created", Float, nullable=False),
+)
+_trials = Table(
+    "stagetree_trials",
+    _md,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("study", String(512), nullable=False),
+    Column("root_key", String(512), nullable=False),
+    Column("config", Text, nullable=False),
+    Column("hp", Text, nullable=False),
+    Column("steps", Integer, nullable=False),
+    Column("node", Integer, nullable=True),
+    Column("step", Integer, nullable=True),
+    Column("state", String(32), nullable=False),
+    Column("attrs", Text, nullable=False),
+    Column("created", Float, nullable=False),
+    Index("ix_stagetree_trials_study", "study", "id"),
+)
+_logs = Table(
+    "stagetree_logs",
+    _md,
+    Column("study", String(512), primary_key=True),
+    Column("seq", Integer, primary_key=True, autoincrement=False),
+    Column("record", Text, nullable=False),
+)
+TABLES = tuple(_md.sorted_tables)
+
+
+def _sqlite_engine(url: URL) -> Engine:
+    database = url.database or ""
+    if database in ("", ":memory:"):
+        # One shared connection, or every checkout would see a fresh empty database.
+        engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
+    else:
+        engine = create_engine(url, connect_args={"timeout": 60.0})
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event (below) emit BEGIN instead of pysqlite.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        if database not in ("", ":memory:"):
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; fsync at checkpoints
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        # IMMEDIATE takes the write lock up front: a deferred transaction that reads
+        # and later writes can fail with SQLITE_BUSY without waiting under WAL.
+        write = conn.get_execution_options().get("stagetree_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+class SQLPlanStorage(BasePlanStorage):
+    """:class:`BasePlanStorage` in SQLite or PostgreSQL tables (``stagetree_*``).
+
+    Args:
+        url: SQLAlchemy URL (``sqlite:///plan.db``, ``postgresql+psycopg://...``);
+            ``postgresql://`` and ``postgres://`` get the psycopg driver.
+
+    Raises:
+        StorageError: the database cannot be opened.
+        SchemaVersionError: it was written by another schema version.
+    """
+
+    def __init__(self, url: str) -> None:
+        self._lock = threading.RLock()
+        self._closed = False
+        self._trees: dict[str, TreeIndex] = {}
+        self._node_cache: dict[int, Node] = {}
+        self._seqs = SeqCache()
+        try:
+            parsed = make_url(url)
+        except ArgumentError as exc:
+            raise StorageError(f"cannot open plan storage {url!r}: {exc}") from None
+        if parsed.drivername in ("postgresql", "postgres"):
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        self._url = parsed.render_as_string(hide_password=True)
+        backend = parsed.get_backend_name()
+        try:
+            if backend == "sqlite":
+                self._engine = _sqlite_engine(parsed)
+            elif backend == "postgresql":
+                args = {} if "connect_timeout" in parsed.query else {"connect_timeout": 10}
+                self._engine = create_engine(parsed, connect_args=args, pool_pre_ping=True)
+            else:
+                raise StorageError(
+                    f"cannot open plan storage {self._url!r}: unsupported database {backend!r} "
+                    "(use sqlite:///path.db or postgresql://...)"
+                )
+        except (ArgumentError, ImportError, SQLAlchemyError) as exc:
+            raise StorageError(f"cannot open plan storage {self._url!r}: {exc}") from None
+        self._pg = backend == "postgresql"
+        try:
+            self._init_schema()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The database URL (password hidden)."""
+        return self._url
+
+    def __repr__(self) -> str:
+        return f"SQLPlanStorage({self._url!r})"
+
+    # -- transactions --------------------------------------------------------------------
+
+    @contextmanager
+    def _tx(self, write: bool) -> Iterator[Connection]:
+        """One transaction; writers are serialised across processes."""
+        with self._lock:
+            if self._closed:
+                raise StorageError(f"plan storage {self._url!r} is closed")
+            try:
+                with self._engine.connect() as conn:
+                    conn.execution_options(stagetree_write=write)
+                    with conn.begin():
+                        if write and self._pg:
+                            conn.execute(
+                                text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY}
+                            )
+                        yield conn
+            except SQLAlchemyError as exc:
+                raise StorageError(f"plan storage {self._url!r}: {exc}") from exc
+
+    def _init_schema(self) -> None:
+        # Check the version with a read first, so that a newer database is not touched.
+        with self._tx(write=False) as conn:
+            self._check_version(conn)
+        with self._tx(write=True) as conn:
+            found = self._check_version(conn)
+            _md.create_all(conn)
+            if found is None:
+                conn.execute(
+                    _meta.insert(), {"key": "schema_version", "value": str(SCHEMA_VERSION)}
+                )
+
+    def _check_version(self, conn: Connection) -> int | None:
+        if not inspect(conn).has_table(_meta.name):
+            return None
+        raw = conn.execute(
+            select(_meta.c.value).where(_meta.c.key == "schema_version")
+        ).scalar_one_or_none()
+        if raw is None:
+            return None
+        try:
+            version = int(raw)
+        except ValueError:
+            raise SchemaVersionError(
+                f"plan storage {self._url!r} has an unreadable schema version {raw!r}"
+            ) from None
+        if version != SCHEMA_VERSION:
+            newer = "a newer" if version > SCHEMA_VERSION else "an older"
+            raise SchemaVersionError(
+                f"plan storage {self._url!r} has schema version {version}, written by "
+                f"{newer} stagetree; this one reads version {SCHEMA_VERSION}"
+            )
+        return version
+
+    # -- node cache ----------------------------------------------------------------------
+
+    def _refresh(self, conn: Connection, root_key: str) -> TreeIndex:
+        """The tree of ``root_key`` with every committed node (append-only: load only
+        ids above the largest cached one)."""
+        tree = self._trees.get(root_key)
+        if tree is None:
+            tree = self._trees[root_key] = TreeIndex(root_key, self._seqs)
+        rows = conn.execute(
+            select(_nodes.c.id, _nodes.c.parent, _nodes.c.branch_step, _nodes.c.hp)
+            .where(_nodes.c.root_key == root_key, _nodes.c.id > tree.last_id)
+            .order_by(_nodes.c.id)
+        ).all()
+        for row in rows:
+            node = self._node_cache.get(row.id)
+            if node is None:
+                hp = self._seqs.decode_hp(row.hp)
+                node = Node(row.id, root_key, row.parent, row.branch_step, hp)
+                self._node_cache[row.id] = node
+            tree.add(node)
+        return tree
+
+    def _node(self, conn: Connection, node_id: int) -> Node:
+        node = self._node_cache.get(node_id)
+        if node is not None:
+            return node
+        row = conn.execute(select(_nodes).where(_nodes.c.id == node_id)).first()
+        if row is None:
+            raise PlanKeyError(f"no node {node_id} in plan storage {self._url!r}")
+        hp = self._seqs.decode_hp(row.hp)
+        node = Node(row.id, row.root_key, row.parent, row.branch_step, hp)
+        self._node_cache[node_id] = node
+        return node
+
+    # -- roots ---------------------------------------------------------------------------
+
+    def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
+        data = _codec.dumps(dict(config), "root config")
+        with self._tx(write=True) as conn:
+            old = conn.execute(
+                select(_roots.c.config).where(_roots.c.root_key == root_key)
+            ).scalar_one_or_none()
+            if old is None:
+                conn.execute(_roots.insert(), {"root_key": root_key, "config": data})
+            elif old != data:
+                raise StorageError(f"root {root_key!r} is registered with another config")
+
+    def root_config(self, root_key: str) -> dict[str, Any]:
+        with self._tx(write=False) as conn:
+            raw = conn.execute(
+                select(_roots.c.config).where(_roots.c.root_key == root_key)
+            ).scalar_one_or_none()
+        if raw is None:
+            raise PlanKeyError(f"root {root_key!r} is not registered")
+        return _codec.loads(raw)
+
+    def root_keys(self) -> list[str]:
+        with self._tx(write=False) as conn:
+            keys = set(conn.execute(select(_roots.c.root_key)).scalars())
+            keys.update(conn.execute(select(_nodes.c.root_key).distinct()).scalars())
+        return sorted(keys)
+
+    # -- trees ---------------------------------------------------------------------------
+
+    def insert_trials(
+        self,
+        root_key: str,
+        items: Seq[tuple[Mapping[str, Sequence], int]],
+        *,
+        request: bool = True,
+    ) -> list[Insertion]:
+        with self._lock:
+            mark: int | None = None
+            tree: TreeIndex | None = None
+            try:
+                with self._tx(write=True) as conn:
+                    tree = self._refresh(conn, root_key)
+                    checked = check_items(tree, items)
+                    mark = tree.last_id
+                    next_id = [(conn.execute(select(func.max(_nodes.c.id))).scalar() or 0) + 1]
+
+                    def new_id() -> int:
+                        next_id[0] += 1
+                        return next_id[0] - 1
+
+                    out = [insert(tree, hp, steps, new_id, checked=True) for hp, steps in checked]
+                    rows = [
+                        {
+                            "id": n.id,
+                            "root_key": root_key,
+                            "parent": n.parent,
+                            "branch_step": n.branch_step,
+                            "hp": self._seqs.encode_hp(n.hp),
+                        }
+                        for ins in out
+                        for n in ins.new_nodes
+                    ]
+                    if rows:
+                        conn.execute(_nodes.insert(), rows)
+                    if request:
+                        counts: dict[tuple[int, int], int] = {}
+                        for ins in out:
+                            key = (ins.node, ins.step)
+                            counts[key] = counts.get(key, 0) + 1
+                        self._add_requests(conn, root_key, counts)
+            except BaseException:
+                if tree is not None and mark is not None:
+                    tree.discard_after(mark)
+                raise
+            for ins in out:
+                for node in ins.new_nodes:
+                    self._node_cache[node.id] = node
+            return out
+
+    def _load_requests(
+        self, conn: Connection, keys: Collection[tuple[int, int]]
+    ) -> dict[tuple[int, int], Request]:
+        found: dict[tuple[int, int], Request] = {}
+        node_ids = sorted({node for node, _ in keys})
+        for i in range(0, len(node_ids), _CHUNK):
+            rows = conn.execute(
+                select(_requests).where(_requests.c.node.in_(node_ids[i : i + _CHUNK]))
+            ).all()
+            for row in rows:
+                if (row.node, row.step) in keys:
+                    found[(row.node, row.step)] = _request(row)
+        return found
+
+    def _add_requests(
+        self, conn: Connection, root_key: str, counts: Mapping[tuple[int, int], int]
+    ) -> dict[tuple[int, int], Request]:
+        old = self._load_requests(conn, counts.keys())
+        new = {key: after_add(old.get(key), *key, n) for key, n in counts.items()}
+        inserts = [_request_row(r, root_key) for key, r in new.items() if key not in old]
+        updates = [_request_row(r, root_key) for key, r in new.items() if key in old]
+        if inserts:
+            conn.execute(_requests.insert(), inserts)
+        if updates:
+            self._update_requests(conn, updates)
+        return new
+
+    def _update_requests(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        stmt = (
+            _requests.update()
+            .where(_requests.c.node == bindparam("b_node"), _requests.c.step == bindparam("b_step"))
+            .values(
+                refcount=bindparam("b_refcount"),
+                state=bindparam("b_state"),
+                error=bindparam("b_error"),
+            )
+        )
+        keys = ("node", "step", "refcount", "state", "error")
+        conn.execute(stmt, [{f"b_{k}": row[k] for k in keys} for row in rows])
+
+    def locate(
+        self, root_key: str, hp: Mapping[str, Sequence], step: int
+    ) -> tuple[int, int] | None:
+        with self._tx(write=False) as conn:
+            tree = self._refresh(conn, root_key)
+            result = walk(tree, hp, step)
+        return None if result.end is None else (result.end, step)
+
+    def node(self, node_id: int) -> Node:
+        with self._tx(write=False) as conn:
+            return self._node(conn, node_id)
+
+    def nodes(self, root_key: str | None = None) -> list[Node]:
+        with self._tx(write=False) as conn:
+            if root_key is not None:
+                keys = [root_key]
+            else:
+                keys = list(conn.execute(select(_nodes.c.root_key).distinct()).scalars())
+            out = [n for key in keys for n in self._refresh(conn, key).nodes.values()]
+        return sorted(out, key=lambda n: n.id)
+
+    def path(self, node_id: int) -> list[Node]:
+        with self._tx(write=False) as conn:
+            node = self._node(conn, node_id)
+            return self._refresh(conn, node.root_key).path(node_id)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(self, node: int, step: int, count: int = 1) -> Request:
+        with self._tx(write=True) as conn:
+            n = self._node(conn, node)
+            check_canonical(n, step)
+            return self._add_requests(conn, n.root_key, {(node, step): count})[(node, step)]
+
+    def _get_request(self, conn: Connection, node: int, step: int) -> Request | None:
+        row = conn.execute(
+            select(_requests).where(_requests.c.node == node, _requests.c.step == step)
+        ).first()
+        return None if row is None else _request(row)
+
+    def release_request(self, node: int, step: int, count: int = 1) -> Request:
+        with self._tx(write=True) as conn:
+            req = after_release(self._get_request(conn, node, step), node, step, count)
+            self._update_requests(conn, [_request_row(req, "")])
+            return req
+
+    def set_request_state(
+        self, node: int, step: int, state: RequestState | str, error: str | None = None
+    ) -> Request:
+        state = RequestState(state)
+        with self._tx(write=True) as conn:
+            req = self._get_request(conn, node, step)
+            if req is None:
+                raise PlanKeyError(f"no request at (node {node}, step {step})")
+            req = Request(node, step, req.refcount, state, error)
+            self._update_requests(conn, [_request_row(req, "")])
+            return req
+
+    def request(self, node: int, step: int) -> Request | None:
+        with self._tx(write=False) as conn:
+            return self._get_request(conn, node, step)
+
+    def requests(
+        self,
+        root_key: str | None = None,
+        states: Collection[RequestState | str] | None = None,
+    ) -> list[Request]:
+        query = select(_requests).order_by(_requests.c.node, _requests.c.step)
+        if root_key is not None:
+            query = query.where(_requests.c.root_key == root_key)
+        if states is not None:
+            query = query.where(_requests.c.state.in_([RequestState(s).value for s in states]))
+        with self._tx(write=False) as conn:
+            return [_request(row) for row in conn.execute(query)]
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def put_checkpoint(self, node: int, step: int, ref: str, nbytes: int) -> CheckpointRecord:
+        record = CheckpointRecord(str(ref), int(nbytes), time.time())
+        with self._tx(write=True) as conn:
+            n = self._node(conn, node)
+            check_canonical(n, step)
+            key = (_checkpoints.c.node == node) & (_checkpoints.c.step == step)
+            conn.execute(_checkpoints.delete().where(key))
+            conn.execute(
+                _checkpoints.insert(),
+                {
+                    "node": node,
+                    "step": step,
+                    "root_key": n.root_key,
+                    "ref": record.ref,
+                    "nbytes": record.nbytes,
+                    "created": record.created,
+                },
+            )
+        return record
+
+    def remove_checkpoint(self, node: int, step: int) -> bool:
+        with self._tx(write=True) as conn:
+            result = conn.execute(
+                _checkpoints.delete().where(
+                    (_checkpoints.c.node == node) & (_checkpoints.c.step == step)
+                )
+            )
+            return bool(result.rowcount)
+
+    def checkpoint(self, node: int, step: int) -> CheckpointRecord | None:
+        with self._tx(write=False) as conn:
+            row = conn.execute(
+                select(_checkpoints).where(
+                    (_checkpoints.c.node == node) & (_checkpoints.c.step == step)
+                )
+            ).first()
+        return None if row is None else CheckpointRecord(row.ref, row.nbytes, row.created)
+
+    def checkpoints(self, root_key: str | None = None) -> dict[tuple[int, int], CheckpointRecord]:
+        query = select(_checkpoints).order_by(_checkpoints.c.node, _checkpoints.c.step)
+        if root_key is not None:
+            query = query.where(_checkpoints.c.root_key == root_key)
+        with self._tx(write=False) as conn:
+            return {
+                (row.node, row.step): CheckpointRecord(row.ref, row.nbytes, row.created)
+                for row in conn.execute(query)
+            }
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
+        values = check_metrics(metrics)
+        with self._tx(write=True) as conn:
+            n = self._node(conn, node)
+            check_canonical(n, step)
+            key = (_metrics.c.node == node) & (_metrics.c.step == step)
+            old = conn.execute(select(_metrics.c.data).where(key)).scalar_one_or_none()
+            if old is None:
+                conn.execute(
+                    _metrics.insert(),
+                    {
+                        "node": node,
+                        "step": step,
+                        "root_key": n.root_key,
+                        "data": _codec.dumps(values),
+                    },
+                )
+            else:
+                merged = {**_codec.loads(old), **values}
+                conn.execute(_metrics.update().where(key).values(data=_codec.dumps(merged)))
+
+    def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
+        with self._tx(write=False) as conn:
+            raw = conn.execute(
+                select(_metrics.c.data).where((_metrics.c.node == node) & (_metrics.c.step == step))
+            ).scalar_one_or_none()
+        return None if raw is None else _codec.loads(raw)
+
+    def metrics_along(
+        self, root_key: str, hp: Mapping[str, Sequence], steps: int
+    ) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        with self._tx(write=False) as conn:
+            segments = walk(self._refresh(conn, root_key), hp, steps).segments
+            ranges = {node: (first, last) for node, first, last in segments}
+            if not ranges:
+                return out
+            rows = conn.execute(
+                select(_metrics.c.node, _metrics.c.step, _metrics.c.data).where(
+                    _metrics.c.node.in_(list(ranges))
+                )
+            ).all()
+        for row in rows:
+            first, last = ranges[row.node]
+            if first <= row.step <= last:
+                out[row.step] = _codec.loads(row.data)
+        return dict(sorted(out.items()))
+
+    # -- accounting ----------------------------------------------------------------------
+
+    def add_stats(self, scope: str, **deltas: float) -> None:
+        if not deltas:
+            return
+        with self._tx(write=True) as conn:
+            old = dict(
+                conn.execute(
+                    select(_stats.c.key, _stats.c.value).where(
+                        _stats.c.scope == scope, _stats.c.key.in_(list(deltas))
+                    )
+                ).all()
+            )
+            for key, delta in deltas.items():
+                if key in old:
+                    conn.execute(
+                        _stats.update()
+                        .where(_stats.c.scope == scope, _stats.c.key == key)
+                        .values(value=_stats.c.value + float(delta))
+                    )
+                else:
+                    conn.execute(
+                        _stats.insert(), {"scope": scope, "key": key, "value": float(delta)}
+                    )
+
+    def stats(self, scope: str | None = None) -> dict[str, float]:
+        if scope is None:
+            query = select(_stats.c.key, func.sum(_stats.c.value)).group_by(_stats.c.key)
+        else:
+            query = select(_stats.c.key, _stats.c.value).where(_stats.c.scope == scope)
+        with self._tx(write=False) as conn:
+            return {key: float(value) for key, value in sorted(conn.execute(query).all())}
+
+    # -- studies -------------------------------------------------------------------------
+
+    def create_study(self, name: str, meta: Mapping[str, Any]) -> bool:
+        data = _codec.dumps(dict(meta), "study meta")
+        with self._tx(write=True) as conn:
+            if conn.execute(select(_studies.c.seq).where(_studies.c.name == name)).first():
+                return False
+            seq = (conn.execute(select(func.max(_studies.c.seq))).scalar() or 0) + 1
+            conn.execute(
+                _studies.insert(),
+                {"seq": seq, "name": name, "meta": data, "created": time.time()},
+            )
+            return True
+
+    def studies(self) -> list[dict[str, Any]]:
+        with self._tx(write=False) as conn:
+            rows = conn.execute(select(_studies).order_by(_studies.c.seq)).all()
+        return [{"name": r.name, "meta": _codec.loads(r.meta), "created": r.created} for r in rows]
+
+    def _check_study(self, conn: Connection, study: str) -> None:
+        if conn.execute(select(_studies.c.seq).where(_studies.c.name == study)).first() is None:
+            raise PlanKeyError(f"no study {study!r}")
+
+    def add_trial(
+        self,
+        study: str,
+        root_key: str,
+        config: Mapping[str, Any],
+        hp: Mapping[str, Sequence],
+        steps: int,
+        node: int | None,
+        step: int | None,
+        *,
+        state: str = "pending",
+        attrs: Mapping[str, Any] | None = None,
+    ) -> int:
+        row = {
+            "study": study,
+            "root_key": root_key,
+            "config": _codec.dumps(dict(config), "trial config"),
+            "hp": dumps_hp(check_trial(TreeIndex(root_key), hp, steps)),
+            "steps": steps,
+            "node": node,
+            "step": step,
+            "state": str(state),
+            "attrs": _codec.dumps(dict(attrs or {}), "trial attrs"),
+            "created": time.time(),
+        }
+        with self._tx(write=True) as conn:
+            self._check_study(conn, study)
+            trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
+            conn.execute(_trials.insert(), {"id": trial_id, **row})
+            return int(trial_id)
+
+    def update_trial(
+        self,
+        trial_id: int,
+        *,
+        steps: int | None = None,
+        node: int | None = None,
+        step: int | None = None,
+        state: str | None = None,
+        attrs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        changes: dict[str, Any] = {
+            k: v for k, v in (("steps", steps), ("node", node), ("step", step)) if v is not None
+        }
+        if state is not None:
+            changes["state"] = str(state)
+        if attrs is not None:
+            changes["attrs"] = _codec.dumps(dict(attrs), "trial attrs")
+        with self._tx(write=True) as conn:
+            if changes:
+                conn.execute(_trials.update().where(_trials.c.id == trial_id).values(**changes))
+            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+            if row is None:
+                raise PlanKeyError(f"no trial {trial_id}")
+            return _trial(row)
+
+    def trial(self, trial_id: int) -> dict[str, Any]:
+        with self._tx(write=False) as conn:
+            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+        if row is None:
+            raise PlanKeyError(f"no trial {trial_id}")
+        return _trial(row)
+
+    def trials(self, study: str) -> list[dict[str, Any]]:
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(_trials).where(_trials.c.study == study).order_by(_trials.c.id)
+            ).all()
+        return [_trial(row) for row in rows]
+
+    def append_log(self, study: str, record: Mapping[str, Any]) -> int:
+        data = _codec.dumps(dict(record), "log record")
+        with self._tx(write=True) as conn:
+            self._check_study(conn, study)
+            last = conn.execute(
+                select(func.max(_logs.c.seq)).where(_logs.c.study == study)
+            ).scalar()
+            seq = 0 if last is None else int(last) + 1
+            conn.execute(_logs.insert(), {"study": study, "seq": seq, "record": data})
+            return seq
+
+    def read_log(self, study: str) -> list[dict[str, Any]]:
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(_logs.c.record).where(_logs.c.study == study).order_by(_logs.c.seq)
+            ).scalars()
+            return [_codec.loads(r) for r in rows]
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._engine.dispose()
+
+    def drop_all(self) -> None:
+        """Drop every stagetree table (tests; irreversible)."""
+        with self._tx(write=True) as conn:
+            _md.drop_all(conn)
+        self._trees.clear()
+        self._node_cache.clear()
+
+
+def _request(row: Any) -> Request:
+    return Request(row.node, row.step, row.refcount, RequestState(row.state), row.error)
+
+
+def _request_row(req: Request, root_key: str) -> dict[str, Any]:
+    return {
+        "node": req.node,
+        "step": req.step,
+        "root_key": root_key,
+        "refcount": req.refcount,
+        "state": req.state.value,
+        "error": req.error,
+    }
+
+
+def _trial(row: Any) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "study": row.study,
+        "root_key": row.root_key,
+        "config": _codec.loads(row.config),
+        "hp": loads_hp(row.hp),
+        "steps": row.steps,
+        "node": row.node,
+        "step": row.step,
+        "state": row.state,
+        "attrs": _codec.loads(row.attrs),
+        "created": row.created,
+    }
