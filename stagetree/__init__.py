@@ -1,7 +1,12 @@
-"""stagetree: hyper-parameter optimization that never trains the same thing twice."""
+"""stagetree: hyper-parameter optimization that never trains the same thing twice.
+
+The public API is re-exported here; sequences live in :mod:`stagetree.hp`, tuners in
+:mod:`stagetree.tuners`, PyTorch helpers in :mod:`stagetree.torch` (needs torch).
+"""
 
 from __future__ import annotations
 
+from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import (
     CheckpointError,
     InvalidSequenceError,
@@ -16,23 +21,43 @@ from stagetree.exceptions import (
     TrialFailedError,
     TunerError,
 )
+from stagetree.plan import open_storage
+from stagetree.space import GridSpace, RandomSpace, TrialSpec, load_space_file
+from stagetree.stages import kwise_merge_rate, merge_rate
+from stagetree.study import Study, TrialRecord
 from stagetree.trainer import Trainer
+from stagetree.tuners.base import TrialResult
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "Choice",
+    "Distribution",
+    "GridSpace",
+    "IntUniform",
     "InvalidSequenceError",
     "InvalidSpaceError",
     "InvalidTrialError",
+    "LogUniform",
+    "RandomSpace",
     "SchedulerError",
     "SchemaVersionError",
     "StagetreeError",
     "StorageError",
+    "Study",
     "Trainer",
     "TrainerError",
     "TrialCancelledError",
     "TrialFailedError",
+    "TrialRecord",
+    "TrialResult",
+    "TrialSpec",
     "TunerError",
+    "Uniform",
     "__version__",
+    "kwise_merge_rate",
+    "load_space_file",
+    "merge_rate",
+    "open_storage",
 ]
