@@ -6,9 +6,14 @@ Subcommands:
   plan every trial in memory and print what sharing saves (trials, root keys, total and
   unique steps, merge rate) and the stage tree, before anything is trained.
 
-``run``, ``status``, ``export`` and ``simulate`` slot in the same way: a function that
-adds the subparser (:data:`_SUBCOMMANDS`) and sets ``handler`` to a function
-``(args) -> int``.
+* ``stagetree run SCRIPT.py``: run the study a script defines with its tuner, with live
+  progress, then print the best trial and what sharing saved (:func:`report_study`).
+* ``stagetree status``: the studies of a storage: trials, best metric, steps executed,
+  requested and unique, device-seconds spent and saved.
+* ``stagetree export``: every trial's metric history as CSV or JSON.
+
+Each subcommand is a function that adds its subparser (:data:`_SUBCOMMANDS`) and sets
+``handler`` to a function ``(args) -> int``.
 
 Errors that stagetree raises on purpose (:class:`~stagetree.exceptions.StagetreeError`)
 print one line to stderr and exit with status 2, without a traceback.
@@ -17,19 +22,53 @@ print one line to stderr and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
+import json
+import math
+import os
+import runpy
 import sys
-from collections.abc import Callable, Iterable, Mapping
+import time
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree import __version__
-from stagetree.exceptions import InvalidSpaceError, StagetreeError
+from stagetree.exceptions import InvalidSpaceError, StagetreeError, StorageError
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
 from stagetree.stages import Summary, build_stage_tree, render_tree, summarize
 
-__all__ = ["ExplainResult", "build_parser", "explain", "main", "plan_trials", "tree_lines"]
+if TYPE_CHECKING:
+    from stagetree.study import Study
+
+__all__ = [
+    "CommandError",
+    "ExplainResult",
+    "StorageStatus",
+    "StudyStatus",
+    "accounting",
+    "build_parser",
+    "default_storage",
+    "explain",
+    "export",
+    "export_records",
+    "export_table",
+    "main",
+    "open_existing_storage",
+    "plan_trials",
+    "report_study",
+    "run_script",
+    "short_sequence",
+    "status",
+    "storage_status",
+    "study_status",
+    "tree_lines",
+]
 
 EXIT_USAGE = 2
 
@@ -240,12 +279,905 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(handler=_cmd_explain)
 
 
+# --------------------------------------------------------------------------- shared
+
+
+class CommandError(StagetreeError, ValueError):
+    """A command-line input stagetree cannot use: a missing script, a script without a
+    study or tuner, an unknown study name."""
+
+
+DEFAULT_STORAGE = "sqlite:///stagetree.db"
+STORAGE_ENV = "STAGETREE_STORAGE"
+RUN_NAME = "__stagetree_run__"
+EXIT_INTERRUPTED = 130
+
+# Metric names that are minimised when a study does not record its mode.
+_MIN_WORDS = ("loss", "err", "perplexity", "mse", "mae", "regret")
+
+
+def default_storage() -> str:
+    """The storage URL commands use without ``--storage``: ``$STAGETREE_STORAGE`` or
+    ``sqlite:///stagetree.db``."""
+    return os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split("\n", 1)[0].split())
+    return text or type(exc).__name__
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The database file of a SQLite URL; None for other URLs and in-memory SQLite."""
+    if not url.lower().startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        database = make_url(url).database
+    except ArgumentError:
+        return None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def open_existing_storage(url: str) -> BasePlanStorage:
+    """Open a storage to read it, without creating a SQLite file that is not there.
+
+    Raises:
+        StorageError: the URL cannot be opened, naming it.
+    """
+    from stagetree.plan import open_storage
+
+    path = _sqlite_file(url)
+    if path is not None and not path.is_file():
+        raise StorageError(f"cannot open plan storage {url!r}: {path} does not exist")
+    try:
+        storage = open_storage(url)
+        storage.studies()  # a file that is not a plan fails here, not halfway through
+    except StagetreeError:
+        raise
+    except Exception as exc:  # driver errors of a file that is not a database, ...
+        raise StorageError(f"cannot open plan storage {url!r}: {_one_line(exc)}") from exc
+    return storage
+
+
+def _fmt_value(value: Any) -> str:
+    from stagetree.hp import Sequence
+
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt_value(v) for v in value) + "]"
+    if isinstance(value, Sequence):
+        return short_sequence(value)
+    if isinstance(value, str):
+        return value
+    return repr(value)
+
+
+def short_sequence(seq: Any, offset: int = 0) -> str:
+    """A sequence in short form: ``0.1`` for a constant, ``MultiStep(0.1, [8, 12],
+    0.1)``, ``0.1 until step 4, then Exponential(0.1, 0.8)``.
+
+    Args:
+        seq: a :class:`~stagetree.hp.Sequence` (anything else is formatted as a value).
+        offset: the absolute step the sequence starts at (for the steps of ``Then``).
+    """
+    import dataclasses
+
+    from stagetree.hp import Constant, Sequence, Then
+
+    if isinstance(seq, Constant):
+        return _fmt_value(seq.value)
+    if isinstance(seq, Then):
+        start = offset + seq.at
+        first = short_sequence(seq.first, offset)
+        return f"{first} until step {start}, then {short_sequence(seq.second, start)}"
+    if isinstance(seq, Sequence) and dataclasses.is_dataclass(seq):
+        args = ", ".join(_fmt_value(getattr(seq, f.name)) for f in dataclasses.fields(seq))
+        return f"{type(seq).__name__}({args})"
+    return _fmt_value(seq)
+
+
+def _num(value: float) -> str:
+    """A metric value: 6 significant digits."""
+    return f"{value:.6g}"
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _guess_mode(metric: str) -> str:
+    return "min" if any(w in metric.lower() for w in _MIN_WORDS) else "max"
+
+
+def accounting(
+    steps_requested: float, steps_unique: float, steps_executed: float, device_seconds: float
+) -> dict[str, float]:
+    """What sharing saved: requested minus executed steps, and device-seconds saved
+    estimated as saved steps times the measured device-seconds per executed step.
+
+    Returns:
+        ``steps_requested``, ``steps_unique``, ``steps_executed``, ``merge_rate``
+        (requested / unique, 1.0 when nothing is unique), ``device_seconds``,
+        ``seconds_per_step`` (0.0 before any step ran), ``steps_saved``,
+        ``device_seconds_saved``.
+    """
+    saved = steps_requested - steps_executed
+    per_step = device_seconds / steps_executed if steps_executed > 0 else 0.0
+    return {
+        "steps_requested": float(steps_requested),
+        "steps_unique": float(steps_unique),
+        "steps_executed": float(steps_executed),
+        "merge_rate": steps_requested / steps_unique if steps_unique else 1.0,
+        "device_seconds": float(device_seconds),
+        "seconds_per_step": per_step,
+        "steps_saved": float(saved),
+        "device_seconds_saved": saved * per_step,
+    }
+
+
+def _accounting_rows(numbers: Mapping[str, float]) -> list[tuple[str, str]]:
+    requested = numbers["steps_requested"]
+    saved = numbers["steps_saved"]
+    share = f" ({100.0 * saved / requested:.0f}% of requested)" if requested else ""
+    per_step = numbers["seconds_per_step"]
+    estimate = f" (estimated at {per_step:.3g} s per executed step)" if per_step else ""
+    return [
+        ("steps requested", str(round(requested))),
+        ("unique steps", str(round(numbers["steps_unique"]))),
+        ("steps executed", str(round(numbers["steps_executed"]))),
+        ("merge rate", f"{numbers['merge_rate']:.2f}"),
+        ("device-seconds", f"{numbers['device_seconds']:.1f}"),
+        ("steps saved", f"{round(saved)}{share}"),
+        ("device-seconds saved", f"{numbers['device_seconds_saved']:.1f}{estimate}"),
+    ]
+
+
+def _print_rows(
+    rows: Iterable[tuple[str, str]], stream: TextIO, indent: str = "", width: int = 22
+) -> None:
+    for label, value in rows:
+        print(f"{indent}{label + ':':<{width}}{value}", file=stream)
+
+
+def _rich_rows(console: Any, rows: Iterable[tuple[str, str]], title: str | None = None) -> None:
+    from rich.table import Table
+
+    table = Table(show_header=False, title=title, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in rows:
+        table.add_row(label, value)
+    console.print(table)
+
+
+def _use_rich(stream: TextIO, rich_output: bool | None) -> bool:
+    if rich_output is not None:
+        return rich_output
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _final_metrics(best: Any) -> dict[str, float]:
+    """Metrics at the trial's last step, for a TrialResult or a TrialRecord."""
+    metrics = getattr(best, "metrics", None) or {}
+    if metrics and all(isinstance(v, Mapping) for v in metrics.values()):
+        return dict(metrics.get(best.steps, {}))  # a TrialRecord: {step: metrics}
+    return dict(metrics)
+
+
+def _config_line(config: Mapping[str, Any]) -> str:
+    if not config:
+        return "(no fixed hyper-parameters)"
+    return " ".join(f"{k}={_fmt_value(v)}" for k, v in config.items())
+
+
+def _best_rows(best: Any, metric: str, mode: str) -> list[tuple[str, str]]:
+    if best is None:
+        return [(f"best {metric}", f"none (no trial reported a finite {metric})")]
+    value = _final_metrics(best).get(metric)
+    shown = _num(value) if isinstance(value, (int, float)) else "n/a"
+    rows = [
+        (f"best {metric}", f"{shown} ({mode}, after {best.steps} steps)"),
+        ("  config", _config_line(best.config)),
+    ]
+    rows.extend((f"  {name}", short_sequence(seq)) for name, seq in best.hp.items())
+    return rows
+
+
+def report_study(
+    study: Study,
+    best: Any,
+    metric: str,
+    mode: str = "max",
+    out: TextIO | None = None,
+    rich_output: bool | None = None,
+) -> dict[str, float]:
+    """Print the best trial and what sharing saved.
+
+    Prints the best trial (its metric, config and sequences in short form), then
+    trials, steps requested, unique steps, steps executed, merge rate, device-seconds,
+    and the saving: steps requested minus executed, and device-seconds saved
+    estimated as saved steps times the measured device-seconds per executed step.
+
+    Args:
+        study: an open study (its :meth:`~stagetree.study.Study.stats` are read).
+        best: what ``study.tune`` returned (a ``TrialResult``), a ``TrialRecord`` from
+            ``study.best``, or None.
+        metric: the metric the tuner optimised.
+        mode: ``"max"`` or ``"min"``.
+        out: where to print (default: ``sys.stdout`` at call time).
+        rich_output: rich tables instead of plain text (default: ``out`` is a terminal).
+
+    Returns:
+        The numbers printed: ``trials`` and those of :func:`accounting`, plus ``best``
+        (the best trial's metric, NaN when there is none).
+    """
+    stream = sys.stdout if out is None else out
+    stats = study.stats()
+    trials = stats.get("trials")
+    numbers = {
+        "trials": float(trials if trials is not None else len(study.trials())),
+        **accounting(
+            stats.get("steps_requested", 0.0),
+            stats.get("steps_unique", 0.0),
+            stats.get("steps_executed", 0.0),
+            stats.get("device_seconds", 0.0),
+        ),
+    }
+    value = _final_metrics(best).get(metric) if best is not None else None
+    numbers["best"] = float(value) if isinstance(value, (int, float)) else math.nan
+    best_rows = _best_rows(best, metric, mode)
+    rows = [("trials", str(round(numbers["trials"]))), *_accounting_rows(numbers)]
+    title = f"study {study.name}"
+    if _use_rich(stream, rich_output):
+        from rich.console import Console
+
+        console = Console(file=stream)
+        console.print(title, style="bold", markup=False, highlight=False)
+        _rich_rows(console, best_rows)
+        _rich_rows(console, rows, title="sharing")
+    else:
+        print(title, file=stream)
+        _print_rows(best_rows, stream)
+        print("", file=stream)
+        _print_rows(rows, stream)
+    return numbers
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _pick(namespace: Mapping[str, Any], name: str, cls: type, what: str, script: str) -> Any:
+    """``namespace[name]`` if it is a ``cls``, else the only ``cls`` among the globals."""
+    value = namespace.get(name)
+    if isinstance(value, cls):
+        return value
+    found: dict[int, str] = {}
+    for key, obj in namespace.items():
+        if isinstance(obj, cls) and not key.startswith("__"):
+            found.setdefault(id(obj), key)
+    if len(found) == 1:
+        return namespace[next(iter(found.values()))]
+    if not found:
+        raise CommandError(f"{script} defines no {what} (a {cls.__name__} named `{name}`)")
+    names = ", ".join(sorted(found.values()))
+    raise CommandError(
+        f"{script} defines {len(found)} {what}s ({names}) and none is named `{name}`"
+    )
+
+
+@contextlib.contextmanager
+def _script_context(path: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """Run a script like ``python SCRIPT.py`` would: its folder first on ``sys.path``
+    and ``sys.argv == [SCRIPT.py]``. The callback keeps the script's globals importable
+    as module :data:`RUN_NAME` (runpy drops its module when the script ends, but worker
+    processes find the trainer class through its module's file) until the block ends.
+    """
+    saved_argv = sys.argv[:]
+    saved_path = sys.path[:]
+    missing = object()
+    saved_module = sys.modules.get(RUN_NAME, missing)
+    sys.argv = [str(path)]
+    sys.path.insert(0, str(path.resolve().parent))
+
+    def keep(namespace: dict[str, Any]) -> None:
+        module = types.ModuleType(RUN_NAME)
+        module.__dict__.update(namespace)
+        sys.modules[RUN_NAME] = module
+
+    try:
+        yield keep
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        if saved_module is missing:
+            sys.modules.pop(RUN_NAME, None)
+        else:
+            sys.modules[RUN_NAME] = saved_module  # type: ignore[assignment]
+
+
+def _close_all(studies: Iterable[Any]) -> None:
+    for st in studies:
+        try:
+            st.close()
+        except KeyboardInterrupt:  # a second Ctrl-C: go on closing the others
+            continue
+
+
+def run_script(
+    script: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    storage: str | None = None,
+    progress: bool = True,
+    out: TextIO | None = None,
+) -> int:
+    """``stagetree run``: run the study a script defines with its tuner.
+
+    The script runs under ``__name__ == "__stagetree_run__"`` (its ``if __name__ ==
+    "__main__":`` block does not run) with ``workers`` and ``storage`` as overrides
+    that every ``Study(...)`` it builds honours (``storage`` is also exported as
+    ``$STAGETREE_STORAGE`` for the run). The study is the ``Study`` named ``study`` (or
+    the only one), the tuner the ``Tuner`` named ``tuner`` (or the only one). The study
+    is tuned with live progress, the report printed (:func:`report_study`) and every
+    study of the script closed, also on Ctrl-C.
+
+    Returns:
+        0, or 130 when interrupted (the study is closed cleanly: a later run resumes).
+
+    Raises:
+        CommandError: no such script, or it defines no study or no tuner.
+    """
+    from stagetree import study as study_module
+    from stagetree.progress import ProgressDisplay
+    from stagetree.study import Study
+    from stagetree.tuners.base import Tuner
+
+    stream = sys.stdout if out is None else out
+    path = Path(script)
+    if not path.is_file():
+        raise CommandError(f"no such script: {script}")
+    overrides = study_module._OVERRIDES
+    saved_overrides = dict(overrides)
+    saved_env = os.environ.get(STORAGE_ENV)
+    if workers is not None:
+        overrides["workers"] = workers
+    if storage is not None:
+        overrides["storage"] = storage
+        os.environ[STORAGE_ENV] = storage
+    studies: list[Any] = []
+    interrupted = False
+    try:
+        with _script_context(path) as keep:
+            try:
+                namespace = runpy.run_path(str(path), run_name=RUN_NAME)
+                keep(namespace)
+                studies = list(
+                    {id(v): v for v in namespace.values() if isinstance(v, Study)}.values()
+                )
+                study = _pick(namespace, "study", Study, "study", str(script))
+                tuner = _pick(namespace, "tuner", Tuner, "tuner", str(script))
+                display = (
+                    ProgressDisplay(study, out=stream) if progress else contextlib.nullcontext()
+                )
+                with display:
+                    best = study.tune(tuner)
+                report_study(study, best, metric=tuner.metric, mode=tuner.mode, out=stream)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                _close_all(studies)
+    finally:
+        overrides.clear()
+        overrides.update(saved_overrides)
+        if storage is not None:
+            if saved_env is None:
+                os.environ.pop(STORAGE_ENV, None)
+            else:
+                os.environ[STORAGE_ENV] = saved_env
+    if interrupted:
+        print("interrupted; run again to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    return run_script(
+        args.script, workers=args.workers, storage=args.storage, progress=not args.no_progress
+    )
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run the study a script defines, with live progress",
+        description="Execute SCRIPT.py (its `if __name__ == '__main__':` block does not "
+        "run), tune the Study named `study` with the Tuner named `tuner` (or the only ones "
+        "it defines) and print the best trial and what sharing saved. Ctrl-C stops "
+        "cleanly; run again to resume.",
+    )
+    p.add_argument("script", metavar="SCRIPT.py", help="file defining `study` and `tuner`")
+    p.add_argument("--workers", type=_positive, help="worker processes (overrides the script)")
+    p.add_argument("--storage", metavar="URL", help="plan storage URL (overrides the script)")
+    p.add_argument("--no-progress", action="store_true", help="do not show live progress")
+    p.set_defaults(handler=_cmd_run)
+
+
+# --------------------------------------------------------------------------- status
+
+
+@dataclass
+class StudyStatus:
+    """One study of a storage, as ``stagetree status`` prints it.
+
+    Attributes:
+        name: the study.
+        created: creation time (``time.time()``).
+        trials, finished, running, failed: trial counts.
+        metric: the metric ranked (None when no trial reported one).
+        mode: ``"max"`` or ``"min"``.
+        metric_note: where ``metric`` and ``mode`` come from.
+        best: the best value of ``metric`` (see :func:`study_status`).
+        best_trial: its trial id.
+        best_step: the step it was reached at.
+        steps_requested: total steps of its trials (each trained alone).
+        steps_unique: steps of the union of their paths.
+        numbers: :func:`accounting` of the study, or None when the storage counts
+            executed steps and device-seconds only for all its studies together (see
+            :class:`StorageStatus`).
+    """
+
+    name: str
+    created: float
+    trials: int
+    finished: int
+    running: int
+    failed: int
+    metric: str | None
+    mode: str
+    metric_note: str
+    best: float | None
+    best_trial: int | None
+    best_step: int | None
+    steps_requested: int
+    steps_unique: int
+    numbers: dict[str, float] | None
+
+
+@dataclass
+class StorageStatus:
+    """What ``stagetree status`` prints: the studies and the storage-wide accounting.
+
+    Attributes:
+        url: the storage.
+        studies: the studies shown.
+        studies_total: studies in the storage.
+        trials: trials of every study.
+        totals: :func:`accounting` over every study of the storage (requested steps
+            summed, unique steps of their union, executed steps and device-seconds of
+            the engine, which shares stages between studies).
+    """
+
+    url: str
+    studies: list[StudyStatus]
+    studies_total: int
+    trials: int
+    totals: dict[str, float]
+
+
+def _final_step_metrics(
+    storage: BasePlanStorage, trials: Iterable[Mapping[str, Any]]
+) -> list[tuple[int, int, dict[str, float]]]:
+    """``(trial id, steps, metrics at steps)`` of every trial that has them."""
+    out = []
+    for t in trials:
+        if t.get("node") is None:
+            continue
+        history = storage.metrics_along(t["root_key"], t["hp"], t["steps"])
+        final = history.get(t["steps"])
+        if final:
+            out.append((int(t["id"]), int(t["steps"]), final))
+    return out
+
+
+def _study_record(storage: BasePlanStorage, name: str) -> dict[str, Any]:
+    by_name = {s["name"]: s for s in storage.studies()}
+    if name not in by_name:
+        known = ", ".join(sorted(by_name)) or "none"
+        raise CommandError(f"no study {name!r} in the storage (studies: {known})")
+    return by_name[name]
+
+
+def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
+    """The status of study ``name``.
+
+    The metric is the one recorded in the study's meta (``meta["metric"]`` and
+    ``meta["mode"]``) if any, else the first (alphabetically) numeric metric that the
+    trials report at their final steps, minimised when its name says loss or error.
+    Like the tuners, the best value compares trials at the largest step any finite
+    value was reached at; ties go to the lowest trial id.
+
+    Executed steps and device-seconds are the study's own counters when the storage
+    keeps them (scope ``name`` with ``steps_executed``), else the engine's when the
+    study is alone in the storage; otherwise ``numbers`` is None.
+
+    Raises:
+        CommandError: no study ``name`` in the storage.
+    """
+    record = _study_record(storage, name)
+    meta = record.get("meta") or {}
+    trials = storage.trials(name)
+    states = [t["state"] for t in trials]
+    finals = _final_step_metrics(storage, trials)
+    metric = meta.get("metric") if isinstance(meta.get("metric"), str) else None
+    if metric is not None:
+        recorded = meta.get("mode")
+        mode = recorded if recorded in ("max", "min") else _guess_mode(metric)
+        note = "recorded in the study"
+    else:
+        names = sorted({k for _, _, m in finals for k, v in m.items() if _finite(v)})
+        metric = names[0] if names else None
+        mode = _guess_mode(metric) if metric else "max"
+        note = f"first of {', '.join(names)}; mode guessed" if names else ""
+    best: tuple[int, float, int] | None = None  # (step, score, -trial id)
+    if metric is not None:
+        for tid, steps, m in finals:
+            value = m.get(metric)
+            if value is None or not _finite(value):
+                continue
+            key = (steps, value if mode == "max" else -value, -tid)
+            if best is None or key > best:
+                best = key
+    summary = summarize(storage, study=name)
+    own = storage.stats(name)
+    acct: Mapping[str, float] | None = own if "steps_executed" in own else None
+    if acct is None and len(storage.studies()) == 1:
+        acct = storage.stats("engine")
+    numbers = (
+        None
+        if acct is None
+        else accounting(
+            summary.total_steps,
+            summary.unique_steps,
+            acct.get("steps_executed", 0.0),
+            acct.get("device_seconds", 0.0),
+        )
+    )
+    return StudyStatus(
+        name=name,
+        created=float(record.get("created") or 0.0),
+        trials=len(trials),
+        finished=states.count("done"),
+        running=states.count("running"),
+        failed=states.count("failed"),
+        metric=metric,
+        mode=mode,
+        metric_note=note,
+        best=None if best is None else (best[1] if mode == "max" else -best[1]),
+        best_trial=None if best is None else -best[2],
+        best_step=None if best is None else best[0],
+        steps_requested=summary.total_steps,
+        steps_unique=summary.unique_steps,
+        numbers=numbers,
+    )
+
+
+def storage_status(storage: BasePlanStorage, url: str, study: str | None = None) -> StorageStatus:
+    """The status of every study of ``storage`` (or of ``study``) and its totals.
+
+    Raises:
+        CommandError: no study ``study`` in the storage.
+    """
+    names = [s["name"] for s in storage.studies()]
+    shown = names if study is None else [_study_record(storage, study)["name"]]
+    everything = summarize(storage)
+    engine = storage.stats("engine")
+    return StorageStatus(
+        url=url,
+        studies=[study_status(storage, n) for n in shown],
+        studies_total=len(names),
+        trials=everything.trials,
+        totals=accounting(
+            everything.total_steps,
+            everything.unique_steps,
+            engine.get("steps_executed", 0.0),
+            engine.get("device_seconds", 0.0),
+        ),
+    )
+
+
+def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
+    rows = [
+        (
+            "trials",
+            f"{st.trials} ({st.finished} finished, {st.running} running, {st.failed} failed)",
+        )
+    ]
+    if st.metric is None:
+        rows.append(("best", "no metrics yet"))
+    elif st.best is None:
+        rows.append((f"best {st.metric}", f"none finite ({st.mode}; {st.metric_note})"))
+    else:
+        rows.append(
+            (
+                f"best {st.metric}",
+                f"{_num(st.best)} (trial {st.best_trial} at step {st.best_step}, "
+                f"{st.mode}; {st.metric_note})",
+            )
+        )
+    if st.numbers is not None:
+        rows.extend(_accounting_rows(st.numbers))
+    else:
+        merge = st.steps_requested / st.steps_unique if st.steps_unique else 1.0
+        rows.extend(
+            [
+                ("steps requested", str(st.steps_requested)),
+                ("unique steps", str(st.steps_unique)),
+                ("merge rate", f"{merge:.2f}"),
+                ("steps executed", "see all studies (stages are shared between studies)"),
+            ]
+        )
+    return rows
+
+
+def status(
+    url: str | None = None,
+    study: str | None = None,
+    out: TextIO | None = None,
+    rich_output: bool | None = None,
+) -> StorageStatus:
+    """Print the studies of a storage (see :func:`study_status`), and the totals of all
+    studies when the storage holds more than one.
+
+    Args:
+        url: storage URL (default: :func:`default_storage`).
+        study: only this study.
+        out: where to print (default: ``sys.stdout`` at call time).
+        rich_output: rich tables instead of plain text (default: ``out`` is a terminal).
+
+    Raises:
+        StorageError: the storage cannot be opened.
+        CommandError: no study ``study`` in it.
+    """
+    stream = sys.stdout if out is None else out
+    url = default_storage() if url is None else url
+    storage = open_existing_storage(url)
+    try:
+        result = storage_status(storage, url, study)
+    finally:
+        storage.close()
+    count = result.studies_total
+    header = f"storage {url}: " + (
+        "no studies" if count == 0 else f"{count} stud{'y' if count == 1 else 'ies'}"
+    )
+    blocks: list[tuple[str, list[tuple[str, str]]]] = []
+    for st in result.studies:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.created))
+        blocks.append((f"study {st.name} (created {created})", _status_rows(st)))
+    if count > 1:
+        rows = [("trials", str(result.trials)), *_accounting_rows(result.totals)]
+        blocks.append((f"all {count} studies", rows))
+    if _use_rich(stream, rich_output):
+        from rich.console import Console
+
+        console = Console(file=stream)
+        console.print(header, style="bold", markup=False, highlight=False)
+        for title, rows in blocks:
+            _rich_rows(console, rows, title=title)
+    else:
+        print(header, file=stream)
+        for title, rows in blocks:
+            print("", file=stream)
+            print(title, file=stream)
+            _print_rows(rows, stream, indent="  ")
+    return result
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status(args.storage, args.study)
+    return 0
+
+
+def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "status",
+        help="list the studies of a storage and what sharing saved",
+        description="Per study: trials, the best metric, steps executed / requested / "
+        "unique, device-seconds spent and saved (for all studies together when several "
+        "share the storage). Reads a storage other processes may be writing.",
+    )
+    p.add_argument(
+        "--storage",
+        metavar="URL",
+        help=f"plan storage URL (default: ${STORAGE_ENV} or {DEFAULT_STORAGE})",
+    )
+    p.add_argument("--study", metavar="NAME", help="only this study")
+    p.set_defaults(handler=_cmd_status)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _json_number(value: float) -> float | str:
+    """Strict JSON has no NaN or infinities: they become ``"nan"``, ``"inf"``,
+    ``"-inf"`` (``float()`` reads them back)."""
+    return value if math.isfinite(value) else str(value)
+
+
+def export_records(storage: BasePlanStorage, study: str | None = None) -> list[dict[str, Any]]:
+    """Every trial with its metric history, as JSON-able dicts.
+
+    Each dict: ``study``, ``trial`` (id), ``config``, ``hp`` (sequences as JSON),
+    ``steps``, ``state`` and ``history``: ``[{"step": s, "metrics": {...}}, ...]`` in
+    step order (only steps with metrics; NaN and infinities as strings).
+
+    Raises:
+        CommandError: no study ``study`` in the storage.
+    """
+    names = [s["name"] for s in storage.studies()]
+    if study is not None:
+        if study not in names:
+            known = ", ".join(sorted(names)) or "none"
+            raise CommandError(f"no study {study!r} in the storage (studies: {known})")
+        names = [study]
+    out: list[dict[str, Any]] = []
+    for name in names:
+        for t in storage.trials(name):
+            history = (
+                storage.metrics_along(t["root_key"], t["hp"], t["steps"])
+                if t.get("node") is not None
+                else {}
+            )
+            out.append(
+                {
+                    "study": name,
+                    "trial": int(t["id"]),
+                    "config": dict(t["config"]),
+                    "hp": {k: seq.to_json() for k, seq in t["hp"].items()},
+                    "steps": int(t["steps"]),
+                    "state": t["state"],
+                    "history": [
+                        {"step": step, "metrics": {k: _json_number(v) for k, v in m.items()}}
+                        for step, m in sorted(history.items())
+                    ],
+                }
+            )
+    return out
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def export_table(records: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """One row per (trial, step with metrics) of :func:`export_records`.
+
+    Columns: ``study``, ``trial``, ``config.<name>`` (in order of first appearance),
+    ``hp`` (JSON of the sequences), ``step``, ``metric.<name>`` (sorted). Cells a row
+    does not have are empty.
+    """
+    records = list(records)
+    config_names: dict[str, None] = {}
+    metric_names: set[str] = set()
+    for rec in records:
+        config_names.update(dict.fromkeys(rec["config"]))
+        for h in rec["history"]:
+            metric_names.update(h["metrics"])
+    metrics = sorted(metric_names)
+    header = [
+        "study",
+        "trial",
+        *(f"config.{k}" for k in config_names),
+        "hp",
+        "step",
+        *(f"metric.{k}" for k in metrics),
+    ]
+    rows: list[list[Any]] = []
+    for rec in records:
+        config = [_cell(rec["config"].get(k, "")) for k in config_names]
+        hp = json.dumps(rec["hp"], sort_keys=True, separators=(",", ":"))
+        for h in rec["history"]:
+            values = [h["metrics"].get(k, "") for k in metrics]
+            rows.append([rec["study"], rec["trial"], *config, hp, h["step"], *values])
+    return header, rows
+
+
+def export(
+    url: str | None = None,
+    study: str | None = None,
+    fmt: str = "csv",
+    out: TextIO | None = None,
+) -> int:
+    """Write every trial's metric history as CSV (:func:`export_table`) or JSON (a list
+    of :func:`export_records`).
+
+    Args:
+        url: storage URL (default: :func:`default_storage`).
+        study: only this study.
+        fmt: ``"csv"`` or ``"json"``.
+        out: where to write (default: ``sys.stdout`` at call time).
+
+    Returns:
+        Rows written (CSV) or trials written (JSON).
+
+    Raises:
+        StorageError: the storage cannot be opened.
+        CommandError: no study ``study`` in it.
+        ValueError: an unknown format.
+    """
+    if fmt not in ("csv", "json"):
+        raise ValueError(f"format must be 'csv' or 'json', got {fmt!r}")
+    stream = sys.stdout if out is None else out
+    storage = open_existing_storage(default_storage() if url is None else url)
+    try:
+        records = export_records(storage, study)
+    finally:
+        storage.close()
+    if fmt == "json":
+        json.dump(records, stream, indent=2, allow_nan=False)
+        stream.write("\n")
+        return len(records)
+    header, rows = export_table(records)
+    writer = csv.writer(stream, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return len(rows)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    if args.output is None or args.output == "-":
+        export(args.storage, args.study, args.format)
+        return 0
+    try:
+        with open(args.output, "w", newline="", encoding="utf-8") as f:
+            n = export(args.storage, args.study, args.format, out=f)
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.output}: {_one_line(exc)}") from exc
+    what = "rows" if args.format == "csv" else "trials"
+    print(f"wrote {n} {what} to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write every trial's metric history as CSV or JSON",
+        description="CSV: one row per (trial, step with metrics): study, trial, "
+        "config.<name>, hp (JSON of the sequences), step, metric.<name>. JSON: a list of "
+        "trials with their metric history.",
+    )
+    p.add_argument(
+        "--storage",
+        metavar="URL",
+        help=f"plan storage URL (default: ${STORAGE_ENV} or {DEFAULT_STORAGE})",
+    )
+    p.add_argument("--study", metavar="NAME", help="only this study")
+    p.add_argument("--format", choices=("csv", "json"), required=True, help="output format")
+    p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    p.set_defaults(handler=_cmd_export)
+
+
 # --------------------------------------------------------------------------- main
 
-# One function per subcommand: adds its parser and sets ``handler``. The lead adds
-# run, status, export and simulate here.
+# One function per subcommand: adds its parser and sets ``handler``.
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _add_explain,
+    _add_run,
+    _add_status,
+    _add_export,
 ]
 
 
@@ -273,6 +1205,10 @@ def main(argv: list[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
+    except BrokenPipeError:  # `stagetree export ... | head`: the reader left
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except StagetreeError as exc:
         message = " ".join(str(exc).split("\n", 1)[0].split()) or type(exc).__name__
         print(f"stagetree {args.command}: error: {message}", file=sys.stderr)

@@ -252,11 +252,7 @@ class _Engine:
         assert self.executor is not None
         try:
             while not self._stop.is_set():
-                events = self.executor.events(timeout=0.05)
-                if events:
-                    with self.lock:
-                        for ev in events:
-                            self._on_event(ev)
+                self.pump(timeout=0.05)
         except BaseException as exc:  # keep the error for every waiter and later calls
             self.error = exc
             tb = traceback.format_exc()
@@ -266,6 +262,18 @@ class _Engine:
                         if not w.future.done():
                             w.future.set_exception(TrialFailedError(f"engine failed: {exc!r}", tb))
                 self._waiters.clear()
+
+    def pump(self, timeout: float | None) -> int:
+        """One round of the driver: take the executor's next events (waiting at most
+        ``timeout`` s) and apply them. Returns how many events were applied. The driver
+        thread calls it in a loop; a virtual-time executor may be pumped by its caller."""
+        assert self.executor is not None
+        events = self.executor.events(timeout=timeout)
+        if events:
+            with self.lock:
+                for ev in events:
+                    self._on_event(ev)
+        return len(events)
 
     def _on_event(self, ev: Any) -> None:
         from stagetree import work

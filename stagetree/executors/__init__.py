@@ -1,0 +1,13 @@
+"""Executors carry out the scheduler's instructions on workers and report events.
+
+* :class:`BaseExecutor`: the contract every executor follows.
+* :class:`LocalExecutor`: worker processes on this machine, one per device.
+* :class:`InlineExecutor`: batches run synchronously in the calling thread.
+"""
+
+from __future__ import annotations
+
+from stagetree.executors.base import BaseExecutor
+from stagetree.executors.local import InlineExecutor, LocalExecutor, TrainerSpec
+
+__all__ = ["BaseExecutor", "InlineExecutor", "LocalExecutor", "TrainerSpec"]
