@@ -1,0 +1,76 @@
+"""The executor contract: carry out instructions on workers, report what happens."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import TracebackType
+from typing import TypeVar
+
+from stagetree.work import Instruction, WorkerEvent
+
+__all__ = ["BaseExecutor"]
+
+_E = TypeVar("_E", bound="BaseExecutor")
+
+
+class BaseExecutor(ABC):
+    """Runs :class:`~stagetree.work.RunBatch` instructions on a fixed set of workers.
+
+    An executor carries instructions out and reports events; it makes no decisions
+    (which batch, which worker, when to split or abort: that is the scheduler's).
+
+    Contract, shared by every implementation:
+
+    * Workers have ids ``0 .. num_workers - 1``. :meth:`start` brings them up; each
+      announces itself with :class:`~stagetree.work.WorkerReady` (so does a replacement
+      for a worker that was lost).
+    * :meth:`submit` never blocks on training. A worker runs one batch at a time:
+      submitting a ``RunBatch`` to a worker whose previous batch has not ended raises
+      ``ValueError``. ``AddCheckpoint`` and ``Abort`` go to the worker running that batch;
+      when the batch is no longer running, ``AddCheckpoint`` is answered with
+      :class:`~stagetree.work.SplitMissed` and ``Abort`` is ignored.
+    * Every ``RunBatch`` ends with exactly one terminal event: ``BatchDone``,
+      ``BatchFailed`` or ``WorkerLost`` naming its batch. Events of one batch arrive in
+      the order the worker sent them, and every ``CheckpointSaved`` of a batch arrives
+      before its terminal event (checkpoints it reports are durable).
+    * :meth:`events` blocks until at least one event is available or ``timeout``
+      seconds pass (forever when None), then returns every available event. Liveness is
+      checked there: a dead worker is reported as ``WorkerLost`` (after the events it
+      sent before dying) and replaced.
+    * :meth:`close` stops every worker, waiting a bounded time; it is idempotent.
+
+    Executors are context managers: ``with Executor(...) as ex:`` starts and closes.
+    """
+
+    @property
+    @abstractmethod
+    def num_workers(self) -> int:
+        """Number of worker slots."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Bring the workers up (each will send ``WorkerReady``)."""
+
+    @abstractmethod
+    def submit(self, instruction: Instruction) -> None:
+        """Hand one instruction to its worker (``instruction.worker``)."""
+
+    @abstractmethod
+    def events(self, timeout: float | None = None) -> list[WorkerEvent]:
+        """Events since the last call; waits up to ``timeout`` seconds for the first."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop every worker and release resources."""
+
+    def __enter__(self: _E) -> _E:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,717 @@
+"""Executors on one machine: worker processes (:class:`LocalExecutor`) and the calling
+thread (:class:`InlineExecutor`).
+
+How the trainer reaches worker processes (:class:`TrainerSpec`): workers are started
+with the ``spawn`` method, so they import the trainer class themselves rather than
+inherit it. A class is sent as its module name and qualified name (``pkg.mod:Class``)
+together with the file it was defined in. A worker imports the module by name; when
+that fails, or when the class lives in ``__main__`` (a script) or in a file loaded by
+path, the worker loads that file under the stable module name
+``_stagetree_user_<digest of the path>`` (so the script's ``if __name__ ==
+"__main__":`` block does not run). Classes defined inside functions cannot be sent.
+
+Process layout: worker ``w`` is one process pinned to one device
+(``CUDA_VISIBLE_DEVICES``) and to a fixed number of threads (``OMP_NUM_THREADS``,
+``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``torch.set_num_threads``).
+Instructions reach it on its own pipe, which the running batch polls between steps
+without blocking; events come back on a second pipe per worker (one writer per pipe, so a
+worker killed mid-write cannot corrupt or lock the others' channel). A worker that dies
+is noticed in :meth:`LocalExecutor.events`, reported as ``WorkerLost`` after the events
+it sent, and replaced by a fresh process that sends ``WorkerReady``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util  # registers its exit handler before ours
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from stagetree.checkpoints import CheckpointStore
+from stagetree.exceptions import StagetreeError, TrainerError
+from stagetree.executors.base import BaseExecutor
+from stagetree.trainer import Trainer
+from stagetree.work import (
+    Abort,
+    AddCheckpoint,
+    BatchDone,
+    BatchFailed,
+    Instruction,
+    RunBatch,
+    SplitMissed,
+    WorkerEvent,
+    WorkerLost,
+    WorkerReady,
+)
+from stagetree.worker import Worker
+
+__all__ = ["InlineExecutor", "LocalExecutor", "TrainerSpec"]
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+_ENV_LOCK = threading.Lock()
+# A worker that dies this many times in a row before WorkerReady is not restarted.
+_MAX_START_FAILURES = 3
+
+
+# ---------------------------------------------------------------------- trainer spec
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """An importable reference to a Trainer subclass.
+
+    Attributes:
+        module: module name the class was defined in (``"__main__"`` for a script).
+        qualname: the class's qualified name (dotted for nested classes).
+        path: the file that defines it, used when importing by name fails.
+    """
+
+    module: str
+    qualname: str
+    path: str | None = None
+
+    @classmethod
+    def of(cls, trainer: type[Trainer] | str | TrainerSpec) -> TrainerSpec:
+        """Build a spec from a class, a ``"module:Class"`` / ``"path/file.py:Class"``
+        string, or a spec.
+
+        Raises:
+            ValueError: a class defined inside a function, or a script class whose
+                file is unknown (an interactive session).
+        """
+        if isinstance(trainer, TrainerSpec):
+            return trainer
+        if isinstance(trainer, str):
+            target, sep, qualname = trainer.rpartition(":")
+            if not sep or not target or not qualname:
+                raise ValueError(f"trainer reference {trainer!r} is not 'module:Class'")
+            if target.endswith(".py") or os.sep in target or "/" in target:
+                return cls("", qualname, os.path.abspath(target))
+            return cls(target, qualname, None)
+        if not isinstance(trainer, type):
+            raise ValueError(f"trainer must be a Trainer subclass, got {trainer!r}")
+        if "<locals>" in trainer.__qualname__:
+            raise ValueError(
+                f"trainer {trainer.__qualname__} is defined inside a function; worker "
+                "processes cannot import it: define it at module level"
+            )
+        module = sys.modules.get(trainer.__module__)
+        path = getattr(module, "__file__", None)
+        if trainer.__module__ == "__main__" and not path:
+            raise ValueError(
+                f"trainer {trainer.__qualname__} is defined in an interactive __main__; "
+                "worker processes cannot import it: move it to a file"
+            )
+        return cls(
+            trainer.__module__, trainer.__qualname__, os.path.abspath(path) if path else None
+        )
+
+    def resolve(self) -> type[Trainer]:
+        """Import the class (see the module docstring for the order of attempts).
+
+        Raises:
+            ImportError: it cannot be found by name nor by path.
+        """
+        errors: list[str] = []
+        if self.module and self.module != "__main__":
+            try:
+                return _attr(importlib.import_module(self.module), self.qualname)
+            except (ImportError, AttributeError) as exc:
+                errors.append(f"import {self.module}: {exc}")
+        if self.module == "__main__" and self.path:
+            # A spawned child has already run the parent's script as its __main__.
+            main = sys.modules.get("__main__")
+            main_file = getattr(main, "__file__", None)
+            if main_file and os.path.abspath(main_file) == self.path:
+                with contextlib.suppress(AttributeError):
+                    return _attr(main, self.qualname)
+        if self.path:
+            try:
+                return _attr(_load_file(self.path), self.qualname)
+            except (ImportError, AttributeError, OSError) as exc:
+                errors.append(f"load {self.path}: {exc}")
+        raise ImportError(f"cannot import trainer {self}: " + "; ".join(errors))
+
+    def __str__(self) -> str:
+        return f"{self.module or self.path}:{self.qualname}"
+
+
+def _attr(module: Any, qualname: str) -> type[Trainer]:
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise AttributeError(f"{qualname} is not a class")
+    return obj
+
+
+def _load_file(path: str) -> Any:
+    name = "_stagetree_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+# ---------------------------------------------------------------------- worker process
+
+
+@dataclass(frozen=True)
+class _StartupError:
+    """Child -> parent: the worker could not start (trainer import, store...)."""
+
+    worker: int
+    error: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class _ChildConfig:
+    worker: int
+    spec: TrainerSpec
+    directory: str
+    budget: int | None
+    threads: int
+    device: str | None
+    progress_interval: float
+
+
+def _child_env(device: str | None, threads: int) -> dict[str, str]:
+    env = {name: str(threads) for name in _THREAD_VARS}
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    return env
+
+
+def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> None:
+    """Entry point of a worker process."""
+    # The parent handles Ctrl-C and stops workers through close().
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(_child_env(cfg.device, cfg.threads))
+    lock = threading.Lock()
+
+    def emit(event: Any) -> None:
+        with lock:
+            outbox.send(event)
+
+    try:
+        trainer_cls = cfg.spec.resolve()
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(cfg.threads)
+        store = CheckpointStore(cfg.directory, cfg.budget)
+    except Exception as exc:
+        emit(_StartupError(cfg.worker, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    worker = Worker(cfg.worker, trainer_cls, store, emit, progress_interval=cfg.progress_interval)
+    backlog: deque[Any] = deque()
+    nothing: list[AddCheckpoint | Abort] = []
+    try:
+        emit(WorkerReady(cfg.worker))
+        while True:
+            message = backlog.popleft() if backlog else inbox.recv()
+            if message is None:
+                break
+            if isinstance(message, RunBatch):
+                batch_id = message.batch_id
+
+                def poll(batch_id: int = batch_id) -> list[AddCheckpoint | Abort]:
+                    if not inbox.poll():
+                        return nothing
+                    out: list[AddCheckpoint | Abort] = []
+                    while inbox.poll():
+                        msg = inbox.recv()
+                        if isinstance(msg, (AddCheckpoint, Abort)):
+                            out.append(msg)
+                        else:
+                            if msg is None:  # shutting down: stop this batch first
+                                out.append(Abort(batch_id, cfg.worker))
+                            backlog.append(msg)
+                    return out
+
+                worker.run(message, poll)
+            elif isinstance(message, AddCheckpoint):
+                emit(SplitMissed(message.batch_id, cfg.worker, message.node, message.step))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone
+    finally:
+        worker.close()
+
+
+@contextlib.contextmanager
+def _environ(updates: Mapping[str, str]) -> Iterator[None]:
+    """Temporarily set environment variables (inherited by a process started inside)."""
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in updates}
+        os.environ.update(updates)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+# ---------------------------------------------------------------------- LocalExecutor
+
+
+@dataclass
+class _Slot:
+    worker: int
+    device: str | None
+    process: Any = None
+    inbox: Connection | None = None
+    outbox: Connection | None = None
+    running: int | None = None
+    ready: bool = False
+    start_failures: int = 0
+    pending: list[WorkerEvent] = field(default_factory=list)
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _visible_cuda_devices() -> list[str]:
+    """Physical ids of the CUDA devices torch sees; empty without torch or CUDA."""
+    if importlib.util.find_spec("torch") is None:
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if len(ids) >= count:
+            return ids[:count]
+    return [str(i) for i in range(count)]
+
+
+class LocalExecutor(BaseExecutor):
+    """Worker processes on this machine (see the module docstring for the layout).
+
+    Args:
+        trainer: the Trainer subclass, a ``"module:Class"`` / ``"file.py:Class"``
+            string, or a :class:`TrainerSpec`.
+        num_workers: worker processes; default one per device (CUDA devices torch sees),
+            else one.
+        checkpoint_dir: checkpoint directory shared by the workers, or a store.
+        threads_per_worker: CPU threads of each worker; default ``cpus // num_workers``.
+        devices: device ids to pin workers to, round-robin (``CUDA_VISIBLE_DEVICES``
+            values); default every visible CUDA device, ``[]`` for no pinning.
+        progress_interval: seconds between throttled ``Progress`` events.
+        close_timeout: seconds :meth:`close` waits for workers to exit before
+            terminating them.
+    """
+
+    def __init__(
+        self,
+        trainer: type[Trainer] | str | TrainerSpec,
+        num_workers: int | None = None,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | CheckpointStore,
+        threads_per_worker: int | None = None,
+        devices: Sequence[int | str] | None = None,
+        progress_interval: float = 0.2,
+        close_timeout: float = 10.0,
+    ) -> None:
+        self.spec = TrainerSpec.of(trainer)
+        self.spec.resolve()  # fail here, not in every worker
+        if isinstance(checkpoint_dir, CheckpointStore):
+            self.store = checkpoint_dir
+        else:
+            self.store = CheckpointStore(checkpoint_dir)
+        device_ids = _visible_cuda_devices() if devices is None else [str(d) for d in devices]
+        if num_workers is None:
+            num_workers = max(1, len(device_ids))
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if threads_per_worker is None:
+            threads_per_worker = max(1, _cpu_count() // num_workers)
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        self.threads_per_worker = threads_per_worker
+        self.progress_interval = progress_interval
+        self.close_timeout = close_timeout
+        self._ctx = multiprocessing.get_context("spawn")
+        self._slots = [
+            _Slot(w, device_ids[w % len(device_ids)] if device_ids else None)
+            for w in range(num_workers)
+        ]
+        self._local: list[WorkerEvent] = []
+        self._started = False
+        self._closed = False
+        self._lock = threading.Lock()
+        # Stop children even when close() is forgotten. Registered with atexit after
+        # multiprocessing's own exit handler, so it runs first: that handler would
+        # otherwise wait forever for (non-daemonic) workers that wait for instructions.
+        self._finalizer = weakref.finalize(self, _shutdown, self._slots, close_timeout)
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+
+    # ------------------------------------------------------------------ contract
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._slots)
+
+    @property
+    def devices(self) -> list[str | None]:
+        """Device each worker is pinned to (None: not pinned)."""
+        return [slot.device for slot in self._slots]
+
+    def pid(self, worker: int) -> int | None:
+        """Process id of worker ``worker`` (None before start or after close)."""
+        process = self._slots[worker].process
+        return None if process is None else process.pid
+
+    def start(self) -> None:
+        if self._closed:
+            raise StagetreeError("executor is closed")
+        if self._started:
+            return
+        self._started = True
+        for slot in self._slots:
+            self._spawn(slot)
+
+    def submit(self, instruction: Instruction) -> None:
+        if not self._started or self._closed:
+            raise StagetreeError("executor is not running: call start() first")
+        worker = instruction.worker
+        if not 0 <= worker < len(self._slots):
+            raise ValueError(f"no worker {worker} (have {len(self._slots)})")
+        slot = self._slots[worker]
+        with self._lock:
+            if isinstance(instruction, RunBatch):
+                if slot.running is not None:
+                    raise ValueError(
+                        f"worker {worker} is still running batch {slot.running}; "
+                        f"cannot start batch {instruction.batch_id}"
+                    )
+                slot.running = instruction.batch_id
+            elif isinstance(instruction, AddCheckpoint):
+                if slot.running != instruction.batch_id:
+                    self._local.append(
+                        SplitMissed(
+                            instruction.batch_id, worker, instruction.node, instruction.step
+                        )
+                    )
+                    return
+            elif isinstance(instruction, Abort):
+                if slot.running != instruction.batch_id:
+                    return
+            else:
+                raise TypeError(f"not an instruction: {instruction!r}")
+            assert slot.inbox is not None
+            with contextlib.suppress(OSError):
+                # A dead worker is noticed (and its batch reported lost) in events().
+                slot.inbox.send(instruction)
+
+    def events(self, timeout: float | None = None) -> list[WorkerEvent]:
+        if not self._started:
+            raise StagetreeError("executor is not running: call start() first")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[WorkerEvent] = []
+        while True:
+            with self._lock:
+                out.extend(self._local)
+                self._local.clear()
+                if not self._closed:
+                    self._collect(out)
+            if out or self._closed:
+                return out
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return out
+            waitables: list[Any] = []
+            for slot in self._slots:
+                if slot.outbox is not None:
+                    waitables.append(slot.outbox)
+                if slot.process is not None:
+                    waitables.append(slot.process.sentinel)
+            multiprocessing.connection.wait(waitables, remaining)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._finalizer)
+        self._finalizer()
+
+    # ------------------------------------------------------------------ internals
+
+    def _spawn(self, slot: _Slot) -> None:
+        inbox_recv, inbox_send = self._ctx.Pipe(duplex=False)
+        outbox_recv, outbox_send = self._ctx.Pipe(duplex=False)
+        cfg = _ChildConfig(
+            worker=slot.worker,
+            spec=self.spec,
+            directory=str(self.store.directory),
+            budget=self.store.budget_bytes,
+            threads=self.threads_per_worker,
+            device=slot.device,
+            progress_interval=self.progress_interval,
+        )
+        process = self._ctx.Process(
+            target=_worker_main,
+            args=(cfg, inbox_recv, outbox_send),
+            name=f"stagetree-worker-{slot.worker}",
+        )
+        with _environ(_child_env(slot.device, self.threads_per_worker)):
+            process.start()
+        # Our copies of the child's ends: closing them lets EOF/EPIPE signal its death.
+        inbox_recv.close()
+        outbox_send.close()
+        slot.process, slot.inbox, slot.outbox = process, inbox_send, outbox_recv
+        slot.ready = False
+
+    def _collect(self, out: list[WorkerEvent]) -> None:
+        """Read every available event; report and replace dead workers."""
+        for slot in self._slots:
+            conn = slot.outbox
+            if conn is None:
+                continue
+            eof = False
+            try:
+                while conn.poll():
+                    self._accept(slot, conn.recv(), out)
+            except (EOFError, OSError):
+                eof = True
+            process = slot.process
+            if eof or process.exitcode is not None:
+                if process.exitcode is None:
+                    process.join(1.0)
+                    if process.exitcode is None:
+                        process.kill()
+                        process.join()
+                # The process is gone: read what it sent before dying.
+                with contextlib.suppress(EOFError, OSError):
+                    while conn.poll():
+                        self._accept(slot, conn.recv(), out)
+                self._lost(slot, out)
+
+    def _accept(self, slot: _Slot, event: Any, out: list[WorkerEvent]) -> None:
+        if isinstance(event, _StartupError):
+            raise TrainerError(
+                f"worker {event.worker} could not start ({self.spec}): {event.error}",
+                event.traceback,
+            )
+        if isinstance(event, WorkerReady):
+            slot.ready = True
+            slot.start_failures = 0
+        elif isinstance(event, (BatchDone, BatchFailed)) and event.batch_id == slot.running:
+            slot.running = None
+        out.append(event)
+
+    def _lost(self, slot: _Slot, out: list[WorkerEvent]) -> None:
+        process = slot.process
+        code = process.exitcode
+        reason = (
+            f"worker process {process.pid} killed by signal {-code}"
+            if code is not None and code < 0
+            else f"worker process {process.pid} exited with code {code}"
+        )
+        out.append(WorkerLost(slot.worker, slot.running, reason))
+        slot.running = None
+        for conn in (slot.inbox, slot.outbox):
+            if conn is not None:
+                conn.close()
+        slot.inbox = slot.outbox = None
+        process.close()
+        slot.process = None
+        if not slot.ready:
+            slot.start_failures += 1
+            if slot.start_failures >= _MAX_START_FAILURES:
+                raise StagetreeError(
+                    f"worker {slot.worker} died {slot.start_failures} times before it "
+                    f"was ready ({reason}); not restarting it"
+                )
+        self._spawn(slot)
+
+
+def _shutdown(slots: list[_Slot], timeout: float) -> None:
+    """Stop worker processes: sentinel, bounded wait, terminate, kill."""
+    for slot in slots:
+        if slot.inbox is not None:
+            with contextlib.suppress(OSError):
+                slot.inbox.send(None)
+    deadline = time.monotonic() + timeout
+    alive = [s for s in slots if s.process is not None]
+    while alive and time.monotonic() < deadline:
+        # Keep reading events so that no worker blocks on a full pipe while stopping.
+        for slot in alive:
+            with contextlib.suppress(EOFError, OSError):
+                while slot.outbox is not None and slot.outbox.poll():
+                    slot.outbox.recv()
+        alive = [s for s in alive if s.process.exitcode is None]
+        if alive:
+            multiprocessing.connection.wait(
+                [s.process.sentinel for s in alive],
+                min(0.05, max(0.0, deadline - time.monotonic())),
+            )
+    for slot in slots:
+        process = slot.process
+        if process is None:
+            continue
+        if process.exitcode is None:
+            process.terminate()
+            process.join(2.0)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+        for conn in (slot.inbox, slot.outbox):
+            if conn is not None:
+                conn.close()
+        slot.inbox = slot.outbox = None
+        process.close()
+        slot.process = None
+
+
+# ---------------------------------------------------------------------- InlineExecutor
+
+
+class InlineExecutor(BaseExecutor):
+    """Runs batches synchronously in the calling thread (tests, debugging, profiling).
+
+    ``submit`` queues; :meth:`events` runs every queued batch to its end and returns
+    what happened. ``AddCheckpoint``/``Abort`` submitted for a queued batch are
+    delivered at its first step; for a batch that already ran, the contract's answers
+    apply (``SplitMissed`` / ignored). Nothing can arrive while no batch is queued, so
+    :meth:`events` then returns at once instead of waiting.
+
+    Args:
+        trainer: a Trainer subclass or any callable ``config -> Trainer``.
+        num_workers: worker slots (each keeps its own trainer in memory).
+        checkpoint_dir: checkpoint directory, or a store.
+        progress_interval: seconds between throttled ``Progress`` events.
+    """
+
+    def __init__(
+        self,
+        trainer: Callable[[Mapping[str, Any]], Trainer],
+        num_workers: int = 1,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | CheckpointStore,
+        progress_interval: float = 0.2,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.store = (
+            checkpoint_dir
+            if isinstance(checkpoint_dir, CheckpointStore)
+            else CheckpointStore(Path(checkpoint_dir))
+        )
+        self._events: list[WorkerEvent] = []
+        self._workers = [
+            Worker(w, trainer, self.store, self._events.append, progress_interval=progress_interval)
+            for w in range(num_workers)
+        ]
+        self._queue: deque[RunBatch] = deque()
+        self._live: dict[int, list[AddCheckpoint | Abort]] = {}
+        self._running: dict[int, int] = {}  # worker -> batch id not yet ended
+        self._started = False
+        self._closed = False
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The in-process workers (for inspection in tests)."""
+        return list(self._workers)
+
+    def start(self) -> None:
+        if self._closed:
+            raise StagetreeError("executor is closed")
+        if not self._started:
+            self._started = True
+            self._events.extend(WorkerReady(w) for w in range(len(self._workers)))
+
+    def submit(self, instruction: Instruction) -> None:
+        if not self._started or self._closed:
+            raise StagetreeError("executor is not running: call start() first")
+        worker = instruction.worker
+        if not 0 <= worker < len(self._workers):
+            raise ValueError(f"no worker {worker} (have {len(self._workers)})")
+        running = self._running.get(worker)
+        if isinstance(instruction, RunBatch):
+            if running is not None:
+                raise ValueError(
+                    f"worker {worker} is still running batch {running}; "
+                    f"cannot start batch {instruction.batch_id}"
+                )
+            self._running[worker] = instruction.batch_id
+            self._live[instruction.batch_id] = []
+            self._queue.append(instruction)
+        elif isinstance(instruction, (AddCheckpoint, Abort)):
+            if running == instruction.batch_id:
+                self._live[instruction.batch_id].append(instruction)
+            elif isinstance(instruction, AddCheckpoint):
+                self._events.append(
+                    SplitMissed(instruction.batch_id, worker, instruction.node, instruction.step)
+                )
+        else:
+            raise TypeError(f"not an instruction: {instruction!r}")
+
+    def events(self, timeout: float | None = None) -> list[WorkerEvent]:
+        if not self._started:
+            raise StagetreeError("executor is not running: call start() first")
+        while self._queue:
+            batch = self._queue.popleft()
+            live = self._live[batch.batch_id]
+
+            def poll(live: list[AddCheckpoint | Abort] = live) -> list[AddCheckpoint | Abort]:
+                if not live:
+                    return live
+                out = list(live)
+                live.clear()
+                return out
+
+            try:
+                self._workers[batch.worker].run(batch, poll)
+            finally:
+                del self._live[batch.batch_id]
+                self._running.pop(batch.worker, None)
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            worker.close()

@@ -1,0 +1,527 @@
+"""Runs a batch of stages (:class:`~stagetree.work.RunBatch`) against a user Trainer.
+
+A :class:`Worker` lives as long as its executor slot (a process, an actor, a thread) and
+keeps its trainer in memory between batches: a batch that starts where the previous one
+stopped (same root key and config, same canonical ``(node, step)``) skips the checkpoint
+load. Otherwise it builds a fresh trainer and loads the batch's start checkpoint.
+
+It holds the :class:`~stagetree.trainer.Trainer` contract exactly: before the t-th call
+of ``train()`` the trainer has been given the value at step t of every sequence, all of
+them after construction or restore, only the changed ones otherwise.
+
+Checkpoints are captured synchronously (a deep copy of ``state_dict()``: tensors cloned,
+arrays copied) and written by a background thread while training goes on.
+
+Events of a batch, in order: ``Progress`` (throttled, always at segment ends and at
+evaluation/checkpoint points), ``MetricsReported``, ``CheckpointSaved`` (from the writer
+thread, when durable), ``SplitMissed`` (answers to live splits it cannot honour), and
+exactly one terminal event, ``BatchDone`` or ``BatchFailed``, sent after every
+background write of the batch has finished. ``emit`` must therefore be thread-safe.
+``Progress.seconds_per_step`` is wall time per step since the previous ``Progress``,
+excluding evaluation and checkpoint capture.
+
+Failures: an exception from the trainer (``__init__``, ``load_state_dict``, ``setup``,
+``train``, ``evaluate``, ``state_dict``) ends the batch with ``BatchFailed`` at the
+``(node, step)`` being trained or evaluated, with the formatted traceback, and the
+trainer is dropped. A start checkpoint that is missing or corrupt fails the batch the
+same way with an ``error`` starting with ``"CheckpointError:"``: the model has to be
+recomputed. A checkpoint that cannot be *written* does not stop training; it is logged
+and no ``CheckpointSaved`` is sent for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import secrets
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from stagetree.checkpoints import CheckpointStore
+from stagetree.exceptions import CheckpointError
+from stagetree.trainer import Trainer
+from stagetree.work import (
+    Abort,
+    AddCheckpoint,
+    BatchDone,
+    BatchFailed,
+    CheckpointSaved,
+    MetricsReported,
+    Progress,
+    RunBatch,
+    Segment,
+    SplitMissed,
+    WorkerEvent,
+)
+
+__all__ = ["Worker", "WorkerStats", "snapshot_state"]
+
+logger = logging.getLogger(__name__)
+
+_perf = time.perf_counter
+# Sequence values are looked up per chunk of steps, not per step.
+_CHUNK = 1024
+
+
+def _no_instructions() -> list[AddCheckpoint | Abort]:
+    return []
+
+
+@dataclass
+class WorkerStats:
+    """Counters a worker keeps over its life (read them for reports and tuning).
+
+    Attributes:
+        batches: batches run (finished, aborted or failed).
+        steps: ``train()`` calls.
+        loads: checkpoint loads (fresh trainer restored from a checkpoint).
+        reuses: batches that continued the in-memory trainer without loading.
+        load_seconds: total seconds spent building trainers and loading checkpoints.
+        last_load_seconds: the same for the latest batch (0 when it reused the trainer).
+        saves: checkpoints written; save_seconds: their total capture + write time.
+    """
+
+    batches: int = 0
+    steps: int = 0
+    loads: int = 0
+    reuses: int = 0
+    load_seconds: float = 0.0
+    last_load_seconds: float = 0.0
+    saves: int = 0
+    save_seconds: float = 0.0
+
+
+class _Point:
+    """Work due when the model reaches one step: evaluate and/or checkpoint."""
+
+    __slots__ = ("ckpt_done", "ckpt_node", "eval_done", "eval_node")
+
+    def __init__(self) -> None:
+        self.eval_node: int | None = None
+        self.ckpt_node: int | None = None
+        self.eval_done = False
+        self.ckpt_done = False
+
+
+class _Failed(Exception):
+    """Internal: trainer code (or the start checkpoint) failed at ``(node, step)``."""
+
+    def __init__(self, node: int, step: int, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.node = node
+        self.step = step
+        self.error = error
+        self.tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+class Worker:
+    """Runs batches one at a time against a trainer it keeps in memory.
+
+    Args:
+        worker_id: id reported in every event.
+        trainer_factory: builds a trainer from a batch's fixed config (usually the
+            Trainer subclass itself).
+        store: where checkpoints are loaded from and written to.
+        emit: receives every event; called from the calling thread and from the
+            checkpoint writer thread, so it must be thread-safe.
+        progress_interval: seconds between throttled ``Progress`` events.
+        max_pending_saves: captured checkpoints waiting for the writer before training
+            blocks (bounds the memory held by snapshots).
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        trainer_factory: Callable[[Mapping[str, Any]], Trainer],
+        store: CheckpointStore,
+        emit: Callable[[WorkerEvent], None],
+        *,
+        progress_interval: float = 0.2,
+        max_pending_saves: int = 2,
+    ) -> None:
+        if max_pending_saves < 1:
+            raise ValueError(f"max_pending_saves must be >= 1, got {max_pending_saves}")
+        self.worker_id = worker_id
+        self.trainer_factory = trainer_factory
+        self.store = store
+        self.emit = emit
+        self.progress_interval = progress_interval
+        self.max_pending_saves = max_pending_saves
+        self.stats = WorkerStats()
+        self._trainer: Trainer | None = None
+        # Where the in-memory trainer is: (root_key, config, canonical (node, step) | None).
+        self._root_key: str | None = None
+        self._config: dict[str, Any] | None = None
+        self._at: tuple[int, int] | None = None
+        # Sequence values the trainer was last given, by name.
+        self._given: dict[str, Any] = {}
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def position(self) -> tuple[str, tuple[int, int] | None] | None:
+        """``(root_key, (node, step))`` of the trainer held in memory, None when none is.
+
+        ``(node, step)`` is None for a trainer that has not trained a step yet."""
+        if self._trainer is None or self._root_key is None:
+            return None
+        return (self._root_key, self._at)
+
+    def drop_trainer(self) -> None:
+        """Forget the in-memory trainer (the next batch builds a fresh one)."""
+        self._trainer = None
+        self._root_key = None
+        self._config = None
+        self._at = None
+        self._given = {}
+
+    def close(self) -> None:
+        """Wait for background writes, stop the writer thread and drop the trainer."""
+        self._wait_saves()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        self.drop_trainer()
+
+    def run(
+        self,
+        batch: RunBatch,
+        poll: Callable[[], list[AddCheckpoint | Abort]] | None = None,
+    ) -> None:
+        """Run ``batch`` to its end (or abort/failure), emitting events as it goes.
+
+        Args:
+            batch: the instruction.
+            poll: called between steps without blocking; returns live instructions
+                (``AddCheckpoint``/``Abort``) that arrived for this worker.
+        """
+        begin = _perf()
+        poll = poll or _no_instructions
+        emit = self.emit
+        wid = self.worker_id
+        bid = batch.batch_id
+        self.stats.batches += 1
+        segments = [s for s in batch.segments if s.stop > s.start]
+        end_step = segments[-1].stop if segments else batch.start_step
+        node = (
+            batch.start_at[0]
+            if batch.start_at is not None
+            else (batch.segments[0].node if batch.segments else 0)
+        )
+        step = batch.start_step
+        steps_done = 0
+        points = self._points(batch, end_step)
+        try:
+            trainer = self._prepare(batch, node)
+            aborted = False
+            point = points.get(step)
+            if point is not None:
+                self._do_point(trainer, batch, step, point)
+            instructions = poll()
+            if instructions:
+                aborted = self._apply(instructions, trainer, batch, step, end_step, points)
+            interval = self.progress_interval
+            for seg in segments:
+                if aborted:
+                    break
+                node = seg.node
+                seg_stop = seg.stop
+                mark = _perf()
+                since = 0
+                for lo in range(seg.start, seg_stop, _CHUNK):
+                    hi = min(lo + _CHUNK, seg_stop)
+                    changes = self._changes(seg, lo, hi)
+                    for t in range(lo, hi):
+                        change = changes.get(t)
+                        if change is not None:
+                            self._given.update(change)
+                            trainer.setup(change)
+                        trainer.train()
+                        step = t + 1
+                        steps_done += 1
+                        since += 1
+                        now = _perf()
+                        point = points.get(step)
+                        if point is not None or step == seg_stop or now - mark >= interval:
+                            emit(Progress(bid, wid, node, step, (now - mark) / since))
+                            if point is not None:
+                                self._do_point(trainer, batch, step, point)
+                            mark = _perf()
+                            since = 0
+                        instructions = poll()
+                        if instructions:
+                            aborted = self._apply(
+                                instructions, trainer, batch, step, end_step, points
+                            )
+                            if aborted:
+                                break
+                    if aborted:
+                        break
+            if steps_done:
+                self._at = (node, step)
+        except _Failed as failed:
+            self._finish_failed(batch, failed, steps_done)
+            return
+        except Exception as exc:
+            # Trainer code raised in setup/train (the only unwrapped calls above).
+            self._finish_failed(batch, _Failed(node, step, exc), steps_done)
+            return
+        self._wait_saves()
+        self.stats.steps += steps_done
+        emit(BatchDone(bid, wid, _perf() - begin, steps_done))
+
+    # ------------------------------------------------------------------ batch start
+
+    def _prepare(self, batch: RunBatch, node: int) -> Trainer:
+        config = dict(batch.config)
+        if (
+            self._trainer is not None
+            and self._root_key == batch.root_key
+            and self._at == batch.start_at
+            and self._config == config
+        ):
+            self.stats.reuses += 1
+            self.stats.last_load_seconds = 0.0
+            return self._trainer
+        self.drop_trainer()
+        begin = _perf()
+        try:
+            trainer = self.trainer_factory(batch.config)
+            if batch.start_checkpoint is not None:
+                state = self.store.load(batch.start_checkpoint)
+                trainer.load_state_dict(state)
+                self.stats.loads += 1
+            elif batch.start_step != 0:
+                raise CheckpointError(
+                    f"batch {batch.batch_id} starts at step {batch.start_step} "
+                    "without a start checkpoint, and this worker does not hold that model"
+                )
+        except Exception as exc:
+            raise _Failed(node, batch.start_step, exc) from exc
+        seconds = _perf() - begin
+        self.stats.load_seconds += seconds
+        self.stats.last_load_seconds = seconds
+        self._trainer = trainer
+        self._root_key = batch.root_key
+        self._config = config
+        self._at = batch.start_at
+        self._given = {}
+        return trainer
+
+    @staticmethod
+    def _points(batch: RunBatch, end_step: int) -> dict[int, _Point]:
+        points: dict[int, _Point] = {}
+        for node, step in batch.evaluate_at:
+            if batch.start_step <= step <= end_step:
+                points.setdefault(step, _Point()).eval_node = node
+        for node, step in batch.checkpoint_at:
+            if batch.start_step <= step <= end_step:
+                points.setdefault(step, _Point()).ckpt_node = node
+        return points
+
+    # ------------------------------------------------------------------ sequences
+
+    def _changes(self, seg: Segment, lo: int, hi: int) -> dict[int, dict[str, Any]]:
+        """Values to give before each step in ``[lo, hi)``: only steps where some
+        sequence differs from what the trainer holds (all of them after a restore)."""
+        given = self._given
+        out: dict[int, dict[str, Any]] = {}
+        for name, seq in seg.hp.items():
+            column = _values(seq, lo, hi)
+            last = given.get(name, _MISSING)
+            first = column[0]
+            # Constant over the chunk (the common case), checked at C speed.
+            if column.count(first) == len(column) and len(set(map(type, column))) == 1:
+                if not _same(last, first):
+                    out.setdefault(lo, {})[name] = first
+                continue
+            for i, value in enumerate(column):
+                if not _same(last, value):
+                    out.setdefault(lo + i, {})[name] = value
+                    last = value
+        return out
+
+    # ------------------------------------------------------------------ points, splits
+
+    def _do_point(self, trainer: Trainer, batch: RunBatch, step: int, point: _Point) -> None:
+        # Checkpoint first: the saved state must not depend on whether we evaluated.
+        if point.ckpt_node is not None and not point.ckpt_done:
+            point.ckpt_done = True
+            self._checkpoint(trainer, batch, point.ckpt_node, step)
+        if point.eval_node is not None and not point.eval_done:
+            point.eval_done = True
+            try:
+                raw = trainer.evaluate()
+                metrics = {str(k): float(v) for k, v in dict(raw).items()}
+            except Exception as exc:
+                raise _Failed(point.eval_node, step, exc) from exc
+            self.emit(
+                MetricsReported(batch.batch_id, self.worker_id, point.eval_node, step, metrics)
+            )
+
+    def _apply(
+        self,
+        instructions: list[AddCheckpoint | Abort],
+        trainer: Trainer,
+        batch: RunBatch,
+        step: int,
+        end_step: int,
+        points: dict[int, _Point],
+    ) -> bool:
+        """Apply live instructions at ``step``; returns True when the batch must stop."""
+        aborted = False
+        for ins in instructions:
+            if isinstance(ins, Abort):
+                aborted = aborted or ins.batch_id == batch.batch_id
+                continue
+            if not isinstance(ins, AddCheckpoint):
+                raise TypeError(f"poll() returned {type(ins).__name__}, not AddCheckpoint/Abort")
+            if aborted or ins.batch_id != batch.batch_id or not step <= ins.step <= end_step:
+                self.emit(SplitMissed(ins.batch_id, self.worker_id, ins.node, ins.step))
+                continue
+            point = points.setdefault(ins.step, _Point())
+            if point.ckpt_node is None:
+                point.ckpt_node = ins.node
+            if ins.evaluate and point.eval_node is None:
+                point.eval_node = ins.node
+            if ins.step == step:
+                self._do_point(trainer, batch, step, point)
+        return aborted
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint(self, trainer: Trainer, batch: RunBatch, node: int, step: int) -> None:
+        begin = _perf()
+        try:
+            snapshot = snapshot_state(trainer.state_dict())
+        except Exception as exc:
+            raise _Failed(node, step, exc) from exc
+        capture = _perf() - begin
+        pending = [f for f in self._pending if not f.done()]
+        while len(pending) >= self.max_pending_saves:
+            pending.pop(0).result()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(
+                1, thread_name_prefix=f"stagetree-ckpt-{self.worker_id}"
+            )
+        name = _checkpoint_name(batch.root_key, node, step)
+        pending.append(
+            self._writer.submit(self._write, batch.batch_id, node, step, name, snapshot, capture)
+        )
+        self._pending = pending
+
+    def _write(
+        self, batch_id: int, node: int, step: int, name: str, state: dict[str, Any], capture: float
+    ) -> None:
+        try:
+            info = self.store.save(name, state)
+        except Exception:
+            # The batch goes on; the scheduler sees no CheckpointSaved and recomputes.
+            logger.exception(
+                "worker %s: checkpoint of node %s step %s failed", self.worker_id, node, step
+            )
+            return
+        seconds = capture + info.seconds
+        self.stats.saves += 1
+        self.stats.save_seconds += seconds
+        self.emit(
+            CheckpointSaved(batch_id, self.worker_id, node, step, info.ref, info.nbytes, seconds)
+        )
+
+    def _wait_saves(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def _finish_failed(self, batch: RunBatch, failed: _Failed, steps_done: int) -> None:
+        self._wait_saves()
+        self.stats.steps += steps_done
+        self.drop_trainer()
+        error = f"{type(failed.error).__name__}: {failed.error}"
+        self.emit(
+            BatchFailed(batch.batch_id, self.worker_id, failed.node, failed.step, error, failed.tb)
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING: Any = _Missing()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Typed equality of sequence values (``1 != 1.0 != True``)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _values(seq: Any, lo: int, hi: int) -> list[Any]:
+    """Values of a sequence (or a callable of the step, or a constant) at ``[lo, hi)``."""
+    if callable(seq):
+        values = getattr(seq, "values", None)
+        if callable(values):
+            out = list(values(lo, hi))
+            if len(out) != hi - lo:
+                raise ValueError(f"{seq!r}.values({lo}, {hi}) returned {len(out)} values")
+            return out
+        return [seq(t) for t in range(lo, hi)]
+    return [seq] * (hi - lo)
+
+
+def _checkpoint_name(root_key: str, node: int, step: int) -> str:
+    # Node ids are unique per storage; the root-key digest and a random suffix keep
+    # names unique across stores sharing a directory and across recomputations.
+    digest = hashlib.sha1(root_key.encode()).hexdigest()[:8]
+    return f"r{digest}-n{node}-s{step}-{secrets.token_hex(4)}"
+
+
+def snapshot_state(state: Any) -> Any:
+    """An independent deep copy of a state dict, taken before training continues.
+
+    Tensors are detached and cloned (on their device), numpy arrays copied, containers
+    rebuilt; immutable scalars are shared. Anything else goes through ``copy.deepcopy``.
+    """
+    torch = sys.modules.get("torch")
+    numpy = sys.modules.get("numpy")
+    return _snapshot(state, torch.Tensor if torch is not None else None, numpy)
+
+
+def _snapshot(obj: Any, tensor_type: Any, numpy: Any) -> Any:
+    kind = type(obj)
+    if obj is None or kind in (bool, int, float, str, bytes):
+        return obj
+    if tensor_type is not None and isinstance(obj, tensor_type):
+        return obj.detach().clone()
+    if numpy is not None and isinstance(obj, numpy.ndarray):
+        return obj.copy()
+    if kind is dict:
+        return {k: _snapshot(v, tensor_type, numpy) for k, v in obj.items()}
+    if kind is list:
+        return [_snapshot(v, tensor_type, numpy) for v in obj]
+    if kind is tuple:
+        return tuple(_snapshot(v, tensor_type, numpy) for v in obj)
+    if isinstance(obj, Mapping):
+        try:
+            return kind((k, _snapshot(v, tensor_type, numpy)) for k, v in obj.items())
+        except TypeError:
+            return {k: _snapshot(v, tensor_type, numpy) for k, v in obj.items()}
+    return copy.deepcopy(obj)

@@ -1,0 +1,492 @@
+"""Worker: the setup contract, exact resumes, background checkpoints, live splits,
+aborts and failures, driven by hand-written RunBatch instructions."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stagetree.checkpoints import CheckpointInfo, CheckpointStore
+from stagetree.hp import Constant, MultiStep, Step
+from stagetree.trainer import Trainer
+from stagetree.work import (
+    Abort,
+    AddCheckpoint,
+    BatchDone,
+    BatchFailed,
+    CheckpointSaved,
+    MetricsReported,
+    Progress,
+    RunBatch,
+    Segment,
+    SplitMissed,
+)
+from stagetree.worker import Worker, snapshot_state
+
+# Every call of every Noisy trainer, in order: (trainer id, call, detail).
+CALLS: list[tuple[int, str, Any]] = []
+_IDS = itertools.count()
+
+
+class Noisy(Trainer):
+    """A tiny stochastic trainer in numpy: RNG, in-place state, sequential hps."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.id = next(_IDS)
+        self.rng = np.random.default_rng(config["seed"])
+        self.w = np.zeros(3)
+        self.hp: dict[str, Any] = {}
+        self.t = 0
+        if config.get("fail") == "init":
+            raise RuntimeError("init exploded")
+        CALLS.append((self.id, "init", dict(config)))
+
+    def setup(self, hp: Mapping[str, Any]) -> None:
+        CALLS.append((self.id, "setup", dict(hp)))
+        if self.config.get("fail") == "setup" and self.t == 2:
+            raise ValueError("bad hp")
+        self.hp.update(hp)
+
+    def train(self) -> dict[str, float]:
+        CALLS.append((self.id, "train", self.t))
+        if self.config.get("fail") == "train" and self.t == 3:
+            raise FloatingPointError("loss is nan")
+        noise = self.rng.normal(size=3)
+        self.w *= 1.0 - self.hp["lr"]  # in place: snapshots must copy
+        self.w += self.hp["lr"] * self.hp["scale"] * noise
+        self.t += 1
+        return {"loss": float(self.w @ self.w)}
+
+    def evaluate(self) -> dict[str, float]:
+        CALLS.append((self.id, "evaluate", self.t))
+        if self.config.get("fail") == "evaluate":
+            raise KeyError("no metric")
+        return {"norm": float(np.sum(self.w**2)), "t": self.t}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": self.w, "rng": self.rng.bit_generator.state, "t": self.t}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        CALLS.append((self.id, "load", state["t"]))
+        if self.config.get("fail") == "load":
+            raise RuntimeError("incompatible state")
+        self.w = np.array(state["w"])
+        self.rng.bit_generator.state = state["rng"]
+        self.t = int(state["t"])
+
+
+@pytest.fixture(autouse=True)
+def _clear_calls() -> None:
+    CALLS.clear()
+
+
+LR = MultiStep(0.5, [4, 7], 0.5)
+SCALE = Constant(1.0)
+HP = {"lr": LR, "scale": SCALE}
+CONFIG = {"seed": 3}
+
+
+def _batch(
+    batch_id: int,
+    segments: list[tuple[int, int, int, Mapping[str, Any]]],
+    *,
+    start_at: tuple[int, int] | None = None,
+    start_checkpoint: str | None = None,
+    evaluate_at: tuple[tuple[int, int], ...] = (),
+    checkpoint_at: tuple[tuple[int, int], ...] = (),
+    config: Mapping[str, Any] = CONFIG,
+    root_key: str = "root",
+) -> RunBatch:
+    segs = tuple(Segment(n, a, b, hp) for n, a, b, hp in segments)
+    return RunBatch(
+        batch_id=batch_id,
+        worker=0,
+        root_key=root_key,
+        config=config,
+        start_step=segs[0].start,
+        start_at=start_at,
+        start_checkpoint=start_checkpoint,
+        segments=segs,
+        evaluate_at=evaluate_at,
+        checkpoint_at=checkpoint_at,
+    )
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event: Any) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def _worker(tmp_path: Path, **kwargs: Any) -> tuple[Worker, Collector]:
+    events = Collector()
+    return Worker(0, Noisy, CheckpointStore(tmp_path), events, **kwargs), events
+
+
+def _check_setup_contract(hp_by_step: Mapping[int, Mapping[str, Any]]) -> None:
+    """Replay CALLS: before train at step t every trainer holds every hp at its value at
+    t; all values after init/restore; only changed values otherwise."""
+    known: dict[int, dict[str, Any]] = {}
+    fresh: dict[int, bool] = {}
+    for tid, call, detail in CALLS:
+        if call in ("init", "load"):
+            known[tid] = {}
+            fresh[tid] = True
+        elif call == "setup":
+            if fresh[tid]:
+                assert set(detail) == set(hp_by_step[0]), "all values after init/restore"
+            else:
+                for name, value in detail.items():
+                    assert known[tid].get(name) != value, f"unchanged {name} given again"
+            fresh[tid] = False
+            known[tid].update(detail)
+        elif call == "train":
+            expected = hp_by_step[detail]
+            assert known[tid] == expected, f"step {detail}: {known[tid]} != {expected}"
+            assert not fresh[tid]
+
+
+def _values(hp: Mapping[str, Any], t: int) -> dict[str, Any]:
+    return {name: seq(t) for name, seq in hp.items()}
+
+
+def test_setup_contract_across_segments_and_batches(tmp_path: Path) -> None:
+    lr2 = Step(0.2, 2, 0.5)
+    worker, events = _worker(tmp_path)
+    # Node 1 trains 0..5, node 2 (branching at 5) trains 5..9.
+    worker.run(_batch(1, [(1, 0, 5, HP), (2, 5, 9, {"lr": lr2, "scale": SCALE})]))
+    # A second batch continues the in-memory trainer from (2, 9): no load.
+    worker.run(_batch(2, [(3, 9, 12, {"lr": lr2, "scale": Constant(2.0)})], start_at=(2, 9)))
+    expected = {t: _values(HP, t) for t in range(5)}
+    expected.update({t: {"lr": lr2(t), "scale": 1.0} for t in range(5, 9)})
+    expected.update({t: {"lr": lr2(t), "scale": 2.0} for t in range(9, 12)})
+    _check_setup_contract(expected)
+    assert [c[1] for c in CALLS].count("init") == 1
+    assert worker.stats.reuses == 1 and worker.stats.loads == 0
+    setups = [c[2] for c in CALLS if c[1] == "setup"]
+    # All at step 0, then exactly the changes: lr at 4, lr at 5 (new node), lr at 6 and
+    # 8 (Step decays every 2 steps), scale at 9, lr at 10.
+    assert setups == [
+        {"lr": 0.5, "scale": 1.0},
+        {"lr": 0.25},
+        {"lr": lr2(5)},
+        {"lr": lr2(6)},
+        {"lr": lr2(8)},
+        {"scale": 2.0},
+        {"lr": lr2(10)},
+    ]
+    done = events.of(BatchDone)
+    assert [(d.batch_id, d.steps) for d in done] == [(1, 9), (2, 3)]
+    assert worker.position == ("root", (3, 12))
+
+
+def test_restore_gives_all_values_and_matches_uninterrupted_run(tmp_path: Path) -> None:
+    # Uninterrupted: 0..10 on one node, metrics at 10.
+    solo, solo_events = _worker(tmp_path / "solo")
+    solo.run(_batch(1, [(1, 0, 10, HP)], evaluate_at=((1, 10),)))
+    solo_state = snapshot_state(solo._trainer.state_dict())  # type: ignore[union-attr]
+
+    # Split: 0..6 with a checkpoint at the branch point 6, then a *different* worker
+    # resumes from the checkpoint.
+    store = CheckpointStore(tmp_path / "split")
+    first_events = Collector()
+    Worker(0, Noisy, store, first_events).run(_batch(1, [(1, 0, 6, HP)], checkpoint_at=((1, 6),)))
+    [saved] = first_events.of(CheckpointSaved)
+    assert (saved.node, saved.step) == (1, 6) and store.exists(saved.ref)
+    assert saved.nbytes == store.size(saved.ref)
+    # CheckpointSaved precedes BatchDone.
+    assert isinstance(first_events.events[-1], BatchDone)
+    second_events = Collector()
+    second = Worker(1, Noisy, store, second_events)
+    second.run(
+        _batch(
+            2,
+            [(1, 6, 10, HP)],
+            start_at=(1, 6),
+            start_checkpoint=saved.ref,
+            evaluate_at=((1, 10),),
+        )
+    )
+    state = second._trainer.state_dict()  # type: ignore[union-attr]
+    np.testing.assert_array_equal(state["w"], solo_state["w"])
+    assert state["rng"] == solo_state["rng"]
+    assert (
+        second_events.of(MetricsReported)[0].metrics == solo_events.of(MetricsReported)[0].metrics
+    )
+    assert second.stats.loads == 1
+    assert second_events.of(BatchDone)[0].steps == 4
+    _check_setup_contract({t: _values(HP, t) for t in range(10)})
+    # The restored trainer was given every value before its first step.
+    loaded = next(i for i, c in enumerate(CALLS) if c[1] == "load")
+    assert CALLS[loaded + 1][1] == "setup" and set(CALLS[loaded + 1][2]) == {"lr", "scale"}
+
+
+def test_batch_not_at_held_position_reloads(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    events = Collector()
+    worker = Worker(0, Noisy, store, events)
+    worker.run(_batch(1, [(1, 0, 6, HP)], checkpoint_at=((1, 3), (1, 6))))
+    refs = {e.step: e.ref for e in events.of(CheckpointSaved)}
+    # Next batch branches at 3 (not where the trainer is): it must load the checkpoint.
+    worker.run(_batch(2, [(2, 3, 5, HP)], start_at=(1, 3), start_checkpoint=refs[3]))
+    assert worker.stats.loads == 1 and worker.stats.reuses == 0
+    # Different root key at the same position: fresh trainer too.
+    worker.run(
+        _batch(3, [(9, 6, 7, HP)], start_at=(1, 6), start_checkpoint=refs[6], root_key="other")
+    )
+    assert worker.stats.loads == 2
+    assert [c[1] for c in CALLS].count("init") == 3
+    assert worker.stats.last_load_seconds > 0
+    assert not events.of(BatchFailed)
+    # Each restored trainer got every value first, although the worker had given some
+    # of the same values to its previous trainer.
+    _check_setup_contract({t: _values(HP, t) for t in range(7)})
+
+
+def test_evaluation_and_progress_points(tmp_path: Path) -> None:
+    worker, events = _worker(tmp_path, progress_interval=1e9)
+    worker.run(
+        _batch(
+            7,
+            [(1, 0, 4, HP), (2, 4, 8, HP)],
+            evaluate_at=((1, 0), (1, 2), (2, 8)),
+            checkpoint_at=((1, 4),),
+        )
+    )
+    metrics = events.of(MetricsReported)
+    assert [(m.node, m.step, m.metrics["t"]) for m in metrics] == [(1, 0, 0), (1, 2, 2), (2, 8, 8)]
+    # With throttling off, Progress comes exactly at points and segment ends.
+    progress = events.of(Progress)
+    assert [(p.node, p.step) for p in progress] == [(1, 2), (1, 4), (2, 8)]
+    assert all(p.seconds_per_step >= 0 and p.batch_id == 7 for p in progress)
+    # Every point is reported after its Progress, and BatchDone is last.
+    kinds = [type(e).__name__ for e in events.events]
+    assert kinds[-1] == "BatchDone"
+    assert kinds.index("MetricsReported", 1) > kinds.index("Progress")
+
+
+def test_checkpoint_is_captured_synchronously_and_written_in_background(tmp_path: Path) -> None:
+    released = threading.Event()
+    seen_release: list[bool] = []
+
+    class SlowStore(CheckpointStore):
+        def save(self, name: str, state: Mapping[str, Any]) -> CheckpointInfo:
+            # Training must reach step 8 while this write is still in progress.
+            seen_release.append(released.wait(timeout=30))
+            return super().save(name, state)
+
+    class Releasing(Noisy):
+        def train(self) -> dict[str, float]:
+            if self.t == 8:
+                released.set()
+            return super().train()
+
+    events = Collector()
+    store = SlowStore(tmp_path)
+    worker = Worker(0, Releasing, store, events)
+    worker.run(_batch(1, [(1, 0, 12, HP)], checkpoint_at=((1, 5),)))
+    assert seen_release == [True]
+    [saved] = events.of(CheckpointSaved)
+    # The checkpoint holds the state at step 5 although w was mutated in place since.
+    reference, _ = _worker(tmp_path / "ref")
+    reference.run(_batch(1, [(1, 0, 5, HP)]))
+    expected = reference._trainer.state_dict()  # type: ignore[union-attr]
+    loaded = store.load(saved.ref)
+    assert loaded["t"] == 5
+    np.testing.assert_array_equal(loaded["w"], expected["w"])
+    assert loaded["rng"] == expected["rng"]
+    # BatchDone waited for the write.
+    assert events.events[-1] == events.of(BatchDone)[0]
+    assert events.events.index(saved) < len(events.events) - 1
+
+
+class Script:
+    """poll() that hands out instructions when the trainer reaches given steps."""
+
+    def __init__(self, worker: Worker, plan: Mapping[int, list[Any]]) -> None:
+        self.worker = worker
+        self.plan = dict(plan)
+
+    def __call__(self) -> list[Any]:
+        trainer = self.worker._trainer
+        t = trainer.t if trainer is not None else -1  # type: ignore[attr-defined]
+        return self.plan.pop(t, [])
+
+
+def test_add_checkpoint_ahead_behind_now_and_beyond(tmp_path: Path) -> None:
+    worker, events = _worker(tmp_path, progress_interval=1e9)
+    batch = _batch(5, [(1, 0, 4, HP), (2, 4, 10, HP)])
+    script = Script(
+        worker,
+        {
+            3: [
+                AddCheckpoint(5, 0, node=2, step=7, evaluate=True),  # ahead
+                AddCheckpoint(5, 0, node=1, step=2),  # behind
+                AddCheckpoint(5, 0, node=1, step=3),  # exactly now
+                AddCheckpoint(5, 0, node=2, step=11),  # beyond the batch
+                AddCheckpoint(4, 0, node=1, step=8),  # another batch
+            ]
+        },
+    )
+    worker.run(batch, script)
+    saved = sorted((e.node, e.step) for e in events.of(CheckpointSaved))
+    assert saved == [(1, 3), (2, 7)]
+    assert [(m.node, m.step) for m in events.of(MetricsReported)] == [(2, 7)]
+    missed = [(m.batch_id, m.node, m.step) for m in events.of(SplitMissed)]
+    assert missed == [(5, 1, 2), (5, 2, 11), (4, 1, 8)]
+    store = worker.store
+    for event in events.of(CheckpointSaved):
+        assert store.load(event.ref)["t"] == event.step
+    assert events.of(BatchDone)[0].steps == 10
+
+
+def test_abort_stops_after_current_step_and_saves_nothing_more(tmp_path: Path) -> None:
+    worker, events = _worker(tmp_path)
+    batch = _batch(3, [(1, 0, 10, HP)], checkpoint_at=((1, 2), (1, 6)))
+    script = Script(
+        worker, {4: [Abort(3, 0), AddCheckpoint(3, 0, node=1, step=5)], 2: [Abort(99, 0)]}
+    )
+    worker.run(batch, script)
+    assert [e.step for e in events.of(CheckpointSaved)] == [2]
+    assert [(m.node, m.step) for m in events.of(SplitMissed)] == [(1, 5)]
+    [done] = events.of(BatchDone)
+    assert done.steps == 4 and isinstance(events.events[-1], BatchDone)
+    assert [c[2] for c in CALLS if c[1] == "train"] == [0, 1, 2, 3]
+    # The aborted trainer stays in memory where it stopped and can continue.
+    assert worker.position == ("root", (1, 4))
+    worker.run(_batch(4, [(1, 4, 6, HP)], start_at=(1, 4)))
+    assert worker.stats.reuses == 1
+    _check_setup_contract({t: _values(HP, t) for t in range(6)})
+
+
+def test_abort_before_first_step(tmp_path: Path) -> None:
+    worker, events = _worker(tmp_path)
+    worker.run(_batch(3, [(1, 0, 10, HP)]), lambda: [Abort(3, 0)])
+    assert [type(e) for e in events.events] == [BatchDone]
+    assert events.events[0].steps == 0
+
+
+@pytest.mark.parametrize(
+    ("fail", "node", "step", "error", "where"),
+    [
+        ("train", 2, 3, "FloatingPointError: loss is nan", "in train"),
+        ("setup", 2, 2, "ValueError: bad hp", "in setup"),
+        ("evaluate", 1, 1, "KeyError: 'no metric'", "in evaluate"),
+        ("init", 1, 0, "RuntimeError: init exploded", "in __init__"),
+    ],
+)
+def test_trainer_exception_fails_batch_with_traceback(
+    tmp_path: Path, fail: str, node: int, step: int, error: str, where: str
+) -> None:
+    worker, events = _worker(tmp_path)
+    lr = Step(0.5, 1, 0.5)  # changes every step, so setup is called at step 2
+    batch = _batch(
+        8,
+        [(1, 0, 2, {"lr": lr, "scale": SCALE}), (2, 2, 6, {"lr": lr, "scale": SCALE})],
+        config={"seed": 1, "fail": fail},
+        evaluate_at=((1, 1),),
+        checkpoint_at=((1, 1),),
+    )
+    worker.run(batch)
+    failed = events.events[-1]
+    assert isinstance(failed, BatchFailed)
+    assert (failed.batch_id, failed.worker, failed.node, failed.step) == (8, 0, node, step)
+    assert failed.error == error
+    assert "Traceback" in failed.traceback and where in failed.traceback
+    assert not events.of(BatchDone)
+    assert worker.position is None  # trainer dropped
+    if fail in ("train", "setup"):
+        # The checkpoint taken before the failure is still reported, before BatchFailed.
+        assert [e.step for e in events.of(CheckpointSaved)] == [1]
+
+
+def test_load_failures_fail_the_batch(tmp_path: Path) -> None:
+    worker, events = _worker(tmp_path)
+    worker.run(_batch(1, [(1, 0, 3, HP)], checkpoint_at=((1, 3),)))
+    ref = events.of(CheckpointSaved)[0].ref
+    worker.drop_trainer()
+    worker.run(
+        _batch(
+            2,
+            [(1, 3, 5, HP)],
+            start_at=(1, 3),
+            start_checkpoint=ref,
+            config={"seed": 3, "fail": "load"},
+        )
+    )
+    failed = events.events[-1]
+    assert isinstance(failed, BatchFailed) and failed.error.startswith("RuntimeError")
+    assert (failed.node, failed.step) == (1, 3) and "in load_state_dict" in failed.traceback
+    # A missing checkpoint is a CheckpointError the scheduler can tell apart.
+    worker.store.delete(ref)
+    worker.run(_batch(3, [(1, 3, 5, HP)], start_at=(1, 3), start_checkpoint=ref))
+    missing = events.events[-1]
+    assert isinstance(missing, BatchFailed)
+    assert missing.error.startswith("CheckpointError") and "does not exist" in missing.error
+    # Starting past step 0 without a checkpoint or a held trainer is refused.
+    worker.run(_batch(4, [(1, 3, 5, HP)], start_at=(1, 3)))
+    assert isinstance(events.events[-1], BatchFailed)
+    assert "without a start checkpoint" in events.events[-1].error
+
+
+def test_snapshot_state_is_independent() -> None:
+    arr = np.zeros(2)
+    state = {"a": arr, "l": [arr, (1, "x")], "n": None}
+    snap = snapshot_state(state)
+    arr += 1
+    assert snap["a"].tolist() == [0.0, 0.0] and snap["l"][0].tolist() == [0.0, 0.0]
+    assert snap["l"][1] == (1, "x")
+
+
+@pytest.mark.torch
+def test_digits_trainer_split_run_is_bit_exact(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    from stagetree.torch.examples import DigitsTrainer
+
+    torch.set_num_threads(1)
+    config = {"seed": 0, "batches_per_step": 2, "hidden": 16, "optimizer": "momentum"}
+    hp = {"lr": MultiStep(0.1, [3], 0.5), "batch_size": Constant(32)}
+    hp_b = {"lr": Constant(0.02), "batch_size": Step(16, 2, 2.0)}
+
+    # Alone: root 0..4, then branch b 4..7.
+    solo_store = CheckpointStore(tmp_path / "solo")
+    solo_events = Collector()
+    solo = Worker(0, DigitsTrainer, solo_store, solo_events)
+    solo.run(_batch(1, [(1, 0, 4, hp), (2, 4, 7, hp_b)], config=config, evaluate_at=((2, 7),)))
+    # Shared: root 0..4 with a checkpoint, then another worker resumes branch b.
+    store = CheckpointStore(tmp_path / "shared")
+    events = Collector()
+    Worker(0, DigitsTrainer, store, events).run(
+        _batch(1, [(1, 0, 4, hp)], config=config, checkpoint_at=((1, 4),))
+    )
+    ref = events.of(CheckpointSaved)[0].ref
+    resumed = Worker(1, DigitsTrainer, store, events)
+    resumed.run(
+        _batch(
+            2,
+            [(2, 4, 7, hp_b)],
+            config=config,
+            start_at=(1, 4),
+            start_checkpoint=ref,
+            evaluate_at=((2, 7),),
+        )
+    )
+    assert events.of(MetricsReported)[0].metrics == solo_events.of(MetricsReported)[0].metrics
+    a = solo._trainer.model.state_dict()  # type: ignore[union-attr]
+    b = resumed._trainer.model.state_dict()  # type: ignore[union-attr]
+    assert all(torch.equal(a[k], b[k]) for k in a)
