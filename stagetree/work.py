@@ -134,15 +134,21 @@ class CheckpointSaved:
 
 @dataclass(frozen=True)
 class BatchDone:
+    """The batch ended (finished or aborted): ``steps`` trained in ``busy_seconds``,
+    of which ``load_seconds`` went to loading its start checkpoint."""
+
     batch_id: int
     worker: int
     busy_seconds: float
     steps: int
+    load_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
 class BatchFailed:
-    """A trainer raised while training step ``step`` of ``node`` (or while loading)."""
+    """A trainer raised while training step ``step`` of ``node`` (``kind="trainer"``), or
+    the start checkpoint could not be loaded (``kind="checkpoint"``: the checkpoint is
+    lost; the work should be planned again from an earlier one, not failed)."""
 
     batch_id: int
     worker: int
@@ -150,6 +156,7 @@ class BatchFailed:
     step: int
     error: str
     traceback: str
+    kind: str = "trainer"
 
 
 @dataclass(frozen=True)

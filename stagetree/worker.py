@@ -112,8 +112,11 @@ class _Point:
 class _Failed(Exception):
     """Internal: trainer code (or the start checkpoint) failed at ``(node, step)``."""
 
-    def __init__(self, node: int, step: int, error: BaseException) -> None:
+    def __init__(
+        self, node: int, step: int, error: BaseException, checkpoint: bool = False
+    ) -> None:
         super().__init__(str(error))
+        self.checkpoint = checkpoint
         self.node = node
         self.step = step
         self.error = error
@@ -276,7 +279,7 @@ class Worker:
             return
         self._wait_saves()
         self.stats.steps += steps_done
-        emit(BatchDone(bid, wid, _perf() - begin, steps_done))
+        emit(BatchDone(bid, wid, _perf() - begin, steps_done, self.stats.last_load_seconds))
 
     # ------------------------------------------------------------------ batch start
 
@@ -294,16 +297,21 @@ class Worker:
         self.drop_trainer()
         begin = _perf()
         try:
-            trainer = self.trainer_factory(batch.config)
+            state = None
             if batch.start_checkpoint is not None:
                 state = self.store.load(batch.start_checkpoint)
-                trainer.load_state_dict(state)
-                self.stats.loads += 1
             elif batch.start_step != 0:
                 raise CheckpointError(
                     f"batch {batch.batch_id} starts at step {batch.start_step} "
                     "without a start checkpoint, and this worker does not hold that model"
                 )
+        except CheckpointError as exc:
+            raise _Failed(node, batch.start_step, exc, checkpoint=True) from exc
+        try:
+            trainer = self.trainer_factory(batch.config)
+            if state is not None:
+                trainer.load_state_dict(state)
+                self.stats.loads += 1
         except Exception as exc:
             raise _Failed(node, batch.start_step, exc) from exc
         seconds = _perf() - begin
@@ -446,8 +454,13 @@ class Worker:
         self.stats.steps += steps_done
         self.drop_trainer()
         error = f"{type(failed.error).__name__}: {failed.error}"
+        # Only the store's own error on the start checkpoint means "checkpoint lost";
+        # a CheckpointError raised by trainer code is the trainer's failure.
+        kind = "checkpoint" if failed.checkpoint else "trainer"
         self.emit(
-            BatchFailed(batch.batch_id, self.worker_id, failed.node, failed.step, error, failed.tb)
+            BatchFailed(
+                batch.batch_id, self.worker_id, failed.node, failed.step, error, failed.tb, kind
+            )
         )
 
 
