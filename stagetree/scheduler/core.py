@@ -1,0 +1,598 @@
+"""The I/O-free scheduler: events in, instructions and notices out.
+
+In the style of dask.distributed's scheduler state machine: :meth:`Scheduler.handle`
+applies one event to an in-memory view (nodes, root configs, live requests with
+reference counts, durable checkpoints, running batches and how far they got, idle
+workers) and returns what to do. It keeps no stage tree between decisions: every
+decision rebuilds one (:func:`stagetree.stages.build_stage_tree`) from live requests
+that no running batch has promised to evaluate, durable checkpoints and the positions
+running batches will still pass.
+
+Decisions after each event that can change them:
+
+1. **Live splits.** A pending request whose remaining work starts at a position a
+   running batch will pass gets an ``AddCheckpoint`` to that batch (with ``evaluate``
+   when the request sits exactly there). Its continuation waits for the checkpoint. A
+   ``SplitMissed`` answer makes the scheduler plan it from the latest durable model.
+2. **Assignment.** While a worker is idle and a stage tree root is ready (fresh or
+   from a durable checkpoint), the policy picks a chain of stages and the scheduler
+   emits one ``RunBatch``: evaluate at every request point of the chain, checkpoint
+   at request points, at branch points where other stages continue and at the end,
+   except where a durable checkpoint exists.
+3. **Preemption.** A running batch that no live request needs any more (nothing it
+   will evaluate, nothing waiting for its checkpoints) gets an ``Abort``.
+
+Failures: ``BatchFailed`` plans the stage again up to ``max_retries`` times, then emits
+``RequestFailed`` for every live request that cannot be reached without the failed
+step (requests behind a later durable checkpoint, or covered by another running batch,
+are spared). With ``kind="checkpoint"`` the batch's start checkpoint is forgotten and
+the work planned again from an earlier one. ``WorkerLost`` returns its batch's
+unfinished work to pending; checkpoints it reported stay valid.
+
+Executors must deliver a batch's ``MetricsReported`` and ``CheckpointSaved`` events
+before its ``BatchDone``: a promise not kept by then is taken as not kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagetree.exceptions import SchedulerError
+from stagetree.plan.model import Node
+from stagetree.scheduler.cost import CostEstimator
+from stagetree.scheduler.events import (
+    CheckpointAvailable,
+    CheckpointLost,
+    Event,
+    NodeAdded,
+    Notice,
+    RequestAdded,
+    RequestCancelled,
+    RequestDone,
+    RequestFailed,
+    RootAdded,
+)
+from stagetree.scheduler.policies import BasePolicy, make_policy
+from stagetree.stages import (
+    CHECKPOINT,
+    FRESH,
+    RunningPosition,
+    Stage,
+    StageTree,
+    build_stage_tree,
+)
+from stagetree.work import (
+    Abort,
+    AddCheckpoint,
+    BatchDone,
+    BatchFailed,
+    CheckpointSaved,
+    Instruction,
+    MetricsReported,
+    Progress,
+    RunBatch,
+    Segment,
+    SplitMissed,
+    WorkerLost,
+    WorkerReady,
+)
+
+__all__ = ["BatchInfo", "Scheduler"]
+
+Key = tuple[int, int]
+
+
+@dataclass
+class _Batch:
+    batch_id: int
+    worker: int
+    segments: tuple[tuple[int, int, int], ...]
+    end: Key
+    position: int
+    evaluate: set[Key]  # promised evaluations not reported yet
+    checkpoint: set[Key]  # promised checkpoints not durable yet
+    planned: frozenset[Key] = frozenset()  # points of the RunBatch itself (not splits)
+    start_at: Key | None = None
+    aborted: bool = False
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """Read-only view of a running batch.
+
+    Attributes:
+        batch_id: the batch.
+        worker: the worker running it.
+        segments: ``(node, start, stop)`` per segment.
+        position: latest model position reported (or known to be passed).
+        evaluate_at: promised evaluations not reported yet.
+        checkpoint_at: promised checkpoints not durable yet.
+        aborted: an ``Abort`` was sent.
+    """
+
+    batch_id: int
+    worker: int
+    segments: tuple[tuple[int, int, int], ...]
+    position: int
+    evaluate_at: frozenset[Key] = field(default_factory=frozenset)
+    checkpoint_at: frozenset[Key] = field(default_factory=frozenset)
+    aborted: bool = False
+
+
+def _by_step(keys: set[Key]) -> tuple[Key, ...]:
+    return tuple(sorted(keys, key=lambda k: (k[1], k[0])))
+
+
+class Scheduler:
+    """Decides what every worker trains; performs no I/O.
+
+    Args:
+        num_workers: workers ``0 .. num_workers - 1`` start idle; None to learn workers
+            from ``WorkerReady`` events only.
+        policy: ``"critical_path"`` (Hippo), ``"bfs"``, ``"thr"`` or a
+            :class:`~stagetree.scheduler.policies.BasePolicy`.
+        estimator: cost per step of plan nodes (a fresh :class:`CostEstimator` when
+            None); it learns from ``Progress`` events.
+        max_retries: times a failing stage is planned again before the requests that
+            depend on it fail.
+
+    Events accepted by :meth:`handle`: the plan events of
+    :mod:`stagetree.scheduler.events` and the worker events of :mod:`stagetree.work`.
+    Events of batches the scheduler no longer tracks (late messages after an abort or a
+    lost worker) are applied where still meaningful (metrics, checkpoints, step counts)
+    and otherwise ignored.
+    """
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        policy: str | BasePolicy = "critical_path",
+        estimator: CostEstimator | None = None,
+        max_retries: int = 0,
+    ) -> None:
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.policy = make_policy(policy)
+        self.estimator = estimator if estimator is not None else CostEstimator()
+        self.max_retries = max_retries
+        self._roots: dict[str, dict[str, Any]] = {}
+        self._nodes: dict[int, Node] = {}
+        self._requests: dict[Key, int] = {}
+        self._checkpoints: dict[Key, str] = {}
+        self._batches: dict[int, _Batch] = {}
+        self._positions: dict[int, int] = {}  # every batch ever: last reported step
+        self._workers: set[int] = set(range(num_workers or 0))
+        self._idle: set[int] = set(self._workers)
+        self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
+        self._failures: dict[Key, int] = {}
+        self._next_batch = 1
+        self._steps_executed = 0
+        self._steps_planned = 0
+        self._dirty = False
+        self._handlers: dict[type, Callable[[Any, list[Instruction | Notice]], None]] = {
+            RootAdded: self._on_root,
+            NodeAdded: self._on_node,
+            RequestAdded: self._on_request,
+            RequestCancelled: self._on_cancel,
+            CheckpointAvailable: self._on_checkpoint,
+            CheckpointSaved: self._on_checkpoint,
+            CheckpointLost: self._on_checkpoint_lost,
+            Progress: self._on_progress,
+            MetricsReported: self._on_metrics,
+            BatchDone: self._on_done,
+            BatchFailed: self._on_failed,
+            SplitMissed: self._on_split_missed,
+            WorkerReady: self._on_worker_ready,
+            WorkerLost: self._on_worker_lost,
+        }
+
+    # -- public ----------------------------------------------------------------------------
+
+    def handle(self, event: Event) -> list[Instruction | Notice]:
+        """Apply one event; return instructions for executors and notices for the study.
+
+        Raises:
+            SchedulerError: an event the scheduler cannot accept (unknown event type,
+                unknown node, non-canonical request, releasing more than held, ...).
+        """
+        return self.handle_all((event,))
+
+    def handle_all(self, events: Iterable[Event]) -> list[Instruction | Notice]:
+        """Apply several events, then decide once (e.g. loading a plan at start-up).
+
+        Equivalent to :meth:`handle` on each event in turn, except that no decision is
+        taken between them, so no instruction refers to an intermediate state.
+        """
+        out: list[Instruction | Notice] = []
+        for event in events:
+            handler = self._handlers.get(type(event))
+            if handler is None:
+                raise SchedulerError(f"the scheduler does not accept {type(event).__name__} events")
+            handler(event, out)
+        if self._dirty:
+            self._dirty = False
+            self._schedule(out)
+        return out
+
+    @property
+    def steps_executed(self) -> int:
+        """Training steps workers reported (``Progress``), over all batches."""
+        return self._steps_executed
+
+    @property
+    def steps_planned(self) -> int:
+        """Training steps of every ``RunBatch`` emitted so far."""
+        return self._steps_planned
+
+    @property
+    def workers(self) -> list[int]:
+        """Known workers."""
+        return sorted(self._workers)
+
+    @property
+    def idle_workers(self) -> list[int]:
+        """Workers without a batch."""
+        return sorted(self._idle)
+
+    @property
+    def live_requests(self) -> dict[Key, int]:
+        """Unsettled requests and their reference counts."""
+        return dict(self._requests)
+
+    @property
+    def checkpoints(self) -> dict[Key, str]:
+        """Durable checkpoints known to the scheduler."""
+        return dict(self._checkpoints)
+
+    @property
+    def nodes(self) -> Mapping[int, Node]:
+        """Plan nodes known to the scheduler (do not mutate)."""
+        return self._nodes
+
+    @property
+    def running(self) -> dict[int, BatchInfo]:
+        """Batches that have not finished, by id."""
+        return {
+            b.batch_id: BatchInfo(
+                b.batch_id,
+                b.worker,
+                b.segments,
+                b.position,
+                frozenset(b.evaluate),
+                frozenset(b.checkpoint),
+                b.aborted,
+            )
+            for b in self._batches.values()
+        }
+
+    def pending(self) -> list[Key]:
+        """Live requests that no running batch has promised to evaluate."""
+        promised = self._promised()
+        return [k for k in self._requests if k not in promised]
+
+    def stage_tree(self) -> StageTree:
+        """The stage tree of the current state (what the next decision would see)."""
+        return self._tree()
+
+    def idle(self) -> bool:
+        """True when no batch runs and no live request is left."""
+        return not self._batches and not self._requests
+
+    # -- plan events -----------------------------------------------------------------------
+
+    def _on_root(self, e: RootAdded, out: list[Instruction | Notice]) -> None:
+        self._roots[e.root_key] = dict(e.config)
+        self.estimator.register_root(e.root_key, e.config)
+
+    def _on_node(self, e: NodeAdded, out: list[Instruction | Notice]) -> None:
+        node = e.node
+        old = self._nodes.get(node.id)
+        if old is not None:
+            if (old.root_key, old.parent, old.branch_step) != (
+                node.root_key,
+                node.parent,
+                node.branch_step,
+            ):
+                raise SchedulerError(f"node {node.id} was added before with other fields")
+            return
+        if node.root_key not in self._roots:
+            raise SchedulerError(f"node {node.id}: root {node.root_key!r} was not added")
+        if node.parent is not None:
+            parent = self._nodes.get(node.parent)
+            if parent is None:
+                raise SchedulerError(f"node {node.id}: parent {node.parent} was not added")
+            if parent.root_key != node.root_key or node.branch_step < parent.branch_step:
+                raise SchedulerError(f"node {node.id} does not fit under node {parent.id}")
+        elif node.branch_step != 0:
+            raise SchedulerError(f"root node {node.id} must branch at step 0")
+        self._nodes[node.id] = node
+
+    def _check_key(self, node_id: int, step: int, count: int) -> Key:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise SchedulerError(f"request on unknown node {node_id}")
+        if not (step > node.branch_step or (node.parent is None and step == 0)):
+            raise SchedulerError(
+                f"request (node {node_id}, step {step}) is not canonical: the step must "
+                f"exceed the node's branch step {node.branch_step} (or be 0 at the root)"
+            )
+        if count < 1:
+            raise SchedulerError(f"request count must be >= 1, got {count}")
+        return (node_id, step)
+
+    def _on_request(self, e: RequestAdded, out: list[Instruction | Notice]) -> None:
+        key = self._check_key(e.node, e.step, e.count)
+        self._requests[key] = self._requests.get(key, 0) + e.count
+        self._dirty = True
+
+    def _on_cancel(self, e: RequestCancelled, out: list[Instruction | Notice]) -> None:
+        key = self._check_key(e.node, e.step, e.count)
+        held = self._requests.get(key)
+        if held is None:
+            return  # settled meanwhile (done or failed): nothing to cancel
+        if e.count > held:
+            raise SchedulerError(
+                f"cannot cancel {e.count} references of request {key}: it holds {held}"
+            )
+        if e.count == held:
+            del self._requests[key]
+        else:
+            self._requests[key] = held - e.count
+        self._dirty = True
+
+    def _on_checkpoint(
+        self, e: CheckpointAvailable | CheckpointSaved, out: list[Instruction | Notice]
+    ) -> None:
+        key = (e.node, e.step)
+        self._checkpoints[key] = e.ref
+        for batch in self._batches.values():
+            batch.checkpoint.discard(key)
+        self._dirty = True
+
+    def _on_checkpoint_lost(self, e: CheckpointLost, out: list[Instruction | Notice]) -> None:
+        if self._checkpoints.pop((e.node, e.step), None) is not None:
+            self._dirty = True
+
+    # -- worker events ---------------------------------------------------------------------
+
+    def _on_progress(self, e: Progress, out: list[Instruction | Notice]) -> None:
+        last = self._positions.get(e.batch_id)
+        if last is not None and e.step > last:
+            self._steps_executed += e.step - last
+            self._positions[e.batch_id] = e.step
+        batch = self._batches.get(e.batch_id)
+        if batch is not None and e.step > batch.position:
+            batch.position = e.step
+        node = self._nodes.get(e.node)
+        if node is not None:
+            self.estimator.observe(node, e.seconds_per_step)
+
+    def _on_metrics(self, e: MetricsReported, out: list[Instruction | Notice]) -> None:
+        key = (e.node, e.step)
+        batch = self._batches.get(e.batch_id)
+        if batch is not None:
+            batch.evaluate.discard(key)
+        if self._requests.pop(key, None) is not None:
+            out.append(RequestDone(e.node, e.step, dict(e.metrics)))
+
+    def _release(self, batch_id: int) -> _Batch | None:
+        batch = self._batches.pop(batch_id, None)
+        if batch is not None:
+            self._dirty = True
+            if batch.worker in self._workers:
+                self._idle.add(batch.worker)
+        return batch
+
+    def _on_done(self, e: BatchDone, out: list[Instruction | Notice]) -> None:
+        batch = self._release(e.batch_id)
+        if batch is not None and not batch.aborted and batch.position >= batch.end[1]:
+            self._worker_at[batch.worker] = batch.end
+        else:
+            self._worker_at.pop(e.worker, None)
+
+    def _on_failed(self, e: BatchFailed, out: list[Instruction | Notice]) -> None:
+        batch = self._release(e.batch_id)
+        self._worker_at.pop(e.worker, None)
+        self._dirty = True
+        key = (e.node, e.step)
+        if getattr(e, "kind", "trainer") == "checkpoint":
+            # The start checkpoint is unreadable: forget it and plan from an earlier one.
+            start = batch.start_at if batch is not None and batch.start_at else key
+            self._checkpoints.pop(start, None)
+            return
+        failures = self._failures.get(key, 0) + 1
+        if failures <= self.max_retries:
+            self._failures[key] = failures
+            return
+        self._failures.pop(key, None)
+        doomed = self._dependents(e.node, e.step)
+        if not doomed and batch is not None:
+            doomed = {k for k in batch.evaluate if k[1] > e.step and k in self._requests}
+        for node, step in sorted(doomed, key=lambda k: (k[1], k[0])):
+            if self._requests.pop((node, step), None) is not None:
+                out.append(RequestFailed(node, step, e.error, e.traceback))
+
+    def _dependents(self, node: int, step: int) -> set[Key]:
+        """Live requests that can only be reached by training step ``step`` of ``node``
+        (or by loading the model at ``(node, step)``)."""
+        tree = self._tree()
+        out: set[Key] = set()
+        for stage in tree.stages:
+            origin = stage.origin
+            if stage.node == node and stage.start <= step < stage.stop:
+                after = step
+            elif (
+                origin is not None
+                and origin.kind == CHECKPOINT
+                and (origin.node, origin.step) == (node, step)
+            ):
+                after = -1
+            else:
+                continue
+            out.update((stage.node, t) for t in stage.evaluate_at if t > after)
+            for below in stage.subtree():
+                if below is not stage:
+                    out.update((below.node, t) for t in below.evaluate_at)
+        return out
+
+    def _on_split_missed(self, e: SplitMissed, out: list[Instruction | Notice]) -> None:
+        batch = self._batches.get(e.batch_id)
+        if batch is None:
+            return
+        key = (e.node, e.step)
+        if key not in batch.planned:  # what the RunBatch itself asked for stays promised
+            batch.checkpoint.discard(key)
+            batch.evaluate.discard(key)
+        batch.position = max(batch.position, e.step + 1)
+        self._dirty = True
+
+    def _on_worker_ready(self, e: WorkerReady, out: list[Instruction | Notice]) -> None:
+        self._workers.add(e.worker)
+        if not any(b.worker == e.worker for b in self._batches.values()):
+            self._idle.add(e.worker)
+        self._dirty = True
+
+    def _on_worker_lost(self, e: WorkerLost, out: list[Instruction | Notice]) -> None:
+        self._workers.discard(e.worker)
+        self._idle.discard(e.worker)
+        self._worker_at.pop(e.worker, None)
+        for batch_id in [
+            b.batch_id
+            for b in self._batches.values()
+            if b.worker == e.worker or b.batch_id == e.batch_id
+        ]:
+            del self._batches[batch_id]
+        self._dirty = True
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def _active(self) -> list[_Batch]:
+        return [b for b in self._batches.values() if not b.aborted]
+
+    def _promised(self) -> set[Key]:
+        out: set[Key] = set()
+        for batch in self._active():
+            out |= batch.evaluate
+        return out
+
+    def _tree(self) -> StageTree:
+        active = self._active()
+        promised: set[Key] = set()
+        running = []
+        for b in active:
+            promised |= b.evaluate
+            saving = tuple(k for k in b.checkpoint if k[1] <= b.position)
+            running.append(RunningPosition(b.batch_id, b.segments, b.position, saving))
+        requests = [k for k in self._requests if k not in promised]
+        return build_stage_tree(
+            self._nodes, requests, self._checkpoints, running, self.estimator.cost
+        )
+
+    def _schedule(self, out: list[Instruction | Notice]) -> None:
+        while True:
+            tree = self._tree()
+            self._split(tree, out)
+            ready = tree.ready_roots()
+            if not ready or not self._idle:
+                break
+            path = self.policy.choose(tree, ready)
+            if not path:
+                break
+            self._assign(path, out)
+        self._preempt(tree, out)
+
+    def _split(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
+        """Ask running batches for the checkpoints and evaluations pending work needs."""
+        for c in tree.covered:
+            batch = self._batches[c.batch_id]
+            key = (c.node, c.step)
+            if c.step <= batch.position:
+                # A promised checkpoint the worker already passed: the request is
+                # evaluated from it once it is durable.
+                continue
+            if key not in batch.evaluate:
+                batch.evaluate.add(key)
+                batch.checkpoint.add(key)
+                out.append(AddCheckpoint(batch.batch_id, batch.worker, c.node, c.step, True))
+        for root in tree.waiting_roots():
+            origin = root.origin
+            assert origin is not None and origin.batch_id is not None
+            batch = self._batches[origin.batch_id]
+            key = (origin.node, origin.step)
+            if key not in batch.checkpoint:
+                batch.checkpoint.add(key)
+                out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
+
+    def _pick_worker(self, start: Key | None) -> int:
+        if start is not None:
+            for worker in sorted(self._idle):
+                if self._worker_at.get(worker) == start:
+                    return worker
+        return min(self._idle)
+
+    def _assign(self, path: list[Stage], out: list[Instruction | Notice]) -> None:
+        root = path[0]
+        origin = root.origin
+        if origin is None or origin.kind not in (FRESH, CHECKPOINT):
+            raise SchedulerError(f"policy {self.policy!r} chose a path that is not ready")
+        start = None if origin.kind == FRESH else (origin.node, origin.step)
+        evaluate: set[Key] = set()
+        checkpoint: set[Key] = set()
+        for i, stage in enumerate(path):
+            evaluate.update((stage.node, t) for t in stage.evaluate_at)
+            if i == len(path) - 1 or len(stage.children) > 1:
+                checkpoint.add((stage.node, stage.stop))
+        checkpoint |= evaluate
+        checkpoint -= self._checkpoints.keys()
+        segments = tuple((s.node, s.start, s.stop) for s in path if s.stop > s.start)
+        last = path[-1]
+        worker = self._pick_worker(start)
+        self._idle.discard(worker)
+        self._worker_at.pop(worker, None)
+        batch_id = self._next_batch
+        self._next_batch += 1
+        root_key = self._nodes[root.node].root_key
+        self._batches[batch_id] = _Batch(
+            batch_id,
+            worker,
+            segments,
+            (last.node, last.stop),
+            root.start,
+            set(evaluate),
+            set(checkpoint),
+            frozenset(evaluate | checkpoint),
+            start,
+        )
+        self._positions[batch_id] = root.start
+        self._steps_planned += sum(b - a for _, a, b in segments)
+        out.append(
+            RunBatch(
+                batch_id=batch_id,
+                worker=worker,
+                root_key=root_key,
+                config=dict(self._roots[root_key]),
+                start_step=root.start,
+                start_at=start,
+                start_checkpoint=None if start is None else self._checkpoints[start],
+                segments=tuple(Segment(n, a, b, self._nodes[n].hp) for n, a, b in segments),
+                evaluate_at=_by_step(evaluate),
+                checkpoint_at=_by_step(checkpoint),
+            )
+        )
+
+    def _preempt(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
+        needed = {c.batch_id for c in tree.covered}
+        for root in tree.waiting_roots():
+            assert root.origin is not None and root.origin.batch_id is not None
+            needed.add(root.origin.batch_id)
+        for batch in self._active():
+            if batch.batch_id in needed or batch.position >= batch.end[1]:
+                continue
+            if any(k in self._requests for k in batch.evaluate):
+                continue
+            batch.aborted = True
+            out.append(Abort(batch.batch_id, batch.worker))

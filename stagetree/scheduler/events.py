@@ -1,0 +1,112 @@
+"""Events the study layer feeds the scheduler, and notices the scheduler gives back.
+
+Worker and executor events (``Progress``, ``CheckpointSaved``, ...) live in
+:mod:`stagetree.work`; the events here describe the plan: its roots, nodes, requests
+and durable checkpoints. Notices tell the study what became of its requests. All are
+frozen, picklable dataclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagetree.plan.model import Node
+from stagetree.work import WorkerEvent
+
+__all__ = [
+    "CheckpointAvailable",
+    "CheckpointLost",
+    "Event",
+    "NodeAdded",
+    "Notice",
+    "PlanEvent",
+    "RequestAdded",
+    "RequestCancelled",
+    "RequestDone",
+    "RequestFailed",
+    "RootAdded",
+]
+
+
+@dataclass(frozen=True)
+class RootAdded:
+    """A plan tree and its fixed config (``Trainer(config)``); before its nodes."""
+
+    root_key: str
+    config: Mapping[str, Any] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class NodeAdded:
+    """A plan node; its parent (and root) must have been added before."""
+
+    node: Node
+
+
+@dataclass(frozen=True)
+class RequestAdded:
+    """``count`` new references to request ``(node, step)`` (canonical key).
+
+    A request whose metrics are already known never reaches the scheduler: the study
+    answers it from the plan.
+    """
+
+    node: int
+    step: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class RequestCancelled:
+    """``count`` references to request ``(node, step)`` are dropped."""
+
+    node: int
+    step: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class CheckpointAvailable:
+    """A durable checkpoint of ``(node, step)`` under ``ref`` (at start-up from the plan,
+    or after the study recorded a ``CheckpointSaved``; repeats are harmless)."""
+
+    node: int
+    step: int
+    ref: str
+
+
+@dataclass(frozen=True)
+class CheckpointLost:
+    """The checkpoint of ``(node, step)`` is gone (evicted or corrupt)."""
+
+    node: int
+    step: int
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """Notice: metrics of live request ``(node, step)`` were reported; it is settled."""
+
+    node: int
+    step: int
+    metrics: Mapping[str, float] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """Notice: live request ``(node, step)`` depends on a stage that failed (after the
+    allowed retries); it is settled. ``error`` and ``traceback`` are the trainer's."""
+
+    node: int
+    step: int
+    error: str
+    traceback: str = ""
+
+
+PlanEvent = (
+    RootAdded | NodeAdded | RequestAdded | RequestCancelled | CheckpointAvailable | CheckpointLost
+)
+Event = PlanEvent | WorkerEvent
+Notice = RequestDone | RequestFailed

@@ -1,0 +1,85 @@
+"""The per-step cost estimator."""
+
+from __future__ import annotations
+
+import pytest
+
+from stagetree.hp import Constant, MultiStep
+from stagetree.plan.model import Node
+from stagetree.scheduler import CostEstimator
+
+
+def node(node_id: int, root: str = "r", **hp: object) -> Node:
+    return Node(node_id, root, None, 0, {k: Constant(v) for k, v in hp.items()})  # type: ignore[arg-type]
+
+
+def test_one_per_step_before_any_measurement() -> None:
+    est = CostEstimator()
+    assert est.cost(node(1, lr=0.1)) == 1.0
+    assert CostEstimator(default=2.5).cost(node(1, lr=0.1)) == 2.5
+    assert est.measured == 0
+
+
+def test_measured_configuration_uses_its_mean() -> None:
+    est = CostEstimator()
+    a = node(1, lr=0.1)
+    est.observe(a, 0.2)
+    est.observe(a, 0.4)
+    assert est.cost(a) == pytest.approx(0.3)
+    # non-positive and NaN measurements are ignored
+    est.observe(a, 0.0)
+    est.observe(a, float("nan"))
+    assert est.cost(a) == pytest.approx(0.3)
+
+
+def test_nodes_with_the_same_configuration_share_measurements() -> None:
+    est = CostEstimator()
+    est.register_root("r", {"batch_size": 64})
+    parent = node(1, lr=0.1)
+    # a child whose value at its branch step equals another node's configuration
+    child = Node(2, "r", 1, 50, {"lr": MultiStep(0.5, [50], 0.2)})  # 0.1 from step 50
+    est.observe(parent, 0.7)
+    est.observe(node(3, lr=0.5), 0.1)
+    assert est.cost(child) == pytest.approx(0.7)
+
+
+def test_learns_a_linear_dependence_on_batch_size_from_root_configs() -> None:
+    est = CostEstimator()
+    for i, bs in enumerate([32, 64, 128], start=1):
+        est.register_root(f"bs{bs}", {"batch_size": bs, "optimizer": "sgd"})
+        est.observe(node(i, f"bs{bs}", lr=0.1), 0.5 + 0.01 * bs)
+    est.register_root("bs256", {"batch_size": 256, "optimizer": "sgd"})
+    assert est.cost(node(9, "bs256", lr=0.1)) == pytest.approx(0.5 + 2.56)
+    est.register_root("bs48", {"batch_size": 48, "optimizer": "sgd"})
+    assert est.cost(node(10, "bs48", lr=0.1)) == pytest.approx(0.98)
+
+
+def test_learns_from_sequential_hyper_parameters_too() -> None:
+    est = CostEstimator()
+    for i, bs in enumerate([16, 32, 64], start=1):
+        est.observe(node(i, bs=bs, lr=0.1), 0.02 * bs)
+    assert est.cost(node(4, bs=100, lr=0.1)) == pytest.approx(2.0)
+    assert est.cost(node(5, bs=100, lr=0.3)) == pytest.approx(2.0)  # lr never varied
+
+
+def test_falls_back_to_the_mean_without_numeric_variation() -> None:
+    est = CostEstimator()
+    est.observe(node(1, opt="sgd"), 1.0)
+    est.observe(node(2, opt="adam"), 3.0)
+    assert est.cost(node(3, opt="lamb")) == pytest.approx(2.0)
+    single = CostEstimator()
+    single.observe(node(1, bs=32), 0.4)
+    assert single.cost(node(2, bs=64)) == pytest.approx(0.4)
+
+
+def test_predictions_stay_positive_and_bounded() -> None:
+    est = CostEstimator()
+    est.observe(node(1, bs=10), 1.0)
+    est.observe(node(2, bs=20), 0.5)
+    # the line goes negative at bs=40: fall back to the mean
+    assert est.cost(node(3, bs=40)) == pytest.approx(0.75)
+    # far extrapolation is capped at ten times the largest measurement
+    est2 = CostEstimator()
+    est2.observe(node(1, bs=1), 1.0)
+    est2.observe(node(2, bs=2), 2.0)
+    assert est2.cost(node(3, bs=1000)) == pytest.approx(20.0)
