@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import inspect
 import math
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -49,19 +49,29 @@ _OVERRIDES: dict[str, Any] = {}
 
 
 def trainer_fingerprint(trainer: type[Trainer]) -> str:
-    """A short hash of the source code of ``trainer``'s module (or of the class alone
-    when the module source cannot be read), so that editing the trainer never silently
-    reuses old checkpoints."""
-    text: str
-    try:
-        module = inspect.getmodule(trainer)
-        text = inspect.getsource(module) if module is not None else inspect.getsource(trainer)
-    except (OSError, TypeError):
+    """A short hash of the source of ``trainer``: the files that define it and the classes
+    it derives from (up to :class:`Trainer`), so that editing the trainer never silently
+    reuses old checkpoints. Falls back to the class's qualified name when no source can
+    be read (e.g. classes typed into a REPL)."""
+    files: set[str] = set()
+    for cls in trainer.__mro__:
+        if cls is Trainer or cls is object:
+            continue
+        module = sys.modules.get(cls.__module__)
+        path = getattr(module, "__file__", None)
+        if path:
+            files.add(path)
+        for attr in vars(cls).values():  # also finds classes run from a path (runpy)
+            code = getattr(getattr(attr, "__func__", attr), "__code__", None)
+            if code is not None and os.path.exists(code.co_filename):
+                files.add(code.co_filename)
+    digest = hashlib.sha256(f"{trainer.__module__}.{trainer.__qualname__}".encode())
+    for path in sorted(files):
         try:
-            text = inspect.getsource(trainer)
-        except (OSError, TypeError):
-            text = f"{trainer.__module__}.{trainer.__qualname__}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+            digest.update(Path(path).read_bytes())
+        except OSError:
+            digest.update(path.encode())
+    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -103,6 +113,13 @@ class _Waiter:
         self.trial_id = trial_id
 
 
+# Submissions closer together than _QUIET seconds are planned together (waiting at most
+# _MAX_DELAY seconds): cheap next to a training step, and it spares the workers from
+# racing past branch points of trials that were submitted at the same moment.
+_QUIET = 0.02
+_MAX_DELAY = 0.25
+
+
 class _Engine:
     """Plan + checkpoint store + scheduler + executor, driven by one thread.
 
@@ -137,6 +154,9 @@ class _Engine:
         self.error: BaseException | None = None
         self.users = 0
         self._inflight: set[int] = set()
+        self._queued: list[Any] = []
+        self._start_refs: dict[int, str | None] = {}
+        self._first_queued = self._last_queued = 0.0
         # batch id -> [start step, last reported step]: steps trained by running batches.
         self._positions: dict[int, list[int]] = {}
         self._idle = threading.Condition(self.lock)
@@ -188,9 +208,7 @@ class _Engine:
                         self._set_trial_state(w, "cancelled")
             self._waiters.clear()
             # Requests this process held are no longer wanted: a later run asks again.
-            for req in self.storage.requests(
-                states=[RequestState.PENDING, RequestState.SCHEDULED]
-            ):
+            for req in self.storage.requests(states=[RequestState.PENDING, RequestState.SCHEDULED]):
                 self.storage.release_request(req.node, req.step, req.refcount)
         self.storage.close()
 
@@ -223,10 +241,26 @@ class _Engine:
                 if cnode in ids and self.store.exists(rec.ref):
                     events.append(CheckpointAvailable(cnode, cstep, rec.ref))
         events.append(RequestAdded(node, step))
-        for ev in events:
-            self._apply(self.scheduler.handle(ev))
-        self._wake.set()
+        self._enqueue(events)
         return waiter
+
+    def _enqueue(self, events: list[Any]) -> None:
+        """Queue scheduler events from user threads; the driver applies them together
+        (see :meth:`pump`), so trials submitted at once are planned at once."""
+        now = time.monotonic()
+        if not self._queued:
+            self._first_queued = now
+        self._last_queued = now
+        self._queued.extend(events)
+        self._wake.set()
+
+    def _flush(self, coalesce: bool = False) -> None:
+        with self.lock:  # _enqueue runs under the lock: the queue and its times agree
+            if coalesce and not self._settled():
+                return
+            events, self._queued = self._queued, []
+            if events:
+                self._apply(self.scheduler.handle_all(events))
 
     def cancel(self, waiter: _Waiter, node: int, step: int) -> None:
         from stagetree.scheduler import RequestCancelled
@@ -241,7 +275,7 @@ class _Engine:
             req = self.storage.request(node, step)
             if req is not None and req.state not in (RequestState.DONE, RequestState.FAILED):
                 self.storage.release_request(node, step)
-                self._apply(self.scheduler.handle(RequestCancelled(node, step)))
+                self._enqueue([RequestCancelled(node, step)])
             if not waiter.future.done():
                 waiter.future.set_exception(TrialCancelledError(f"request ({node}, {step})"))
             self._set_trial_state(waiter, "cancelled")
@@ -252,7 +286,11 @@ class _Engine:
         assert self.executor is not None
         try:
             while not self._stop.is_set():
-                self.pump(timeout=0.05)
+                self._coalesce()
+                if not self.pump(timeout=0.01, coalesce=True) and not self._queued:
+                    # Nothing happened: sleep until a submission or the next poll.
+                    self._wake.wait(0.01)
+                    self._wake.clear()
         except BaseException as exc:  # keep the error for every waiter and later calls
             self.error = exc
             tb = traceback.format_exc()
@@ -263,12 +301,25 @@ class _Engine:
                             w.future.set_exception(TrialFailedError(f"engine failed: {exc!r}", tb))
                 self._waiters.clear()
 
-    def pump(self, timeout: float | None) -> int:
-        """One round of the driver: take the executor's next events (waiting at most
-        ``timeout`` s) and apply them. Returns how many events were applied. The driver
+    def _coalesce(self) -> None:
+        """Let a burst of submissions (a tuner submitting a rung, ``asyncio.gather`` of
+        several trials) finish arriving before planning: wait until no request came for
+        ``_QUIET`` s, at most ``_MAX_DELAY`` s after the first one."""
+        while self._queued and not self._stop.is_set() and not self._settled():
+            time.sleep(max(0.0, _QUIET - (time.monotonic() - self._last_queued)))
+
+    def _settled(self) -> bool:
+        now = time.monotonic()
+        return now - self._last_queued >= _QUIET or now - self._first_queued >= _MAX_DELAY
+
+    def pump(self, timeout: float | None, coalesce: bool = False) -> int:
+        """One round of the driver: plan the queued submissions (with ``coalesce``, only
+        once a burst of them has settled), take the executor's next events (waiting at
+        most ``timeout`` s) and apply them. Returns how many events were applied. The driver
         thread calls it in a loop; a virtual-time executor may be pumped by its caller."""
         assert self.executor is not None
-        events = self.executor.events(timeout=timeout)
+        self._flush(coalesce)
+        events = self.executor.events(timeout=0 if self._queued else timeout)
         if events:
             with self.lock:
                 for ev in events:
@@ -286,11 +337,12 @@ class _Engine:
             self.storage.add_stats(
                 scope, ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
             )
-        if isinstance(ev, (work.BatchDone, work.BatchFailed)) or (
-            isinstance(ev, work.WorkerLost) and ev.batch_id is not None
-        ):
-            self._inflight.discard(ev.batch_id)  # type: ignore[arg-type]
-            self._positions.pop(ev.batch_id, None)  # type: ignore[arg-type]
+        ended = ev.batch_id if isinstance(ev, (work.BatchDone, work.BatchFailed)) else None
+        if isinstance(ev, work.WorkerLost):
+            ended = ev.batch_id
+        if ended is not None:
+            self._inflight.discard(ended)
+            self._positions.pop(ended, None)
             self._idle.notify_all()
         elif isinstance(ev, work.Progress) and ev.batch_id in self._positions:
             self._positions[ev.batch_id][1] = ev.step
@@ -298,9 +350,17 @@ class _Engine:
             self.storage.add_stats(scope, splits_missed=1)
         if isinstance(ev, work.BatchDone):
             self.storage.add_stats(scope, device_seconds=ev.busy_seconds, steps_executed=ev.steps)
-            load_s = getattr(ev, "load_seconds", 0.0)
-            if load_s:
-                self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=load_s)
+            if ev.load_seconds:
+                self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
+        if isinstance(ev, work.BatchFailed) and ev.kind == "checkpoint":
+            # The start checkpoint is unreadable: forget it; the scheduler replans the
+            # work from an earlier checkpoint.
+            ref = self._start_refs.get(ev.batch_id)
+            for (node, step), rec in self.storage.checkpoints().items():
+                if rec.ref == ref:
+                    self.storage.remove_checkpoint(node, step)
+        if ended is not None:
+            self._start_refs.pop(ended, None)
         self._apply(self.scheduler.handle(ev))
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
@@ -315,6 +375,7 @@ class _Engine:
                 if isinstance(item, work.RunBatch):
                     self._inflight.add(item.batch_id)
                     self._positions[item.batch_id] = [item.start_step, item.start_step]
+                    self._start_refs[item.batch_id] = item.start_checkpoint
                     for seg in item.segments:
                         self._mark_running(seg.node)
                 if isinstance(item, work.AddCheckpoint):
@@ -398,7 +459,9 @@ class _Engine:
                 needed.add(ref)
                 pending_refs[ref] = pending_refs.get(ref, 0) + req.refcount
         candidates = {
-            rec.ref: EvictionInfo(recompute_cost=float(step), pending_refs=pending_refs.get(rec.ref, 0))
+            rec.ref: EvictionInfo(
+                recompute_cost=float(step), pending_refs=pending_refs.get(rec.ref, 0)
+            )
             for (_node, step), rec in records.items()
         }
         removed = set(self.store.evict(candidates, needed))
@@ -479,8 +542,14 @@ class Study:
             engine = _ENGINES.get(key)
             if engine is None:
                 engine = self._make_engine(
-                    storage, workers, checkpoint_dir, checkpoint_budget, executor, policy,
-                    max_retries, threads_per_worker,
+                    storage,
+                    workers,
+                    checkpoint_dir,
+                    checkpoint_budget,
+                    executor,
+                    policy,
+                    max_retries,
+                    threads_per_worker,
                 )
                 _ENGINES[key] = engine
             engine.users += 1
@@ -518,7 +587,7 @@ class Study:
 
         def factory() -> BaseExecutor:
             if callable(executor) and not isinstance(executor, str):
-                return executor()  # type: ignore[no-any-return]
+                return executor()
             if executor == "inline":
                 from stagetree.executors import InlineExecutor
 
@@ -592,13 +661,18 @@ class Study:
                     diff.append(f"unexpected {label} names {sorted(have - want)}")
                 if want - have:
                     diff.append(f"missing {label} names {sorted(want - have)}")
-            raise InvalidTrialError(
-                f"trial does not match study {self.name!r}: " + "; ".join(diff)
-            )
+            raise InvalidTrialError(f"trial does not match study {self.name!r}: " + "; ".join(diff))
         return cfg, seqs
 
-    def _trial_id(self, root_key: str, cfg: dict[str, Any], seqs: dict[str, Sequence],
-                  steps: int, node: int, step: int) -> int:
+    def _trial_id(
+        self,
+        root_key: str,
+        cfg: dict[str, Any],
+        seqs: dict[str, Sequence],
+        steps: int,
+        node: int,
+        step: int,
+    ) -> int:
         storage = self._engine.storage
         ident = (canonical_json(cfg), dumps_hp(seqs))
         tid = self._trial_ids.get(ident)
@@ -636,8 +710,14 @@ class Study:
 
     def _submit(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int
-    ) -> tuple[concurrent.futures.Future[dict[str, float]], dict[str, Any],
-               dict[str, Sequence], int, int, _Waiter | None]:
+    ) -> tuple[
+        concurrent.futures.Future[dict[str, float]],
+        dict[str, Any],
+        dict[str, Sequence],
+        int,
+        int,
+        _Waiter | None,
+    ]:
         if self._closed:
             raise StagetreeError(f"study {self.name!r} is closed")
         cfg, seqs = self._normalise(config, hp, steps)
@@ -648,7 +728,6 @@ class Study:
             storage.register_root(root_key, cfg)
             ins = storage.insert_trial(root_key, seqs, steps, request=False)
             tid = self._trial_id(root_key, cfg, seqs, steps, ins.node, ins.step)
-            storage.add_stats(self.name, submissions=1)
             known = storage.get_metrics(ins.node, ins.step)
             if known is not None:
                 storage.update_trial(tid, state="done")
@@ -662,19 +741,23 @@ class Study:
         return waiter.future, cfg, seqs, ins.node, ins.step, waiter
 
     def _result(
-        self, cfg: dict[str, Any], seqs: dict[str, Sequence], steps: int, metrics: Mapping[str, float]
+        self,
+        cfg: dict[str, Any],
+        seqs: dict[str, Sequence],
+        steps: int,
+        metrics: Mapping[str, float],
     ) -> TrialResult:
         with self._engine.lock:
             history = self._engine.storage.metrics_along(self.root_key(cfg, seqs), seqs, steps)
-        return TrialResult(
-            config=cfg, hp=seqs, steps=steps, metrics=dict(metrics), history=history
-        )
+        return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=dict(metrics), history=history)
 
     def run(self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int) -> TrialResult:
         """Synchronous :meth:`submit` for one trial."""
         return _run_coro(self.submit(config, hp, steps))
 
-    def eval(self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int) -> dict[str, float] | None:
+    def eval(
+        self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
+    ) -> dict[str, float] | None:
         """Known metrics of the trial after ``step`` steps, without training; else None."""
         cfg, seqs = self._normalise(config, hp, step)
         with self._engine.lock:
@@ -699,7 +782,9 @@ class Study:
         return self._engine.store.load(rec.ref)
 
     @staticmethod
-    async def wait_any(aws: Iterable[Awaitable[Any]]) -> tuple[set[asyncio.Future[Any]], set[asyncio.Future[Any]]]:
+    async def wait_any(
+        aws: Iterable[Awaitable[Any]],
+    ) -> tuple[set[asyncio.Future[Any]], set[asyncio.Future[Any]]]:
         """Wait until the first of ``aws`` finishes: returns ``(done, pending)``."""
         tasks = {asyncio.ensure_future(a) for a in aws}
         return await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -740,9 +825,7 @@ class Study:
             out = []
             for t in storage.trials(self.name):
                 hist = storage.metrics_along(t["root_key"], t["hp"], t["steps"])
-                out.append(
-                    TrialRecord(t["id"], t["config"], t["hp"], t["steps"], t["state"], hist)
-                )
+                out.append(TrialRecord(t["id"], t["config"], t["hp"], t["steps"], t["state"], hist))
             return out
 
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
@@ -771,7 +854,9 @@ class Study:
             storage = self._engine.storage
             trials = storage.trials(self.name)
             requested = float(sum(t["steps"] for t in trials))
-            nodes = {n.id: n for root in {t["root_key"] for t in trials} for n in storage.nodes(root)}
+            nodes = {
+                n.id: n for root in {t["root_key"] for t in trials} for n in storage.nodes(root)
+            }
             unique = float(unique_steps(nodes, [(t["node"], t["step"]) for t in trials]))
             engine_stats = storage.stats("engine")
         out = {
@@ -788,7 +873,6 @@ class Study:
             "splits_missed": engine_stats.get("splits_missed", 0.0),
         }
         return out
-
 
     def progress(self) -> dict[str, float]:
         """A cheap snapshot for progress displays: ``trials`` (submitted),
@@ -820,7 +904,9 @@ class _StudyRunner:
     def __init__(self, study: Study) -> None:
         self.study = study
 
-    async def submit(self, config: dict[str, Any], hp: dict[str, Sequence], steps: int) -> TrialResult:
+    async def submit(
+        self, config: dict[str, Any], hp: dict[str, Sequence], steps: int
+    ) -> TrialResult:
         return await self.study.submit(config, hp, steps)
 
     def num_workers(self) -> int:
@@ -844,4 +930,3 @@ def _run_coro(coro: Any) -> Any:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
-

@@ -21,6 +21,7 @@ from stagetree.hp import Constant, MultiStep, Piecewise, Sequence  # noqa: E402
 from stagetree.torch import deterministic  # noqa: E402
 from stagetree.torch.examples import DigitsTrainer  # noqa: E402
 
+
 class SlowDigitsTrainer(DigitsTrainer):
     """DigitsTrainer whose steps take long enough that trials submitted meanwhile branch
     off a path that a worker is still training (the sleep does not touch training)."""
