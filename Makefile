@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/stagetree explain examples/resnet56_space.py
+	$(BIN)/python examples/digits.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check stagetree tests benchmarks examples

@@ -1,7 +1,7 @@
 """A real study: an MLP on scikit-learn's digits, tuned with ASHA.
 
 Run it with ``make demo``, ``stagetree run examples/digits.py`` or
-``python examples/digits.py``. The search space has 32 trials whose learning-rate,
+``python examples/digits.py``. The search space has 16 trials whose learning-rate,
 batch-size and momentum sequences share prefixes, so stagetree trains every shared
 stage once. Run it a second time on the same storage and it finishes without
 training a step: every result comes from the plan.
@@ -55,6 +55,7 @@ study = Study(
     "digits-asha",
     DigitsTrainer,
     storage=os.environ.get("STAGETREE_STORAGE", "sqlite:///stagetree-demo.db"),
+    workers=2,
 )
 
 if __name__ == "__main__":
