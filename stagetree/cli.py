@@ -5,7 +5,6 @@ Subcommands:
 * ``stagetree explain SPACE.py``: load a space file (:func:`stagetree.space.load_space_file`),
   plan every trial in memory and print what sharing saves (trials, root keys, total and
   unique steps, merge rate) and the stage tree, before anything is trained.
-
 * ``stagetree run SCRIPT.py``: run the study a script defines with its tuner, with live
   progress, then print the best trial and what sharing saved (:func:`report_study`).
 * ``stagetree status``: the studies of a storage: trials, best metric, steps executed,
@@ -16,7 +15,9 @@ Each subcommand is a function that adds its subparser (:data:`_SUBCOMMANDS`) and
 ``handler`` to a function ``(args) -> int``.
 
 Errors that stagetree raises on purpose (:class:`~stagetree.exceptions.StagetreeError`)
-print one line to stderr and exit with status 2, without a traceback.
+print one line to stderr and exit with status 2, without a traceback. Ctrl-C during
+``stagetree run`` closes the study (workers stop, the storage stays consistent) and
+exits with status 130.
 """
 
 from __future__ import annotations
@@ -572,8 +573,9 @@ def _pick(namespace: Mapping[str, Any], name: str, cls: type, what: str, script:
     if not found:
         raise CommandError(f"{script} defines no {what} (a {cls.__name__} named `{name}`)")
     names = ", ".join(sorted(found.values()))
+    plural = what[:-1] + "ies" if what.endswith("y") else what + "s"
     raise CommandError(
-        f"{script} defines {len(found)} {what}s ({names}) and none is named `{name}`"
+        f"{script} defines {len(found)} {plural} ({names}) and none is named `{name}`"
     )
 
 
@@ -708,7 +710,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "cleanly; run again to resume.",
     )
     p.add_argument("script", metavar="SCRIPT.py", help="file defining `study` and `tuner`")
-    p.add_argument("--workers", type=_positive, help="worker processes (overrides the script)")
+    p.add_argument(
+        "--workers", type=_positive, metavar="N", help="worker processes (overrides the script)"
+    )
     p.add_argument("--storage", metavar="URL", help="plan storage URL (overrides the script)")
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
     p.set_defaults(handler=_cmd_run)
