@@ -102,6 +102,11 @@ def _default_checkpoint_dir(url: str) -> Path:
     return Path(tempfile.mkdtemp(prefix="stagetree-ckpt-"))
 
 
+def root_scope(root_key: str) -> str:
+    """The accounting scope of one plan tree (see ``BasePlanStorage.add_stats``)."""
+    return f"root:{root_key}"
+
+
 class _Waiter:
     """A pending request of one submission: a future and what it needs to resolve."""
 
@@ -156,6 +161,7 @@ class _Engine:
         self._inflight: set[int] = set()
         self._queued: list[Any] = []
         self._start_refs: dict[int, str | None] = {}
+        self._batch_roots: dict[int, str] = {}
         self._first_queued = self._last_queued = 0.0
         # batch id -> [start step, last reported step]: steps trained by running batches.
         self._positions: dict[int, list[int]] = {}
@@ -167,10 +173,12 @@ class _Engine:
         with self.lock:
             if self.error is not None:
                 raise StagetreeError(f"the study engine stopped: {self.error!r}") from self.error
-            if self._thread is not None:
+            if self.executor is not None:
                 return
             self.executor = self._executor_factory()
             self.executor.start()
+            if getattr(self.executor, "virtual_time", False):
+                return  # virtual time: Study.tune pumps it from the tuner's loop, no thread
             self._thread = threading.Thread(target=self._run, name="stagetree-engine", daemon=True)
             self._thread.start()
 
@@ -350,6 +358,11 @@ class _Engine:
             self.storage.add_stats(scope, splits_missed=1)
         if isinstance(ev, work.BatchDone):
             self.storage.add_stats(scope, device_seconds=ev.busy_seconds, steps_executed=ev.steps)
+            root = self._batch_roots.get(ev.batch_id)
+            if root is not None:  # per tree too, so each study can count its own
+                self.storage.add_stats(
+                    root_scope(root), device_seconds=ev.busy_seconds, steps_executed=ev.steps
+                )
             if ev.load_seconds:
                 self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
         if isinstance(ev, work.BatchFailed) and ev.kind == "checkpoint":
@@ -361,6 +374,7 @@ class _Engine:
                     self.storage.remove_checkpoint(node, step)
         if ended is not None:
             self._start_refs.pop(ended, None)
+            self._batch_roots.pop(ended, None)
         self._apply(self.scheduler.handle(ev))
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
@@ -376,6 +390,7 @@ class _Engine:
                     self._inflight.add(item.batch_id)
                     self._positions[item.batch_id] = [item.start_step, item.start_step]
                     self._start_refs[item.batch_id] = item.start_checkpoint
+                    self._batch_roots[item.batch_id] = item.root_key
                     for seg in item.segments:
                         self._mark_running(seg.node)
                 if isinstance(item, work.AddCheckpoint):
@@ -536,35 +551,62 @@ class Study:
         self.trainer = trainer
         self.share = share
         self.version = version if version is not None else trainer_fingerprint(trainer)
-        url = storage if isinstance(storage, str) else f"object:{id(storage)}"
-        key = (url, _trainer_ref(trainer))
-        with _ENGINES_LOCK:
-            engine = _ENGINES.get(key)
-            if engine is None:
-                engine = self._make_engine(
-                    storage,
-                    workers,
-                    checkpoint_dir,
-                    checkpoint_budget,
-                    executor,
-                    policy,
-                    max_retries,
-                    threads_per_worker,
-                )
-                _ENGINES[key] = engine
-            engine.users += 1
-        self._engine_key = key
-        self._engine = engine
+        self._engine_args = (
+            storage,
+            workers,
+            checkpoint_dir,
+            checkpoint_budget,
+            executor,
+            policy,
+            max_retries,
+            threads_per_worker,
+        )
+        # The storage is opened on first use, not here: worker processes import user
+        # scripts to find the trainer class, and the Study those scripts build there
+        # must stay inert.
+        self._engine_obj: _Engine | None = None
         self._closed = False
         self._started = time.monotonic()
         self._names: tuple[frozenset[str], frozenset[str]] | None = None
         self._trial_ids: dict[tuple[str, str], int] = {}
+
+    @property
+    def _engine(self) -> _Engine:
+        if self._engine_obj is None:
+            self._attach()
+        assert self._engine_obj is not None
+        return self._engine_obj
+
+    def _attach(self) -> None:
+        """Join (or make) the engine of this storage and trainer; load this study."""
+        if self._closed:
+            raise StagetreeError(f"study {self.name!r} is closed")
+        storage = self._engine_args[0]
+        url = storage if isinstance(storage, str) else f"object:{id(storage)}"
+        key = (url, _trainer_ref(self.trainer))
+        with _ENGINES_LOCK:
+            engine = _ENGINES.get(key)
+            if engine is None:
+                engine = self._make_engine(*self._engine_args)
+                _ENGINES[key] = engine
+            engine.users += 1
+        self._engine_key = key
+        self._engine_obj = engine
         with engine.lock:
-            engine.storage.create_study(name, {"version": self.version, "share": share})
-            for t in engine.storage.trials(name):
+            engine.storage.create_study(self.name, {"version": self.version, "share": self.share})
+            for t in engine.storage.trials(self.name):
                 self._trial_ids[(canonical_json(t["config"]), dumps_hp(t["hp"]))] = t["id"]
                 if self._names is None:
                     self._names = (frozenset(t["config"]), frozenset(t["hp"]))
+
+    def open(self) -> Study:
+        """Open the storage now (it is otherwise opened on first use); returns self.
+
+        Raises:
+            StorageError: the storage URL cannot be opened.
+        """
+        _ = self._engine
+        return self
 
     def _make_engine(
         self,
@@ -601,14 +643,20 @@ class Study:
                     checkpoint_dir=ckdir,
                     threads_per_worker=threads_per_worker,
                 )
-            raise ValueError(f"executor must be 'local', 'inline' or a factory, got {executor!r}")
+            if executor == "simulated":
+                from stagetree.executors.simulated import SimulatedExecutor
+
+                return SimulatedExecutor(num_workers=workers or 1)
+            raise ValueError(
+                f"executor must be 'local', 'inline', 'simulated' or a factory, got {executor!r}"
+            )
 
         return _Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
 
     # -- context manager -----------------------------------------------------------------
 
     def __enter__(self) -> Study:
-        return self
+        return self.open()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -618,6 +666,8 @@ class Study:
         if self._closed:
             return
         self._closed = True
+        if self._engine_obj is None:
+            return
         with _ENGINES_LOCK:
             self._engine.users -= 1
             last = self._engine.users == 0
@@ -807,9 +857,28 @@ class Study:
 
         The tuner's decisions are logged in the storage: a study killed mid-run and
         started again replays them and trains nothing twice.
+
+        With a virtual-time executor (``executor="simulated"`` or a factory of a
+        :class:`~stagetree.executors.simulated.SimulatedExecutor`) no driver thread
+        runs: the tuner's event loop delivers the executor's virtual instants itself
+        (:func:`~stagetree.executors.simulated.drive`), so the same study simulated
+        twice takes the same decisions at the same virtual times.
         """
         runner = _StudyRunner(self)
-        return _run_coro(tuner.run(runner))
+        engine = self._engine
+        engine.ensure_started()
+        if not getattr(engine.executor, "virtual_time", False):
+            return _run_coro(tuner.run(runner))
+        from stagetree.executors.simulated import drive
+
+        def pump(timeout: float) -> int:
+            try:
+                return engine.pump(timeout)
+            except BaseException as exc:  # the engine is unusable now, as after a thread error
+                engine.error = exc
+                raise
+
+        return _run_coro(drive(tuner.run(runner), pump, engine.executor))
 
     @property
     def num_workers(self) -> int:
@@ -845,8 +914,9 @@ class Study:
     def stats(self) -> dict[str, float]:
         """Accounting: ``steps_requested`` (total steps of this study's trials),
         ``steps_unique`` (steps of the union of their paths), ``steps_executed`` and
-        ``device_seconds`` (by the engine on the trees this study uses, over every run on
-        this storage), checkpoint seconds and bytes, and ``merge_rate``."""
+        ``device_seconds`` (trained on the plan trees this study uses, over every run on
+        this storage: a tree shared with another study counts for both), ``merge_rate``,
+        and storage-wide checkpoint seconds/bytes and live-split counts."""
         from stagetree.stages import unique_steps
 
         self._engine.settle()
@@ -854,11 +924,14 @@ class Study:
             storage = self._engine.storage
             trials = storage.trials(self.name)
             requested = float(sum(t["steps"] for t in trials))
-            nodes = {
-                n.id: n for root in {t["root_key"] for t in trials} for n in storage.nodes(root)
-            }
+            roots = {t["root_key"] for t in trials}
+            nodes = {n.id: n for root in roots for n in storage.nodes(root)}
             unique = float(unique_steps(nodes, [(t["node"], t["step"]) for t in trials]))
-            engine_stats = storage.stats("engine")
+            engine_stats: dict[str, float] = {}
+            for root in roots:
+                for k, v in storage.stats(root_scope(root)).items():
+                    engine_stats[k] = engine_stats.get(k, 0.0) + v
+            everything = storage.stats("engine")
         out = {
             "trials": float(len(trials)),
             "steps_requested": requested,
@@ -866,11 +939,11 @@ class Study:
             "merge_rate": requested / unique if unique else 1.0,
             "steps_executed": engine_stats.get("steps_executed", 0.0),
             "device_seconds": engine_stats.get("device_seconds", 0.0),
-            "ckpt_save_seconds": engine_stats.get("ckpt_save_seconds", 0.0),
-            "ckpt_load_seconds": engine_stats.get("ckpt_load_seconds", 0.0),
-            "ckpt_bytes": engine_stats.get("ckpt_bytes", 0.0),
-            "live_splits": engine_stats.get("live_splits", 0.0),
-            "splits_missed": engine_stats.get("splits_missed", 0.0),
+            "ckpt_save_seconds": everything.get("ckpt_save_seconds", 0.0),
+            "ckpt_load_seconds": everything.get("ckpt_load_seconds", 0.0),
+            "ckpt_bytes": everything.get("ckpt_bytes", 0.0),
+            "live_splits": everything.get("live_splits", 0.0),
+            "splits_missed": everything.get("splits_missed", 0.0),
         }
         return out
 
