@@ -96,6 +96,17 @@ def measure_reinsert(ctx: Context) -> dict[str, Any]:
     return {"re-insert trials/s": f"{len(ctx.trials) / seconds:,.0f}"}
 
 
+def measure_stage_tree(ctx: Context) -> dict[str, Any]:
+    """Seconds to build the stage tree over every pending request of the plan (one per
+    trial), as the scheduler does on each decision: best of three."""
+    from stagetree.stages import bench_build
+
+    plan = SQLPlanStorage(f"sqlite:///{tmpdir_file(ctx, 'insert')}")
+    best = min(bench_build(plan, [ROOT]) for _ in range(3))
+    plan.close()
+    return {"stage tree s": f"{best:.3f}"}
+
+
 def measure_memory(ctx: Context) -> dict[str, Any]:
     """Peak Python allocations (tracemalloc) while inserting into a fresh file, and the
     process's peak resident set size."""
@@ -115,6 +126,7 @@ def tmpdir_file(ctx: Context, name: str) -> str:
 MEASUREMENTS: list[Callable[[Context], dict[str, Any]]] = [
     measure_insert,
     measure_reinsert,
+    measure_stage_tree,
     measure_memory,
 ]
 
