@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import os
+
 import numpy as np
 
 from stagetree import Trainer
@@ -60,3 +62,16 @@ class LinearTrainer(Trainer):
         self.w = np.array(state["w"], dtype=float)
         self.t = int(state["t"])
         self.lr = float(state["lr"])
+
+
+class CrashOnceTrainer(LinearTrainer):
+    """Kills its worker process (no exception, no cleanup) the first time it reaches
+    step ``crash_at``; a marker file makes it a one-off."""
+
+    def train(self) -> dict[str, float]:
+        marker = self.config.get("marker")
+        if marker and self.t == self.config.get("crash_at") and not os.path.exists(marker):
+            with open(marker, "w") as fh:
+                fh.write("crashed")
+            os._exit(1)
+        return super().train()

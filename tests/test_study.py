@@ -239,3 +239,49 @@ def test_nan_metrics_rank_worst(tmp_path: Path) -> None:
         best = study.tune(GridSearch(space, "score", steps=4))
         assert best is not None and best.config["nan_at"] == 1000
         assert study.best("score").config["nan_at"] == 1000  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_replaced_and_its_stages_rerun(tmp_path: Path) -> None:
+    from study_trainers import CrashOnceTrainer
+
+    marker = tmp_path / "crashed"
+    config = {"seed": 2, "marker": str(marker), "crash_at": 6}
+    with Study(
+        "crash", CrashOnceTrainer, storage=f"sqlite:///{tmp_path}/plan.db", workers=1
+    ) as study:
+
+        async def main() -> list[Any]:
+            return await asyncio.gather(*[study.submit(config, {"lr": lr}, 12) for lr in LRS])
+
+        results = asyncio.run(main())
+        assert marker.exists(), "the worker never crashed: the test tests nothing"
+    reference = Study("ref", LinearTrainer, storage="memory://", executor="inline")
+    with reference:
+        clean = {k: v for k, v in config.items() if k not in ("marker", "crash_at")}
+        for lr, res in zip(LRS, results):
+            assert res.metrics == reference.run(clean, {"lr": lr}, 12).metrics
+
+
+def test_checkpoint_budget_evicts_but_results_stay_exact(tmp_path: Path) -> None:
+    budget = 1500  # bytes: a few of LinearTrainer's checkpoints (about 470 bytes each)
+    with make(tmp_path, checkpoint_budget=budget) as study:
+
+        async def main() -> list[Any]:
+            return await asyncio.gather(*[study.submit({"seed": 4}, {"lr": lr}, 15) for lr in LRS])
+
+        results = asyncio.run(main())
+        study.stats()  # settles the engine: every checkpoint reported
+        store = study._engine.store
+        assert store.total_bytes() <= budget
+        saves = study._engine.storage.stats("engine")["ckpt_saves"]
+        assert saves > len(store.refs()), "nothing was evicted: the test tests nothing"
+        assert len(study._engine.storage.checkpoints()) == len(store.refs())
+        # Promotions still work (resuming, or recomputing what was evicted), exactly.
+        longer = [study.run({"seed": 4}, {"lr": lr}, 20) for lr in LRS]
+        assert study._engine.store.total_bytes() <= budget
+    (tmp_path / "ref").mkdir()
+    with make(tmp_path / "ref", name="ref") as ref:
+        for lr, short, long in zip(LRS, results, longer):
+            assert short.metrics == ref.run({"seed": 4}, {"lr": lr}, 15).metrics
+            assert long.metrics == ref.run({"seed": 4}, {"lr": lr}, 20).metrics
