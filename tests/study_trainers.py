@@ -5,10 +5,9 @@ Module-level classes so that worker processes can import them by file path.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
-
-import os
 
 import numpy as np
 
