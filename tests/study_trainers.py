@@ -74,3 +74,13 @@ class CrashOnceTrainer(LinearTrainer):
                 fh.write("crashed")
             os._exit(1)
         return super().train()
+
+
+class SlowLinearTrainer(LinearTrainer):
+    """LinearTrainer with 20 ms steps, for tests that act while a batch runs."""
+
+    def train(self) -> dict[str, float]:
+        import time
+
+        time.sleep(0.02)
+        return super().train()

@@ -285,3 +285,44 @@ def test_checkpoint_budget_evicts_but_results_stay_exact(tmp_path: Path) -> None
         for lr, short, long in zip(LRS, results, longer):
             assert short.metrics == ref.run({"seed": 4}, {"lr": lr}, 15).metrics
             assert long.metrics == ref.run({"seed": 4}, {"lr": lr}, 20).metrics
+
+
+def test_cancel_releases_the_request_and_spares_shared_work(tmp_path: Path) -> None:
+    from study_trainers import SlowLinearTrainer
+
+    with Study(
+        "cancel", SlowLinearTrainer, storage=f"sqlite:///{tmp_path}/plan.db", executor="inline"
+    ) as study:
+
+        async def main() -> tuple[Any, Any]:
+            keep = asyncio.ensure_future(study.submit({"seed": 0}, {"lr": LRS[0]}, 8))
+            drop = asyncio.ensure_future(study.submit({"seed": 0}, {"lr": LRS[0]}, 30))
+            await asyncio.sleep(0.05)
+            study.cancel(drop)
+            done = await asyncio.gather(keep, drop, return_exceptions=True)
+            return done[0], done[1]
+
+        keep, drop = asyncio.run(main())
+        assert isinstance(drop, asyncio.CancelledError)
+        assert keep.metrics == study.eval({"seed": 0}, {"lr": LRS[0]}, 8)
+        assert study.eval({"seed": 0}, {"lr": LRS[0]}, 30) is None
+        # The cancelled request stopped its batch early: far fewer than 30 steps ran.
+        assert study.stats()["steps_executed"] < 30
+
+
+@pytest.mark.slow
+def test_asha_on_real_torch_training(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from stagetree.torch.examples import DigitsTrainer
+
+    space = GridSpace(
+        {"lr": [Constant(0.1), MultiStep(0.1, [2], 0.1), MultiStep(0.1, [4], 0.1)]},
+        fixed={"hidden": [16], "batches_per_step": [2], "seed": [0, 1]},
+    )
+    tuner = ASHA(space, "accuracy", min_steps=1, max_steps=8, eta=2, num_trials=len(space))
+    with Study("asha-torch", DigitsTrainer, storage=f"sqlite:///{tmp_path}/p.db", workers=2) as s:
+        best = s.tune(tuner)
+        assert best is not None and best.steps >= 4  # rungs 1, 2, 4, 8 over 6 configs
+        assert 0.1 < best.metrics["accuracy"] <= 1.0
+        stats = s.stats()
+        assert stats["steps_unique"] <= stats["steps_executed"] < stats["steps_requested"]
