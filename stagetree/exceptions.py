@@ -62,8 +62,9 @@ class CheckpointError(StagetreeError):
     """A checkpoint is missing, fails its checksum, or could not be written."""
 
 
-class TrainerError(StagetreeError):
-    """User trainer code raised. ``traceback`` holds the formatted original traceback."""
+class _WithTraceback(StagetreeError):
+    """An error that carries the formatted traceback of user code that raised elsewhere
+    (often in a worker process), shown under the message."""
 
     def __init__(self, message: str, traceback: str = "") -> None:
         super().__init__(message)
@@ -72,22 +73,19 @@ class TrainerError(StagetreeError):
     def __str__(self) -> str:
         base = super().__str__()
         return f"{base}\n{self.traceback}" if self.traceback else base
+
+
+class TrainerError(_WithTraceback):
+    """User trainer code raised. ``traceback`` holds the formatted original traceback."""
 
 
 class SchedulerError(StagetreeError):
     """The scheduler received an event it cannot apply."""
 
 
-class TrialFailedError(StagetreeError):
-    """A request failed because a stage it depends on failed."""
-
-    def __init__(self, message: str, traceback: str = "") -> None:
-        super().__init__(message)
-        self.traceback = traceback
-
-    def __str__(self) -> str:
-        base = super().__str__()
-        return f"{base}\n{self.traceback}" if self.traceback else base
+class TrialFailedError(_WithTraceback):
+    """A request failed because a stage it depends on failed; ``traceback`` holds the
+    trainer's traceback."""
 
 
 class TrialCancelledError(StagetreeError):
