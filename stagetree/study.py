@@ -222,9 +222,18 @@ class _Engine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def request(self, study: str, trial_id: int, root_key: str, node: int, step: int) -> _Waiter:
-        """Ask for ``(node, step)``; the caller has inserted the trial and holds a
-        reference to the request. Called with ``lock`` held."""
+    def request(
+        self,
+        study: str,
+        trial_id: int,
+        root_key: str,
+        node: int,
+        step: int,
+        leaf: int | None = None,
+    ) -> _Waiter:
+        """Ask for ``(node, step)``; the caller has inserted the trial (up to the node
+        ``leaf``, at or below ``node``) and holds a reference to the request. Called with
+        ``lock`` held."""
         from stagetree.scheduler import (
             CheckpointAvailable,
             NodeAdded,
@@ -238,7 +247,7 @@ class _Engine:
         if root_key not in self._known_roots:
             self._known_roots.add(root_key)
             events.append(RootAdded(root_key, self.storage.root_config(root_key)))
-        path = self.storage.path(node)
+        path = self.storage.path(node if leaf is None else leaf)
         new = [n for n in path if n.id not in self._known_nodes]
         for n in new:
             self._known_nodes.add(n.id)
@@ -569,6 +578,7 @@ class Study:
         self._started = time.monotonic()
         self._names: tuple[frozenset[str], frozenset[str]] | None = None
         self._trial_ids: dict[tuple[str, str], int] = {}
+        self._horizon = 0  # steps the current tuner may train a trial to (0: unknown)
 
     @property
     def _engine(self) -> _Engine:
@@ -776,19 +786,28 @@ class Study:
         with engine.lock:
             storage = engine.storage
             storage.register_root(root_key, cfg)
-            ins = storage.insert_trial(root_key, seqs, steps, request=False)
-            tid = self._trial_id(root_key, cfg, seqs, steps, ins.node, ins.step)
-            known = storage.get_metrics(ins.node, ins.step)
+            # The path goes in up to the tuner's horizon, so that the scheduler knows
+            # where this trial will branch off others later (branch checkpoints).
+            ins = storage.insert_trial(root_key, seqs, max(steps, self._horizon), request=False)
+            leaf = ins.node
+            if self._horizon > steps:
+                where = storage.locate(root_key, seqs, steps)
+                assert where is not None
+                node, step = where
+            else:
+                node, step = ins.node, ins.step
+            tid = self._trial_id(root_key, cfg, seqs, steps, node, step)
+            known = storage.get_metrics(node, step)
             if known is not None:
                 storage.update_trial(tid, state="done")
                 fut: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
                 fut.set_result(known)
-                return fut, cfg, seqs, ins.node, ins.step, None
+                return fut, cfg, seqs, node, step, None
         engine.ensure_started()
         with engine.lock:
-            storage.add_request(ins.node, ins.step)
-            waiter = engine.request(self.name, tid, root_key, ins.node, ins.step)
-        return waiter.future, cfg, seqs, ins.node, ins.step, waiter
+            storage.add_request(node, step)
+            waiter = engine.request(self.name, tid, root_key, node, step, leaf=leaf)
+        return waiter.future, cfg, seqs, node, step, waiter
 
     def _result(
         self,
@@ -865,6 +884,7 @@ class Study:
         twice takes the same decisions at the same virtual times.
         """
         runner = _StudyRunner(self)
+        self._horizon = _tuner_horizon(tuner)
         engine = self._engine
         engine.ensure_started()
         if not getattr(engine.executor, "virtual_time", False):
@@ -969,6 +989,15 @@ class Study:
             "device_seconds": engine_stats.get("device_seconds", 0.0),
             "elapsed": time.monotonic() - self._started,
         }
+
+
+def _tuner_horizon(tuner: Tuner) -> int:
+    """The most steps ``tuner`` may train one trial to, when it says (0 otherwise)."""
+    steps = [getattr(tuner, name, None) for name in ("max_steps", "steps")]
+    schedule = getattr(tuner, "schedule", None)
+    if schedule:
+        steps.extend(s for s, _n in schedule)
+    return max((s for s in steps if isinstance(s, int)), default=0)
 
 
 class _StudyRunner:

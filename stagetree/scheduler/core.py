@@ -138,6 +138,12 @@ class Scheduler:
         max_retries: times a failing stage is planned again before the requests that
             depend on it fail.
 
+    Branch checkpoints (``branch_checkpoints=True``, the default): a batch also
+    checkpoints where known nodes branch off its path even when they have no request
+    yet (the study inserts trials up to the tuner's horizon), and a running batch is
+    asked for such a checkpoint when a node that branches off ahead of its worker is
+    added. A later promotion then starts at its branch point instead of recomputing.
+
     Events accepted by :meth:`handle`: the plan events of
     :mod:`stagetree.scheduler.events` and the worker events of :mod:`stagetree.work`.
     Events of batches the scheduler no longer tracks (late messages after an abort or a
@@ -151,6 +157,7 @@ class Scheduler:
         policy: str | BasePolicy = "critical_path",
         estimator: CostEstimator | None = None,
         max_retries: int = 0,
+        branch_checkpoints: bool = True,
     ) -> None:
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -159,6 +166,8 @@ class Scheduler:
         self.policy = make_policy(policy)
         self.estimator = estimator if estimator is not None else CostEstimator()
         self.max_retries = max_retries
+        self.branch_checkpoints = branch_checkpoints
+        self._children: dict[int, list[Node]] = {}
         self._roots: dict[str, dict[str, Any]] = {}
         self._nodes: dict[int, Node] = {}
         self._requests: dict[Key, int] = {}
@@ -310,6 +319,39 @@ class Scheduler:
         elif node.branch_step != 0:
             raise SchedulerError(f"root node {node.id} must branch at step 0")
         self._nodes[node.id] = node
+        if node.parent is not None:
+            self._children.setdefault(node.parent, []).append(node)
+            if self.branch_checkpoints:
+                self._checkpoint_new_branch(node, out)
+
+    def _branch_points(self, segments: Iterable[tuple[int, int, int]]) -> set[Key]:
+        """Points of a path where known nodes branch off it, requested or not.
+
+        Nodes without requests come from trials inserted up to the tuner's horizon (a
+        trial at rung 1 of ASHA is inserted to its last rung): a checkpoint where they
+        branch lets a later promotion start there instead of recomputing the prefix.
+        """
+        out: set[Key] = set()
+        segs = list(segments)
+        for i, (node, start, stop) in enumerate(segs):
+            follow = segs[i + 1][0] if i + 1 < len(segs) else None
+            for child in self._children.get(node, ()):
+                d = child.branch_step
+                if start < d <= stop and not (child.id == follow and d == stop):
+                    out.add((node, d))
+        return out
+
+    def _checkpoint_new_branch(self, node: Node, out: list[Instruction | Notice]) -> None:
+        """A node that branches off a running batch's path ahead of its worker: ask for a
+        checkpoint there now, while it is cheap (see :meth:`_branch_points`)."""
+        assert node.parent is not None
+        key = (node.parent, node.branch_step)
+        for batch in self._active():
+            if key in batch.checkpoint or key in self._checkpoints:
+                continue
+            if key in self._branch_points(batch.segments) and node.branch_step > batch.position:
+                batch.checkpoint.add(key)
+                out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
     def _check_key(self, node_id: int, step: int, count: int) -> Key:
         node = self._nodes.get(node_id)
@@ -547,8 +589,10 @@ class Scheduler:
             if i == len(path) - 1 or len(stage.children) > 1:
                 checkpoint.add((stage.node, stage.stop))
         checkpoint |= evaluate
-        checkpoint -= self._checkpoints.keys()
         segments = tuple((s.node, s.start, s.stop) for s in path if s.stop > s.start)
+        if self.branch_checkpoints:
+            checkpoint |= self._branch_points(segments)
+        checkpoint -= self._checkpoints.keys()
         last = path[-1]
         worker = self._pick_worker(start)
         self._idle.discard(worker)

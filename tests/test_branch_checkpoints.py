@@ -1,0 +1,44 @@
+"""Branch checkpoints: the scheduler checkpoints where known nodes branch off a batch's
+path, even before they have a request, so that later promotions never recompute."""
+
+from __future__ import annotations
+
+from stagetree.hp import Constant, MultiStep
+from stagetree.plan import MemoryPlanStorage
+from stagetree.scheduler import NodeAdded, RequestAdded, RootAdded, Scheduler
+from stagetree.work import AddCheckpoint, RunBatch, WorkerReady
+
+
+def _setup(branch_checkpoints: bool) -> tuple[Scheduler, MemoryPlanStorage, list[object]]:
+    plan = MemoryPlanStorage()
+    a = plan.insert_trial("r", {"lr": Constant(0.1)}, 20, request=False)
+    b = plan.insert_trial("r", {"lr": MultiStep(0.1, [12], 0.1)}, 20, request=False)
+    assert b.new_nodes and b.new_nodes[0].branch_step == 12
+    sched = Scheduler(branch_checkpoints=branch_checkpoints)
+    out: list[object] = []
+    out += sched.handle(RootAdded("r", {}))
+    for n in plan.nodes("r"):
+        out += sched.handle(NodeAdded(n))
+    out += sched.handle(WorkerReady(0))
+    # Only the first trial is requested now (e.g. a rung), up to step 20.
+    out += sched.handle(RequestAdded(a.node, 20))
+    return sched, plan, out
+
+
+def test_batch_checkpoints_where_unrequested_nodes_branch() -> None:
+    _, plan, out = _setup(True)
+    (batch,) = [o for o in out if isinstance(o, RunBatch)]
+    root = plan.nodes("r")[0].id
+    assert (root, 12) in batch.checkpoint_at
+    _, _, out_off = _setup(False)
+    (plain,) = [o for o in out_off if isinstance(o, RunBatch)]
+    assert (root, 12) not in plain.checkpoint_at
+
+
+def test_node_added_ahead_of_a_running_batch_asks_for_a_checkpoint() -> None:
+    sched, plan, out = _setup(True)
+    (batch,) = [o for o in out if isinstance(o, RunBatch)]
+    c = plan.insert_trial("r", {"lr": MultiStep(0.1, [15], 0.5)}, 20, request=False)
+    (node,) = c.new_nodes
+    added = sched.handle(NodeAdded(node))
+    assert AddCheckpoint(batch.batch_id, 0, node.parent, 15, False) in added  # type: ignore[arg-type]
