@@ -579,6 +579,7 @@ class Study:
         self._names: tuple[frozenset[str], frozenset[str]] | None = None
         self._trial_ids: dict[tuple[str, str], int] = {}
         self._horizon = 0  # steps the current tuner may train a trial to (0: unknown)
+        self._meta: dict[str, Any] = {}  # recorded with the study when it is created
 
     @property
     def _engine(self) -> _Engine:
@@ -603,7 +604,8 @@ class Study:
         self._engine_key = key
         self._engine_obj = engine
         with engine.lock:
-            engine.storage.create_study(self.name, {"version": self.version, "share": self.share})
+            meta = {"version": self.version, "share": self.share, **self._meta}
+            engine.storage.create_study(self.name, meta)
             for t in engine.storage.trials(self.name):
                 self._trial_ids[(canonical_json(t["config"]), dumps_hp(t["hp"]))] = t["id"]
                 if self._names is None:
@@ -885,6 +887,7 @@ class Study:
         """
         runner = _StudyRunner(self)
         self._horizon = _tuner_horizon(tuner)
+        self._meta = {"metric": tuner.metric, "mode": tuner.mode, "tuner": type(tuner).__name__}
         engine = self._engine
         engine.ensure_started()
         if not getattr(engine.executor, "virtual_time", False):
