@@ -1185,6 +1185,51 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
 ]
 
 
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``stagetree simulate SCRIPT.py``: the script's study in virtual time, with and
+    without sharing (:func:`stagetree.simulate.simulate_script`)."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+        return value
+
+    def handler(args: argparse.Namespace) -> int:
+        from stagetree.simulate import simulate_script
+
+        simulate_script(
+            args.script, args.workers, policy=args.policy, step_seconds=args.step_seconds
+        )
+        return 0
+
+    p = sub.add_parser(
+        "simulate",
+        help="estimate a study's device-hours and makespan, with and without sharing",
+        description="Load SCRIPT.py like `stagetree run` (its `study` and `tuner`; the "
+        "study's storage and workers are not touched), run the tuner against simulated "
+        "workers in virtual time (real plan, scheduler and tuner; a step-cost model and a "
+        "synthetic learning curve instead of training), once with shared stages and once "
+        "trial by trial, and print device-hours, makespan and steps of both.",
+    )
+    p.add_argument("script", metavar="SCRIPT.py", help="file defining `study` and `tuner`")
+    p.add_argument("--workers", type=_positive, default=40, help="simulated workers (40)")
+    p.add_argument("--policy", choices=["critical_path", "bfs", "thr"], default="critical_path")
+    p.add_argument(
+        "--step-seconds",
+        type=seconds,
+        default=1.0,
+        help="seconds per step at batch size 128 (1.0; larger batches are faster per step)",
+    )
+    p.set_defaults(handler=handler)
+
+
+_SUBCOMMANDS.append(_add_simulate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``stagetree`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(

@@ -1,0 +1,545 @@
+"""Simulate whole studies in virtual time: what sharing saves, before training anything.
+
+:func:`simulate` runs a tuner against a :class:`~stagetree.Study` whose executor is a
+:class:`~stagetree.executors.simulated.SimulatedExecutor`: the real plan, stage-tree
+builder, scheduler and tuner take every decision; only training is replaced by a
+step-cost model (:class:`StepCost`) and a synthetic learning curve
+(:class:`LearningCurve`). It reports the makespan, device-hours and step counts, and
+a lower bound on the makespan::
+
+    lower bound = max(longest path, unique work / workers)
+
+where *longest path* is the training time of the longest trial (no schedule can beat
+training one trial's steps in sequence) and *unique work* the training time of the
+union of the trials' paths (what sharing leaves to train). With ``share=False`` every
+trial trains alone (the trial-based baseline), so unique work is all the work.
+
+Several tuners at once (``simulate(None, [t1, t2, ...])``) run as several studies on
+one storage and one pool of workers: they share stages with each other, as studies of
+one model on one storage do.
+
+``stagetree simulate SCRIPT.py --workers 40`` loads a script's ``study`` and
+``tuner`` and prints the estimate with and without sharing (:func:`simulate_script`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import runpy
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from stagetree.exceptions import StagetreeError
+from stagetree.executors.simulated import (
+    LearningCurve,
+    SimulatedExecutor,
+    SimulatedTrainer,
+    StepCost,
+    drive,
+)
+from stagetree.plan.memory import MemoryPlanStorage
+from stagetree.plan.model import Node
+from stagetree.stages import build_stage_tree
+from stagetree.trainer import Trainer
+from stagetree.tuners.base import TrialResult, Tuner
+
+__all__ = [
+    "LearningCurve",
+    "SimResult",
+    "SimulatedExecutor",
+    "SimulatedTrainer",
+    "StepCost",
+    "Work",
+    "format_table",
+    "load_script",
+    "simulate",
+    "simulate_script",
+    "work",
+]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulated study cost.
+
+    Attributes:
+        makespan: virtual seconds from the start until the tuner(s) returned.
+        device_hours: busy hours of all workers (loads, training, evaluations and
+            background saves until each batch ended).
+        steps_executed: training steps the workers ran.
+        steps_requested: total steps of the trials (each trained alone from 0).
+        steps_unique: steps of the union of the trials' paths.
+        merge_rate: ``steps_requested / steps_unique`` (over every study with several).
+        best: the tuner's best result (of the first tuner with several).
+        bests: the best result of each tuner.
+        longest_path: seconds of training of the longest trial.
+        unique_work: seconds of training of the unique steps (all steps without
+            sharing).
+        requested_work: seconds of training of every trial alone from step 0.
+        lower_bound: ``max(longest_path, unique_work / workers)``.
+        end: virtual time the last batch ended (cancelled work and saves included).
+        workers, share, trials: the set-up; ``trials`` counts every study's trials.
+        stats: executor and engine counters (``ckpt_loads``, ``ckpt_saves``,
+            ``live_splits``, ``splits_missed``, ``batches``).
+    """
+
+    makespan: float
+    device_hours: float
+    steps_executed: int
+    steps_requested: int
+    steps_unique: int
+    merge_rate: float
+    best: TrialResult | None
+    bests: tuple[TrialResult | None, ...] = ()
+    longest_path: float = 0.0
+    unique_work: float = 0.0
+    requested_work: float = 0.0
+    lower_bound: float = 0.0
+    end: float = 0.0
+    workers: int = 1
+    share: bool = True
+    trials: int = 0
+    stats: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def makespan_hours(self) -> float:
+        """:attr:`makespan` in hours."""
+        return self.makespan / 3600.0
+
+    @property
+    def work_merge_rate(self) -> float:
+        """``requested_work / unique_work``: the merge rate weighted by step costs,
+        the device-hours saving that sharing allows at best."""
+        return self.requested_work / self.unique_work if self.unique_work > 0 else 1.0
+
+    @property
+    def bound_ratio(self) -> float:
+        """``makespan / lower_bound`` (1.0 is optimal)."""
+        return self.makespan / self.lower_bound if self.lower_bound > 0 else math.inf
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+@dataclass(frozen=True)
+class Work:
+    """Training seconds of a set of trials (see :func:`work`).
+
+    Attributes:
+        longest_path: the longest trial, trained alone.
+        unique_work: the union of the trials' paths (each shared step once).
+        requested_work: every trial trained alone from step 0.
+        lower_bound: ``max(longest_path, unique_work / workers)``.
+    """
+
+    longest_path: float
+    unique_work: float
+    requested_work: float
+    lower_bound: float
+
+
+def work(
+    nodes: Mapping[int, Node],
+    roots: Mapping[str, Mapping[str, Any]],
+    ends: Seq[tuple[int, int]],
+    step_cost: Callable[[Mapping[str, Any], Mapping[str, Any]], float],
+    workers: int,
+) -> Work:
+    """Training seconds of the trials ending at ``ends`` and the makespan lower bound.
+
+    Args:
+        nodes: plan nodes by id (every node on the ends' paths).
+        roots: fixed config of every root key.
+        ends: canonical ``(node, step)`` each trial reached (one entry per trial).
+        step_cost: seconds of one step, ``(config, values) -> float``.
+        workers: number of workers.
+    """
+    counts: dict[tuple[int, int], int] = {}
+    for end in ends:
+        counts[end] = counts.get(end, 0) + 1
+    tree = build_stage_tree(nodes, list(counts))
+    finish: dict[int, float] = {}
+    cache: dict[tuple[int, tuple[Any, ...]], float] = {}
+    unique = requested = longest = 0.0
+    for stage in tree.stages:  # parents before children
+        node = nodes[stage.node]
+        config = roots[node.root_key]
+        names = sorted(node.hp)
+        columns = [_values(node.hp[n], stage.start, stage.stop) for n in names]
+        parent = stage.parent
+        done = finish[id(parent)] if parent is not None else 0.0
+        at = {stage.start: done}
+        for i in range(stage.stop - stage.start):
+            row = tuple(col[i] for col in columns)
+            key = (id(config), tuple((type(v).__name__, v) for v in row))
+            c = cache.get(key)
+            if c is None:
+                c = cache[key] = float(step_cost(config, dict(zip(names, row))))
+            done += c
+            at[stage.start + i + 1] = done
+        for t in stage.evaluate_at:
+            requested += at[t] * counts.get((stage.node, t), 0)
+        finish[id(stage)] = done
+        unique += done - at[stage.start]
+        longest = max(longest, done)
+    return Work(longest, unique, requested, max(longest, unique / max(1, workers)))
+
+
+def _values(seq: Any, start: int, stop: int) -> list[Any]:
+    if callable(seq):
+        values = getattr(seq, "values", None)
+        if callable(values):
+            return list(values(start, stop))
+        return [seq(t) for t in range(start, stop)]
+    return [seq] * (stop - start)
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def _curve_for(tuners: Seq[Tuner], curve: LearningCurve | None) -> LearningCurve:
+    """The default curve, reporting every tuner's metric (as accuracy or loss)."""
+    if curve is not None:
+        return curve
+    aliases = {
+        t.metric: ("accuracy" if t.mode == "max" else "loss")
+        for t in tuners
+        if t.metric not in ("accuracy", "loss")
+    }
+    return LearningCurve(aliases=aliases)
+
+
+@contextlib.contextmanager
+def _no_overrides() -> Iterator[None]:
+    """Command-line overrides (``stagetree run --storage``) must not redirect the
+    simulated studies to a real storage."""
+    from stagetree import study as study_module
+
+    saved = dict(study_module._OVERRIDES)
+    study_module._OVERRIDES.clear()
+    try:
+        yield
+    finally:
+        study_module._OVERRIDES.clear()
+        study_module._OVERRIDES.update(saved)
+
+
+def simulate(
+    source: Any = None,
+    tuner: Tuner | Callable[[Any], Tuner] | Seq[Tuner] | None = None,
+    workers: int = 40,
+    share: bool = True,
+    *,
+    policy: str = "critical_path",
+    step_cost: Callable[[Mapping[str, Any], Mapping[str, Any]], float] | None = None,
+    curve: LearningCurve | None = None,
+    trainer: type[Trainer] | None = None,
+    version: str | None = None,
+    name: str = "simulated",
+    **executor_options: Any,
+) -> SimResult:
+    """Run ``tuner`` against a simulated study and report what it cost.
+
+    Args:
+        source: a script path (``str`` or ``PathLike`` ending in ``.py``) defining
+            ``study`` and ``tuner`` (see :func:`load_script`), a search space, or None.
+        tuner: a :class:`~stagetree.tuners.base.Tuner`; a callable ``space -> Tuner``
+            (called with ``source`` when it is a space); a list of tuners to run as
+            several studies on one storage and worker pool; None with a script.
+        workers: simulated workers.
+        share: False trains every trial alone (the trial-based baseline; promotions
+            still resume a trial from its checkpoint). With several tuners, nothing
+            is shared between their studies either.
+        policy: scheduling policy (``critical_path``, ``bfs``, ``thr``).
+        step_cost: seconds per step, ``(config, values) -> float`` (default
+            :class:`StepCost`).
+        curve: learning-curve model (default :class:`LearningCurve` reporting each
+            tuner's metric).
+        trainer: the trainer class, for the plan's root keys (default
+            :class:`SimulatedTrainer`; a script's study's trainer).
+        version: the trainer version in the root keys (default: the trainer's
+            fingerprint).
+        name: study name (``name``, ``name-1``, ... with several tuners).
+        **executor_options: more :class:`SimulatedExecutor` options
+            (``checkpoint_bytes``, ``save_latency``, ``eval_seconds``, ...).
+
+    Returns:
+        The :class:`SimResult`.
+
+    Raises:
+        StagetreeError: a script without a tuner, or a simulation that stalls.
+        ValueError: bad arguments.
+    """
+    tuners: list[Tuner]
+    if isinstance(source, (str, os.PathLike)) and str(source).endswith(".py"):
+        loaded = load_script(source)
+        if tuner is None:
+            tuner = loaded.tuner
+        trainer = trainer or loaded.trainer
+        version = version if version is not None else loaded.version
+        name = loaded.name
+    if tuner is None:
+        raise ValueError("simulate needs a tuner (or a script that defines one)")
+    if isinstance(tuner, Tuner):
+        tuners = [tuner]
+    elif isinstance(tuner, Seq) and not isinstance(tuner, str):
+        tuners = list(tuner)
+        if not tuners or not all(isinstance(t, Tuner) for t in tuners):
+            raise ValueError("tuner must be a Tuner, a list of Tuners or a factory")
+    elif callable(tuner):
+        made = tuner(source)
+        if not isinstance(made, Tuner):
+            raise ValueError(f"the tuner factory returned {made!r}, not a Tuner")
+        tuners = [made]
+    else:
+        raise ValueError(f"tuner must be a Tuner, a list of Tuners or a factory, got {tuner!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    trainer = trainer or SimulatedTrainer
+    cost = step_cost if step_cost is not None else StepCost()
+    executor = SimulatedExecutor(
+        workers, step_cost=cost, curve=_curve_for(tuners, curve), **executor_options
+    )
+    return _run(tuners, executor, trainer, version, name, share, policy, cost)
+
+
+def _run(
+    tuners: list[Tuner],
+    executor: SimulatedExecutor,
+    trainer: type[Trainer],
+    version: str | None,
+    name: str,
+    share: bool,
+    policy: str,
+    cost: Callable[[Mapping[str, Any], Mapping[str, Any]], float],
+) -> SimResult:
+    from stagetree.study import Study, _run_coro, _StudyRunner, _tuner_horizon, trainer_fingerprint
+
+    base_version = version if version is not None else trainer_fingerprint(trainer)
+    storage = MemoryPlanStorage()
+    names = [name] if len(tuners) == 1 else [f"{name}-{i}" for i in range(len(tuners))]
+    studies: list[Study] = []
+    with tempfile.TemporaryDirectory(prefix="stagetree-sim-") as ckdir, _no_overrides():
+        try:
+            for study_name in names:
+                studies.append(
+                    Study(
+                        study_name,
+                        trainer,
+                        storage=storage,
+                        workers=executor.num_workers,
+                        share=share,
+                        checkpoint_dir=ckdir,
+                        # Trial-based baseline: no sharing across studies either.
+                        version=base_version if share else f"{base_version}|{study_name}",
+                        executor=lambda: executor,
+                        policy=policy,
+                    )
+                )
+            if len(studies) == 1:
+                bests: list[TrialResult | None] = [studies[0].tune(tuners[0])]
+            else:
+                # Several tuners on one loop: what Study.tune does for one, for each.
+                for t, st in zip(tuners, studies):
+                    st._horizon = _tuner_horizon(t)
+                engine = studies[0]._engine
+                engine.ensure_started()
+
+                async def main() -> list[TrialResult | None]:
+                    runs = [t.run(_StudyRunner(s)) for t, s in zip(tuners, studies)]
+                    return list(await asyncio.gather(*runs))
+
+                bests = _run_coro(drive(main(), engine.pump, executor))
+            return _account(studies, storage, executor, bests, share, cost)
+        finally:
+            for st in studies:
+                st.close()
+
+
+def _account(
+    studies: Seq[Any],
+    storage: MemoryPlanStorage,
+    executor: SimulatedExecutor,
+    bests: Seq[TrialResult | None],
+    share: bool,
+    cost: Callable[[Mapping[str, Any], Mapping[str, Any]], float],
+) -> SimResult:
+    trials = [t for st in studies for t in storage.trials(st.name)]
+    ends = [(int(t["node"]), int(t["step"])) for t in trials if t["node"] is not None]
+    nodes = {n.id: n for n in storage.nodes()}
+    roots = {key: storage.root_config(key) for key in {n.root_key for n in nodes.values()}}
+    bounds = work(nodes, roots, ends, cost, executor.num_workers)
+    unique = build_stage_tree(nodes, list(dict.fromkeys(ends))).total_steps
+    requested = sum(int(t["steps"]) for t in trials)
+    engine = storage.stats("engine")
+    done_at = executor.done_at if executor.done_at is not None else executor.now
+    return SimResult(
+        makespan=done_at,
+        device_hours=executor.device_seconds / 3600.0,
+        steps_executed=executor.steps_trained,
+        steps_requested=requested,
+        steps_unique=unique,
+        merge_rate=requested / unique if unique else 1.0,
+        best=bests[0] if bests else None,
+        bests=tuple(bests),
+        longest_path=bounds.longest_path,
+        unique_work=bounds.unique_work,
+        requested_work=bounds.requested_work,
+        lower_bound=bounds.lower_bound,
+        end=executor.now,
+        workers=executor.num_workers,
+        share=share,
+        trials=len(trials),
+        stats={
+            "batches": float(executor.batches),
+            "ckpt_loads": float(executor.loads),
+            "ckpt_saves": float(executor.saves),
+            "live_splits": engine.get("live_splits", 0.0),
+            "splits_missed": float(executor.splits_missed),
+        },
+    )
+
+
+# --------------------------------------------------------------------------- scripts
+
+
+@dataclass
+class LoadedScript:
+    """What :func:`load_script` found: the tuner, the study's trainer, version and name."""
+
+    tuner: Tuner
+    trainer: type[Trainer]
+    version: str
+    name: str
+
+
+def _pick(namespace: Mapping[str, Any], key: str, cls: type, script: str) -> Any:
+    value = namespace.get(key)
+    if isinstance(value, cls):
+        return value
+    found = {
+        id(v): v for k, v in namespace.items() if isinstance(v, cls) and not k.startswith("__")
+    }
+    if len(found) == 1:
+        return next(iter(found.values()))
+    what = "none" if not found else f"{len(found)} and none is named `{key}`"
+    raise StagetreeError(f"{script} must define one {cls.__name__} named `{key}` ({what} found)")
+
+
+def load_script(path: str | os.PathLike[str]) -> LoadedScript:
+    """Run a study script (the ``stagetree run`` convention: module globals ``study`` and
+    ``tuner``) without running its study: every ``Study`` it builds gets a throw-away
+    in-memory storage, and its workers are never started.
+
+    The script runs as module ``__stagetree_simulate__`` (its ``if __name__ ==
+    "__main__":`` block does not run) with its folder first on ``sys.path``.
+
+    Raises:
+        StagetreeError: no such file, or it defines no study or no tuner.
+    """
+    from stagetree import study as study_module
+    from stagetree.study import Study
+
+    p = Path(path)
+    if not p.is_file():
+        raise StagetreeError(f"no such script: {path}")
+    saved_overrides = dict(study_module._OVERRIDES)
+    saved_path, saved_argv = sys.path[:], sys.argv[:]
+    study_module._OVERRIDES["storage"] = "memory://"
+    sys.path.insert(0, str(p.resolve().parent))
+    sys.argv = [str(p)]
+    namespace: dict[str, Any] = {}
+    try:
+        namespace = runpy.run_path(str(p), run_name="__stagetree_simulate__")
+        study = _pick(namespace, "study", Study, str(path))
+        tuner = _pick(namespace, "tuner", Tuner, str(path))
+        return LoadedScript(tuner, study.trainer, study.version, study.name)
+    finally:
+        for value in {id(v): v for v in namespace.values() if isinstance(v, Study)}.values():
+            with contextlib.suppress(Exception):
+                value.close()
+        study_module._OVERRIDES.clear()
+        study_module._OVERRIDES.update(saved_overrides)
+        sys.path[:] = saved_path
+        sys.argv = saved_argv
+
+
+def format_table(headers: Seq[str], rows: Seq[Seq[Any]]) -> str:
+    """A markdown table; floats are printed with 3 significant decimals."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.2f}" if abs(v) >= 100 else f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def simulate_script(
+    script: str | os.PathLike[str],
+    workers: int = 40,
+    *,
+    policy: str = "critical_path",
+    step_seconds: float = 1.0,
+    out: TextIO | None = None,
+) -> tuple[SimResult, SimResult]:
+    """``stagetree simulate``: estimate a script's study with and without sharing and
+    print both rows (device-hours, makespan, steps, merge rate) and the savings.
+
+    Every step costs ``step_seconds`` at batch size 128 (:class:`StepCost`).
+
+    Returns:
+        ``(shared, trial-based)`` results.
+    """
+    stream = sys.stdout if out is None else out
+    loaded = load_script(script)
+    cost = StepCost(base_seconds=step_seconds)
+    results = []
+    for share in (True, False):
+        results.append(
+            simulate(
+                None,
+                loaded.tuner,
+                workers,
+                share,
+                policy=policy,
+                step_cost=cost,
+                trainer=loaded.trainer,
+                version=loaded.version,
+                name=loaded.name,
+            )
+        )
+    shared, alone = results
+    rows = [
+        [
+            label,
+            r.device_hours,
+            r.makespan_hours,
+            r.steps_executed,
+            r.steps_requested,
+            r.merge_rate if r.share else 1.0,
+        ]
+        for label, r in (("stage-based (shared)", shared), ("trial-based (no sharing)", alone))
+    ]
+    print(
+        f"simulated {script}: {shared.trials} trials on {workers} workers, "
+        f"{step_seconds:g} s per step at batch size 128, policy {policy}",
+        file=stream,
+    )
+    headers = ["execution", "device-hours", "makespan (h)", "steps executed", "steps requested",
+               "merge rate"]  # fmt: skip
+    print(format_table(headers, rows), file=stream)
+    saving = alone.device_hours / shared.device_hours if shared.device_hours else math.inf
+    speedup = alone.makespan / shared.makespan if shared.makespan else math.inf
+    print(f"sharing saves {saving:.2f}x device-hours and {speedup:.2f}x makespan", file=stream)
+    return shared, alone
