@@ -234,20 +234,31 @@ class _Engine:
         """Ask for ``(node, step)``; the caller has inserted the trial (up to the node
         ``leaf``, at or below ``node``) and holds a reference to the request. Called with
         ``lock`` held."""
-        from stagetree.scheduler import (
-            CheckpointAvailable,
-            NodeAdded,
-            RequestAdded,
-            RootAdded,
-        )
+        from stagetree.scheduler import RequestAdded
 
         waiter = _Waiter(study, trial_id)
         self._waiters.setdefault((node, step), []).append(waiter)
+        events = self._path_events(root_key, node if leaf is None else leaf)
+        events.append(RequestAdded(node, step))
+        self._enqueue(events)
+        return waiter
+
+    def declare(self, root_key: str, leaf: int) -> None:
+        """Make the scheduler know the path to ``leaf`` before anything is requested on it
+        (trials a tuner will submit later), so that batches checkpoint where it branches
+        off. Called with ``lock`` held."""
+        self._enqueue(self._path_events(root_key, leaf))
+
+    def _path_events(self, root_key: str, leaf: int) -> list[Any]:
+        """Scheduler events for the root, the nodes and the durable checkpoints of the
+        path to ``leaf`` that the scheduler has not seen yet."""
+        from stagetree.scheduler import CheckpointAvailable, NodeAdded, RootAdded
+
         events: list[Any] = []
         if root_key not in self._known_roots:
             self._known_roots.add(root_key)
             events.append(RootAdded(root_key, self.storage.root_config(root_key)))
-        path = self.storage.path(node if leaf is None else leaf)
+        path = self.storage.path(leaf)
         new = [n for n in path if n.id not in self._known_nodes]
         for n in new:
             self._known_nodes.add(n.id)
@@ -257,9 +268,7 @@ class _Engine:
             for (cnode, cstep), rec in self.storage.checkpoints(root_key).items():
                 if cnode in ids and self.store.exists(rec.ref):
                     events.append(CheckpointAvailable(cnode, cstep, rec.ref))
-        events.append(RequestAdded(node, step))
-        self._enqueue(events)
-        return waiter
+        return events
 
     def _enqueue(self, events: list[Any]) -> None:
         """Queue scheduler events from user threads; the driver applies them together
@@ -822,6 +831,22 @@ class Study:
             history = self._engine.storage.metrics_along(self.root_key(cfg, seqs), seqs, steps)
         return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=dict(metrics), history=history)
 
+    def declare(self, trials: Iterable[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> None:
+        """Announce trials ``(config, hp)`` that will be submitted later (tuners that draw
+        their configurations up front do this): their paths go into the plan up to the
+        tuner's horizon, without requests, so that running batches checkpoint where they
+        will branch off and nothing is recomputed when they arrive."""
+        engine = self._engine
+        with engine.lock:
+            for config, hp in trials:
+                cfg, seqs = self._normalise(config, hp, self._horizon)
+                if not self._horizon:
+                    return  # no horizon known: nothing beyond what submissions insert
+                root_key = self.root_key(cfg, seqs)
+                engine.storage.register_root(root_key, cfg)
+                ins = engine.storage.insert_trial(root_key, seqs, self._horizon, request=False)
+                engine.declare(root_key, ins.node)
+
     def run(self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int) -> TrialResult:
         """Synchronous :meth:`submit` for one trial."""
         return _run_coro(self.submit(config, hp, steps))
@@ -1016,6 +1041,9 @@ class _StudyRunner:
 
     def num_workers(self) -> int:
         return self.study.num_workers
+
+    def declare(self, trials: list[tuple[dict[str, Any], dict[str, Sequence]]]) -> None:
+        self.study.declare(trials)
 
     def append_log(self, record: dict[str, Any]) -> None:
         with self.study._engine.lock:

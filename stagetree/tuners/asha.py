@@ -87,6 +87,7 @@ class ASHA(Tuner):
 
     async def _search(self, ctx: ReplayingRunner) -> None:
         specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
+        ctx.declare(specs)
         levels, eta = self.levels, self.eta
         top = len(levels) - 1
         self.rungs = [[{} for _ in levels] for _ in range(self.num_brackets)]

@@ -214,6 +214,14 @@ class ReplayingRunner:
         """Whether records of the previous run are still being replayed."""
         return self._pos < len(self._log)
 
+    def declare(self, specs: Iterable[Any]) -> None:
+        """Tell the runner which trials (``TrialSpec``-like: ``config``, ``hp``) the tuner
+        may submit later, when it has a ``declare`` method (a Study does: it plans
+        checkpoints where they will branch off). Decisions never depend on it."""
+        declare = getattr(self._runner, "declare", None)
+        if callable(declare):
+            declare([(dict(s.config), dict(s.hp)) for s in specs])
+
     def num_workers(self) -> int:
         """The runner's worker count (at least 1), itself a logged input.
 

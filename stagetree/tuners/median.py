@@ -95,6 +95,7 @@ class MedianStopping(Tuner):
 
     async def _search(self, ctx: ReplayingRunner) -> None:
         specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
+        ctx.declare(specs)
         self.stopped = []
         self._history = {}
         in_flight: set[Job] = set()
