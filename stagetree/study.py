@@ -15,6 +15,7 @@ import concurrent.futures
 import hashlib
 import math
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -95,11 +96,17 @@ class TrialRecord:
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def _default_checkpoint_dir(url: str) -> Path:
+def _default_checkpoint_dir(url: str) -> tuple[Path, bool]:
+    """Where checkpoints go when the study does not say, and whether that directory is
+    temporary (removed when the engine closes): beside a SQLite file; a temporary
+    directory for an in-memory plan (nothing outlives it); ``./stagetree_checkpoints``
+    otherwise (a server database: pass a directory every process can reach)."""
     if url.startswith("sqlite:///"):
         db = Path(url[len("sqlite:///") :])
-        return db.with_name(db.name + ".checkpoints")
-    return Path(tempfile.mkdtemp(prefix="stagetree-ckpt-"))
+        return db.with_name(db.name + ".checkpoints"), False
+    if url.startswith(("memory", ":memory:")):
+        return Path(tempfile.mkdtemp(prefix="stagetree-ckpt-")), True
+    return Path("stagetree_checkpoints"), False
 
 
 def root_scope(root_key: str) -> str:
@@ -158,6 +165,7 @@ class _Engine:
         self._wake = threading.Event()
         self.error: BaseException | None = None
         self.users = 0
+        self.temporary_checkpoints = False  # remove the store's directory on close
         self._inflight: set[int] = set()
         self._queued: list[Any] = []
         self._start_refs: dict[int, str | None] = {}
@@ -219,6 +227,8 @@ class _Engine:
             for req in self.storage.requests(states=[RequestState.PENDING, RequestState.SCHEDULED]):
                 self.storage.release_request(req.node, req.step, req.refcount)
         self.storage.close()
+        if self.temporary_checkpoints:
+            shutil.rmtree(self.store.directory, ignore_errors=True)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -529,7 +539,9 @@ class Study:
         checkpoint_budget: bytes the checkpoint store may hold (None: unlimited).
         version: overrides the trainer's source fingerprint in the root key.
         executor: ``"local"`` (worker processes, the default), ``"inline"`` (in this
-            process; for debugging and tests) or a factory returning a ``BaseExecutor``.
+            process; for debugging and tests), ``"simulated"`` (virtual time, no training:
+            :class:`~stagetree.executors.SimulatedExecutor`) or a factory returning a
+            ``BaseExecutor``.
         policy: scheduling policy: ``"critical_path"`` (default), ``"bfs"`` or ``"thr"``.
         max_retries: how often a failing stage is retried before its requests fail.
         threads_per_worker: torch/OpenMP threads per worker process (default: the
@@ -644,7 +656,11 @@ class Study:
 
         plan = open_storage(storage) if isinstance(storage, str) else storage
         url = storage if isinstance(storage, str) else "memory://"
-        ckdir = Path(checkpoint_dir) if checkpoint_dir is not None else _default_checkpoint_dir(url)
+        temporary = False
+        if checkpoint_dir is not None:
+            ckdir = Path(checkpoint_dir)
+        else:
+            ckdir, temporary = _default_checkpoint_dir(url)
         store = CheckpointStore(ckdir, budget_bytes=checkpoint_budget)
         trainer = self.trainer
 
@@ -672,7 +688,9 @@ class Study:
                 f"executor must be 'local', 'inline', 'simulated' or a factory, got {executor!r}"
             )
 
-        return _Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
+        engine = _Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
+        engine.temporary_checkpoints = temporary
+        return engine
 
     # -- context manager -----------------------------------------------------------------
 
@@ -849,7 +867,7 @@ class Study:
 
     def run(self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int) -> TrialResult:
         """Synchronous :meth:`submit` for one trial."""
-        return _run_coro(self.submit(config, hp, steps))
+        return self._drive(self.submit(config, hp, steps))
 
     def eval(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
@@ -913,10 +931,15 @@ class Study:
         runner = _StudyRunner(self)
         self._horizon = _tuner_horizon(tuner)
         self._meta = {"metric": tuner.metric, "mode": tuner.mode, "tuner": type(tuner).__name__}
+        return self._drive(tuner.run(runner))
+
+    def _drive(self, coro: Any) -> Any:
+        """Run ``coro`` to completion from sync code; with a virtual-time executor, its
+        event loop also delivers the executor's instants (no driver thread runs)."""
         engine = self._engine
         engine.ensure_started()
         if not getattr(engine.executor, "virtual_time", False):
-            return _run_coro(tuner.run(runner))
+            return _run_coro(coro)
         from stagetree.executors.simulated import drive
 
         def pump(timeout: float) -> int:
@@ -926,7 +949,7 @@ class Study:
                 engine.error = exc
                 raise
 
-        return _run_coro(drive(tuner.run(runner), pump, engine.executor))
+        return _run_coro(drive(coro, pump, engine.executor))
 
     @property
     def num_workers(self) -> int:

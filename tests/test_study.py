@@ -326,3 +326,19 @@ def test_asha_on_real_torch_training(tmp_path: Path) -> None:
         assert 0.1 < best.metrics["accuracy"] <= 1.0
         stats = s.stats()
         assert stats["steps_unique"] <= stats["steps_executed"] < stats["steps_requested"]
+
+
+def test_simulated_study_answers_single_submissions_and_cleans_up() -> None:
+    import glob
+    import tempfile
+
+    from stagetree.executors.simulated import SimulatedTrainer
+
+    pattern = tempfile.gettempdir() + "/stagetree-ckpt-*"
+    before = set(glob.glob(pattern))
+    with Study("sim", SimulatedTrainer, storage="memory://", executor="simulated") as study:
+        a = study.run({}, {"lr": MultiStep(0.1, [5], 0.1)}, 10)
+        b = study.run({}, {"lr": Constant(0.1)}, 10)  # shares steps 0-4
+        assert a.metrics != b.metrics
+        assert study.stats()["steps_executed"] == 15
+    assert set(glob.glob(pattern)) == before  # the in-memory study's checkpoints are gone

@@ -3,11 +3,14 @@
 * :class:`BaseExecutor`: the contract every executor follows.
 * :class:`LocalExecutor`: worker processes on this machine, one per device.
 * :class:`InlineExecutor`: batches run synchronously in the calling thread.
+* :class:`SimulatedExecutor`: virtual time, a cost model and synthetic learning curves
+  (``stagetree simulate``; no training at all).
 """
 
 from __future__ import annotations
 
 from stagetree.executors.base import BaseExecutor
 from stagetree.executors.local import InlineExecutor, LocalExecutor, TrainerSpec
+from stagetree.executors.simulated import SimulatedExecutor
 
-__all__ = ["BaseExecutor", "InlineExecutor", "LocalExecutor", "TrainerSpec"]
+__all__ = ["BaseExecutor", "InlineExecutor", "LocalExecutor", "SimulatedExecutor", "TrainerSpec"]
