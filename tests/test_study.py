@@ -338,7 +338,7 @@ def test_simulated_study_answers_single_submissions_and_cleans_up() -> None:
     before = set(glob.glob(pattern))
     with Study("sim", SimulatedTrainer, storage="memory://", executor="simulated") as study:
         a = study.run({}, {"lr": MultiStep(0.1, [5], 0.1)}, 10)
-        b = study.run({}, {"lr": Constant(0.1)}, 10)  # shares steps 0-4
-        assert a.metrics != b.metrics
+        b = study.run({}, {"lr": MultiStep(0.1, [5], 0.1)}, 15)  # resumes a at step 10
+        assert b.history[10] == a.metrics
         assert study.stats()["steps_executed"] == 15
     assert set(glob.glob(pattern)) == before  # the in-memory study's checkpoints are gone
