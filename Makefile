@@ -30,8 +30,18 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+# Benchmarks print markdown tables (figures go to benchmarks/RESULTS.md by hand) and
+# write plots to benchmarks/out/. The peers (Ray Tune, Optuna) and matplotlib are
+# benchmark-only dependencies.
 bench: $(STAMP)
+	$(BIN)/pip install -q -r requirements-bench.txt
+	mkdir -p benchmarks/out
 	$(BIN)/python benchmarks/plan_bench.py
+	$(BIN)/python benchmarks/overhead_bench.py
+	$(BIN)/python benchmarks/study_bench.py --plot benchmarks/out/study_bench.png
+	$(BIN)/python benchmarks/paper_studies.py --plot benchmarks/out/paper_studies.png
+	$(BIN)/python benchmarks/scheduler_compare.py --plot benchmarks/out/scheduler_compare.png
+	$(BIN)/python benchmarks/vs_peers.py --plot benchmarks/out/vs_peers.png
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
