@@ -1,7 +1,7 @@
 """The :class:`Study`: a synchronous facade over the asynchronous engine.
 
 A study owns nothing but a name, a trainer and a view of a shared engine. The engine
-(one per storage and trainer in a process, see :func:`_engine_for`) owns the plan
+(:mod:`stagetree.engine`, one per storage and trainer in a process) owns the plan
 storage, the checkpoint store, the I/O-free scheduler and an executor, and runs a
 driver thread that feeds executor events to the scheduler and carries out its
 instructions. Everything the engine learns (metrics, checkpoints, accounting) is
@@ -15,31 +15,26 @@ import concurrent.futures
 import hashlib
 import math
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stagetree.engine import Engine, Waiter, default_checkpoint_dir, root_scope
 from stagetree.exceptions import (
     InvalidTrialError,
     StagetreeError,
-    TrialCancelledError,
-    TrialFailedError,
 )
 from stagetree.hp import Sequence, as_sequence, dumps_hp
-from stagetree.plan import BasePlanStorage, RequestState, open_storage
+from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.space import canonical_json
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult, Tuner
 
 if TYPE_CHECKING:
-    from stagetree.checkpoints import CheckpointStore
     from stagetree.executors.base import BaseExecutor
 
 __all__ = ["Study", "TrialRecord", "trainer_fingerprint"]
@@ -96,425 +91,7 @@ class TrialRecord:
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def _default_checkpoint_dir(url: str) -> tuple[Path, bool]:
-    """Where checkpoints go when the study does not say, and whether that directory is
-    temporary (removed when the engine closes): beside a SQLite file; a temporary
-    directory for an in-memory plan (nothing outlives it); ``./stagetree_checkpoints``
-    otherwise (a server database: pass a directory every process can reach)."""
-    if url.startswith("sqlite:///"):
-        db = Path(url[len("sqlite:///") :])
-        return db.with_name(db.name + ".checkpoints"), False
-    if url.startswith(("memory", ":memory:")):
-        return Path(tempfile.mkdtemp(prefix="stagetree-ckpt-")), True
-    return Path("stagetree_checkpoints"), False
-
-
-def root_scope(root_key: str) -> str:
-    """The accounting scope of one plan tree (see ``BasePlanStorage.add_stats``)."""
-    return f"root:{root_key}"
-
-
-class _Waiter:
-    """A pending request of one submission: a future and what it needs to resolve."""
-
-    __slots__ = ("future", "study", "trial_id")
-
-    def __init__(self, study: str, trial_id: int) -> None:
-        self.future: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
-        self.study = study
-        self.trial_id = trial_id
-
-
-# Submissions closer together than _QUIET seconds are planned together (waiting at most
-# _MAX_DELAY seconds): cheap next to a training step, and it spares the workers from
-# racing past branch points of trials that were submitted at the same moment.
-_QUIET = 0.02
-_MAX_DELAY = 0.25
-
-
-class _Engine:
-    """Plan + checkpoint store + scheduler + executor, driven by one thread.
-
-    Every access to the storage and the scheduler holds ``lock``; the driver thread
-    takes it while it applies a batch of events, user threads take it to submit.
-    """
-
-    def __init__(
-        self,
-        storage: BasePlanStorage,
-        store: CheckpointStore,
-        executor_factory: Any,
-        policy: str,
-        max_retries: int,
-        checkpoint_budget: int | None,
-    ) -> None:
-        from stagetree.scheduler import Scheduler
-
-        self.storage = storage
-        self.store = store
-        self.lock = threading.RLock()
-        self._executor_factory = executor_factory
-        self.executor: BaseExecutor | None = None
-        self.scheduler = Scheduler(policy=policy, max_retries=max_retries)
-        self.checkpoint_budget = checkpoint_budget
-        self._waiters: dict[tuple[int, int], list[_Waiter]] = {}
-        self._known_roots: set[str] = set()
-        self._known_nodes: set[int] = set()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self.error: BaseException | None = None
-        self.users = 0
-        self.temporary_checkpoints = False  # remove the store's directory on close
-        self._inflight: set[int] = set()
-        self._queued: list[Any] = []
-        self._start_refs: dict[int, str | None] = {}
-        self._batch_roots: dict[int, str] = {}
-        self._first_queued = self._last_queued = 0.0
-        # batch id -> [start step, last reported step]: steps trained by running batches.
-        self._positions: dict[int, list[int]] = {}
-        self._idle = threading.Condition(self.lock)
-
-    # -- life cycle ----------------------------------------------------------------------
-
-    def ensure_started(self) -> None:
-        with self.lock:
-            if self.error is not None:
-                raise StagetreeError(f"the study engine stopped: {self.error!r}") from self.error
-            if self.executor is not None:
-                return
-            self.executor = self._executor_factory()
-            self.executor.start()
-            if getattr(self.executor, "virtual_time", False):
-                return  # virtual time: Study.tune pumps it from the tuner's loop, no thread
-            self._thread = threading.Thread(target=self._run, name="stagetree-engine", daemon=True)
-            self._thread.start()
-
-    @property
-    def num_workers(self) -> int:
-        return self.executor.num_workers if self.executor is not None else 1
-
-    def running_steps(self) -> int:
-        """Steps trained so far by batches that have not ended yet."""
-        return sum(last - start for start, last in self._positions.values())
-
-    def settle(self, timeout: float = 30.0) -> None:
-        """When no submission is waiting any more, wait (at most ``timeout`` s) for the
-        batches still in flight to report their end (background checkpoint writes,
-        accounting), so that statistics are complete."""
-        deadline = time.monotonic() + timeout
-        with self._idle:
-            while self._inflight and not self._waiters and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._idle.wait(left)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        if self.executor is not None:
-            self.executor.close()
-        with self.lock:
-            for waiters in self._waiters.values():
-                for w in waiters:
-                    if not w.future.done():
-                        w.future.set_exception(TrialCancelledError("the study was closed"))
-                        self._set_trial_state(w, "cancelled")
-            self._waiters.clear()
-            # Requests this process held are no longer wanted: a later run asks again.
-            for req in self.storage.requests(states=[RequestState.PENDING, RequestState.SCHEDULED]):
-                self.storage.release_request(req.node, req.step, req.refcount)
-        self.storage.close()
-        if self.temporary_checkpoints:
-            shutil.rmtree(self.store.directory, ignore_errors=True)
-
-    # -- requests ------------------------------------------------------------------------
-
-    def request(
-        self,
-        study: str,
-        trial_id: int,
-        root_key: str,
-        node: int,
-        step: int,
-        leaf: int | None = None,
-    ) -> _Waiter:
-        """Ask for ``(node, step)``; the caller has inserted the trial (up to the node
-        ``leaf``, at or below ``node``) and holds a reference to the request. Called with
-        ``lock`` held."""
-        from stagetree.scheduler import RequestAdded
-
-        waiter = _Waiter(study, trial_id)
-        self._waiters.setdefault((node, step), []).append(waiter)
-        events = self._path_events(root_key, node if leaf is None else leaf)
-        events.append(RequestAdded(node, step))
-        self._enqueue(events)
-        return waiter
-
-    def declare(self, root_key: str, leaf: int) -> None:
-        """Make the scheduler know the path to ``leaf`` before anything is requested on it
-        (trials a tuner will submit later), so that batches checkpoint where it branches
-        off. Called with ``lock`` held."""
-        self._enqueue(self._path_events(root_key, leaf))
-
-    def _path_events(self, root_key: str, leaf: int) -> list[Any]:
-        """Scheduler events for the root, the nodes and the durable checkpoints of the
-        path to ``leaf`` that the scheduler has not seen yet."""
-        from stagetree.scheduler import CheckpointAvailable, NodeAdded, RootAdded
-
-        events: list[Any] = []
-        if root_key not in self._known_roots:
-            self._known_roots.add(root_key)
-            events.append(RootAdded(root_key, self.storage.root_config(root_key)))
-        path = self.storage.path(leaf)
-        new = [n for n in path if n.id not in self._known_nodes]
-        for n in new:
-            self._known_nodes.add(n.id)
-            events.append(NodeAdded(n))
-        if new:
-            ids = {n.id for n in path}
-            for (cnode, cstep), rec in self.storage.checkpoints(root_key).items():
-                if cnode in ids and self.store.exists(rec.ref):
-                    events.append(CheckpointAvailable(cnode, cstep, rec.ref))
-        return events
-
-    def _enqueue(self, events: list[Any]) -> None:
-        """Queue scheduler events from user threads; the driver applies them together
-        (see :meth:`pump`), so trials submitted at once are planned at once."""
-        now = time.monotonic()
-        if not self._queued:
-            self._first_queued = now
-        self._last_queued = now
-        self._queued.extend(events)
-        self._wake.set()
-
-    def _flush(self, coalesce: bool = False) -> None:
-        with self.lock:  # _enqueue runs under the lock: the queue and its times agree
-            if coalesce and not self._settled():
-                return
-            events, self._queued = self._queued, []
-            if events:
-                self._apply(self.scheduler.handle_all(events))
-
-    def cancel(self, waiter: _Waiter, node: int, step: int) -> None:
-        from stagetree.scheduler import RequestCancelled
-
-        with self.lock:
-            waiters = self._waiters.get((node, step), [])
-            if waiter not in waiters:
-                return
-            waiters.remove(waiter)
-            if not waiters:
-                del self._waiters[(node, step)]
-            req = self.storage.request(node, step)
-            if req is not None and req.state not in (RequestState.DONE, RequestState.FAILED):
-                self.storage.release_request(node, step)
-                self._enqueue([RequestCancelled(node, step)])
-            if not waiter.future.done():
-                waiter.future.set_exception(TrialCancelledError(f"request ({node}, {step})"))
-            self._set_trial_state(waiter, "cancelled")
-
-    # -- driver thread -------------------------------------------------------------------
-
-    def _run(self) -> None:
-        assert self.executor is not None
-        try:
-            while not self._stop.is_set():
-                self._coalesce()
-                if not self.pump(timeout=0.01, coalesce=True) and not self._queued:
-                    # Nothing happened: sleep until a submission or the next poll.
-                    self._wake.wait(0.01)
-                    self._wake.clear()
-        except BaseException as exc:  # keep the error for every waiter and later calls
-            self.error = exc
-            tb = traceback.format_exc()
-            with self.lock:
-                for waiters in self._waiters.values():
-                    for w in waiters:
-                        if not w.future.done():
-                            w.future.set_exception(TrialFailedError(f"engine failed: {exc!r}", tb))
-                self._waiters.clear()
-
-    def _coalesce(self) -> None:
-        """Let a burst of submissions (a tuner submitting a rung, ``asyncio.gather`` of
-        several trials) finish arriving before planning: wait until no request came for
-        ``_QUIET`` s, at most ``_MAX_DELAY`` s after the first one."""
-        while self._queued and not self._stop.is_set() and not self._settled():
-            time.sleep(max(0.0, _QUIET - (time.monotonic() - self._last_queued)))
-
-    def _settled(self) -> bool:
-        now = time.monotonic()
-        return now - self._last_queued >= _QUIET or now - self._first_queued >= _MAX_DELAY
-
-    def pump(self, timeout: float | None, coalesce: bool = False) -> int:
-        """One round of the driver: plan the queued submissions (with ``coalesce``, only
-        once a burst of them has settled), take the executor's next events (waiting at
-        most ``timeout`` s) and apply them. Returns how many events were applied. The driver
-        thread calls it in a loop; a virtual-time executor may be pumped by its caller."""
-        assert self.executor is not None
-        self._flush(coalesce)
-        events = self.executor.events(timeout=0 if self._queued else timeout)
-        if events:
-            with self.lock:
-                for ev in events:
-                    self._on_event(ev)
-        return len(events)
-
-    def _on_event(self, ev: Any) -> None:
-        from stagetree import work
-
-        scope = "engine"
-        if isinstance(ev, work.MetricsReported):
-            self.storage.put_metrics(ev.node, ev.step, ev.metrics)
-        elif isinstance(ev, work.CheckpointSaved):
-            self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
-            self.storage.add_stats(
-                scope, ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
-            )
-        ended = ev.batch_id if isinstance(ev, (work.BatchDone, work.BatchFailed)) else None
-        if isinstance(ev, work.WorkerLost):
-            ended = ev.batch_id
-        if ended is not None:
-            self._inflight.discard(ended)
-            self._positions.pop(ended, None)
-            self._idle.notify_all()
-        elif isinstance(ev, work.Progress) and ev.batch_id in self._positions:
-            self._positions[ev.batch_id][1] = ev.step
-        elif isinstance(ev, work.SplitMissed):
-            self.storage.add_stats(scope, splits_missed=1)
-        if isinstance(ev, work.BatchDone):
-            self.storage.add_stats(scope, device_seconds=ev.busy_seconds, steps_executed=ev.steps)
-            root = self._batch_roots.get(ev.batch_id)
-            if root is not None:  # per tree too, so each study can count its own
-                self.storage.add_stats(
-                    root_scope(root), device_seconds=ev.busy_seconds, steps_executed=ev.steps
-                )
-            if ev.load_seconds:
-                self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
-        if isinstance(ev, work.BatchFailed) and ev.kind == "checkpoint":
-            # The start checkpoint is unreadable: forget it; the scheduler replans the
-            # work from an earlier checkpoint.
-            ref = self._start_refs.get(ev.batch_id)
-            for (node, step), rec in self.storage.checkpoints().items():
-                if rec.ref == ref:
-                    self.storage.remove_checkpoint(node, step)
-        if ended is not None:
-            self._start_refs.pop(ended, None)
-            self._batch_roots.pop(ended, None)
-        self._apply(self.scheduler.handle(ev))
-        if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
-            self._evict()
-
-    def _apply(self, out: Iterable[Any]) -> None:
-        from stagetree import work
-        from stagetree.scheduler import RequestDone, RequestFailed
-
-        for item in out:
-            if isinstance(item, (work.RunBatch, work.AddCheckpoint, work.Abort)):
-                assert self.executor is not None
-                if isinstance(item, work.RunBatch):
-                    self._inflight.add(item.batch_id)
-                    self._positions[item.batch_id] = [item.start_step, item.start_step]
-                    self._start_refs[item.batch_id] = item.start_checkpoint
-                    self._batch_roots[item.batch_id] = item.root_key
-                    for seg in item.segments:
-                        self._mark_running(seg.node)
-                if isinstance(item, work.AddCheckpoint):
-                    self.storage.add_stats("engine", live_splits=1)
-                self.executor.submit(item)
-            elif isinstance(item, RequestDone):
-                self._resolve(item.node, item.step, metrics=dict(item.metrics))
-            elif isinstance(item, RequestFailed):
-                self._resolve(item.node, item.step, error=(item.error, item.traceback))
-
-    def _mark_running(self, node: int) -> None:
-        for (n, _step), waiters in self._waiters.items():
-            if n == node:
-                for w in waiters:
-                    self._set_trial_state(w, "running", only_from="pending")
-
-    def _resolve(
-        self,
-        node: int,
-        step: int,
-        metrics: dict[str, float] | None = None,
-        error: tuple[str, str] | None = None,
-    ) -> None:
-        req = self.storage.request(node, step)
-        if error is not None:
-            if req is not None:
-                self.storage.set_request_state(node, step, RequestState.FAILED, error=error[0])
-        else:
-            if metrics is None:
-                metrics = self.storage.get_metrics(node, step) or {}
-            if req is not None:
-                self.storage.set_request_state(node, step, RequestState.DONE)
-        for w in self._waiters.pop((node, step), []):
-            if w.future.done():
-                continue
-            if error is not None:
-                w.future.set_exception(TrialFailedError(error[0], error[1]))
-                self._set_trial_state(w, "failed")
-            else:
-                assert metrics is not None
-                w.future.set_result(metrics)
-                self._set_trial_state(w, "done")
-
-    def _set_trial_state(self, w: _Waiter, state: str, only_from: str | None = None) -> None:
-        try:
-            if only_from is not None:
-                current = self.storage.trial(w.trial_id)["state"]
-                if current != only_from:
-                    return
-            self.storage.update_trial(w.trial_id, state=state)
-        except StagetreeError:
-            pass  # the trial record is informative only
-
-    def _evict(self) -> None:
-        """Keep the checkpoint store within its budget (cost-benefit, see
-        :meth:`CheckpointStore.evict`); never drop a checkpoint a live request needs."""
-        from stagetree.checkpoints import EvictionInfo
-        from stagetree.scheduler import CheckpointLost
-
-        assert self.checkpoint_budget is not None
-        if self.store.total_bytes() <= self.checkpoint_budget:
-            return
-        records = self.storage.checkpoints()
-        live = self.storage.requests(states=[RequestState.PENDING, RequestState.SCHEDULED])
-        # A checkpoint is needed when it is the latest one on a live request's path.
-        by_node: dict[int, list[int]] = {}
-        for node, step in records:
-            by_node.setdefault(node, []).append(step)
-        needed: set[str] = set()
-        pending_refs: dict[str, int] = {}
-        for req in live:
-            path = self.storage.path(req.node)
-            best: tuple[int, int] | None = None
-            for i, n in enumerate(path):
-                hi = path[i + 1].branch_step if i + 1 < len(path) else req.step
-                for s in by_node.get(n.id, []):
-                    if s <= hi and s <= req.step and (best is None or s >= best[1]):
-                        best = (n.id, s)
-            if best is not None:
-                ref = records[best].ref
-                needed.add(ref)
-                pending_refs[ref] = pending_refs.get(ref, 0) + req.refcount
-        candidates = {
-            rec.ref: EvictionInfo(
-                recompute_cost=float(step), pending_refs=pending_refs.get(rec.ref, 0)
-            )
-            for (_node, step), rec in records.items()
-        }
-        removed = set(self.store.evict(candidates, needed))
-        for (node, step), rec in records.items():
-            if rec.ref in removed:
-                self.storage.remove_checkpoint(node, step)
-                self._apply(self.scheduler.handle(CheckpointLost(node, step)))
-
-
-_ENGINES: dict[tuple[str, str], _Engine] = {}
+_ENGINES: dict[tuple[str, str], Engine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -594,7 +171,7 @@ class Study:
         # The storage is opened on first use, not here: worker processes import user
         # scripts to find the trainer class, and the Study those scripts build there
         # must stay inert.
-        self._engine_obj: _Engine | None = None
+        self._engine_obj: Engine | None = None
         self._closed = False
         self._started = time.monotonic()
         self._names: tuple[frozenset[str], frozenset[str]] | None = None
@@ -603,7 +180,7 @@ class Study:
         self._meta: dict[str, Any] = {}  # recorded with the study when it is created
 
     @property
-    def _engine(self) -> _Engine:
+    def _engine(self) -> Engine:
         if self._engine_obj is None:
             self._attach()
         assert self._engine_obj is not None
@@ -651,7 +228,7 @@ class Study:
         policy: str,
         max_retries: int,
         threads_per_worker: int | None,
-    ) -> _Engine:
+    ) -> Engine:
         from stagetree.checkpoints import CheckpointStore
 
         plan = open_storage(storage) if isinstance(storage, str) else storage
@@ -660,7 +237,7 @@ class Study:
         if checkpoint_dir is not None:
             ckdir = Path(checkpoint_dir)
         else:
-            ckdir, temporary = _default_checkpoint_dir(url)
+            ckdir, temporary = default_checkpoint_dir(url)
         store = CheckpointStore(ckdir, budget_bytes=checkpoint_budget)
         trainer = self.trainer
 
@@ -688,7 +265,7 @@ class Study:
                 f"executor must be 'local', 'inline', 'simulated' or a factory, got {executor!r}"
             )
 
-        engine = _Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
+        engine = Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
         engine.temporary_checkpoints = temporary
         return engine
 
@@ -805,7 +382,7 @@ class Study:
         dict[str, Sequence],
         int,
         int,
-        _Waiter | None,
+        Waiter | None,
     ]:
         if self._closed:
             raise StagetreeError(f"study {self.name!r} is closed")
