@@ -1,0 +1,589 @@
+"""Sharing on real training, and how much checkpoint-save time lands on the critical path.
+
+**(b) Sharing.** A digits study (``DigitsTrainer``: an MLP, 2 hidden layers of 512, SGD with
+momentum; one step = 21 minibatches of 64, about one epoch) over a grid of 24
+learning-rate sequences with shared prefixes, ``Piecewise([0.1, a, a*f], [m, m+4])`` for
+``m`` in 6/8/10, ``a`` in 0.03/0.01 and ``f`` in 1/0.5/0.2/0.1, trained by ``GridSearch``
+to 16 steps (merge rate 2.95). It runs with ``share=True`` and ``share=False`` side by
+side (alternating, ``--repeats`` times), each on a fresh SQLite storage with the same
+workers (2 processes, 1 torch thread each). Every run first trains two one-step warm-up
+trials of other seeds on the same engine, so the measured study starts with warm workers
+(process spawn, ``import torch`` and the first trainer build -- importing scikit-learn --
+are reported apart as "start-up"). The measured study's counters are summed from the
+executor's events of that study alone (``BatchDone``, ``CheckpointSaved``) and checked
+against ``study.stats()``. Reported: wall-clock of ``study.tune``, device-seconds (the
+workers' busy time: trainer builds, checkpoint loads, training, evaluation, the
+synchronous part of checkpoint saves and the wait for the last save of each batch), steps
+executed, the CPU-seconds of the worker processes (from ``/proc``: unlike busy wall time
+they do not grow when other programs take the cores) and of this process (the engine:
+scheduler, storage, tuner) during ``study.tune``, merge rate, and the device-seconds
+ratio no-share / share against the goal 0.9 x merge rate (medians over repeats).
+
+**(c) Checkpoint saves on the critical path.** A worker captures a checkpoint
+synchronously (``state_dict()`` and a clone of every tensor), writes it from a background
+thread while training goes on, and waits for outstanding writes before it reports a batch
+done. What training loses to saves is therefore the capture, any wait for the writer (at
+most two saves pending, and always at the end of a batch), and the CPU the writer thread
+takes from training. None of these can be read off one run, so the method is a paired
+replay: the ``RunBatch`` instructions that the scheduler issued in the (last)
+``share=True`` run are recorded, then replayed on a fresh pair of warm worker processes,
+each batch on the worker that ran it in the study, three times back to back: A exactly as
+issued, M without the save at the batch's last step, B with no ``checkpoint_at`` at all
+(variant order rotated from batch to batch). Every replayed batch loads its start
+checkpoint from the study's store (``start_at=None``), so the variants differ in their
+saves only, and pairing batch by batch keeps the noise of a shared machine (other
+programs' load changes over seconds) out of the differences. With ``busy`` the sum of
+``BatchDone.busy_seconds`` and ``save`` the sum of ``CheckpointSaved.seconds`` (capture +
+write) of a variant, the critical-path fraction of save time is ``(busy_A - busy_B) /
+save_A`` (0: saves fully hidden, 1: every save second delays training), split into the
+saves inside batches ``(busy_M - busy_B) / save_M`` and the batch-final saves
+``(busy_A - busy_M) / (save_A - save_M)``. Load bursts of other programs only add time,
+so ``busy`` of a batch and variant is the fastest of its ``--rounds`` runs (the fractions
+from the mean over rounds are printed too). The fraction is applied to the study's own
+``ckpt_save_seconds``.
+
+Run::
+
+    .venv/bin/python benchmarks/study_bench.py                 # full: ~4 minutes
+    .venv/bin/python benchmarks/study_bench.py --quick         # 12 trials, ~1.5 minutes
+    .venv/bin/python benchmarks/study_bench.py --plot study_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from _common import bar_plot, fmt, load_average, machine_info, markdown_table, median
+
+from stagetree import Study
+from stagetree.checkpoints import CheckpointStore
+from stagetree.executors import LocalExecutor
+from stagetree.hp import Piecewise
+from stagetree.space import GridSpace
+from stagetree.torch.examples import DigitsTrainer
+from stagetree.tuners import GridSearch
+from stagetree.work import (
+    BatchDone,
+    BatchFailed,
+    CheckpointSaved,
+    RunBatch,
+    WorkerLost,
+    WorkerReady,
+)
+
+_perf = time.perf_counter
+
+#: Fixed hyper-parameters: the digits example's model, one step = about one epoch.
+FIXED: dict[str, Any] = {
+    "optimizer": "momentum",
+    "hidden": 512,
+    "layers": 2,
+    "batches_per_step": 21,
+    "dropout": 0.1,
+    "seed": 0,
+}
+
+
+def lr_space(quick: bool, batches_per_step: int) -> tuple[GridSpace, int]:
+    """The grid of learning-rate sequences and the number of steps to train.
+
+    Full: 24 trials, 16 steps, merge rate 2.95. Quick: 12 trials, 12 steps.
+    """
+    drops: tuple[int, ...] = (4, 6) if quick else (6, 8, 10)
+    factors: tuple[float, ...] = (1.0, 0.5, 0.2) if quick else (1.0, 0.5, 0.2, 0.1)
+    firsts, steps = (0.03, 0.01), 12 if quick else 16
+    lrs = [
+        Piecewise([0.1, a, round(a * f, 6)], [m, m + 4])
+        for m in drops
+        for a in firsts
+        for f in factors
+    ]
+    fixed = {k: [v] for k, v in FIXED.items()}
+    fixed["batches_per_step"] = [batches_per_step]
+    return GridSpace(hp={"lr": lrs}, fixed=fixed), steps
+
+
+# ---------------------------------------------------------------------- (b) a study run
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(ex: LocalExecutor) -> float:
+    """User + system CPU seconds of ``ex``'s worker processes (all their threads) so far.
+
+    Unlike busy wall time, this does not grow when other programs take the cores."""
+    total = 0.0
+    for w in range(ex.num_workers):
+        pid = ex.pid(w)
+        if pid is None:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
+
+class _RecordingExecutor(LocalExecutor):
+    """A LocalExecutor that keeps the RunBatch instructions and the checkpoint saves."""
+
+    def __init__(self, log: dict[str, list[Any]], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = log
+        log["executor"].append(self)
+
+    def submit(self, instruction: Any) -> None:
+        if isinstance(instruction, RunBatch):
+            self.log["batches"].append(instruction)
+        super().submit(instruction)
+
+    def events(self, timeout: float | None = None) -> list[Any]:
+        out = super().events(timeout)
+        self.log["saves"].extend(e for e in out if isinstance(e, CheckpointSaved))
+        self.log["done"].extend(e for e in out if isinstance(e, BatchDone))
+        return out
+
+
+def run_study(
+    share: bool, space: GridSpace, steps: int, workers: int, threads: int, root: Path
+) -> tuple[dict[str, Any], list[RunBatch]]:
+    """One measured study on a fresh storage under ``root``; returns its figures and the
+    RunBatch instructions it issued."""
+    url = f"sqlite:///{root / 'plan.db'}"
+    ckdir = root / "checkpoints"
+    log: dict[str, list[Any]] = {"batches": [], "saves": [], "done": [], "executor": []}
+
+    def factory() -> LocalExecutor:
+        return _RecordingExecutor(
+            log, DigitsTrainer, num_workers=workers, checkpoint_dir=ckdir,
+            threads_per_worker=threads,
+        )  # fmt: skip
+
+    opts: dict[str, Any] = {
+        "storage": url, "workers": workers, "share": share, "checkpoint_dir": ckdir,
+        "executor": factory, "threads_per_worker": threads,
+    }  # fmt: skip
+    begin = _perf()
+    warm = Study("warm-up", DigitsTrainer, **opts)
+    study: Study | None = None
+    try:
+        base = dict(space.trials()[0].config)
+
+        async def warm_up() -> None:
+            await asyncio.gather(
+                *(warm.submit({**base, "seed": 1000 + i}, {"lr": 0.1}, 1) for i in range(workers))
+            )
+
+        asyncio.run(warm_up())
+        startup = _perf() - begin
+        warm.stats()  # waits for the warm-up batches to report their end
+        for key in ("batches", "saves", "done"):
+            log[key].clear()
+        [executor] = log["executor"]
+        cpu_before = cpu_seconds(executor)
+        study = Study("share" if share else "no-share", DigitsTrainer, **opts)
+        load = load_average()
+        start, cpu_start = _perf(), time.process_time()
+        best = study.tune(GridSearch(space, "accuracy", "max", steps=steps))
+        wall = _perf() - start
+        engine_cpu = time.process_time() - cpu_start
+        stats = study.stats()
+        cpu = cpu_seconds(executor) - cpu_before
+    finally:
+        if study is not None:
+            study.close()
+        warm.close()
+    row: dict[str, Any] = {
+        "mode": "share" if share else "no-share",
+        "wall": wall,
+        "startup": startup,
+        "load": load,
+        "steps_requested": stats["steps_requested"],
+        "steps_unique": stats["steps_unique"],
+        "merge_rate": stats["merge_rate"],
+        "best_accuracy": best.metrics["accuracy"] if best is not None else None,
+        "batches": len(log["batches"]),
+        # The study's own accounting, from the executor's events (warm-up excluded).
+        "steps_executed": sum(e.steps for e in log["done"]),
+        "device_seconds": sum(e.busy_seconds for e in log["done"]),
+        "ckpt_load_seconds": sum(e.load_seconds for e in log["done"]),
+        "ckpt_saves": len(log["saves"]),
+        "ckpt_save_seconds": sum(e.seconds for e in log["saves"]),
+        "cpu_seconds": cpu,
+        "engine_cpu": engine_cpu,
+    }
+    if stats["steps_executed"] != row["steps_executed"]:
+        print(
+            f"note: study.stats() says {stats['steps_executed']:.0f} steps executed, the "
+            f"executor's events {row['steps_executed']}",
+            file=sys.stderr,
+        )
+    return row, list(log["batches"])
+
+
+# ---------------------------------------------------------------------- (c) A/B replay
+
+
+def _wait_ready(ex: LocalExecutor, n: int, timeout: float = 300.0) -> None:
+    ready: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(ready) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(ready)} of {n} workers started")
+        for ev in ex.events(timeout=1.0):
+            if isinstance(ev, WorkerReady):
+                ready.add(ev.worker)
+
+
+#: Replay variants: A as issued, M without the save at the batch's last step, B no saves.
+VARIANTS = ("A", "M", "B")
+
+
+def _variant(batch: RunBatch, variant: str) -> tuple[tuple[int, int], ...]:
+    if variant == "A":
+        return tuple(batch.checkpoint_at)
+    if variant == "M":
+        end = batch.segments[-1].stop
+        return tuple(p for p in batch.checkpoint_at if p[1] != end)
+    return ()
+
+
+def _replay(
+    ex: LocalExecutor,
+    queues: Mapping[int, list[RunBatch]],
+    rounds: int,
+    ids: Iterator[int],
+    store: CheckpointStore,
+) -> list[dict[str, Any]]:
+    """Run every batch of every worker's queue in each variant, back to back on the worker
+    that ran it in the study (variant order rotated per batch and round), ``rounds`` times.
+
+    Every job loads its start checkpoint (``start_at=None``: no reuse of the in-memory
+    model), so the variants differ only in ``checkpoint_at``. Returns one record per job:
+    ``index`` (the batch), ``round``, ``variant``, ``busy``, ``save_s``, ``saves``."""
+    jobs: dict[int, list[tuple[int, int, str, RunBatch]]] = {}
+    index = 0
+    for w, queue in queues.items():
+        for r in range(rounds):
+            for i, b in enumerate(queue):
+                k = (i + r) % len(VARIANTS)
+                for v in VARIANTS[k:] + VARIANTS[:k]:
+                    jobs.setdefault(w, []).append((index + i, r, v, b))
+        index += len(queue)
+    records: dict[int, dict[str, Any]] = {}
+    refs: list[str] = []
+
+    def send(w: int) -> None:
+        i, r, v, b = jobs[w].pop(0)
+        bid = next(ids)
+        records[bid] = {"index": i, "round": r, "variant": v, "busy": 0.0, "save_s": 0.0,
+                        "saves": 0}  # fmt: skip
+        ex.submit(dataclasses.replace(b, batch_id=bid, start_at=None, checkpoint_at=_variant(b, v)))
+
+    running = 0
+    for w in jobs:
+        send(w)
+        running += 1
+    last = _perf()
+    while running:
+        events = ex.events(timeout=60.0)
+        if events:
+            last = _perf()
+        elif _perf() - last > 600:
+            raise TimeoutError("replay made no progress for 10 minutes")
+        for ev in events:
+            if isinstance(ev, BatchDone):
+                records[ev.batch_id]["busy"] = ev.busy_seconds
+                if jobs[ev.worker]:
+                    send(ev.worker)
+                else:
+                    running -= 1
+            elif isinstance(ev, CheckpointSaved):
+                records[ev.batch_id]["save_s"] += ev.seconds
+                records[ev.batch_id]["saves"] += 1
+                refs.append(ev.ref)
+                if len(refs) > 64:  # keep the disk use small
+                    for ref in refs:
+                        store.delete(ref)
+                    refs.clear()
+            elif isinstance(ev, (BatchFailed, WorkerLost)):
+                raise RuntimeError(f"replay failed: {ev!r}")
+    for ref in refs:
+        store.delete(ref)
+    return list(records.values())
+
+
+def checkpoint_critical_path(
+    batches: list[RunBatch], ckdir: Path, workers: int, threads: int, rounds: int
+) -> dict[str, Any]:
+    """The paired replay of (c); see the module docstring."""
+    queues: dict[int, list[RunBatch]] = {}
+    for b in batches:
+        queues.setdefault(b.worker, []).append(b)
+    ids = itertools.count(10**6)
+    store = CheckpointStore(ckdir)
+    ex = LocalExecutor(
+        DigitsTrainer, num_workers=workers, checkpoint_dir=ckdir, threads_per_worker=threads
+    )
+    ex.start()
+    try:
+        _wait_ready(ex, workers)
+        first = {w: q[:1] for w, q in queues.items()}
+        _replay(ex, first, 1, ids, store)  # warm-up: imports, first trainer build
+        records = _replay(ex, queues, rounds, ids, store)
+    finally:
+        ex.close()
+    by: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for rec in records:
+        by.setdefault((rec["index"], rec["round"]), {})[rec["variant"]] = rec
+
+    def total(variant: str, key: str, rnd: int | None = None) -> float:
+        return sum(float(v[variant][key]) for (_, r), v in by.items() if rnd is None or r == rnd)
+
+    def ratio(num: float, den: float) -> float | None:
+        return num / den if den > 0 else None
+
+    busy = {v: total(v, "busy") for v in VARIANTS}
+    save = {v: total(v, "save_s") for v in VARIANTS}
+    per_round = [
+        ratio(total("A", "busy", r) - total("B", "busy", r), total("A", "save_s", r))
+        for r in range(rounds)
+    ]
+    # Robust to load bursts of other programs (they only add time): per batch and variant
+    # the fastest of the rounds, then the same sums.
+    fastest: dict[str, float] = {v: 0.0 for v in VARIANTS}
+    for i in {i for i, _ in by}:
+        for v in VARIANTS:
+            fastest[v] += min(float(by[(i, r)][v]["busy"]) for r in range(rounds))
+    return {
+        "rounds": rounds,
+        "batches": len(batches),
+        "saves": {v: total(v, "saves") / rounds for v in VARIANTS},
+        "busy": {v: busy[v] / rounds for v in VARIANTS},
+        "busy_fastest": fastest,
+        "save_s": {v: save[v] / rounds for v in VARIANTS},
+        "fraction": ratio(fastest["A"] - fastest["B"], save["A"] / rounds),
+        "fraction_mid": ratio(fastest["M"] - fastest["B"], save["M"] / rounds),
+        "fraction_last": ratio(fastest["A"] - fastest["M"], (save["A"] - save["M"]) / rounds),
+        "fraction_mean": ratio(busy["A"] - busy["B"], save["A"]),
+        "fraction_rounds": per_round,
+    }
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _goal_line(ratio: float | None, merge: float | None) -> str:
+    if ratio is None or merge is None:
+        return "goal: not measured"
+    target = 0.9 * merge
+    verdict = "met" if ratio >= target else f"missed by {(1 - ratio / target) * 100:.0f}%"
+    return (
+        f"device-seconds ratio no-share/share = {ratio:.2f}; goal >= 0.9 x merge rate "
+        f"= {target:.2f}: {verdict}"
+    )
+
+
+def report(rows: list[dict[str, Any]], ckpt: dict[str, Any] | None, args: Any) -> str:
+    out: list[str] = []
+    info = machine_info()
+    out.append(
+        f"Machine: {info['nproc']} cores, {info['cpu']}; torch {info.get('torch')}, "
+        f"python {info['python']}; {info['date']}; load at the end {info['load']}"
+    )
+    out.append(
+        f"Setup: {args.workers} worker processes x {args.threads} torch thread, "
+        f"batches_per_step={args.batches_per_step}, fresh SQLite storage per run, "
+        f"{args.repeats} repeat(s)\n"
+    )
+    headers = [
+        "run", "mode", "wall s", "start-up s", "device-s", "worker CPU-s", "engine CPU-s",
+        "steps executed", "steps requested", "unique", "merge rate", "batches", "ckpt saves",
+        "ckpt save s", "ckpt load s", "best acc", "load 1m",
+    ]  # fmt: skip
+    table = []
+    for i, r in enumerate(rows):
+        table.append([
+            i // 2 + 1, r["mode"], r["wall"], r["startup"], r["device_seconds"],
+            r["cpu_seconds"], r["engine_cpu"], int(r["steps_executed"]),
+            int(r["steps_requested"]),
+            int(r["steps_unique"]), r["merge_rate"], r["batches"], r["ckpt_saves"],
+            r["ckpt_save_seconds"], r["ckpt_load_seconds"], fmt(r["best_accuracy"], 4),
+            r["load"],
+        ])  # fmt: skip
+    out.append("Per run:\n")
+    out.append(markdown_table(headers, table))
+    summary = []
+    med: dict[str, dict[str, float | None]] = {}
+    keys = ("wall", "startup", "device_seconds", "cpu_seconds", "steps_executed", "merge_rate")
+    for mode in ("share", "no-share"):
+        rs = [r for r in rows if r["mode"] == mode]
+        med[mode] = {k: median(r[k] for r in rs) for k in keys}
+        summary.append([mode, *(med[mode][k] for k in keys)])
+    out.append("\nMedians:\n")
+    out.append(
+        markdown_table(
+            [
+                "mode",
+                "wall s",
+                "start-up s",
+                "device-s",
+                "worker CPU-s",
+                "steps executed",
+                "merge rate",
+            ],
+            summary,
+        )
+    )
+    pairs = list(zip(rows[0::2], rows[1::2]))
+
+    def ratios(key: str) -> list[float]:
+        return [n[key] / s[key] for s, n in pairs if s[key] > 0]
+
+    out.append("")
+    for label, key in (
+        ("device-seconds", "device_seconds"),
+        ("worker CPU-seconds", "cpu_seconds"),
+        ("wall-clock", "wall"),
+    ):
+        rr = ratios(key)
+        out.append(
+            f"{label} ratio no-share/share: median {fmt(median(rr))} "
+            f"(per repeat: {', '.join(f'{x:.2f}' for x in rr)})"
+        )
+    out.append(_goal_line(median(ratios("device_seconds")), med["share"]["merge_rate"]))
+    if ckpt is not None:
+        share_rows = [r for r in rows if r["mode"] == "share"]
+        study_save = share_rows[-1]["ckpt_save_seconds"]
+        study_dev = share_rows[-1]["device_seconds"]
+        frac = ckpt["fraction"]
+        crit = (frac or 0.0) * study_save
+        out.append(
+            f"\nCheckpoint saves on the critical path: paired replay of the last share run's "
+            f"{ckpt['batches']} batches, {ckpt['rounds']} rounds (figures per round):\n"
+        )
+        labels = {
+            "A": "A: as issued",
+            "M": "M: no save at a batch's last step",
+            "B": "B: no saves",
+        }
+        out.append(
+            markdown_table(
+                ["variant", "busy s (mean)", "busy s (fastest)", "saves", "save s (capture+write)"],
+                [
+                    [
+                        labels[v],
+                        ckpt["busy"][v],
+                        ckpt["busy_fastest"][v],
+                        int(ckpt["saves"][v]),
+                        ckpt["save_s"][v],
+                    ]
+                    for v in VARIANTS
+                ],
+            )
+        )
+        rounds = ", ".join(fmt(f) for f in ckpt["fraction_rounds"])
+        out.append(
+            f"\ncritical-path fraction of save time (fastest of the rounds per batch): all "
+            f"saves (A-B)/save_A = {fmt(frac)}; saves inside a batch (M-B)/save_M = "
+            f"{fmt(ckpt['fraction_mid'])}; the save at a batch's last step, which the worker "
+            f"waits for before BatchDone, (A-M)/(save_A-save_M) = "
+            f"{fmt(ckpt['fraction_last'])}. From the means instead: (A-B)/save_A = "
+            f"{fmt(ckpt['fraction_mean'])} (per round: {rounds})."
+        )
+        out.append(
+            f"In the study: ckpt_save_seconds = {study_save:.2f} s of {study_dev:.2f} "
+            f"device-s ({(study_save / study_dev * 100) if study_dev else 0:.1f}%); on the "
+            f"critical path about {crit:.2f} s "
+            f"({(crit / study_dev * 100) if study_dev else 0:.1f}% of device-seconds)."
+        )
+    return "\n".join(out)
+
+
+def plot(path: str, rows: list[dict[str, Any]], ckpt: dict[str, Any] | None) -> None:
+    modes = ["share", "no-share"]
+
+    def med(mode: str, key: str) -> float:
+        return median(r[key] for r in rows if r["mode"] == mode) or 0.0
+
+    panels: list[tuple[str, list[str], list[float], str]] = [
+        ("wall-clock (warm workers)", modes, [med(m, "wall") for m in modes], "s"),
+        ("device-seconds", modes, [med(m, "device_seconds") for m in modes], "s"),
+        ("worker CPU-seconds", modes, [med(m, "cpu_seconds") for m in modes], "s"),
+        ("steps executed", modes, [med(m, "steps_executed") for m in modes], "steps"),
+    ]
+    if ckpt is not None:
+        share_save = [r for r in rows if r["mode"] == "share"][-1]["ckpt_save_seconds"]
+        panels.append((
+            "checkpoint saves (share run)",
+            ["save s", "on critical path"],
+            [share_save, max(0.0, ckpt["fraction"] or 0.0) * share_save],
+            "s",
+        ))  # fmt: skip
+    merge = med("share", "merge_rate")
+    bar_plot(path, panels, f"digits, 2 workers: sharing on/off (merge rate {merge:.2f})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="12 trials, 1 repeat")
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="replay rounds (default 3, quick 1)"
+    )
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--batches-per-step", type=int, default=21)
+    parser.add_argument("--no-replay", action="store_true", help="skip the (c) replay")
+    parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 3)
+    space, steps = lr_space(args.quick, args.batches_per_step)
+    print(f"{len(space)} trials x {steps} steps, {args.repeats} repeat(s)", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    ckpt: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="stagetree-study-bench-") as tmp:
+        last_share: tuple[list[RunBatch], Path] | None = None
+        for rep in range(args.repeats):
+            for share in (True, False):
+                root = Path(tmp) / f"r{rep}-{'share' if share else 'noshare'}"
+                root.mkdir()
+                row, batches = run_study(share, space, steps, args.workers, args.threads, root)
+                rows.append(row)
+                print(
+                    f"repeat {rep + 1} {row['mode']}: wall {row['wall']:.1f} s, "
+                    f"device {row['device_seconds']:.1f} s",
+                    file=sys.stderr,
+                )
+                if share:
+                    last_share = (batches, root / "checkpoints")
+        if not args.no_replay and last_share is not None:
+            ckpt = checkpoint_critical_path(
+                last_share[0], last_share[1], args.workers, args.threads, rounds
+            )
+    text = report(rows, ckpt, args)
+    print(text)
+    if args.plot:
+        try:
+            plot(args.plot, rows, ckpt)
+            print(f"\nplot written to {args.plot}")
+        except ImportError:
+            print("\nmatplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

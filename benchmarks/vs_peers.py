@@ -1,0 +1,627 @@
+"""stagetree against Ray Tune and Optuna on the digits study of ``examples/digits.py``.
+
+The search space, tuner settings and trainer are taken from the example itself (it is
+loaded with ``STAGETREE_STORAGE=memory://`` so that loading it touches no file): its grid
+of learning-rate, batch-size and momentum sequences (``num_trials = len(space)``, 16
+trials today), ASHA with ``eta=4``, ``min_steps=1``, ``max_steps=16`` (rungs 1, 4, 16),
+on ``DigitsTrainer`` (one step = 8 minibatches of 64).
+Runners:
+
+* ``stagetree``: ``Study(share=True)``, the example's ``ASHA`` (Algorithm 2 of the ASHA
+  paper: promotions resume the trial from its checkpoint), 2 worker processes x 1 torch
+  thread, a fresh SQLite storage.
+* ``stagetree-noshare``: the same with ``share=False`` (every trial trained alone from
+  step 0; promotions still resume).
+* ``ray``: Ray Tune, ``ASHAScheduler(time_attr="training_iteration", grace_period=1,
+  reduction_factor=4, max_t=16, brackets=1)`` (Ray's stop-only ASHA), ``reuse_actors=True``,
+  ``ray.init(num_cpus=2)`` (2 trials at a time, 1 CPU and 1 torch thread each), results
+  in a temporary directory, no checkpoints. A class trainable builds the same trainer,
+  and each step calls ``setup`` with every sequence's value at that step, ``train()``
+  and ``evaluate()``, and reports the accuracy. The trials are the example's grid in
+  the order stagetree's ASHA draws them (shuffled by the tuner's seed).
+* ``optuna``: ``SuccessiveHalvingPruner(min_resource=1, reduction_factor=4,
+  min_early_stopping_rate=0)``, ``GridSampler`` over the same options (one categorical per
+  sequence name, seeded), the same number of trials, sequential (one process, 1 torch
+  thread: 2 threads were slower for this small model on the 2-core machine), in-memory
+  storage; the objective reports the accuracy after every step and stops when pruned.
+
+Measured per run: wall-clock from before the framework starts (``Study(...)``,
+``ray.init``, ``optuna.create_study``) until it has shut down (imports excluded, the same
+for all), training steps executed (``train()`` calls counted by a subclass of the trainer
+in every process, see ``_common.CountingDigitsTrainer``), and the best validation accuracy
+among trials trained to ``max_steps``. Each (runner, repeat) runs in its own Python
+process with a time limit, so a failing or hanging peer cannot stop the others; a peer
+that cannot be imported is skipped with a message. Medians over ``--repeats`` are
+reported; the runners' order rotates between repeats.
+
+Run::
+
+    .venv/bin/python benchmarks/vs_peers.py --repeats 3 --plot vs_peers.png   # ~4 min
+    .venv/bin/python benchmarks/vs_peers.py --quick                          # ~1 min
+    .venv/bin/python benchmarks/vs_peers.py --runners stagetree,optuna
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from _common import (
+    COUNTER_ENV,
+    CountingDigitsTrainer,
+    bar_plot,
+    count_steps,
+    fmt,
+    load_average,
+    machine_info,
+    markdown_table,
+    median,
+)
+
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parent / "examples" / "digits.py"
+RUNNERS = ("stagetree", "stagetree-noshare", "ray", "optuna")
+_perf = time.perf_counter
+
+
+# ---------------------------------------------------------------------- the example
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def load_example() -> ModuleType:
+    """``examples/digits.py`` loaded as a module, its own study closed (in memory)."""
+    spec = importlib.util.spec_from_file_location("_digits_example", EXAMPLE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {EXAMPLE}")
+    module = importlib.util.module_from_spec(spec)
+    with _env("STAGETREE_STORAGE", "memory://"):
+        spec.loader.exec_module(module)
+    module.study.close()
+    return module
+
+
+def settings(quick: bool) -> dict[str, Any]:
+    """Search space and ASHA settings of the example (quick: at most 8 trials)."""
+    ex = load_example()
+    tuner = ex.tuner
+    return {
+        "space": ex.space,
+        "min_steps": tuner.min_steps,
+        "max_steps": tuner.max_steps,
+        "eta": tuner.eta,
+        "num_trials": min(8, tuner.num_trials) if quick else tuner.num_trials,
+        "seed": tuner.seed,
+        "max_rungs": tuner.max_rungs,
+        "levels": list(tuner.levels),
+    }
+
+
+def trial_specs(s: dict[str, Any]) -> list[Any]:
+    """The trials in the order stagetree's ASHA starts them."""
+    from stagetree.tuners.base import draw_specs
+
+    return draw_specs(s["space"], s["num_trials"], s["seed"], shuffle_grid=True)
+
+
+def trial_key(config: dict[str, Any], hp: dict[str, Any]) -> str:
+    """A trial's identity across runners: canonical JSON of config and sequences."""
+    from stagetree.hp import dumps_hp
+    from stagetree.space import canonical_json
+
+    return canonical_json(config) + "|" + dumps_hp(hp)
+
+
+def hp_at(hp: dict[str, Any], t: int) -> dict[str, Any]:
+    """Every sequence's value at step ``t``."""
+    return {name: seq(t) for name, seq in hp.items()}
+
+
+# ---------------------------------------------------------------------- runners (child)
+
+
+def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> dict[str, Any]:
+    from stagetree import Study
+    from stagetree.tuners import ASHA
+
+    tuner = ASHA(
+        s["space"],
+        metric="accuracy",
+        mode="max",
+        min_steps=s["min_steps"],
+        max_steps=s["max_steps"],
+        eta=s["eta"],
+        num_trials=s["num_trials"],
+        seed=s["seed"],
+        max_rungs=s["max_rungs"],
+    )
+    begin = _perf()
+    study = Study(
+        "digits-asha",
+        CountingDigitsTrainer,
+        storage=f"sqlite:///{tmp / 'plan.db'}",
+        workers=2,
+        share=share,
+        threads_per_worker=threads,
+    )
+    try:
+        study.tune(tuner)
+        tuned = _perf() - begin
+        stats = study.stats()
+        trials = study.trials()
+    finally:
+        study.close()
+    wall = _perf() - begin
+    top = s["max_steps"]
+    finals = {
+        trial_key(t.config, t.hp): t.metrics[top]["accuracy"] for t in trials if top in t.metrics
+    }
+    return {
+        "wall": wall,
+        "phases": {"tune": tuned, "close": wall - tuned},
+        "finals": finals,
+        "best_accuracy": max(finals.values(), default=None),
+        "trials": len(trials),
+        "trials_full": len(finals),
+        "steps_reported": stats["steps_executed"],
+        "device_seconds": stats["device_seconds"],
+        "merge_rate": stats["merge_rate"],
+    }
+
+
+def run_ray(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report: no network
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    specs = trial_specs(s)
+    bench_dir = str(HERE)
+
+    class DigitsTrainable(tune.Trainable):
+        def setup(self, config: dict[str, Any]) -> None:
+            self._build(config)
+
+        def _build(self, config: dict[str, Any]) -> None:
+            import torch
+
+            if bench_dir not in sys.path:
+                sys.path.insert(0, bench_dir)
+            from _common import CountingDigitsTrainer
+
+            torch.set_num_threads(threads)
+            spec = specs[config["trial"]]
+            self.hp = dict(spec.hp)
+            self.trainer = CountingDigitsTrainer(spec.config)
+            self.t = 0
+
+        def step(self) -> dict[str, float]:
+            self.trainer.setup(hp_at(self.hp, self.t))
+            self.trainer.train()
+            self.t += 1
+            return {"accuracy": self.trainer.evaluate()["accuracy"]}
+
+        def reset_config(self, new_config: dict[str, Any]) -> bool:
+            self._build(new_config)
+            return True
+
+    phases: dict[str, float] = {}
+    begin = _perf()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=str(tmp / "ray"),
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+    )
+    phases["ray.init"] = _perf() - begin
+    try:
+        tuner = tune.Tuner(
+            DigitsTrainable,
+            param_space={"trial": tune.grid_search(list(range(len(specs))))},
+            tune_config=tune.TuneConfig(
+                metric="accuracy",
+                mode="max",
+                scheduler=ASHAScheduler(
+                    time_attr="training_iteration",
+                    max_t=s["max_steps"],
+                    grace_period=s["min_steps"],
+                    reduction_factor=s["eta"],
+                    brackets=1,
+                ),
+                reuse_actors=True,
+                max_concurrent_trials=2,
+            ),
+            run_config=tune.RunConfig(
+                name="digits",
+                storage_path=str(tmp / "ray_results"),
+                verbose=0,
+                stop={"training_iteration": s["max_steps"]},
+                checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False),
+            ),
+        )
+        mark = _perf()
+        grid = tuner.fit()
+        phases["fit"] = _perf() - mark
+    finally:
+        mark = _perf()
+        ray.shutdown()
+        phases["ray.shutdown"] = _perf() - mark
+    wall = _perf() - begin
+    top = s["max_steps"]
+    finals: dict[str, float] = {}
+    iters, trainable_s = 0, 0.0
+    for i in range(len(grid)):
+        result = grid[i]
+        m = result.metrics or {}
+        iters += int(m.get("training_iteration", 0))
+        trainable_s += float(m.get("time_total_s", 0.0))
+        if m.get("training_iteration") == top and "accuracy" in m:
+            spec = specs[int((result.config or {})["trial"])]
+            finals[trial_key(spec.config, spec.hp)] = float(m["accuracy"])
+    return {
+        "wall": wall,
+        "phases": phases,
+        "finals": finals,
+        "best_accuracy": max(finals.values(), default=None),
+        "trials": len(grid),
+        "trials_full": len(finals),
+        "steps_reported": iters,
+        "device_seconds": trainable_s,
+        "errors": grid.num_errors,
+    }
+
+
+def run_optuna(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
+    import optuna
+    import torch
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    torch.set_num_threads(threads)
+    specs = list(s["space"].trials())
+    names = sorted({*specs[0].config, *specs[0].hp})
+
+    def value(spec: Any, name: str) -> Any:
+        return spec.hp[name] if name in spec.hp else json.dumps(spec.config[name])
+
+    options: dict[str, list[Any]] = {}
+    for spec in specs:
+        for name in names:
+            opts = options.setdefault(name, [])
+            if value(spec, name) not in opts:
+                opts.append(value(spec, name))
+    varying = [n for n in names if len(options[n]) > 1]
+    lookup = {tuple(options[n].index(value(sp, n)) for n in varying): sp for sp in specs}
+    top = s["max_steps"]
+
+    finals: dict[str, float] = {}
+
+    def objective(trial: optuna.Trial) -> float:
+        key = tuple(trial.suggest_categorical(n, list(range(len(options[n])))) for n in varying)
+        spec = lookup[key]
+        trainer = CountingDigitsTrainer(spec.config)
+        acc = math.nan
+        for t in range(top):
+            trainer.setup(hp_at(spec.hp, t))
+            trainer.train()
+            acc = trainer.evaluate()["accuracy"]
+            trial.report(acc, t + 1)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        finals[trial_key(spec.config, spec.hp)] = acc
+        return acc
+
+    begin = _perf()
+    study = optuna.create_study(
+        direction="maximize",
+        sampler=optuna.samplers.GridSampler(
+            {n: list(range(len(options[n]))) for n in varying}, seed=s["seed"]
+        ),
+        pruner=optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=s["min_steps"], reduction_factor=s["eta"], min_early_stopping_rate=0
+        ),
+    )
+    study.optimize(objective, n_trials=s["num_trials"])
+    wall = _perf() - begin
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    steps = sum(max(t.intermediate_values, default=0) for t in study.trials)
+    return {
+        "wall": wall,
+        "phases": {},
+        "finals": finals,
+        "best_accuracy": max((t.value for t in done if t.value is not None), default=None),
+        "trials": len(study.trials),
+        "trials_full": len(done),
+        "steps_reported": steps,
+        "device_seconds": None,
+    }
+
+
+def child(args: argparse.Namespace) -> int:
+    """Run one runner once and write its figures as JSON to ``args.out``."""
+    # A time limit sends SIGTERM: exit through SystemExit so that clean-up code (such as
+    # ray.shutdown) runs; the parent removes the work directory in any case.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    s = settings(args.quick)
+    tmp = Path(args.workdir)
+    counter = tmp / "train_calls"
+    os.environ[COUNTER_ENV] = str(counter)
+    load = load_average()
+    if args.child == "stagetree":
+        out = run_stagetree(s, tmp, True, 1)
+    elif args.child == "stagetree-noshare":
+        out = run_stagetree(s, tmp, False, 1)
+    elif args.child == "ray":
+        out = run_ray(s, tmp, 1)
+    elif args.child == "optuna":
+        out = run_optuna(s, tmp, args.optuna_threads)
+    else:
+        raise ValueError(f"unknown runner {args.child!r}")
+    out["steps_executed"] = count_steps(counter)
+    out["load"] = load
+    Path(args.out).write_text(json.dumps(out))
+    return 0
+
+
+# ---------------------------------------------------------------------- parent
+
+
+def available(runner: str) -> str | None:
+    """None when ``runner`` can run here, else why not."""
+    module = {"ray": "ray.tune", "optuna": "optuna"}.get(runner)
+    if module is None:
+        return None
+    try:
+        found = importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return f"{module.split('.')[0]} is not installed (pip install -r requirements-bench.txt)"
+    return None
+
+
+def run_child(runner: str, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """One run in a fresh process (own session, so a timeout ends all it started)."""
+    workdir = tempfile.mkdtemp(prefix=f"stagetree-vs-{runner}-")
+    out = os.path.join(workdir, "result.json")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", runner, "--out", out]
+    cmd += ["--workdir", workdir]
+    cmd += ["--optuna-threads", str(args.optuna_threads)]
+    if args.quick:
+        cmd.append("--quick")
+    log = Path(tempfile.gettempdir()) / f"stagetree-vs-peers-{runner}.log"
+    begin = _perf()
+    try:
+        with open(log, "w") as logf:
+            proc = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                return {"error": f"time limit ({timeout:.0f} s) reached; log: {log}"}
+        elapsed = _perf() - begin
+        if rc != 0:
+            tail = log.read_text()[-600:]
+            return {"error": f"exit status {rc}; log: {log}; tail: {tail!r}"}
+        result: dict[str, Any] = json.loads(Path(out).read_text())
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result["process_wall"] = elapsed
+    return result
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    """End the runner's process group (the child and what it started), TERM then KILL."""
+    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def summarise(results: dict[str, list[dict[str, Any]]], skipped: dict[str, str]) -> list[Any]:
+    rows = []
+    base = median(r["wall"] for r in results.get("stagetree", []) if "error" not in r)
+    for runner, runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        wall = median(r["wall"] for r in ok)
+        rows.append({
+            "runner": runner,
+            "runs": f"{len(ok)}/{len(runs)}",
+            "wall": wall,
+            "wall_min": min((r["wall"] for r in ok), default=None),
+            "steps": median(r["steps_executed"] for r in ok),
+            "best": median(r["best_accuracy"] for r in ok),
+            "trials_full": median(r["trials_full"] for r in ok),
+            "vs": (wall / base) if wall and base else None,
+        })  # fmt: skip
+    for runner, why in skipped.items():
+        rows.append({"runner": runner, "runs": "skipped", "why": why})
+    return rows
+
+
+def report(
+    rows: list[dict[str, Any]],
+    results: dict[str, list[dict[str, Any]]],
+    s: dict[str, Any],
+    args: argparse.Namespace,
+) -> str:
+    info = machine_info()
+    out = [
+        f"Machine: {info['nproc']} cores, {info['cpu']}; torch {info.get('torch')}, python "
+        f"{info['python']}; {info['date']}; load at the end {info['load']}",
+        f"Study: examples/digits.py, {s['num_trials']} trials, ASHA eta={s['eta']}, "
+        f"min_steps={s['min_steps']}, max_steps={s['max_steps']} (rungs {s['levels']}); "
+        f"{args.repeats} repeat(s), medians. stagetree: 2 workers x 1 thread; Ray: "
+        f"num_cpus=2, 1 CPU per trial, 1 thread; Optuna: sequential, "
+        f"{args.optuna_threads} thread(s).\n",
+    ]
+    table = []
+    for r in rows:
+        if r["runs"] == "skipped":
+            table.append([r["runner"], "skipped", None, None, None, None, None, r["why"]])
+            continue
+        table.append([
+            r["runner"], r["runs"], r["wall"], r["wall_min"], r["vs"],
+            None if r["steps"] is None else int(r["steps"]), fmt(r["best"], 4),
+            None if r["trials_full"] is None else int(r["trials_full"]),
+        ])  # fmt: skip
+    out.append(
+        markdown_table(
+            [
+                "runner",
+                "runs ok",
+                "wall s (median)",
+                "wall s (min)",
+                "x stagetree wall",
+                "steps executed",
+                "best acc @max_steps",
+                "trials to max_steps",
+            ],
+            table,
+        )
+    )
+    out.append("\nPer run (wall s / steps / phases / 1-min load at start):\n")
+    for runner, runs in results.items():
+        for i, r in enumerate(runs):
+            if "error" in r:
+                out.append(f"- {runner} #{i + 1}: FAILED: {r['error']}")
+                continue
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases", {}).items())
+            extra = ""
+            if r.get("device_seconds") is not None:
+                extra = f", busy {r['device_seconds']:.1f} s"
+            if r.get("merge_rate") is not None:
+                extra += f", merge rate {r['merge_rate']:.2f}"
+            out.append(
+                f"- {runner} #{i + 1}: {r['wall']:.1f} s, {r['steps_executed']} steps "
+                f"(runner's own count {r['steps_reported']:.0f}), best "
+                f"{fmt(r['best_accuracy'], 4)}; {phases}{extra}; load {r['load']}"
+            )
+    out.append("\n" + _agreement(results))
+    by = {r["runner"]: r for r in rows}
+    st, ray_ = by.get("stagetree"), by.get("ray")
+    if st and ray_ and st.get("wall") and ray_.get("wall"):
+        speed = ray_["wall"] / st["wall"]
+        verdict = "met" if speed >= 3 else f"missed: {speed:.2f}x is {3 - speed:.2f}x short"
+        out.append(
+            f"\nGoal stagetree >= 3x faster end to end than Ray Tune: {speed:.2f}x, {verdict}."
+        )
+    return "\n".join(out)
+
+
+def _agreement(results: dict[str, list[dict[str, Any]]]) -> str:
+    """How the runners agree on trials that several of them trained to max_steps."""
+    seen: dict[str, list[float]] = {}
+    for runs in results.values():
+        for r in runs:
+            for key, acc in r.get("finals", {}).items():
+                seen.setdefault(key, []).append(acc)
+    shared = {k: v for k, v in seen.items() if len(v) > 1}
+    if not shared:
+        return "Same-trial check: no trial was trained to max_steps twice."
+    worst = max(max(v) - min(v) for v in shared.values())
+    count = sum(len(v) for v in shared.values())
+    return (
+        f"Same-trial check: {len(shared)} trials were trained to max_steps by several runs "
+        f"({count} results across runners and repeats); largest accuracy difference for "
+        f"the same trial: {worst:.2g}."
+    )
+
+
+def plot(path: str, rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
+    ran = [r for r in rows if r["runs"] != "skipped" and r.get("wall") is not None]
+    labels = [r["runner"] for r in ran]
+    bar_plot(
+        path,
+        [
+            ("wall-clock, end to end (median)", labels, [r["wall"] for r in ran], "s"),
+            ("training steps executed", labels, [r["steps"] or 0 for r in ran], "steps"),
+            ("best accuracy at max_steps", labels, [r["best"] or 0 for r in ran], "accuracy"),
+        ],
+        f"digits ASHA study ({s['num_trials']} trials, eta={s['eta']}, "
+        f"max_steps={s['max_steps']}), 2 cores",
+        notes={2: [fmt(r["best"], 4) for r in ran]},
+        ylims={2: (0.8, 1.0)},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="at most 8 trials, 1 repeat: a smoke test"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated")
+    parser.add_argument("--timeout", type=float, default=None, help="s per run (600; quick 240)")
+    parser.add_argument("--optuna-threads", type=int, default=1)
+    parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    timeout = args.timeout or (240.0 if args.quick else 600.0)
+    runners = [r.strip() for r in args.runners.split(",") if r.strip()]
+    unknown = sorted(set(runners) - set(RUNNERS))
+    if unknown:
+        parser.error(f"unknown runners {unknown}; choose from {list(RUNNERS)}")
+    skipped = {r: why for r in runners if (why := available(r)) is not None}
+    for r, why in skipped.items():
+        print(f"skipping {r}: {why}", file=sys.stderr)
+    active = [r for r in runners if r not in skipped]
+    s = settings(args.quick)
+    results: dict[str, list[dict[str, Any]]] = {r: [] for r in active}
+    for rep in range(args.repeats):
+        order = active[rep % len(active) :] + active[: rep % len(active)] if active else []
+        for runner in order:
+            res = run_child(runner, args, timeout)
+            results[runner].append(res)
+            status = res.get("error") or f"{res['wall']:.1f} s, {res['steps_executed']} steps"
+            print(f"repeat {rep + 1} {runner}: {status}", file=sys.stderr)
+    rows = summarise(results, skipped)
+    print(report(rows, results, s, args))
+    if args.plot:
+        try:
+            plot(args.plot, rows, s)
+            print(f"\nplot written to {args.plot}")
+        except ImportError:
+            print("\nmatplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
