@@ -29,6 +29,7 @@ class Trainer:
       position), so that a restored trainer continues bit for bit. The state must be
       made of tensors, numpy arrays, numbers, strings, lists, tuples and dicts only.
       The restored trainer is constructed fresh with the same ``config`` first.
+      ``None`` is allowed too (PyTorch's optimizer states hold it).
 
     ``TorchTrainer`` in :mod:`stagetree.torch` implements ``state_dict`` for PyTorch
     users by itself.
@@ -36,6 +37,13 @@ class Trainer:
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         self.config = dict(config)
+
+    @classmethod
+    def warmup(cls) -> None:
+        """Optional: one-off work a worker process does when it starts, before it says it
+        is ready (import heavy libraries, load and cache a data set), so that the
+        workers' cold starts overlap instead of delaying each one's first batch. It must
+        not change anything training depends on (leave global RNGs as they were)."""
 
     def setup(self, hp: Mapping[str, Any]) -> None:
         """Receive sequence values for the coming step (see the class contract)."""

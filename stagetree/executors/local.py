@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # registers its exit handler before ours
@@ -228,6 +229,13 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
     except Exception as exc:
         emit(_StartupError(cfg.worker, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
+    try:
+        trainer_cls.warmup()  # all workers warm up at once, before the first batch
+    except Exception:
+        # Only an optimisation: the trainer's own construction reports real problems.
+        logging.getLogger(__name__).exception(
+            "worker %s: %s.warmup failed", cfg.worker, trainer_cls
+        )
     worker = Worker(cfg.worker, trainer_cls, store, emit, progress_interval=cfg.progress_interval)
     backlog: deque[Any] = deque()
     nothing: list[AddCheckpoint | Abort] = []

@@ -140,6 +140,13 @@ class DigitsTrainer(TorchTrainer):
             momentum = 0.9 if c["optimizer"] == "momentum" else 0.0
             self.optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
 
+    @classmethod
+    def warmup(cls) -> None:
+        """Import scikit-learn and cache the default split once per worker process, while
+        the other workers start too (leaving every RNG as it was)."""
+        with preserve_rng():
+            digits_split(float(DIGITS_DEFAULTS["test_fraction"]))
+
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """Augment a training batch; the identity here."""
         return x
