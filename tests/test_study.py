@@ -17,7 +17,17 @@ from stagetree import InvalidTrialError, Study, TrialFailedError, TunerError
 from stagetree.hp import Constant, MultiStep
 from stagetree.space import GridSpace
 from stagetree.study import trainer_fingerprint
-from stagetree.tuners import ASHA, PBT, SHA, EarlyStop, GridSearch, Hyperband, MedianStopping
+from stagetree.tuners import (
+    ASHA,
+    PBT,
+    SHA,
+    AsyncHyperband,
+    EarlyStop,
+    GridSearch,
+    Hyperband,
+    MedianStopping,
+    RandomSearch,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from study_trainers import LinearTrainer
@@ -210,6 +220,8 @@ def test_tuners_run_real_studies(tmp_path: Path) -> None:
     space = GridSpace({"lr": LRS}, fixed={"seed": [0, 1]})
     tuners = [
         GridSearch(space, "score", steps=8),
+        RandomSearch(space, "score", steps=8, num_trials=5),
+        AsyncHyperband(space, "score", min_steps=1, max_steps=16, eta=4, num_trials=8),
         SHA(space, "score", min_steps=2, max_steps=8, eta=2, num_trials=8),
         ASHA(space, "score", min_steps=1, max_steps=16, eta=4, num_trials=8),
         Hyperband(space, "score", min_steps=1, max_steps=9, eta=3, num_trials=8),
@@ -342,3 +354,23 @@ def test_simulated_study_answers_single_submissions_and_cleans_up() -> None:
         assert b.history[10] == a.metrics
         assert study.stats()["steps_executed"] == 15
     assert set(glob.glob(pattern)) == before  # the in-memory study's checkpoints are gone
+
+
+def test_a_corrupt_checkpoint_counts_as_missing_and_is_recomputed(tmp_path: Path) -> None:
+    with make(tmp_path) as study:
+        study.run({"seed": 5}, {"lr": LRS[1]}, 10)
+        executed = study.stats()["steps_executed"]
+        store = study._engine.store
+        for ref in store.refs():  # flip a byte in the middle of every checkpoint
+            path = store.directory / ref
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+    # A new process (no trainer in memory) must load the resume point: it is unreadable,
+    # so the trial is recomputed from step 0, and the result is still exact.
+    with make(tmp_path) as study:
+        longer = study.run({"seed": 5}, {"lr": LRS[1]}, 15)
+        assert study.stats()["steps_executed"] == executed + 15
+    (tmp_path / "ref").mkdir()
+    with make(tmp_path / "ref", "r") as ref:
+        assert longer.metrics == ref.run({"seed": 5}, {"lr": LRS[1]}, 15).metrics
