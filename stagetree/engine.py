@@ -66,6 +66,9 @@ _QUIET = 0.02
 _MAX_DELAY = 0.25
 
 
+_FINAL = (RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED)
+
+
 class Engine:
     """Plan + checkpoint store + scheduler + executor, driven by one thread.
 
@@ -151,15 +154,19 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
         with self.lock:
-            for waiters in self._waiters.values():
+            for (node, step), waiters in self._waiters.items():
+                held = 0
                 for w in waiters:
                     if not w.future.done():
+                        held += 1  # each waiter holds one reference to its request
                         w.future.set_exception(TrialCancelledError("the study was closed"))
                         self._set_trial_state(w, "cancelled")
+                # Release only this process's references: other processes sharing the
+                # storage may still want the same request. A later run asks again.
+                req = self.storage.request(node, step)
+                if held and req is not None and req.state not in _FINAL:
+                    self.storage.release_request(node, step, min(held, req.refcount))
             self._waiters.clear()
-            # Requests this process held are no longer wanted: a later run asks again.
-            for req in self.storage.requests(states=[RequestState.PENDING, RequestState.SCHEDULED]):
-                self.storage.release_request(req.node, req.step, req.refcount)
         self.storage.close()
         if self.temporary_checkpoints:
             shutil.rmtree(self.store.directory, ignore_errors=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stagetree import InvalidTrialError, Study, TrialFailedError, TunerError
+from stagetree import InvalidTrialError, Study, TrialCancelledError, TrialFailedError, TunerError
 from stagetree.hp import Constant, MultiStep
 from stagetree.space import GridSpace
 from stagetree.study import trainer_fingerprint
@@ -374,3 +374,22 @@ def test_a_corrupt_checkpoint_counts_as_missing_and_is_recomputed(tmp_path: Path
     (tmp_path / "ref").mkdir()
     with make(tmp_path / "ref", "r") as ref:
         assert longer.metrics == ref.run({"seed": 5}, {"lr": LRS[1]}, 15).metrics
+
+
+def test_close_releases_only_this_process_references(tmp_path: Path) -> None:
+    from study_trainers import SlowLinearTrainer
+
+    from stagetree import open_storage
+
+    url = f"sqlite:///{tmp_path}/plan.db"
+    study = Study("mine", SlowLinearTrainer, storage=url)
+    future = study._submit({"seed": 0}, {"lr": LRS[0]}, 500)[0]  # pending, not awaited
+    (req,) = study._engine.storage.requests()
+    other = open_storage(url)  # another process wanting the same model
+    other.add_request(req.node, req.step)
+    other.close()
+    study.close()
+    assert isinstance(future.exception(timeout=5), TrialCancelledError)
+    with open_storage(url) as storage:
+        (req,) = storage.requests()
+        assert req.refcount == 1 and req.state.value == "pending"
