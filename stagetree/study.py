@@ -272,7 +272,7 @@ class Study:
     # -- context manager -----------------------------------------------------------------
 
     def __enter__(self) -> Study:
-        return self.open()
+        return self  # the storage opens on first use (``tune`` records its metric first)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
