@@ -23,7 +23,7 @@ from stagetree.tuners.base import (
     draw_specs,
     rung_levels,
 )
-from stagetree.tuners.sha import check_halving
+from stagetree.tuners.sha import check_halving, halving_settings
 
 __all__ = ["ASHA", "AsyncHyperband"]
 
@@ -70,12 +70,11 @@ class ASHA(Tuner):
         max_concurrent: int | None = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
-        check_halving(min_steps, max_steps, eta)
         self.space = space
-        self.min_steps, self.max_steps, self.eta = min_steps, max_steps, eta
-        self.num_trials = check_int("num_trials", num_trials, 1)
-        self.max_rungs = check_int("max_rungs", max_rungs, 1)
-        self.levels = rung_levels(min_steps, max_steps, eta, max_rungs)
+        self.min_steps, self.max_steps, self.eta, self.num_trials, self.levels = halving_settings(
+            min_steps, max_steps, num_trials, eta, max_rungs
+        )
+        self.max_rungs = max_rungs
         self.num_brackets = check_int("brackets", brackets, 1)
         if brackets > len(self.levels):
             raise TunerError(

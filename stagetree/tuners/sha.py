@@ -13,6 +13,19 @@ from stagetree.tuners.base import check_int, draw_specs, rung_levels
 __all__ = ["SHA", "EarlyStop", "Hyperband", "check_halving", "halving_counts", "hyperband_split"]
 
 
+def halving_settings(
+    min_steps: int, max_steps: int, num_trials: int, eta: int, max_rungs: int | None = None
+) -> tuple[int, int, int, int, list[int]]:
+    """Validate what every successive-halving tuner (SHA, Hyperband, ASHA) takes and
+    return ``(min_steps, max_steps, eta, num_trials, levels)``, ``levels`` being the rung
+    step counts."""
+    check_halving(min_steps, max_steps, eta)
+    num_trials = check_int("num_trials", num_trials, 1)
+    if max_rungs is not None:
+        check_int("max_rungs", max_rungs, 1)
+    return min_steps, max_steps, eta, num_trials, rung_levels(min_steps, max_steps, eta, max_rungs)
+
+
 def check_halving(min_steps: Any, max_steps: Any, eta: Any) -> None:
     """Validate successive-halving arguments, raising :class:`TunerError` naming the culprit."""
     check_int("min_steps", min_steps, 1)
@@ -70,11 +83,10 @@ class SHA(SyncBracketTuner):
         max_concurrent: int | None = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
-        check_halving(min_steps, max_steps, eta)
         self.space = space
-        self.min_steps, self.max_steps, self.eta = min_steps, max_steps, eta
-        self.num_trials = check_int("num_trials", num_trials, 1)
-        self.levels = rung_levels(min_steps, max_steps, eta)
+        self.min_steps, self.max_steps, self.eta, self.num_trials, self.levels = halving_settings(
+            min_steps, max_steps, num_trials, eta
+        )
 
     def _brackets(self) -> list[BracketSpec]:
         specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
@@ -111,11 +123,10 @@ class Hyperband(SyncBracketTuner):
         max_concurrent: int | None = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
-        check_halving(min_steps, max_steps, eta)
         self.space = space
-        self.min_steps, self.max_steps, self.eta = min_steps, max_steps, eta
-        self.num_trials = check_int("num_trials", num_trials, 1)
-        self.levels = rung_levels(min_steps, max_steps, eta)
+        self.min_steps, self.max_steps, self.eta, self.num_trials, self.levels = halving_settings(
+            min_steps, max_steps, num_trials, eta
+        )
 
     def _brackets(self) -> list[BracketSpec]:
         specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
