@@ -102,6 +102,18 @@ def check_canonical(node: Node, step: int) -> None:
         )
 
 
+def trial_changes(
+    steps: int | None, node: int | None, step: int | None, state: str | None
+) -> dict[str, Any]:
+    """The plain fields an ``update_trial`` call changes (None: unchanged)."""
+    changes: dict[str, Any] = {
+        k: v for k, v in (("steps", steps), ("node", node), ("step", step)) if v is not None
+    }
+    if state is not None:
+        changes["state"] = str(state)
+    return changes
+
+
 def check_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Metrics as ``{str: float}``; NaN and infinities are kept as they are."""
     out: dict[str, float] = {}

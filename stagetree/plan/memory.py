@@ -22,6 +22,7 @@ from stagetree.plan.base import (
     after_release,
     check_canonical,
     check_metrics,
+    trial_changes,
 )
 from stagetree.plan.model import Node, Request, RequestState
 from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
@@ -339,11 +340,7 @@ class MemoryPlanStorage(BasePlanStorage):
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        changes: dict[str, Any] = {
-            k: v for k, v in (("steps", steps), ("node", node), ("step", step)) if v is not None
-        }
-        if state is not None:
-            changes["state"] = str(state)
+        changes = trial_changes(steps, node, step, state)
         if attrs is not None:
             changes["attrs"] = _codec.copy(dict(attrs), "trial attrs")
         with self._lock:
