@@ -431,12 +431,12 @@ class Study:
         their configurations up front do this): their paths go into the plan up to the
         tuner's horizon, without requests, so that running batches checkpoint where they
         will branch off and nothing is recomputed when they arrive."""
+        if not self._horizon:
+            return  # no horizon known: submissions insert all there is to know
         engine = self._engine
         with engine.lock:
             for config, hp in trials:
                 cfg, seqs = self._normalise(config, hp, self._horizon)
-                if not self._horizon:
-                    return  # no horizon known: nothing beyond what submissions insert
                 root_key = self.root_key(cfg, seqs)
                 engine.storage.register_root(root_key, cfg)
                 ins = engine.storage.insert_trial(root_key, seqs, self._horizon, request=False)
