@@ -24,7 +24,7 @@ from stagetree.exceptions import (
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace, RandomSpace, TrialSpec, load_space_file
 from stagetree.stages import kwise_merge_rate, merge_rate
-from stagetree.study import Study, TrialRecord
+from stagetree.study import Study, TrialError, TrialRecord
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult
 
@@ -49,6 +49,7 @@ __all__ = [
     "Trainer",
     "TrainerError",
     "TrialCancelledError",
+    "TrialError",
     "TrialFailedError",
     "TrialRecord",
     "TrialResult",

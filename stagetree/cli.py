@@ -38,7 +38,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree import __version__
-from stagetree.exceptions import InvalidSpaceError, StagetreeError, StorageError
+from stagetree.exceptions import (
+    InvalidSpaceError,
+    StagetreeError,
+    StorageError,
+    TrialFailedError,
+)
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
@@ -72,6 +77,7 @@ __all__ = [
 ]
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1  # `stagetree run`: no trial of the study succeeded
 
 
 # --------------------------------------------------------------------------- explain
@@ -496,6 +502,17 @@ def _best_rows(best: Any, metric: str, mode: str) -> list[tuple[str, str]]:
     return rows
 
 
+def _failure_rows(failures: list[tuple[int, str]], most: int = 5) -> list[tuple[str, str]]:
+    """Rows naming failed trials and the first line of each error (at most ``most``)."""
+    if not failures:
+        return []
+    rows = [("failed trials", str(len(failures)))]
+    rows.extend((f"  trial {tid}", summary) for tid, summary in failures[:most])
+    if len(failures) > most:
+        rows.append(("  ...", f"{len(failures) - most} more (stagetree export shows every error)"))
+    return rows
+
+
 def report_study(
     study: Study,
     best: Any,
@@ -539,6 +556,9 @@ def report_study(
     value = _final_metrics(best).get(metric) if best is not None else None
     numbers["best"] = float(value) if isinstance(value, (int, float)) else math.nan
     best_rows = _best_rows(best, metric, mode)
+    failures = study.failures() if hasattr(study, "failures") else []
+    numbers["failed"] = float(len(failures))
+    best_rows.extend(_failure_rows([(tid, e.summary()) for tid, e in failures]))
     rows = [("trials", str(round(numbers["trials"]))), *_accounting_rows(numbers)]
     title = f"study {study.name}"
     if _use_rich(stream, rich_output):
@@ -609,6 +629,26 @@ def _script_context(path: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
             sys.modules[RUN_NAME] = saved_module  # type: ignore[assignment]
 
 
+def _run_user_script(path: Path, name: str) -> dict[str, Any]:
+    """Run a user's script (see :func:`run_script`); a syntax error or a failed import
+    in it becomes a one-line :class:`CommandError` naming the script and the line."""
+    try:
+        return runpy.run_path(str(path), run_name=RUN_NAME)
+    except SyntaxError as exc:
+        where = f" (line {exc.lineno})" if exc.lineno else ""
+        raise CommandError(f"{name}: SyntaxError: {exc.msg}{where}") from None
+    except ImportError as exc:
+        line = None
+        tb = exc.__traceback__
+        target = str(path.resolve())
+        while tb is not None:  # the script's own line that imported
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) == target:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        where = f" (line {line})" if line else ""
+        raise CommandError(f"{name}: {type(exc).__name__}: {exc}{where}") from None
+
+
 def _close_all(studies: Iterable[Any]) -> None:
     for st in studies:
         try:
@@ -663,7 +703,7 @@ def run_script(
     try:
         with _script_context(path) as keep:
             try:
-                namespace = runpy.run_path(str(path), run_name=RUN_NAME)
+                namespace = _run_user_script(path, str(script))
                 keep(namespace)
                 studies = list(
                     {id(v): v for v in namespace.values() if isinstance(v, Study)}.values()
@@ -673,8 +713,13 @@ def run_script(
                 display = (
                     ProgressDisplay(study, out=stream) if progress else contextlib.nullcontext()
                 )
-                with display:
-                    best = study.tune(tuner)
+                try:
+                    with display:
+                        best = study.tune(tuner)
+                except TrialFailedError as exc:  # no trial succeeded
+                    print(f"{exc}", file=sys.stderr)
+                    print(f"stagetree run: error: {_one_line(exc)}", file=sys.stderr)
+                    return EXIT_FAILED
                 report_study(study, best, metric=tuner.metric, mode=tuner.mode, out=stream)
             except KeyboardInterrupt:
                 interrupted = True
@@ -740,6 +785,7 @@ class StudyStatus:
         numbers: :func:`accounting` of the study, or None when the storage counts
             executed steps and device-seconds only for all its studies together (see
             :class:`StorageStatus`).
+        failures: ``(trial id, first line of its error)`` per failed trial.
     """
 
     name: str
@@ -757,6 +803,7 @@ class StudyStatus:
     steps_requested: int
     steps_unique: int
     numbers: dict[str, float] | None
+    failures: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -874,7 +921,15 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
         steps_requested=summary.total_steps,
         steps_unique=summary.unique_steps,
         numbers=numbers,
+        failures=[(int(t["id"]), _error_summary(t)) for t in trials if t["state"] == "failed"],
     )
+
+
+def _error_summary(trial: Mapping[str, Any]) -> str:
+    from stagetree.study import TrialError
+
+    error = TrialError.from_attrs(trial.get("attrs"))
+    return error.summary() if error is not None else "no error was recorded"
 
 
 def storage_status(storage: BasePlanStorage, url: str, study: str | None = None) -> StorageStatus:
@@ -920,6 +975,7 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
                 f"{st.mode}; {st.metric_note})",
             )
         )
+    rows.extend(_failure_rows(st.failures))
     if st.numbers is not None:
         rows.extend(_accounting_rows(st.numbers))
     else:
@@ -1023,8 +1079,9 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
     """Every trial with its metric history, as JSON-able dicts.
 
     Each dict: ``study``, ``trial`` (id), ``config``, ``hp`` (sequences as JSON),
-    ``steps``, ``state`` and ``history``: ``[{"step": s, "metrics": {...}}, ...]`` in
-    step order (only steps with metrics; NaN and infinities as strings).
+    ``steps``, ``state``, ``error`` (None, or for a failed trial ``{"type", "message",
+    "traceback", "where"}``) and ``history``: ``[{"step": s, "metrics": {...}}, ...]``
+    in step order (only steps with metrics; NaN and infinities as strings).
 
     Raises:
         CommandError: no study ``study`` in the storage.
@@ -1051,6 +1108,7 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
                     "hp": {k: seq.to_json() for k, seq in t["hp"].items()},
                     "steps": int(t["steps"]),
                     "state": t["state"],
+                    "error": _export_error(t),
                     "history": [
                         {"step": step, "metrics": {k: _json_number(v) for k, v in m.items()}}
                         for step, m in sorted(history.items())
@@ -1058,6 +1116,17 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
                 }
             )
     return out
+
+
+def _export_error(trial: Mapping[str, Any]) -> dict[str, str] | None:
+    import dataclasses
+
+    from stagetree.study import TrialError
+
+    if trial["state"] != "failed":
+        return None
+    error = TrialError.from_attrs(trial.get("attrs"))
+    return dataclasses.asdict(error) if error is not None else None
 
 
 def _cell(value: Any) -> Any:
@@ -1070,8 +1139,10 @@ def export_table(records: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[
     """One row per (trial, step with metrics) of :func:`export_records`.
 
     Columns: ``study``, ``trial``, ``config.<name>`` (in order of first appearance),
-    ``hp`` (JSON of the sequences), ``step``, ``metric.<name>`` (sorted). Cells a row
-    does not have are empty.
+    ``hp`` (JSON of the sequences), ``step``, ``metric.<name>`` (sorted), ``state`` and
+    ``error`` (the first line of a failed trial's error). Cells a row does not have are
+    empty. A failed trial without metrics still gets one row (with an empty step), so
+    that every failure is in the table.
     """
     records = list(records)
     config_names: dict[str, None] = {}
@@ -1088,14 +1159,20 @@ def export_table(records: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[
         "hp",
         "step",
         *(f"metric.{k}" for k in metrics),
+        "state",
+        "error",
     ]
     rows: list[list[Any]] = []
     for rec in records:
         config = [_cell(rec["config"].get(k, "")) for k in config_names]
         hp = json.dumps(rec["hp"], sort_keys=True, separators=(",", ":"))
-        for h in rec["history"]:
+        error = rec.get("error") or {}
+        line = f"{error.get('type', 'Error')}: {error.get('message', '')}" if error else ""
+        tail = [rec.get("state", ""), line.splitlines()[0] if line else ""]
+        history = rec["history"] or ([{"step": "", "metrics": {}}] if error else [])
+        for h in history:
             values = [h["metrics"].get(k, "") for k in metrics]
-            rows.append([rec["study"], rec["trial"], *config, hp, h["step"], *values])
+            rows.append([rec["study"], rec["trial"], *config, hp, h["step"], *values, *tail])
     return header, rows
 
 

@@ -27,6 +27,7 @@ from stagetree.engine import Engine, Waiter, default_checkpoint_dir, root_scope
 from stagetree.exceptions import (
     InvalidTrialError,
     StagetreeError,
+    TrialFailedError,
 )
 from stagetree.hp import Sequence, as_sequence, dumps_hp
 from stagetree.plan import BasePlanStorage, open_storage
@@ -37,7 +38,7 @@ from stagetree.tuners.base import TrialResult, Tuner
 if TYPE_CHECKING:
     from stagetree.executors.base import BaseExecutor
 
-__all__ = ["Study", "TrialRecord", "trainer_fingerprint"]
+__all__ = ["Study", "TrialError", "TrialRecord", "trainer_fingerprint"]
 
 # Command-line overrides (``stagetree run --workers N --storage URL``): the CLI sets them
 # before it runs a script, and every Study built by that script honours them.
@@ -70,6 +71,44 @@ def trainer_fingerprint(trainer: type[Trainer]) -> str:
     return digest.hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class TrialError:
+    """Why a trial failed, as kept in the plan (``attrs["error"]`` of its record).
+
+    Attributes:
+        type: the exception's type name (``"ValueError"``, ``"WorkerLost"``, ...).
+        message: the exception's message.
+        traceback: the formatted traceback from the worker ("" when there is none, e.g.
+            a worker process that died).
+        where: what it interrupted, in words ("training step 3", "evaluating or
+            checkpointing the model at step 5", "building the trainer").
+    """
+
+    type: str
+    message: str
+    traceback: str = ""
+    where: str = ""
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any] | None) -> TrialError | None:
+        """The error kept in a trial record's ``attrs``, or None."""
+        raw = (attrs or {}).get("error")
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(
+            str(raw.get("type", "Error")),
+            str(raw.get("message", "")),
+            str(raw.get("traceback", "")),
+            str(raw.get("where", "")),
+        )
+
+    def summary(self) -> str:
+        """One line: ``ValueError: boom (training step 3)``."""
+        where = f" ({self.where})" if self.where else ""
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.type}: {first}{where}" if first else f"{self.type}{where}"
+
+
 @dataclass
 class TrialRecord:
     """One trial of a study, as :meth:`Study.trials` returns it.
@@ -81,6 +120,7 @@ class TrialRecord:
         steps: the most steps requested for this trial so far.
         state: ``pending`` | ``running`` | ``done`` | ``failed`` | ``cancelled``.
         metrics: every known metric on the trial's path, by step.
+        error: why it failed (``state == "failed"``), else None.
     """
 
     id: int
@@ -89,6 +129,7 @@ class TrialRecord:
     steps: int
     state: str
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    error: TrialError | None = None
 
 
 _ENGINES: dict[tuple[str, str], Engine] = {}
@@ -508,7 +549,25 @@ class Study:
         runner = _StudyRunner(self)
         self._horizon = _tuner_horizon(tuner)
         self._meta = {"metric": tuner.metric, "mode": tuner.mode, "tuner": type(tuner).__name__}
-        return self._drive(tuner.run(runner))
+        best = self._drive(tuner.run(runner))
+        if best is None:
+            self._raise_if_all_failed()
+        return best
+
+    def _raise_if_all_failed(self) -> None:
+        """``tune()`` found no best trial: when that is because every trial failed, say
+        so with the first failure's traceback instead of returning None."""
+        trials = self.trials()
+        failed = [t for t in trials if t.state == "failed"]
+        if not failed or any(t.state == "done" for t in trials):
+            return
+        first = failed[0]
+        error = first.error or TrialError("Error", "no error was recorded")
+        raise TrialFailedError(
+            f"no trial of study {self.name!r} succeeded: {len(failed)} of {len(trials)} "
+            f"failed; the first (trial {first.id}): {error.summary()}",
+            error.traceback,
+        )
 
     def _drive(self, coro: Any) -> Any:
         """Run ``coro`` to completion from sync code; with a virtual-time executor, its
@@ -542,8 +601,23 @@ class Study:
             out = []
             for t in storage.trials(self.name):
                 hist = storage.metrics_along(t["root_key"], t["hp"], t["steps"])
-                out.append(TrialRecord(t["id"], t["config"], t["hp"], t["steps"], t["state"], hist))
+                error = TrialError.from_attrs(t.get("attrs")) if t["state"] == "failed" else None
+                out.append(
+                    TrialRecord(t["id"], t["config"], t["hp"], t["steps"], t["state"], hist, error)
+                )
             return out
+
+    def failures(self) -> list[tuple[int, TrialError]]:
+        """``(trial id, error)`` of every failed trial of this study, in id order (cheap:
+        reads no metrics; progress displays poll it)."""
+        with self._engine.lock:
+            trials = self._engine.storage.trials(self.name)
+        out = []
+        for t in trials:
+            if t["state"] == "failed":
+                error = TrialError.from_attrs(t.get("attrs"))
+                out.append((int(t["id"]), error or TrialError("Error", "no error was recorded")))
+        return out
 
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
         """The trial with the best ``metric`` at its last step (NaN ranks worst)."""

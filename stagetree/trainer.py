@@ -58,8 +58,14 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume training exactly."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__}.state_dict() is not implemented: stagetree checkpoints "
+            "every trainer it shares; implement state_dict() and load_state_dict() (or "
+            "subclass stagetree.torch.TorchTrainer, which does it for PyTorch)"
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__}.load_state_dict() is not implemented; see state_dict()"
+        )

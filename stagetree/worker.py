@@ -23,10 +23,14 @@ excluding evaluation and checkpoint capture.
 Failures: an exception from the trainer (``__init__``, ``load_state_dict``, ``setup``,
 ``train``, ``evaluate``, ``state_dict``) ends the batch with ``BatchFailed`` at the
 ``(node, step)`` being trained or evaluated, with the formatted traceback, and the
-trainer is dropped. A start checkpoint that is missing or corrupt fails the batch the
-same way with an ``error`` starting with ``"CheckpointError:"``: the model has to be
-recomputed. A checkpoint that cannot be *written* does not stop training; it is logged
-and no ``CheckpointSaved`` is sent for it.
+trainer is dropped; ``BatchFailed.phase`` says whether a training step, a point
+(evaluation, checkpoint) or the trainer's construction/restore failed. A start
+checkpoint that is missing or corrupt fails the batch the same way with an ``error``
+starting with ``"CheckpointError:"``: the model has to be recomputed. A state that
+cannot be checkpointed (``state_dict()`` not implemented or not a dict, a value the
+checkpoint format cannot hold: the error names its key) fails the batch at that
+point, before anything is written; so does a checkpoint whose background write failed
+(reported when the batch ends).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from stagetree.checkpoints import CheckpointStore
+from stagetree.checkpoints import CheckpointStore, check_state
 from stagetree.exceptions import CheckpointError
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -113,10 +117,16 @@ class _Failed(Exception):
     """Internal: trainer code (or the start checkpoint) failed at ``(node, step)``."""
 
     def __init__(
-        self, node: int, step: int, error: BaseException, checkpoint: bool = False
+        self,
+        node: int,
+        step: int,
+        error: BaseException,
+        checkpoint: bool = False,
+        phase: str = "train",
     ) -> None:
         super().__init__(str(error))
         self.checkpoint = checkpoint
+        self.phase = phase
         self.node = node
         self.step = step
         self.error = error
@@ -166,6 +176,8 @@ class Worker:
         self._given: dict[str, Any] = {}
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
+        # The first background write of the running batch that failed: (node, step, error).
+        self._write_error: tuple[int, int, BaseException] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -222,6 +234,7 @@ class Worker:
         step = batch.start_step
         steps_done = 0
         points = self._points(batch, end_step)
+        self._write_error = None
         try:
             trainer = self._prepare(batch, node)
             aborted = False
@@ -270,6 +283,7 @@ class Worker:
                         break
             if steps_done:
                 self._at = (node, step)
+            self._check_writes()
         except _Failed as failed:
             self._finish_failed(batch, failed, steps_done)
             return
@@ -306,14 +320,14 @@ class Worker:
                     "without a start checkpoint, and this worker does not hold that model"
                 )
         except CheckpointError as exc:
-            raise _Failed(node, batch.start_step, exc, checkpoint=True) from exc
+            raise _Failed(node, batch.start_step, exc, checkpoint=True, phase="start") from exc
         try:
             trainer = self.trainer_factory(batch.config)
             if state is not None:
                 trainer.load_state_dict(state)
                 self.stats.loads += 1
         except Exception as exc:
-            raise _Failed(node, batch.start_step, exc) from exc
+            raise _Failed(node, batch.start_step, exc, phase="start") from exc
         seconds = _perf() - begin
         self.stats.load_seconds += seconds
         self.stats.last_load_seconds = seconds
@@ -370,7 +384,7 @@ class Worker:
                 raw = trainer.evaluate()
                 metrics = {str(k): float(v) for k, v in dict(raw).items()}
             except Exception as exc:
-                raise _Failed(point.eval_node, step, exc) from exc
+                raise _Failed(point.eval_node, step, exc, phase="point") from exc
             self.emit(
                 MetricsReported(batch.batch_id, self.worker_id, point.eval_node, step, metrics)
             )
@@ -409,9 +423,11 @@ class Worker:
     def _checkpoint(self, trainer: Trainer, batch: RunBatch, node: int, step: int) -> None:
         begin = _perf()
         try:
-            snapshot = snapshot_state(trainer.state_dict())
+            state = trainer.state_dict()
+            check_state(state, f"{type(trainer).__name__}.state_dict()")
+            snapshot = snapshot_state(state)
         except Exception as exc:
-            raise _Failed(node, step, exc) from exc
+            raise _Failed(node, step, exc, phase="point") from exc
         capture = _perf() - begin
         pending = [f for f in self._pending if not f.done()]
         while len(pending) >= self.max_pending_saves:
@@ -431,11 +447,10 @@ class Worker:
     ) -> None:
         try:
             info = self.store.save(name, state)
-        except Exception:
-            # The batch goes on; the scheduler sees no CheckpointSaved and recomputes.
-            logger.exception(
-                "worker %s: checkpoint of node %s step %s failed", self.worker_id, node, step
-            )
+        except Exception as exc:
+            # Training goes on (it may still be needed); the batch fails when it ends.
+            if self._write_error is None:
+                self._write_error = (node, step, exc)
             return
         seconds = capture + info.seconds
         self.stats.saves += 1
@@ -449,6 +464,14 @@ class Worker:
         for future in pending:
             future.result()
 
+    def _check_writes(self) -> None:
+        """Wait for the batch's background writes; fail at the first that failed."""
+        self._wait_saves()
+        if self._write_error is not None:
+            node, step, exc = self._write_error
+            self._write_error = None
+            raise _Failed(node, step, exc, phase="point")
+
     def _finish_failed(self, batch: RunBatch, failed: _Failed, steps_done: int) -> None:
         self._wait_saves()
         self.stats.steps += steps_done
@@ -459,7 +482,14 @@ class Worker:
         kind = "checkpoint" if failed.checkpoint else "trainer"
         self.emit(
             BatchFailed(
-                batch.batch_id, self.worker_id, failed.node, failed.step, error, failed.tb, kind
+                batch.batch_id,
+                self.worker_id,
+                failed.node,
+                failed.step,
+                error,
+                failed.tb,
+                kind,
+                failed.phase,
             )
         )
 
