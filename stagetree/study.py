@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -154,11 +156,13 @@ class Study:
             baseline); promotions of the same trial still resume it.
         checkpoint_dir: where checkpoints go (default: beside the SQLite file, a
             temporary directory otherwise).
-        checkpoint_budget: bytes the checkpoint store may hold (None: unlimited).
+        checkpoint_budget: bytes the checkpoint store may hold: an int, or a size such
+            as ``"10MB"`` / ``"2GiB"`` (None: unlimited).
         version: overrides the trainer's source fingerprint in the root key.
         executor: ``"local"`` (worker processes, the default), ``"inline"`` (in this
             process; for debugging and tests), ``"simulated"`` (virtual time, no training:
-            :class:`~stagetree.executors.SimulatedExecutor`) or a factory returning a
+            :class:`~stagetree.executors.SimulatedExecutor`), another name registered
+            with :func:`~stagetree.executors.register_executor`, or a factory returning a
             ``BaseExecutor``.
         policy: scheduling policy: ``"critical_path"`` (default), ``"bfs"`` or ``"thr"``.
         max_retries: how often a failing stage is retried before its requests fail.
@@ -185,16 +189,29 @@ class Study:
         max_retries: int = 0,
         threads_per_worker: int | None = None,
     ) -> None:
+        # Every argument is checked here, before the storage is opened or anything written.
+        from stagetree.executors.registry import check_executor
+        from stagetree.scheduler.policies import make_policy
+
         if not isinstance(name, str) or not name:
             raise ValueError(f"study name must be a non-empty string, got {name!r}")
         if not (isinstance(trainer, type) and issubclass(trainer, Trainer)):
             raise TypeError(f"trainer must be a Trainer subclass, got {trainer!r}")
-        if workers is not None and (not isinstance(workers, int) or workers < 1):
-            raise ValueError(f"workers must be a positive int, got {workers!r}")
-        if checkpoint_budget is not None and checkpoint_budget < 0:
-            raise ValueError(f"checkpoint_budget must be >= 0, got {checkpoint_budget!r}")
+        _check_count("workers", workers, 1)
+        _check_count("threads_per_worker", threads_per_worker, 1)
+        _check_count("max_retries", max_retries, 0, optional=False)
+        checkpoint_budget = parse_size(checkpoint_budget, "checkpoint_budget")
+        check_executor(executor)
+        make_policy(policy)
+        if version is not None and (not isinstance(version, str) or not version):
+            raise ValueError(f"version must be a non-empty string, got {version!r}")
         workers = _OVERRIDES.get("workers", workers)
         storage = _OVERRIDES.get("storage", storage)
+        if not isinstance(storage, (str, BasePlanStorage)):
+            raise ValueError(
+                f"storage must be a URL (sqlite:///path.db, postgresql://..., memory://) "
+                f"or an open plan storage, got {storage!r}"
+            )
         self.name = name
         self.trainer = trainer
         self.share = share
@@ -218,7 +235,8 @@ class Study:
         self._names: tuple[frozenset[str], frozenset[str]] | None = None
         self._trial_ids: dict[tuple[str, str], int] = {}
         self._horizon = 0  # steps the current tuner may train a trial to (0: unknown)
-        self._meta: dict[str, Any] = {}  # recorded with the study when it is created
+        self._meta: dict[str, Any] = {}  # the tuner's metric and mode, recorded at first write
+        self._row_ready = False  # the study row exists with this run's meta
 
     @property
     def _engine(self) -> Engine:
@@ -243,12 +261,23 @@ class Study:
         self._engine_key = key
         self._engine_obj = engine
         with engine.lock:
-            meta = {"version": self.version, "share": self.share, **self._meta}
-            engine.storage.create_study(self.name, meta)
+            # The study row is written with the first trial or log record (see
+            # _ensure_row), so that input refused before then writes nothing.
             for t in engine.storage.trials(self.name):
                 self._trial_ids[(canonical_json(t["config"]), dumps_hp(t["hp"]))] = t["id"]
                 if self._names is None:
                     self._names = (frozenset(t["config"]), frozenset(t["hp"]))
+
+    def _ensure_row(self) -> None:
+        """Create the study row (or record this run's tuner metric and mode in it) just
+        before the first write that needs it. Called with the engine lock held."""
+        if self._row_ready:
+            return
+        storage = self._engine.storage
+        meta = {"version": self.version, "share": self.share, **self._meta}
+        if not storage.create_study(self.name, meta) and self._meta:
+            storage.update_study_meta(self.name, self._meta)
+        self._row_ready = True
 
     def open(self) -> Study:
         """Open the storage now (it is otherwise opened on first use); returns self.
@@ -283,28 +312,10 @@ class Study:
         trainer = self.trainer
 
         def factory() -> BaseExecutor:
-            if callable(executor) and not isinstance(executor, str):
-                return executor()
-            if executor == "inline":
-                from stagetree.executors import InlineExecutor
+            from stagetree.executors.registry import ExecutorOptions, make_executor
 
-                return InlineExecutor(trainer, checkpoint_dir=ckdir)
-            if executor == "local":
-                from stagetree.executors import LocalExecutor
-
-                return LocalExecutor(
-                    trainer,
-                    num_workers=workers,
-                    checkpoint_dir=ckdir,
-                    threads_per_worker=threads_per_worker,
-                )
-            if executor == "simulated":
-                from stagetree.executors.simulated import SimulatedExecutor
-
-                return SimulatedExecutor(num_workers=workers or 1)
-            raise ValueError(
-                f"executor must be 'local', 'inline', 'simulated' or a factory, got {executor!r}"
-            )
+            options = ExecutorOptions(trainer, workers, ckdir, threads_per_worker)
+            return make_executor(executor, options)
 
         engine = Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
         engine.temporary_checkpoints = temporary
@@ -347,16 +358,20 @@ class Study:
     def _normalise(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int
     ) -> tuple[dict[str, Any], dict[str, Sequence]]:
+        _ = self._engine  # the names of the trials already stored count
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise InvalidTrialError(f"steps must be a non-negative int, got {steps!r}")
         if not isinstance(config, Mapping) or not isinstance(hp, Mapping):
             raise InvalidTrialError("config and hp must be mappings")
         seqs = {str(k): as_sequence(v) for k, v in hp.items()}
         cfg = dict(config)
-        try:
-            canonical_json(cfg)
+        try:  # strict: a NaN, or an object written through its repr, has no stable identity
+            json.dumps(cfg, allow_nan=False)
         except (TypeError, ValueError) as exc:
-            raise InvalidTrialError(f"config must be JSON-serialisable: {exc}") from exc
+            raise InvalidTrialError(
+                f"config {cfg!r} cannot be a fixed configuration ({exc}): use finite numbers, "
+                "strings, booleans, None, and lists or dicts of those"
+            ) from None
         names = (frozenset(cfg), frozenset(seqs))
         if self._names is None:
             self._names = names
@@ -383,6 +398,7 @@ class Study:
         storage = self._engine.storage
         ident = (canonical_json(cfg), dumps_hp(seqs))
         tid = self._trial_ids.get(ident)
+        self._ensure_row()
         if tid is None:
             tid = storage.add_trial(self.name, root_key, cfg, seqs, steps, node, step)
             self._trial_ids[ident] = tid
@@ -549,6 +565,7 @@ class Study:
         runner = _StudyRunner(self)
         self._horizon = _tuner_horizon(tuner)
         self._meta = {"metric": tuner.metric, "mode": tuner.mode, "tuner": type(tuner).__name__}
+        self._row_ready = False  # the next write records this tuner's metric and mode
         best = self._drive(tuner.run(runner))
         if best is None:
             self._raise_if_all_failed()
@@ -693,6 +710,53 @@ class Study:
         }
 
 
+def _check_count(name: str, value: Any, least: int, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(value: Any, name: str = "size") -> int | None:
+    """Bytes from an int or a size string (``"10MB"``, ``"1.5 GiB"``, ``"512"``); None
+    stays None.
+
+    Raises:
+        ValueError: a negative size, or a value that is not a size (naming ``name``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number: float = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name} must be a number of bytes or a size like '10MB' or '2GiB', got {value!r}"
+            )
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        raise ValueError(f"{name} must be an int or a size like '10MB', got {value!r}")
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return int(number)
+
+
 def _tuner_horizon(tuner: Tuner) -> int:
     """The most steps ``tuner`` may train one trial to, when it says (0 otherwise)."""
     steps = [getattr(tuner, name, None) for name in ("max_steps", "steps")]
@@ -719,8 +783,13 @@ class _StudyRunner:
     def declare(self, trials: list[tuple[dict[str, Any], dict[str, Sequence]]]) -> None:
         self.study.declare(trials)
 
+    def check(self, config: dict[str, Any], hp: dict[str, Sequence]) -> None:
+        """Refuse a trial that does not fit the study before the tuner logs it."""
+        self.study._normalise(config, hp, 0)
+
     def append_log(self, record: dict[str, Any]) -> None:
         with self.study._engine.lock:
+            self.study._ensure_row()
             self.study._engine.storage.append_log(self.study.name, record)
 
     def read_log(self) -> list[dict[str, Any]]:

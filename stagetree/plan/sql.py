@@ -675,6 +675,22 @@ class SQLPlanStorage(BasePlanStorage):
             )
             return True
 
+    def update_study_meta(self, name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+        _codec.dumps(dict(meta), "study meta")  # JSON-able, checked before the write
+        with self._tx(write=True) as conn:
+            old = conn.execute(
+                select(_studies.c.meta).where(_studies.c.name == name)
+            ).scalar_one_or_none()
+            if old is None:
+                raise PlanKeyError(f"no study {name!r}")
+            merged = {**_codec.loads(old), **dict(meta)}
+            conn.execute(
+                _studies.update()
+                .where(_studies.c.name == name)
+                .values(meta=_codec.dumps(merged, "study meta"))
+            )
+            return merged
+
     def studies(self) -> list[dict[str, Any]]:
         with self._tx(write=False) as conn:
             rows = conn.execute(select(_studies).order_by(_studies.c.seq)).all()

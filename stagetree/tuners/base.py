@@ -92,7 +92,9 @@ class TrialRunner(Protocol):
     ``submit`` trains (or resumes, or answers from the plan) the trial up to ``steps``
     and returns its result; it raises :class:`~stagetree.exceptions.TrialFailedError`
     if training failed and :class:`~stagetree.exceptions.TrialCancelledError` if the
-    request was cancelled. ``append_log`` stores one JSON-serialisable record durably
+    request was cancelled. A runner may also offer ``check(config, hp)``, which raises
+    when a trial does not fit the study: it is called before a submission is logged, so
+    refused input leaves no record. ``append_log`` stores one JSON-serialisable record durably
     for this study; ``read_log`` returns the records of previous runs of this study in
     the order they were appended.
     """
@@ -287,6 +289,9 @@ class ReplayingRunner:
         """
         key = self._next_key
         self._next_key += 1
+        check = getattr(self._runner, "check", None)
+        if check is not None:  # refuse a trial that cannot run before logging it
+            check(dict(trial.config), dict(trial.hp))
         self._append(
             {
                 "event": event,
