@@ -331,7 +331,8 @@ def _sqlite_file(url: str) -> Path | None:
 
 
 def open_existing_storage(url: str) -> BasePlanStorage:
-    """Open a storage to read it, without creating a SQLite file that is not there.
+    """Open a storage read-only (nothing is ever written to it, not even stagetree's
+    tables), without creating a SQLite file that is not there.
 
     Raises:
         StorageError: the URL cannot be opened, naming it.
@@ -342,7 +343,7 @@ def open_existing_storage(url: str) -> BasePlanStorage:
     if path is not None and not path.is_file():
         raise StorageError(f"cannot open plan storage {url!r}: {path} does not exist")
     try:
-        storage = open_storage(url)
+        storage = open_storage(url, readonly=True)  # reports never write
         storage.studies()  # a file that is not a plan fails here, not halfway through
     except StagetreeError:
         raise

@@ -14,6 +14,9 @@ Hierarchy::
     ├── TrialFailedError           a request failed (its stage or an ancestor stage raised)
     ├── TrialCancelledError        a request was cancelled before it finished
     └── TunerError                 (also ValueError) invalid tuner arguments or metric
+
+    StagetreeWarning               (a UserWarning) something the user should know about:
+                                   repeated draws of a random search, ...
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "SchedulerError",
     "SchemaVersionError",
     "StagetreeError",
+    "StagetreeWarning",
     "StorageError",
     "TrainerError",
     "TrialCancelledError",
@@ -94,3 +98,7 @@ class TrialCancelledError(StagetreeError):
 
 class TunerError(StagetreeError, ValueError):
     """Invalid tuner arguments, or a metric the trainer never reports."""
+
+
+class StagetreeWarning(UserWarning):
+    """A warning stagetree gives on purpose (the run goes on)."""

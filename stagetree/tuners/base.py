@@ -40,7 +40,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from stagetree.exceptions import TrialCancelledError, TrialFailedError, TunerError
+from stagetree.exceptions import (
+    StagetreeWarning,
+    TrialCancelledError,
+    TrialFailedError,
+    TunerError,
+)
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
@@ -436,16 +441,47 @@ def draw_specs(space: Any, n: int | None, seed: int, shuffle_grid: bool = False)
     ``shuffle_grid`` the enumeration is shuffled by ``seed`` first (adaptive tuners
     assume configurations arrive in random order), then the first ``n`` are kept.
     """
+    if isinstance(space, (Mapping, str, bytes)):
+        raise TunerError(
+            f"a tuner takes a search space, not a {type(space).__name__}: wrap the "
+            "options in stagetree.space.GridSpace(hp={...}, fixed={...}) or "
+            "RandomSpace(hp={...}), or pass a list of TrialSpec"
+        )
     if hasattr(space, "sample"):
         if n is None:
             raise TunerError("num_trials is required for a random search space")
-        return list(space.sample(n, seed))
-    specs = list(space.trials()) if hasattr(space, "trials") else list(space)
+        drawn = list(space.sample(n, seed))
+        distinct = {_spec_key(s) for s in drawn}
+        if len(distinct) < len(drawn):
+            warnings.warn(
+                f"{len(drawn)} trials were drawn but only {len(distinct)} are distinct (the "
+                f"space has few configurations): {len(drawn) - len(distinct)} draws repeat a "
+                "trial, and identical trials train once; widen the space or draw fewer",
+                StagetreeWarning,
+                stacklevel=3,
+            )
+        return drawn
+    try:
+        specs = list(space.trials()) if hasattr(space, "trials") else list(space)
+    except TypeError:
+        raise TunerError(f"a tuner takes a search space, got {space!r}") from None
     if not specs:
         raise TunerError("the search space has no trials")
+    for spec in specs:
+        if not (hasattr(spec, "config") and hasattr(spec, "hp")):
+            raise TunerError(
+                f"a search space must yield trial specs (with .config and .hp), got "
+                f"{spec!r}: use stagetree.space.GridSpace or a list of TrialSpec"
+            )
     if shuffle_grid:
         random.Random(seed).shuffle(specs)
     return specs if n is None else specs[:n]
+
+
+def _spec_key(spec: Any) -> str:
+    from stagetree.hp import dumps_hp
+
+    return json.dumps(spec.config, sort_keys=True, default=repr) + dumps_hp(spec.hp)
 
 
 # --------------------------------------------------------------------------- Tuner
