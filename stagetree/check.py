@@ -439,7 +439,7 @@ class _Driver:
         self.values = values
         self.steps = len(values)
         self.store = store
-        self.name = cls.__qualname__
+        self.name = cls.__name__
 
     def _call(self, fn: Callable[..., Any], what: str, step: int, *args: Any) -> Any:
         try:
@@ -506,8 +506,9 @@ class _Driver:
         state = trace.states[step]
         if not isinstance(state, Mapping):
             trace.problems.append(
-                f"{self.name}.state_dict() returned {_leaf_kind(state, 'state')} "
-                f"({state!r:.60}); it must return a dict of everything that shapes training"
+                f"{self.name}.state_dict() returned "
+                + ("None" if state is None else f"{_leaf_kind(state, 'state')} ({state!r:.60})")
+                + "; it must return a dict of everything that shapes training"
             )
             return None
         try:
@@ -520,9 +521,8 @@ class _Driver:
             )
             trace.problems.append(
                 f"the state after step {step} cannot be written as a stagetree checkpoint: "
-                f"{message}. Return only tensors, numpy arrays, numbers, strings, None, "
-                "lists, tuples and dicts from state_dict() (a set as a sorted list, an "
-                "object as its own state dict, functions not at all)"
+                f"{message} (save a set as a sorted list, an object as its own state "
+                "dict, a function not at all)"
             )
             return None
         changed = _diff(state, loaded)
@@ -544,7 +544,7 @@ class _Driver:
             return None
         again = self._state(trainer, step)
         lost = _diff(loaded, again)
-        if lost:
+        if lost and not any("does not restore" in p for p in trace.problems):
             trace.problems.append(
                 f"{self.name}.load_state_dict() does not restore what state_dict() saved: "
                 f"right after a restore at step {step}, state_dict() differs at "
@@ -640,12 +640,12 @@ def check_trainer(
                 other = driver._state(driver._call(trainer_cls, "__init__", 0, config), 0)
             except _UserError as exc:
                 raise TrainerError(
-                    f"{exc} (while checking {trainer_cls.__qualname__})", exc.tb
+                    f"{exc} (while checking {trainer_cls.__name__})", exc.tb
                 ) from None
     finally:
         _restore_rng(outer)
     return _report(
-        trainer_cls.__qualname__, steps, split_steps, plain, straight, split, unperturbed, other
+        trainer_cls.__name__, steps, split_steps, plain, straight, split, unperturbed, other
     )
 
 
@@ -811,3 +811,120 @@ def _report(
         findings=tuple(dict.fromkeys(findings)),
         comparisons=tuple(comparisons),
     )
+
+
+# --------------------------------------------------------------------------- scripts
+
+#: Steps and split of the check ``stagetree run`` does on first contact with a trainer.
+QUICK_STEPS = 2
+_CHECKED = "checked"
+
+
+def first_trial(space: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(config, hp)`` of the first trial of a space: a random space's first sample
+    (seed 0), a grid's first trial, or the first item of a list of trial specs.
+
+    Raises:
+        InvalidTrialError: the space has no trial.
+    """
+    if space is None:
+        return {}, {}
+    if hasattr(space, "sample"):
+        specs = list(space.sample(1, 0))
+    elif hasattr(space, "trials"):
+        specs = list(space.trials())
+    else:
+        specs = list(space)
+    if not specs:
+        raise InvalidTrialError("the search space has no trials")
+    spec = specs[0]
+    return dict(spec.config), dict(spec.hp)
+
+
+def _check_scope(study: Any) -> str:
+    return f"check:{study.version}"
+
+
+def first_contact_check(study: Any, tuner: Any, out: Any) -> CheckReport | None:
+    """The check ``stagetree run`` does before tuning: once per trainer version and
+    storage (remembered in the storage's counters), :data:`QUICK_STEPS` steps of the
+    tuner's first trial with one split; a report that is not exact is printed to
+    ``out`` as a warning. Returns the report, None when nothing was checked."""
+    if study._engine_args[4] == "simulated":
+        return None
+    engine = study._engine
+    scope = _check_scope(study)
+    with engine.lock:
+        if engine.storage.stats(scope).get(_CHECKED):
+            return None
+    config, hp = first_trial(getattr(tuner, "space", None))
+    name = study.trainer.__name__
+    try:
+        report = check_trainer(study.trainer, config, hp, QUICK_STEPS, splits=(1,))
+    except TrainerError as exc:
+        print(f"stagetree: warning: could not check {name}: {exc}".rstrip(), file=out)
+        return None
+    with engine.lock:
+        engine.storage.add_stats(scope, **{_CHECKED: 1.0, "exact": float(report.exact)})
+    if not report.exact:
+        print(
+            f"stagetree: warning: {name} is not exact: trials that share stages will get "
+            "results that differ from training alone.\n"
+            + report.format()
+            + "\n(checked once per trainer version and storage; `stagetree check SCRIPT.py` "
+            "checks longer)",
+            file=out,
+        )
+    return report
+
+
+def check_script(
+    script: Any,
+    *,
+    steps: int = 4,
+    splits: Any = None,
+    out: Any = None,
+) -> CheckReport:
+    """``stagetree check``: check the trainer of the study a script defines.
+
+    The script is loaded as ``stagetree run`` loads it (nothing is trained or written
+    by loading; the study's storage is not opened). The trainer is the one of the
+    ``Study`` named ``study`` (or the only one); the trial checked is the first of the
+    space of the ``Tuner`` named ``tuner`` (or the only one), else of a space named
+    ``space``, else a trial without sequences and with an empty config.
+
+    Raises:
+        CommandError: no such script, or it defines no study.
+    """
+    import runpy
+    from pathlib import Path
+
+    from stagetree.cli import RUN_NAME, CommandError, _pick, _script_context
+    from stagetree.study import Study
+    from stagetree.tuners.base import Tuner
+
+    stream = sys.stdout if out is None else out
+    path = Path(script)
+    if not path.is_file():
+        raise CommandError(f"no such script: {script}")
+    studies: list[Any] = []
+    with _script_context(path) as keep:
+        try:
+            namespace = runpy.run_path(str(path), run_name=RUN_NAME)
+            keep(namespace)
+            studies = [v for v in namespace.values() if isinstance(v, Study)]
+            study = _pick(namespace, "study", Study, "study", str(script))
+            tuners = {id(v): v for v in namespace.values() if isinstance(v, Tuner)}
+            if "tuner" in namespace and isinstance(namespace["tuner"], Tuner):
+                space = getattr(namespace["tuner"], "space", None)
+            elif len(tuners) == 1:
+                space = getattr(next(iter(tuners.values())), "space", None)
+            else:
+                space = namespace.get("space")
+            config, hp = first_trial(space)
+            report = check_trainer(study.trainer, config, hp, steps, splits=splits)
+        finally:
+            for st in studies:
+                st.close()
+    print(report.format(), file=stream)
+    return report
