@@ -433,7 +433,14 @@ class Study:
         """Announce trials ``(config, hp)`` that will be submitted later (tuners that draw
         their configurations up front do this): their paths go into the plan up to the
         tuner's horizon, without requests, so that running batches checkpoint where they
-        will branch off and nothing is recomputed when they arrive."""
+        will branch off and nothing is recomputed when they arrive.
+
+        Raises:
+            InvalidTrialError: a trial with names the trainer does not apply.
+        """
+        trials = list(trials)
+        for _config, hp in trials:
+            check_hp_names(self.trainer, hp)
         if not self._horizon:
             return  # no horizon known: submissions insert all there is to know
         engine = self._engine

@@ -271,3 +271,30 @@ def test_cli_check_exit_codes(
     assert "global torch RNG" in out
     assert not (tmp_path / "chk.db").exists()  # checking writes nothing
     assert main(["check", str(tmp_path / "missing.py")]) == 2
+
+
+def test_run_warns_once_about_a_trainer_that_is_not_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    path = _script(tmp_path, False)
+    assert main(["run", str(path), "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "stagetree: warning: TinyTorch is not exact" in err
+    assert "global torch RNG" in err and "first difference at step 2" in err
+    assert "best mse" in out  # the run went on
+    # Checked once per trainer version and storage.
+    assert main(["run", str(path), "--no-progress"]) == 0
+    assert "not exact" not in capsys.readouterr().err
+
+
+def test_run_is_quiet_about_an_exact_trainer_and_can_skip_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    assert main(["run", str(_script(tmp_path, True)), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+    bad = _script(tmp_path, False)
+    bad.write_text(bad.read_text().replace('"chk"', '"chk2"').replace("chk.db", "chk2.db"))
+    assert main(["run", str(bad), "--no-progress", "--no-check"]) == 0
+    assert capsys.readouterr().err == ""
