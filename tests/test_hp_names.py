@@ -137,9 +137,8 @@ def test_grid_space_with_a_name_torch_trainer_does_not_apply(tmp_path: Path) -> 
     examples = pytest.importorskip("stagetree.torch.examples")
     space = GridSpace({"learning_rate": [Constant(0.1), Constant(0.05)]})
     tuner = GridSearch(space, metric="accuracy", steps=2)
-    with _study(tmp_path, examples.DigitsTrainer) as study:
-        with pytest.raises(InvalidTrialError) as info:
-            study.tune(tuner)
+    with _study(tmp_path, examples.DigitsTrainer) as study, pytest.raises(InvalidTrialError) as info:
+        study.tune(tuner)
     message = str(info.value)
     assert "'learning_rate' (did you mean 'lr'?)" in message
     assert "DigitsTrainer does not apply" in message
