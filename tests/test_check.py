@@ -236,7 +236,7 @@ def test_arguments() -> None:
 
 # --------------------------------------------------------------------------- CLI
 
-SCRIPT = '''
+SCRIPT = """
 import torch
 from stagetree import Study
 from stagetree.hp import Constant, MultiStep
@@ -247,7 +247,7 @@ from test_check import TinyTorch
 space = GridSpace({"lr": [MultiStep(0.1, [2], 0.5), Constant(0.05)]}, fixed={"rng": [RNG]})
 tuner = GridSearch(space, metric="mse", mode="min", steps=3)
 study = Study("chk", TinyTorch, storage=STORAGE, executor="inline")
-'''
+"""
 
 
 def _script(tmp_path: Path, rng: bool) -> Path:

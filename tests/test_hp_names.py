@@ -91,9 +91,7 @@ def test_accepted_names_follow_the_class_that_defines_setup() -> None:
 
     assert accepted_hyperparameters(NoSetup) == torch_trainer.hyperparameters
     assert accepted_hyperparameters(OwnSetup) is None
-    assert accepted_hyperparameters(OwnSetupDeclared) == torch_trainer.hyperparameters | {
-        "dropout"
-    }
+    assert accepted_hyperparameters(OwnSetupDeclared) == torch_trainer.hyperparameters | {"dropout"}
 
 
 def test_did_you_mean() -> None:
@@ -137,7 +135,8 @@ def test_grid_space_with_a_name_torch_trainer_does_not_apply(tmp_path: Path) -> 
     examples = pytest.importorskip("stagetree.torch.examples")
     space = GridSpace({"learning_rate": [Constant(0.1), Constant(0.05)]})
     tuner = GridSearch(space, metric="accuracy", steps=2)
-    with _study(tmp_path, examples.DigitsTrainer) as study, pytest.raises(InvalidTrialError) as info:
+    study = _study(tmp_path, examples.DigitsTrainer)
+    with study, pytest.raises(InvalidTrialError) as info:
         study.tune(tuner)
     message = str(info.value)
     assert "'learning_rate' (did you mean 'lr'?)" in message
