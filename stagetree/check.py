@@ -19,9 +19,9 @@ this process, on the CPU or wherever the trainer puts itself:
   process). The fresh instance gets every sequence value before its first step and
   only the changed ones afterwards, as a worker gives them.
 
-Metrics (``evaluate()`` and what ``train()`` returns) and ``state_dict()`` after every
-step must agree bit for bit between the runs. When they do not, the report names the
-first step that differs and, where it can tell, why:
+Metrics (``evaluate()``) and ``state_dict()`` after every step must agree bit for bit
+between the runs (what ``train()`` returns is not compared: it may hold timings). When
+they do not, the report names the first step that differs and, where it can tell, why:
 
 * a global RNG (torch / numpy / python) that ``train()`` draws from but that a restore
   does not bring back (neither the state nor ``load_state_dict`` restore it);
@@ -416,7 +416,6 @@ class _UserError(Exception):
 class _Trace:
     states: dict[int, Any] = field(default_factory=dict)
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    train_metrics: dict[int, Any] = field(default_factory=dict)
     rng_before: dict[int, dict[str, Any]] = field(default_factory=dict)
     train_draws: set[str] = field(default_factory=set)
     eval_draws: dict[str, int] = field(default_factory=dict)
@@ -471,10 +470,9 @@ class _Driver:
                 given.update(change)
                 self._call(trainer.setup, "setup()", t, change)
             trace.rng_before[t] = before = _capture()
-            out = self._call(trainer.train, "train()", t)
+            self._call(trainer.train, "train()", t)
             trace.train_draws |= _rng_changed(before, _capture())
             step = t + 1
-            trace.train_metrics[step] = dict(out) if isinstance(out, Mapping) else out
             trace.states[step] = self._state(trainer, step)
             if step in evaluate_at and step not in splits:
                 trace.metrics[step] = self._evaluate(trainer, trace, step, watch)
@@ -655,24 +653,14 @@ def _diverges(a: _Trace, b: _Trace, steps: int) -> bool:
     for step in range(1, steps + 1):
         if not _same_metrics(a.metrics.get(step), b.metrics.get(step)):
             return True
-        if not _same_train(a.train_metrics.get(step), b.train_metrics.get(step)):
-            return True
+    # What train() returns counts only with the state: it may hold a timing.
     return _first_state_divergence(a, b, steps) is not None
-
-
-def _same_train(a: Any, b: Any) -> bool:
-    """What two ``train()`` calls returned agrees (metrics bit for bit)."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return _same_metrics(a, b)
-    return _equal(a, b)
 
 
 def _first_metric_divergence(a: _Trace, b: _Trace, steps: int) -> int | None:
     for step in range(1, steps + 1):
         ma, mb = a.metrics.get(step), b.metrics.get(step)
         if ma is not None and mb is not None and not _same_metrics(ma, mb):
-            return step
-        if not _same_train(a.train_metrics.get(step), b.train_metrics.get(step)):
             return step
     return None
 
@@ -759,10 +747,6 @@ def _report(
         eval_first = found[0]
     if not _same_metrics(plain.metrics[steps], straight.metrics[steps]):
         eval_first = min(eval_first or steps, steps)
-    for step in range(1, steps + 1):
-        if not _same_train(plain.train_metrics.get(step), straight.train_metrics.get(step)):
-            eval_first = min(eval_first or step, step)
-            break
     if eval_first is not None:
         divergences.append(eval_first)
         causes = []
