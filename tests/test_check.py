@@ -214,6 +214,46 @@ def test_load_state_dict_that_forgets_a_key() -> None:
     ), report.format()
 
 
+class NumpyNoise(Counter):
+    """Draws from numpy's and python's global RNGs in train(); neither is in the state."""
+
+    def train(self) -> None:
+        source = self.config["source"]
+        noise = np.random.normal() if source == "numpy" else random.random()
+        self.w = self.w + self.lr * noise
+
+    def state_dict(self) -> Any:
+        return {"w": self.w.copy(), "lr": self.lr}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.w = state["w"]
+        self.lr = state["lr"]
+
+
+@pytest.mark.parametrize(("source", "label"), [("numpy", "numpy's"), ("python", "python's")])
+def test_other_global_rngs_are_named(source: str, label: str) -> None:
+    report = check_trainer(NumpyNoise, {"source": source}, {"lr": 0.5}, 3)
+    assert not report.exact and report.first_divergence == 2
+    rng = [f for f in report.findings if "a restore does not bring it back" in f]
+    assert len(rng) == 1 and label in rng[0], report.format()
+
+
+def test_unseeded_init_is_diagnosed() -> None:
+    class Unseeded(TinyTorch):
+        def __init__(self, config: Mapping[str, Any]) -> None:
+            Trainer.__init__(self, config)
+            self.x, self.y = torch.ones(16, 8), torch.zeros(16, 1)
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, 1))
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    report = check_trainer(Unseeded, {}, HP, 2)
+    assert not report.exact and report.first_divergence == 0
+    assert any(
+        f.startswith("__init__ is not deterministic") and "state['model']['0.weight']" in f
+        for f in report.findings
+    ), report.format()
+
+
 def test_evaluate_must_return_a_dict_of_numbers() -> None:
     for value in ([1.0], 0.5, None, np.zeros(2)):
 
@@ -271,6 +311,13 @@ def test_cli_check_exit_codes(
     assert "global torch RNG" in out
     assert not (tmp_path / "chk.db").exists()  # checking writes nothing
     assert main(["check", str(tmp_path / "missing.py")]) == 2
+    assert "no such script" in capsys.readouterr().err
+    # No tuner: the space named `space`; --splits picks the restores.
+    path = _script(tmp_path, False)
+    path.write_text(path.read_text().replace("tuner = ", "other = "))
+    assert main(["check", str(path), "--steps", "3", "--splits", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "split at steps 2 " in out and "first difference at step 3" in out
 
 
 def test_run_warns_once_about_a_trainer_that_is_not_exact(
