@@ -625,6 +625,8 @@ def check_trainer(
                 _restore_rng(start)
                 plain = driver.run({steps}, set(), perturb=False, watch=False)
                 _restore_rng(start)
+                again = driver.run({steps}, set(), perturb=False, watch=False)
+                _restore_rng(start)
                 straight = driver.run(everything, set(), perturb=False, watch=True)
                 _restore_rng(start)
                 split = driver.run(everything, set(split_steps), perturb=True, watch=False)
@@ -643,7 +645,11 @@ def check_trainer(
     finally:
         _restore_rng(outer)
     return _report(
-        trainer_cls.__name__, steps, split_steps, plain, straight, split, unperturbed, other
+        trainer_cls.__name__,
+        steps,
+        split_steps,
+        _Runs(plain, again, straight, split, unperturbed),
+        other,
     )
 
 
@@ -665,18 +671,41 @@ def _first_metric_divergence(a: _Trace, b: _Trace, steps: int) -> int | None:
     return None
 
 
-def _report(
-    name: str,
-    steps: int,
-    splits: tuple[int, ...],
-    plain: _Trace,
-    straight: _Trace,
-    split: _Trace,
-    unperturbed: _Trace | None,
-    other: Any,
-) -> CheckReport:
+@dataclass
+class _Runs:
+    plain: _Trace  # straight, evaluated at the end only
+    again: _Trace  # the same once more: is training deterministic at all?
+    straight: _Trace  # straight, evaluated after every step
+    split: _Trace  # split, other global RNGs at every restore
+    unperturbed: _Trace | None  # split, global RNGs left alone (when split diverged)
+
+
+def _report(name: str, steps: int, splits: tuple[int, ...], runs: _Runs, other: Any) -> CheckReport:
+    plain, straight, split, unperturbed = runs.plain, runs.straight, runs.split, runs.unperturbed
     findings: list[str] = []
     divergences: list[int] = []
+    everything = range(1, steps + 1)
+    noise = _first_state_divergence(plain, runs.again, steps)
+    if noise is not None or not _same_metrics(plain.metrics[steps], runs.again.metrics[steps]):
+        step, paths = noise if noise is not None else (steps, [])
+        where = f" at {_paths_text(paths)}" if paths else " in their metrics"
+        rows = [StepComparison(s, straight.metrics[s], split.metrics.get(s)) for s in everything]
+        return CheckReport(
+            trainer=name,
+            steps=steps,
+            splits=splits,
+            exact=False,
+            first_divergence=step,
+            findings=(
+                f"training is not deterministic: two identical straight runs in this process "
+                f"differ after step {step}{where}, so nothing else can be checked. Use "
+                "deterministic algorithms (stagetree.torch.deterministic(), "
+                "torch.use_deterministic_algorithms(True); on a GPU also "
+                "CUBLAS_WORKSPACE_CONFIG=:4096:8) and seed every generator from the config",
+                *dict.fromkeys(split.problems),
+            ),
+            comparisons=tuple(rows),
+        )
 
     # The split run against the straight run (both evaluated after every step).
     comparisons = []

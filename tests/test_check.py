@@ -254,6 +254,20 @@ def test_unseeded_init_is_diagnosed() -> None:
     ), report.format()
 
 
+def test_nondeterministic_training_is_reported_as_such() -> None:
+    class Entropy(Counter):
+        def train(self) -> None:
+            self.w = self.w + np.random.default_rng().normal(size=3)  # OS entropy
+
+        def state_dict(self) -> Any:
+            return {"w": self.w.copy()}
+
+    report = check_trainer(Entropy, {}, {"lr": 0.5}, 3)
+    assert not report.exact and report.first_divergence == 1
+    assert report.findings[0].startswith("training is not deterministic"), report.format()
+    assert "state['w']" in report.findings[0]
+
+
 def test_evaluate_must_return_a_dict_of_numbers() -> None:
     for value in ([1.0], 0.5, None, np.zeros(2)):
 
