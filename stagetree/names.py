@@ -266,11 +266,13 @@ class HpReadWatch:
             return
         HpReadWatch._reported.add(key)
         read = sorted(given & watch.read)
-        hints = [h for h in (did_you_mean(n, read) for n in unread) if h]
+        missing = sorted(str(n) for n in watch.read - given)  # asked for, not given
+        hints = [h for h in (did_you_mean(n, missing or read) for n in unread) if h]
+        asked = f"; it asked for {missing}, which no sequence gives" if missing else ""
         warnings.warn(
             f"stagetree: sequential hyper-parameter(s) {unread} reached "
             f"{cls.__qualname__}.setup() but were never read during the first step "
-            f"(it read {read})"
+            f"(it read {read}{asked})"
             + (f"; did you mean {', '.join(repr(h) for h in hints)}?" if hints else "")
             + ". A typo trains with the trainer's default value. Declare "
             f"`hyperparameters = {{...}}` on {cls.__qualname__} to have unknown names "

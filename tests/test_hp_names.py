@@ -157,13 +157,38 @@ def test_unread_sequence_of_a_plain_trainer_is_warned_once(tmp_path: Path) -> No
         study.run({"seed": 1}, {"lr": 0.1}, 2)  # another tree: another name set
 
 
-class BadEvaluate(Plain):
-    def evaluate(self) -> Any:
-        return [self.w]
+def test_a_typo_alone_is_warned_with_the_name_setup_asked_for(tmp_path: Path) -> None:
+    with _study(tmp_path, Plain) as study:  # setup: `if "lr" in hp`, so lrx is ignored
+        with pytest.warns(UnreadHyperparameterWarning) as record:
+            result = study.run({}, {"lrx": 0.5}, 2)
+    assert result.metrics["w"] == pytest.approx(0.02)  # trained with the default lr
+    message = str(record[0].message)
+    assert "['lrx']" in message and "it asked for ['lr']" in message
+    assert "did you mean 'lr'?" in message
 
 
-def test_evaluate_returning_a_list_fails_the_trial_clearly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [([1.0], "builtins.list"), (0.5, "builtins.float"), (None, "builtins.NoneType")],
+)
+def test_evaluate_returning_no_dict_fails_the_trial_clearly(
+    tmp_path: Path, value: Any, kind: str
+) -> None:
+    class BadEvaluate(Plain):
+        def evaluate(self) -> Any:
+            return value
+
     with _study(tmp_path, BadEvaluate) as study, pytest.raises(TrialFailedError) as info:
-        study.run({"seed": 1}, {"lr": 0.1}, 2)  # another tree: another name set
+        study.run({}, {"lr": 0.1}, 2)
     assert "BadEvaluate.evaluate() must return a dict of numbers" in str(info.value)
-    assert "got builtins.list" in str(info.value)
+    assert f"got {kind}" in str(info.value)
+
+
+def test_evaluate_with_a_metric_that_is_no_number(tmp_path: Path) -> None:
+    class BadMetric(Plain):
+        def evaluate(self) -> Any:
+            return {"w": "high"}
+
+    with _study(tmp_path, BadMetric) as study, pytest.raises(TrialFailedError) as info:
+        study.run({}, {"lr": 0.1}, 2)
+    assert "metric 'w' is str: 'high'" in str(info.value)
