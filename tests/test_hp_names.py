@@ -158,9 +158,9 @@ def test_unread_sequence_of_a_plain_trainer_is_warned_once(tmp_path: Path) -> No
 
 
 def test_a_typo_alone_is_warned_with_the_name_setup_asked_for(tmp_path: Path) -> None:
-    with _study(tmp_path, Plain) as study:  # setup: `if "lr" in hp`, so lrx is ignored
-        with pytest.warns(UnreadHyperparameterWarning) as record:
-            result = study.run({}, {"lrx": 0.5}, 2)
+    study = _study(tmp_path, Plain)  # setup: `if "lr" in hp`, so lrx is ignored
+    with study, pytest.warns(UnreadHyperparameterWarning) as record:
+        result = study.run({}, {"lrx": 0.5}, 2)
     assert result.metrics["w"] == pytest.approx(0.02)  # trained with the default lr
     message = str(record[0].message)
     assert "['lrx']" in message and "it asked for ['lr']" in message
