@@ -57,6 +57,7 @@ import numpy as np
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import CheckpointError, InvalidTrialError, TrainerError
 from stagetree.hp import as_sequence
+from stagetree.names import _ObservedHp, accepted_hyperparameters, check_hp_names
 from stagetree.trainer import Trainer
 from stagetree.worker import _same, evaluate_metrics, snapshot_state
 
@@ -124,6 +125,8 @@ class CheckReport:
             where a restore failed); None when exact.
         findings: human-readable diagnoses, the most specific first.
         comparisons: metrics per step, straight against split.
+        notes: warnings that do not bear on exactness (a sequence ``setup`` never
+            reads, for a trainer that does not declare its hyper-parameter names).
     """
 
     trainer: str
@@ -133,6 +136,7 @@ class CheckReport:
     first_divergence: int | None
     findings: tuple[str, ...]
     comparisons: tuple[StepComparison, ...] = field(default=())
+    notes: tuple[str, ...] = ()
 
     def format(self) -> str:
         """The report as ``stagetree check`` prints it."""
@@ -166,6 +170,9 @@ class CheckReport:
                 "results would differ from training alone:"
             )
             lines.extend(f"  - {f}" for f in self.findings)
+        if self.notes:
+            lines.append("Notes (not about exactness):")
+            lines.extend(f"  - {n}" for n in self.notes)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -422,6 +429,7 @@ class _Trace:
     eval_state: dict[str, int] = field(default_factory=dict)
     eval_attrs: dict[str, tuple[int, bool]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
     stopped: int | None = None
 
 
@@ -466,11 +474,16 @@ class _Driver:
                 given = {}
             values = self.values[t]
             change = {k: v for k, v in values.items() if k not in given or not _same(given[k], v)}
+            observed = None
             if change:
                 given.update(change)
+                if watch and t == 0 and accepted_hyperparameters(self.cls) is None:
+                    change = observed = _ObservedHp(change)
                 self._call(trainer.setup, "setup()", t, change)
             trace.rng_before[t] = before = _capture()
             self._call(trainer.train, "train()", t)
+            if observed is not None:
+                trace.unread = sorted(set(dict.keys(observed)) - observed.read)
             trace.train_draws |= _rng_changed(before, _capture())
             step = t + 1
             trace.states[step] = self._state(trainer, step)
@@ -614,6 +627,7 @@ def check_trainer(
     ):
         raise InvalidTrialError(f"splits must be steps in [1, {steps - 1}], got {splits!r}")
     seqs = {str(k): as_sequence(v) for k, v in hp.items()}
+    check_hp_names(trainer_cls, seqs)
     values = [{name: seq(t) for name, seq in seqs.items()} for t in range(steps)]
     everything = set(range(1, steps + 1))
     outer = _capture()
@@ -815,6 +829,12 @@ def _report(name: str, steps: int, splits: tuple[int, ...], runs: _Runs, other: 
             "torch.manual_seed(config['seed']), or draw from generators of your own)"
         )
     exact = not divergences and not findings
+    notes = []
+    if straight.unread:
+        notes.append(
+            f"sequential hyper-parameter(s) {straight.unread} reached {name}.setup() but "
+            "were never read in the first step: a typo trains with the default value"
+        )
     return CheckReport(
         trainer=name,
         steps=steps,
@@ -823,6 +843,7 @@ def _report(name: str, steps: int, splits: tuple[int, ...], runs: _Runs, other: 
         first_divergence=min(divergences) if divergences else None,
         findings=tuple(dict.fromkeys(findings)),
         comparisons=tuple(comparisons),
+        notes=tuple(notes),
     )
 
 

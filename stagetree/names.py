@@ -102,7 +102,7 @@ def accepted_hyperparameters(trainer: type) -> frozenset[str] | None:
         return None
     if isinstance(names, str):
         raise TypeError(
-            f"{trainer.__qualname__}.hyperparameters must be a collection of names, "
+            f"{trainer.__name__}.hyperparameters must be a collection of names, "
             f"not the string {names!r}"
         )
     return frozenset(str(n) for n in names)
@@ -126,7 +126,7 @@ def check_hp_names(trainer: type, names: Iterable[str], *, what: str = "trial") 
     for name in unknown:
         hint = did_you_mean(name, accepted)
         parts.append(f"{name!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
-    cls = trainer.__qualname__
+    cls = trainer.__name__
     raise InvalidTrialError(
         f"{what} has sequential hyper-parameter(s) {', '.join(parts)} that {cls} does not "
         f"apply; {cls} accepts {sorted(accepted)}. If your trainer reads other names, "
@@ -271,11 +271,11 @@ class HpReadWatch:
         asked = f"; it asked for {missing}, which no sequence gives" if missing else ""
         warnings.warn(
             f"stagetree: sequential hyper-parameter(s) {unread} reached "
-            f"{cls.__qualname__}.setup() but were never read during the first step "
+            f"{cls.__name__}.setup() but were never read during the first step "
             f"(it read {read}{asked})"
             + (f"; did you mean {', '.join(repr(h) for h in hints)}?" if hints else "")
             + ". A typo trains with the trainer's default value. Declare "
-            f"`hyperparameters = {{...}}` on {cls.__qualname__} to have unknown names "
+            f"`hyperparameters = {{...}}` on {cls.__name__} to have unknown names "
             "rejected before anything is trained.",
             UnreadHyperparameterWarning,
             stacklevel=2,

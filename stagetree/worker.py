@@ -517,7 +517,7 @@ def evaluate_metrics(trainer: Trainer) -> dict[str, float]:
         TrainerError: ``evaluate()`` returned something other than a mapping of numbers.
     """
     raw = trainer.evaluate()
-    name = f"{type(trainer).__qualname__}.evaluate()"
+    name = f"{type(trainer).__name__}.evaluate()"
     if not isinstance(raw, Mapping):
         raise TrainerError(
             f"{name} must return a dict of numbers (metric name -> value), "

@@ -279,6 +279,22 @@ def test_evaluate_must_return_a_dict_of_numbers() -> None:
             check_trainer(Bad, {"extra": 0}, {"lr": 0.5}, 2)
 
 
+def test_names_are_checked_and_unread_ones_noted() -> None:
+    class Declared(Counter):
+        hyperparameters = frozenset({"lr"})
+
+    with pytest.raises(ValueError, match="did you mean 'lr'"):
+        check_trainer(Declared, {"extra": 0}, {"lrx": 0.5}, 2)
+
+    class Lenient(Counter):
+        def setup(self, hp: Mapping[str, Any]) -> None:
+            self.lr = hp.get("lr", 0.1)
+
+    report = check_trainer(Lenient, {"extra": 0}, {"lrx": 0.5}, 2)
+    assert report.exact and report.findings == ()
+    assert "['lrx']" in report.notes[0] and "Notes" in report.format()
+
+
 def test_arguments() -> None:
     with pytest.raises(ValueError, match="steps"):
         check_trainer(Counter, {}, {"lr": 0.5}, 1)
