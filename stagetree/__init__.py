@@ -6,6 +6,7 @@ The public API is re-exported here; sequences live in :mod:`stagetree.hp`, tuner
 
 from __future__ import annotations
 
+from stagetree.check import CheckReport, check_trainer
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import (
     CheckpointError,
@@ -32,6 +33,7 @@ from stagetree.tuners.base import TrialResult
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckReport",
     "CheckpointError",
     "Choice",
     "Distribution",
@@ -59,6 +61,7 @@ __all__ = [
     "TunerError",
     "Uniform",
     "__version__",
+    "check_trainer",
     "kwise_merge_rate",
     "load_space_file",
     "merge_rate",

@@ -10,6 +10,7 @@ Subcommands:
 * ``stagetree status``: the studies of a storage: trials, best metric, steps executed,
   requested and unique, device-seconds spent and saved.
 * ``stagetree export``: every trial's metric history as CSV or JSON.
+* ``stagetree check SCRIPT.py``: is the script's trainer exact (:mod:`stagetree.check`)?
 
 Each subcommand is a function that adds its subparser (:data:`_SUBCOMMANDS`) and sets
 ``handler`` to a function ``(args) -> int``.
@@ -665,6 +666,7 @@ def run_script(
     storage: str | None = None,
     progress: bool = True,
     out: TextIO | None = None,
+    check: bool = True,
 ) -> int:
     """``stagetree run``: run the study a script defines with its tuner.
 
@@ -674,7 +676,9 @@ def run_script(
     ``$STAGETREE_STORAGE`` for the run). The study is the ``Study`` named ``study`` (or
     the only one), the tuner the ``Tuner`` named ``tuner`` (or the only one). The study
     is tuned with live progress, the report printed (:func:`report_study`) and every
-    study of the script closed, also on Ctrl-C.
+    study of the script closed, also on Ctrl-C. With ``check``, a trainer version the
+    storage has not seen is checked first (:func:`stagetree.check.first_contact_check`)
+    and a warning printed to stderr when it is not exact.
 
     Returns:
         0, or 130 when interrupted (the study is closed cleanly: a later run resumes).
@@ -711,6 +715,10 @@ def run_script(
                 )
                 study = _pick(namespace, "study", Study, "study", str(script))
                 tuner = _pick(namespace, "tuner", Tuner, "tuner", str(script))
+                if check:
+                    from stagetree.check import first_contact_check
+
+                    first_contact_check(study, tuner, sys.stderr)
                 display = (
                     ProgressDisplay(study, out=stream) if progress else contextlib.nullcontext()
                 )
@@ -742,7 +750,11 @@ def run_script(
 
 def _cmd_run(args: argparse.Namespace) -> int:
     return run_script(
-        args.script, workers=args.workers, storage=args.storage, progress=not args.no_progress
+        args.script,
+        workers=args.workers,
+        storage=args.storage,
+        progress=not args.no_progress,
+        check=not args.no_check,
     )
 
 
@@ -761,6 +773,11 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--storage", metavar="URL", help="plan storage URL (overrides the script)")
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="do not check a trainer new to the storage for exactness (stagetree check)",
+    )
     p.set_defaults(handler=_cmd_run)
 
 
@@ -1306,6 +1323,40 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 _SUBCOMMANDS.append(_add_simulate)
+
+
+def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``stagetree check SCRIPT.py``: is the script's trainer exact
+    (:func:`stagetree.check.check_script`)? Exit 0 when it is, 1 when not."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from stagetree.check import check_script
+
+        report = check_script(args.script, steps=args.steps, splits=args.splits)
+        return 0 if report.exact else 1
+
+    p = sub.add_parser(
+        "check",
+        help="check that the script's trainer is exact (shared stages = training alone)",
+        description="Load SCRIPT.py like `stagetree run` (nothing is trained on the study's "
+        "storage), train the first trial of its tuner's space for a few steps straight "
+        "through and split with checkpoint round-trips into fresh instances, and report "
+        "the first step where metrics or state differ and why. Exit status 0 when exact, "
+        "1 when not.",
+    )
+    p.add_argument("script", metavar="SCRIPT.py", help="file defining `study` (and `tuner`)")
+    p.add_argument("--steps", type=_positive, default=4, help="steps per run (4; at least 2)")
+    p.add_argument(
+        "--splits",
+        type=_positive,
+        nargs="+",
+        metavar="STEP",
+        help="steps to split at (default: every step)",
+    )
+    p.set_defaults(handler=handler)
+
+
+_SUBCOMMANDS.append(_add_check)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ from stagetree.exceptions import (
     TrialFailedError,
 )
 from stagetree.hp import Sequence, as_sequence, dumps_hp
+from stagetree.names import check_hp_names, check_space_names, names_mismatch
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.space import canonical_json
 from stagetree.trainer import Trainer
@@ -356,9 +357,10 @@ class Study:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
     def _normalise(
-        self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int
+        self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int, define: bool = True
     ) -> tuple[dict[str, Any], dict[str, Sequence]]:
-        _ = self._engine  # the names of the trials already stored count
+        """Checked copies of a trial's config and sequences; ``define``: the first trial
+        sets the study's names (queries, ``eval``/``state``, never do)."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise InvalidTrialError(f"steps must be a non-negative int, got {steps!r}")
         if not isinstance(config, Mapping) or not isinstance(hp, Mapping):
@@ -372,17 +374,17 @@ class Study:
                 f"config {cfg!r} cannot be a fixed configuration ({exc}): use finite numbers, "
                 "strings, booleans, None, and lists or dicts of those"
             ) from None
+        check_hp_names(self.trainer, seqs)
+        _ = self._engine  # the names of the study's stored trials
         names = (frozenset(cfg), frozenset(seqs))
         if self._names is None:
-            self._names = names
+            if define:
+                self._names = names
         elif names != self._names:
             want_c, want_h = self._names
             diff = []
             for label, have, want in (("config", names[0], want_c), ("hp", names[1], want_h)):
-                if have - want:
-                    diff.append(f"unexpected {label} names {sorted(have - want)}")
-                if want - have:
-                    diff.append(f"missing {label} names {sorted(want - have)}")
+                diff += names_mismatch(label, have, want)
             raise InvalidTrialError(f"trial does not match study {self.name!r}: " + "; ".join(diff))
         return cfg, seqs
 
@@ -487,7 +489,14 @@ class Study:
         """Announce trials ``(config, hp)`` that will be submitted later (tuners that draw
         their configurations up front do this): their paths go into the plan up to the
         tuner's horizon, without requests, so that running batches checkpoint where they
-        will branch off and nothing is recomputed when they arrive."""
+        will branch off and nothing is recomputed when they arrive.
+
+        Raises:
+            InvalidTrialError: a trial with names the trainer does not apply.
+        """
+        trials = list(trials)
+        for _config, hp in trials:
+            check_hp_names(self.trainer, hp)
         if not self._horizon:
             return  # no horizon known: submissions insert all there is to know
         engine = self._engine
@@ -506,8 +515,12 @@ class Study:
     def eval(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
     ) -> dict[str, float] | None:
-        """Known metrics of the trial after ``step`` steps, without training; else None."""
-        cfg, seqs = self._normalise(config, hp, step)
+        """Known metrics of the trial after ``step`` steps, without training; else None.
+
+        Raises:
+            InvalidTrialError: names the trainer or the study's trials do not have.
+        """
+        cfg, seqs = self._normalise(config, hp, step, define=False)
         with self._engine.lock:
             where = self._engine.storage.locate(self.root_key(cfg, seqs), seqs, step)
             if where is None:
@@ -520,8 +533,12 @@ class Study:
         """The trainer state (``Trainer.state_dict()``) of the trial after ``step``
         steps, loaded from its checkpoint; None when no checkpoint of that point exists
         (it was never reached, or evicted). Load it into ``trainer_cls(config)`` with
-        ``load_state_dict`` to get the trained model."""
-        cfg, seqs = self._normalise(config, hp, step)
+        ``load_state_dict`` to get the trained model.
+
+        Raises:
+            InvalidTrialError: names the trainer or the study's trials do not have.
+        """
+        cfg, seqs = self._normalise(config, hp, step, define=False)
         with self._engine.lock:
             where = self._engine.storage.locate(self.root_key(cfg, seqs), seqs, step)
             rec = self._engine.storage.checkpoint(*where) if where is not None else None
@@ -562,6 +579,7 @@ class Study:
         (:func:`~stagetree.executors.simulated.drive`), so the same study simulated
         twice takes the same decisions at the same virtual times.
         """
+        check_space_names(self.trainer, getattr(tuner, "space", None))
         runner = _StudyRunner(self)
         self._horizon = _tuner_horizon(tuner)
         self._meta = {"metric": tuner.metric, "mode": tuner.mode, "tuner": type(tuner).__name__}

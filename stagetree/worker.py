@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagetree.checkpoints import CheckpointStore, check_state
-from stagetree.exceptions import CheckpointError
+from stagetree.exceptions import CheckpointError, TrainerError
+from stagetree.names import HpReadWatch
 from stagetree.trainer import Trainer
 from stagetree.work import (
     Abort,
@@ -64,7 +65,7 @@ from stagetree.work import (
     WorkerEvent,
 )
 
-__all__ = ["Worker", "WorkerStats", "snapshot_state"]
+__all__ = ["Worker", "WorkerStats", "evaluate_metrics", "snapshot_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ class Worker:
         self._pending: list[Future[None]] = []
         # The first background write of the running batch that failed: (node, step, error).
         self._write_error: tuple[int, int, BaseException] | None = None
+        self._reads = HpReadWatch()  # names a fresh trainer's first setup() never reads
 
     # ------------------------------------------------------------------ public
 
@@ -259,8 +261,9 @@ class Worker:
                         change = changes.get(t)
                         if change is not None:
                             self._given.update(change)
-                            trainer.setup(change)
+                            trainer.setup(self._reads.wrap(trainer, change))
                         trainer.train()
+                        self._reads.after_step()
                         step = t + 1
                         steps_done += 1
                         since += 1
@@ -336,6 +339,7 @@ class Worker:
         self._config = config
         self._at = batch.start_at
         self._given = {}
+        self._reads.arm()
         return trainer
 
     @staticmethod
@@ -381,8 +385,7 @@ class Worker:
         if point.eval_node is not None and not point.eval_done:
             point.eval_done = True
             try:
-                raw = trainer.evaluate()
-                metrics = {str(k): float(v) for k, v in dict(raw).items()}
+                metrics = evaluate_metrics(trainer)
             except Exception as exc:
                 raise _Failed(point.eval_node, step, exc, phase="point") from exc
             self.emit(
@@ -535,6 +538,36 @@ def _checkpoint_name(root_key: str, node: int, step: int) -> str:
     # names unique across stores sharing a directory and across recomputations.
     digest = hashlib.sha1(root_key.encode()).hexdigest()[:8]
     return f"r{digest}-n{node}-s{step}-{secrets.token_hex(4)}"
+
+
+def evaluate_metrics(trainer: Trainer) -> dict[str, float]:
+    """``trainer.evaluate()`` as a dict of floats.
+
+    Raises:
+        TrainerError: ``evaluate()`` returned something other than a mapping of numbers.
+    """
+    raw = trainer.evaluate()
+    name = f"{type(trainer).__name__}.evaluate()"
+    if not isinstance(raw, Mapping):
+        raise TrainerError(
+            f"{name} must return a dict of numbers (metric name -> value), "
+            f"got {type(raw).__module__}.{type(raw).__qualname__}: {_short(raw)}"
+        )
+    metrics: dict[str, float] = {}
+    for key, value in raw.items():
+        try:
+            metrics[str(key)] = float(value)
+        except (TypeError, ValueError):
+            raise TrainerError(
+                f"{name} must return a dict of numbers, but metric {key!r} is "
+                f"{type(value).__qualname__}: {_short(value)}"
+            ) from None
+    return metrics
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def snapshot_state(state: Any) -> Any:
