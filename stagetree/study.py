@@ -123,6 +123,12 @@ class Study:
         max_retries: how often a failing stage is retried before its requests fail.
         threads_per_worker: torch/OpenMP threads per worker process (default: the
             machine's cores divided among the workers).
+        eval_every: learning curves: call ``evaluate()`` every ``eval_every`` steps as
+            well as at the requested steps (default 1: every step); 0 or None
+            evaluates at requested steps only. ``train()``'s metrics are recorded at
+            every step either way. Evaluation never changes training (exactness), only
+            its cost; it is an engine setting, so studies sharing an engine (same
+            storage and trainer in one process) use the first one's.
 
     Studies on the same storage with the same trainer in one process share one engine,
     so they share stages while they run; studies in other processes share everything
@@ -143,6 +149,7 @@ class Study:
         policy: str = "critical_path",
         max_retries: int = 0,
         threads_per_worker: int | None = None,
+        eval_every: int | None = 1,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"study name must be a non-empty string, got {name!r}")
@@ -152,6 +159,11 @@ class Study:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
         if checkpoint_budget is not None and checkpoint_budget < 0:
             raise ValueError(f"checkpoint_budget must be >= 0, got {checkpoint_budget!r}")
+        if eval_every is None:
+            eval_every = 0
+        if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
+            raise ValueError(f"eval_every must be a non-negative int or None, got {eval_every!r}")
+        self.eval_every = eval_every
         workers = _OVERRIDES.get("workers", workers)
         storage = _OVERRIDES.get("storage", storage)
         self.name = name
@@ -265,7 +277,9 @@ class Study:
                 f"executor must be 'local', 'inline', 'simulated' or a factory, got {executor!r}"
             )
 
-        engine = Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
+        engine = Engine(
+            plan, store, factory, policy, max_retries, checkpoint_budget, self.eval_every
+        )
         engine.temporary_checkpoints = temporary
         return engine
 
@@ -424,7 +438,9 @@ class Study:
     ) -> TrialResult:
         with self._engine.lock:
             history = self._engine.storage.metrics_along(self.root_key(cfg, seqs), seqs, steps)
-        return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=dict(metrics), history=history)
+        # What the plan holds at ``steps``: train() metrics of that step too.
+        metrics = {**history.get(steps, {}), **metrics}
+        return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=metrics, history=history)
 
     def declare(self, trials: Iterable[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> None:
         """Announce trials ``(config, hp)`` that will be submitted later (tuners that draw
