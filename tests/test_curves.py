@@ -1,0 +1,204 @@
+"""Learning curves: ``train()`` metrics at every step and ``evaluate()`` every
+``eval_every`` steps, in the plan, on ``TrialRecord.metrics``, ``TrialResult.history``,
+``export`` and the median stopping rule; exactness unchanged."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagetree import Study, Trainer
+from stagetree.cli import export
+from stagetree.exceptions import TrialFailedError
+from stagetree.hp import Constant, MultiStep
+from stagetree.space import GridSpace
+from stagetree.tuners import GridSearch, MedianStopping
+from stagetree.tuners.base import draw_specs
+
+
+class CurveTrainer(Trainer):
+    """A counter with a known curve: ``train_loss = 1 / t`` after the t-th step, score
+    ``lr``, and ``t`` (how many steps the evaluated model was trained)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.t = 0
+        self.lr = 0.0
+
+    def setup(self, hp: Mapping[str, Any]) -> None:
+        self.lr = float(hp.get("lr", self.lr))
+
+    def train(self) -> Any:
+        self.t += 1
+        bad = self.config.get("train_returns")
+        if bad is not None:
+            return [1.0] if bad == "list" else {"train_loss": "high"}
+        return {"train_loss": 1.0 / self.t}
+
+    def evaluate(self) -> dict[str, float]:
+        return {"score": self.lr, "t": float(self.t)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "lr": self.lr}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.t, self.lr = int(state["t"]), float(state["lr"])
+
+
+LRS = [Constant(1.0), MultiStep(1.0, [5], 0.5)]
+
+
+def make(tmp_path: Path, eval_every: int | None, name: str = "curves", **kw: Any) -> Study:
+    return Study(
+        name,
+        CurveTrainer,
+        storage=f"sqlite:///{tmp_path}/plan-{eval_every}.db",
+        executor="inline",
+        eval_every=eval_every,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("eval_every", "evaluated"),
+    [(1, set(range(1, 10))), (3, {3, 6, 9}), (0, {9}), (None, {9})],
+)
+def test_grid_records_train_metrics_every_step_and_evaluates_every_eval_every(
+    tmp_path: Path, eval_every: int | None, evaluated: set[int]
+) -> None:
+    steps = 9
+    space = GridSpace({"lr": LRS})
+    with make(tmp_path, eval_every) as study:
+        best = study.tune(GridSearch(space, "score", steps=steps))
+        assert best is not None
+        records = study.trials()
+        stats = study.stats()
+        result = study.run({}, {"lr": LRS[1]}, steps)  # known: answered from the plan
+    assert stats["steps_unique"] == 9 + 4
+    assert len(records) == 2
+    for rec in records:
+        assert sorted(rec.metrics) == list(range(1, steps + 1))
+        for s, m in rec.metrics.items():
+            assert m["train_loss"] == 1.0 / s
+            assert ("score" in m) == (s in evaluated), (s, m)
+            if "t" in m:
+                assert m["t"] == s  # evaluated after exactly s train() calls
+        lr = rec.hp["lr"]
+        assert rec.metrics[steps]["score"] == lr(steps - 1)
+    for history in (best.history, result.history):
+        assert sorted(history) == list(range(1, steps + 1))
+        assert {s for s, m in history.items() if "score" in m} == evaluated
+    # The result at the requested step holds train() metrics too, as the plan does.
+    assert result.metrics == {"train_loss": 1.0 / steps, "score": 0.5, "t": 9.0}
+    assert best.metrics == {"train_loss": 1.0 / steps, "score": 1.0, "t": 9.0}
+
+    # export: one CSV row per (trial, step).
+    out = io.StringIO()
+    export(f"sqlite:///{tmp_path}/plan-{eval_every}.db", "curves", "csv", out)
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert len(rows) == 2 * steps
+    for row in rows:
+        s = int(row["step"])
+        assert float(row["metric.train_loss"]) == 1.0 / s
+        assert (row["metric.score"] != "") == (s in evaluated)
+
+
+def test_only_evaluated_steps_answer_requests(tmp_path: Path) -> None:
+    """A step with train() metrics only is on the curve but is no result: asking for it
+    trains (from a checkpoint) and evaluates; an evaluated step answers at once."""
+    with make(tmp_path, 3) as study:
+        study.run({}, {"lr": LRS[0]}, 9)
+        executed = study.stats()["steps_executed"]
+        assert study.eval({}, {"lr": LRS[0]}, 4) is None
+        assert study.eval({}, {"lr": LRS[0]}, 6) == {"train_loss": 1 / 6, "score": 1.0, "t": 6.0}
+        six = study.run({}, {"lr": LRS[0]}, 6)
+        assert study.stats()["steps_executed"] == executed  # answered from the curve
+        assert six.metrics["t"] == 6.0
+        four = study.run({}, {"lr": LRS[0]}, 4)
+        assert four.metrics == {"train_loss": 0.25, "score": 1.0, "t": 4.0}
+
+
+@pytest.mark.parametrize(
+    ("returns", "message"),
+    [
+        ("list", "train() must return None or a dict of numbers, got list"),
+        ("text", "train() must return None or a dict of numbers; 'train_loss' is str"),
+    ],
+)
+def test_train_returning_a_non_dict_fails_the_trial(
+    tmp_path: Path, returns: str, message: str
+) -> None:
+    with make(tmp_path, 1) as study, pytest.raises(TrialFailedError) as info:
+        study.run({"train_returns": returns}, {"lr": LRS[0]}, 3)
+    assert "TypeError" in str(info.value) and message in str(info.value)
+
+
+def test_train_returning_none_records_nothing(tmp_path: Path) -> None:
+    class Quiet(CurveTrainer):
+        def train(self) -> None:
+            super().train()
+
+    with Study("quiet", Quiet, storage="memory://", executor="inline", eval_every=0) as study:
+        study.run({}, {"lr": LRS[0]}, 4)
+        (rec,) = study.trials()
+    assert sorted(rec.metrics) == [4]
+
+
+def test_eval_every_is_checked(tmp_path: Path) -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="eval_every"):
+            Study("x", CurveTrainer, storage="memory://", eval_every=bad)  # type: ignore[arg-type]
+
+
+class NoisyTrainer(CurveTrainer):
+    """Trials ``k < 4`` score 0.9 with a dip to 0.3 at every 10th step; ``k == 4``
+    scores 0.5 at every step (clearly worse on average)."""
+
+    def evaluate(self) -> dict[str, float]:
+        good = self.config["k"] < 4
+        score = (0.3 if self.t % 10 == 0 else 0.9) if good else 0.5
+        return {"score": score}
+
+
+def _median_run(tmp_path: Path, eval_every: int) -> tuple[MedianStopping, list[int]]:
+    space = GridSpace({"lr": [Constant(1.0)]}, fixed={"k": [0, 1, 2, 3, 4]})
+    # One trial at a time; pick an order where the worse trial comes after the others.
+    seed = next(
+        s for s in range(100) if draw_specs(space, 5, s, shuffle_grid=True)[-1].config["k"] == 4
+    )
+    tuner = MedianStopping(
+        space,
+        "score",
+        steps=20,
+        num_trials=5,
+        eval_every=10,
+        min_samples=3,
+        seed=seed,
+        max_concurrent=1,
+    )
+    with Study(
+        "median",
+        NoisyTrainer,
+        storage=f"sqlite:///{tmp_path}/median-{eval_every}.db",
+        executor="inline",
+        eval_every=eval_every,
+    ) as study:
+        study.tune(tuner)
+        worse = [t.id for t in tuner.trials.values() if t.config["k"] == 4]
+    return tuner, worse
+
+
+def test_median_stopping_uses_the_per_step_curves(tmp_path: Path) -> None:
+    # With curves, the good trials' running averages (0.9 at 9 of 10 steps) beat the
+    # worse trial's 0.5: it stops at its first check, step 10 of 20.
+    tuner, worse = _median_run(tmp_path, eval_every=1)
+    assert tuner.stopped == [(worse[0], 10)]
+    # Evaluated at chunk ends only, the good trials look like 0.3 there (their dip):
+    # the worse trial is not found out.
+    tuner, worse = _median_run(tmp_path, eval_every=0)
+    assert tuner.stopped == []
