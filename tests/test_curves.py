@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 from collections.abc import Mapping
@@ -15,10 +16,10 @@ import pytest
 from stagetree import Study, Trainer
 from stagetree.cli import export
 from stagetree.exceptions import TrialFailedError
-from stagetree.hp import Constant, MultiStep
+from stagetree.hp import Constant, MultiStep, Piecewise
 from stagetree.space import GridSpace
 from stagetree.tuners import GridSearch, MedianStopping
-from stagetree.tuners.base import draw_specs
+from stagetree.tuners.base import TrialResult, draw_specs
 
 
 class CurveTrainer(Trainer):
@@ -202,3 +203,51 @@ def test_median_stopping_uses_the_per_step_curves(tmp_path: Path) -> None:
     # the worse trial is not found out.
     tuner, worse = _median_run(tmp_path, eval_every=0)
     assert tuner.stopped == []
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_evaluating_every_step_changes_nothing_bit_for_bit(tmp_path: Path) -> None:
+    """Real PyTorch (dropout, momentum, a mid-run batch-size change): the same trials
+    with eval_every=1 and eval_every=0 end with identical weights, optimizer and RNG
+    states, and identical metrics at the requested steps."""
+    pytest.importorskip("torch")
+    from test_exactness import assert_same_state
+
+    from stagetree.torch.examples import DigitsTrainer
+
+    config = {"hidden": 16, "dropout": 0.3, "optimizer": "momentum", "batches_per_step": 2}
+    trials = [
+        {"lr": Constant(0.05), "batch_size": Constant(32)},
+        {"lr": MultiStep(0.05, [3], 0.1), "batch_size": Constant(32)},
+        {"lr": MultiStep(0.05, [3], 0.1), "batch_size": Piecewise([32, 48], [4])},
+    ]
+    steps = 6
+    runs = []
+    for eval_every in (1, 0):
+        with Study(
+            f"exact-{eval_every}",
+            DigitsTrainer,
+            storage=f"sqlite:///{tmp_path}/torch-{eval_every}.db",
+            workers=1,
+            threads_per_worker=1,
+            eval_every=eval_every,
+        ) as study:
+
+            async def main(study: Study = study) -> list[TrialResult]:
+                return await asyncio.gather(*(study.submit(config, hp, steps) for hp in trials))
+
+            results = asyncio.run(main())
+            states = [study.state(config, hp, steps) for hp in trials]
+            assert study.stats()["steps_executed"] == 6 + 3 + 2  # shared as always
+        runs.append((results, states))
+    (every, every_states), (ends, end_states) = runs
+    for i, (a, b) in enumerate(zip(every, ends)):
+        assert a.metrics == b.metrics, f"trial {i}"
+        assert set(a.history) == set(b.history) == set(range(1, steps + 1))
+        for s in a.history:  # train() metrics agree at every step
+            assert a.history[s]["train_loss"] == b.history[s]["train_loss"]
+        assert all("accuracy" in m for m in a.history.values())
+        assert [s for s, m in b.history.items() if "accuracy" in m] == [steps]
+        assert every_states[i] is not None and end_states[i] is not None
+        assert_same_state(every_states[i], end_states[i], f"trial{i}")
