@@ -486,6 +486,9 @@ def test_put_metrics_many_records_a_learning_curve(backend: Backend) -> None:
     plan.put_metrics_many([(root, 2, {"train_loss": 0.95}, False)])
     assert plan.get_metrics(root, 3) == {"train_loss": 0.8, "acc": 0.3}
     assert plan.get_metrics(root, 2) == {"train_loss": 0.95, "acc": 0.2}
+    # One key twice in one call: merged in order.
+    plan.put_metrics_many([(child, 6, {"a": 1.0}, False), (child, 6, {"a": 2.0, "b": 3.0}, True)])
+    assert plan.get_metrics(child, 6) == {"a": 2.0, "b": 3.0}
     if backend.reopen is not None:
         again = backend.reopen()
         assert again.metrics_along(R, decay, 6) == plan.metrics_along(R, decay, 6)

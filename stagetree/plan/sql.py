@@ -592,27 +592,48 @@ class SQLPlanStorage(BasePlanStorage):
         if not checked:
             return
         with self._tx(write=True) as conn:
+            spans: dict[int, tuple[int, int]] = {}
             roots: dict[int, str] = {}
             for node, step, _values, _evaluated in checked:
                 n = self._node(conn, node)
                 check_canonical(n, step)
                 roots[node] = n.root_key
-            for node, step, values, evaluated in checked:
-                key = (_metrics.c.node == node) & (_metrics.c.step == step)
-                old = conn.execute(select(_metrics.c.data).where(key)).scalar_one_or_none()
-                data = merge_metrics(None if old is None else _codec.loads(old), values, evaluated)
-                if old is None:
-                    conn.execute(
-                        _metrics.insert(),
-                        {
-                            "node": node,
-                            "step": step,
-                            "root_key": roots[node],
-                            "data": _codec.dumps(data),
-                        },
+                lo, hi = spans.get(node, (step, step))
+                spans[node] = (min(lo, step), max(hi, step))
+            # What is stored already, one query per node (a curve spans few nodes).
+            stored: dict[tuple[int, int], dict[str, float]] = {}
+            for node, (lo, hi) in spans.items():
+                rows = conn.execute(
+                    select(_metrics.c.step, _metrics.c.data).where(
+                        (_metrics.c.node == node) & _metrics.c.step.between(lo, hi)
                     )
-                else:
-                    conn.execute(_metrics.update().where(key).values(data=_codec.dumps(data)))
+                )
+                for row in rows:
+                    stored[(node, row.step)] = _codec.loads(row.data)
+            merged: dict[tuple[int, int], dict[str, float]] = {}
+            for node, step, values, evaluated in checked:
+                key = (node, step)
+                old = merged.get(key, stored.get(key))
+                merged[key] = merge_metrics(old, values, evaluated)
+            new = [
+                {
+                    "node": key[0],
+                    "step": key[1],
+                    "root_key": roots[key[0]],
+                    "data": _codec.dumps(data),
+                }
+                for key, data in merged.items()
+                if key not in stored
+            ]
+            if new:
+                conn.execute(_metrics.insert(), new)
+            for key, data in merged.items():
+                if key in stored:
+                    conn.execute(
+                        _metrics.update()
+                        .where((_metrics.c.node == key[0]) & (_metrics.c.step == key[1]))
+                        .values(data=_codec.dumps(data))
+                    )
 
     def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
         with self._tx(write=False) as conn:
