@@ -251,3 +251,88 @@ def test_evaluating_every_step_changes_nothing_bit_for_bit(tmp_path: Path) -> No
         assert [s for s, m in b.history.items() if "accuracy" in m] == [steps]
         assert every_states[i] is not None and end_states[i] is not None
         assert_same_state(every_states[i], end_states[i], f"trial{i}")
+
+
+def _worker_events(tmp_path: Path, batch: Any, trainer: type[Trainer] = CurveTrainer) -> list[Any]:
+    from stagetree.checkpoints import CheckpointStore
+    from stagetree.worker import Worker
+
+    events: list[Any] = []
+    worker = Worker(0, trainer, CheckpointStore(tmp_path / trainer.__name__), events.append)
+    try:
+        worker.run(batch)
+    finally:
+        worker.close()
+    return events
+
+
+def test_worker_sends_the_curve_before_the_metrics_and_the_terminal_event(
+    tmp_path: Path,
+) -> None:
+    from stagetree.work import (
+        BatchDone,
+        BatchFailed,
+        CheckpointSaved,
+        CurveReported,
+        MetricsReported,
+        RunBatch,
+        Segment,
+    )
+
+    def batch(config: Mapping[str, Any]) -> RunBatch:
+        return RunBatch(
+            1,
+            0,
+            "root",
+            config,
+            0,
+            None,
+            None,
+            (Segment(1, 0, 3, {"lr": Constant(1.0)}), Segment(2, 3, 6, {"lr": Constant(0.5)})),
+            evaluate_at=((1, 3), (2, 5)),
+            checkpoint_at=((1, 3),),
+            eval_every=2,
+        )
+
+    events = _worker_events(tmp_path, batch({}))
+    kinds = [type(e) for e in events if not isinstance(e, CheckpointSaved)]
+    assert kinds[-1] is BatchDone
+    points = [p for e in events if isinstance(e, CurveReported) for p in e.points]
+    # Canonical keys: steps 1..3 on node 1, 4..6 on node 2; evaluated at 2, 4, 6
+    # (eval_every) and 3, 5 (requested).
+    assert [(n, s, ev) for n, s, _m, ev in points] == [
+        (1, 1, False),
+        (1, 2, True),
+        (1, 3, True),
+        (2, 4, True),
+        (2, 5, True),
+        (2, 6, True),
+    ]
+    assert points[0][2] == {"train_loss": 1.0}
+    assert points[4][2] == {"train_loss": 0.2, "score": 0.5, "t": 5.0}
+    # Each requested point's curve reaches the plan before its MetricsReported.
+    for key in ((1, 3), (2, 5)):
+        (metrics_at,) = [
+            i
+            for i, e in enumerate(events)
+            if isinstance(e, MetricsReported) and (e.node, e.step) == key
+        ]
+        curve_at = [
+            i
+            for i, e in enumerate(events)
+            if isinstance(e, CurveReported) and any((n, s) == key for n, s, _m, _e in e.points)
+        ]
+        assert curve_at and curve_at[0] < metrics_at
+        assert events[metrics_at].metrics == {"score": 1.0 if key[0] == 1 else 0.5, "t": key[1]}
+
+    # A trainer failing after step 2: the curve up to there is sent before BatchFailed.
+    class FailsAtThree(CurveTrainer):
+        def train(self) -> Any:
+            if self.t == 3:
+                raise RuntimeError("boom")
+            return super().train()
+
+    events = _worker_events(tmp_path, batch({}), FailsAtThree)
+    assert isinstance(events[-1], BatchFailed)
+    points = [p[:2] for e in events if isinstance(e, CurveReported) for p in e.points]
+    assert points == [(1, 1), (1, 2), (1, 3)]
