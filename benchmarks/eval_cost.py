@@ -13,6 +13,11 @@ run alternately, ``--repeats`` times each, on fresh storages; the table gives me
   training, evaluation, checkpoint capture and loads);
 * ``curve points``: steps with ``evaluate()`` metrics over all trials' curves.
 
+A second table times ``train()`` and ``evaluate()`` of the demo's trainer in this
+process, interleaved (one thread, median per call): their ratio is what evaluating
+every step adds to each step, and it is far less sensitive to a busy machine than the
+end-to-end runs.
+
 Run: ``.venv/bin/python benchmarks/eval_cost.py [--workers 2] [--repeats 3]``.
 """
 
@@ -45,21 +50,21 @@ def demo() -> Any:
 
 def run_once(eval_every: int, workers: int) -> dict[str, float]:
     mod = demo()
-    with tempfile.TemporaryDirectory() as tmp:
-        with Study(
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Study(
             f"eval-cost-{eval_every}",
             DigitsTrainer,
             storage=f"sqlite:///{tmp}/plan.db",
             workers=workers,
             eval_every=eval_every,
-        ) as study:
-            begin = time.perf_counter()
-            study.tune(GridSearch(mod.space, "accuracy", steps=mod.MAX_STEPS))
-            wall = time.perf_counter() - begin
-            stats = study.stats()
-            points = sum(
-                1 for t in study.trials() for m in t.metrics.values() if "accuracy" in m
-            )
+        ) as study,
+    ):
+        begin = time.perf_counter()
+        study.tune(GridSearch(mod.space, "accuracy", steps=mod.MAX_STEPS))
+        wall = time.perf_counter() - begin
+        stats = study.stats()
+        points = sum(1 for t in study.trials() for m in t.metrics.values() if "accuracy" in m)
     return {
         "wall": wall,
         "device": stats["device_seconds"],
@@ -68,11 +73,38 @@ def run_once(eval_every: int, workers: int) -> dict[str, float]:
     }
 
 
+def per_call(steps: int) -> tuple[float, float]:
+    """Median seconds of one ``train()`` and one ``evaluate()`` of the demo trainer."""
+    from stagetree.torch import deterministic
+
+    mod = demo()
+    spec = next(iter(mod.space))
+    config, hp = spec.config, spec.hp
+    train: list[float] = []
+    evaluate: list[float] = []
+    with deterministic(threads=1):
+        trainer = DigitsTrainer(config)
+        trainer.setup({name: seq(0) for name, seq in hp.items()})
+        for _ in range(steps):
+            begin = time.perf_counter()
+            trainer.train()
+            middle = time.perf_counter()
+            trainer.evaluate()
+            train.append(middle - begin)
+            evaluate.append(time.perf_counter() - middle)
+    t, e = median(train), median(evaluate)
+    assert t is not None and e is not None
+    return t, e
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=50, help="steps of the per-call timing")
     args = parser.parse_args()
+
+    train_s, eval_s = per_call(args.calls)
 
     runs: dict[int, list[dict[str, float]]] = {1: [], 0: []}
     for i in range(args.repeats):
@@ -117,6 +149,15 @@ def main() -> None:
         f"evaluating every step: wall {fmt(100 * extra_wall, 1)} %, "
         f"device-seconds {fmt(100 * extra_device, 1)} %"
     )
+    print()
+    print(
+        markdown_table(
+            ["one call (demo trainer, 1 thread)", "ms"],
+            [["train() (8 minibatches of 64)", 1000 * train_s], ["evaluate()", 1000 * eval_s]],
+        )
+    )
+    print()
+    print(f"evaluate() / train(): {fmt(100 * eval_s / train_s, 1)} %")
 
 
 if __name__ == "__main__":
