@@ -80,7 +80,9 @@ class TrialRecord:
         hp: sequences by name.
         steps: the most steps requested for this trial so far.
         state: ``pending`` | ``running`` | ``done`` | ``failed`` | ``cancelled``.
-        metrics: every known metric on the trial's path, by step.
+        metrics: every known metric on the trial's path, by step: its learning curve
+            (``train()``'s metrics at every step, ``evaluate()``'s every ``eval_every``
+            steps and at the requested ones).
     """
 
     id: int
