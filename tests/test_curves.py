@@ -238,8 +238,9 @@ def test_evaluating_every_step_changes_nothing_bit_for_bit(tmp_path: Path) -> No
                 return await asyncio.gather(*(study.submit(config, hp, steps) for hp in trials))
 
             results = asyncio.run(main())
-            states = [study.state(config, hp, steps) for hp in trials]
+            # stats() first: it waits for the batches' background checkpoint writes.
             assert study.stats()["steps_executed"] == 6 + 3 + 2  # shared as always
+            states = [study.state(config, hp, steps) for hp in trials]
         runs.append((results, states))
     (every, every_states), (ends, end_states) = runs
     for i, (a, b) in enumerate(zip(every, ends)):
