@@ -337,3 +337,23 @@ def test_worker_sends_the_curve_before_the_metrics_and_the_terminal_event(
     assert isinstance(events[-1], BatchFailed)
     points = [p[:2] for e in events if isinstance(e, CurveReported) for p in e.points]
     assert points == [(1, 1), (1, 2), (1, 3)]
+
+
+def test_scheduler_passes_eval_every_and_never_resolves_a_request_from_a_curve() -> None:
+    from test_scheduler import CONST, Harness
+
+    from stagetree.scheduler import RequestDone
+    from stagetree.work import CurveReported, MetricsReported, RunBatch
+
+    with pytest.raises(ValueError, match="eval_every"):
+        Harness(eval_every=-1)
+    h = Harness(eval_every=3)
+    (key, out) = h.trial(CONST, 10)
+    (batch,) = [x for x in out if isinstance(x, RunBatch)]
+    assert batch.eval_every == 3 and key in batch.evaluate_at
+    # Even a curve point evaluated at the request's own key resolves nothing ...
+    point = (key[0], key[1], {"score": 1.0}, True)
+    assert h(CurveReported(batch.batch_id, 0, (point,))) == []
+    # ... MetricsReported does.
+    done = h(MetricsReported(batch.batch_id, 0, key[0], key[1], {"score": 1.0}))
+    assert done == [RequestDone(key[0], key[1], {"score": 1.0})]
