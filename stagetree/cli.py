@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree import __version__
 from stagetree.exceptions import InvalidSpaceError, StagetreeError, StorageError
+from stagetree.identity import split_trials
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
@@ -59,6 +60,7 @@ __all__ = [
     "export",
     "export_records",
     "export_table",
+    "hidden_trials",
     "main",
     "open_existing_storage",
     "plan_trials",
@@ -740,6 +742,7 @@ class StudyStatus:
         numbers: :func:`accounting` of the study, or None when the storage counts
             executed steps and device-seconds only for all its studies together (see
             :class:`StorageStatus`).
+        hidden: trials of other (older) trainer versions, not counted above.
     """
 
     name: str
@@ -757,6 +760,7 @@ class StudyStatus:
     steps_requested: int
     steps_unique: int
     numbers: dict[str, float] | None
+    hidden: int = 0
 
 
 @dataclass
@@ -821,7 +825,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
     """
     record = _study_record(storage, name)
     meta = record.get("meta") or {}
-    trials = storage.trials(name)
+    trials, hidden = split_trials(storage.trials(name), meta)  # the latest trainer version
     states = [t["state"] for t in trials]
     finals = _final_step_metrics(storage, trials)
     metric = meta.get("metric") if isinstance(meta.get("metric"), str) else None
@@ -843,7 +847,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
             key = (steps, value if mode == "max" else -value, -tid)
             if best is None or key > best:
                 best = key
-    summary = summarize(storage, study=name)
+    summary = summarize(storage, root_keys={t["root_key"] for t in trials}, study=name)
     own = storage.stats(name)
     acct: Mapping[str, float] | None = own if "steps_executed" in own else None
     if acct is None and len(storage.studies()) == 1:
@@ -874,6 +878,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
         steps_requested=summary.total_steps,
         steps_unique=summary.unique_steps,
         numbers=numbers,
+        hidden=hidden,
     )
 
 
@@ -908,6 +913,8 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
             f"{st.trials} ({st.finished} finished, {st.running} running, {st.failed} failed)",
         )
     ]
+    if st.hidden:
+        rows.append(("older trainers", f"{st.hidden} trials hidden (the trainer changed since)"))
     if st.metric is None:
         rows.append(("best", "no metrics yet"))
     elif st.best is None:
@@ -1020,7 +1027,8 @@ def _json_number(value: float) -> float | str:
 
 
 def export_records(storage: BasePlanStorage, study: str | None = None) -> list[dict[str, Any]]:
-    """Every trial with its metric history, as JSON-able dicts.
+    """Every trial with its metric history, as JSON-able dicts: per study, the trials
+    of its latest trainer version (:func:`hidden_trials` counts the others).
 
     Each dict: ``study``, ``trial`` (id), ``config``, ``hp`` (sequences as JSON),
     ``steps``, ``state`` and ``history``: ``[{"step": s, "metrics": {...}}, ...]`` in
@@ -1036,8 +1044,9 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
             raise CommandError(f"no study {study!r} in the storage (studies: {known})")
         names = [study]
     out: list[dict[str, Any]] = []
+    metas = {s["name"]: s.get("meta") or {} for s in storage.studies()}
     for name in names:
-        for t in storage.trials(name):
+        for t in split_trials(storage.trials(name), metas.get(name))[0]:
             history = (
                 storage.metrics_along(t["root_key"], t["hp"], t["steps"])
                 if t.get("node") is not None
@@ -1058,6 +1067,15 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
                 }
             )
     return out
+
+
+def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
+    """Trials of older trainer versions, which :func:`export_records` leaves out."""
+    return sum(
+        split_trials(storage.trials(s["name"]), s.get("meta"))[1]
+        for s in storage.studies()
+        if study is None or s["name"] == study
+    )
 
 
 def _cell(value: Any) -> Any:
@@ -1128,8 +1146,11 @@ def export(
     storage = open_existing_storage(default_storage() if url is None else url)
     try:
         records = export_records(storage, study)
+        hidden = hidden_trials(storage, study)
     finally:
         storage.close()
+    if hidden:
+        print(f"{hidden} trials of older trainer versions not exported", file=sys.stderr)
     if fmt == "json":
         json.dump(records, stream, indent=2, allow_nan=False)
         stream.write("\n")

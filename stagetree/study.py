@@ -15,7 +15,6 @@ import concurrent.futures
 import hashlib
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Iterable, Mapping
@@ -23,12 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stagetree import _versions
 from stagetree.engine import Engine, Waiter, default_checkpoint_dir, root_scope
 from stagetree.exceptions import (
     InvalidTrialError,
     StagetreeError,
 )
 from stagetree.hp import Sequence, as_sequence, dumps_hp
+from stagetree.identity import trainer_fingerprint
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.space import canonical_json
 from stagetree.trainer import Trainer
@@ -42,32 +43,6 @@ __all__ = ["Study", "TrialRecord", "trainer_fingerprint"]
 # Command-line overrides (``stagetree run --workers N --storage URL``): the CLI sets them
 # before it runs a script, and every Study built by that script honours them.
 _OVERRIDES: dict[str, Any] = {}
-
-
-def trainer_fingerprint(trainer: type[Trainer]) -> str:
-    """A short hash of the source of ``trainer``: the files that define it and the classes
-    it derives from (up to :class:`Trainer`), so that editing the trainer never silently
-    reuses old checkpoints. Falls back to the class's qualified name when no source can
-    be read (e.g. classes typed into a REPL)."""
-    files: set[str] = set()
-    for cls in trainer.__mro__:
-        if cls is Trainer or cls is object:
-            continue
-        module = sys.modules.get(cls.__module__)
-        path = getattr(module, "__file__", None)
-        if path:
-            files.add(path)
-        for attr in vars(cls).values():  # also finds classes run from a path (runpy)
-            code = getattr(getattr(attr, "__func__", attr), "__code__", None)
-            if code is not None and os.path.exists(code.co_filename):
-                files.add(code.co_filename)
-    digest = hashlib.sha256(f"{trainer.__module__}.{trainer.__qualname__}".encode())
-    for path in sorted(files):
-        try:
-            digest.update(Path(path).read_bytes())
-        except OSError:
-            digest.update(path.encode())
-    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -114,7 +89,8 @@ class Study:
         checkpoint_dir: where checkpoints go (default: beside the SQLite file, a
             temporary directory otherwise).
         checkpoint_budget: bytes the checkpoint store may hold (None: unlimited).
-        version: overrides the trainer's source fingerprint in the root key.
+        version: overrides the trainer's code fingerprint in the root key
+            (:func:`~stagetree.identity.trainer_fingerprint`).
         executor: ``"local"`` (worker processes, the default), ``"inline"`` (in this
             process; for debugging and tests), ``"simulated"`` (virtual time, no training:
             :class:`~stagetree.executors.SimulatedExecutor`) or a factory returning a
@@ -204,7 +180,7 @@ class Study:
         with engine.lock:
             meta = {"version": self.version, "share": self.share, **self._meta}
             engine.storage.create_study(self.name, meta)
-            for t in engine.storage.trials(self.name):
+            for t in _versions.open_trials(self, engine.storage, url):
                 self._trial_ids[(canonical_json(t["config"]), dumps_hp(t["hp"]))] = t["id"]
                 if self._names is None:
                     self._names = (frozenset(t["config"]), frozenset(t["hp"]))
@@ -343,7 +319,8 @@ class Study:
         ident = (canonical_json(cfg), dumps_hp(seqs))
         tid = self._trial_ids.get(ident)
         if tid is None:
-            tid = storage.add_trial(self.name, root_key, cfg, seqs, steps, node, step)
+            attrs = {"version": self.version}
+            tid = storage.add_trial(self.name, root_key, cfg, seqs, steps, node, step, attrs=attrs)
             self._trial_ids[ident] = tid
         else:
             rec = storage.trial(tid)
@@ -535,12 +512,18 @@ class Study:
 
     # -- reports -------------------------------------------------------------------------
 
+    def _own_trials(self) -> list[dict[str, Any]]:
+        """This study's trials of this trainer version (call with the engine lock)."""
+        return _versions.own_trials(self, self._engine.storage)
+
     def trials(self) -> list[TrialRecord]:
-        """Every trial of this study with its metrics by step."""
+        """Every trial of this study trained by this version of the trainer (trials of
+        other versions are kept in the storage but never mixed in) with its metrics by
+        step."""
         with self._engine.lock:
             storage = self._engine.storage
             out = []
-            for t in storage.trials(self.name):
+            for t in self._own_trials():
                 hist = storage.metrics_along(t["root_key"], t["hp"], t["steps"])
                 out.append(TrialRecord(t["id"], t["config"], t["hp"], t["steps"], t["state"], hist))
             return out
@@ -570,7 +553,7 @@ class Study:
         self._engine.settle()
         with self._engine.lock:
             storage = self._engine.storage
-            trials = storage.trials(self.name)
+            trials = self._own_trials()
             requested = float(sum(t["steps"] for t in trials))
             roots = {t["root_key"] for t in trials}
             nodes = {n.id: n for root in roots for n in storage.nodes(root)}
@@ -602,7 +585,7 @@ class Study:
         ``elapsed`` (seconds since this Study object was made)."""
         with self._engine.lock:
             storage = self._engine.storage
-            trials = storage.trials(self.name)
+            trials = self._own_trials()
             engine_stats = storage.stats("engine")
             running = self._engine.running_steps()
         states = [t["state"] for t in trials]
@@ -633,6 +616,7 @@ class _StudyRunner:
 
     def __init__(self, study: Study) -> None:
         self.study = study
+        self.log_checked = False  # whether the log's latest run is this trainer version's
 
     async def submit(
         self, config: dict[str, Any], hp: dict[str, Sequence], steps: int
@@ -647,11 +631,11 @@ class _StudyRunner:
 
     def append_log(self, record: dict[str, Any]) -> None:
         with self.study._engine.lock:
-            self.study._engine.storage.append_log(self.study.name, record)
+            _versions.append_log(self, record)
 
     def read_log(self) -> list[dict[str, Any]]:
-        with self.study._engine.lock:
-            return self.study._engine.storage.read_log(self.study.name)
+        with self.study._engine.lock:  # only the decisions taken with this trainer version
+            return _versions.read_log(self)
 
 
 def _run_coro(coro: Any) -> Any:
