@@ -671,6 +671,9 @@ def run_script(
                     {id(v): v for v in namespace.values() if isinstance(v, Study)}.values()
                 )
                 study = _pick(namespace, "study", Study, "study", str(script))
+                if study._closed:  # a script without a main guard tuned and closed it
+                    study = study._reopened()
+                    studies.append(study)
                 tuner = _pick(namespace, "tuner", Tuner, "tuner", str(script))
                 display = (
                     ProgressDisplay(study, out=stream) if progress else contextlib.nullcontext()

@@ -268,6 +268,25 @@ class Study:
         if last:
             self._engine.close()
 
+    def _reopened(self) -> Study:
+        """A new Study with this one's arguments and version (``stagetree run`` uses it
+        when a script without a main guard tuned and closed its study itself)."""
+        storage, workers, ckdir, budget, executor, policy, retries, threads = self._engine_args
+        return Study(
+            self.name,
+            self.trainer,
+            storage=storage,
+            workers=workers,
+            share=self.share,
+            checkpoint_dir=ckdir,
+            checkpoint_budget=budget,
+            version=self.version,
+            executor=executor,
+            policy=policy,
+            max_retries=retries,
+            threads_per_worker=threads,
+        )
+
     # -- trials --------------------------------------------------------------------------
 
     def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence] | None = None) -> str:
