@@ -353,7 +353,7 @@ def test_defaults_pick_workers_and_threads(tmp_path: Path) -> None:
     ex.close()
     # Classes defined in functions travel by value now; one that cannot be pickled
     # is refused up front, naming what it holds.
-    with pytest.raises(ValueError, match="cannot be sent to worker processes.*lock"):
+    with pytest.raises(ValueError, match=r"cannot be sent to worker processes.*lock"):
 
         class Local(Trainer):
             guard = threading.Lock()
