@@ -106,6 +106,8 @@ def _top(module_name: str) -> str:
 def _library_version(module_name: str) -> str | None:
     """``"dist==version"`` when ``module_name`` belongs to an installed library (an
     installed distribution, the standard library or a builtin module), else None."""
+    if module_name in ("__main__", "__mp_main__"):  # a script, notebook, -c, stdin
+        return None
     top = _top(module_name)
     if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins":
         return f"python=={sys.version_info[0]}.{sys.version_info[1]}"
