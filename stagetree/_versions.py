@@ -15,7 +15,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from stagetree.hp import dumps_hp
 from stagetree.identity import announce_change, current_version, trial_version
+from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
     from stagetree.plan import BasePlanStorage
@@ -47,7 +49,9 @@ def open_trials(study: Study, storage: BasePlanStorage, url: str) -> list[dict[s
     own = [t for t in trials if trial_version(t, meta) == study.version]
     latest = current_version(trials, meta)
     if trials and latest != study.version:
-        count = sum(1 for t in trials if trial_version(t, meta) == latest)
+        # Trials of the latest run that this version has no trial for train again.
+        have = {_ident(t) for t in own}
+        count = len({_ident(t) for t in trials if trial_version(t, meta) == latest} - have)
         key = (url, study.name, str(study.version))
         with _ANNOUNCED_LOCK:
             first = key not in _ANNOUNCED
@@ -58,6 +62,10 @@ def open_trials(study: Study, storage: BasePlanStorage, url: str) -> list[dict[s
         for t in own:
             storage.update_trial(t["id"], attrs={**(t.get("attrs") or {}), "opened": now})
     return own
+
+
+def _ident(trial: dict[str, Any]) -> tuple[str, str]:
+    return canonical_json(trial["config"]), dumps_hp(trial["hp"])
 
 
 def own_trials(study: Study, storage: BasePlanStorage) -> list[dict[str, Any]]:
