@@ -585,8 +585,8 @@ def _pick(namespace: Mapping[str, Any], name: str, cls: type, what: str, script:
 def _script_context(path: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
     """Run a script like ``python SCRIPT.py`` would: its folder first on ``sys.path``
     and ``sys.argv == [SCRIPT.py]``. The callback keeps the script's globals importable
-    as module :data:`RUN_NAME` (runpy drops its module when the script ends, but worker
-    processes find the trainer class through its module's file) until the block ends.
+    as module :data:`RUN_NAME` (runpy drops its module when the script ends) until the
+    block ends; worker processes receive its trainer class pickled by value.
     """
     saved_argv = sys.argv[:]
     saved_path = sys.path[:]

@@ -104,25 +104,36 @@ def _top(module_name: str) -> str:
 
 @functools.lru_cache(maxsize=512)
 def _library_version(module_name: str) -> str | None:
-    """``"dist==version"`` when ``module_name`` belongs to an installed library (an
-    installed distribution, the standard library or a builtin module), else None."""
+    """``"dist==version"`` when ``module_name`` belongs to an installed library, else
+    None (the user's own code).
+
+    Libraries: the standard library and builtins, stagetree itself, and modules whose
+    files lie under an installation directory (``site-packages``, ``dist-packages``,
+    the interpreter's library paths). Code anywhere else is the user's, also when it
+    is a package installed in editable (development) mode: its version does not change
+    when it is edited.
+    """
     if module_name in ("__main__", "__mp_main__"):  # a script, notebook, -c, stdin
         return None
     top = _top(module_name)
     if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins":
         return f"python=={sys.version_info[0]}.{sys.version_info[1]}"
-    dists = _distributions().get(top)
-    if dists:
-        name = sorted(dists)[0]
-        try:
-            return f"{name}=={importlib.metadata.version(name)}"
-        except importlib.metadata.PackageNotFoundError:
-            return name
     module = sys.modules.get(module_name) or sys.modules.get(top)
     path = getattr(module, "__file__", None)
-    if path and os.path.realpath(path).startswith(_library_roots()):
-        return f"{top}=={getattr(sys.modules.get(top), '__version__', '?')}"
-    return None
+    if top != "stagetree" and path is not None and not _installed(path):
+        return None
+    dists = _distributions().get(top)
+    if not dists:  # not imported (then unknown: the user's), or found without metadata
+        return None if path is None else f"{top}=={getattr(module, '__version__', '?')}"
+    name = sorted(dists)[0]
+    try:
+        return f"{name}=={importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return name
+
+
+def _installed(path: str) -> bool:
+    return os.path.realpath(path).startswith(_library_roots())
 
 
 def is_library_module(module_name: str | None) -> bool:

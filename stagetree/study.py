@@ -144,9 +144,9 @@ class Study:
             max_retries,
             threads_per_worker,
         )
-        # The storage is opened on first use, not here: worker processes import user
-        # scripts to find the trainer class, and the Study those scripts build there
-        # must stay inert.
+        # The storage is opened on first use, not here: a module that builds a Study
+        # must stay inert when it is imported (workers never import it: they receive
+        # the trainer class itself).
         self._engine_obj: Engine | None = None
         self._closed = False
         self._started = time.monotonic()
