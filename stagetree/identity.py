@@ -186,7 +186,23 @@ class _Describer:
             return self.function(obj)
         if callable(obj) and hasattr(obj, "__qualname__"):  # builtins, C functions
             return self.library(obj)
-        return ("object", self.type_name(type(obj)))
+        return self.instance(obj)
+
+    def instance(self, obj: Any) -> Any:
+        """Other objects: numpy arrays up to 1 MiB by content, instances of the user's
+        classes by their class and attributes, anything else by its type."""
+        cls = type(obj)
+        nbytes = getattr(obj, "nbytes", None)
+        if cls.__module__ == "numpy" and isinstance(nbytes, int) and nbytes <= 1 << 20:
+            data = hashlib.sha256(obj.tobytes()).hexdigest()
+            return ("array", str(obj.dtype), str(obj.shape), data)
+        state = getattr(obj, "__dict__", None)
+        if _library_version(cls.__module__) is None and isinstance(state, dict):
+            back = self.ref(obj, cls.__qualname__)
+            if back is not None:
+                return ("ref", back)
+            return ("instance", self.cls(cls), self.value(state))
+        return ("object", self.type_name(cls))
 
     def type_name(self, cls: type) -> str:
         version = _library_version(cls.__module__)
@@ -209,7 +225,7 @@ class _Describer:
             # A user module used as ``helpers.f``: every name the code uses that it has.
             for name in sorted(set(names)):
                 if name in vars(module):
-                    out.append((name, self.value(vars(module)[name])))
+                    out.append((name, self.value(vars(module)[name], names)))
         else:
             out.append(back)
         return tuple(out)

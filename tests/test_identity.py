@@ -32,8 +32,19 @@ STUDY = textwrap.dedent(
     from stagetree import GridSpace, Trainer
     from stagetree.hp import Constant
 
+    import numpy as np
+
     SCALE = 2.0
     UNRELATED = 1
+    MEAN = np.array([0.5, 0.25])
+
+
+    class Config:
+        def __init__(self, hidden):
+            self.hidden = hidden
+
+
+    CONFIG = Config(hidden=4)
 
 
     def bump(w, lr):
@@ -63,7 +74,7 @@ STUDY = textwrap.dedent(
             self.lr = hp["lr"]
 
         def train(self):
-            self.w = bump(self.w, self.lr) + math.sqrt(0.0)
+            self.w = bump(self.w, self.lr) + math.sqrt(0.0) * CONFIG.hidden * MEAN[0]
             return {{"w": self.w}}
 
         def state_dict(self):
@@ -127,6 +138,8 @@ def test_edits_of_the_trainer_change_the_fingerprint(tmp_path: Path) -> None:
         ),
         "a module-level helper it calls": STUDY.replace("lr * SCALE", "lr * SCALE * 1.5"),
         "a constant it reads": STUDY.replace("SCALE = 2.0", "SCALE = 3.0"),
+        "a config object it reads": STUDY.replace("hidden=4", "hidden=5"),
+        "an array it reads": STUDY.replace("[0.5, 0.25]", "[0.5, 0.5]"),
         "a helper class it uses": STUDY.replace("self.total = 0.0", "self.total = 1.0"),
         "a library function it calls": STUDY.replace("math.sqrt(0.0)", "math.fabs(0.0)"),
         "the class name": STUDY.replace("class Tiny(Base)", "class Tiny2(Base)").replace(
