@@ -130,6 +130,7 @@ class Study:
             raise ValueError(f"checkpoint_budget must be >= 0, got {checkpoint_budget!r}")
         workers = _OVERRIDES.get("workers", workers)
         storage = _OVERRIDES.get("storage", storage)
+        executor = _OVERRIDES.get("executor", executor)
         self.name = name
         self.trainer = trainer
         self.share = share

@@ -57,3 +57,22 @@ def test_readme_snippets_run_as_printed(tmp_path: Path) -> None:
     assert "best accuracy" in again.stdout
     with open_storage(url) as plan:
         assert plan.stats("engine")["steps_executed"] == executed  # nothing trained twice
+
+
+def test_readme_script_simulates_without_training(tmp_path: Path) -> None:
+    """``stagetree simulate`` loads a script without a guard: the study the script tunes
+    while it loads runs in virtual time on a throw-away storage, never for real."""
+    pytest.importorskip("torch")
+    script = tmp_path / "readme.py"
+    script.write_text("\n\n".join(snippets()))
+    cli = Path(sys.executable).with_name("stagetree")
+    done = subprocess.run(
+        [str(cli), "simulate", str(script), "--workers", "4"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stage-based (shared)" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["readme.py"]  # no storage made
