@@ -310,10 +310,8 @@ def _instructions(code: types.CodeType) -> tuple[Any, ...]:
         name = _SAME_OP.get(ins.opname, ins.opname)
         if ins.opcode in _JUMPS:
             out.append((name, index.get(ins.argval, -1)))
-        elif isinstance(ins.argval, types.CodeType):  # described with the constants
-            out.append((name, "code", ins.argval.co_name))
-        elif ins.opcode in dis.hasconst:
-            out.append((name, type(ins.argval).__name__, repr(ins.argval)))
+        elif ins.opcode in dis.hasconst:  # by index: co_consts are described in order
+            out.append((name, "const", ins.arg))
         elif isinstance(ins.argval, str):
             out.append((name, ins.argval))
         else:

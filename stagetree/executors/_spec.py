@@ -25,13 +25,16 @@ __name__ == "__main__":`` block does not run, the rest of the file does).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
+import io
 import multiprocessing.spawn
 import os
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,7 +158,9 @@ def _dumps_by_value(trainer: type) -> bytes:
                 cloudpickle.register_pickle_by_value(module)
                 added.append(module)
         try:
-            return cloudpickle.dumps(trainer)
+            buffer = io.BytesIO()
+            _pickler(cloudpickle)(buffer).dump(trainer)
+            return buffer.getvalue()
         except Exception as exc:
             raise ValueError(
                 f"trainer {trainer.__qualname__} cannot be sent to worker processes: "
@@ -165,6 +170,36 @@ def _dumps_by_value(trainer: type) -> bytes:
         finally:
             for module in added:
                 cloudpickle.unregister_pickle_by_value(module)
+
+
+def _pickler(cloudpickle: Any) -> Any:
+    """cloudpickle's pickler, also for decorators it cannot pickle by value in 3.11
+    (``functools.cached_property`` holds a lock, an ``lru_cache`` wrapper is looked
+    up by name): they are rebuilt around their function in the worker."""
+
+    class Pickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if type(obj) is functools.cached_property:
+                return _cached_property, (obj.func, obj.attrname)
+            if isinstance(obj, _LRU_WRAPPER) and isinstance(obj.__wrapped__, types.FunctionType):
+                params = obj.cache_parameters()
+                return _lru_cached, (obj.__wrapped__, params["maxsize"], params["typed"])
+            return super().reducer_override(obj)
+
+    return Pickler
+
+
+_LRU_WRAPPER = type(functools.lru_cache(maxsize=None)(lambda: None))
+
+
+def _cached_property(func: Any, attrname: str | None) -> Any:
+    prop = functools.cached_property(func)
+    prop.attrname = attrname
+    return prop
+
+
+def _lru_cached(func: Any, maxsize: int | None, typed: bool) -> Any:
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(func)
 
 
 _LOADED: dict[bytes, type[Trainer]] = {}
