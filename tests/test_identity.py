@@ -71,7 +71,7 @@ STUDY = textwrap.dedent(
             self.w, self.acc = 0.0, Acc()
 
         def setup(self, hp):
-            self.lr = hp["lr"]
+            self.lr = hp["lr"] if "lr" in {{"lr", "rate", "eta"}} else 0.0
 
         def train(self):
             self.w = bump(self.w, self.lr) + math.sqrt(0.0) * CONFIG.hidden * MEAN[0]
@@ -156,9 +156,10 @@ def test_edits_of_the_trainer_change_the_fingerprint(tmp_path: Path) -> None:
     assert _fingerprint(tmp_path, helpers=helper) not in seen, "a helper module function"
 
 
-def _run(args: list[str], cwd: Path, stdin: str | None = None) -> str:
+def _run(args: list[str], cwd: Path, stdin: str | None = None, seed: str = "0") -> str:
+    env = {**os.environ, "PYTHONHASHSEED": seed}  # set constants: order must not matter
     done = subprocess.run(
-        args, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=120, check=False
+        args, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -176,6 +177,7 @@ def test_every_launch_path_gives_one_fingerprint(tmp_path: Path) -> None:
     py = sys.executable
     prints = {
         "python study.py": _run([py, "study.py"], tmp_path),
+        "another hash seed": _run([py, "study.py"], tmp_path, seed="12345"),
         "stdin": _run([py, "-"], tmp_path, stdin=source + PRINT),
         "-c": _run([py, "-c", source + PRINT], tmp_path),
         "import": _run([py, "-c", "import study"], tmp_path),
