@@ -465,6 +465,12 @@ class Study:
         with self._engine.lock:
             where = self._engine.storage.locate(self.root_key(cfg, seqs), seqs, step)
             rec = self._engine.storage.checkpoint(*where) if where is not None else None
+        if rec is None and where is not None:
+            # Results arrive before their checkpoints are durable (written in the
+            # background): let batches that just ended report them.
+            self._engine.settle()
+            with self._engine.lock:
+                rec = self._engine.storage.checkpoint(*where)
         if rec is None:
             return None
         return self._engine.store.load(rec.ref)
