@@ -45,6 +45,7 @@ from stagetree.exceptions import (
     StorageError,
     TrialFailedError,
 )
+from stagetree.identity import split_trials
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
@@ -65,6 +66,7 @@ __all__ = [
     "export",
     "export_records",
     "export_table",
+    "hidden_trials",
     "main",
     "open_existing_storage",
     "plan_trials",
@@ -605,8 +607,8 @@ def _pick(namespace: Mapping[str, Any], name: str, cls: type, what: str, script:
 def _script_context(path: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
     """Run a script like ``python SCRIPT.py`` would: its folder first on ``sys.path``
     and ``sys.argv == [SCRIPT.py]``. The callback keeps the script's globals importable
-    as module :data:`RUN_NAME` (runpy drops its module when the script ends, but worker
-    processes find the trainer class through its module's file) until the block ends.
+    as module :data:`RUN_NAME` (runpy drops its module when the script ends) until the
+    block ends; worker processes receive its trainer class pickled by value.
     """
     saved_argv = sys.argv[:]
     saved_path = sys.path[:]
@@ -714,6 +716,9 @@ def run_script(
                     {id(v): v for v in namespace.values() if isinstance(v, Study)}.values()
                 )
                 study = _pick(namespace, "study", Study, "study", str(script))
+                if study._closed:  # a script without a main guard tuned and closed it
+                    study = study._reopened()
+                    studies.append(study)
                 tuner = _pick(namespace, "tuner", Tuner, "tuner", str(script))
                 if check:
                     from stagetree.check import first_contact_check
@@ -804,6 +809,7 @@ class StudyStatus:
             executed steps and device-seconds only for all its studies together (see
             :class:`StorageStatus`).
         failures: ``(trial id, first line of its error)`` per failed trial.
+        hidden: trials of other (older) trainer versions, not counted above.
     """
 
     name: str
@@ -822,6 +828,7 @@ class StudyStatus:
     steps_unique: int
     numbers: dict[str, float] | None
     failures: list[tuple[int, str]] = field(default_factory=list)
+    hidden: int = 0
 
 
 @dataclass
@@ -886,7 +893,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
     """
     record = _study_record(storage, name)
     meta = record.get("meta") or {}
-    trials = storage.trials(name)
+    trials, hidden = split_trials(storage.trials(name), meta)  # the latest trainer version
     states = [t["state"] for t in trials]
     finals = _final_step_metrics(storage, trials)
     metric = meta.get("metric") if isinstance(meta.get("metric"), str) else None
@@ -908,7 +915,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
             key = (steps, value if mode == "max" else -value, -tid)
             if best is None or key > best:
                 best = key
-    summary = summarize(storage, study=name)
+    summary = summarize(storage, root_keys={t["root_key"] for t in trials}, study=name)
     own = storage.stats(name)
     acct: Mapping[str, float] | None = own if "steps_executed" in own else None
     if acct is None and len(storage.studies()) == 1:
@@ -940,6 +947,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
         steps_unique=summary.unique_steps,
         numbers=numbers,
         failures=[(int(t["id"]), _error_summary(t)) for t in trials if t["state"] == "failed"],
+        hidden=hidden,
     )
 
 
@@ -981,6 +989,8 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
             f"{st.trials} ({st.finished} finished, {st.running} running, {st.failed} failed)",
         )
     ]
+    if st.hidden:
+        rows.append(("older trainers", f"{st.hidden} trials hidden (the trainer changed since)"))
     if st.metric is None:
         rows.append(("best", "no metrics yet"))
     elif st.best is None:
@@ -1094,7 +1104,8 @@ def _json_number(value: float) -> float | str:
 
 
 def export_records(storage: BasePlanStorage, study: str | None = None) -> list[dict[str, Any]]:
-    """Every trial with its metric history, as JSON-able dicts.
+    """Every trial with its metric history, as JSON-able dicts: per study, the trials
+    of its latest trainer version (:func:`hidden_trials` counts the others).
 
     Each dict: ``study``, ``trial`` (id), ``config``, ``hp`` (sequences as JSON),
     ``steps``, ``state``, ``error`` (None, or for a failed trial ``{"type", "message",
@@ -1111,8 +1122,9 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
             raise CommandError(f"no study {study!r} in the storage (studies: {known})")
         names = [study]
     out: list[dict[str, Any]] = []
+    metas = {s["name"]: s.get("meta") or {} for s in storage.studies()}
     for name in names:
-        for t in storage.trials(name):
+        for t in split_trials(storage.trials(name), metas.get(name))[0]:
             history = (
                 storage.metrics_along(t["root_key"], t["hp"], t["steps"])
                 if t.get("node") is not None
@@ -1145,6 +1157,15 @@ def _export_error(trial: Mapping[str, Any]) -> dict[str, str] | None:
         return None
     error = TrialError.from_attrs(trial.get("attrs"))
     return dataclasses.asdict(error) if error is not None else None
+
+
+def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
+    """Trials of older trainer versions, which :func:`export_records` leaves out."""
+    return sum(
+        split_trials(storage.trials(s["name"]), s.get("meta"))[1]
+        for s in storage.studies()
+        if study is None or s["name"] == study
+    )
 
 
 def _cell(value: Any) -> Any:
@@ -1223,8 +1244,11 @@ def export(
     storage = open_existing_storage(default_storage() if url is None else url)
     try:
         records = export_records(storage, study)
+        hidden = hidden_trials(storage, study)
     finally:
         storage.close()
+    if hidden:
+        print(f"{hidden} trials of older trainer versions not exported", file=sys.stderr)
     if fmt == "json":
         json.dump(records, stream, indent=2, allow_nan=False)
         stream.write("\n")

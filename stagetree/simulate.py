@@ -437,7 +437,8 @@ def _pick(namespace: Mapping[str, Any], key: str, cls: type, script: str) -> Any
 def load_script(path: str | os.PathLike[str]) -> LoadedScript:
     """Run a study script (the ``stagetree run`` convention: module globals ``study`` and
     ``tuner``) without running its study: every ``Study`` it builds gets a throw-away
-    in-memory storage, and its workers are never started.
+    in-memory storage and a simulated executor, so no worker is started and nothing is
+    trained, also when a script without a main guard tunes its study.
 
     The script runs as module ``__stagetree_simulate__`` (its ``if __name__ ==
     "__main__":`` block does not run) with its folder first on ``sys.path``.
@@ -454,6 +455,8 @@ def load_script(path: str | os.PathLike[str]) -> LoadedScript:
     saved_overrides = dict(study_module._OVERRIDES)
     saved_path, saved_argv = sys.path[:], sys.argv[:]
     study_module._OVERRIDES["storage"] = "memory://"
+    # A script without a main guard tunes its study while it loads: in virtual time.
+    study_module._OVERRIDES["executor"] = "simulated"
     sys.path.insert(0, str(p.resolve().parent))
     sys.argv = [str(p)]
     namespace: dict[str, Any] = {}

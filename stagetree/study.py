@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Iterable, Mapping
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stagetree import _versions
 from stagetree.engine import Engine, Waiter, default_checkpoint_dir, root_scope
 from stagetree.exceptions import (
     InvalidTrialError,
@@ -32,6 +32,7 @@ from stagetree.exceptions import (
     TrialFailedError,
 )
 from stagetree.hp import Sequence, as_sequence, dumps_hp
+from stagetree.identity import trainer_fingerprint
 from stagetree.names import check_hp_names, check_space_names, names_mismatch
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.space import canonical_json
@@ -46,32 +47,6 @@ __all__ = ["Study", "TrialError", "TrialRecord", "trainer_fingerprint"]
 # Command-line overrides (``stagetree run --workers N --storage URL``): the CLI sets them
 # before it runs a script, and every Study built by that script honours them.
 _OVERRIDES: dict[str, Any] = {}
-
-
-def trainer_fingerprint(trainer: type[Trainer]) -> str:
-    """A short hash of the source of ``trainer``: the files that define it and the classes
-    it derives from (up to :class:`Trainer`), so that editing the trainer never silently
-    reuses old checkpoints. Falls back to the class's qualified name when no source can
-    be read (e.g. classes typed into a REPL)."""
-    files: set[str] = set()
-    for cls in trainer.__mro__:
-        if cls is Trainer or cls is object:
-            continue
-        module = sys.modules.get(cls.__module__)
-        path = getattr(module, "__file__", None)
-        if path:
-            files.add(path)
-        for attr in vars(cls).values():  # also finds classes run from a path (runpy)
-            code = getattr(getattr(attr, "__func__", attr), "__code__", None)
-            if code is not None and os.path.exists(code.co_filename):
-                files.add(code.co_filename)
-    digest = hashlib.sha256(f"{trainer.__module__}.{trainer.__qualname__}".encode())
-    for path in sorted(files):
-        try:
-            digest.update(Path(path).read_bytes())
-        except OSError:
-            digest.update(path.encode())
-    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -161,7 +136,8 @@ class Study:
             temporary directory otherwise).
         checkpoint_budget: bytes the checkpoint store may hold: an int, or a size such
             as ``"10MB"`` / ``"2GiB"`` (None: unlimited).
-        version: overrides the trainer's source fingerprint in the root key.
+        version: overrides the trainer's code fingerprint in the root key
+            (:func:`~stagetree.identity.trainer_fingerprint`).
         executor: ``"local"`` (worker processes, the default), ``"inline"`` (in this
             process; for debugging and tests), ``"simulated"`` (virtual time, no training:
             :class:`~stagetree.executors.SimulatedExecutor`), another name registered
@@ -226,6 +202,7 @@ class Study:
                 f"storage must be a URL (sqlite:///path.db, postgresql://..., memory://) "
                 f"or an open plan storage, got {storage!r}"
             )
+        executor = _OVERRIDES.get("executor", executor)
         self.name = name
         self.trainer = trainer
         self.share = share
@@ -240,9 +217,9 @@ class Study:
             max_retries,
             threads_per_worker,
         )
-        # The storage is opened on first use, not here: worker processes import user
-        # scripts to find the trainer class, and the Study those scripts build there
-        # must stay inert.
+        # The storage is opened on first use, not here: a module that builds a Study
+        # must stay inert when it is imported (workers never import it: they receive
+        # the trainer class itself).
         self._engine_obj: Engine | None = None
         self._closed = False
         self._started = time.monotonic()
@@ -277,7 +254,7 @@ class Study:
         with engine.lock:
             # The study row is written with the first trial or log record (see
             # _ensure_row), so that input refused before then writes nothing.
-            for t in engine.storage.trials(self.name):
+            for t in _versions.open_trials(self, engine.storage, url):
                 self._trial_ids[(canonical_json(t["config"]), dumps_hp(t["hp"]))] = t["id"]
                 if self._names is None:
                     self._names = (frozenset(t["config"]), frozenset(t["hp"]))
@@ -360,6 +337,26 @@ class Study:
         if last:
             self._engine.close()
 
+    def _reopened(self) -> Study:
+        """A new Study with this one's arguments and version (``stagetree run`` uses it
+        when a script without a main guard tuned and closed its study itself)."""
+        storage, workers, ckdir, budget, executor, policy, retries, threads = self._engine_args
+        return Study(
+            self.name,
+            self.trainer,
+            storage=storage,
+            workers=workers,
+            share=self.share,
+            checkpoint_dir=ckdir,
+            checkpoint_budget=budget,
+            version=self.version,
+            executor=executor,
+            policy=policy,
+            max_retries=retries,
+            threads_per_worker=threads,
+            eval_every=self.eval_every,
+        )
+
     # -- trials --------------------------------------------------------------------------
 
     def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence] | None = None) -> str:
@@ -417,7 +414,8 @@ class Study:
         tid = self._trial_ids.get(ident)
         self._ensure_row()
         if tid is None:
-            tid = storage.add_trial(self.name, root_key, cfg, seqs, steps, node, step)
+            attrs = {"version": self.version}
+            tid = storage.add_trial(self.name, root_key, cfg, seqs, steps, node, step, attrs=attrs)
             self._trial_ids[ident] = tid
         else:
             rec = storage.trial(tid)
@@ -646,12 +644,18 @@ class Study:
 
     # -- reports -------------------------------------------------------------------------
 
+    def _own_trials(self) -> list[dict[str, Any]]:
+        """This study's trials of this trainer version (call with the engine lock)."""
+        return _versions.own_trials(self, self._engine.storage)
+
     def trials(self) -> list[TrialRecord]:
-        """Every trial of this study with its metrics by step."""
+        """Every trial of this study trained by this version of the trainer (trials of
+        other versions are kept in the storage but never mixed in) with its metrics by
+        step."""
         with self._engine.lock:
             storage = self._engine.storage
             out = []
-            for t in storage.trials(self.name):
+            for t in self._own_trials():
                 hist = storage.metrics_along(t["root_key"], t["hp"], t["steps"])
                 error = TrialError.from_attrs(t.get("attrs")) if t["state"] == "failed" else None
                 out.append(
@@ -696,7 +700,7 @@ class Study:
         self._engine.settle()
         with self._engine.lock:
             storage = self._engine.storage
-            trials = storage.trials(self.name)
+            trials = self._own_trials()
             requested = float(sum(t["steps"] for t in trials))
             roots = {t["root_key"] for t in trials}
             nodes = {n.id: n for root in roots for n in storage.nodes(root)}
@@ -728,7 +732,7 @@ class Study:
         ``elapsed`` (seconds since this Study object was made)."""
         with self._engine.lock:
             storage = self._engine.storage
-            trials = storage.trials(self.name)
+            trials = self._own_trials()
             engine_stats = storage.stats("engine")
             running = self._engine.running_steps()
         states = [t["state"] for t in trials]
@@ -806,6 +810,7 @@ class _StudyRunner:
 
     def __init__(self, study: Study) -> None:
         self.study = study
+        self.log_checked = False  # whether the log's latest run is this trainer version's
 
     async def submit(
         self, config: dict[str, Any], hp: dict[str, Sequence], steps: int
@@ -825,11 +830,11 @@ class _StudyRunner:
     def append_log(self, record: dict[str, Any]) -> None:
         with self.study._engine.lock:
             self.study._ensure_row()
-            self.study._engine.storage.append_log(self.study.name, record)
+            _versions.append_log(self, record)
 
     def read_log(self) -> list[dict[str, Any]]:
-        with self.study._engine.lock:
-            return self.study._engine.storage.read_log(self.study.name)
+        with self.study._engine.lock:  # only the decisions taken with this trainer version
+            return _versions.read_log(self)
 
 
 def _run_coro(coro: Any) -> Any:

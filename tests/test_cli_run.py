@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -25,7 +26,6 @@ from stagetree.cli import accounting, main, report_study, short_sequence
 from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup, from_json
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.progress import ProgressDisplay, format_duration, progress_line
-from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -701,8 +701,10 @@ def test_run_tiny_study_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     # The best trial: lr 0.1 for 10 steps -> w = 1.0.
     assert _line(out, "best score") == "1 (max, after 10 steps)"
     assert _line(out, "lr") == "0.1"
-    # The report's numbers are the study's stats.
-    with study_module.Study("tiny", Trainer, storage=url, executor="inline") as again:
+    # The report's numbers are the study's stats (read with the script's own trainer:
+    # a Study of another trainer sees none of its trials).
+    tiny = runpy.run_path(str(path))["Tiny"]
+    with study_module.Study("tiny", tiny, storage=url, executor="inline") as again:
         stats = again.stats()
     assert stats["steps_requested"] == 20 and stats["steps_unique"] == 15
     assert _field(out, "trials") == "2"

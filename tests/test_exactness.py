@@ -151,7 +151,13 @@ def test_shared_stages_equal_trials_trained_alone(tmp_path: Any, references: Any
         assert results[-1].metrics == mid_metrics
         stats = study.stats()
         assert stats["live_splits"] >= 1, "no trial branched off a running path"
-        assert stats["steps_executed"] == stats["steps_unique"]
+        if stats["splits_missed"] == 0:
+            assert stats["steps_executed"] == stats["steps_unique"]
+        else:
+            # On a loaded machine a live split can reach its worker after the worker
+            # passed the branch point: those steps are recomputed (exactly, as checked
+            # above), and only then may executed exceed unique.
+            assert stats["steps_executed"] > stats["steps_unique"]
         assert stats["steps_unique"] < stats["steps_requested"]
     finally:
         study.close()

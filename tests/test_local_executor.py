@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -150,10 +151,20 @@ def _of(events: list[Any], kind: type, batch_id: int | None = None) -> list[Any]
 
 
 def test_trainer_spec_of_class_and_strings() -> None:
+    # A class of the user's own (a test module, no installed distribution) travels
+    # pickled by value; the worker never imports its module.
     spec = TrainerSpec.of(Counter)
     assert spec.module == Counter.__module__ and spec.qualname == "Counter"
-    assert spec.path == os.path.abspath(__file__)
-    assert spec.resolve() is Counter
+    assert spec.by_value and spec.path is None
+    copy = spec.resolve()
+    assert copy.__qualname__ == "Counter" and issubclass(copy, Trainer)
+    assert spec.resolve() is copy  # unpickled once per process
+    # A library class travels by reference and resolves to the very class.
+    from stagetree.torch.examples import DigitsTrainer
+
+    library = TrainerSpec.of(DigitsTrainer)
+    assert not library.by_value and library.module == "stagetree.torch.examples"
+    assert library.resolve() is DigitsTrainer
     assert TrainerSpec.of("stagetree.trainer:Trainer").resolve() is Trainer
     # Import by name fails (wrong module name): the file path is the fallback.
     fallback = TrainerSpec("no_such_module_xyz", "Counter", os.path.abspath(__file__))
@@ -161,11 +172,14 @@ def test_trainer_spec_of_class_and_strings() -> None:
     with pytest.raises(ImportError, match="no_such_module_xyz"):
         TrainerSpec("no_such_module_xyz", "Counter", None).resolve()
 
+    # A class defined inside a function used to be refused; it travels by value now.
     class Local(Trainer):
-        pass
+        def train(self) -> dict[str, float]:
+            return {"local": 1.0}
 
-    with pytest.raises(ValueError, match="inside a function"):
-        TrainerSpec.of(Local)
+    local = TrainerSpec.of(Local).resolve()
+    assert local.__qualname__ == Local.__qualname__
+    assert local({}).train() == {"local": 1.0}
     with pytest.raises(ValueError, match="module:Class"):
         TrainerSpec.of("no colon")
 
@@ -337,10 +351,12 @@ def test_defaults_pick_workers_and_threads(tmp_path: Path) -> None:
     assert ex.num_workers == 1 and ex.devices == [None]
     assert ex.threads_per_worker == max(1, len(os.sched_getaffinity(0)))
     ex.close()
-    with pytest.raises(ValueError, match="inside a function"):
+    # Classes defined in functions travel by value now; one that cannot be pickled
+    # is refused up front, naming what it holds.
+    with pytest.raises(ValueError, match=r"cannot be sent to worker processes.*lock"):
 
         class Local(Trainer):
-            pass
+            guard = threading.Lock()
 
         LocalExecutor(Local, checkpoint_dir=tmp_path)
 

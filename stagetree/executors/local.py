@@ -1,14 +1,11 @@
 """Executors on one machine: worker processes (:class:`LocalExecutor`) and the calling
 thread (:class:`InlineExecutor`).
 
-How the trainer reaches worker processes (:class:`TrainerSpec`): workers are started
-with the ``spawn`` method, so they import the trainer class themselves rather than
-inherit it. A class is sent as its module name and qualified name (``pkg.mod:Class``)
-together with the file it was defined in. A worker imports the module by name; when
-that fails, or when the class lives in ``__main__`` (a script) or in a file loaded by
-path, the worker loads that file under the stable module name
-``_stagetree_user_<digest of the path>`` (so the script's ``if __name__ ==
-"__main__":`` block does not run). Classes defined inside functions cannot be sent.
+How the trainer reaches worker processes (:class:`TrainerSpec`, in
+:mod:`stagetree.executors._spec`): workers are started with the ``spawn`` method, without
+running the parent's main script again; library classes are imported by name, the
+user's own classes (scripts, ``stagetree run``, notebooks, ``python -c``, stdin, classes
+defined in functions) arrive pickled by value. A worker never runs the user's script.
 
 Process layout: worker ``w`` is one process pinned to one device
 (``CUDA_VISIBLE_DEVICES``) and to a fixed number of threads (``OMP_NUM_THREADS``,
@@ -24,8 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
-import importlib
 import importlib.util
 import logging
 import multiprocessing
@@ -47,6 +42,7 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError, TrainerError
+from stagetree.executors._spec import TrainerSpec, no_main_rerun
 from stagetree.executors.base import BaseExecutor
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -69,115 +65,6 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _ENV_LOCK = threading.Lock()
 # A worker that dies this many times in a row before WorkerReady is not restarted.
 _MAX_START_FAILURES = 3
-
-
-# ---------------------------------------------------------------------- trainer spec
-
-
-@dataclass(frozen=True)
-class TrainerSpec:
-    """An importable reference to a Trainer subclass.
-
-    Attributes:
-        module: module name the class was defined in (``"__main__"`` for a script).
-        qualname: the class's qualified name (dotted for nested classes).
-        path: the file that defines it, used when importing by name fails.
-    """
-
-    module: str
-    qualname: str
-    path: str | None = None
-
-    @classmethod
-    def of(cls, trainer: type[Trainer] | str | TrainerSpec) -> TrainerSpec:
-        """Build a spec from a class, a ``"module:Class"`` / ``"path/file.py:Class"``
-        string, or a spec.
-
-        Raises:
-            ValueError: a class defined inside a function, or a script class whose
-                file is unknown (an interactive session).
-        """
-        if isinstance(trainer, TrainerSpec):
-            return trainer
-        if isinstance(trainer, str):
-            target, sep, qualname = trainer.rpartition(":")
-            if not sep or not target or not qualname:
-                raise ValueError(f"trainer reference {trainer!r} is not 'module:Class'")
-            if target.endswith(".py") or os.sep in target or "/" in target:
-                return cls("", qualname, os.path.abspath(target))
-            return cls(target, qualname, None)
-        if not isinstance(trainer, type):
-            raise ValueError(f"trainer must be a Trainer subclass, got {trainer!r}")
-        if "<locals>" in trainer.__qualname__:
-            raise ValueError(
-                f"trainer {trainer.__qualname__} is defined inside a function; worker "
-                "processes cannot import it: define it at module level"
-            )
-        module = sys.modules.get(trainer.__module__)
-        path = getattr(module, "__file__", None)
-        if trainer.__module__ == "__main__" and not path:
-            raise ValueError(
-                f"trainer {trainer.__qualname__} is defined in an interactive __main__; "
-                "worker processes cannot import it: move it to a file"
-            )
-        return cls(
-            trainer.__module__, trainer.__qualname__, os.path.abspath(path) if path else None
-        )
-
-    def resolve(self) -> type[Trainer]:
-        """Import the class (see the module docstring for the order of attempts).
-
-        Raises:
-            ImportError: it cannot be found by name nor by path.
-        """
-        errors: list[str] = []
-        if self.module and self.module != "__main__":
-            try:
-                return _attr(importlib.import_module(self.module), self.qualname)
-            except (ImportError, AttributeError) as exc:
-                errors.append(f"import {self.module}: {exc}")
-        if self.module == "__main__" and self.path:
-            # A spawned child has already run the parent's script as its __main__.
-            main = sys.modules.get("__main__")
-            main_file = getattr(main, "__file__", None)
-            if main_file and os.path.abspath(main_file) == self.path:
-                with contextlib.suppress(AttributeError):
-                    return _attr(main, self.qualname)
-        if self.path:
-            try:
-                return _attr(_load_file(self.path), self.qualname)
-            except (ImportError, AttributeError, OSError) as exc:
-                errors.append(f"load {self.path}: {exc}")
-        raise ImportError(f"cannot import trainer {self}: " + "; ".join(errors))
-
-    def __str__(self) -> str:
-        return f"{self.module or self.path}:{self.qualname}"
-
-
-def _attr(module: Any, qualname: str) -> type[Trainer]:
-    obj = module
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, type):
-        raise AttributeError(f"{qualname} is not a class")
-    return obj
-
-
-def _load_file(path: str) -> Any:
-    name = "_stagetree_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path} as a module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 # ---------------------------------------------------------------------- worker process
@@ -505,7 +392,7 @@ class LocalExecutor(BaseExecutor):
             args=(cfg, inbox_recv, outbox_send),
             name=f"stagetree-worker-{slot.worker}",
         )
-        with _environ(_child_env(slot.device, self.threads_per_worker)):
+        with _environ(_child_env(slot.device, self.threads_per_worker)), no_main_rerun():
             process.start()
         # Our copies of the child's ends: closing them lets EOF/EPIPE signal its death.
         inbox_recv.close()

@@ -1,0 +1,115 @@
+"""How a :class:`~stagetree.Study` keeps trainer versions apart in one storage.
+
+Every trial records the trainer version that trained it (``attrs["version"]``, see
+:mod:`stagetree.identity`). A Study sees only the trials of its own version: a changed
+trainer starts over (announced once with :class:`~stagetree.identity.TrainerChangedWarning`)
+and the trials of the old version stay in the storage, hidden, until a Study of that
+version opens again (``version=`` pins it). The tuner's decision log is split the same
+way: a ``{"event": "trainer", "version": ...}`` record starts the decisions of a
+version, and a tuner replays only the decisions of its own version's latest run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from stagetree.hp import dumps_hp
+from stagetree.identity import announce_change, current_version, trial_version
+from stagetree.space import canonical_json
+
+if TYPE_CHECKING:
+    from stagetree.plan import BasePlanStorage
+    from stagetree.study import Study
+
+__all__ = ["append_log", "open_trials", "own_trials", "read_log"]
+
+LOG_EVENT = "trainer"
+_ANNOUNCED: set[tuple[str, str, str]] = set()
+_ANNOUNCED_LOCK = threading.Lock()
+
+
+def _meta(storage: BasePlanStorage, name: str) -> dict[str, Any]:
+    for record in storage.studies():
+        if record["name"] == name:
+            return dict(record.get("meta") or {})
+    return {}
+
+
+def open_trials(study: Study, storage: BasePlanStorage, url: str) -> list[dict[str, Any]]:
+    """The trials of ``study``'s trainer version, when a Study opens its storage.
+
+    When the study's latest run used another version, say once per process how many
+    trials will train again, and mark this version's own trials (if it ran before) as
+    the latest run, so that ``stagetree status`` and ``export`` show them.
+    """
+    meta = _meta(storage, study.name)
+    trials = storage.trials(study.name)
+    own = [t for t in trials if trial_version(t, meta) == study.version]
+    latest = current_version(trials, meta)
+    if trials and latest != study.version:
+        # Trials of the latest run that this version has no trial for train again.
+        have = {_ident(t) for t in own}
+        count = len({_ident(t) for t in trials if trial_version(t, meta) == latest} - have)
+        key = (url, study.name, str(study.version))
+        with _ANNOUNCED_LOCK:
+            first = key not in _ANNOUNCED
+            _ANNOUNCED.add(key)
+        if first and count:
+            announce_change(study.trainer.__qualname__, latest, study.version, count, 5)
+        now = time.time()
+        for t in own if not getattr(storage, "readonly", False) else ():
+            storage.update_trial(t["id"], attrs={**(t.get("attrs") or {}), "opened": now})
+    return own
+
+
+def _ident(trial: dict[str, Any]) -> tuple[str, str]:
+    return canonical_json(trial["config"]), dumps_hp(trial["hp"])
+
+
+def own_trials(study: Study, storage: BasePlanStorage) -> list[dict[str, Any]]:
+    """The trials of ``study`` recorded by its trainer version."""
+    meta = _meta(storage, study.name)
+    return [t for t in storage.trials(study.name) if trial_version(t, meta) == study.version]
+
+
+class _Runner(Protocol):
+    study: Study
+    log_checked: bool
+
+
+def _segment(records: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """``(version, records)`` of the log's last run of one version (a log written
+    before versions were recorded belongs to the version the study was created with)."""
+    version = meta.get("version")
+    segment: list[dict[str, Any]] = []
+    for rec in records:
+        if rec.get("event") == LOG_EVENT:
+            version, segment = rec.get("version"), []
+        else:
+            segment.append(rec)
+    return version, segment
+
+
+def read_log(runner: _Runner) -> list[dict[str, Any]]:
+    """The decisions logged by the latest run if it used the runner's trainer version;
+    none otherwise (decisions taken on another version's results are not replayed)."""
+    study = runner.study
+    storage = study._engine.storage
+    version, segment = _segment(storage.read_log(study.name), _meta(storage, study.name))
+    runner.log_checked = version == study.version
+    return segment if runner.log_checked else []
+
+
+def append_log(runner: _Runner, record: dict[str, Any]) -> None:
+    """Append ``record``, after a record that starts this version's decisions when the
+    log's latest run used another version."""
+    study = runner.study
+    storage = study._engine.storage
+    if not runner.log_checked:
+        version, _ = _segment(storage.read_log(study.name), _meta(storage, study.name))
+        if version != study.version:
+            storage.append_log(study.name, {"event": LOG_EVENT, "version": study.version})
+        runner.log_checked = True
+    storage.append_log(study.name, record)
