@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree import __version__
+from stagetree.coordination import running_trials
 from stagetree.exceptions import InvalidSpaceError, StagetreeError, StorageError
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
@@ -863,7 +864,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
         created=float(record.get("created") or 0.0),
         trials=len(trials),
         finished=states.count("done"),
-        running=states.count("running"),
+        running=len(running_trials(storage, trials)),  # live leases, not stale rows
         failed=states.count("failed"),
         metric=metric,
         mode=mode,

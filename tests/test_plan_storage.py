@@ -619,18 +619,22 @@ def test_values_are_linear_sequences_too(plan: BasePlanStorage) -> None:
 # -- trials are unique, leases ---------------------------------------------------------
 
 
-def test_add_trial_is_idempotent_per_study_root_config_hp(backend: Backend) -> None:
+def test_unique_add_trial_is_idempotent_per_study_root_config_hp(backend: Backend) -> None:
     plan = backend.storage
     plan.create_study("s", {})
     plan.create_study("t", {})
     hp = lr(Constant(0.1))
-    first = plan.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None)
-    again = plan.add_trial("s", R, {"wd": 0.0}, lr(Constant(0.1)), 20, None, None)
+    first = plan.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None, unique=True)
+    again = plan.add_trial("s", R, {"wd": 0.0}, lr(Constant(0.1)), 20, None, None, unique=True)
     other = backend.reopen() if backend.reopen is not None else plan
-    assert other.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None) == first == again
-    assert plan.add_trial("t", R, {"wd": 0.0}, hp, 10, None, None) != first
-    assert plan.add_trial("s", R, {"wd": 0.1}, hp, 10, None, None) != first
-    assert len(plan.trials("s")) == 2
+    assert other.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None, unique=True) == first
+    assert again == first
+    assert plan.add_trial("t", R, {"wd": 0.0}, hp, 10, None, None, unique=True) != first
+    assert plan.add_trial("s", R, {"wd": 0.1}, hp, 10, None, None, unique=True) != first
+    dup = plan.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None)  # not unique: a new row
+    assert dup != first
+    assert plan.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None, unique=True) == first
+    assert len(plan.trials("s")) == 3
     assert plan.trial(first)["steps"] == 10  # the caller updates steps itself
 
 

@@ -157,9 +157,9 @@ class BasePlanStorage(ABC):
       at zero a pending or scheduled request becomes cancelled.
     * **Values** round-trip exactly: hp sequences (via ``stagetree.hp.dumps_hp``),
       configs, metrics including NaN and infinities, log records.
-    * **Trials** are unique per ``(study, root_key, config, hp)``: :meth:`add_trial` of
-      a trial the study holds returns the existing id (two processes submitting the same
-      trial at once get one row).
+    * **Trials**: :meth:`add_trial` with ``unique=True`` of a trial ``(study, root_key,
+      config, hp)`` the study holds returns the (first) existing id, in the same write
+      transaction, so two processes submitting the same trial at once get one row.
     * **Leases** (:mod:`stagetree.plan.leases`): :meth:`claim` grants all segments or
       none, atomically with respect to other claims; live leases of other owners that
       overlap stop it. Time is the writer's ``time.time()``; expired leases count as gone.
@@ -360,8 +360,11 @@ class BasePlanStorage(ABC):
         *,
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
+        unique: bool = False,
     ) -> int:
-        """Record a trial of ``study``; returns its id (unique across the storage).
+        """Record a trial of ``study``; returns its id (unique across the storage). With
+        ``unique``, a trial of the study with the same root key, config and hp is not
+        recorded again: its id is returned.
 
         Raises:
             PlanKeyError: the study does not exist.

@@ -312,6 +312,7 @@ class MemoryPlanStorage(BasePlanStorage):
         *,
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
+        unique: bool = False,
     ) -> int:
         hp = check_trial(TreeIndex(root_key), hp, steps)
         record = {
@@ -330,9 +331,10 @@ class MemoryPlanStorage(BasePlanStorage):
             self._check_open()
             self._study(study)
             ident = (study, root_key, _codec.dumps(record["config"]), dumps_hp(hp))
-            if ident in self._trial_keys:  # one row per (study, root, config, hp)
+            if unique and ident in self._trial_keys:  # one row per (study, root, config, hp)
                 return self._trial_keys[ident]
-            trial_id = self._trial_keys[ident] = self._next_trial
+            trial_id = self._next_trial
+            self._trial_keys.setdefault(ident, trial_id)
             self._next_trial += 1
             self._trials[trial_id] = {"id": trial_id, **record}
             return trial_id

@@ -713,6 +713,7 @@ class SQLPlanStorage(BasePlanStorage):
         *,
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
+        unique: bool = False,
     ) -> int:
         row = {
             "study": study,
@@ -728,14 +729,18 @@ class SQLPlanStorage(BasePlanStorage):
         }
         with self._tx(write=True) as conn:
             self._check_study(conn, study)
-            old = conn.execute(  # one row per (study, root, config, hp)
-                select(_trials.c.id).where(
-                    _trials.c.study == study,
-                    _trials.c.root_key == root_key,
-                    _trials.c.config == row["config"],
-                    _trials.c.hp == row["hp"],
-                )
-            ).first()
+            old = None
+            if unique:  # one row per (study, root, config, hp)
+                old = conn.execute(
+                    select(_trials.c.id)
+                    .where(
+                        _trials.c.study == study,
+                        _trials.c.root_key == root_key,
+                        _trials.c.config == row["config"],
+                        _trials.c.hp == row["hp"],
+                    )
+                    .order_by(_trials.c.id)
+                ).first()
             if old is not None:
                 return int(old.id)
             trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
