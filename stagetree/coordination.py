@@ -30,6 +30,7 @@ The lease time-to-live comes from ``STAGETREE_LEASE_TTL`` (seconds, default 15).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import uuid
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from stagetree.work import RunBatch
 
 __all__ = ["DEFAULT_TTL", "Coordinator", "lease_ttl", "running_trials"]
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 15.0
 Key = tuple[int, int]
@@ -95,13 +98,27 @@ class Coordinator:
         from stagetree.scheduler import RequestCancelled
         from stagetree.work import BatchDone
 
+        live = self.engine.scheduler.live_requests
+        known = {}
+        for key in batch.evaluate_at:  # another engine may have answered them meanwhile
+            metrics = self.storage.get_metrics(*key) if key in live else None
+            if metrics is not None:
+                known[key] = metrics
+        if known:
+            for key, metrics in known.items():
+                self.engine._resolve(key[0], key[1], metrics=metrics)
+            undo: list[Any] = [RequestCancelled(k[0], k[1], live[k]) for k in known]
+            return [*undo, BatchDone(batch.batch_id, batch.worker, 0.0, 0)]
         segments = [(s.node, s.start, s.stop) for s in batch.segments]
+        newer = self._checkpoints_on(batch.root_key, segments)
+        if newer:  # another engine got further along this path: start from there
+            return [*newer, BatchDone(batch.batch_id, batch.worker, 0.0, 0)]
         result = self.storage.claim(self.owner, batch.root_key, segments, self.ttl)
+        _log.debug("claim %s of batch %d: %s", segments, batch.batch_id, result.ok)
         if result.ok:
             self._batch_leases[batch.batch_id] = result.granted
             self._last_beat = time.monotonic()
             return []
-        live = self.engine.scheduler.live_requests
         events: list[Any] = []
         for key in batch.evaluate_at:
             count = live.get(key, 0)
@@ -112,6 +129,24 @@ class Coordinator:
         self._waiting_on.update(lease.id for lease in result.conflicts)
         events.append(BatchDone(batch.batch_id, batch.worker, 0.0, 0))
         return events
+
+    def _checkpoints_on(self, root_key: str, segments: list[tuple[int, int, int]]) -> list[Any]:
+        """``CheckpointAvailable`` for durable checkpoints the scheduler does not know
+        inside the ``segments`` about to be trained (saved by another engine)."""
+        from stagetree.scheduler import CheckpointAvailable
+
+        if not self.shared:
+            return []
+        known = self.engine.scheduler.checkpoints
+        out: list[Any] = []
+        for (node, step), rec in self.storage.checkpoints(root_key).items():
+            if (node, step) in known or not any(
+                n == node and a < step <= b for n, a, b in segments
+            ):
+                continue
+            if self.engine.store.exists(rec.ref):
+                out.append(CheckpointAvailable(node, step, rec.ref))
+        return out
 
     def batch_ended(self, batch_id: int) -> None:
         leases = self._batch_leases.pop(batch_id, ())
@@ -151,8 +186,8 @@ class Coordinator:
         if (self._batch_leases or self._studies) and now - self._last_beat >= self.ttl / 5:
             self._last_beat = now
             self.storage.renew(self.owner, self.ttl)
-        if now - self._last_poll < self.poll:
-            return
+        if now - self._last_poll < self.poll or self.engine._queued:
+            return  # submissions are applied first: the scheduler knows their roots then
         self._last_poll = now
         events: list[Any] = []
         if self.shared:
@@ -216,6 +251,7 @@ class Coordinator:
         live = {lease.id for root in self._parked_roots for lease in self.storage.leases(root)}
         if not events and self._waiting_on <= live:
             return []  # nothing changed: keep waiting
+        _log.debug("unpark %s", sorted(self._parked))
         for (node, step), count in sorted(self._parked.items()):
             waiting = sum(not w.future.done() for w in engine._waiters.get((node, step), []))
             events.append(RequestAdded(node, step, min(count, waiting) if waiting else count))

@@ -1,0 +1,174 @@
+"""Processes that share one storage cooperate (DESIGN semantics 5): leases on stages,
+waiting for another engine's checkpoints and metrics, one tuner per study, and leases
+that expire after ``kill -9``. Every engine here is a real process
+(``tests/coop_script.py``) with a real worker process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagetree.cli import study_status
+from stagetree.plan import SQLPlanStorage
+
+SCRIPT = Path(__file__).with_name("coop_script.py")
+PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")
+TTL = 2.0
+
+# Two overlapping studies: lr 0.05 constant, or halved at a milestone, 12 steps each.
+# The union of their paths is 12 (constant) + 8 (m=4) + 6 (m=6) + 4 (m=8) = 30 steps.
+TRIALS_A = [[None, 12], [4, 12], [8, 12]]
+TRIALS_B = [[None, 12], [6, 12], [8, 12]]
+UNIQUE_AB = 30
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'plan.db'}"
+        return
+    if not PG_URL:
+        pytest.skip("set STAGETREE_TEST_DB_URL to run the PostgreSQL backend")
+    fresh = SQLPlanStorage(PG_URL)
+    fresh.drop_all()
+    fresh.close()
+    yield PG_URL
+
+
+def launch(tmp_path: Path, name: str, **spec: Any) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp_path / f"{name}.json"
+    spec.setdefault("checkpoint_dir", str(tmp_path / "ckpt"))
+    spec["out"] = str(out)
+    env = {**os.environ, "STAGETREE_LEASE_TTL": str(TTL)}
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), json.dumps(spec)],
+        env=env,
+        start_new_session=True,  # its own process group: kill -9 takes its workers too
+    )
+    return proc, out
+
+
+def finish(proc: subprocess.Popen[bytes], out: Path, timeout: float = 120) -> dict[str, Any]:
+    proc.wait(timeout=timeout)
+    return {"code": proc.returncode, **json.loads(out.read_text())}
+
+
+def run_together(tmp_path: Path, specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Start one process per spec; they all begin once a start file appears."""
+    start = tmp_path / "go"
+    procs = {name: launch(tmp_path, name, start=str(start), **s) for name, s in specs.items()}
+    time.sleep(1.0)  # let them import stagetree; then release them at the same instant
+    start.write_text("go")
+    return {name: finish(*p) for name, p in procs.items()}
+
+
+def reference(tmp_path: Path, trials: list[list[Any]]) -> dict[str, Any]:
+    """The metrics of ``trials`` trained by one process alone."""
+    url = f"sqlite:///{tmp_path / 'alone.db'}"
+    proc, out = launch(
+        tmp_path, "alone", url=url, study="alone", trials=trials, checkpoint_dir=None
+    )
+    result = finish(proc, out)
+    assert result["code"] == 0
+    with SQLPlanStorage(url) as plan:
+        assert plan.stats("engine")["steps_executed"] == UNIQUE_AB
+    return result["metrics"]  # type: ignore[no-any-return]
+
+
+def test_two_processes_train_every_unique_step_once(url: str, tmp_path: Path) -> None:
+    common = {"url": url, "mode": "submit", "nap": 0.05}
+    results = run_together(
+        tmp_path,
+        {
+            "a": {**common, "study": "a", "trials": TRIALS_A},
+            "b": {**common, "study": "b", "trials": TRIALS_B},
+        },
+    )
+    assert [r["code"] for r in results.values()] == [0, 0]
+    with SQLPlanStorage(url) as plan:
+        executed = plan.stats("engine")["steps_executed"]
+        assert plan.leases() == []  # every lease released at the end
+        trials = plan.trials("a") + plan.trials("b")
+    assert executed == UNIQUE_AB  # without leases both engines train the shared stages
+    assert all(t["state"] == "done" for t in trials) and len(trials) == 6
+    alone = reference(tmp_path, TRIALS_A + TRIALS_B[1:2])
+    for r in results.values():
+        for key, metrics in r["metrics"].items():
+            assert metrics == alone[key], key  # bit for bit what one process computes
+
+
+def test_same_study_started_twice_runs_once(url: str, tmp_path: Path) -> None:
+    trials = TRIALS_A + TRIALS_B[1:2]
+    spec = {"url": url, "mode": "tune", "nap": 0.05, "study": "s", "trials": trials}
+    results = run_together(tmp_path, {"first": spec, "second": spec})
+    outcomes = sorted(r["outcome"] for r in results.values())
+    assert outcomes == ["busy", "tuned"]
+    busy = next(r for r in results.values() if r["outcome"] == "busy")
+    tuned = next(r for r in results.values() if r["outcome"] == "tuned")
+    assert busy["code"] == 3
+    assert "study 's' is being tuned by another process" in busy["message"]
+    assert f":{tuned['pid']})" in busy["message"]  # names the process that holds it
+
+    def check() -> tuple[float, list[dict[str, Any]]]:
+        with SQLPlanStorage(url) as plan:
+            rows = plan.trials("s")
+            log = plan.read_log("s")
+            executed = plan.stats("engine")["steps_executed"]
+            assert plan.leases() == []
+        assert len(rows) == len(trials)  # no duplicate rows
+        assert len({(json.dumps(t["config"]), repr(t["hp"])) for t in rows}) == len(trials)
+        assert all(t["state"] == "done" for t in rows)
+        assert not [r for r in log if r.get("event") == "diverged"]
+        assert len([r for r in log if r.get("event") == "submit"]) == len(trials)
+        return executed, log
+
+    executed, log = check()
+    assert executed == UNIQUE_AB
+    # Run again: the study resumes by replaying its log; nothing is trained twice.
+    again = finish(*launch(tmp_path, "again", **spec))
+    assert again["outcome"] == "tuned"
+    assert check() == (executed, log)
+
+
+def test_kill_9_leases_expire_and_another_process_resumes(url: str, tmp_path: Path) -> None:
+    # Constant lr for 30 steps and a branch at step 10: the first batch checkpoints at
+    # (root, 10) on its way. Kill its engine (and worker) once that checkpoint exists.
+    trials = [[None, 30], [10, 30]]
+    spec = {"url": url, "mode": "submit", "nap": 0.1, "study": "a", "trials": trials}
+    proc, _ = launch(tmp_path, "doomed", **spec)
+    plan = SQLPlanStorage(url)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(step >= 10 for _node, step in plan.checkpoints()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert plan.leases() != []
+        assert study_status(plan, "a").running >= 1
+        deadline = time.monotonic() + TTL + 5
+        while plan.leases():  # no heartbeat any more: they expire
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert study_status(plan, "a").running == 0
+        assert "running" in {t["state"] for t in plan.trials("a")}  # the stale rows
+        saved = max(step for _node, step in plan.checkpoints())
+        before = plan.stats("engine").get("steps_executed", 0.0)
+    finally:
+        plan.close()
+    result = finish(*launch(tmp_path, "rescuer", **spec))
+    assert result["code"] == 0
+    with SQLPlanStorage(url) as plan:
+        executed = plan.stats("engine")["steps_executed"] - before
+        assert {t["state"] for t in plan.trials("a")} == {"done"}
+        assert study_status(plan, "a").running == 0
+    assert executed <= 50 - saved  # resumed from the dead engine's checkpoints
