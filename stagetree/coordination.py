@@ -289,6 +289,7 @@ class Coordinator:
                 if any(overlaps(lease, req.node, req.step - 1, req.step) for lease in leases):
                     self._adopted.add(key)
                     events.append(RequestAdded(key[0], key[1]))
+                    _log.debug("adopt request %s", key)
         return events
 
     # -- life cycle ----------------------------------------------------------------------

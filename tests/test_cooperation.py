@@ -172,3 +172,23 @@ def test_kill_9_leases_expire_and_another_process_resumes(url: str, tmp_path: Pa
         assert {t["state"] for t in plan.trials("a")} == {"done"}
         assert study_status(plan, "a").running == 0
     assert executed <= 50 - saved  # resumed from the dead engine's checkpoints
+
+
+def test_a_request_inside_another_engines_stage_is_answered_on_its_way(
+    url: str, tmp_path: Path
+) -> None:
+    # One engine trains the constant lr to step 20; the other asks for step 10 of the
+    # same path. Whoever claims the stage first, the other never trains steps 0-9 again:
+    # the holder adopts the request and evaluates it on its way (or checkpoints there).
+    common = {"url": url, "mode": "submit", "nap": 0.1}
+    results = run_together(
+        tmp_path,
+        {
+            "long": {**common, "study": "long", "trials": [[None, 20]]},
+            "short": {**common, "study": "short", "trials": [[None, 10]]},
+        },
+    )
+    assert [r["code"] for r in results.values()] == [0, 0]
+    with SQLPlanStorage(url) as plan:
+        assert plan.stats("engine")["steps_executed"] == 20
+        assert plan.leases() == []
