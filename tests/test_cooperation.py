@@ -192,3 +192,34 @@ def test_a_request_inside_another_engines_stage_is_answered_on_its_way(
     with SQLPlanStorage(url) as plan:
         assert plan.stats("engine")["steps_executed"] == 20
         assert plan.leases() == []
+
+
+def test_a_waiting_engine_takes_over_when_the_holder_is_killed(url: str, tmp_path: Path) -> None:
+    trials = [[None, 30], [10, 30]]
+    common = {"url": url, "mode": "submit", "nap": 0.2, "trials": trials}
+    holder, _ = launch(tmp_path, "holder", study="a", **common)
+    plan = SQLPlanStorage(url)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(step >= 10 for _node, step in plan.checkpoints()):
+            assert time.monotonic() < deadline and holder.poll() is None
+            time.sleep(0.05)
+        waiter, out = launch(tmp_path, "waiter", study="b", **common)
+        while not plan.trials("b") or len(plan.leases()) < 1:  # it submitted; it waits
+            assert time.monotonic() < deadline and waiter.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert holder.poll() is None, "the holder finished before the waiter came"
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=10)
+        saved = max(step for _node, step in plan.checkpoints())
+        before = plan.stats("engine").get("steps_executed", 0.0)
+    finally:
+        plan.close()
+    result = finish(waiter, out)
+    assert result["code"] == 0
+    with SQLPlanStorage(url) as plan:
+        executed = plan.stats("engine")["steps_executed"] - before
+        assert {t["state"] for t in plan.trials("b")} == {"done"}
+        assert plan.leases() == []
+    assert executed <= 50 - saved  # from the dead engine's checkpoints, after its leases expired
