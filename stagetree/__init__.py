@@ -6,6 +6,7 @@ The public API is re-exported here; sequences live in :mod:`stagetree.hp`, tuner
 
 from __future__ import annotations
 
+from stagetree.check import CheckReport, check_trainer
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import (
     CheckpointError,
@@ -15,6 +16,7 @@ from stagetree.exceptions import (
     SchedulerError,
     SchemaVersionError,
     StagetreeError,
+    StagetreeWarning,
     StorageError,
     StudyBusyError,
     TrainerError,
@@ -25,13 +27,14 @@ from stagetree.exceptions import (
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace, RandomSpace, TrialSpec, load_space_file
 from stagetree.stages import kwise_merge_rate, merge_rate
-from stagetree.study import Study, TrialRecord
+from stagetree.study import Study, TrialError, TrialRecord
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckReport",
     "CheckpointError",
     "Choice",
     "Distribution",
@@ -45,12 +48,14 @@ __all__ = [
     "SchedulerError",
     "SchemaVersionError",
     "StagetreeError",
+    "StagetreeWarning",
     "StorageError",
     "Study",
     "StudyBusyError",
     "Trainer",
     "TrainerError",
     "TrialCancelledError",
+    "TrialError",
     "TrialFailedError",
     "TrialRecord",
     "TrialResult",
@@ -58,6 +63,7 @@ __all__ = [
     "TunerError",
     "Uniform",
     "__version__",
+    "check_trainer",
     "kwise_merge_rate",
     "load_space_file",
     "merge_rate",

@@ -51,7 +51,7 @@ from typing import Any
 
 from stagetree.exceptions import CheckpointError
 
-__all__ = ["CheckpointInfo", "CheckpointStore", "EvictionInfo"]
+__all__ = ["CheckpointInfo", "CheckpointStore", "EvictionInfo", "check_state"]
 
 _MAGIC = b"STCKPT\x00\x01"
 _FORMAT = 1
@@ -304,6 +304,18 @@ class CheckpointStore:
 
 
 # ---------------------------------------------------------------------- file format
+
+
+def check_state(state: Any, what: str = "the state") -> None:
+    """Raise :class:`~stagetree.exceptions.CheckpointError` unless ``state`` can be
+    saved: a mapping made of what the format holds. The message names the first part
+    that cannot be saved (``state['sched']['fn']: cannot save a function ...``). Cheap:
+    it walks the state without copying or encoding anything."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"{what} must return a dict of the training state, got {type(state).__name__}"
+        )
+    _to_skeleton(state, [], [], "state")
 
 
 def _encode(state: Mapping[str, Any]) -> list[bytes]:

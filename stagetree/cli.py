@@ -10,6 +10,7 @@ Subcommands:
 * ``stagetree status``: the studies of a storage: trials, best metric, steps executed,
   requested and unique, device-seconds spent and saved.
 * ``stagetree export``: every trial's metric history as CSV or JSON.
+* ``stagetree check SCRIPT.py``: is the script's trainer exact (:mod:`stagetree.check`)?
 
 Each subcommand is a function that adds its subparser (:data:`_SUBCOMMANDS`) and sets
 ``handler`` to a function ``(args) -> int``.
@@ -39,7 +40,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree import __version__
 from stagetree.coordination import running_trials
-from stagetree.exceptions import InvalidSpaceError, StagetreeError, StorageError
+from stagetree.exceptions import (
+    InvalidSpaceError,
+    StagetreeError,
+    StorageError,
+    TrialFailedError,
+)
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
@@ -73,6 +79,7 @@ __all__ = [
 ]
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1  # `stagetree run`: no trial of the study succeeded
 
 
 # --------------------------------------------------------------------------- explain
@@ -326,7 +333,8 @@ def _sqlite_file(url: str) -> Path | None:
 
 
 def open_existing_storage(url: str) -> BasePlanStorage:
-    """Open a storage to read it, without creating a SQLite file that is not there.
+    """Open a storage read-only (nothing is ever written to it, not even stagetree's
+    tables), without creating a SQLite file that is not there.
 
     Raises:
         StorageError: the URL cannot be opened, naming it.
@@ -337,7 +345,7 @@ def open_existing_storage(url: str) -> BasePlanStorage:
     if path is not None and not path.is_file():
         raise StorageError(f"cannot open plan storage {url!r}: {path} does not exist")
     try:
-        storage = open_storage(url)
+        storage = open_storage(url, readonly=True)  # reports never write
         storage.studies()  # a file that is not a plan fails here, not halfway through
     except StagetreeError:
         raise
@@ -497,6 +505,17 @@ def _best_rows(best: Any, metric: str, mode: str) -> list[tuple[str, str]]:
     return rows
 
 
+def _failure_rows(failures: list[tuple[int, str]], most: int = 5) -> list[tuple[str, str]]:
+    """Rows naming failed trials and the first line of each error (at most ``most``)."""
+    if not failures:
+        return []
+    rows = [("failed trials", str(len(failures)))]
+    rows.extend((f"  trial {tid}", summary) for tid, summary in failures[:most])
+    if len(failures) > most:
+        rows.append(("  ...", f"{len(failures) - most} more (stagetree export shows every error)"))
+    return rows
+
+
 def report_study(
     study: Study,
     best: Any,
@@ -540,6 +559,9 @@ def report_study(
     value = _final_metrics(best).get(metric) if best is not None else None
     numbers["best"] = float(value) if isinstance(value, (int, float)) else math.nan
     best_rows = _best_rows(best, metric, mode)
+    failures = study.failures() if hasattr(study, "failures") else []
+    numbers["failed"] = float(len(failures))
+    best_rows.extend(_failure_rows([(tid, e.summary()) for tid, e in failures]))
     rows = [("trials", str(round(numbers["trials"]))), *_accounting_rows(numbers)]
     title = f"study {study.name}"
     if _use_rich(stream, rich_output):
@@ -610,6 +632,26 @@ def _script_context(path: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
             sys.modules[RUN_NAME] = saved_module  # type: ignore[assignment]
 
 
+def _run_user_script(path: Path, name: str) -> dict[str, Any]:
+    """Run a user's script (see :func:`run_script`); a syntax error or a failed import
+    in it becomes a one-line :class:`CommandError` naming the script and the line."""
+    try:
+        return runpy.run_path(str(path), run_name=RUN_NAME)
+    except SyntaxError as exc:
+        where = f" (line {exc.lineno})" if exc.lineno else ""
+        raise CommandError(f"{name}: SyntaxError: {exc.msg}{where}") from None
+    except ImportError as exc:
+        line = None
+        tb = exc.__traceback__
+        target = str(path.resolve())
+        while tb is not None:  # the script's own line that imported
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) == target:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        where = f" (line {line})" if line else ""
+        raise CommandError(f"{name}: {type(exc).__name__}: {exc}{where}") from None
+
+
 def _close_all(studies: Iterable[Any]) -> None:
     for st in studies:
         try:
@@ -625,6 +667,7 @@ def run_script(
     storage: str | None = None,
     progress: bool = True,
     out: TextIO | None = None,
+    check: bool = True,
 ) -> int:
     """``stagetree run``: run the study a script defines with its tuner.
 
@@ -634,7 +677,9 @@ def run_script(
     ``$STAGETREE_STORAGE`` for the run). The study is the ``Study`` named ``study`` (or
     the only one), the tuner the ``Tuner`` named ``tuner`` (or the only one). The study
     is tuned with live progress, the report printed (:func:`report_study`) and every
-    study of the script closed, also on Ctrl-C.
+    study of the script closed, also on Ctrl-C. With ``check``, a trainer version the
+    storage has not seen is checked first (:func:`stagetree.check.first_contact_check`)
+    and a warning printed to stderr when it is not exact.
 
     Returns:
         0, or 130 when interrupted (the study is closed cleanly: a later run resumes).
@@ -664,18 +709,27 @@ def run_script(
     try:
         with _script_context(path) as keep:
             try:
-                namespace = runpy.run_path(str(path), run_name=RUN_NAME)
+                namespace = _run_user_script(path, str(script))
                 keep(namespace)
                 studies = list(
                     {id(v): v for v in namespace.values() if isinstance(v, Study)}.values()
                 )
                 study = _pick(namespace, "study", Study, "study", str(script))
                 tuner = _pick(namespace, "tuner", Tuner, "tuner", str(script))
+                if check:
+                    from stagetree.check import first_contact_check
+
+                    first_contact_check(study, tuner, sys.stderr)
                 display = (
                     ProgressDisplay(study, out=stream) if progress else contextlib.nullcontext()
                 )
-                with display:
-                    best = study.tune(tuner)
+                try:
+                    with display:
+                        best = study.tune(tuner)
+                except TrialFailedError as exc:  # no trial succeeded
+                    print(f"{exc}", file=sys.stderr)
+                    print(f"stagetree run: error: {_one_line(exc)}", file=sys.stderr)
+                    return EXIT_FAILED
                 report_study(study, best, metric=tuner.metric, mode=tuner.mode, out=stream)
             except KeyboardInterrupt:
                 interrupted = True
@@ -697,7 +751,11 @@ def run_script(
 
 def _cmd_run(args: argparse.Namespace) -> int:
     return run_script(
-        args.script, workers=args.workers, storage=args.storage, progress=not args.no_progress
+        args.script,
+        workers=args.workers,
+        storage=args.storage,
+        progress=not args.no_progress,
+        check=not args.no_check,
     )
 
 
@@ -716,6 +774,11 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--storage", metavar="URL", help="plan storage URL (overrides the script)")
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="do not check a trainer new to the storage for exactness (stagetree check)",
+    )
     p.set_defaults(handler=_cmd_run)
 
 
@@ -741,6 +804,7 @@ class StudyStatus:
         numbers: :func:`accounting` of the study, or None when the storage counts
             executed steps and device-seconds only for all its studies together (see
             :class:`StorageStatus`).
+        failures: ``(trial id, first line of its error)`` per failed trial.
     """
 
     name: str
@@ -758,6 +822,7 @@ class StudyStatus:
     steps_requested: int
     steps_unique: int
     numbers: dict[str, float] | None
+    failures: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -875,7 +940,15 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
         steps_requested=summary.total_steps,
         steps_unique=summary.unique_steps,
         numbers=numbers,
+        failures=[(int(t["id"]), _error_summary(t)) for t in trials if t["state"] == "failed"],
     )
+
+
+def _error_summary(trial: Mapping[str, Any]) -> str:
+    from stagetree.study import TrialError
+
+    error = TrialError.from_attrs(trial.get("attrs"))
+    return error.summary() if error is not None else "no error was recorded"
 
 
 def storage_status(storage: BasePlanStorage, url: str, study: str | None = None) -> StorageStatus:
@@ -921,6 +994,7 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
                 f"{st.mode}; {st.metric_note})",
             )
         )
+    rows.extend(_failure_rows(st.failures))
     if st.numbers is not None:
         rows.extend(_accounting_rows(st.numbers))
     else:
@@ -1024,8 +1098,9 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
     """Every trial with its metric history, as JSON-able dicts.
 
     Each dict: ``study``, ``trial`` (id), ``config``, ``hp`` (sequences as JSON),
-    ``steps``, ``state`` and ``history``: ``[{"step": s, "metrics": {...}}, ...]`` in
-    step order (only steps with metrics; NaN and infinities as strings).
+    ``steps``, ``state``, ``error`` (None, or for a failed trial ``{"type", "message",
+    "traceback", "where"}``) and ``history``: ``[{"step": s, "metrics": {...}}, ...]``
+    in step order (only steps with metrics; NaN and infinities as strings).
 
     Raises:
         CommandError: no study ``study`` in the storage.
@@ -1052,6 +1127,7 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
                     "hp": {k: seq.to_json() for k, seq in t["hp"].items()},
                     "steps": int(t["steps"]),
                     "state": t["state"],
+                    "error": _export_error(t),
                     "history": [
                         {"step": step, "metrics": {k: _json_number(v) for k, v in m.items()}}
                         for step, m in sorted(history.items())
@@ -1059,6 +1135,17 @@ def export_records(storage: BasePlanStorage, study: str | None = None) -> list[d
                 }
             )
     return out
+
+
+def _export_error(trial: Mapping[str, Any]) -> dict[str, str] | None:
+    import dataclasses
+
+    from stagetree.study import TrialError
+
+    if trial["state"] != "failed":
+        return None
+    error = TrialError.from_attrs(trial.get("attrs"))
+    return dataclasses.asdict(error) if error is not None else None
 
 
 def _cell(value: Any) -> Any:
@@ -1071,8 +1158,10 @@ def export_table(records: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[
     """One row per (trial, step with metrics) of :func:`export_records`.
 
     Columns: ``study``, ``trial``, ``config.<name>`` (in order of first appearance),
-    ``hp`` (JSON of the sequences), ``step``, ``metric.<name>`` (sorted). Cells a row
-    does not have are empty.
+    ``hp`` (JSON of the sequences), ``step``, ``metric.<name>`` (sorted), ``state`` and
+    ``error`` (the first line of a failed trial's error). Cells a row does not have are
+    empty. A failed trial without metrics still gets one row (with an empty step), so
+    that every failure is in the table.
     """
     records = list(records)
     config_names: dict[str, None] = {}
@@ -1089,14 +1178,20 @@ def export_table(records: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[
         "hp",
         "step",
         *(f"metric.{k}" for k in metrics),
+        "state",
+        "error",
     ]
     rows: list[list[Any]] = []
     for rec in records:
         config = [_cell(rec["config"].get(k, "")) for k in config_names]
         hp = json.dumps(rec["hp"], sort_keys=True, separators=(",", ":"))
-        for h in rec["history"]:
+        error = rec.get("error") or {}
+        line = f"{error.get('type', 'Error')}: {error.get('message', '')}" if error else ""
+        tail = [rec.get("state", ""), line.splitlines()[0] if line else ""]
+        history = rec["history"] or ([{"step": "", "metrics": {}}] if error else [])
+        for h in history:
             values = [h["metrics"].get(k, "") for k in metrics]
-            rows.append([rec["study"], rec["trial"], *config, hp, h["step"], *values])
+            rows.append([rec["study"], rec["trial"], *config, hp, h["step"], *values, *tail])
     return header, rows
 
 
@@ -1229,6 +1324,40 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 _SUBCOMMANDS.append(_add_simulate)
+
+
+def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``stagetree check SCRIPT.py``: is the script's trainer exact
+    (:func:`stagetree.check.check_script`)? Exit 0 when it is, 1 when not."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from stagetree.check import check_script
+
+        report = check_script(args.script, steps=args.steps, splits=args.splits)
+        return 0 if report.exact else 1
+
+    p = sub.add_parser(
+        "check",
+        help="check that the script's trainer is exact (shared stages = training alone)",
+        description="Load SCRIPT.py like `stagetree run` (nothing is trained on the study's "
+        "storage), train the first trial of its tuner's space for a few steps straight "
+        "through and split with checkpoint round-trips into fresh instances, and report "
+        "the first step where metrics or state differ and why. Exit status 0 when exact, "
+        "1 when not.",
+    )
+    p.add_argument("script", metavar="SCRIPT.py", help="file defining `study` (and `tuner`)")
+    p.add_argument("--steps", type=_positive, default=4, help="steps per run (4; at least 2)")
+    p.add_argument(
+        "--splits",
+        type=_positive,
+        nargs="+",
+        metavar="STEP",
+        help="steps to split at (default: every step)",
+    )
+    p.set_defaults(handler=handler)
+
+
+_SUBCOMMANDS.append(_add_check)
 
 
 def build_parser() -> argparse.ArgumentParser:

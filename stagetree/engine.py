@@ -11,6 +11,7 @@ of submissions at once.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import shutil
 import tempfile
 import threading
@@ -29,7 +30,19 @@ if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
     from stagetree.executors.base import BaseExecutor
 
-__all__ = ["Engine", "Waiter", "default_checkpoint_dir", "root_scope"]
+__all__ = ["Engine", "Waiter", "default_checkpoint_dir", "failure_record", "root_scope"]
+
+logger = logging.getLogger("stagetree")
+
+
+def failure_record(error: str, traceback: str, where: str = "") -> dict[str, str]:
+    """How a failure is kept in a trial's ``attrs["error"]`` (see
+    :class:`~stagetree.study.TrialError`): the exception's type and message, its
+    traceback, and what it interrupted."""
+    kind, sep, message = error.partition(": ")
+    if not sep or not kind.replace(".", "").replace("_", "").isalnum():
+        kind, message = "Error", error
+    return {"type": kind, "message": message, "traceback": traceback, "where": where}
 
 
 def default_checkpoint_dir(url: str) -> tuple[Path, bool]:
@@ -115,6 +128,7 @@ class Engine:
         self._idle = threading.Condition(self.lock)
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
+        self._reported_corrupt: set[str] = set()  # start checkpoints reported unreadable
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -349,6 +363,15 @@ class Engine:
             for (node, step), rec in self.storage.checkpoints().items():
                 if rec.ref == ref:
                     self.storage.remove_checkpoint(node, step)
+            if ref is not None and ref not in self._reported_corrupt:
+                self._reported_corrupt.add(ref)  # said once, not at every retry
+                logger.warning(
+                    "checkpoint %s (step %s) cannot be loaded (%s); its steps are "
+                    "recomputed from an earlier checkpoint",
+                    ref,
+                    ev.step,
+                    ev.error,
+                )
         if ended is not None:
             self._start_refs.pop(ended, None)
             self._batch_roots.pop(ended, None)
@@ -388,7 +411,8 @@ class Engine:
             elif isinstance(item, RequestDone):
                 self._resolve(item.node, item.step, metrics=dict(item.metrics))
             elif isinstance(item, RequestFailed):
-                self._resolve(item.node, item.step, error=(item.error, item.traceback))
+                where = getattr(item, "where", "")
+                self._resolve(item.node, item.step, error=(item.error, item.traceback, where))
 
     def _mark_running(self, node: int) -> None:
         for (n, _step), waiters in self._waiters.items():
@@ -401,7 +425,7 @@ class Engine:
         node: int,
         step: int,
         metrics: dict[str, float] | None = None,
-        error: tuple[str, str] | None = None,
+        error: tuple[str, str, str] | None = None,
     ) -> None:
         req = self.storage.request(node, step)
         if error is not None:
@@ -416,20 +440,37 @@ class Engine:
             if w.future.done():
                 continue
             if error is not None:
-                w.future.set_exception(TrialFailedError(error[0], error[1]))
-                self._set_trial_state(w, "failed")
+                text, tb, where = error
+                message = f"trial {w.trial_id} failed {where}: {text}" if where else text
+                w.future.set_exception(TrialFailedError(message, tb))
+                self._set_trial_state(w, "failed", error=failure_record(text, tb, where))
             else:
                 assert metrics is not None
                 w.future.set_result(metrics)
                 self._set_trial_state(w, "done")
 
-    def _set_trial_state(self, w: Waiter, state: str, only_from: str | None = None) -> None:
+    def _set_trial_state(
+        self,
+        w: Waiter,
+        state: str,
+        only_from: str | None = None,
+        error: dict[str, str] | None = None,
+    ) -> None:
+        """Record a trial's state; a failure keeps its error in ``attrs["error"]``, and any
+        other final state drops an error left by an earlier run."""
         try:
             if only_from is not None:
                 current = self.storage.trial(w.trial_id)["state"]
                 if current != only_from:
                     return
-            self.storage.update_trial(w.trial_id, state=state)
+            attrs = None
+            if error is not None or state in ("done", "cancelled"):
+                attrs = dict(self.storage.trial(w.trial_id).get("attrs") or {})
+                if error is not None:
+                    attrs["error"] = error
+                elif attrs.pop("error", None) is None:
+                    attrs = None  # nothing to change
+            self.storage.update_trial(w.trial_id, state=state, attrs=attrs)
         except StagetreeError:
             pass  # the trial record is informative only
 

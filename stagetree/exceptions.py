@@ -15,6 +15,9 @@ Hierarchy::
     ├── TrialCancelledError        a request was cancelled before it finished
     ├── StudyBusyError             the study is being tuned by another live process
     └── TunerError                 (also ValueError) invalid tuner arguments or metric
+
+    StagetreeWarning               (a UserWarning) something the user should know about:
+                                   repeated draws of a random search, ...
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "SchedulerError",
     "SchemaVersionError",
     "StagetreeError",
+    "StagetreeWarning",
     "StorageError",
     "StudyBusyError",
     "TrainerError",
@@ -110,3 +114,7 @@ class StudyBusyError(StagetreeError):
 
 class TunerError(StagetreeError, ValueError):
     """Invalid tuner arguments, or a metric the trainer never reports."""
+
+
+class StagetreeWarning(UserWarning):
+    """A warning stagetree gives on purpose (the run goes on)."""

@@ -16,6 +16,10 @@ overestimates when trials share. Trials a tuner has not submitted yet are not co
 The saving shown is requested minus executed steps, counting the unique steps still to
 run as executed (:attr:`ProgressState.saved`): it never counts work still to do as
 saved, and it is requested minus executed at the end.
+
+A trial that fails is announced once, as it happens, with its error on one line
+(``trial 3 failed: ValueError: boom (training step 4)``), above the live panel or
+between the plain lines (``study.failures()`` is read when the failed count grows).
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ class ProgressDisplay:
         self._thread: threading.Thread | None = None
         self._live: Any = None
         self._lock = threading.Lock()
+        self._failures_shown: set[int] = set()
         self.state: ProgressState | None = None
 
     # -- polling -------------------------------------------------------------------------
@@ -310,8 +315,31 @@ class ProgressDisplay:
         """
         now = time.monotonic() if now is None else now
         state = self.poll(now)
+        if state is not None:
+            self._announce_failures(state)
         self._draw(state if state is not None else self.state, now)
         return state
+
+    def _announce_failures(self, state: ProgressState) -> None:
+        """Print each newly failed trial once (its error's summary line)."""
+        failures = getattr(self.study, "failures", None)
+        if failures is None or state.failed <= len(self._failures_shown):
+            return
+        try:
+            found = failures()
+        except Exception:
+            return
+        for trial_id, error in found:
+            if trial_id in self._failures_shown:
+                continue
+            self._failures_shown.add(trial_id)
+            summary = error.summary() if hasattr(error, "summary") else str(error)
+            line = f"trial {trial_id} failed: {summary}"
+            with self._lock:
+                if self._live is not None:
+                    self._live.console.print(line, style="red", markup=False, highlight=False)
+                else:
+                    print(line, file=self.stream, flush=True)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -353,6 +381,8 @@ class ProgressDisplay:
         now = time.monotonic()
         state = self.poll(now)
         with contextlib.suppress(Exception):
+            if state is not None:
+                self._announce_failures(state)
             self._draw(state if state is not None else self.state, now, final=True)
         if self._live is not None:
             with contextlib.suppress(Exception):

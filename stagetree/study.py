@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -28,8 +30,10 @@ from stagetree.exceptions import (
     InvalidTrialError,
     StagetreeError,
     StudyBusyError,
+    TrialFailedError,
 )
 from stagetree.hp import Sequence, as_sequence, dumps_hp
+from stagetree.names import check_hp_names, check_space_names, names_mismatch
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.space import canonical_json
 from stagetree.trainer import Trainer
@@ -38,7 +42,7 @@ from stagetree.tuners.base import TrialResult, Tuner
 if TYPE_CHECKING:
     from stagetree.executors.base import BaseExecutor
 
-__all__ = ["Study", "TrialRecord", "trainer_fingerprint"]
+__all__ = ["Study", "TrialError", "TrialRecord", "trainer_fingerprint"]
 
 # Command-line overrides (``stagetree run --workers N --storage URL``): the CLI sets them
 # before it runs a script, and every Study built by that script honours them.
@@ -71,6 +75,44 @@ def trainer_fingerprint(trainer: type[Trainer]) -> str:
     return digest.hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class TrialError:
+    """Why a trial failed, as kept in the plan (``attrs["error"]`` of its record).
+
+    Attributes:
+        type: the exception's type name (``"ValueError"``, ``"WorkerLost"``, ...).
+        message: the exception's message.
+        traceback: the formatted traceback from the worker ("" when there is none, e.g.
+            a worker process that died).
+        where: what it interrupted, in words ("training step 3", "evaluating or
+            checkpointing the model at step 5", "building the trainer").
+    """
+
+    type: str
+    message: str
+    traceback: str = ""
+    where: str = ""
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any] | None) -> TrialError | None:
+        """The error kept in a trial record's ``attrs``, or None."""
+        raw = (attrs or {}).get("error")
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(
+            str(raw.get("type", "Error")),
+            str(raw.get("message", "")),
+            str(raw.get("traceback", "")),
+            str(raw.get("where", "")),
+        )
+
+    def summary(self) -> str:
+        """One line: ``ValueError: boom (training step 3)``."""
+        where = f" ({self.where})" if self.where else ""
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.type}: {first}{where}" if first else f"{self.type}{where}"
+
+
 @dataclass
 class TrialRecord:
     """One trial of a study, as :meth:`Study.trials` returns it.
@@ -82,6 +124,7 @@ class TrialRecord:
         steps: the most steps requested for this trial so far.
         state: ``pending`` | ``running`` | ``done`` | ``failed`` | ``cancelled``.
         metrics: every known metric on the trial's path, by step.
+        error: why it failed (``state == "failed"``), else None.
     """
 
     id: int
@@ -90,6 +133,7 @@ class TrialRecord:
     steps: int
     state: str
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    error: TrialError | None = None
 
 
 _ENGINES: dict[tuple[str, str], Engine] = {}
@@ -114,11 +158,13 @@ class Study:
             baseline); promotions of the same trial still resume it.
         checkpoint_dir: where checkpoints go (default: beside the SQLite file, a
             temporary directory otherwise).
-        checkpoint_budget: bytes the checkpoint store may hold (None: unlimited).
+        checkpoint_budget: bytes the checkpoint store may hold: an int, or a size such
+            as ``"10MB"`` / ``"2GiB"`` (None: unlimited).
         version: overrides the trainer's source fingerprint in the root key.
         executor: ``"local"`` (worker processes, the default), ``"inline"`` (in this
             process; for debugging and tests), ``"simulated"`` (virtual time, no training:
-            :class:`~stagetree.executors.SimulatedExecutor`) or a factory returning a
+            :class:`~stagetree.executors.SimulatedExecutor`), another name registered
+            with :func:`~stagetree.executors.register_executor`, or a factory returning a
             ``BaseExecutor``.
         policy: scheduling policy: ``"critical_path"`` (default), ``"bfs"`` or ``"thr"``.
         max_retries: how often a failing stage is retried before its requests fail.
@@ -145,16 +191,29 @@ class Study:
         max_retries: int = 0,
         threads_per_worker: int | None = None,
     ) -> None:
+        # Every argument is checked here, before the storage is opened or anything written.
+        from stagetree.executors.registry import check_executor
+        from stagetree.scheduler.policies import make_policy
+
         if not isinstance(name, str) or not name:
             raise ValueError(f"study name must be a non-empty string, got {name!r}")
         if not (isinstance(trainer, type) and issubclass(trainer, Trainer)):
             raise TypeError(f"trainer must be a Trainer subclass, got {trainer!r}")
-        if workers is not None and (not isinstance(workers, int) or workers < 1):
-            raise ValueError(f"workers must be a positive int, got {workers!r}")
-        if checkpoint_budget is not None and checkpoint_budget < 0:
-            raise ValueError(f"checkpoint_budget must be >= 0, got {checkpoint_budget!r}")
+        _check_count("workers", workers, 1)
+        _check_count("threads_per_worker", threads_per_worker, 1)
+        _check_count("max_retries", max_retries, 0, optional=False)
+        checkpoint_budget = parse_size(checkpoint_budget, "checkpoint_budget")
+        check_executor(executor)
+        make_policy(policy)
+        if version is not None and (not isinstance(version, str) or not version):
+            raise ValueError(f"version must be a non-empty string, got {version!r}")
         workers = _OVERRIDES.get("workers", workers)
         storage = _OVERRIDES.get("storage", storage)
+        if not isinstance(storage, (str, BasePlanStorage)):
+            raise ValueError(
+                f"storage must be a URL (sqlite:///path.db, postgresql://..., memory://) "
+                f"or an open plan storage, got {storage!r}"
+            )
         self.name = name
         self.trainer = trainer
         self.share = share
@@ -178,7 +237,8 @@ class Study:
         self._names: tuple[frozenset[str], frozenset[str]] | None = None
         self._trial_ids: dict[tuple[str, str], int] = {}
         self._horizon = 0  # steps the current tuner may train a trial to (0: unknown)
-        self._meta: dict[str, Any] = {}  # recorded with the study when it is created
+        self._meta: dict[str, Any] = {}  # the tuner's metric and mode, recorded at first write
+        self._row_ready = False  # the study row exists with this run's meta
 
     @property
     def _engine(self) -> Engine:
@@ -203,12 +263,23 @@ class Study:
         self._engine_key = key
         self._engine_obj = engine
         with engine.lock:
-            meta = {"version": self.version, "share": self.share, **self._meta}
-            engine.storage.create_study(self.name, meta)
+            # The study row is written with the first trial or log record (see
+            # _ensure_row), so that input refused before then writes nothing.
             for t in engine.storage.trials(self.name):
                 self._trial_ids[(canonical_json(t["config"]), dumps_hp(t["hp"]))] = t["id"]
                 if self._names is None:
                     self._names = (frozenset(t["config"]), frozenset(t["hp"]))
+
+    def _ensure_row(self) -> None:
+        """Create the study row (or record this run's tuner metric and mode in it) just
+        before the first write that needs it. Called with the engine lock held."""
+        if self._row_ready:
+            return
+        storage = self._engine.storage
+        meta = {"version": self.version, "share": self.share, **self._meta}
+        if not storage.create_study(self.name, meta) and self._meta:
+            storage.update_study_meta(self.name, self._meta)
+        self._row_ready = True
 
     def open(self) -> Study:
         """Open the storage now (it is otherwise opened on first use); returns self.
@@ -243,28 +314,10 @@ class Study:
         trainer = self.trainer
 
         def factory() -> BaseExecutor:
-            if callable(executor) and not isinstance(executor, str):
-                return executor()
-            if executor == "inline":
-                from stagetree.executors import InlineExecutor
+            from stagetree.executors.registry import ExecutorOptions, make_executor
 
-                return InlineExecutor(trainer, checkpoint_dir=ckdir)
-            if executor == "local":
-                from stagetree.executors import LocalExecutor
-
-                return LocalExecutor(
-                    trainer,
-                    num_workers=workers,
-                    checkpoint_dir=ckdir,
-                    threads_per_worker=threads_per_worker,
-                )
-            if executor == "simulated":
-                from stagetree.executors.simulated import SimulatedExecutor
-
-                return SimulatedExecutor(num_workers=workers or 1)
-            raise ValueError(
-                f"executor must be 'local', 'inline', 'simulated' or a factory, got {executor!r}"
-            )
+            options = ExecutorOptions(trainer, workers, ckdir, threads_per_worker)
+            return make_executor(executor, options)
 
         engine = Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
         engine.temporary_checkpoints = temporary
@@ -305,29 +358,34 @@ class Study:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
     def _normalise(
-        self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int
+        self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int, define: bool = True
     ) -> tuple[dict[str, Any], dict[str, Sequence]]:
+        """Checked copies of a trial's config and sequences; ``define``: the first trial
+        sets the study's names (queries, ``eval``/``state``, never do)."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise InvalidTrialError(f"steps must be a non-negative int, got {steps!r}")
         if not isinstance(config, Mapping) or not isinstance(hp, Mapping):
             raise InvalidTrialError("config and hp must be mappings")
         seqs = {str(k): as_sequence(v) for k, v in hp.items()}
         cfg = dict(config)
-        try:
-            canonical_json(cfg)
+        try:  # strict: a NaN, or an object written through its repr, has no stable identity
+            json.dumps(cfg, allow_nan=False)
         except (TypeError, ValueError) as exc:
-            raise InvalidTrialError(f"config must be JSON-serialisable: {exc}") from exc
+            raise InvalidTrialError(
+                f"config {cfg!r} cannot be a fixed configuration ({exc}): use finite numbers, "
+                "strings, booleans, None, and lists or dicts of those"
+            ) from None
+        check_hp_names(self.trainer, seqs)
+        _ = self._engine  # the names of the study's stored trials
         names = (frozenset(cfg), frozenset(seqs))
         if self._names is None:
-            self._names = names
+            if define:
+                self._names = names
         elif names != self._names:
             want_c, want_h = self._names
             diff = []
             for label, have, want in (("config", names[0], want_c), ("hp", names[1], want_h)):
-                if have - want:
-                    diff.append(f"unexpected {label} names {sorted(have - want)}")
-                if want - have:
-                    diff.append(f"missing {label} names {sorted(want - have)}")
+                diff += names_mismatch(label, have, want)
             raise InvalidTrialError(f"trial does not match study {self.name!r}: " + "; ".join(diff))
         return cfg, seqs
 
@@ -343,6 +401,7 @@ class Study:
         storage = self._engine.storage
         ident = (canonical_json(cfg), dumps_hp(seqs))
         tid = self._trial_ids.get(ident)
+        self._ensure_row()
         if tid is None:
             # unique: another process may have recorded the same trial meanwhile
             tid = storage.add_trial(self.name, root_key, cfg, seqs, steps, node, step, unique=True)
@@ -431,7 +490,14 @@ class Study:
         """Announce trials ``(config, hp)`` that will be submitted later (tuners that draw
         their configurations up front do this): their paths go into the plan up to the
         tuner's horizon, without requests, so that running batches checkpoint where they
-        will branch off and nothing is recomputed when they arrive."""
+        will branch off and nothing is recomputed when they arrive.
+
+        Raises:
+            InvalidTrialError: a trial with names the trainer does not apply.
+        """
+        trials = list(trials)
+        for _config, hp in trials:
+            check_hp_names(self.trainer, hp)
         if not self._horizon:
             return  # no horizon known: submissions insert all there is to know
         engine = self._engine
@@ -450,8 +516,12 @@ class Study:
     def eval(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
     ) -> dict[str, float] | None:
-        """Known metrics of the trial after ``step`` steps, without training; else None."""
-        cfg, seqs = self._normalise(config, hp, step)
+        """Known metrics of the trial after ``step`` steps, without training; else None.
+
+        Raises:
+            InvalidTrialError: names the trainer or the study's trials do not have.
+        """
+        cfg, seqs = self._normalise(config, hp, step, define=False)
         with self._engine.lock:
             where = self._engine.storage.locate(self.root_key(cfg, seqs), seqs, step)
             if where is None:
@@ -464,8 +534,12 @@ class Study:
         """The trainer state (``Trainer.state_dict()``) of the trial after ``step``
         steps, loaded from its checkpoint; None when no checkpoint of that point exists
         (it was never reached, or evicted). Load it into ``trainer_cls(config)`` with
-        ``load_state_dict`` to get the trained model."""
-        cfg, seqs = self._normalise(config, hp, step)
+        ``load_state_dict`` to get the trained model.
+
+        Raises:
+            InvalidTrialError: names the trainer or the study's trials do not have.
+        """
+        cfg, seqs = self._normalise(config, hp, step, define=False)
         with self._engine.lock:
             where = self._engine.storage.locate(self.root_key(cfg, seqs), seqs, step)
             rec = self._engine.storage.checkpoint(*where) if where is not None else None
@@ -506,9 +580,11 @@ class Study:
         (:func:`~stagetree.executors.simulated.drive`), so the same study simulated
         twice takes the same decisions at the same virtual times.
         """
+        check_space_names(self.trainer, getattr(tuner, "space", None))
         runner = _StudyRunner(self)
         self._horizon = _tuner_horizon(tuner)
         self._meta = {"metric": tuner.metric, "mode": tuner.mode, "tuner": type(tuner).__name__}
+        self._row_ready = False  # the next write records this tuner's metric and mode
         engine = self._engine
         with engine.lock:  # one tuner per study at a time, across processes
             holder = engine.coord.claim_study(self.name)
@@ -525,10 +601,28 @@ class Study:
                 holder=holder.describe(),
             )
         try:
-            return self._drive(tuner.run(runner))
+            best = self._drive(tuner.run(runner))
         finally:
             with engine.lock:
                 engine.coord.release_study(self.name)
+        if best is None:
+            self._raise_if_all_failed()
+        return best
+
+    def _raise_if_all_failed(self) -> None:
+        """``tune()`` found no best trial: when that is because every trial failed, say
+        so with the first failure's traceback instead of returning None."""
+        trials = self.trials()
+        failed = [t for t in trials if t.state == "failed"]
+        if not failed or any(t.state == "done" for t in trials):
+            return
+        first = failed[0]
+        error = first.error or TrialError("Error", "no error was recorded")
+        raise TrialFailedError(
+            f"no trial of study {self.name!r} succeeded: {len(failed)} of {len(trials)} "
+            f"failed; the first (trial {first.id}): {error.summary()}",
+            error.traceback,
+        )
 
     def _drive(self, coro: Any) -> Any:
         """Run ``coro`` to completion from sync code; with a virtual-time executor, its
@@ -562,8 +656,23 @@ class Study:
             out = []
             for t in storage.trials(self.name):
                 hist = storage.metrics_along(t["root_key"], t["hp"], t["steps"])
-                out.append(TrialRecord(t["id"], t["config"], t["hp"], t["steps"], t["state"], hist))
+                error = TrialError.from_attrs(t.get("attrs")) if t["state"] == "failed" else None
+                out.append(
+                    TrialRecord(t["id"], t["config"], t["hp"], t["steps"], t["state"], hist, error)
+                )
             return out
+
+    def failures(self) -> list[tuple[int, TrialError]]:
+        """``(trial id, error)`` of every failed trial of this study, in id order (cheap:
+        reads no metrics; progress displays poll it)."""
+        with self._engine.lock:
+            trials = self._engine.storage.trials(self.name)
+        out = []
+        for t in trials:
+            if t["state"] == "failed":
+                error = TrialError.from_attrs(t.get("attrs"))
+                out.append((int(t["id"]), error or TrialError("Error", "no error was recorded")))
+        return out
 
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
         """The trial with the best ``metric`` at its last step (NaN ranks worst)."""
@@ -639,6 +748,53 @@ class Study:
         }
 
 
+def _check_count(name: str, value: Any, least: int, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(value: Any, name: str = "size") -> int | None:
+    """Bytes from an int or a size string (``"10MB"``, ``"1.5 GiB"``, ``"512"``); None
+    stays None.
+
+    Raises:
+        ValueError: a negative size, or a value that is not a size (naming ``name``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number: float = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name} must be a number of bytes or a size like '10MB' or '2GiB', got {value!r}"
+            )
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        raise ValueError(f"{name} must be an int or a size like '10MB', got {value!r}")
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return int(number)
+
+
 def _tuner_horizon(tuner: Tuner) -> int:
     """The most steps ``tuner`` may train one trial to, when it says (0 otherwise)."""
     steps = [getattr(tuner, name, None) for name in ("max_steps", "steps")]
@@ -665,8 +821,13 @@ class _StudyRunner:
     def declare(self, trials: list[tuple[dict[str, Any], dict[str, Sequence]]]) -> None:
         self.study.declare(trials)
 
+    def check(self, config: dict[str, Any], hp: dict[str, Sequence]) -> None:
+        """Refuse a trial that does not fit the study before the tuner logs it."""
+        self.study._normalise(config, hp, 0)
+
     def append_log(self, record: dict[str, Any]) -> None:
         with self.study._engine.lock:
+            self.study._ensure_row()
             self.study._engine.storage.append_log(self.study.name, record)
 
     def read_log(self) -> list[dict[str, Any]]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, ClassVar
 
 __all__ = ["Trainer"]
 
@@ -33,7 +33,20 @@ class Trainer:
 
     ``TorchTrainer`` in :mod:`stagetree.torch` implements ``state_dict`` for PyTorch
     users by itself.
+
+    Attributes:
+        hyperparameters: class attribute; the sequential hyper-parameter names ``setup``
+            applies, or None (the default) when not declared. Declared names are
+            enforced: a trial, space or query with another name raises
+            :class:`~stagetree.exceptions.InvalidTrialError` before anything is written
+            (with a "did you mean"). Undeclared, the names ``setup`` reads are observed
+            and a name never read is warned about (see :mod:`stagetree.names`).
+            A subclass that overrides ``setup`` must declare again for its names to be
+            enforced. ``stagetree check`` (:func:`stagetree.check_trainer`) tells whether
+            a trainer is exact.
     """
+
+    hyperparameters: ClassVar[Collection[str] | None] = None
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         self.config = dict(config)
@@ -58,8 +71,14 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume training exactly."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__}.state_dict() is not implemented: stagetree checkpoints "
+            "every trainer it shares; implement state_dict() and load_state_dict() (or "
+            "subclass stagetree.torch.TorchTrainer, which does it for PyTorch)"
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__}.load_state_dict() is not implemented; see state_dict()"
+        )

@@ -146,9 +146,16 @@ class BatchDone:
 
 @dataclass(frozen=True)
 class BatchFailed:
-    """A trainer raised while training step ``step`` of ``node`` (``kind="trainer"``), or
-    the start checkpoint could not be loaded (``kind="checkpoint"``: the checkpoint is
-    lost; the work should be planned again from an earlier one, not failed)."""
+    """A trainer raised (``kind="trainer"``), or the start checkpoint could not be loaded
+    (``kind="checkpoint"``: the checkpoint is lost; the work should be planned again
+    from an earlier one, not failed).
+
+    ``phase`` says what ``(node, step)`` means: ``"train"``: training step ``step``
+    (``setup``/``train`` of the model at ``step``) raised; ``"point"``: evaluating or
+    checkpointing the model at ``step`` failed (``evaluate``, ``state_dict``, a state
+    the checkpoint format cannot hold); ``"start"``: building or restoring the trainer
+    at ``step`` failed (``__init__``, ``load_state_dict``).
+    """
 
     batch_id: int
     worker: int
@@ -157,6 +164,7 @@ class BatchFailed:
     error: str
     traceback: str
     kind: str = "trainer"
+    phase: str = "train"
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,14 @@ excluding evaluation and checkpoint capture.
 Failures: an exception from the trainer (``__init__``, ``load_state_dict``, ``setup``,
 ``train``, ``evaluate``, ``state_dict``) ends the batch with ``BatchFailed`` at the
 ``(node, step)`` being trained or evaluated, with the formatted traceback, and the
-trainer is dropped. A start checkpoint that is missing or corrupt fails the batch the
-same way with an ``error`` starting with ``"CheckpointError:"``: the model has to be
-recomputed. A checkpoint that cannot be *written* does not stop training; it is logged
-and no ``CheckpointSaved`` is sent for it.
+trainer is dropped; ``BatchFailed.phase`` says whether a training step, a point
+(evaluation, checkpoint) or the trainer's construction/restore failed. A start
+checkpoint that is missing or corrupt fails the batch the same way with an ``error``
+starting with ``"CheckpointError:"``: the model has to be recomputed. A state that
+cannot be checkpointed (``state_dict()`` not implemented or not a dict, a value the
+checkpoint format cannot hold: the error names its key) fails the batch at that
+point, before anything is written; so does a checkpoint whose background write failed
+(reported when the batch ends).
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from stagetree.checkpoints import CheckpointStore
-from stagetree.exceptions import CheckpointError
+from stagetree.checkpoints import CheckpointStore, check_state
+from stagetree.exceptions import CheckpointError, TrainerError
+from stagetree.names import HpReadWatch
 from stagetree.trainer import Trainer
 from stagetree.work import (
     Abort,
@@ -60,7 +65,7 @@ from stagetree.work import (
     WorkerEvent,
 )
 
-__all__ = ["Worker", "WorkerStats", "snapshot_state"]
+__all__ = ["Worker", "WorkerStats", "evaluate_metrics", "snapshot_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +118,16 @@ class _Failed(Exception):
     """Internal: trainer code (or the start checkpoint) failed at ``(node, step)``."""
 
     def __init__(
-        self, node: int, step: int, error: BaseException, checkpoint: bool = False
+        self,
+        node: int,
+        step: int,
+        error: BaseException,
+        checkpoint: bool = False,
+        phase: str = "train",
     ) -> None:
         super().__init__(str(error))
         self.checkpoint = checkpoint
+        self.phase = phase
         self.node = node
         self.step = step
         self.error = error
@@ -166,6 +177,9 @@ class Worker:
         self._given: dict[str, Any] = {}
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
+        # The first background write of the running batch that failed: (node, step, error).
+        self._write_error: tuple[int, int, BaseException] | None = None
+        self._reads = HpReadWatch()  # names a fresh trainer's first setup() never reads
 
     # ------------------------------------------------------------------ public
 
@@ -222,6 +236,7 @@ class Worker:
         step = batch.start_step
         steps_done = 0
         points = self._points(batch, end_step)
+        self._write_error = None
         try:
             trainer = self._prepare(batch, node)
             aborted = False
@@ -246,8 +261,9 @@ class Worker:
                         change = changes.get(t)
                         if change is not None:
                             self._given.update(change)
-                            trainer.setup(change)
+                            trainer.setup(self._reads.wrap(trainer, change))
                         trainer.train()
+                        self._reads.after_step()
                         step = t + 1
                         steps_done += 1
                         since += 1
@@ -270,6 +286,7 @@ class Worker:
                         break
             if steps_done:
                 self._at = (node, step)
+            self._check_writes()
         except _Failed as failed:
             self._finish_failed(batch, failed, steps_done)
             return
@@ -306,14 +323,14 @@ class Worker:
                     "without a start checkpoint, and this worker does not hold that model"
                 )
         except CheckpointError as exc:
-            raise _Failed(node, batch.start_step, exc, checkpoint=True) from exc
+            raise _Failed(node, batch.start_step, exc, checkpoint=True, phase="start") from exc
         try:
             trainer = self.trainer_factory(batch.config)
             if state is not None:
                 trainer.load_state_dict(state)
                 self.stats.loads += 1
         except Exception as exc:
-            raise _Failed(node, batch.start_step, exc) from exc
+            raise _Failed(node, batch.start_step, exc, phase="start") from exc
         seconds = _perf() - begin
         self.stats.load_seconds += seconds
         self.stats.last_load_seconds = seconds
@@ -322,6 +339,7 @@ class Worker:
         self._config = config
         self._at = batch.start_at
         self._given = {}
+        self._reads.arm()
         return trainer
 
     @staticmethod
@@ -367,10 +385,9 @@ class Worker:
         if point.eval_node is not None and not point.eval_done:
             point.eval_done = True
             try:
-                raw = trainer.evaluate()
-                metrics = {str(k): float(v) for k, v in dict(raw).items()}
+                metrics = evaluate_metrics(trainer)
             except Exception as exc:
-                raise _Failed(point.eval_node, step, exc) from exc
+                raise _Failed(point.eval_node, step, exc, phase="point") from exc
             self.emit(
                 MetricsReported(batch.batch_id, self.worker_id, point.eval_node, step, metrics)
             )
@@ -409,9 +426,11 @@ class Worker:
     def _checkpoint(self, trainer: Trainer, batch: RunBatch, node: int, step: int) -> None:
         begin = _perf()
         try:
-            snapshot = snapshot_state(trainer.state_dict())
+            state = trainer.state_dict()
+            check_state(state, f"{type(trainer).__name__}.state_dict()")
+            snapshot = snapshot_state(state)
         except Exception as exc:
-            raise _Failed(node, step, exc) from exc
+            raise _Failed(node, step, exc, phase="point") from exc
         capture = _perf() - begin
         pending = [f for f in self._pending if not f.done()]
         while len(pending) >= self.max_pending_saves:
@@ -431,11 +450,10 @@ class Worker:
     ) -> None:
         try:
             info = self.store.save(name, state)
-        except Exception:
-            # The batch goes on; the scheduler sees no CheckpointSaved and recomputes.
-            logger.exception(
-                "worker %s: checkpoint of node %s step %s failed", self.worker_id, node, step
-            )
+        except Exception as exc:
+            # Training goes on (it may still be needed); the batch fails when it ends.
+            if self._write_error is None:
+                self._write_error = (node, step, exc)
             return
         seconds = capture + info.seconds
         self.stats.saves += 1
@@ -449,6 +467,14 @@ class Worker:
         for future in pending:
             future.result()
 
+    def _check_writes(self) -> None:
+        """Wait for the batch's background writes; fail at the first that failed."""
+        self._wait_saves()
+        if self._write_error is not None:
+            node, step, exc = self._write_error
+            self._write_error = None
+            raise _Failed(node, step, exc, phase="point")
+
     def _finish_failed(self, batch: RunBatch, failed: _Failed, steps_done: int) -> None:
         self._wait_saves()
         self.stats.steps += steps_done
@@ -459,7 +485,14 @@ class Worker:
         kind = "checkpoint" if failed.checkpoint else "trainer"
         self.emit(
             BatchFailed(
-                batch.batch_id, self.worker_id, failed.node, failed.step, error, failed.tb, kind
+                batch.batch_id,
+                self.worker_id,
+                failed.node,
+                failed.step,
+                error,
+                failed.tb,
+                kind,
+                failed.phase,
             )
         )
 
@@ -505,6 +538,36 @@ def _checkpoint_name(root_key: str, node: int, step: int) -> str:
     # names unique across stores sharing a directory and across recomputations.
     digest = hashlib.sha1(root_key.encode()).hexdigest()[:8]
     return f"r{digest}-n{node}-s{step}-{secrets.token_hex(4)}"
+
+
+def evaluate_metrics(trainer: Trainer) -> dict[str, float]:
+    """``trainer.evaluate()`` as a dict of floats.
+
+    Raises:
+        TrainerError: ``evaluate()`` returned something other than a mapping of numbers.
+    """
+    raw = trainer.evaluate()
+    name = f"{type(trainer).__name__}.evaluate()"
+    if not isinstance(raw, Mapping):
+        raise TrainerError(
+            f"{name} must return a dict of numbers (metric name -> value), "
+            f"got {type(raw).__module__}.{type(raw).__qualname__}: {_short(raw)}"
+        )
+    metrics: dict[str, float] = {}
+    for key, value in raw.items():
+        try:
+            metrics[str(key)] = float(value)
+        except (TypeError, ValueError):
+            raise TrainerError(
+                f"{name} must return a dict of numbers, but metric {key!r} is "
+                f"{type(value).__qualname__}: {_short(value)}"
+            ) from None
+    return metrics
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def snapshot_state(state: Any) -> Any:

@@ -281,17 +281,19 @@ def test_export_csv_one_row_per_trial_step(
         "step",
         "metric.accuracy",
         "metric.loss",
+        "state",
+        "error",
     ]
     hp1 = '{"lr":{"type":"Constant","value":0.1}}'
     hp2 = '{"lr":{"gamma":0.1,"init":0.1,"milestones":[5],"type":"MultiStep"}}'
     hp3 = '{"lr":{"type":"Constant","value":0.05}}'
     t1, t2, t3 = (str(ids[k]) for k in ("t1", "t2", "t3"))
     assert rows[1:] == [
-        ["a", t1, "sgd", "8", hp1, "5", "0.5", "1.0"],
-        ["a", t1, "sgd", "8", hp1, "10", "0.7", "0.6"],
-        ["a", t2, "sgd", "8", hp2, "5", "0.5", "1.0"],  # the shared step
-        ["a", t2, "sgd", "8", hp2, "10", "0.8", "nan"],
-        ["a", t3, "sgd", "8", hp3, "4", "0.99", "0.1"],
+        ["a", t1, "sgd", "8", hp1, "5", "0.5", "1.0", "done", ""],
+        ["a", t1, "sgd", "8", hp1, "10", "0.7", "0.6", "done", ""],
+        ["a", t2, "sgd", "8", hp2, "5", "0.5", "1.0", "running", ""],  # the shared step
+        ["a", t2, "sgd", "8", hp2, "10", "0.8", "nan", "running", ""],
+        ["a", t3, "sgd", "8", hp3, "4", "0.99", "0.1", "done", ""],
     ]
 
 

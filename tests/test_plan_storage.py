@@ -476,6 +476,18 @@ def test_stats(plan: BasePlanStorage) -> None:
 # -- studies and logs ------------------------------------------------------------------
 
 
+def test_update_study_meta_merges_latest_wins(plan: BasePlanStorage) -> None:
+    plan.create_study("s", {"metric": "acc", "mode": "max", "version": "v1"})
+    merged = plan.update_study_meta("s", {"metric": "loss", "mode": "min"})
+    assert merged == {"metric": "loss", "mode": "min", "version": "v1"}
+    assert plan.studies()[0]["meta"] == merged
+    with pytest.raises(PlanKeyError):
+        plan.update_study_meta("nope", {})
+    with pytest.raises(ValueError):
+        plan.update_study_meta("s", {"bad": object()})
+    assert plan.studies()[0]["meta"] == merged
+
+
 def test_studies_and_trials(plan: BasePlanStorage) -> None:
     assert plan.create_study("s", {"tuner": "asha", "eta": 4}) is True
     assert plan.create_study("s", {"tuner": "other"}) is False

@@ -239,7 +239,9 @@ def test_request_branching_ahead_of_a_running_batch_splits_it() -> None:
     assert h.sched.live_requests[(1, 40)] == 2
 
     h(Progress(batch.batch_id, 0, 1, 40, 0.1))
-    out = h(MetricsReported(batch.batch_id, 0, 1, 40, {"loss": 1.0}))
+    # settled once the checkpoint promised at (1, 40) is durable too
+    assert h(MetricsReported(batch.batch_id, 0, 1, 40, {"loss": 1.0})) == []
+    out = h(CheckpointSaved(batch.batch_id, 0, 1, 40, "ck-40", 1, 0.0))
     assert out == [RequestDone(1, 40, {"loss": 1.0})]
     h(Progress(batch.batch_id, 0, 1, 50, 0.1))
     out = h(CheckpointSaved(batch.batch_id, 0, 1, 50, "ck-50", 1, 0.0))
@@ -369,7 +371,7 @@ def test_failure_fails_only_requests_that_depend_on_the_failed_step() -> None:
     h(CheckpointSaved(batch.batch_id, 0, 1, 50, "ck-50", 1, 0.0))
     out = h(BatchFailed(batch.batch_id, 0, 2, 80, "ValueError: boom", "Traceback ...boom"))
     assert only(out, RequestFailed) == [
-        RequestFailed(*ends["at50"], "ValueError: boom", "Traceback ...boom")
+        RequestFailed(*ends["at50"], "ValueError: boom", "Traceback ...boom", "training step 80")
     ]
     assert ends["at50"] not in h.sched.live_requests
     # the siblings continue from the checkpoint at 50

@@ -63,7 +63,8 @@ class Trial:
 class Sim:
     def __init__(self, workers: int, policy: str = "critical_path") -> None:
         self.plan = MemoryPlanStorage()
-        self.sched = Scheduler(num_workers=workers, policy=policy)
+        # Chaos kills workers anywhere (external deaths): no death limit here.
+        self.sched = Scheduler(num_workers=workers, policy=policy, max_worker_deaths=10**6)
         self.workers: dict[int, SimWorker | None] = dict.fromkeys(range(workers))
         self.next_worker = workers
         self.metrics: dict[Key, dict[str, float]] = {}

@@ -5,12 +5,29 @@
 * :class:`InlineExecutor`: batches run synchronously in the calling thread.
 * :class:`SimulatedExecutor`: virtual time, a cost model and synthetic learning curves
   (``stagetree simulate``; no training at all).
+* :func:`register_executor`: executors by name (``Study(executor="local")``).
 """
 
 from __future__ import annotations
 
 from stagetree.executors.base import BaseExecutor
 from stagetree.executors.local import InlineExecutor, LocalExecutor, TrainerSpec
+from stagetree.executors.registry import (
+    ExecutorOptions,
+    executor_names,
+    make_executor,
+    register_executor,
+)
 from stagetree.executors.simulated import SimulatedExecutor
 
-__all__ = ["BaseExecutor", "InlineExecutor", "LocalExecutor", "SimulatedExecutor", "TrainerSpec"]
+__all__ = [
+    "BaseExecutor",
+    "ExecutorOptions",
+    "InlineExecutor",
+    "LocalExecutor",
+    "SimulatedExecutor",
+    "TrainerSpec",
+    "executor_names",
+    "make_executor",
+    "register_executor",
+]

@@ -33,13 +33,15 @@ __all__ = [
 _MEMORY_URLS = ("memory://", "memory:", ":memory:")
 
 
-def open_storage(url: str) -> BasePlanStorage:
+def open_storage(url: str, readonly: bool | None = None) -> BasePlanStorage:
     """Open the plan storage at ``url``.
 
     Args:
         url: ``memory://`` or ``:memory:`` (this process only); ``sqlite:///path.db``;
             ``postgresql://user:pw@host/db`` (psycopg driver) or any SQLAlchemy
             ``postgresql+driver://`` URL.
+        readonly: never write to the database (see :class:`SQLPlanStorage`); None:
+            read-only exactly when a SQLite file cannot be written here.
 
     Returns:
         A :class:`MemoryPlanStorage` or :class:`SQLPlanStorage`.
@@ -59,4 +61,4 @@ def open_storage(url: str) -> BasePlanStorage:
             f"cannot open plan storage {url!r}: unknown scheme {scheme!r} "
             "(use memory://, sqlite:///path.db or postgresql://...)"
         )
-    return SQLPlanStorage(url)
+    return SQLPlanStorage(url, readonly=readonly)

@@ -344,6 +344,15 @@ class BasePlanStorage(ABC):
         """Create study ``name``; idempotent (the first ``meta`` stays). True if created."""
 
     @abstractmethod
+    def update_study_meta(self, name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge ``meta`` into study ``name``'s meta (the latest value of a key wins);
+        returns the merged meta.
+
+        Raises:
+            PlanKeyError: the study does not exist.
+        """
+
+    @abstractmethod
     def studies(self) -> list[dict[str, Any]]:
         """``{"name", "meta", "created"}`` per study, in creation order."""
 

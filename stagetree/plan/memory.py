@@ -291,6 +291,15 @@ class MemoryPlanStorage(BasePlanStorage):
             self._studies[name] = {"name": name, "meta": meta_copy, "created": time.time()}
             return True
 
+    def update_study_meta(self, name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+        meta_copy = _codec.copy(dict(meta), "study meta")
+        with self._lock:
+            self._check_open()
+            self._study(name)
+            merged = {**self._studies[name]["meta"], **meta_copy}
+            self._studies[name]["meta"] = merged
+            return _codec.copy(merged)
+
     def studies(self) -> list[dict[str, Any]]:
         with self._lock:
             self._check_open()

@@ -11,8 +11,11 @@ loading the nodes of its tree with an id above the largest it holds.
 
 from __future__ import annotations
 
+import os
+import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Collection, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -179,11 +182,34 @@ _leases = Table(
 TABLES = tuple(_md.sorted_tables)
 
 
-def _sqlite_engine(url: URL) -> Engine:
+def _sqlite_readonly(url: URL) -> bool:
+    """Whether a SQLite database can only be read here (the file, or the directory its
+    journal files go to, is not writable)."""
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return False
+    path = os.path.abspath(database)
+    if not os.path.exists(path):
+        return False
+    return not (os.access(path, os.W_OK) and os.access(os.path.dirname(path), os.W_OK))
+
+
+def _sqlite_engine(url: URL, readonly: bool = False) -> Engine:
     database = url.database or ""
     if database in ("", ":memory:"):
         # One shared connection, or every checkout would see a fresh empty database.
         engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
+    elif readonly:
+        path = os.path.abspath(database)
+        # mode=ro never writes; a WAL database in a read-only directory cannot make its
+        # shared-memory file, so it is read as immutable (nobody can write it there).
+        flags = "mode=ro" if os.access(os.path.dirname(path), os.W_OK) else "immutable=1"
+        uri = f"file:{urllib.parse.quote(path)}?{flags}"
+
+        def connect() -> Any:
+            return sqlite3.connect(uri, uri=True, timeout=60.0, check_same_thread=False)
+
+        engine = create_engine("sqlite://", creator=connect)
     else:
         engine = create_engine(url, connect_args={"timeout": 60.0})
 
@@ -192,7 +218,7 @@ def _sqlite_engine(url: URL) -> Engine:
         # Let SQLAlchemy's "begin" event (below) emit BEGIN instead of pysqlite.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        if database not in ("", ":memory:"):
+        if database not in ("", ":memory:") and not readonly:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; fsync at checkpoints
         cur.execute("PRAGMA busy_timeout=60000")
@@ -214,13 +240,17 @@ class SQLPlanStorage(BasePlanStorage):
     Args:
         url: SQLAlchemy URL (``sqlite:///plan.db``, ``postgresql+psycopg://...``);
             ``postgresql://`` and ``postgres://`` get the psycopg driver.
+        readonly: open to read only: nothing is ever written (no tables are created; a
+            database without stagetree's tables is refused) and every write raises
+            :class:`~stagetree.exceptions.StorageError`. None (the default): read-only
+            exactly when the SQLite file cannot be written here.
 
     Raises:
-        StorageError: the database cannot be opened.
+        StorageError: the database cannot be opened (or, read-only, holds no plan).
         SchemaVersionError: it was written by another schema version.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, readonly: bool | None = None) -> None:
         self._lock = threading.RLock()
         self._closed = False
         self._trees: dict[str, TreeIndex] = {}
@@ -234,9 +264,12 @@ class SQLPlanStorage(BasePlanStorage):
             parsed = parsed.set(drivername="postgresql+psycopg")
         self._url = parsed.render_as_string(hide_password=True)
         backend = parsed.get_backend_name()
+        if readonly is None:
+            readonly = backend == "sqlite" and _sqlite_readonly(parsed)
+        self.readonly = readonly
         try:
             if backend == "sqlite":
-                self._engine = _sqlite_engine(parsed)
+                self._engine = _sqlite_engine(parsed, readonly)
             elif backend == "postgresql":
                 args = {} if "connect_timeout" in parsed.query else {"connect_timeout": 10}
                 self._engine = create_engine(parsed, connect_args=args, pool_pre_ping=True)
@@ -270,6 +303,11 @@ class SQLPlanStorage(BasePlanStorage):
         with self._lock:
             if self._closed:
                 raise StorageError(f"plan storage {self._url!r} is closed")
+            if write and self.readonly:
+                raise StorageError(
+                    f"plan storage {self._url!r} is open read-only (it cannot be written "
+                    "here): results can be read, nothing can be trained or recorded"
+                )
             try:
                 with self._engine.connect() as conn:
                     conn.execution_options(stagetree_write=write)
@@ -285,7 +323,15 @@ class SQLPlanStorage(BasePlanStorage):
     def _init_schema(self) -> None:
         # Check the version with a read first, so that a newer database is not touched.
         with self._tx(write=False) as conn:
-            self._check_version(conn)
+            found = self._check_version(conn)
+            missing = [t.name for t in TABLES if not inspect(conn).has_table(t.name)]
+        if self.readonly or (not missing and found is not None):  # nothing to write
+            if found is None:
+                raise StorageError(
+                    f"{self._url!r} is not a stagetree plan storage (it has no stagetree "
+                    "tables); nothing was written to it"
+                )
+            return
         with self._tx(write=True) as conn:
             found = self._check_version(conn)
             _md.create_all(conn)
@@ -691,6 +737,22 @@ class SQLPlanStorage(BasePlanStorage):
                 {"seq": seq, "name": name, "meta": data, "created": time.time()},
             )
             return True
+
+    def update_study_meta(self, name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+        _codec.dumps(dict(meta), "study meta")  # JSON-able, checked before the write
+        with self._tx(write=True) as conn:
+            old = conn.execute(
+                select(_studies.c.meta).where(_studies.c.name == name)
+            ).scalar_one_or_none()
+            if old is None:
+                raise PlanKeyError(f"no study {name!r}")
+            merged = {**_codec.loads(old), **dict(meta)}
+            conn.execute(
+                _studies.update()
+                .where(_studies.c.name == name)
+                .values(meta=_codec.dumps(merged, "study meta"))
+            )
+            return merged
 
     def studies(self) -> list[dict[str, Any]]:
         with self._tx(write=False) as conn:

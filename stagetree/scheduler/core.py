@@ -24,10 +24,18 @@ Decisions after each event that can change them:
 
 Failures: ``BatchFailed`` plans the stage again up to ``max_retries`` times, then emits
 ``RequestFailed`` for every live request that cannot be reached without the failed
-step (requests behind a later durable checkpoint, or covered by another running batch,
-are spared). With ``kind="checkpoint"`` the batch's start checkpoint is forgotten and
-the work planned again from an earlier one. ``WorkerLost`` returns its batch's
-unfinished work to pending; checkpoints it reported stay valid.
+step or point (requests behind a later durable checkpoint, or covered by another
+running batch, are spared); a failure at a point (evaluating or checkpointing the model
+at a step) fails the request at that point too, so no failure is retried forever. With
+``kind="checkpoint"`` the batch's start checkpoint is forgotten and the work planned
+again from an earlier one. ``WorkerLost`` returns its batch's unfinished work to
+pending; checkpoints it reported stay valid. A worker that dies more than
+``max_worker_deaths`` times in the same stage (a segfault, an out-of-memory kill, an
+``os._exit`` in the trainer) fails the requests behind the point it last reported.
+
+A request is settled (``RequestDone``) once its metrics are reported *and* the
+checkpoint its batch promised at that point is durable (or the batch ended), so a
+finished request always has its model on disk.
 
 Executors must deliver a batch's ``MetricsReported`` and ``CheckpointSaved`` events
 before its ``BatchDone``: a promise not kept by then is taken as not kept.
@@ -96,6 +104,8 @@ class _Batch:
     planned: frozenset[Key] = frozenset()  # points of the RunBatch itself (not splits)
     start_at: Key | None = None
     aborted: bool = False
+    # Metrics reported at a point whose promised checkpoint is not durable yet.
+    parked: dict[Key, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,15 @@ class BatchInfo:
     aborted: bool = False
 
 
+def _where(phase: str, step: int) -> str:
+    """What a failure interrupted, in words (see ``BatchFailed.phase``)."""
+    if phase == "point":
+        return f"evaluating or checkpointing the model at step {step}"
+    if phase == "start":
+        return "building the trainer" if step == 0 else f"restoring the trainer at step {step}"
+    return f"training step {step}"
+
+
 def _by_step(keys: set[Key]) -> tuple[Key, ...]:
     return tuple(sorted(keys, key=lambda k: (k[1], k[0])))
 
@@ -137,6 +156,9 @@ class Scheduler:
             None); it learns from ``Progress`` events.
         max_retries: times a failing stage is planned again before the requests that
             depend on it fail.
+        max_worker_deaths: times a worker may die in the same stage before the requests
+            behind it fail (deaths may be external, e.g. a preempted node, so this is
+            counted apart from ``max_retries``).
 
     Branch checkpoints (``branch_checkpoints=True``, the default): a batch also
     checkpoints where known nodes branch off its path even when they have no request
@@ -158,11 +180,16 @@ class Scheduler:
         estimator: CostEstimator | None = None,
         max_retries: int = 0,
         branch_checkpoints: bool = True,
+        max_worker_deaths: int = 2,
     ) -> None:
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if max_worker_deaths < 0:
+            raise ValueError(f"max_worker_deaths must be >= 0, got {max_worker_deaths}")
+        self.max_worker_deaths = max_worker_deaths
+        self._deaths: dict[Key, int] = {}
         self.policy = make_policy(policy)
         self.estimator = estimator if estimator is not None else CostEstimator()
         self.max_retries = max_retries
@@ -393,6 +420,10 @@ class Scheduler:
         self._checkpoints[key] = e.ref
         for batch in self._batches.values():
             batch.checkpoint.discard(key)
+            metrics = batch.parked.pop(key, None)
+            if metrics is not None:
+                batch.evaluate.discard(key)
+                self._settle(key, metrics, out)
         self._dirty = True
 
     def _on_checkpoint_lost(self, e: CheckpointLost, out: list[Instruction | Notice]) -> None:
@@ -417,9 +448,19 @@ class Scheduler:
         key = (e.node, e.step)
         batch = self._batches.get(e.batch_id)
         if batch is not None:
+            if key in batch.checkpoint and key not in self._checkpoints:
+                # Settle once the model at this point is durable too (or the batch ends):
+                # a finished request must find its checkpoint.
+                batch.parked[key] = dict(e.metrics)
+                return
             batch.evaluate.discard(key)
+        self._settle(key, e.metrics, out)
+
+    def _settle(
+        self, key: Key, metrics: Mapping[str, float], out: list[Instruction | Notice]
+    ) -> None:
         if self._requests.pop(key, None) is not None:
-            out.append(RequestDone(e.node, e.step, dict(e.metrics)))
+            out.append(RequestDone(key[0], key[1], dict(metrics)))
 
     def _release(self, batch_id: int) -> _Batch | None:
         batch = self._batches.pop(batch_id, None)
@@ -431,6 +472,9 @@ class Scheduler:
 
     def _on_done(self, e: BatchDone, out: list[Instruction | Notice]) -> None:
         batch = self._release(e.batch_id)
+        if batch is not None:
+            for key, metrics in batch.parked.items():  # its checkpoint was not kept
+                self._settle(key, metrics, out)
         if batch is not None and not batch.aborted and batch.position >= batch.end[1]:
             self._worker_at[batch.worker] = batch.end
         else:
@@ -451,12 +495,58 @@ class Scheduler:
             self._failures[key] = failures
             return
         self._failures.pop(key, None)
-        doomed = self._dependents(e.node, e.step)
+        # The model that could not be made: after training step ``step`` fails, the
+        # model at ``step + 1``; after a failed evaluation, checkpoint or restore, the
+        # model at ``step`` itself.
+        phase = getattr(e, "phase", "train")
+        model = (e.node, e.step + 1 if phase == "train" else e.step)
+        doomed = self._dependents(e.node, e.step) | self._behind(model)
         if not doomed and batch is not None:
             doomed = {k for k in batch.evaluate if k[1] > e.step and k in self._requests}
+        self._fail(doomed, e.error, e.traceback, out, _where(phase, e.step))
+
+    def _fail(
+        self,
+        doomed: Iterable[Key],
+        error: str,
+        tb: str,
+        out: list[Instruction | Notice],
+        where: str = "",
+    ) -> None:
         for node, step in sorted(doomed, key=lambda k: (k[1], k[0])):
             if self._requests.pop((node, step), None) is not None:
-                out.append(RequestFailed(node, step, e.error, e.traceback))
+                out.append(RequestFailed(node, step, error, tb, where))
+
+    def _on_path(self, model: Key, node_id: int, step: int) -> bool:
+        """Whether the path to request ``(node_id, step)`` passes the canonical model
+        ``model``."""
+        m_node, m_step = model
+        if step < m_step:
+            return False
+        cur: Node | None = self._nodes.get(node_id)
+        while cur is not None:
+            if cur.id == m_node:
+                return True
+            parent = cur.parent
+            if parent == m_node:
+                return cur.branch_step >= m_step
+            cur = self._nodes.get(parent) if parent is not None else None
+        return False
+
+    def _behind(self, model: Key) -> set[Key]:
+        """Live requests whose path passes ``model`` with no durable checkpoint after it
+        (they cannot be reached without making ``model``)."""
+        out: set[Key] = set()
+        for node_id, step in self._requests:
+            if not self._on_path(model, node_id, step):
+                continue
+            later = any(
+                c_step > model[1] and self._on_path((c_node, c_step), node_id, step)
+                for c_node, c_step in self._checkpoints
+            )
+            if not later:
+                out.add((node_id, step))
+        return out
 
     def _dependents(self, node: int, step: int) -> set[Key]:
         """Live requests that can only be reached by training step ``step`` of ``node``
@@ -507,8 +597,32 @@ class Scheduler:
             for b in self._batches.values()
             if b.worker == e.worker or b.batch_id == e.batch_id
         ]:
-            del self._batches[batch_id]
+            batch = self._batches.pop(batch_id)
+            if not batch.aborted:
+                self._count_death(batch, e, out)
         self._dirty = True
+
+    def _count_death(self, batch: _Batch, e: WorkerLost, out: list[Instruction | Notice]) -> None:
+        """A worker died in ``batch``: count it against the stage it was training; past
+        ``max_worker_deaths`` the requests behind its last reported point fail."""
+        node, start = batch.end
+        for seg_node, seg_start, seg_stop in batch.segments:
+            if seg_start <= batch.position < seg_stop:
+                node, start = seg_node, seg_start
+                break
+        stage = (node, start)
+        deaths = self._deaths.get(stage, 0) + 1
+        if deaths <= self.max_worker_deaths:
+            self._deaths[stage] = deaths
+            return
+        self._deaths.pop(stage, None)
+        reason = e.reason or "the worker died"
+        error = (
+            f"WorkerLost: {reason} while training node {node} from step {batch.position}; "
+            f"it died {deaths} times at this stage (max_worker_deaths={self.max_worker_deaths})"
+        )
+        where = f"training from step {batch.position}"
+        self._fail(self._behind((node, batch.position + 1)), error, "", out, where)
 
     # -- decisions -------------------------------------------------------------------------
 

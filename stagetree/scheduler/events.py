@@ -103,6 +103,7 @@ class RequestFailed:
     step: int
     error: str
     traceback: str = ""
+    where: str = ""  # what failed, for people: "training step 80", "evaluating step 30"
 
 
 PlanEvent = (

@@ -72,6 +72,11 @@ to every optimizer found (with :func:`~stagetree.torch.set_optimizer_hp`, which 
 ``ValueError`` for a name an optimizer lacks, e.g. ``momentum`` on Adam) and
 ``batch_size`` to every :class:`StageLoader` found. Other names are only kept in
 ``self.hp``. Override it (calling ``super().setup(hp)``) for anything else.
+
+**Accepted names.** :attr:`TorchTrainer.hyperparameters` lists the names the default
+``setup`` applies; a trial with another name is rejected before anything is trained.
+A subclass that uses more names (in ``self.hp`` or its own ``setup``) declares them:
+``hyperparameters = TorchTrainer.hyperparameters | {"dropout"}``.
 """
 
 from __future__ import annotations
@@ -202,6 +207,12 @@ class TorchTrainer(Trainer):
             ``evaluate`` (restored afterwards either way).
     """
 
+    #: The names the default :meth:`setup` applies. Other names are rejected before
+    #: anything is trained (a typo such as ``learning_rate`` would otherwise train with
+    #: the default). A subclass that reads more names declares them, e.g.
+    #: ``hyperparameters = TorchTrainer.hyperparameters | {"dropout"}``; one that
+    #: overrides ``setup`` without declaring is unchecked (its reads are observed).
+    hyperparameters: ClassVar[frozenset[str] | None] = OPTIMIZER_HP | {"batch_size"}
     checkpoint_attributes: ClassVar[tuple[str, ...] | None] = None
     checkpoint_exclude: ClassVar[tuple[str, ...]] = ()
     evaluate_in_eval_mode: ClassVar[bool] = True

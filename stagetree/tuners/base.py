@@ -40,7 +40,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from stagetree.exceptions import TrialCancelledError, TrialFailedError, TunerError
+from stagetree.exceptions import (
+    StagetreeWarning,
+    TrialCancelledError,
+    TrialFailedError,
+    TunerError,
+)
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
@@ -92,7 +97,9 @@ class TrialRunner(Protocol):
     ``submit`` trains (or resumes, or answers from the plan) the trial up to ``steps``
     and returns its result; it raises :class:`~stagetree.exceptions.TrialFailedError`
     if training failed and :class:`~stagetree.exceptions.TrialCancelledError` if the
-    request was cancelled. ``append_log`` stores one JSON-serialisable record durably
+    request was cancelled. A runner may also offer ``check(config, hp)``, which raises
+    when a trial does not fit the study: it is called before a submission is logged, so
+    refused input leaves no record. ``append_log`` stores one JSON-serialisable record durably
     for this study; ``read_log`` returns the records of previous runs of this study in
     the order they were appended.
     """
@@ -287,6 +294,9 @@ class ReplayingRunner:
         """
         key = self._next_key
         self._next_key += 1
+        check = getattr(self._runner, "check", None)
+        if check is not None:  # refuse a trial that cannot run before logging it
+            check(dict(trial.config), dict(trial.hp))
         self._append(
             {
                 "event": event,
@@ -431,16 +441,47 @@ def draw_specs(space: Any, n: int | None, seed: int, shuffle_grid: bool = False)
     ``shuffle_grid`` the enumeration is shuffled by ``seed`` first (adaptive tuners
     assume configurations arrive in random order), then the first ``n`` are kept.
     """
+    if isinstance(space, (Mapping, str, bytes)):
+        raise TunerError(
+            f"a tuner takes a search space, not a {type(space).__name__}: wrap the "
+            "options in stagetree.space.GridSpace(hp={...}, fixed={...}) or "
+            "RandomSpace(hp={...}), or pass a list of TrialSpec"
+        )
     if hasattr(space, "sample"):
         if n is None:
             raise TunerError("num_trials is required for a random search space")
-        return list(space.sample(n, seed))
-    specs = list(space.trials()) if hasattr(space, "trials") else list(space)
+        drawn = list(space.sample(n, seed))
+        distinct = {_spec_key(s) for s in drawn}
+        if len(distinct) < len(drawn):
+            warnings.warn(
+                f"{len(drawn)} trials were drawn but only {len(distinct)} are distinct (the "
+                f"space has few configurations): {len(drawn) - len(distinct)} draws repeat a "
+                "trial, and identical trials train once; widen the space or draw fewer",
+                StagetreeWarning,
+                stacklevel=3,
+            )
+        return drawn
+    try:
+        specs = list(space.trials()) if hasattr(space, "trials") else list(space)
+    except TypeError:
+        raise TunerError(f"a tuner takes a search space, got {space!r}") from None
     if not specs:
         raise TunerError("the search space has no trials")
+    for spec in specs:
+        if not (hasattr(spec, "config") and hasattr(spec, "hp")):
+            raise TunerError(
+                f"a search space must yield trial specs (with .config and .hp), got "
+                f"{spec!r}: use stagetree.space.GridSpace or a list of TrialSpec"
+            )
     if shuffle_grid:
         random.Random(seed).shuffle(specs)
     return specs if n is None else specs[:n]
+
+
+def _spec_key(spec: Any) -> str:
+    from stagetree.hp import dumps_hp
+
+    return json.dumps(spec.config, sort_keys=True, default=repr) + dumps_hp(spec.hp)
 
 
 # --------------------------------------------------------------------------- Tuner
