@@ -10,7 +10,8 @@ engine's lock:
   and the requests it was to serve are taken out of the scheduler and *parked* (the
   waiters, the storage's references and the trial rows stay as they are).
 * **Waiting.** While requests are parked, the coordinator polls the plan: metrics that
-  another engine stored for a parked request resolve it; when a conflicting lease is
+  another engine stored for a parked request resolve it (once the checkpoint there is
+  durable too, or no live lease will still write it); when a conflicting lease is
   gone (released, or expired with its dead engine) or a new durable checkpoint appears
   on a parked request's tree, the requests go back to the scheduler together with every
   durable checkpoint of the tree, so work resumes from the other engine's checkpoints.
@@ -102,7 +103,7 @@ class Coordinator:
         known = {}
         for key in batch.evaluate_at:  # another engine may have answered them meanwhile
             metrics = self.storage.get_metrics(*key) if key in live else None
-            if metrics is not None:
+            if metrics is not None and self.storage.checkpoint(*key) is not None:
                 known[key] = metrics
         if known:
             for key, metrics in known.items():
@@ -231,14 +232,28 @@ class Coordinator:
                     events.append(CheckpointAvailable(node, step, rec.ref))
         return events
 
+    def _settled(self, key: Key, foreign: list[Lease]) -> bool:
+        """Whether another engine's metrics of ``key`` settle it: its checkpoint is
+        durable too, or no live lease of another engine will still write it (a finished
+        request finds its model on disk whenever one was promised)."""
+        if self.storage.checkpoint(*key) is not None:
+            return True
+        return not any(overlaps(lease, key[0], key[1] - 1, key[1]) for lease in foreign)
+
     def _unpark(self) -> list[Any]:
         from stagetree.scheduler import RequestAdded
 
         engine = self.engine
+        foreign = [
+            lease
+            for root in self._parked_roots
+            for lease in self.storage.leases(root)
+            if lease.owner != self.owner
+        ]
         for key in list(self._parked):
             metrics = self.storage.get_metrics(*key)
             req = self.storage.request(*key)
-            if metrics is not None:
+            if metrics is not None and self._settled(key, foreign):
                 del self._parked[key]
                 engine._resolve(key[0], key[1], metrics=metrics)
             elif req is None or req.state == RequestState.CANCELLED:
