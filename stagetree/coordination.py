@@ -195,7 +195,7 @@ class Coordinator:
             events.extend(self._new_nodes())
         if self._parked:
             events.extend(self._unpark())
-        if self.shared and self._batch_leases:
+        if self.shared and (self._batch_leases or self._adopted):
             events.extend(self._adopt())
         if events:
             engine = self.engine
@@ -284,22 +284,17 @@ class Coordinator:
         live = engine.scheduler.live_requests
         self._adopted &= set(live)
         events: list[Any] = []
+        for key in sorted(self._adopted):
+            req = self.storage.request(*key)
+            if (req is None or req.state == RequestState.CANCELLED) and key not in engine._waiters:
+                self._adopted.discard(key)
+                events.append(RequestCancelled(key[0], key[1], live[key]))
         leases = [lease for held in self._batch_leases.values() for lease in held]
+        states = [RequestState.PENDING, RequestState.SCHEDULED]
         for root in sorted({lease.scope for lease in leases}):
-            states = [RequestState.PENDING, RequestState.SCHEDULED, RequestState.CANCELLED]
             for req in self.storage.requests(root, states=states):
                 key = (req.node, req.step)
-                if key in self._adopted:
-                    if req.state == RequestState.CANCELLED:
-                        self._adopted.discard(key)
-                        events.append(RequestCancelled(key[0], key[1], live[key]))
-                    continue
-                if (
-                    req.state == RequestState.CANCELLED
-                    or key in live
-                    or key in engine._waiters
-                    or key[0] not in engine._known_nodes
-                ):
+                if key in live or key in engine._waiters or key[0] not in engine._known_nodes:
                     continue
                 if any(overlaps(lease, req.node, req.step - 1, req.step) for lease in leases):
                     self._adopted.add(key)
