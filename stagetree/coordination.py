@@ -201,6 +201,12 @@ class Coordinator:
             engine = self.engine
             engine._apply(engine.scheduler.handle_all(events))
 
+    def foreign_nodes(self, queued: list[Any]) -> list[Any]:
+        """Nodes other processes added to the trees of ``queued`` submission events, to
+        be planned with them (so the first batches already checkpoint where the other
+        processes' trials branch off)."""
+        return self._new_nodes() if self.shared else []
+
     def _new_nodes(self) -> list[Any]:
         """``NodeAdded`` for nodes other processes appended to trees this engine knows."""
         from stagetree.scheduler import NodeAdded

@@ -256,6 +256,7 @@ class Engine:
                 return
             events, self._queued = self._queued, []
             if events:
+                events += self.coord.foreign_nodes(events)  # other processes' branch points
                 self._apply(self.scheduler.handle_all(events))
 
     def cancel(self, waiter: Waiter, node: int, step: int) -> None:

@@ -223,3 +223,59 @@ def test_a_waiting_engine_takes_over_when_the_holder_is_killed(url: str, tmp_pat
         assert {t["state"] for t in plan.trials("b")} == {"done"}
         assert plan.leases() == []
     assert executed <= 50 - saved  # from the dead engine's checkpoints, after its leases expired
+
+
+def test_two_engines_in_one_process_share_through_leases(tmp_path: Path) -> None:
+    # The same protocol without processes: two engines (two trainer classes pinned to one
+    # version, so one plan tree) on one SQLite file, inline executors, two threads.
+    import asyncio
+    import threading
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from coop_script import NapTrainer, lr_of
+
+    from stagetree import Study
+
+    class NapA(NapTrainer):
+        pass
+
+    class NapB(NapTrainer):
+        pass
+
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    # Every path is in the plan before either engine plans (inline batches take no
+    # checkpoint requests while they run, unlike worker processes).
+    key = Study("setup", NapA, storage=url, version="coop-test").root_key({"nap": 0.03})
+    with SQLPlanStorage(url) as plan:
+        plan.register_root(key, {"nap": 0.03})
+        for m, steps in TRIALS_A + TRIALS_B:
+            plan.insert_trial(key, {"lr": lr_of(m)}, steps, request=False)
+    results: dict[str, list[Any]] = {}
+    barrier = threading.Barrier(2)
+
+    def run(name: str, trainer: type[NapTrainer], trials: list[list[Any]]) -> None:
+        with Study(name, trainer, storage=url, executor="inline", version="coop-test") as study:
+            study.open()
+            barrier.wait()
+
+            async def go() -> list[Any]:
+                return await asyncio.gather(
+                    *(study.submit({"nap": 0.03}, {"lr": lr_of(m)}, s) for m, s in trials)
+                )
+
+            results[name] = [r.metrics for r in asyncio.run(go())]
+            study.stats()
+
+    threads = [
+        threading.Thread(target=run, args=("a", NapA, TRIALS_A)),
+        threading.Thread(target=run, args=("b", NapB, TRIALS_B)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert set(results) == {"a", "b"}
+    assert results["a"][0] == results["b"][0] and results["a"][2] == results["b"][2]
+    with SQLPlanStorage(url) as plan:
+        assert plan.stats("engine")["steps_executed"] == UNIQUE_AB
+        assert plan.leases() == []
