@@ -279,3 +279,16 @@ def test_two_engines_in_one_process_share_through_leases(tmp_path: Path) -> None
     with SQLPlanStorage(url) as plan:
         assert plan.stats("engine")["steps_executed"] == UNIQUE_AB
         assert plan.leases() == []
+
+
+def test_plain_submissions_of_one_study_from_two_processes_join(url: str, tmp_path: Path) -> None:
+    common = {"url": url, "mode": "submit", "nap": 0.05, "study": "s"}
+    results = run_together(
+        tmp_path, {"a": {**common, "trials": TRIALS_A}, "b": {**common, "trials": TRIALS_B}}
+    )
+    assert [r["code"] for r in results.values()] == [0, 0]
+    with SQLPlanStorage(url) as plan:
+        rows = plan.trials("s")
+        assert plan.stats("engine")["steps_executed"] == UNIQUE_AB
+    # one row per trial: the constant and m=8 trials were submitted by both processes
+    assert len(rows) == 4 and all(t["state"] == "done" for t in rows)
