@@ -99,6 +99,7 @@ class Engine:
         policy: str,
         max_retries: int,
         checkpoint_budget: int | None,
+        eval_every: int = 0,
     ) -> None:
         from stagetree.scheduler import Scheduler
 
@@ -107,7 +108,7 @@ class Engine:
         self.lock = threading.RLock()
         self._executor_factory = executor_factory
         self.executor: BaseExecutor | None = None
-        self.scheduler = Scheduler(policy=policy, max_retries=max_retries)
+        self.scheduler = Scheduler(policy=policy, max_retries=max_retries, eval_every=eval_every)
         self.checkpoint_budget = checkpoint_budget
         self._waiters: dict[tuple[int, int], list[Waiter]] = {}
         self._known_roots: set[str] = set()
@@ -331,6 +332,8 @@ class Engine:
         scope = "engine"
         if isinstance(ev, work.MetricsReported):
             self.storage.put_metrics(ev.node, ev.step, ev.metrics)
+        elif isinstance(ev, work.CurveReported):
+            self.storage.put_metrics_many(ev.points)  # one transaction per event
         elif isinstance(ev, work.CheckpointSaved):
             self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
             self.storage.add_stats(

@@ -123,7 +123,9 @@ class TrialRecord:
         hp: sequences by name.
         steps: the most steps requested for this trial so far.
         state: ``pending`` | ``running`` | ``done`` | ``failed`` | ``cancelled``.
-        metrics: every known metric on the trial's path, by step.
+        metrics: every known metric on the trial's path, by step: its learning curve
+            (``train()``'s metrics at every step, ``evaluate()``'s every ``eval_every``
+            steps and at the requested ones).
         error: why it failed (``state == "failed"``), else None.
     """
 
@@ -170,6 +172,12 @@ class Study:
         max_retries: how often a failing stage is retried before its requests fail.
         threads_per_worker: torch/OpenMP threads per worker process (default: the
             machine's cores divided among the workers).
+        eval_every: learning curves: call ``evaluate()`` every ``eval_every`` steps as
+            well as at the requested steps (default 1: every step); 0 or None
+            evaluates at requested steps only. ``train()``'s metrics are recorded at
+            every step either way. Evaluation never changes training (exactness), only
+            its cost; it is an engine setting, so studies sharing an engine (same
+            storage and trainer in one process) use the first one's.
 
     Studies on the same storage with the same trainer in one process share one engine,
     so they share stages while they run; studies in other processes share everything
@@ -190,6 +198,7 @@ class Study:
         policy: str = "critical_path",
         max_retries: int = 0,
         threads_per_worker: int | None = None,
+        eval_every: int | None = 1,
     ) -> None:
         # Every argument is checked here, before the storage is opened or anything written.
         from stagetree.executors.registry import check_executor
@@ -207,6 +216,10 @@ class Study:
         make_policy(policy)
         if version is not None and (not isinstance(version, str) or not version):
             raise ValueError(f"version must be a non-empty string, got {version!r}")
+        if eval_every is None:
+            eval_every = 0
+        _check_count("eval_every", eval_every, 0)
+        self.eval_every = eval_every
         workers = _OVERRIDES.get("workers", workers)
         storage = _OVERRIDES.get("storage", storage)
         if not isinstance(storage, (str, BasePlanStorage)):
@@ -319,7 +332,9 @@ class Study:
             options = ExecutorOptions(trainer, workers, ckdir, threads_per_worker)
             return make_executor(executor, options)
 
-        engine = Engine(plan, store, factory, policy, max_retries, checkpoint_budget)
+        engine = Engine(
+            plan, store, factory, policy, max_retries, checkpoint_budget, self.eval_every
+        )
         engine.temporary_checkpoints = temporary
         return engine
 
@@ -484,7 +499,9 @@ class Study:
     ) -> TrialResult:
         with self._engine.lock:
             history = self._engine.storage.metrics_along(self.root_key(cfg, seqs), seqs, steps)
-        return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=dict(metrics), history=history)
+        # What the plan holds at ``steps``: train() metrics of that step too.
+        metrics = {**history.get(steps, {}), **metrics}
+        return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=metrics, history=history)
 
     def declare(self, trials: Iterable[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> None:
         """Announce trials ``(config, hp)`` that will be submitted later (tuners that draw

@@ -20,10 +20,20 @@ class Trainer:
       of ``train()`` (t = 0, 1, ...) the trainer has been given the value at step t of
       every sequence: all of them before the first step and after any restore from a
       checkpoint, only the changed ones otherwise.
-    * ``train()`` runs one step (one logical iteration) and may return training metrics.
+    * ``train()`` runs one step (one logical iteration) and may return training metrics:
+      None or a dict of numbers (anything else fails the trial with a ``TypeError``).
+      They are recorded at every step, as the trial's learning curve.
     * ``evaluate()`` returns metrics of the current model. Metrics "at step S" are
-      ``evaluate()`` after S calls of ``train()``. It must leave no trace on training:
-      no RNG draws that training sees, no change of train/eval mode, no data position.
+      ``evaluate()`` after S calls of ``train()``, merged with what the S-th call of
+      ``train()`` returned. It is called at the steps a tuner asks for and, for the
+      learning curve, every ``eval_every`` steps (a :class:`~stagetree.Study` option;
+      every step by default), so it must be cheap enough for that, and it must leave
+      no trace on training: no RNG draws that training sees, no change of train/eval
+      mode, no data position.
+    * **Metric names**: ``train()``'s metrics are stored under their own names, and
+      ``evaluate()``'s win a clash at the steps where both exist. Give training metrics
+      distinct names (``train_loss`` beside ``evaluate()``'s ``loss``), or a curve
+      would mix the two wherever the model was not evaluated.
     * ``state_dict()`` / ``load_state_dict(state)`` capture and restore *everything*
       that shapes future training (model, optimizer, every RNG, data order and
       position), so that a restored trainer continues bit for bit. The state must be

@@ -21,6 +21,7 @@ __all__ = [
     "BatchDone",
     "BatchFailed",
     "CheckpointSaved",
+    "CurveReported",
     "Instruction",
     "MetricsReported",
     "Progress",
@@ -60,6 +61,10 @@ class RunBatch:
         segments: consecutive segments; ``segments[i].stop == segments[i+1].start``.
         evaluate_at: ``(node, step)`` points to evaluate and report metrics at.
         checkpoint_at: ``(node, step)`` points to save a checkpoint at (in background).
+        eval_every: also evaluate at every step ``s > start_step`` with
+            ``s % eval_every == 0`` for the learning curve (:class:`CurveReported`);
+            0 evaluates at ``evaluate_at`` only. ``train()`` metrics are reported at
+            every step either way.
     """
 
     batch_id: int
@@ -72,6 +77,7 @@ class RunBatch:
     segments: tuple[Segment, ...]
     evaluate_at: tuple[tuple[int, int], ...] = ()
     checkpoint_at: tuple[tuple[int, int], ...] = ()
+    eval_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,19 @@ class MetricsReported:
     node: int
     step: int
     metrics: Mapping[str, float] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class CurveReported:
+    """Learning-curve points of a batch since its previous ``CurveReported``:
+    ``(node, step, metrics, evaluated)`` in step order, at canonical keys. ``metrics``
+    are ``train()``'s metrics of that step merged with ``evaluate()``'s when
+    ``evaluated``. Sent with the throttled ``Progress`` events and before the batch's
+    terminal event; never resolves a request (``MetricsReported`` does)."""
+
+    batch_id: int
+    worker: int
+    points: tuple[tuple[int, int, Mapping[str, float], bool], ...] = field(hash=False)
 
 
 @dataclass(frozen=True)
@@ -197,6 +216,7 @@ class WorkerLost:
 WorkerEvent = (
     Progress
     | MetricsReported
+    | CurveReported
     | CheckpointSaved
     | BatchDone
     | BatchFailed

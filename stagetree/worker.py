@@ -13,12 +13,21 @@ Checkpoints are captured synchronously (a deep copy of ``state_dict()``: tensors
 arrays copied) and written by a background thread while training goes on.
 
 Events of a batch, in order: ``Progress`` (throttled, always at segment ends and at
-evaluation/checkpoint points), ``MetricsReported``, ``CheckpointSaved`` (from the writer
-thread, when durable), ``SplitMissed`` (answers to live splits it cannot honour), and
-exactly one terminal event, ``BatchDone`` or ``BatchFailed``, sent after every
-background write of the batch has finished. ``emit`` must therefore be thread-safe.
-``Progress.seconds_per_step`` is wall time per step since the previous ``Progress``,
-excluding evaluation and checkpoint capture.
+evaluation/checkpoint points), ``CurveReported`` (the learning curve since the previous
+one, right after a ``Progress`` and before the ``MetricsReported`` of a point),
+``MetricsReported``, ``CheckpointSaved`` (from the writer thread, when durable),
+``SplitMissed`` (answers to live splits it cannot honour), and exactly one terminal
+event, ``BatchDone`` or ``BatchFailed``, sent after every background write of the batch
+has finished (and after the last ``CurveReported``). ``emit`` must therefore be
+thread-safe. ``Progress.seconds_per_step`` is wall time per step since the previous
+``Progress``, excluding evaluation and checkpoint capture.
+
+Learning curves: every step's ``train()`` metrics, merged with ``evaluate()``'s at the
+steps where the model is evaluated (requested points, and every ``RunBatch.eval_every``
+steps), evaluate's winning a name clash. A planned point is checkpointed before it
+is evaluated, and the model is evaluated at most once per step (a live split at the
+step just evaluated is checkpointed after that evaluation, which the Trainer contract
+makes harmless).
 
 Failures: an exception from the trainer (``__init__``, ``load_state_dict``, ``setup``,
 ``train``, ``evaluate``, ``state_dict``) ends the batch with ``BatchFailed`` at the
@@ -57,6 +66,7 @@ from stagetree.work import (
     BatchDone,
     BatchFailed,
     CheckpointSaved,
+    CurveReported,
     MetricsReported,
     Progress,
     RunBatch,
@@ -180,6 +190,9 @@ class Worker:
         # The first background write of the running batch that failed: (node, step, error).
         self._write_error: tuple[int, int, BaseException] | None = None
         self._reads = HpReadWatch()  # names a fresh trainer's first setup() never reads
+        # Learning-curve points not sent yet; the latest evaluation (step, metrics).
+        self._curve: list[tuple[int, int, dict[str, float], bool]] = []
+        self._evaluated: tuple[int, dict[str, float]] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -237,6 +250,9 @@ class Worker:
         steps_done = 0
         points = self._points(batch, end_step)
         self._write_error = None
+        eval_every = batch.eval_every
+        self._curve = []
+        self._evaluated = None
         try:
             trainer = self._prepare(batch, node)
             aborted = False
@@ -262,7 +278,7 @@ class Worker:
                         if change is not None:
                             self._given.update(change)
                             trainer.setup(self._reads.wrap(trainer, change))
-                        trainer.train()
+                        trained = _train_metrics(trainer.train())
                         self._reads.after_step()
                         step = t + 1
                         steps_done += 1
@@ -271,10 +287,13 @@ class Worker:
                         point = points.get(step)
                         if point is not None or step == seg_stop or now - mark >= interval:
                             emit(Progress(bid, wid, node, step, (now - mark) / since))
-                            if point is not None:
-                                self._do_point(trainer, batch, step, point)
+                            self._curve_point(trainer, batch, node, step, trained, point)
+                            self._flush_curve(bid)
                             mark = _perf()
                             since = 0
+                        elif trained or (eval_every and step % eval_every == 0):
+                            # Not counted in seconds_per_step: evaluation time.
+                            mark += self._curve_point(trainer, batch, node, step, trained, None)
                         instructions = poll()
                         if instructions:
                             aborted = self._apply(
@@ -286,12 +305,15 @@ class Worker:
                         break
             if steps_done:
                 self._at = (node, step)
+            self._flush_curve(bid)
             self._check_writes()
         except _Failed as failed:
+            self._flush_curve(bid)  # the steps before the failure stand
             self._finish_failed(batch, failed, steps_done)
             return
         except Exception as exc:
             # Trainer code raised in setup/train (the only unwrapped calls above).
+            self._flush_curve(bid)
             self._finish_failed(batch, _Failed(node, step, exc), steps_done)
             return
         self._wait_saves()
@@ -375,19 +397,65 @@ class Worker:
                     last = value
         return out
 
+    # ------------------------------------------------------------------ learning curves
+
+    def _curve_point(
+        self,
+        trainer: Trainer,
+        batch: RunBatch,
+        node: int,
+        step: int,
+        trained: dict[str, float],
+        point: _Point | None,
+    ) -> float:
+        """Record the curve at ``step`` (canonical ``(node, step)``): ``train()``'s
+        metrics, and ``evaluate()``'s when the step is due (``eval_every``) or a point
+        evaluates there; then do the point. Returns the seconds it took."""
+        begin = _perf()
+        every = batch.eval_every
+        evaluate = bool(every and step % every == 0) or (
+            point is not None and point.eval_node is not None and not point.eval_done
+        )
+        if evaluate and point is not None and point.ckpt_node is not None:
+            # Checkpoint first: the saved state must not depend on whether we evaluated.
+            self._do_point(trainer, batch, step, point, evaluate=False)
+        metrics = self._evaluate(trainer, node, step) if evaluate else None
+        if trained or metrics is not None:
+            values = {**trained, **metrics} if metrics is not None else trained
+            self._curve.append((node, step, values, metrics is not None))
+        if point is not None:
+            self._do_point(trainer, batch, step, point)
+        return _perf() - begin
+
+    def _flush_curve(self, batch_id: int) -> None:
+        if self._curve:
+            curve, self._curve = self._curve, []
+            self.emit(CurveReported(batch_id, self.worker_id, tuple(curve)))
+
+    def _evaluate(self, trainer: Trainer, node: int, step: int) -> dict[str, float]:
+        """``evaluate()`` of the model at ``step``, at most once per step of a batch."""
+        if self._evaluated is not None and self._evaluated[0] == step:
+            return self._evaluated[1]
+        try:
+            metrics = evaluate_metrics(trainer)
+        except Exception as exc:
+            raise _Failed(node, step, exc, phase="point") from exc
+        self._evaluated = (step, metrics)
+        return metrics
+
     # ------------------------------------------------------------------ points, splits
 
-    def _do_point(self, trainer: Trainer, batch: RunBatch, step: int, point: _Point) -> None:
+    def _do_point(
+        self, trainer: Trainer, batch: RunBatch, step: int, point: _Point, evaluate: bool = True
+    ) -> None:
         # Checkpoint first: the saved state must not depend on whether we evaluated.
         if point.ckpt_node is not None and not point.ckpt_done:
             point.ckpt_done = True
             self._checkpoint(trainer, batch, point.ckpt_node, step)
-        if point.eval_node is not None and not point.eval_done:
+        if evaluate and point.eval_node is not None and not point.eval_done:
             point.eval_done = True
-            try:
-                metrics = evaluate_metrics(trainer)
-            except Exception as exc:
-                raise _Failed(point.eval_node, step, exc, phase="point") from exc
+            metrics = self._evaluate(trainer, point.eval_node, step)
+            self._flush_curve(batch.batch_id)  # the curve reaches the plan first
             self.emit(
                 MetricsReported(batch.batch_id, self.worker_id, point.eval_node, step, metrics)
             )
@@ -506,6 +574,23 @@ class _Missing:
 
 
 _MISSING: Any = _Missing()
+
+
+def _train_metrics(raw: Any) -> dict[str, float]:
+    """``train()``'s return value as metrics (None: none)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"train() must return None or a dict of numbers, got {type(raw).__name__}")
+    out: dict[str, float] = {}
+    for key, value in raw.items():
+        try:
+            out[str(key)] = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"train() must return None or a dict of numbers; {key!r} is {type(value).__name__}"
+            ) from None
+    return out
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -74,14 +74,16 @@ def train_alone(
     with deterministic(threads=1):
         trainer = DigitsTrainer(config)
         last: dict[str, Any] = {}
+        trained: dict[str, float] = {}
         for t in range(steps):
             values = {name: seq(t) for name, seq in hp.items()}
             changed = {k: v for k, v in values.items() if last.get(k, object()) != v}
             if changed:
                 trainer.setup(changed)
             last = values
-            trainer.train()
-        return dict(trainer.evaluate()), trainer.state_dict()
+            trained = trainer.train()
+        # Metrics at a step: the last train() metrics, evaluate()'s winning a clash.
+        return {**trained, **trainer.evaluate()}, trainer.state_dict()
 
 
 def assert_same_state(a: Any, b: Any, where: str = "state") -> None:

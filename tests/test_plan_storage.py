@@ -460,6 +460,58 @@ def test_metrics_along_the_path(plan: BasePlanStorage) -> None:
     assert plan.metrics_along("empty", decay, 20) == {}
 
 
+def test_put_metrics_many_records_a_learning_curve(backend: Backend) -> None:
+    plan = backend.storage
+    const, decay = lr(Constant(0.1)), lr(MultiStep(0.1, [3], 0.1))
+    root = plan.insert_trial(R, const, 6).node
+    child = plan.insert_trial(R, decay, 6).node
+    plan.put_metrics_many(
+        [
+            (root, 1, {"train_loss": 1.0}, False),
+            (root, 2, {"train_loss": 0.9, "acc": 0.2}, True),
+            (root, 3, {"train_loss": 0.8}, False),
+            (child, 4, {"train_loss": 0.7, "acc": math.nan}, True),
+            (child, 5, {"train_loss": 0.6}, False),
+        ]
+    )
+    plan.put_metrics_many([])  # nothing to do
+    # Steps with train() metrics only are on the curve but answer no request.
+    assert plan.get_metrics(root, 1) is None and plan.get_metrics(root, 3) is None
+    assert plan.get_metrics(root, 2) == {"train_loss": 0.9, "acc": 0.2}
+    curve = plan.metrics_along(R, decay, 6)
+    assert sorted(curve) == [1, 2, 3, 4, 5]
+    assert [curve[s]["train_loss"] for s in range(1, 6)] == [1.0, 0.9, 0.8, 0.7, 0.6]
+    assert math.isnan(curve[4]["acc"]) and curve[1] == {"train_loss": 1.0}
+    # Evaluating a partial step completes it; train() metrics never unmark an evaluated one.
+    plan.put_metrics(root, 3, {"acc": 0.3})
+    plan.put_metrics_many([(root, 2, {"train_loss": 0.95}, False)])
+    assert plan.get_metrics(root, 3) == {"train_loss": 0.8, "acc": 0.3}
+    assert plan.get_metrics(root, 2) == {"train_loss": 0.95, "acc": 0.2}
+    # One key twice in one call: merged in order.
+    plan.put_metrics_many([(child, 6, {"a": 1.0}, False), (child, 6, {"a": 2.0, "b": 3.0}, True)])
+    assert plan.get_metrics(child, 6) == {"a": 2.0, "b": 3.0}
+    if backend.reopen is not None:
+        again = backend.reopen()
+        assert again.metrics_along(R, decay, 6) == plan.metrics_along(R, decay, 6)
+        assert again.get_metrics(child, 5) is None
+        assert again.get_metrics(root, 3) == {"train_loss": 0.8, "acc": 0.3}
+
+
+def test_put_metrics_many_checks_every_item_before_writing(plan: BasePlanStorage) -> None:
+    root = plan.insert_trial(R, lr(MultiStep(0.1, [3], 0.1)), 6).node
+    child = plan.insert_trial(R, lr(Constant(0.1)), 6).node
+    bad_items: list[list[tuple[int, int, dict[str, float], bool]]] = [
+        [(root, 1, {"a": 1.0}, False), (child, 2, {"a": 1.0}, False)],  # not canonical
+        [(root, 1, {"a": 1.0}, False), (root, 2, {"stagetree:partial": 1.0}, False)],
+    ]
+    for items in bad_items:
+        with pytest.raises(ValueError):
+            plan.put_metrics_many(items)
+    with pytest.raises(PlanKeyError):
+        plan.put_metrics_many([(root, 1, {"a": 1.0}, True), (999, 1, {"a": 1.0}, True)])
+    assert plan.metrics_along(R, lr(MultiStep(0.1, [3], 0.1)), 6) == {}
+
+
 # -- accounting ------------------------------------------------------------------------
 
 

@@ -412,7 +412,7 @@ def test_no_trace_inside_train() -> None:
 
     ref, ref_train, _ = run(CONFIG, momentum_schedule, 4)
     trainer, train_metrics, _ = run(CONFIG, momentum_schedule, 4, cls=LogsInside, splits=(2,))
-    assert [m["loss"] for m in train_metrics] == [m["loss"] for m in ref_train]
+    assert [m["train_loss"] for m in train_metrics] == [m["train_loss"] for m in ref_train]
     assert_same_training(trainer, ref)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,7 @@ __all__ = [
     "BasePlanStorage",
     "CheckpointRecord",
     "Insertion",
+    "MetricsItem",
     "PlanKeyError",
     "RequestError",
     "after_add",
@@ -115,12 +116,25 @@ def trial_changes(
     return changes
 
 
+#: ``(node, step, metrics, evaluated)``: one point of a learning curve for
+#: :meth:`BasePlanStorage.put_metrics_many`; ``evaluated`` is False for a step that has
+#: ``train()`` metrics only.
+MetricsItem = tuple[int, int, Mapping[str, float], bool]
+
+#: Stored with the metrics of a step that was not evaluated (``train()`` metrics only):
+#: such a step is not an answer to a request. Never returned to callers; a metric may
+#: not use this name.
+PARTIAL_KEY = "stagetree:partial"
+
+
 def check_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Metrics as ``{str: float}``; NaN and infinities are kept as they are."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
         if not isinstance(key, str):
             raise ValueError(f"metric names must be str, got {key!r}")
+        if key == PARTIAL_KEY:
+            raise ValueError(f"{PARTIAL_KEY!r} is reserved, not a metric name")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             try:
                 value = float(value)  # numpy / torch scalars
@@ -128,6 +142,32 @@ def check_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
                 raise ValueError(f"metric {key!r} must be a number, got {value!r}") from None
         out[key] = float(value)
     return out
+
+
+def merge_metrics(
+    old: Mapping[str, float] | None, values: Mapping[str, float], evaluated: bool
+) -> dict[str, float]:
+    """The stored metrics of a step after merging ``values`` into ``old`` (as stored,
+    None when the step has none yet): shared rule of every backend. A step is evaluated
+    once any evaluated item reached it; ``train()`` metrics alone leave it partial."""
+    merged = {**(old or {}), **values}
+    if evaluated:
+        merged.pop(PARTIAL_KEY, None)
+    elif old is None:
+        merged[PARTIAL_KEY] = 1.0
+    return merged
+
+
+def shown_metrics(stored: Mapping[str, float]) -> dict[str, float]:
+    """Stored metrics of a step as callers see them (without the partial mark)."""
+    return {k: v for k, v in stored.items() if k != PARTIAL_KEY}
+
+
+def evaluated_metrics(stored: Mapping[str, float] | None) -> dict[str, float] | None:
+    """What :meth:`BasePlanStorage.get_metrics` returns for stored metrics."""
+    if stored is None or PARTIAL_KEY in stored:
+        return None
+    return dict(stored)
 
 
 class BasePlanStorage(ABC):
@@ -311,17 +351,28 @@ class BasePlanStorage(ABC):
 
     @abstractmethod
     def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
-        """Merge ``metrics`` into those of ``(node, step)`` (NaN and inf are kept)."""
+        """Merge ``metrics`` into those of ``(node, step)`` (NaN and inf are kept) and
+        mark the step *evaluated*: its metrics answer requests for ``(node, step)``."""
+
+    @abstractmethod
+    def put_metrics_many(self, items: Iterable[MetricsItem]) -> None:
+        """Merge learning-curve points ``(node, step, metrics, evaluated)`` in one
+        transaction. ``evaluated=True`` is :meth:`put_metrics`; ``evaluated=False``
+        (``train()`` metrics only) merges the values without marking the step
+        evaluated, and never unmarks an evaluated one. Every item is checked before
+        anything is written."""
 
     @abstractmethod
     def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
-        """Metrics of ``(node, step)`` or None."""
+        """Metrics of ``(node, step)`` if the model was evaluated there, else None (a
+        step with ``train()`` metrics only shows in :meth:`metrics_along`)."""
 
     @abstractmethod
     def metrics_along(
         self, root_key: str, hp: Mapping[str, Sequence], steps: int
     ) -> dict[int, dict[str, float]]:
-        """Every known metric on the trial's path at steps ``<= steps``, by step.
+        """Every known metric on the trial's path at steps ``<= steps``, by step: the
+        learning curve, evaluated steps and steps with ``train()`` metrics alike.
 
         The part of the path that is not in the tree has no metrics; an empty tree
         gives ``{}``.

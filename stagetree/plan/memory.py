@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import Any
@@ -17,11 +17,15 @@ from stagetree.plan._seqcache import SeqCache
 from stagetree.plan.base import (
     BasePlanStorage,
     CheckpointRecord,
+    MetricsItem,
     PlanKeyError,
     after_add,
     after_release,
     check_canonical,
     check_metrics,
+    evaluated_metrics,
+    merge_metrics,
+    shown_metrics,
     trial_changes,
 )
 from stagetree.plan.leases import ClaimResult, Lease, host_pid, stage_conflicts, study_conflicts
@@ -236,17 +240,22 @@ class MemoryPlanStorage(BasePlanStorage):
     # -- metrics -------------------------------------------------------------------------
 
     def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
-        values = check_metrics(metrics)
+        self.put_metrics_many([(node, step, metrics, True)])
+
+    def put_metrics_many(self, items: Iterable[MetricsItem]) -> None:
+        checked = [(node, step, check_metrics(m), bool(ev)) for node, step, m, ev in items]
         with self._lock:
             self._check_open()
-            self._canonical_node(node, step)
-            self._metrics.setdefault(node, {}).setdefault(step, {}).update(values)
+            for node, step, _values, _evaluated in checked:
+                self._canonical_node(node, step)
+            for node, step, values, evaluated in checked:
+                steps = self._metrics.setdefault(node, {})
+                steps[step] = merge_metrics(steps.get(step), values, evaluated)
 
     def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
         with self._lock:
             self._check_open()
-            found = self._metrics.get(node, {}).get(step)
-            return None if found is None else dict(found)
+            return evaluated_metrics(self._metrics.get(node, {}).get(step))
 
     def metrics_along(
         self, root_key: str, hp: Mapping[str, Sequence], steps: int
@@ -257,7 +266,7 @@ class MemoryPlanStorage(BasePlanStorage):
             for node, first, last in walk(self._tree(root_key), hp, steps).segments:
                 for step, values in self._metrics.get(node, {}).items():
                     if first <= step <= last:
-                        out[step] = dict(values)
+                        out[step] = shown_metrics(values)
             return dict(sorted(out.items()))
 
     # -- accounting ----------------------------------------------------------------------

@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from typing import Any
@@ -52,11 +52,15 @@ from stagetree.plan._seqcache import SeqCache
 from stagetree.plan.base import (
     BasePlanStorage,
     CheckpointRecord,
+    MetricsItem,
     PlanKeyError,
     after_add,
     after_release,
     check_canonical,
     check_metrics,
+    evaluated_metrics,
+    merge_metrics,
+    shown_metrics,
     trial_changes,
 )
 from stagetree.plan.leases import ClaimResult, Lease, host_pid, stage_conflicts, study_conflicts
@@ -644,32 +648,62 @@ class SQLPlanStorage(BasePlanStorage):
     # -- metrics -------------------------------------------------------------------------
 
     def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
-        values = check_metrics(metrics)
+        self.put_metrics_many([(node, step, metrics, True)])
+
+    def put_metrics_many(self, items: Iterable[MetricsItem]) -> None:
+        checked = [(node, step, check_metrics(m), bool(ev)) for node, step, m, ev in items]
+        if not checked:
+            return
         with self._tx(write=True) as conn:
-            n = self._node(conn, node)
-            check_canonical(n, step)
-            key = (_metrics.c.node == node) & (_metrics.c.step == step)
-            old = conn.execute(select(_metrics.c.data).where(key)).scalar_one_or_none()
-            if old is None:
-                conn.execute(
-                    _metrics.insert(),
-                    {
-                        "node": node,
-                        "step": step,
-                        "root_key": n.root_key,
-                        "data": _codec.dumps(values),
-                    },
+            spans: dict[int, tuple[int, int]] = {}
+            roots: dict[int, str] = {}
+            for node, step, _values, _evaluated in checked:
+                n = self._node(conn, node)
+                check_canonical(n, step)
+                roots[node] = n.root_key
+                lo, hi = spans.get(node, (step, step))
+                spans[node] = (min(lo, step), max(hi, step))
+            # What is stored already, one query per node (a curve spans few nodes).
+            stored: dict[tuple[int, int], dict[str, float]] = {}
+            for node, (lo, hi) in spans.items():
+                rows = conn.execute(
+                    select(_metrics.c.step, _metrics.c.data).where(
+                        (_metrics.c.node == node) & _metrics.c.step.between(lo, hi)
+                    )
                 )
-            else:
-                merged = {**_codec.loads(old), **values}
-                conn.execute(_metrics.update().where(key).values(data=_codec.dumps(merged)))
+                for row in rows:
+                    stored[(node, row.step)] = _codec.loads(row.data)
+            merged: dict[tuple[int, int], dict[str, float]] = {}
+            for node, step, values, evaluated in checked:
+                key = (node, step)
+                old = merged.get(key, stored.get(key))
+                merged[key] = merge_metrics(old, values, evaluated)
+            new = [
+                {
+                    "node": key[0],
+                    "step": key[1],
+                    "root_key": roots[key[0]],
+                    "data": _codec.dumps(data),
+                }
+                for key, data in merged.items()
+                if key not in stored
+            ]
+            if new:
+                conn.execute(_metrics.insert(), new)
+            for key, data in merged.items():
+                if key in stored:
+                    conn.execute(
+                        _metrics.update()
+                        .where((_metrics.c.node == key[0]) & (_metrics.c.step == key[1]))
+                        .values(data=_codec.dumps(data))
+                    )
 
     def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
         with self._tx(write=False) as conn:
             raw = conn.execute(
                 select(_metrics.c.data).where((_metrics.c.node == node) & (_metrics.c.step == step))
             ).scalar_one_or_none()
-        return None if raw is None else _codec.loads(raw)
+        return None if raw is None else evaluated_metrics(_codec.loads(raw))
 
     def metrics_along(
         self, root_key: str, hp: Mapping[str, Sequence], steps: int
@@ -688,7 +722,7 @@ class SQLPlanStorage(BasePlanStorage):
         for row in rows:
             first, last = ranges[row.node]
             if first <= row.step <= last:
-                out[row.step] = _codec.loads(row.data)
+                out[row.step] = shown_metrics(_codec.loads(row.data))
         return dict(sorted(out.items()))
 
     # -- accounting ----------------------------------------------------------------------

@@ -77,6 +77,7 @@ from stagetree.work import (
     BatchDone,
     BatchFailed,
     CheckpointSaved,
+    CurveReported,
     Instruction,
     MetricsReported,
     Progress,
@@ -170,7 +171,11 @@ class Scheduler:
     :mod:`stagetree.scheduler.events` and the worker events of :mod:`stagetree.work`.
     Events of batches the scheduler no longer tracks (late messages after an abort or a
     lost worker) are applied where still meaningful (metrics, checkpoints, step counts)
-    and otherwise ignored.
+    and otherwise ignored. ``CurveReported`` (learning curves, for the plan only) is
+    accepted and ignored: it never resolves a request.
+
+    ``eval_every`` goes into every ``RunBatch``: workers also evaluate every
+    ``eval_every`` steps for the learning curve (0: at requested points only).
     """
 
     def __init__(
@@ -181,7 +186,11 @@ class Scheduler:
         max_retries: int = 0,
         branch_checkpoints: bool = True,
         max_worker_deaths: int = 2,
+        eval_every: int = 0,
     ) -> None:
+        if eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {eval_every}")
+        self.eval_every = eval_every
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if max_retries < 0:
@@ -219,6 +228,7 @@ class Scheduler:
             CheckpointLost: self._on_checkpoint_lost,
             Progress: self._on_progress,
             MetricsReported: self._on_metrics,
+            CurveReported: self._on_curve,
             BatchDone: self._on_done,
             BatchFailed: self._on_failed,
             SplitMissed: self._on_split_missed,
@@ -461,6 +471,9 @@ class Scheduler:
     ) -> None:
         if self._requests.pop(key, None) is not None:
             out.append(RequestDone(key[0], key[1], dict(metrics)))
+
+    def _on_curve(self, e: CurveReported, out: list[Instruction | Notice]) -> None:
+        """Learning-curve points are for the plan; no decision depends on them."""
 
     def _release(self, batch_id: int) -> _Batch | None:
         batch = self._batches.pop(batch_id, None)
@@ -739,6 +752,7 @@ class Scheduler:
                 segments=tuple(Segment(n, a, b, self._nodes[n].hp) for n, a, b in segments),
                 evaluate_at=_by_step(evaluate),
                 checkpoint_at=_by_step(checkpoint),
+                eval_every=self.eval_every,
             )
         )
 

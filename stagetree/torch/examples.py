@@ -94,8 +94,8 @@ class DigitsTrainer(TorchTrainer):
     Sequential hyper-parameters accepted by ``setup``: ``lr``, ``momentum`` (``sgd`` and
     ``momentum`` optimizers), ``batch_size``, ``weight_decay`` (and ``betas`` for adam).
 
-    ``train()`` returns ``{"loss": mean training loss of the step}``; ``evaluate()``
-    returns ``{"accuracy", "loss"}`` on the held-out split.
+    ``train()`` returns ``{"train_loss": mean training loss of the step}``;
+    ``evaluate()`` returns ``{"accuracy", "loss"}`` on the held-out split.
 
     ``transform(x)`` is applied to every training batch (identity here): override it to add
     augmentation; it may use any RNG, which is checkpointed.
@@ -161,7 +161,7 @@ class DigitsTrainer(TorchTrainer):
             loss.backward()
             self.optimizer.step()
             total += loss.detach()
-        return {"loss": total.item() / self.batches_per_step}
+        return {"train_loss": total.item() / self.batches_per_step}
 
     def evaluate(self) -> dict[str, float]:
         logits = self.model(self.x_test)

@@ -16,7 +16,7 @@ Write a subclass the way you would write a plain training loop::
             self.optimizer.zero_grad()
             loss.backward()
             self.optimizer.step()
-            return {"loss": loss.item()}
+            return {"train_loss": loss.item()}
 
         def evaluate(self):
             return {"accuracy": accuracy(self.model, x_test, y_test)}

@@ -74,9 +74,10 @@ class TrialResult:
         config: fixed hyper-parameters of the trial.
         hp: sequential hyper-parameters by name.
         steps: the number of steps the trial was trained for.
-        metrics: metrics at ``steps``.
-        history: all known metrics at steps ``<= steps``; left empty, it becomes
-            ``{steps: metrics}``.
+        metrics: metrics at ``steps`` (``evaluate()``'s, with ``train()``'s of that
+            step).
+        history: all known metrics at steps ``<= steps``: the learning curve (see
+            ``Study(eval_every=...)``); left empty, it becomes ``{steps: metrics}``.
     """
 
     config: dict[str, Any]

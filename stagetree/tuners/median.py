@@ -25,6 +25,12 @@ class MedianStopping(Tuner):
     are all non-finite has the worst possible best value and stops at its first check.
     A failed chunk ends its trial.
 
+    The values are the trials' learning curves (``TrialResult.history``): with the
+    study's ``eval_every`` (``Study(eval_every=1)``, the default) every step of a
+    chunk counts, not only its last one, so a running average is not at the mercy of
+    one noisy evaluation at the chunk's end. The tuner's own ``eval_every`` is the
+    chunk length, i.e. how often the rule is applied.
+
     At most ``max_concurrent`` (default: the runner's worker count) trials train at
     once; a stopped or finished trial frees its slot for the next configuration. On a
     grid, configurations are taken in an order shuffled by ``seed``. After ``run``,
