@@ -292,3 +292,20 @@ def test_plain_submissions_of_one_study_from_two_processes_join(url: str, tmp_pa
         assert plan.stats("engine")["steps_executed"] == UNIQUE_AB
     # one row per trial: the constant and m=8 trials were submitted by both processes
     assert len(rows) == 4 and all(t["state"] == "done" for t in rows)
+
+
+def test_status_reads_a_plan_written_before_leases_existed(tmp_path: Path) -> None:
+    from sqlalchemy import create_engine, text
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    with SQLPlanStorage(url) as plan:
+        plan.create_study("a", {})
+        ins = plan.insert_trial("rk", {"lr": 0.1}, 5)
+        plan.add_trial("a", "rk", {}, {"lr": 0.1}, 5, ins.node, ins.step, state="running")
+    old = create_engine(url)
+    with old.begin() as conn:
+        conn.execute(text("DROP TABLE stagetree_leases"))
+    old.dispose()
+    with SQLPlanStorage(url, readonly=True) as plan:  # what `stagetree status` opens
+        assert plan.leases() == []
+        assert study_status(plan, "a").running == 0

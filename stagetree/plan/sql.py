@@ -257,6 +257,7 @@ class SQLPlanStorage(BasePlanStorage):
     def __init__(self, url: str, readonly: bool | None = None) -> None:
         self._lock = threading.RLock()
         self._closed = False
+        self._absent: set[str] = set()  # tables a read-only handle found missing
         self._trees: dict[str, TreeIndex] = {}
         self._node_cache: dict[int, Node] = {}
         self._seqs = SeqCache()
@@ -329,6 +330,8 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=False) as conn:
             found = self._check_version(conn)
             missing = [t.name for t in TABLES if not inspect(conn).has_table(t.name)]
+        # A read-only handle on a plan written before a table existed reads it as empty.
+        self._absent = set(missing) if self.readonly else set()
         if self.readonly or (not missing and found is not None):  # nothing to write
             if found is None:
                 raise StorageError(
@@ -964,6 +967,8 @@ class SQLPlanStorage(BasePlanStorage):
             return int(conn.execute(query).rowcount or 0)
 
     def leases(self, scope: str | None = None, live_only: bool = True) -> list[Lease]:
+        if _leases.name in self._absent:
+            return []
         query = select(_leases).order_by(_leases.c.id)
         if scope is not None:
             query = query.where(_leases.c.scope == scope)
