@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree import __version__
+from stagetree.coordination import running_trials
 from stagetree.exceptions import (
     InvalidSpaceError,
     StagetreeError,
@@ -935,7 +936,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
         created=float(record.get("created") or 0.0),
         trials=len(trials),
         finished=states.count("done"),
-        running=states.count("running"),
+        running=len(running_trials(storage, trials)),  # live leases, not stale rows
         failed=states.count("failed"),
         metric=metric,
         mode=mode,

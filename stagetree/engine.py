@@ -17,10 +17,12 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stagetree.coordination import Coordinator
 from stagetree.exceptions import StagetreeError, TrialCancelledError, TrialFailedError
 from stagetree.plan import BasePlanStorage, RequestState
 
@@ -125,6 +127,8 @@ class Engine:
         # batch id -> [start step, last reported step]: steps trained by running batches.
         self._positions: dict[int, list[int]] = {}
         self._idle = threading.Condition(self.lock)
+        # Leases and the requests waiting on other engines (processes) sharing the storage.
+        self.coord = Coordinator(self)
         self._reported_corrupt: set[str] = set()  # start checkpoints reported unreadable
 
     # -- life cycle ----------------------------------------------------------------------
@@ -169,6 +173,7 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
         with self.lock:
+            self.coord.close()
             for (node, step), waiters in self._waiters.items():
                 held = 0
                 for w in waiters:
@@ -252,6 +257,7 @@ class Engine:
                 return
             events, self._queued = self._queued, []
             if events:
+                events += self.coord.foreign_nodes(events)  # other processes' branch points
                 self._apply(self.scheduler.handle_all(events))
 
     def cancel(self, waiter: Waiter, node: int, step: int) -> None:
@@ -316,6 +322,8 @@ class Engine:
             with self.lock:
                 for ev in events:
                     self._on_event(ev)
+        with self.lock:
+            self.coord.tick()
         return len(events)
 
     def _on_event(self, ev: Any) -> None:
@@ -335,6 +343,7 @@ class Engine:
         if isinstance(ev, work.WorkerLost):
             ended = ev.batch_id
         if ended is not None:
+            self.coord.batch_ended(ended)
             self._inflight.discard(ended)
             self._positions.pop(ended, None)
             self._idle.notify_all()
@@ -378,7 +387,19 @@ class Engine:
         from stagetree import work
         from stagetree.scheduler import RequestDone, RequestFailed
 
-        for item in out:
+        todo, refused = deque(out), set()
+        while todo:
+            item = todo.popleft()
+            if isinstance(item, work.RunBatch):
+                # Another engine holds a lease on some of its stages: the batch is undone
+                # and its requests wait for that engine (stagetree.coordination).
+                undo = self.coord.claim(item)
+                if undo:
+                    refused.add(item.batch_id)
+                    todo.extend(self.scheduler.handle_all(undo))
+                    continue
+            elif isinstance(item, (work.AddCheckpoint, work.Abort)) and item.batch_id in refused:
+                continue
             if isinstance(item, (work.RunBatch, work.AddCheckpoint, work.Abort)):
                 assert self.executor is not None
                 if isinstance(item, work.RunBatch):

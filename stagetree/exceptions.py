@@ -13,6 +13,7 @@ Hierarchy::
     ├── SchedulerError             an event the scheduler cannot accept (a bug or bad input)
     ├── TrialFailedError           a request failed (its stage or an ancestor stage raised)
     ├── TrialCancelledError        a request was cancelled before it finished
+    ├── StudyBusyError             the study is being tuned by another live process
     └── TunerError                 (also ValueError) invalid tuner arguments or metric
 
     StagetreeWarning               (a UserWarning) something the user should know about:
@@ -31,6 +32,7 @@ __all__ = [
     "StagetreeError",
     "StagetreeWarning",
     "StorageError",
+    "StudyBusyError",
     "TrainerError",
     "TrialCancelledError",
     "TrialFailedError",
@@ -94,6 +96,20 @@ class TrialFailedError(_WithTraceback):
 
 class TrialCancelledError(StagetreeError):
     """A request was cancelled before its result was available."""
+
+
+class StudyBusyError(StagetreeError):
+    """``Study.tune()`` of a study that another live process (engine) is tuning now.
+
+    Attributes:
+        study: the study's name.
+        holder: ``host:pid`` of the process tuning it.
+    """
+
+    def __init__(self, message: str, study: str = "", holder: str = "") -> None:
+        super().__init__(message)
+        self.study = study
+        self.holder = holder
 
 
 class TunerError(StagetreeError, ValueError):

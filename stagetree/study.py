@@ -29,6 +29,7 @@ from stagetree.engine import Engine, Waiter, default_checkpoint_dir, root_scope
 from stagetree.exceptions import (
     InvalidTrialError,
     StagetreeError,
+    StudyBusyError,
     TrialFailedError,
 )
 from stagetree.hp import Sequence, as_sequence, dumps_hp
@@ -414,13 +415,15 @@ class Study:
         tid = self._trial_ids.get(ident)
         self._ensure_row()
         if tid is None:
+            # unique: another process may have recorded the same trial meanwhile
             attrs = {"version": self.version}
-            tid = storage.add_trial(self.name, root_key, cfg, seqs, steps, node, step, attrs=attrs)
+            tid = storage.add_trial(
+                self.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
+            )
             self._trial_ids[ident] = tid
-        else:
-            rec = storage.trial(tid)
-            if steps > rec["steps"]:
-                storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
+        rec = storage.trial(tid)
+        if steps > rec["steps"]:
+            storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
         return tid
 
     async def submit(
@@ -599,7 +602,26 @@ class Study:
         self._horizon = _tuner_horizon(tuner)
         self._meta = {"metric": tuner.metric, "mode": tuner.mode, "tuner": type(tuner).__name__}
         self._row_ready = False  # the next write records this tuner's metric and mode
-        best = self._drive(tuner.run(runner))
+        engine = self._engine
+        with engine.lock:  # one tuner per study at a time, across processes
+            holder = engine.coord.claim_study(self.name)
+        if holder is not None:
+            left = max(0.0, holder.expires - time.time())
+            raise StudyBusyError(
+                f"study {self.name!r} is being tuned by another process ({holder.describe()}); "
+                "running it twice at once would duplicate its trials and its tuner's log. "
+                "Wait for that run to finish, or give this run another study name. If that "
+                f"process is gone, its lease expires in {left:.0f} s (it is renewed every "
+                f"{engine.coord.ttl / 5:.0f} s while the process lives); then run again to "
+                "resume the study.",
+                study=self.name,
+                holder=holder.describe(),
+            )
+        try:
+            best = self._drive(tuner.run(runner))
+        finally:
+            with engine.lock:
+                engine.coord.release_study(self.name)
         if best is None:
             self._raise_if_all_failed()
         return best

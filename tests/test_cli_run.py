@@ -83,6 +83,7 @@ def _fill_a(s: BasePlanStorage) -> dict[str, int]:
     s.put_metrics(t1["node"], 10, {"accuracy": 0.7, "loss": 0.6})
     s.put_metrics(t2["node"], 10, {"accuracy": 0.8, "loss": math.nan})
     s.put_metrics(t3["node"], 4, {"accuracy": 0.99, "loss": 0.1})
+    s.claim("live-engine", "rka", [(t2["node"], 5, 10)], ttl=3600)  # t2 is being trained
     return ids
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -677,3 +678,88 @@ def test_values_are_linear_sequences_too(plan: BasePlanStorage) -> None:
     b = plan.insert_trial(R, lr(Linear(0.0, 1.0, 20)), 12)
     assert plan.node(b.node).branch_step == 1  # both start at 0.0, differ from step 1
     assert plan.node(b.node).parent == a.node
+
+
+# -- trials are unique, leases ---------------------------------------------------------
+
+
+def test_unique_add_trial_is_idempotent_per_study_root_config_hp(backend: Backend) -> None:
+    plan = backend.storage
+    plan.create_study("s", {})
+    plan.create_study("t", {})
+    hp = lr(Constant(0.1))
+    first = plan.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None, unique=True)
+    again = plan.add_trial("s", R, {"wd": 0.0}, lr(Constant(0.1)), 20, None, None, unique=True)
+    other = backend.reopen() if backend.reopen is not None else plan
+    assert other.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None, unique=True) == first
+    assert again == first
+    assert plan.add_trial("t", R, {"wd": 0.0}, hp, 10, None, None, unique=True) != first
+    assert plan.add_trial("s", R, {"wd": 0.1}, hp, 10, None, None, unique=True) != first
+    dup = plan.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None)  # not unique: a new row
+    assert dup != first
+    assert plan.add_trial("s", R, {"wd": 0.0}, hp, 10, None, None, unique=True) == first
+    assert len(plan.trials("s")) == 3
+    assert plan.trial(first)["steps"] == 10  # the caller updates steps itself
+
+
+def test_claim_is_all_or_nothing_and_respects_other_owners(backend: Backend) -> None:
+    a = backend.storage
+    b = backend.reopen() if backend.reopen is not None else a
+    got = a.claim("A", R, [(1, 0, 10), (2, 10, 20), (3, 5, 5)], ttl=30)
+    assert got.ok and [(x.node, x.start, x.stop, x.owner) for x in got.granted] == [
+        (1, 0, 10, "A"),
+        (2, 10, 20, "A"),
+    ]
+    lease = got.granted[0]
+    assert lease.scope == R and lease.pid == os.getpid() and lease.expires > lease.created
+    # another owner overlapping one segment gets nothing, and learns who stands in the way
+    denied = b.claim("B", R, [(4, 0, 5), (1, 9, 12)], ttl=30)
+    assert not denied.ok and denied.granted == ()
+    assert [(x.owner, x.node) for x in denied.conflicts] == [("A", 1)]
+    assert [x.node for x in a.leases(R)] == [1, 2]
+    # adjacent ranges and other nodes do not overlap; the same owner never conflicts
+    assert b.claim("B", R, [(1, 10, 12), (4, 0, 5)], ttl=30).ok
+    assert a.claim("A", R, [(1, 0, 10)], ttl=30).ok
+    assert sorted(x.owner for x in b.leases()) == ["A", "A", "A", "B", "B"]
+    assert a.release("A", [got.granted[1].id]) == 1
+    assert b.claim("B", R, [(2, 0, 20)], ttl=30).ok
+    assert a.release("A") == 2
+    assert {x.owner for x in a.leases()} == {"B"}
+    assert a.leases("other-root") == []
+
+
+def test_leases_expire_and_renew(backend: Backend) -> None:
+    a = backend.storage
+    b = backend.reopen() if backend.reopen is not None else a
+    assert a.claim("A", R, [(1, 0, 10)], ttl=0.3).ok
+    assert a.claim("A", R, [(2, 0, 10)], ttl=0.3).ok
+    assert a.renew("A", ttl=30) == 2
+    time.sleep(0.4)
+    assert len(b.leases(R)) == 2  # renewed: still live
+    assert not b.claim("B", R, [(1, 0, 10)], ttl=30).ok
+    assert a.renew("A", ttl=0.1) == 2
+    time.sleep(0.2)
+    assert b.leases(R) == [] and len(b.leases(R, live_only=False)) == 2
+    assert b.claim("B", R, [(1, 0, 10)], ttl=30).ok  # the dead owner's lease is gone
+    assert [x.owner for x in b.leases(R, live_only=False)] == ["B"]
+    assert a.renew("A", ttl=30) == 0
+
+
+def test_study_leases(backend: Backend) -> None:
+    a = backend.storage
+    b = backend.reopen() if backend.reopen is not None else a
+    first = a.claim_study("A", "s", ttl=30)
+    assert first.ok and first.granted[0].node is None and first.granted[0].scope == "s"
+    again = a.claim_study("A", "s", ttl=60)  # renewed, not duplicated
+    assert again.ok and again.granted[0].id == first.granted[0].id
+    busy = b.claim_study("B", "s", ttl=30)
+    assert not busy.ok and busy.conflicts[0].owner == "A"
+    assert busy.conflicts[0].describe().endswith(f":{os.getpid()}")
+    assert b.claim_study("B", "t", ttl=30).ok
+    # a study lease never blocks stage claims, nor the other way round
+    assert b.claim("B", "s", [(1, 0, 10)], ttl=30).ok
+    a.release("A")
+    assert b.claim_study("B", "s", ttl=30).ok
+    assert a.renew("A", 1) == 0 and b.renew("B", 0.05) == 3
+    time.sleep(0.1)
+    assert a.claim_study("A", "s", ttl=30).ok  # B's expired

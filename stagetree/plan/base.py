@@ -10,6 +10,7 @@ from typing import Any
 
 from stagetree.exceptions import StorageError
 from stagetree.hp import Sequence
+from stagetree.plan.leases import ClaimResult, Lease
 from stagetree.plan.model import Node, Request, RequestState
 from stagetree.plan.tree import Insertion, is_canonical
 
@@ -196,6 +197,12 @@ class BasePlanStorage(ABC):
       at zero a pending or scheduled request becomes cancelled.
     * **Values** round-trip exactly: hp sequences (via ``stagetree.hp.dumps_hp``),
       configs, metrics including NaN and infinities, log records.
+    * **Trials**: :meth:`add_trial` with ``unique=True`` of a trial ``(study, root_key,
+      config, hp)`` the study holds returns the (first) existing id, in the same write
+      transaction, so two processes submitting the same trial at once get one row.
+    * **Leases** (:mod:`stagetree.plan.leases`): :meth:`claim` grants all segments or
+      none, atomically with respect to other claims; live leases of other owners that
+      overlap stop it. Time is the writer's ``time.time()``; expired leases count as gone.
     * Returned records are copies: mutating them does not change the plan.
     """
 
@@ -413,8 +420,11 @@ class BasePlanStorage(ABC):
         *,
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
+        unique: bool = False,
     ) -> int:
-        """Record a trial of ``study``; returns its id (unique across the storage).
+        """Record a trial of ``study``; returns its id (unique across the storage). With
+        ``unique``, a trial of the study with the same root key, config and hp is not
+        recorded again: its id is returned.
 
         Raises:
             PlanKeyError: the study does not exist.
@@ -458,6 +468,39 @@ class BasePlanStorage(ABC):
     @abstractmethod
     def read_log(self, study: str) -> list[dict[str, Any]]:
         """The study's log records in order."""
+
+    # -- leases --------------------------------------------------------------------------
+
+    @abstractmethod
+    def claim(
+        self, owner: str, root_key: str, segments: Seq[tuple[int, int, int]], ttl: float
+    ) -> ClaimResult:
+        """Lease ``(node, start, stop)`` segments of ``root_key``'s tree to ``owner`` for
+        ``ttl`` seconds, all or none (empty segments are skipped).
+
+        Returns:
+            The granted leases, or (nothing granted) the live leases of other owners
+            that overlap a segment. Expired leases are deleted on the way.
+        """
+
+    @abstractmethod
+    def claim_study(self, owner: str, study: str, ttl: float) -> ClaimResult:
+        """Lease study ``study`` to ``owner`` (renewed when it already holds it), unless
+        another owner holds a live lease on it (returned as the conflict)."""
+
+    @abstractmethod
+    def renew(self, owner: str, ttl: float) -> int:
+        """Extend every lease of ``owner`` to expire ``ttl`` seconds from now; returns
+        how many it holds."""
+
+    @abstractmethod
+    def release(self, owner: str, lease_ids: Collection[int] | None = None) -> int:
+        """Drop leases of ``owner`` (the given ids, or all); returns how many."""
+
+    @abstractmethod
+    def leases(self, scope: str | None = None, live_only: bool = True) -> list[Lease]:
+        """Leases (of one root key or study name, or all), by id; only unexpired ones
+        with ``live_only``."""
 
     # -- life cycle ----------------------------------------------------------------------
 

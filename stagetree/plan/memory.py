@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from stagetree.exceptions import StorageError
-from stagetree.hp import Sequence
+from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import _codec
 from stagetree.plan._seqcache import SeqCache
 from stagetree.plan.base import (
@@ -28,6 +28,7 @@ from stagetree.plan.base import (
     shown_metrics,
     trial_changes,
 )
+from stagetree.plan.leases import ClaimResult, Lease, host_pid, stage_conflicts, study_conflicts
 from stagetree.plan.model import Node, Request, RequestState
 from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
 
@@ -51,7 +52,10 @@ class MemoryPlanStorage(BasePlanStorage):
         self._studies: dict[str, dict[str, Any]] = {}
         self._trials: dict[int, dict[str, Any]] = {}
         self._next_trial = 1
+        self._trial_keys: dict[tuple[str, str, str, str], int] = {}
         self._logs: dict[str, list[str]] = defaultdict(list)
+        self._leases: dict[int, Lease] = {}
+        self._next_lease = 1
         self._closed = False
 
     def _check_open(self) -> None:
@@ -326,6 +330,7 @@ class MemoryPlanStorage(BasePlanStorage):
         *,
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
+        unique: bool = False,
     ) -> int:
         hp = check_trial(TreeIndex(root_key), hp, steps)
         record = {
@@ -343,7 +348,11 @@ class MemoryPlanStorage(BasePlanStorage):
         with self._lock:
             self._check_open()
             self._study(study)
+            ident = (study, root_key, _codec.dumps(record["config"]), dumps_hp(hp))
+            if unique and ident in self._trial_keys:  # one row per (study, root, config, hp)
+                return self._trial_keys[ident]
             trial_id = self._next_trial
+            self._trial_keys.setdefault(ident, trial_id)
             self._next_trial += 1
             self._trials[trial_id] = {"id": trial_id, **record}
             return trial_id
@@ -395,6 +404,77 @@ class MemoryPlanStorage(BasePlanStorage):
         with self._lock:
             self._check_open()
             return [_codec.loads(text) for text in self._logs.get(study, [])]
+
+    # -- leases --------------------------------------------------------------------------
+
+    def _grant(self, owner: str, scope: str, node: int | None, a: int, b: int, ttl: float) -> Lease:
+        host, pid = host_pid()
+        now = time.time()
+        lease = Lease(self._next_lease, owner, scope, node, a, b, host, pid, now, now + ttl)
+        self._next_lease += 1
+        self._leases[lease.id] = lease
+        return lease
+
+    def _expire(self, now: float) -> None:
+        for lease_id in [k for k, v in self._leases.items() if not v.live(now)]:
+            del self._leases[lease_id]
+
+    def claim(
+        self, owner: str, root_key: str, segments: Seq[tuple[int, int, int]], ttl: float
+    ) -> ClaimResult:
+        with self._lock:
+            self._check_open()
+            now = time.time()
+            self._expire(now)
+            conflicts = stage_conflicts(self._leases.values(), owner, segments, now)
+            if conflicts:
+                return ClaimResult(conflicts=tuple(conflicts))
+            granted = [self._grant(owner, root_key, n, a, b, ttl) for n, a, b in segments if b > a]
+            return ClaimResult(granted=tuple(granted))
+
+    def claim_study(self, owner: str, study: str, ttl: float) -> ClaimResult:
+        with self._lock:
+            self._check_open()
+            now = time.time()
+            self._expire(now)
+            conflicts = study_conflicts(self._leases.values(), owner, study, now)
+            if conflicts:
+                return ClaimResult(conflicts=tuple(conflicts))
+            for lease in self._leases.values():
+                if lease.node is None and lease.scope == study and lease.owner == owner:
+                    lease = self._leases[lease.id] = replace(lease, expires=now + ttl)
+                    return ClaimResult(granted=(lease,))
+            return ClaimResult(granted=(self._grant(owner, study, None, 0, 0, ttl),))
+
+    def renew(self, owner: str, ttl: float) -> int:
+        with self._lock:
+            self._check_open()
+            expires = time.time() + ttl
+            mine = [k for k, v in self._leases.items() if v.owner == owner]
+            for k in mine:
+                self._leases[k] = replace(self._leases[k], expires=expires)
+            return len(mine)
+
+    def release(self, owner: str, lease_ids: Collection[int] | None = None) -> int:
+        with self._lock:
+            self._check_open()
+            ids = set(lease_ids) if lease_ids is not None else None
+            gone = [
+                k for k, v in self._leases.items() if v.owner == owner and (ids is None or k in ids)
+            ]
+            for k in gone:
+                del self._leases[k]
+            return len(gone)
+
+    def leases(self, scope: str | None = None, live_only: bool = True) -> list[Lease]:
+        with self._lock:
+            self._check_open()
+            now = time.time()
+            return [
+                v
+                for _k, v in sorted(self._leases.items())
+                if (scope is None or v.scope == scope) and (not live_only or v.live(now))
+            ]
 
     def close(self) -> None:
         with self._lock:

@@ -63,6 +63,7 @@ from stagetree.plan.base import (
     shown_metrics,
     trial_changes,
 )
+from stagetree.plan.leases import ClaimResult, Lease, host_pid, stage_conflicts, study_conflicts
 from stagetree.plan.model import Node, Request, RequestState
 from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
 
@@ -166,6 +167,22 @@ _logs = Table(
     Column("seq", Integer, primary_key=True, autoincrement=False),
     Column("record", Text, nullable=False),
 )
+# Leases (stagetree.plan.leases): node NULL marks a study lease (scope = study name).
+_leases = Table(
+    "stagetree_leases",
+    _md,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("owner", String(64), nullable=False),
+    Column("scope", String(512), nullable=False),
+    Column("node", Integer, nullable=True),
+    Column("start", Integer, nullable=False),
+    Column("stop", Integer, nullable=False),
+    Column("host", String(256), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("created", Float, nullable=False),
+    Column("expires", Float, nullable=False),
+    Index("ix_stagetree_leases_owner", "owner"),
+)
 TABLES = tuple(_md.sorted_tables)
 
 
@@ -240,6 +257,7 @@ class SQLPlanStorage(BasePlanStorage):
     def __init__(self, url: str, readonly: bool | None = None) -> None:
         self._lock = threading.RLock()
         self._closed = False
+        self._absent: set[str] = set()  # tables a read-only handle found missing
         self._trees: dict[str, TreeIndex] = {}
         self._node_cache: dict[int, Node] = {}
         self._seqs = SeqCache()
@@ -312,6 +330,8 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=False) as conn:
             found = self._check_version(conn)
             missing = [t.name for t in TABLES if not inspect(conn).has_table(t.name)]
+        # A read-only handle on a plan written before a table existed reads it as empty.
+        self._absent = set(missing) if self.readonly else set()
         if self.readonly or (not missing and found is not None):  # nothing to write
             if found is None:
                 raise StorageError(
@@ -792,6 +812,7 @@ class SQLPlanStorage(BasePlanStorage):
         *,
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
+        unique: bool = False,
     ) -> int:
         row = {
             "study": study,
@@ -807,6 +828,20 @@ class SQLPlanStorage(BasePlanStorage):
         }
         with self._tx(write=True) as conn:
             self._check_study(conn, study)
+            old = None
+            if unique:  # one row per (study, root, config, hp)
+                old = conn.execute(
+                    select(_trials.c.id)
+                    .where(
+                        _trials.c.study == study,
+                        _trials.c.root_key == root_key,
+                        _trials.c.config == row["config"],
+                        _trials.c.hp == row["hp"],
+                    )
+                    .order_by(_trials.c.id)
+                ).first()
+            if old is not None:
+                return int(old.id)
             trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
             conn.execute(_trials.insert(), {"id": trial_id, **row})
             return int(trial_id)
@@ -864,6 +899,84 @@ class SQLPlanStorage(BasePlanStorage):
             ).scalars()
             return [_codec.loads(r) for r in rows]
 
+    # -- leases --------------------------------------------------------------------------
+
+    def _grant(
+        self,
+        conn: Connection,
+        owner: str,
+        scope: str,
+        spans: list[tuple[int | None, int, int]],
+        ttl: float,
+    ) -> tuple[Lease, ...]:
+        host, pid = host_pid()
+        now = time.time()
+        first = (conn.execute(select(func.max(_leases.c.id))).scalar() or 0) + 1
+        out = tuple(
+            Lease(first + i, owner, scope, n, a, b, host, pid, now, now + ttl)
+            for i, (n, a, b) in enumerate(spans)
+        )
+        if out:
+            conn.execute(_leases.insert(), [_lease_row(lease) for lease in out])
+        return out
+
+    def _live_leases(self, conn: Connection, now: float) -> list[Lease]:
+        conn.execute(_leases.delete().where(_leases.c.expires <= now))
+        return [_lease(row) for row in conn.execute(select(_leases).order_by(_leases.c.id))]
+
+    def claim(
+        self, owner: str, root_key: str, segments: Seq[tuple[int, int, int]], ttl: float
+    ) -> ClaimResult:
+        with self._tx(write=True) as conn:
+            now = time.time()
+            conflicts = stage_conflicts(self._live_leases(conn, now), owner, segments, now)
+            if conflicts:
+                return ClaimResult(conflicts=tuple(conflicts))
+            spans: list[tuple[int | None, int, int]] = [(n, a, b) for n, a, b in segments if b > a]
+            return ClaimResult(granted=self._grant(conn, owner, root_key, spans, ttl))
+
+    def claim_study(self, owner: str, study: str, ttl: float) -> ClaimResult:
+        with self._tx(write=True) as conn:
+            now = time.time()
+            live = self._live_leases(conn, now)
+            conflicts = study_conflicts(live, owner, study, now)
+            if conflicts:
+                return ClaimResult(conflicts=tuple(conflicts))
+            for lease in live:
+                if lease.node is None and lease.scope == study and lease.owner == owner:
+                    conn.execute(
+                        _leases.update().where(_leases.c.id == lease.id).values(expires=now + ttl)
+                    )
+                    return ClaimResult(granted=(_replace_expiry(lease, now + ttl),))
+            return ClaimResult(granted=self._grant(conn, owner, study, [(None, 0, 0)], ttl))
+
+    def renew(self, owner: str, ttl: float) -> int:
+        with self._tx(write=True) as conn:
+            result = conn.execute(
+                _leases.update().where(_leases.c.owner == owner).values(expires=time.time() + ttl)
+            )
+            return int(result.rowcount or 0)
+
+    def release(self, owner: str, lease_ids: Collection[int] | None = None) -> int:
+        query = _leases.delete().where(_leases.c.owner == owner)
+        if lease_ids is not None:
+            if not lease_ids:
+                return 0
+            query = query.where(_leases.c.id.in_(list(lease_ids)))
+        with self._tx(write=True) as conn:
+            return int(conn.execute(query).rowcount or 0)
+
+    def leases(self, scope: str | None = None, live_only: bool = True) -> list[Lease]:
+        if _leases.name in self._absent:
+            return []
+        query = select(_leases).order_by(_leases.c.id)
+        if scope is not None:
+            query = query.where(_leases.c.scope == scope)
+        if live_only:
+            query = query.where(_leases.c.expires > time.time())
+        with self._tx(write=False) as conn:
+            return [_lease(row) for row in conn.execute(query)]
+
     # -- life cycle ----------------------------------------------------------------------
 
     def close(self) -> None:
@@ -893,6 +1006,40 @@ def _request_row(req: Request, root_key: str) -> dict[str, Any]:
         "state": req.state.value,
         "error": req.error,
     }
+
+
+def _lease(row: Any) -> Lease:
+    return Lease(
+        row.id,
+        row.owner,
+        row.scope,
+        row.node,
+        row.start,
+        row.stop,
+        row.host,
+        row.pid,
+        row.created,
+        row.expires,
+    )
+
+
+def _lease_row(lease: Lease) -> dict[str, Any]:
+    return {
+        "id": lease.id,
+        "owner": lease.owner,
+        "scope": lease.scope,
+        "node": lease.node,
+        "start": lease.start,
+        "stop": lease.stop,
+        "host": lease.host,
+        "pid": lease.pid,
+        "created": lease.created,
+        "expires": lease.expires,
+    }
+
+
+def _replace_expiry(lease: Lease, expires: float) -> Lease:
+    return Lease(**{**_lease_row(lease), "expires": expires})
 
 
 def _trial(row: Any) -> dict[str, Any]:

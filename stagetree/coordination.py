@@ -1,0 +1,343 @@
+"""Engines that share one plan storage divide the work with leases (DESIGN semantics 5).
+
+The :class:`Coordinator` is the engine's delegate for everything other processes may
+be doing on the same storage. It runs on the engine's driver thread, under the
+engine's lock:
+
+* **Claims.** Before a ``RunBatch`` goes to the executor its segments are leased in the
+  plan (:meth:`BasePlanStorage.claim`, all or none). When another live engine holds an
+  overlapping lease, the batch is not run: the scheduler is told it ended without work
+  and the requests it was to serve are taken out of the scheduler and *parked* (the
+  waiters, the storage's references and the trial rows stay as they are).
+* **Waiting.** While requests are parked, the coordinator polls the plan: metrics that
+  another engine stored for a parked request resolve it (once the checkpoint there is
+  durable too, or no live lease will still write it); when a conflicting lease is
+  gone (released, or expired with its dead engine) or a new durable checkpoint appears
+  on a parked request's tree, the requests go back to the scheduler together with every
+  durable checkpoint of the tree, so work resumes from the other engine's checkpoints.
+* **Nodes of other processes** (shared storages only): nodes appended to a tree this
+  engine knows are fed to the scheduler, whose branch-checkpoint logic then asks
+  running batches to checkpoint where the other process's trials branch off.
+* **Adoption**: a pending request of another engine that lies on a stage this engine
+  holds a lease on (so the other one cannot train it) is added to this scheduler,
+  without a waiter, so the running batch evaluates it on its way. It is dropped again
+  when its storage request is cancelled.
+* **Heartbeat**: every lease of the engine is renewed every ``ttl / 5`` seconds;
+  batch leases are released when the batch ends, all leases when the engine closes.
+
+The lease time-to-live comes from ``STAGETREE_LEASE_TTL`` (seconds, default 15).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from stagetree.exceptions import StorageError
+from stagetree.plan import BasePlanStorage, RequestState, SQLPlanStorage
+from stagetree.plan.leases import Lease, overlaps
+
+if TYPE_CHECKING:
+    from stagetree.engine import Engine
+    from stagetree.work import RunBatch
+
+__all__ = ["DEFAULT_TTL", "Coordinator", "lease_ttl", "running_trials"]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 15.0
+Key = tuple[int, int]
+
+
+def lease_ttl() -> float:
+    """Lease time-to-live in seconds: ``STAGETREE_LEASE_TTL`` or :data:`DEFAULT_TTL`."""
+    raw = os.environ.get("STAGETREE_LEASE_TTL", "")
+    try:
+        ttl = float(raw) if raw else DEFAULT_TTL
+    except ValueError:
+        ttl = DEFAULT_TTL
+    return ttl if ttl > 0 else DEFAULT_TTL
+
+
+class Coordinator:
+    """Leases, parked requests and plan polling of one :class:`~stagetree.engine.Engine`
+    (see the module docstring). Every method is called with the engine's lock held."""
+
+    def __init__(self, engine: Engine, ttl: float | None = None) -> None:
+        self.engine = engine
+        self.owner = uuid.uuid4().hex
+        self.ttl = ttl if ttl is not None else lease_ttl()
+        self.poll = min(0.2, self.ttl / 10)
+        self.shared = isinstance(engine.storage, SQLPlanStorage)
+        self._batch_leases: dict[int, tuple[Lease, ...]] = {}
+        self._studies: set[str] = set()
+        self._parked: dict[Key, int] = {}  # request -> references taken off the scheduler
+        self._parked_roots: set[str] = set()
+        self._waiting_on: set[int] = set()  # ids of the leases that stopped our claims
+        self._adopted: set[Key] = set()
+        self._last_beat = self._last_poll = time.monotonic()
+
+    @property
+    def storage(self) -> BasePlanStorage:
+        return self.engine.storage
+
+    @property
+    def parked(self) -> dict[Key, int]:
+        """Requests waiting on another engine's leases, with their reference counts."""
+        return dict(self._parked)
+
+    # -- batches -------------------------------------------------------------------------
+
+    def claim(self, batch: RunBatch) -> list[Any]:
+        """Lease the segments of ``batch``. Returns [] when granted (run it); otherwise
+        the scheduler events that undo the batch and park its requests."""
+        from stagetree.scheduler import RequestCancelled
+        from stagetree.work import BatchDone
+
+        live = self.engine.scheduler.live_requests
+        known = {}
+        for key in batch.evaluate_at:  # another engine may have answered them meanwhile
+            metrics = self.storage.get_metrics(*key) if key in live else None
+            if metrics is not None and self.storage.checkpoint(*key) is not None:
+                known[key] = metrics
+        if known:
+            for key, metrics in known.items():
+                self.engine._resolve(key[0], key[1], metrics=metrics)
+            undo: list[Any] = [RequestCancelled(k[0], k[1], live[k]) for k in known]
+            return [*undo, BatchDone(batch.batch_id, batch.worker, 0.0, 0)]
+        segments = [(s.node, s.start, s.stop) for s in batch.segments]
+        newer = self._checkpoints_on(batch.root_key, segments)
+        if newer:  # another engine got further along this path: start from there
+            return [*newer, BatchDone(batch.batch_id, batch.worker, 0.0, 0)]
+        result = self.storage.claim(self.owner, batch.root_key, segments, self.ttl)
+        _log.debug("claim %s of batch %d: %s", segments, batch.batch_id, result.ok)
+        if result.ok:
+            self._batch_leases[batch.batch_id] = result.granted
+            self._last_beat = time.monotonic()
+            return []
+        events: list[Any] = []
+        for key in batch.evaluate_at:
+            count = live.get(key, 0)
+            if count:
+                self._parked[key] = self._parked.get(key, 0) + count
+                events.append(RequestCancelled(key[0], key[1], count))
+        self._parked_roots.add(batch.root_key)
+        self._waiting_on.update(lease.id for lease in result.conflicts)
+        events.append(BatchDone(batch.batch_id, batch.worker, 0.0, 0))
+        return events
+
+    def _checkpoints_on(self, root_key: str, segments: list[tuple[int, int, int]]) -> list[Any]:
+        """``CheckpointAvailable`` for durable checkpoints the scheduler does not know
+        inside the ``segments`` about to be trained (saved by another engine)."""
+        from stagetree.scheduler import CheckpointAvailable
+
+        if not self.shared:
+            return []
+        known = self.engine.scheduler.checkpoints
+        out: list[Any] = []
+        for (node, step), rec in self.storage.checkpoints(root_key).items():
+            if (node, step) in known or not any(
+                n == node and a < step <= b for n, a, b in segments
+            ):
+                continue
+            if self.engine.store.exists(rec.ref):
+                out.append(CheckpointAvailable(node, step, rec.ref))
+        return out
+
+    def batch_ended(self, batch_id: int) -> None:
+        leases = self._batch_leases.pop(batch_id, ())
+        if leases:
+            self.storage.release(self.owner, [lease.id for lease in leases])
+
+    # -- studies -------------------------------------------------------------------------
+
+    def claim_study(self, study: str) -> Lease | None:
+        """Lease ``study`` to this engine; returns the live lease of the other engine
+        that holds it, or None when granted."""
+        result = self.storage.claim_study(self.owner, study, self.ttl)
+        if not result.ok:
+            return result.conflicts[0]
+        self._studies.add(study)
+        return None
+
+    def release_study(self, study: str) -> None:
+        """Drop the lease on ``study`` (a storage error leaves it to expire)."""
+        if study not in self._studies:
+            return
+        self._studies.discard(study)
+        with contextlib.suppress(StorageError):
+            ids = [
+                lease.id
+                for lease in self.storage.leases(study)
+                if lease.owner == self.owner and lease.node is None
+            ]
+            if ids:
+                self.storage.release(self.owner, ids)
+
+    # -- polling -------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Heartbeat and plan polling; cheap when there is nothing to do (throttled)."""
+        now = time.monotonic()
+        if (self._batch_leases or self._studies) and now - self._last_beat >= self.ttl / 5:
+            self._last_beat = now
+            self.storage.renew(self.owner, self.ttl)
+        if now - self._last_poll < self.poll or self.engine._queued:
+            return  # submissions are applied first: the scheduler knows their roots then
+        self._last_poll = now
+        events: list[Any] = []
+        if self.shared:
+            events.extend(self._new_nodes())
+        if self._parked:
+            events.extend(self._unpark())
+        if self.shared and (self._batch_leases or self._adopted):
+            events.extend(self._adopt())
+        if events:
+            engine = self.engine
+            engine._apply(engine.scheduler.handle_all(events))
+
+    def foreign_nodes(self, queued: list[Any]) -> list[Any]:
+        """Nodes other processes added to the trees of ``queued`` submission events, to
+        be planned with them (so the first batches already checkpoint where the other
+        processes' trials branch off)."""
+        return self._new_nodes() if self.shared else []
+
+    def _new_nodes(self) -> list[Any]:
+        """``NodeAdded`` for nodes other processes appended to trees this engine knows."""
+        from stagetree.scheduler import NodeAdded
+
+        engine = self.engine
+        events: list[Any] = []
+        for root in sorted(engine._known_roots):
+            for node in self.storage.nodes(root):
+                if node.id not in engine._known_nodes:
+                    engine._known_nodes.add(node.id)
+                    events.append(NodeAdded(node))
+        return events
+
+    def _new_checkpoints(self) -> list[Any]:
+        """``CheckpointAvailable`` for durable checkpoints on the parked requests' trees
+        that the scheduler does not know (saved by other engines)."""
+        from stagetree.scheduler import CheckpointAvailable
+
+        engine = self.engine
+        known = engine.scheduler.checkpoints
+        events: list[Any] = []
+        for root in sorted(self._parked_roots):
+            for (node, step), rec in self.storage.checkpoints(root).items():
+                if (
+                    known.get((node, step)) != rec.ref
+                    and node in engine._known_nodes
+                    and engine.store.exists(rec.ref)
+                ):
+                    events.append(CheckpointAvailable(node, step, rec.ref))
+        return events
+
+    def _settled(self, key: Key, foreign: list[Lease]) -> bool:
+        """Whether another engine's metrics of ``key`` settle it: its checkpoint is
+        durable too, or no live lease of another engine will still write it (a finished
+        request finds its model on disk whenever one was promised)."""
+        if self.storage.checkpoint(*key) is not None:
+            return True
+        return not any(overlaps(lease, key[0], key[1] - 1, key[1]) for lease in foreign)
+
+    def _unpark(self) -> list[Any]:
+        from stagetree.scheduler import RequestAdded
+
+        engine = self.engine
+        foreign = [
+            lease
+            for root in self._parked_roots
+            for lease in self.storage.leases(root)
+            if lease.owner != self.owner
+        ]
+        for key in list(self._parked):
+            metrics = self.storage.get_metrics(*key)
+            req = self.storage.request(*key)
+            if metrics is not None and self._settled(key, foreign):
+                del self._parked[key]
+                engine._resolve(key[0], key[1], metrics=metrics)
+            elif req is None or req.state == RequestState.CANCELLED:
+                del self._parked[key]  # nobody wants it any more
+        if not self._parked:
+            self._parked_roots.clear()
+            self._waiting_on.clear()
+            return []
+        events = self._new_checkpoints()
+        live = {lease.id for root in self._parked_roots for lease in self.storage.leases(root)}
+        if not events and self._waiting_on <= live:
+            return []  # nothing changed: keep waiting
+        _log.debug("unpark %s", sorted(self._parked))
+        for (node, step), count in sorted(self._parked.items()):
+            waiting = sum(not w.future.done() for w in engine._waiters.get((node, step), []))
+            events.append(RequestAdded(node, step, min(count, waiting) if waiting else count))
+        self._parked.clear()
+        self._parked_roots.clear()
+        self._waiting_on.clear()
+        return events
+
+    def _adopt(self) -> list[Any]:
+        """Pending requests of other engines on stages this engine holds (see the module
+        docstring); and adopted requests nobody wants any more are dropped."""
+        from stagetree.scheduler import RequestAdded, RequestCancelled
+
+        engine = self.engine
+        live = engine.scheduler.live_requests
+        self._adopted &= set(live)
+        events: list[Any] = []
+        for key in sorted(self._adopted):
+            req = self.storage.request(*key)
+            if (req is None or req.state == RequestState.CANCELLED) and key not in engine._waiters:
+                self._adopted.discard(key)
+                events.append(RequestCancelled(key[0], key[1], live[key]))
+        leases = [lease for held in self._batch_leases.values() for lease in held]
+        states = [RequestState.PENDING, RequestState.SCHEDULED]
+        for root in sorted({lease.scope for lease in leases}):
+            for req in self.storage.requests(root, states=states):
+                key = (req.node, req.step)
+                if key in live or key in engine._waiters or key[0] not in engine._known_nodes:
+                    continue
+                if any(overlaps(lease, req.node, req.step - 1, req.step) for lease in leases):
+                    self._adopted.add(key)
+                    events.append(RequestAdded(key[0], key[1]))
+                    _log.debug("adopt request %s", key)
+        return events
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release every lease of this engine (batches and studies)."""
+        self._batch_leases.clear()
+        self._studies.clear()
+        with contextlib.suppress(StorageError):  # else they expire by themselves
+            self.storage.release(self.owner)
+
+
+def running_trials(storage: BasePlanStorage, trials: Iterable[Mapping[str, Any]]) -> set[int]:
+    """Ids of the unfinished trials whose path a live stage lease covers: the trials some
+    live engine is training right now (read-only; a trial row left ``running`` by an
+    engine that was killed is not among them once its leases expired)."""
+    out: set[int] = set()
+    by_root: dict[str, list[Lease]] = {}
+    for t in trials:
+        if t.get("state") in ("done", "failed", "cancelled") or t.get("node") is None:
+            continue
+        root = str(t["root_key"])
+        if root not in by_root:
+            by_root[root] = [x for x in storage.leases(root) if x.node is not None]
+        leases = by_root[root]
+        if not leases:
+            continue
+        path: Sequence[Any] = storage.path(int(t["node"]))
+        for i, node in enumerate(path):
+            lo = node.branch_step
+            hi = path[i + 1].branch_step if i + 1 < len(path) else int(t["step"])
+            if any(overlaps(lease, node.id, lo, max(hi, lo + 1)) for lease in leases):
+                out.add(int(t["id"]))
+                break
+    return out

@@ -1,0 +1,115 @@
+"""Leases: how engines that share a plan storage divide the work between them.
+
+A *stage lease* says "owner ``owner`` is training steps ``[start, stop)`` of node
+``node`` of tree ``scope``" until ``expires`` (``time.time()`` of the process that
+wrote it). A *study lease* (``node is None``, ``scope`` = the study's name) says "owner
+``owner`` is tuning this study". An owner (one engine) renews all its leases with a
+heartbeat; when it dies they expire and count as gone. The rules every backend
+follows, in one place:
+
+* :func:`overlaps`: two stage leases conflict when they are on the same node and their
+  step ranges intersect; study leases conflict when they name the same study.
+* A claim is atomic: either every requested segment is granted, or none is and the
+  live leases of other owners that stand in the way are returned.
+* Expired leases are ignored by claims and by :meth:`leases` with ``live_only``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "ClaimResult",
+    "Lease",
+    "host_pid",
+    "overlaps",
+    "stage_conflicts",
+    "study_conflicts",
+]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claim of one owner on part of the plan (see the module docstring).
+
+    Attributes:
+        id: unique id (storage-wide).
+        owner: the engine holding it (a random id per engine).
+        scope: the root key of a stage lease, the study name of a study lease.
+        node: the plan node of a stage lease; None for a study lease.
+        start: first step trained (stage lease; 0 for a study lease).
+        stop: step after the last one trained (stage lease; 0 for a study lease).
+        host: host name of the owner's process.
+        pid: process id of the owner.
+        created: ``time.time()`` when it was granted.
+        expires: ``time.time()`` after which it is gone unless renewed.
+    """
+
+    id: int
+    owner: str
+    scope: str
+    node: int | None
+    start: int
+    stop: int
+    host: str
+    pid: int
+    created: float
+    expires: float
+
+    def live(self, now: float) -> bool:
+        return self.expires > now
+
+    def describe(self) -> str:
+        """Who holds it, for messages: ``host:pid``."""
+        return f"{self.host}:{self.pid}"
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """What :meth:`~stagetree.plan.BasePlanStorage.claim` did: ``granted`` leases (all
+    the segments asked for) or, when another owner holds a live overlapping lease,
+    nothing granted and those ``conflicts``."""
+
+    granted: tuple[Lease, ...] = ()
+    conflicts: tuple[Lease, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.conflicts
+
+
+def overlaps(lease: Lease, node: int, start: int, stop: int) -> bool:
+    """True when stage ``lease`` covers some step of ``[start, stop)`` of ``node``."""
+    return lease.node == node and lease.start < stop and start < lease.stop
+
+
+def stage_conflicts(
+    leases: Iterable[Lease], owner: str, segments: Iterable[tuple[int, int, int]], now: float
+) -> list[Lease]:
+    """Live stage leases of owners other than ``owner`` that overlap ``segments``."""
+    segs = [s for s in segments if s[2] > s[1]]
+    return [
+        lease
+        for lease in leases
+        if lease.owner != owner
+        and lease.node is not None
+        and lease.live(now)
+        and any(overlaps(lease, n, a, b) for n, a, b in segs)
+    ]
+
+
+def study_conflicts(leases: Iterable[Lease], owner: str, study: str, now: float) -> list[Lease]:
+    """Live study leases on ``study`` of owners other than ``owner``."""
+    return [
+        lease
+        for lease in leases
+        if lease.node is None and lease.scope == study and lease.owner != owner and lease.live(now)
+    ]
+
+
+def host_pid() -> tuple[str, int]:
+    """This process's host name and pid (recorded with its leases)."""
+    return socket.gethostname(), os.getpid()
