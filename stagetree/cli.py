@@ -721,6 +721,10 @@ def run_script(
                     study = study._reopened()
                     studies.append(study)
                 tuner = _pick(namespace, "tuner", Tuner, "tuner", str(script))
+                from stagetree.names import check_space_names
+
+                # Names first: a typo is refused before the storage is even opened.
+                check_space_names(study.trainer, getattr(tuner, "space", None))
                 if check:
                     from stagetree.check import first_contact_check
 

@@ -250,3 +250,20 @@ def test_warnings_module_shows_stagetree_warnings() -> None:
         warnings.simplefilter("default")
         warnings.warn("x", StagetreeWarning, stacklevel=1)
     assert caught and caught[0].category is StagetreeWarning
+
+
+def test_run_refuses_a_misnamed_space_before_opening_the_storage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "typo.py"
+    script.write_text(
+        "from stagetree import Study, GridSpace\n"
+        "from stagetree.torch.examples import DigitsTrainer\n"
+        "from stagetree.tuners import GridSearch\n"
+        'space = GridSpace({"learning_rate": [0.1, 0.05]})\n'
+        f'study = Study("typo", DigitsTrainer, storage="sqlite:///{tmp_path}/typo.db")\n'
+        'tuner = GridSearch(space, metric="accuracy", steps=2)\n'
+    )
+    assert main(["run", str(script)]) == 2
+    assert "'learning_rate' (did you mean 'lr'?)" in capsys.readouterr().err
+    assert not (tmp_path / "typo.db").exists()
