@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import S3Service, free_port
+
 from stagetree import CheckpointError, Study
 from stagetree.checkpoints import CheckpointStore
 from stagetree.hp import Constant, MultiStep
@@ -149,7 +149,7 @@ def test_a_missing_fsspec_package_says_what_to_install(tmp_path: Path) -> None:
 
 def test_a_bucket_that_does_not_exist_fails_at_study_start(tmp_path: Path, s3: S3Service) -> None:
     study = _study(tmp_path, "plan.db", "s3://no-such-bucket/run", executor="inline")
-    with pytest.raises(CheckpointError, match="s3://no-such-bucket/run.*bucket does not exist"):
+    with pytest.raises(CheckpointError, match=r"s3://no-such-bucket/run.*bucket does not exist"):
         study.open()
     assert list(tmp_path.iterdir()) == []  # the plan was not even opened
 
@@ -165,7 +165,7 @@ def test_an_endpoint_nobody_listens_on_fails_at_study_start(tmp_path: Path) -> N
     store = CheckpointStore("s3://bucket/run", storage_options=options)
     study = _study(tmp_path, "plan.db", store, executor="inline")
     begin = time.monotonic()
-    with pytest.raises(CheckpointError, match="s3://bucket/run is not reachable.*connect"):
+    with pytest.raises(CheckpointError, match=r"s3://bucket/run is not reachable.*connect"):
         study.open()
     assert time.monotonic() - begin < 30
     assert list(tmp_path.iterdir()) == []
