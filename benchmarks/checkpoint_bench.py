@@ -88,7 +88,10 @@ def main() -> None:
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
     options = {"client_kwargs": {"endpoint_url": endpoint}}
 
-    states = {"digits (DigitsTrainer)": digits_state(), f"{args.mb:g} MiB": synthetic_state(args.mb)}
+    states = {
+        "digits (DigitsTrainer)": digits_state(),
+        f"{args.mb:g} MiB": synthetic_state(args.mb),
+    }
     rows = []
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         writers = {
@@ -111,7 +114,7 @@ def main() -> None:
                 for backend, store in writers.items():
                     name = f"b{i}"
                     times.setdefault((backend, "save"), []).append(
-                        timed(lambda s=store, n=name: s.save(n, state))
+                        timed(lambda s=store, n=name, st=state: s.save(n, st))
                     )
                     ref = f"{name}.ckpt"
                     nbytes = store.size(ref)

@@ -27,6 +27,7 @@ objects with their sizes).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -48,6 +49,8 @@ from stagetree.checkpoints.stores import BaseByteStore, LocalByteStore, open_byt
 from stagetree.exceptions import CheckpointError
 
 __all__ = ["CheckpointInfo", "CheckpointStore", "EvictionInfo", "ReadCache"]
+
+logger = logging.getLogger("stagetree")
 
 #: Default bound of the read cache of a remote store.
 DEFAULT_CACHE_BYTES = 2 * 1024**3
@@ -341,12 +344,15 @@ class CheckpointStore:
     # ------------------------------------------------------------------ bookkeeping
 
     def exists(self, ref: str) -> bool:
-        """Whether a checkpoint ``ref`` is present (its content is not verified)."""
+        """Whether a checkpoint ``ref`` is present (its content is not verified). A store
+        that cannot be reached answers False (logged): the checkpoint counts as missing,
+        like a corrupt one, and its steps are recomputed."""
         self._check_ref(ref)
         try:
             return self.bytes.exists(ref)
         except Exception as exc:
-            raise CheckpointError(f"cannot reach checkpoint {ref}: {exc}") from exc
+            logger.warning("cannot reach checkpoint %s in %s: %s", ref, self.location, exc)
+            return False
 
     def delete(self, ref: str) -> bool:
         """Remove a checkpoint; returns False when it was already gone."""
