@@ -414,3 +414,58 @@ def test_read_cache_is_bounded(tmp_path: Path) -> None:
     assert sum(p.stat().st_size for p in (tmp_path / "c").glob("*.ckpt")) <= 2500
     assert cache.get(f"{3:064x}", 1000) is not None
     assert cache.get(f"{0:064x}", 1000) is None
+
+
+def test_byte_stores_are_chosen_by_scheme(tmp_path: Path) -> None:
+    from stagetree.checkpoints import (
+        FsspecByteStore,
+        LocalByteStore,
+        byte_store_schemes,
+        open_byte_store,
+        register_byte_store,
+    )
+
+    assert isinstance(open_byte_store(tmp_path / "a"), LocalByteStore)
+    assert isinstance(open_byte_store(str(tmp_path / "b")), LocalByteStore)
+    local = open_byte_store(f"file://{tmp_path}/c")
+    assert isinstance(local, LocalByteStore) and local.directory == tmp_path / "c"
+    assert isinstance(open_byte_store("memory://x"), FsspecByteStore)
+    assert {"file", "memory", "s3", "gs", "az"} <= set(byte_store_schemes())
+    with pytest.raises(CheckpointError, match=r"unknown checkpoint URL scheme 'zz'.*s3://"):
+        open_byte_store("zz://x")
+
+    made: list[str] = []
+
+    def factory(url: str, options: Any) -> Any:
+        made.append(url)
+        return LocalByteStore(tmp_path / "custom")
+
+    register_byte_store("mine-test", factory)
+    try:
+        store = CheckpointStore("mine-test://anything")
+        assert made == ["mine-test://anything"] and store.save("a", {}).ref == "a.ckpt"
+        with pytest.raises(ValueError, match="already registered"):
+            register_byte_store("mine-test", factory)
+    finally:
+        stores_mod._REGISTRY.pop("mine-test")
+
+
+def test_an_unreachable_store_counts_checkpoints_missing(tmp_path: Path) -> None:
+    pytest.importorskip("s3fs")
+    from conftest import free_port
+
+    store = CheckpointStore(
+        "s3://bucket/run",
+        cache_dir=tmp_path,
+        storage_options={
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+        },
+    )
+    assert store.exists("a.ckpt") is False
+    with pytest.raises(CheckpointError, match=r"cannot read checkpoint a\.ckpt"):
+        store.load("a.ckpt")
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint a\.ckpt"):
+        store.save("a", {"v": 1})
