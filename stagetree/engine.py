@@ -485,7 +485,11 @@ class Engine:
         from stagetree.scheduler import CheckpointLost
 
         assert self.checkpoint_budget is not None
-        if self.store.total_bytes() <= self.checkpoint_budget:
+        try:
+            if self.store.total_bytes() <= self.checkpoint_budget:
+                return
+        except StagetreeError as exc:  # a remote store out of reach: evict next time
+            logger.warning("checkpoint eviction skipped: %s", exc)
             return
         records = self.storage.checkpoints()
         live = self.storage.requests(states=[RequestState.PENDING, RequestState.SCHEDULED])
@@ -513,7 +517,11 @@ class Engine:
             )
             for (_node, step), rec in records.items()
         }
-        removed = set(self.store.evict(candidates, needed))
+        try:
+            removed = set(self.store.evict(candidates, needed))
+        except StagetreeError as exc:  # what was deleted counts as missing when loaded
+            logger.warning("checkpoint eviction stopped: %s", exc)
+            return
         for (node, step), rec in records.items():
             if rec.ref in removed:
                 self.storage.remove_checkpoint(node, step)

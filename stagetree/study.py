@@ -21,10 +21,10 @@ import threading
 import time
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stagetree import _versions
+from stagetree.checkpoints import CheckpointStore, check_location
 from stagetree.engine import Engine, Waiter, default_checkpoint_dir, root_scope
 from stagetree.exceptions import (
     InvalidTrialError,
@@ -133,8 +133,14 @@ class Study:
             one).
         share: False runs every trial independently from step 0 (the trial-based
             baseline); promotions of the same trial still resume it.
-        checkpoint_dir: where checkpoints go (default: beside the SQLite file, a
-            temporary directory otherwise).
+        checkpoint_dir: where checkpoints go: a directory (a shared mount for workers
+            on several machines), a URL of any fsspec protocol (``file:///dir``,
+            ``s3://bucket/prefix``, ``gs://...``, ``az://...``; install the protocol's
+            package, e.g. ``stagetree[s3]``), or a
+            :class:`~stagetree.checkpoints.CheckpointStore` (for fsspec options such as
+            an S3 endpoint). Default: beside the SQLite file, a temporary directory
+            otherwise. The location is checked (written, read back) when the study
+            opens, before anything is trained.
         checkpoint_budget: bytes the checkpoint store may hold: an int, or a size such
             as ``"10MB"`` / ``"2GiB"`` (None: unlimited).
         version: overrides the trainer's code fingerprint in the root key
@@ -167,7 +173,7 @@ class Study:
         storage: str | BasePlanStorage = "sqlite:///stagetree.db",
         workers: int | None = None,
         share: bool = True,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | CheckpointStore | None = None,
         checkpoint_budget: int | None = None,
         version: str | None = None,
         executor: Any = "local",
@@ -188,6 +194,8 @@ class Study:
         _check_count("threads_per_worker", threads_per_worker, 1)
         _check_count("max_retries", max_retries, 0, optional=False)
         checkpoint_budget = parse_size(checkpoint_budget, "checkpoint_budget")
+        if checkpoint_dir is not None and not isinstance(checkpoint_dir, CheckpointStore):
+            check_location(checkpoint_dir)  # scheme and package; reached at open
         check_executor(executor)
         make_policy(policy)
         if version is not None and (not isinstance(version, str) or not version):
@@ -284,29 +292,31 @@ class Study:
         self,
         storage: str | BasePlanStorage,
         workers: int | None,
-        checkpoint_dir: str | os.PathLike[str] | None,
+        checkpoint_dir: str | os.PathLike[str] | CheckpointStore | None,
         checkpoint_budget: int | None,
         executor: Any,
         policy: str,
         max_retries: int,
         threads_per_worker: int | None,
     ) -> Engine:
-        from stagetree.checkpoints import CheckpointStore
-
-        plan = open_storage(storage) if isinstance(storage, str) else storage
         url = storage if isinstance(storage, str) else "memory://"
         temporary = False
-        if checkpoint_dir is not None:
-            ckdir = Path(checkpoint_dir)
+        if isinstance(checkpoint_dir, CheckpointStore):
+            store = checkpoint_dir
+            if checkpoint_budget is not None:
+                store.budget_bytes = checkpoint_budget
         else:
-            ckdir, temporary = default_checkpoint_dir(url)
-        store = CheckpointStore(ckdir, budget_bytes=checkpoint_budget)
+            if checkpoint_dir is None:
+                checkpoint_dir, temporary = default_checkpoint_dir(url)
+            store = CheckpointStore(checkpoint_dir, budget_bytes=checkpoint_budget)
+        store.check()  # an unreachable bucket fails here, before the plan is opened
+        plan = open_storage(storage) if isinstance(storage, str) else storage
         trainer = self.trainer
 
         def factory() -> BaseExecutor:
             from stagetree.executors.registry import ExecutorOptions, make_executor
 
-            options = ExecutorOptions(trainer, workers, ckdir, threads_per_worker)
+            options = ExecutorOptions(trainer, workers, store, threads_per_worker)
             return make_executor(executor, options)
 
         engine = Engine(

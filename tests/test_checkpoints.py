@@ -1,4 +1,6 @@
-"""CheckpointStore: exact round trips, atomic writes, checksums, cost-benefit eviction."""
+"""CheckpointStore: exact round trips, atomic writes, checksums, cost-benefit eviction, on
+every byte store (a path, a ``file://`` URL, fsspec ``memory://``, S3 through s3fs
+against moto in server mode), plus the local store's crash safety and the read cache."""
 
 from __future__ import annotations
 
@@ -14,9 +16,33 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stagetree import checkpoints as ckpt_mod
 from stagetree.checkpoints import CheckpointInfo, CheckpointStore, EvictionInfo
+from stagetree.checkpoints import format as fmt
+from stagetree.checkpoints import stores as stores_mod
 from stagetree.exceptions import CheckpointError
+
+BACKENDS = ["path", "file-url", "memory", "s3"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A factory of checkpoint stores on one byte store: ``make(budget=None)`` opens the
+    same location each call (so several stores share it, like several workers)."""
+    kind = request.param
+    if kind == "path":
+        location = str(tmp_path / "ckpt")
+    elif kind == "file-url":
+        location = f"file://{tmp_path / 'ckpt'}"
+    elif kind == "memory":
+        location = f"memory://stagetree-test/{tmp_path.name}"
+    else:
+        location = request.getfixturevalue("s3").url()
+
+    def make(budget: int | None = None, cache: str = "cache") -> CheckpointStore:
+        return CheckpointStore(location, budget_bytes=budget, cache_dir=tmp_path / cache)
+
+    make.kind = kind  # type: ignore[attr-defined]
+    return make
 
 
 def _plain_state() -> dict[str, Any]:
@@ -62,21 +88,22 @@ def _assert_same(a: Any, b: Any) -> None:
         assert a == b
 
 
-def test_plain_state_round_trips_exactly(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
+def test_plain_state_round_trips_exactly(backend: Any) -> None:
+    store = backend()
     state = _plain_state()
     info = store.save("plain", state)
     assert isinstance(info, CheckpointInfo)
     assert info.ref == "plain.ckpt"
-    assert info.nbytes == (tmp_path / "plain.ckpt").stat().st_size
+    assert info.nbytes == store.size(info.ref) == len(store.bytes.get(info.ref))
     assert store.exists(info.ref) and store.refs() == ["plain.ckpt"]
     assert store.total_bytes() == info.nbytes
     _assert_same(store.load(info.ref), state)
+    _assert_same(backend().load(info.ref), state)  # another store on the same location
 
 
-def test_tensor_state_round_trips(tmp_path: Path) -> None:
+def test_tensor_state_round_trips(backend: Any) -> None:
     torch = pytest.importorskip("torch")
-    store = CheckpointStore(tmp_path)
+    store = backend()
     model = torch.nn.Linear(3, 2)
     gen = torch.Generator().manual_seed(3)
     state = {
@@ -96,7 +123,7 @@ def test_tensor_state_round_trips(tmp_path: Path) -> None:
     np.testing.assert_array_equal(loaded["np"], np.arange(3))
 
 
-def test_tensor_section_is_loaded_with_weights_only(tmp_path: Path) -> None:
+def test_tensor_section_is_loaded_with_weights_only(backend: Any, tmp_path: Path) -> None:
     """A tensor section holding arbitrary pickled objects is refused, never executed."""
     torch = pytest.importorskip("torch")
     import io
@@ -110,10 +137,11 @@ def test_tensor_section_is_loaded_with_weights_only(tmp_path: Path) -> None:
     buf = io.BytesIO()
     torch.save([Evil()], buf)
     skeleton = b'["d",[["x",["T",0]]]]'
-    parts = ckpt_mod._pack(skeleton, b"", buf.getvalue())  # valid checksum
-    (tmp_path / "evil.ckpt").write_bytes(b"".join(parts))
+    parts = fmt.pack(skeleton, b"", buf.getvalue())  # valid checksum
+    store = backend()
+    store.bytes.put("evil.ckpt", parts)
     with pytest.raises(CheckpointError):
-        CheckpointStore(tmp_path).load("evil.ckpt")
+        store.load("evil.ckpt")
     assert not marker.exists()
 
 
@@ -133,21 +161,23 @@ def test_plain_states_need_no_torch(tmp_path: Path) -> None:
     assert result.stdout.strip() == "ok"
 
 
-def test_unsupported_content_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
+def test_unsupported_content_is_refused_and_leaves_nothing(backend: Any) -> None:
+    store = backend()
     with pytest.raises(CheckpointError, match="state\\['f'\\]"):
         store.save("bad", {"f": object()})
     with pytest.raises(CheckpointError, match="dtype object"):
         store.save("bad", {"a": np.array([object()])})
     with pytest.raises(CheckpointError, match="invalid checkpoint name"):
         store.save("../escape", {})
-    assert os.listdir(tmp_path) == []
+    assert store.bytes.list() == {}
 
 
-def test_missing_and_invalid_refs(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
+def test_missing_and_invalid_refs(backend: Any) -> None:
+    store = backend()
     with pytest.raises(CheckpointError, match="does not exist"):
         store.load("nope.ckpt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        store.size("nope.ckpt")
     with pytest.raises(CheckpointError, match="invalid checkpoint ref"):
         store.load("../../etc/passwd")
     assert store.delete("nope.ckpt") is False
@@ -155,29 +185,65 @@ def test_missing_and_invalid_refs(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("where", ["header", "body", "tail"])
-def test_corruption_is_detected(tmp_path: Path, where: str) -> None:
-    store = CheckpointStore(tmp_path)
+def test_corruption_is_detected(backend: Any, where: str) -> None:
+    store = backend(cache="writer-cache")
     ref = store.save("c", {"w": np.arange(100.0), "note": "hello"}).ref
-    path = tmp_path / ref
-    raw = bytearray(path.read_bytes())
+    raw = bytearray(store.bytes.get(ref))
     (hlen,) = struct.unpack("<Q", raw[8:16])
     index = {"header": 20, "body": 16 + hlen + 5, "tail": len(raw) - 10}[where]
     raw[index] ^= 0x01
-    path.write_bytes(bytes(raw))
+    store.bytes.put(ref, [bytes(raw)])
+    # A reader with its own (empty) cache, and the writer whose cache holds the good
+    # bytes: a changed header is a different object, never the cached one.
     with pytest.raises(CheckpointError, match="corrupt"):
-        store.load(ref)
+        backend(cache="reader-cache").load(ref)
+    if where == "header" or store.cache is None:
+        with pytest.raises(CheckpointError, match="corrupt"):
+            store.load(ref)
 
 
-def test_truncated_file_is_detected(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
+def test_truncated_object_is_detected(backend: Any) -> None:
+    store = backend()
     ref = store.save("c", {"w": np.arange(100.0)}).ref
-    path = tmp_path / ref
-    path.write_bytes(path.read_bytes()[:-7])
+    store.bytes.put(ref, [store.bytes.get(ref)[:-7]])
     with pytest.raises(CheckpointError, match="corrupt"):
-        store.load(ref)
-    path.write_bytes(b"junk")
+        backend(cache="other").load(ref)
+    store.bytes.put(ref, [b"junk"])
     with pytest.raises(CheckpointError, match="bad magic"):
         store.load(ref)
+
+
+def test_readers_never_see_a_partial_object(backend: Any) -> None:
+    """A checkpoint replaced while others read it: every load gives one whole version."""
+    import threading
+
+    writer, reader = backend(cache="w"), backend(cache="r")
+    versions = [{"v": i, "w": np.full(1000 * (1 + i % 3), i, dtype=np.int64)} for i in range(12)]
+    ref = writer.save("x", versions[0]).ref
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for state in versions[1:]:
+                writer.save("x", state)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    seen = set()
+    while not done.is_set() or len(seen) == 0:
+        state = reader.load(ref)
+        i = state["v"]
+        np.testing.assert_array_equal(state["w"], versions[i]["w"])
+        seen.add(i)
+    thread.join()
+    assert not errors
+    assert reader.load(ref)["v"] == 11
+    assert reader.refs() == [ref]  # no temporary is ever listed
 
 
 def test_crash_mid_write_keeps_previous_checkpoint(
@@ -191,13 +257,28 @@ def test_crash_mid_write_keeps_previous_checkpoint(
     def failing_fsync(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt_mod.os, "fsync", failing_fsync)
+    monkeypatch.setattr(stores_mod.os, "fsync", failing_fsync)
     with pytest.raises(CheckpointError, match="No space left"):
         store.save("a", {"v": 2})
-    monkeypatch.setattr(ckpt_mod.os, "fsync", real_fsync)
+    monkeypatch.setattr(stores_mod.os, "fsync", real_fsync)
     # The old version is intact and no temporary file is left behind.
     assert store.load(ref) == {"v": 1}
     assert os.listdir(tmp_path) == [ref]
+
+
+def test_failed_put_on_an_object_store_keeps_previous_checkpoint(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = backend()
+    ref = store.save("a", {"v": 1}).ref
+
+    def failing_put(key: str, parts: Any) -> None:
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(store.bytes, "put", failing_put)
+    with pytest.raises(CheckpointError, match="connection reset"):
+        store.save("a", {"v": 2})
+    assert backend(cache="other").load(ref) == {"v": 1}
 
 
 def test_temp_file_of_dead_writer_is_ignored_and_cleaned(tmp_path: Path) -> None:
@@ -205,7 +286,7 @@ def test_temp_file_of_dead_writer_is_ignored_and_cleaned(tmp_path: Path) -> None
     ref = store.save("a", {"v": 1}).ref
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = ckpt_mod._host()
+    host = stores_mod._host()
     leftover = tmp_path / f".b.{host}.{dead.pid}.deadbeef.tmp"
     leftover.write_bytes(b"STCKPT\x00\x01 half written")
     live = tmp_path / f".c.{host}.{os.getpid()}.cafe0000.tmp"  # our own: still writing
@@ -219,8 +300,8 @@ def test_temp_file_of_dead_writer_is_ignored_and_cleaned(tmp_path: Path) -> None
     assert live.exists()
 
 
-def _sized_store(tmp_path: Path, budget: int | None) -> tuple[CheckpointStore, dict[str, int]]:
-    store = CheckpointStore(tmp_path, budget_bytes=budget)
+def _sized_store(backend: Any, budget: int | None) -> tuple[CheckpointStore, dict[str, int]]:
+    store = backend(budget)
     sizes = {}
     for name, n in [("a", 1000), ("b", 4000), ("c", 2000), ("d", 3000)]:
         info = store.save(name, {"w": np.zeros(n, dtype=np.uint8)})
@@ -228,9 +309,10 @@ def _sized_store(tmp_path: Path, budget: int | None) -> tuple[CheckpointStore, d
     return store, sizes
 
 
-def test_eviction_removes_lowest_value_first_until_under_budget(tmp_path: Path) -> None:
-    store, sizes = _sized_store(tmp_path, budget=None)
+def test_eviction_removes_lowest_value_first_until_under_budget(backend: Any) -> None:
+    store, sizes = _sized_store(backend, budget=None)
     total = sum(sizes.values())
+    assert store.total_bytes() == total
     # value = recompute_cost * pending_refs / size
     candidates = {
         "a.ckpt": EvictionInfo(recompute_cost=10.0, pending_refs=1),  # 10/1k   = 1e-2
@@ -243,10 +325,12 @@ def test_eviction_removes_lowest_value_first_until_under_budget(tmp_path: Path) 
     assert store.evict(candidates, needed=set()) == ["d.ckpt", "b.ckpt"]
     assert store.refs() == ["a.ckpt", "c.ckpt"]
     assert store.total_bytes() <= store.budget_bytes
+    with pytest.raises(CheckpointError, match="does not exist"):
+        backend(cache="other").load("b.ckpt")  # evicted means missing everywhere
 
 
-def test_eviction_never_removes_needed_or_unlisted(tmp_path: Path) -> None:
-    store, _ = _sized_store(tmp_path, budget=0)
+def test_eviction_never_removes_needed_or_unlisted(backend: Any) -> None:
+    store, _ = _sized_store(backend, budget=0)
     candidates = {
         "a.ckpt": EvictionInfo(1.0, 0),
         "b.ckpt": EvictionInfo(1.0, 0),
@@ -259,17 +343,129 @@ def test_eviction_never_removes_needed_or_unlisted(tmp_path: Path) -> None:
     assert store.total_bytes() > store.budget_bytes  # type: ignore[operator]
 
 
-def test_eviction_stops_as_soon_as_budget_fits(tmp_path: Path) -> None:
-    store, sizes = _sized_store(tmp_path, budget=None)
+def test_eviction_stops_as_soon_as_budget_fits(backend: Any) -> None:
+    store, sizes = _sized_store(backend, budget=None)
     store.budget_bytes = sum(sizes.values()) - 10
     candidates = {ref: EvictionInfo(1.0, 1) for ref in sizes}
     # Equal cost and refs: the largest checkpoint has the lowest value per byte.
     assert store.evict(candidates, needed=set()) == ["b.ckpt"]
 
 
-def test_store_pickles_as_its_directory(tmp_path: Path) -> None:
+def test_store_pickles_as_its_location(backend: Any) -> None:
     import pickle
 
-    store = CheckpointStore(tmp_path, budget_bytes=123)
-    copy = pickle.loads(pickle.dumps(store))
-    assert copy.directory == store.directory and copy.budget_bytes == 123
+    store = backend(123)
+    ref = store.save("p", {"v": 1}).ref
+    data = pickle.dumps(store)
+    assert len(data) < 1000  # cheap to send to a worker or an actor
+    copy = pickle.loads(data)
+    assert copy.location == store.location and copy.budget_bytes == 123
+    assert copy.load(ref) == {"v": 1}
+    if backend.kind in ("path", "file-url"):
+        assert copy.directory == store.directory
+
+
+def test_check_proves_the_location_and_leaves_nothing(backend: Any) -> None:
+    store = backend()
+    store.check()
+    assert store.bytes.list() == {}
+
+
+def test_read_cache_downloads_a_checkpoint_once(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend.kind in ("path", "file-url"):
+        assert backend().cache is None  # local disk: nothing to cache
+        return
+    writer = backend(cache="writer")
+    state = {"w": np.arange(5000.0)}
+    ref = writer.save("r", state).ref
+    reader = backend(cache="reader")
+    downloads: list[str] = []
+    real_get = reader.bytes.get
+
+    def counting_get(key: str) -> bytes:
+        downloads.append(key)
+        return real_get(key)
+
+    monkeypatch.setattr(reader.bytes, "get", counting_get)
+    for _ in range(2):
+        np.testing.assert_array_equal(reader.load(ref)["w"], state["w"])
+    assert downloads == [ref]
+    # A new version under the same name is a new object: downloaded again.
+    writer.save("r", {"w": np.zeros(3)})
+    np.testing.assert_array_equal(reader.load(ref)["w"], np.zeros(3))
+    assert downloads == [ref, ref]
+    # A damaged cache entry is dropped and downloaded again, not reported corrupt.
+    assert reader.cache is not None
+    for entry in reader.cache.directory.glob("*.ckpt"):
+        entry.write_bytes(entry.read_bytes()[:-3] + b"xyz")
+    np.testing.assert_array_equal(reader.load(ref)["w"], np.zeros(3))
+    assert downloads == [ref, ref, ref]
+
+
+def test_read_cache_is_bounded(tmp_path: Path) -> None:
+    from stagetree.checkpoints import ReadCache
+
+    cache = ReadCache(tmp_path / "c", max_bytes=2500)
+    for i in range(4):
+        cache.put(f"{i:064x}", 1000, b"x" * 1000)
+        os.utime(cache.path(f"{i:064x}", 1000), (i, i))  # older first
+    assert sum(p.stat().st_size for p in (tmp_path / "c").glob("*.ckpt")) <= 2500
+    assert cache.get(f"{3:064x}", 1000) is not None
+    assert cache.get(f"{0:064x}", 1000) is None
+
+
+def test_byte_stores_are_chosen_by_scheme(tmp_path: Path) -> None:
+    from stagetree.checkpoints import (
+        FsspecByteStore,
+        LocalByteStore,
+        byte_store_schemes,
+        open_byte_store,
+        register_byte_store,
+    )
+
+    assert isinstance(open_byte_store(tmp_path / "a"), LocalByteStore)
+    assert isinstance(open_byte_store(str(tmp_path / "b")), LocalByteStore)
+    local = open_byte_store(f"file://{tmp_path}/c")
+    assert isinstance(local, LocalByteStore) and local.directory == tmp_path / "c"
+    assert isinstance(open_byte_store("memory://x"), FsspecByteStore)
+    assert {"file", "memory", "s3", "gs", "az"} <= set(byte_store_schemes())
+    with pytest.raises(CheckpointError, match=r"unknown checkpoint URL scheme 'zz'.*s3://"):
+        open_byte_store("zz://x")
+
+    made: list[str] = []
+
+    def factory(url: str, options: Any) -> Any:
+        made.append(url)
+        return LocalByteStore(tmp_path / "custom")
+
+    register_byte_store("mine-test", factory)
+    try:
+        store = CheckpointStore("mine-test://anything")
+        assert made == ["mine-test://anything"] and store.save("a", {}).ref == "a.ckpt"
+        with pytest.raises(ValueError, match="already registered"):
+            register_byte_store("mine-test", factory)
+    finally:
+        stores_mod._REGISTRY.pop("mine-test")
+
+
+def test_an_unreachable_store_counts_checkpoints_missing(tmp_path: Path) -> None:
+    pytest.importorskip("s3fs")
+    from conftest import free_port
+
+    store = CheckpointStore(
+        "s3://bucket/run",
+        cache_dir=tmp_path,
+        storage_options={
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+        },
+    )
+    assert store.exists("a.ckpt") is False
+    with pytest.raises(CheckpointError, match=r"cannot read checkpoint a\.ckpt"):
+        store.load("a.ckpt")
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint a\.ckpt"):
+        store.save("a", {"v": 1})

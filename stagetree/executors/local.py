@@ -83,8 +83,7 @@ class _StartupError:
 class _ChildConfig:
     worker: int
     spec: TrainerSpec
-    directory: str
-    budget: int | None
+    store: CheckpointStore  # pickles as its location
     threads: int
     device: str | None
     progress_interval: float
@@ -112,7 +111,7 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
         trainer_cls = cfg.spec.resolve()
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(cfg.threads)
-        store = CheckpointStore(cfg.directory, cfg.budget)
+        store = cfg.store
     except Exception as exc:
         emit(_StartupError(cfg.worker, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
@@ -381,8 +380,7 @@ class LocalExecutor(BaseExecutor):
         cfg = _ChildConfig(
             worker=slot.worker,
             spec=self.spec,
-            directory=str(self.store.directory),
-            budget=self.store.budget_bytes,
+            store=self.store,
             threads=self.threads_per_worker,
             device=slot.device,
             progress_interval=self.progress_interval,

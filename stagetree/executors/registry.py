@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from stagetree.checkpoints import CheckpointStore
     from stagetree.executors.base import BaseExecutor
 
 __all__ = ["ExecutorOptions", "executor_names", "make_executor", "register_executor"]
@@ -26,13 +27,13 @@ class ExecutorOptions:
     Attributes:
         trainer: the Trainer subclass.
         workers: worker count asked for (None: the executor's default).
-        checkpoint_dir: the checkpoint store's directory.
+        checkpoint_dir: the checkpoint store (or its directory).
         threads_per_worker: CPU threads per worker (None: the executor's default).
     """
 
     trainer: Any
     workers: int | None
-    checkpoint_dir: Path
+    checkpoint_dir: Path | CheckpointStore
     threads_per_worker: int | None
 
 

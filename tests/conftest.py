@@ -1,0 +1,74 @@
+"""Shared fixtures: an S3 service on 127.0.0.1 (moto in server mode) for the checkpoint
+store suite and the end-to-end S3 study."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+
+@dataclass(frozen=True)
+class S3Service:
+    """A moto S3 server: its endpoint, and a bucket made for the session."""
+
+    endpoint: str
+    bucket: str
+
+    def url(self, prefix: str | None = None) -> str:
+        """A fresh ``s3://bucket/prefix`` URL."""
+        return f"s3://{self.bucket}/{prefix or secrets.token_hex(6)}"
+
+    @property
+    def options(self) -> dict[str, object]:
+        """fsspec storage options that reach this server."""
+        return {"client_kwargs": {"endpoint_url": self.endpoint}}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on (now)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Service]:
+    """moto's S3 in server mode on a free port of 127.0.0.1, reached through s3fs.
+
+    The AWS variables (fake credentials, ``AWS_ENDPOINT_URL``) are set for the session
+    so that worker processes reach the same server; they are restored at the end."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
+    saved = {k: os.environ.get(k) for k in [*_AWS_ENV, "AWS_ENDPOINT_URL"]}
+    os.environ.update(_AWS_ENV)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        bucket = "stagetree-test"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        yield S3Service(endpoint, bucket)
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
