@@ -821,7 +821,9 @@ def test_run_with_worker_processes_and_real_sigint(tmp_path: Path) -> None:
             if not (tmp_path / "sig.db").exists():
                 continue
             with open_storage(url) as s:
-                if s.stats("engine").get("steps_executed", 0) > 0 or s.checkpoints():
+                # training has begun once the first step's learning-curve point is in
+                # (steps_executed is only counted when the 200-step batch ends)
+                if any(s.get_metrics(n.id, 1) for n in s.nodes()) or s.checkpoints():
                     break
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
