@@ -792,7 +792,7 @@ def test_run_with_worker_processes_and_real_sigint(tmp_path: Path) -> None:
         tmp_path,
         'tuner = GridSearch(space, metric="score", steps=200)\nstudy = Study("sig", Tiny)\n',
     )
-    env = {**os.environ, "TINY_SLEEP": "0.02", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TINY_SLEEP": "0.1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -821,9 +821,9 @@ def test_run_with_worker_processes_and_real_sigint(tmp_path: Path) -> None:
             if not (tmp_path / "sig.db").exists():
                 continue
             with open_storage(url) as s:
-                # training has begun once the first step's learning-curve point is in
-                # (steps_executed is only counted when the 200-step batch ends)
-                if any(s.get_metrics(n.id, 1) for n in s.nodes()) or s.checkpoints():
+                # the branch checkpoint at step 5 is durable: there is work to keep
+                # (steps are slow, 0.1 s, so a loaded machine still interrupts mid-run)
+                if s.checkpoints():
                     break
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGINT)
