@@ -141,7 +141,7 @@ class Engine:
                 return
             self.executor = self._executor_factory()
             self.executor.start()
-            if getattr(self.executor, "virtual_time", False):
+            if self.executor.virtual_time:
                 return  # virtual time: Study.tune pumps it from the tuner's loop, no thread
             self._thread = threading.Thread(target=self._run, name="stagetree-engine", daemon=True)
             self._thread.start()

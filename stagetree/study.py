@@ -306,7 +306,9 @@ class Study:
         def factory() -> BaseExecutor:
             from stagetree.executors.registry import ExecutorOptions, make_executor
 
-            options = ExecutorOptions(trainer, workers, ckdir, threads_per_worker)
+            options = ExecutorOptions(
+                trainer, workers, ckdir, threads_per_worker, store, _OVERRIDES.get("address")
+            )
             return make_executor(executor, options)
 
         engine = Engine(
@@ -646,7 +648,7 @@ class Study:
         event loop also delivers the executor's instants (no driver thread runs)."""
         engine = self._engine
         engine.ensure_started()
-        if not getattr(engine.executor, "virtual_time", False):
+        if engine.executor is None or not engine.executor.virtual_time:
             return _run_coro(coro)
         from stagetree.executors.simulated import drive
 
