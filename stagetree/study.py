@@ -718,7 +718,10 @@ class Study:
         ``steps_unique`` (steps of the union of their paths), ``steps_executed`` and
         ``device_seconds`` (trained on the plan trees this study uses, over every run on
         this storage: a tree shared with another study counts for both), ``merge_rate``,
-        and storage-wide checkpoint seconds/bytes and live-split counts."""
+        storage-wide checkpoint seconds/bytes and live-split counts, and lost workers on
+        those trees: ``workers_lost``, and ``steps_lost``: steps a lost worker had trained
+        past its last durable checkpoint, which are trained again (they count in
+        ``steps_executed`` both times)."""
         from stagetree.stages import unique_steps
 
         self._engine.settle()
@@ -746,6 +749,8 @@ class Study:
             "ckpt_bytes": everything.get("ckpt_bytes", 0.0),
             "live_splits": everything.get("live_splits", 0.0),
             "splits_missed": everything.get("splits_missed", 0.0),
+            "workers_lost": engine_stats.get("workers_lost", 0.0),
+            "steps_lost": engine_stats.get("steps_lost", 0.0),
         }
         return out
 

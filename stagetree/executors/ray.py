@@ -402,11 +402,10 @@ class RayExecutor(BaseExecutor):
                 if v < 0:
                     raise ValueError(f"worker resource {k!r} must be >= 0, got {v!r}")
             out.append({str(k): float(v) for k, v in item.items()})
-        if not isinstance(resources, Mapping) and num_workers is not None:
-            if len(out) != num_workers:
-                raise ValueError(
-                    f"worker_resources lists {len(out)} workers but num_workers={num_workers}"
-                )
+        if not isinstance(resources, Mapping) and num_workers not in (None, len(out)):
+            raise ValueError(
+                f"worker_resources lists {len(out)} workers but num_workers={num_workers}"
+            )
         return out
 
     def bind(self, options: ExecutorOptions) -> BaseExecutor:
