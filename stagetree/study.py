@@ -647,7 +647,11 @@ class Study:
         """Run ``coro`` to completion from sync code; with a virtual-time executor, its
         event loop also delivers the executor's instants (no driver thread runs)."""
         engine = self._engine
-        engine.ensure_started()
+        try:
+            engine.ensure_started()
+        except BaseException:
+            coro.close()  # never started: no "never awaited" warning
+            raise
         if engine.executor is None or not engine.executor.virtual_time:
             return _run_coro(coro)
         from stagetree.executors.simulated import drive

@@ -290,6 +290,22 @@ class _Slot:
     start_failures: int = 0
 
 
+def _probe(address: str | None, timeout: float = 5.0) -> str | None:
+    """Why nothing listens at a ``host:port`` (or ``ray://host:port``) address, or None
+    (also for ``"auto"`` and no address, which Ray resolves and refuses quickly)."""
+    if not address or address == "auto":
+        return None
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return None
+    except OSError as exc:
+        return f"cannot open a connection to {hostport} ({exc})"
+
+
 def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
@@ -481,14 +497,20 @@ class RayExecutor(BaseExecutor):
         kwargs: dict[str, Any] = {"log_to_driver": True, **self.init_kwargs}
         if self.address is not None:
             kwargs["address"] = self.address
+        where = self.address or "this machine"
+        hint = (
+            "Start one with `ray start --head` (and `ray start --address HEAD:6379` on the "
+            "other machines), or pass --address / RayExecutor(address=...)"
+        )
+        problem = _probe(self.address)
+        if problem is not None:  # ray.init would retry for minutes
+            raise ExecutorError(f"no Ray cluster at {where!r}: {problem}. {hint}")
         try:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
-            where = self.address or "this machine"
             raise ExecutorError(
                 f"cannot connect to a Ray cluster at {where!r}: {type(exc).__name__}: {exc}. "
-                "Start one with `ray start --head` (and `ray start --address HEAD:6379` on "
-                "the other machines), or pass --address / RayExecutor(address=...)"
+                + hint
             ) from exc
         self._owns_ray = True
 
