@@ -131,6 +131,8 @@ class Engine:
         self.coord = Coordinator(self)
         self._reported_corrupt: set[str] = set()  # start checkpoints reported unreadable
         self._durable: dict[int, int] = {}  # batch id -> last step it checkpointed
+        self._studies: set[str] = set()  # studies served (their meta records the workers)
+        self._workers_changed = False
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -323,6 +325,7 @@ class Engine:
             with self.lock:
                 for ev in events:
                     self._on_event(ev)
+                self._record_workers(events)
         with self.lock:
             self.coord.tick()
         return len(events)
@@ -386,6 +389,29 @@ class Engine:
         self._apply(self.scheduler.handle(ev))
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
+
+    def _record_workers(self, events: list[Any]) -> None:
+        """Keep where the workers run (cluster executors) in the meta of the studies this
+        engine serves, for ``stagetree status``; written when workers come and go."""
+        from stagetree import work
+
+        if any(isinstance(e, (work.WorkerReady, work.WorkerLost)) for e in events):
+            self._workers_changed = True
+        names = {w.study for ws in self._waiters.values() for w in ws} | self._studies
+        if not self._workers_changed or not names or self.executor is None:
+            return
+        self._studies |= names
+        locations = self.executor.worker_locations()
+        if not locations:
+            return
+        self._workers_changed = False
+        for name in sorted(self._studies):
+            try:
+                self.storage.update_study_meta(
+                    name, {"workers": {str(w): where for w, where in sorted(locations.items())}}
+                )
+            except StagetreeError:
+                self._workers_changed = True  # its row is written with its first trial
 
     def _count_lost(self, ev: Any) -> None:
         """Accounting of a lost worker: ``workers_lost``; the steps its batch had

@@ -204,6 +204,7 @@ class Study:
                 f"or an open plan storage, got {storage!r}"
             )
         executor = _OVERRIDES.get("executor", executor)
+        checkpoint_dir = _OVERRIDES.get("checkpoint_dir", checkpoint_dir)
         self.name = name
         self.trainer = trainer
         self.share = share
@@ -664,6 +665,12 @@ class Study:
                 raise
 
         return _run_coro(drive(coro, pump, engine.executor))
+
+    def worker_locations(self) -> dict[int, str]:
+        """Where each worker runs (``worker -> "host (node id)"``) with a cluster
+        executor once it started; empty when every worker runs on this machine."""
+        executor = self._engine.executor
+        return executor.worker_locations() if executor is not None else {}
 
     @property
     def num_workers(self) -> int:

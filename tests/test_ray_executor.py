@@ -167,3 +167,33 @@ def test_executor_object_is_bound_to_the_study(ray_runtime: Any, tmp_path: Path)
         assert sorted(locations) == [0, 1]
     finally:
         study.close()
+
+
+def test_cli_run_on_ray_and_status_shows_the_nodes(
+    ray_runtime: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_cli_run import _script
+
+    from stagetree import study as study_module
+    from stagetree.cli import main
+
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    path = _script(
+        tmp_path,
+        """
+        tuner = GridSearch(space, metric="score", steps=10)
+        study = Study("tiny", Tiny, storage="sqlite:///unused.db", executor="inline")
+        """,
+    )
+    ckpt = tmp_path / "shared-ckpt"
+    args = ["run", str(path), "--executor", "ray", "--checkpoints", str(ckpt)]
+    assert main([*args, "--storage", url, "--workers", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "best score" in out and "workers lost" not in out
+    assert list(ckpt.iterdir()), "checkpoints went elsewhere"
+    assert study_module._OVERRIDES == {}
+    assert main(["status", "--storage", url]) == 0
+    status = capsys.readouterr().out
+    assert "workers" in status and "(node " in status and "(last seen)" in status
+    assert main([*args, "--executor", "rey", "--storage", url]) == 2
+    assert "unknown executor 'rey'" in capsys.readouterr().err
