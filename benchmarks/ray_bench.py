@@ -22,7 +22,6 @@ Run: ``.venv/bin/python benchmarks/ray_bench.py [--steps N] [--repeats R] [--plo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import tempfile
@@ -32,18 +31,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import bar_plot, fmt, load_average, machine_info, markdown_table  # noqa: E402
-from overhead_bench import HP_NONE, _batch, via_local_executor, via_worker  # noqa: E402
+from _common import bar_plot, fmt, load_average, machine_info, markdown_table
+from overhead_bench import HP_NONE, _batch, via_local_executor, via_worker
 
-from stagetree import Study  # noqa: E402
-from stagetree.executors import LocalExecutor  # noqa: E402
-from stagetree.executors.base import BaseExecutor  # noqa: E402
-from stagetree.executors.ray import RayExecutor  # noqa: E402
-from stagetree.hp import Constant, MultiStep, Piecewise  # noqa: E402
-from stagetree.space import GridSpace  # noqa: E402
-from stagetree.torch.examples import DigitsTrainer  # noqa: E402
-from stagetree.tuners import GridSearch  # noqa: E402
-from stagetree.work import BatchDone, MetricsReported, WorkerReady  # noqa: E402
+from stagetree import Study
+from stagetree.executors import LocalExecutor
+from stagetree.executors.base import BaseExecutor
+from stagetree.executors.ray import RayExecutor
+from stagetree.hp import Constant, MultiStep, Piecewise
+from stagetree.space import GridSpace
+from stagetree.torch.examples import DigitsTrainer
+from stagetree.tuners import GridSearch
+from stagetree.work import BatchDone, MetricsReported, WorkerReady
 
 NOOP = str(Path(__file__).resolve().parent / "overhead_bench.py") + ":NoOpTrainer"
 _perf = time.perf_counter
@@ -158,7 +157,7 @@ def _ready_through_engine(study: Study) -> None:
     """Wait until the engine's scheduler knows every worker (its driver thread takes
     the executor's events)."""
     deadline = time.monotonic() + 300
-    while len(study._engine.scheduler._workers) < 2:  # noqa: SLF001
+    while len(study._engine.scheduler._workers) < 2:
         if time.monotonic() > deadline:
             raise TimeoutError("workers did not start")
         time.sleep(0.05)
