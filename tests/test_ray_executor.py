@@ -197,3 +197,49 @@ def test_cli_run_on_ray_and_status_shows_the_nodes(
     assert "workers" in status and "(node " in status and "(last seen)" in status
     assert main([*args, "--executor", "rey", "--storage", url]) == 2
     assert "unknown executor 'rey'" in capsys.readouterr().err
+
+
+def test_core_imports_without_ray_and_exports_the_intended_names() -> None:
+    import subprocess
+
+    import stagetree.executors as executors
+
+    assert sorted(executors.__all__) == [
+        "BaseExecutor",
+        "ExecutorOptions",
+        "InlineExecutor",
+        "LocalExecutor",
+        "RayExecutor",
+        "SimulatedExecutor",
+        "TrainerSpec",
+        "executor_names",
+        "make_executor",
+        "register_executor",
+    ]
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import stagetree, stagetree.cli, stagetree.executors\n"
+        "from stagetree.executors import RayExecutor\n"
+        "RayExecutor(worker_resources={'CPU': 1})\n"
+        "assert 'ray' in stagetree.executors.executor_names()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_progress_display_shows_where_workers_run() -> None:
+    import io
+
+    from stagetree.progress import ProgressDisplay, progress_line
+
+    class FakeStudy:
+        def progress(self) -> dict[str, float]:
+            return {"trials": 2, "finished": 1, "steps_requested": 20, "steps_executed": 5}
+
+        def worker_locations(self) -> dict[int, str]:
+            return {1: "b (node 222)", 0: "a (node 111)"}
+
+    display = ProgressDisplay(FakeStudy(), out=io.StringIO(), rich_output=False)
+    state = display.poll()
+    assert state is not None
+    assert state.workers == ("0 on a (node 111)", "1 on b (node 222)")
+    assert progress_line(state).endswith("| workers 0 on a (node 111), 1 on b (node 222)")

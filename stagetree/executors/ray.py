@@ -702,7 +702,8 @@ class RayExecutor(BaseExecutor):
             return
         stops = []
         for slot in self._slots:
-            if slot.actor is not None:
+            # An actor Ray never placed (no room) has nothing to stop: it is killed below.
+            if slot.actor is not None and slot.hello is None:
                 with contextlib.suppress(Exception):
                     stops.append(slot.actor.stop.remote(self.close_timeout))
         if stops:
