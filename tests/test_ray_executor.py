@@ -243,3 +243,17 @@ def test_progress_display_shows_where_workers_run() -> None:
     assert state is not None
     assert state.workers == ("0 on a (node 111)", "1 on b (node 222)")
     assert progress_line(state).endswith("| workers 0 on a (node 111), 1 on b (node 222)")
+
+
+def test_default_resources_and_how_trainers_travel(tmp_path: Path) -> None:
+    from stagetree.executors.ray import default_resources
+
+    assert default_resources([{"CPU": 8}, {"CPU": 8, "GPU": 2}]) == {"GPU": 1.0}
+    assert default_resources([{"CPU": 8}]) == {"CPU": 1.0}
+    torch_examples = pytest.importorskip("stagetree.torch.examples")
+    # The same mechanism as local workers: library classes by import path, the user's
+    # own by value.
+    by_ref = RayExecutor(torch_examples.DigitsTrainer, 1, checkpoint_dir=tmp_path)
+    assert by_ref.spec is not None and not by_ref.spec.by_value
+    by_value = RayExecutor(Adder, 1, checkpoint_dir=tmp_path)
+    assert by_value.spec is not None and by_value.spec.by_value

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from stagetree.executors.registry import ExecutorOptions
     from stagetree.trainer import Trainer
 
-__all__ = ["RayExecutor", "import_ray"]
+__all__ = ["RayExecutor", "default_resources", "import_ray"]
 
 INSTALL_HINT = "pip install 'stagetree[ray]'"
 # A slot whose actor dies this many times in a row before it is ready is not restarted.
@@ -306,6 +306,12 @@ def _probe(address: str | None, timeout: float = 5.0) -> str | None:
         return f"cannot open a connection to {hostport} ({exc})"
 
 
+def default_resources(nodes: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """A worker's resources when the user names none: one GPU when some node of the
+    cluster (``nodes``: each node's total resources) has one, else one CPU."""
+    return {"GPU": 1.0} if any(n.get("GPU", 0) >= 1 for n in nodes) else {"CPU": 1.0}
+
+
 def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
@@ -517,10 +523,7 @@ class RayExecutor(BaseExecutor):
     def _start_actors(self, ray: Any) -> None:
         nodes = _alive_nodes(ray)
         totals = [dict(n.get("Resources", {})) for n in nodes]
-        resources = self._resources
-        if resources is None:
-            has_gpu = any(t.get("GPU", 0) >= 1 for t in totals)
-            resources = [{"GPU": 1.0} if has_gpu else {"CPU": 1.0}]
+        resources = self._resources if self._resources is not None else [default_resources(totals)]
         for need in resources:
             if not any(_fits(need, have) for have in totals):
                 described = "; ".join(
