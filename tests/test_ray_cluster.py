@@ -5,7 +5,8 @@ custom resources. One cluster for the module (Ray starts slowly).
 (a) trials branching at several steps, workers on two nodes: bit-identical to the same
     trials trained alone, exactly the unique steps executed;
 (b) a node removed mid-study: the study finishes, still bit-identical, nothing finished
-    is lost, the lost and recomputed steps are counted;
+    is lost, the lost and recomputed steps are counted, and the lost worker is replaced
+    once a node with room joins;
 (c) a second study on the same PostgreSQL plan and cluster reuses the first's stages.
 """
 
@@ -186,6 +187,16 @@ def test_node_removed_mid_study(cluster: Any, references: Any, tmp_path: Path) -
         assert finished_before, "nothing had finished before the node was removed"
         for key, metrics in finished_before.items():
             assert after.get(key) == metrics, f"metrics at {key} were lost or changed"
+        # The lost worker's replacement waits for room: a node with its resources.
+        executor = study._engine.executor
+        assert isinstance(executor, RayExecutor)
+        assert 1 not in executor.worker_nodes()
+        cluster.add_node(num_cpus=1, resources={"node_c": 1})
+        deadline = time.monotonic() + 60
+        while 1 not in executor.worker_nodes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert 1 in executor.worker_nodes(), "no replacement once the cluster had room"
+        assert executor.worker_nodes()[1] != executor.worker_nodes()[0]
     finally:
         study.close()
 
