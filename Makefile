@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/paper_studies.py --plot benchmarks/out/paper_studies.png
 	$(BIN)/python benchmarks/scheduler_compare.py --plot benchmarks/out/scheduler_compare.png
 	$(BIN)/python benchmarks/vs_peers.py --plot benchmarks/out/vs_peers.png
+	$(BIN)/python benchmarks/ray_bench.py --plot benchmarks/out/ray_bench.png
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

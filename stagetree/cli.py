@@ -565,6 +565,11 @@ def report_study(
     numbers["failed"] = float(len(failures))
     best_rows.extend(_failure_rows([(tid, e.summary()) for tid, e in failures]))
     rows = [("trials", str(round(numbers["trials"]))), *_accounting_rows(numbers)]
+    if stats.get("workers_lost"):  # a cluster lost workers (or nodes): what it cost
+        numbers["workers_lost"] = stats["workers_lost"]
+        numbers["steps_lost"] = stats.get("steps_lost", 0.0)
+        rows.append(("workers lost", str(round(stats["workers_lost"]))))
+        rows.append(("steps lost", f"{round(numbers['steps_lost'])} (recomputed)"))
     title = f"study {study.name}"
     if _use_rich(stream, rich_output):
         from rich.console import Console
@@ -670,8 +675,15 @@ def run_script(
     progress: bool = True,
     out: TextIO | None = None,
     check: bool = True,
+    executor: str | None = None,
+    address: str | None = None,
+    checkpoints: str | None = None,
 ) -> int:
     """``stagetree run``: run the study a script defines with its tuner.
+
+    ``executor`` (a registered name: ``local``, ``ray``...), ``address`` (the cluster
+    of a cluster executor) and ``checkpoints`` (the checkpoint location) override the
+    script's studies as ``workers`` and ``storage`` do.
 
     The script runs under ``__name__ == "__stagetree_run__"`` (its ``if __name__ ==
     "__main__":`` block does not run) with ``workers`` and ``storage`` as overrides
@@ -701,6 +713,18 @@ def run_script(
     overrides = study_module._OVERRIDES
     saved_overrides = dict(overrides)
     saved_env = os.environ.get(STORAGE_ENV)
+    if executor is not None:
+        from stagetree.executors.registry import check_executor
+
+        try:
+            check_executor(executor)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        overrides["executor"] = executor
+    if address is not None:
+        overrides["address"] = address
+    if checkpoints is not None:
+        overrides["checkpoint_dir"] = checkpoints
     if workers is not None:
         overrides["workers"] = workers
     if storage is not None:
@@ -765,6 +789,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         storage=args.storage,
         progress=not args.no_progress,
         check=not args.no_check,
+        executor=args.executor,
+        address=args.address,
+        checkpoints=args.checkpoints,
     )
 
 
@@ -782,6 +809,23 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--workers", type=_positive, metavar="N", help="worker processes (overrides the script)"
     )
     p.add_argument("--storage", metavar="URL", help="plan storage URL (overrides the script)")
+    p.add_argument(
+        "--executor",
+        metavar="NAME",
+        help="where workers run: local (processes, the default), ray (a Ray cluster), ... "
+        "(overrides the script)",
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="the cluster of --executor ray: auto, HOST:6379 or ray://HOST:10001 "
+        "(default: this process's Ray, else a one-machine Ray)",
+    )
+    p.add_argument(
+        "--checkpoints",
+        metavar="DIR",
+        help="checkpoint location every worker reaches (overrides the script)",
+    )
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
     p.add_argument(
         "--no-check",
@@ -815,6 +859,7 @@ class StudyStatus:
             :class:`StorageStatus`).
         failures: ``(trial id, first line of its error)`` per failed trial.
         hidden: trials of other (older) trainer versions, not counted above.
+        workers: where its workers ran, last seen (cluster executors): worker -> node.
     """
 
     name: str
@@ -834,6 +879,7 @@ class StudyStatus:
     numbers: dict[str, float] | None
     failures: list[tuple[int, str]] = field(default_factory=list)
     hidden: int = 0
+    workers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -953,6 +999,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
         numbers=numbers,
         failures=[(int(t["id"]), _error_summary(t)) for t in trials if t["state"] == "failed"],
         hidden=hidden,
+        workers={str(k): str(v) for k, v in dict(meta.get("workers") or {}).items()},
     )
 
 
@@ -1009,6 +1056,9 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
             )
         )
     rows.extend(_failure_rows(st.failures))
+    if st.workers:
+        where = ", ".join(f"{w} on {node}" for w, node in st.workers.items())
+        rows.append(("workers", f"{where} (last seen)"))
     if st.numbers is not None:
         rows.extend(_accounting_rows(st.numbers))
     else:

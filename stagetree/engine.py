@@ -130,6 +130,9 @@ class Engine:
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
         self._reported_corrupt: set[str] = set()  # start checkpoints reported unreadable
+        self._durable: dict[int, int] = {}  # batch id -> last step it checkpointed
+        self._studies: set[str] = set()  # studies served (their meta records the workers)
+        self._workers_changed = False
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -141,7 +144,7 @@ class Engine:
                 return
             self.executor = self._executor_factory()
             self.executor.start()
-            if getattr(self.executor, "virtual_time", False):
+            if self.executor.virtual_time:
                 return  # virtual time: Study.tune pumps it from the tuner's loop, no thread
             self._thread = threading.Thread(target=self._run, name="stagetree-engine", daemon=True)
             self._thread.start()
@@ -322,6 +325,7 @@ class Engine:
             with self.lock:
                 for ev in events:
                     self._on_event(ev)
+                self._record_workers(events)
         with self.lock:
             self.coord.tick()
         return len(events)
@@ -336,12 +340,14 @@ class Engine:
             self.storage.put_metrics_many(ev.points)  # one transaction per event
         elif isinstance(ev, work.CheckpointSaved):
             self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
+            self._durable[ev.batch_id] = max(self._durable.get(ev.batch_id, 0), ev.step)
             self.storage.add_stats(
                 scope, ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
             )
         ended = ev.batch_id if isinstance(ev, (work.BatchDone, work.BatchFailed)) else None
         if isinstance(ev, work.WorkerLost):
             ended = ev.batch_id
+            self._count_lost(ev)
         if ended is not None:
             self.coord.batch_ended(ended)
             self._inflight.discard(ended)
@@ -377,11 +383,51 @@ class Engine:
                     ev.error,
                 )
         if ended is not None:
+            self._durable.pop(ended, None)
             self._start_refs.pop(ended, None)
             self._batch_roots.pop(ended, None)
         self._apply(self.scheduler.handle(ev))
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
+
+    def _record_workers(self, events: list[Any]) -> None:
+        """Keep where the workers run (cluster executors) in the meta of the studies this
+        engine serves, for ``stagetree status``; written when workers come and go."""
+        from stagetree import work
+
+        if any(isinstance(e, (work.WorkerReady, work.WorkerLost)) for e in events):
+            self._workers_changed = True
+        names = {w.study for ws in self._waiters.values() for w in ws} | self._studies
+        if not self._workers_changed or not names or self.executor is None:
+            return
+        self._studies |= names
+        locations = self.executor.worker_locations()
+        if not locations:
+            return
+        self._workers_changed = False
+        for name in sorted(self._studies):
+            try:
+                self.storage.update_study_meta(
+                    name, {"workers": {str(w): where for w, where in sorted(locations.items())}}
+                )
+            except StagetreeError:
+                self._workers_changed = True  # its row is written with its first trial
+
+    def _count_lost(self, ev: Any) -> None:
+        """Accounting of a lost worker: ``workers_lost``; the steps its batch had
+        reported training count as executed (they were), and those past its last
+        durable checkpoint as ``steps_lost`` (they are trained again: recomputed)."""
+        position = self._positions.get(ev.batch_id) if ev.batch_id is not None else None
+        trained = lost = 0
+        if position is not None:
+            start, last = position
+            trained = last - start
+            lost = last - max(start, self._durable.get(ev.batch_id, start))
+        deltas = {"workers_lost": 1, "steps_lost": lost, "steps_executed": trained}
+        self.storage.add_stats("engine", **deltas)
+        root = self._batch_roots.get(ev.batch_id) if ev.batch_id is not None else None
+        if root is not None:
+            self.storage.add_stats(root_scope(root), **deltas)
 
     def _apply(self, out: Iterable[Any]) -> None:
         from stagetree import work

@@ -11,6 +11,8 @@ Hierarchy::
     ├── CheckpointError            a checkpoint that is missing, corrupt or cannot be written
     ├── TrainerError               user trainer code raised; carries the formatted traceback
     ├── SchedulerError             an event the scheduler cannot accept (a bug or bad input)
+    ├── ExecutorError              an executor that cannot run: Ray missing, no cluster,
+    │                              resources no node has, unreachable checkpoints, versions
     ├── TrialFailedError           a request failed (its stage or an ancestor stage raised)
     ├── TrialCancelledError        a request was cancelled before it finished
     ├── StudyBusyError             the study is being tuned by another live process
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "ExecutorError",
     "InvalidSequenceError",
     "InvalidSpaceError",
     "InvalidTrialError",
@@ -87,6 +90,10 @@ class TrainerError(_WithTraceback):
 
 class SchedulerError(StagetreeError):
     """The scheduler received an event it cannot apply."""
+
+
+class ExecutorError(StagetreeError):
+    """An executor that cannot start or run its workers (the message says why and what to do)."""
 
 
 class TrialFailedError(_WithTraceback):

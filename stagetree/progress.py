@@ -60,6 +60,8 @@ class ProgressState:
         elapsed: seconds since the study started.
         eta: estimated seconds until the submitted trials are trained; None when no
             rate has been measured yet.
+        workers: where each worker runs (``"0 on host (node ab12cd34)"``), for cluster
+            executors; empty on one machine.
     """
 
     trials: int
@@ -72,6 +74,7 @@ class ProgressState:
     device_seconds: float
     elapsed: float
     eta: float | None
+    workers: tuple[str, ...] = ()
 
     @property
     def saved(self) -> int:
@@ -110,6 +113,7 @@ def progress_line(state: ProgressState) -> str:
         + f" | steps {state.steps_executed} executed / {state.steps_requested} requested"
         + unique
         + f" | saved {state.saved} steps | ETA {format_duration(state.eta)}"
+        + (f" | workers {', '.join(state.workers)}" if state.workers else "")
     )
 
 
@@ -236,6 +240,10 @@ class ProgressDisplay:
         else:
             eta = remaining / rate if rate else None
         elapsed = snap.get("elapsed")
+        try:
+            where = self.study.worker_locations()  # type: ignore[attr-defined]
+        except Exception:  # not a Study (a test double), or not started
+            where = {}
         state = ProgressState(
             trials=_int(snap, "trials"),
             finished=_int(snap, "finished"),
@@ -247,6 +255,7 @@ class ProgressDisplay:
             device_seconds=float(snap.get("device_seconds", 0.0) or 0.0),
             elapsed=float(elapsed) if elapsed is not None else now - self._started,
             eta=eta,
+            workers=tuple(f"{w} on {node}" for w, node in sorted(where.items())),
         )
         self.state = state
         return state
@@ -293,6 +302,8 @@ class ProgressDisplay:
             "time",
             f"elapsed {format_duration(state.elapsed)}, ETA {format_duration(state.eta)}",
         )
+        if state.workers:
+            grid.add_row("workers", ", ".join(state.workers))
         return grid
 
     def _draw(self, state: ProgressState | None, now: float, final: bool = False) -> None:

@@ -190,6 +190,12 @@ class Study:
             raise ValueError(f"study name must be a non-empty string, got {name!r}")
         if not (isinstance(trainer, type) and issubclass(trainer, Trainer)):
             raise TypeError(f"trainer must be a Trainer subclass, got {trainer!r}")
+        # Command-line overrides (``stagetree run --workers ... --checkpoints ...``) are
+        # checked like the script's own values.
+        workers = _OVERRIDES.get("workers", workers)
+        storage = _OVERRIDES.get("storage", storage)
+        executor = _OVERRIDES.get("executor", executor)
+        checkpoint_dir = _OVERRIDES.get("checkpoint_dir", checkpoint_dir)
         _check_count("workers", workers, 1)
         _check_count("threads_per_worker", threads_per_worker, 1)
         _check_count("max_retries", max_retries, 0, optional=False)
@@ -204,14 +210,11 @@ class Study:
             eval_every = 0
         _check_count("eval_every", eval_every, 0)
         self.eval_every = eval_every
-        workers = _OVERRIDES.get("workers", workers)
-        storage = _OVERRIDES.get("storage", storage)
         if not isinstance(storage, (str, BasePlanStorage)):
             raise ValueError(
                 f"storage must be a URL (sqlite:///path.db, postgresql://..., memory://) "
                 f"or an open plan storage, got {storage!r}"
             )
-        executor = _OVERRIDES.get("executor", executor)
         self.name = name
         self.trainer = trainer
         self.share = share
@@ -316,7 +319,9 @@ class Study:
         def factory() -> BaseExecutor:
             from stagetree.executors.registry import ExecutorOptions, make_executor
 
-            options = ExecutorOptions(trainer, workers, store, threads_per_worker)
+            options = ExecutorOptions(
+                trainer, workers, store, threads_per_worker, store, _OVERRIDES.get("address")
+            )
             return make_executor(executor, options)
 
         engine = Engine(
@@ -655,8 +660,12 @@ class Study:
         """Run ``coro`` to completion from sync code; with a virtual-time executor, its
         event loop also delivers the executor's instants (no driver thread runs)."""
         engine = self._engine
-        engine.ensure_started()
-        if not getattr(engine.executor, "virtual_time", False):
+        try:
+            engine.ensure_started()
+        except BaseException:
+            coro.close()  # never started: no "never awaited" warning
+            raise
+        if engine.executor is None or not engine.executor.virtual_time:
             return _run_coro(coro)
         from stagetree.executors.simulated import drive
 
@@ -668,6 +677,12 @@ class Study:
                 raise
 
         return _run_coro(drive(coro, pump, engine.executor))
+
+    def worker_locations(self) -> dict[int, str]:
+        """Where each worker runs (``worker -> "host (node id)"``) with a cluster
+        executor once it started; empty when every worker runs on this machine."""
+        executor = self._engine.executor
+        return executor.worker_locations() if executor is not None else {}
 
     @property
     def num_workers(self) -> int:
@@ -726,7 +741,10 @@ class Study:
         ``steps_unique`` (steps of the union of their paths), ``steps_executed`` and
         ``device_seconds`` (trained on the plan trees this study uses, over every run on
         this storage: a tree shared with another study counts for both), ``merge_rate``,
-        and storage-wide checkpoint seconds/bytes and live-split counts."""
+        storage-wide checkpoint seconds/bytes and live-split counts, and lost workers on
+        those trees: ``workers_lost``, and ``steps_lost``: steps a lost worker had trained
+        past its last durable checkpoint, which are trained again (they count in
+        ``steps_executed`` both times)."""
         from stagetree.stages import unique_steps
 
         self._engine.settle()
@@ -754,6 +772,8 @@ class Study:
             "ckpt_bytes": everything.get("ckpt_bytes", 0.0),
             "live_splits": everything.get("live_splits", 0.0),
             "splits_missed": everything.get("splits_missed", 0.0),
+            "workers_lost": engine_stats.get("workers_lost", 0.0),
+            "steps_lost": engine_stats.get("steps_lost", 0.0),
         }
         return out
 

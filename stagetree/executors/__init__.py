@@ -3,6 +3,8 @@
 * :class:`BaseExecutor`: the contract every executor follows.
 * :class:`LocalExecutor`: worker processes on this machine, one per device.
 * :class:`InlineExecutor`: batches run synchronously in the calling thread.
+* :class:`RayExecutor`: Ray actors, one per worker slot, on a cluster
+  (``pip install 'stagetree[ray]'``; Ray itself is imported when it starts).
 * :class:`SimulatedExecutor`: virtual time, a cost model and synthetic learning curves
   (``stagetree simulate``; no training at all).
 * :func:`register_executor`: executors by name (``Study(executor="local")``).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from stagetree.executors.base import BaseExecutor
 from stagetree.executors.local import InlineExecutor, LocalExecutor, TrainerSpec
+from stagetree.executors.ray import RayExecutor
 from stagetree.executors.registry import (
     ExecutorOptions,
     executor_names,
@@ -25,6 +28,7 @@ __all__ = [
     "ExecutorOptions",
     "InlineExecutor",
     "LocalExecutor",
+    "RayExecutor",
     "SimulatedExecutor",
     "TrainerSpec",
     "executor_names",

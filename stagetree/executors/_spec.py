@@ -162,14 +162,48 @@ def _dumps_by_value(trainer: type) -> bytes:
             _pickler(cloudpickle)(buffer).dump(trainer)
             return buffer.getvalue()
         except Exception as exc:
+            culprit = _culprit(trainer, cloudpickle)
+            what = culprit or "a class-level or global object it uses"
             raise ValueError(
                 f"trainer {trainer.__qualname__} cannot be sent to worker processes: "
-                f"{type(exc).__name__}: {exc} (a class-level or global object it uses "
-                "cannot be pickled; create it in __init__ instead)"
+                f"{type(exc).__name__}: {exc} ({what} cannot be pickled; create it in "
+                "__init__ instead)"
             ) from exc
         finally:
             for module in added:
                 cloudpickle.unregister_pickle_by_value(module)
+
+
+def _culprit(trainer: type, cloudpickle: Any) -> str | None:
+    """Name the attribute (``Class.attr``) or global (``module.name``) of the trainer's
+    own classes that cannot be pickled, when one can be found."""
+
+    def fails(obj: Any) -> bool:
+        try:
+            _pickler(cloudpickle)(io.BytesIO()).dump(obj)
+        except Exception:
+            return True
+        return False
+
+    own = [k for k in trainer.__mro__ if not is_library_module(k.__module__)]
+    for klass in own:
+        for name, value in vars(klass).items():
+            if name.startswith("__") or isinstance(value, (types.FunctionType, property)):
+                continue
+            if fails(value):
+                return f"attribute {klass.__qualname__}.{name}"
+    for klass in own:
+        for value in vars(klass).values():
+            func = getattr(value, "__func__", value)
+            code = getattr(func, "__code__", None)
+            if code is None:
+                continue
+            for name in code.co_names:
+                value = func.__globals__.get(name, types)
+                skip = isinstance(value, (types.ModuleType, type, types.FunctionType))
+                if not skip and fails(value):
+                    return f"global {func.__globals__.get('__name__', '?')}.{name}"
+    return None
 
 
 def _pickler(cloudpickle: Any) -> Any:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from stagetree.work import Instruction, WorkerEvent
+
+if TYPE_CHECKING:
+    from stagetree.executors.registry import ExecutorOptions
 
 __all__ = ["BaseExecutor"]
 
@@ -38,6 +41,14 @@ class BaseExecutor(ABC):
       checked there: a dead worker is reported as ``WorkerLost`` (after the events it
       sent before dying) and replaced.
     * :meth:`close` stops every worker, waiting a bounded time; it is idempotent.
+    * The clock: :attr:`virtual_time` is False for executors that run in real time (the
+      study engine drives them from a thread, waiting in :meth:`events`). An executor
+      whose time is virtual (the simulator) returns True: it never blocks, and the
+      study's event loop pumps it (:func:`stagetree.executors.simulated.drive`), so that
+      runs are reproducible instant by instant.
+    * :meth:`bind` receives what the study knows (trainer, checkpoint store, worker
+      count) when the executor was given as an object before the study existed; it
+      returns the executor to use (the default: ``self``, unchanged).
 
     Executors are context managers: ``with Executor(...) as ex:`` starts and closes.
     """
@@ -46,6 +57,20 @@ class BaseExecutor(ABC):
     @abstractmethod
     def num_workers(self) -> int:
         """Number of worker slots."""
+
+    @property
+    def virtual_time(self) -> bool:
+        """Whether this executor keeps virtual time (see the contract above)."""
+        return False
+
+    def bind(self, options: ExecutorOptions) -> BaseExecutor:
+        """The executor a study uses, given its options (default: ``self``)."""
+        return self
+
+    def worker_locations(self) -> dict[int, str]:
+        """Where each worker runs, in words (a host name, a cluster node); empty when
+        every worker runs on this machine."""
+        return {}
 
     @abstractmethod
     def start(self) -> None:

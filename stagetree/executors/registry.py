@@ -29,12 +29,17 @@ class ExecutorOptions:
         workers: worker count asked for (None: the executor's default).
         checkpoint_dir: the checkpoint store (or its directory).
         threads_per_worker: CPU threads per worker (None: the executor's default).
+        store: the study's checkpoint store (None: open ``checkpoint_dir``).
+        address: the cluster to run on, for cluster executors (``stagetree run
+            --address``; None: the executor's default).
     """
 
     trainer: Any
     workers: int | None
     checkpoint_dir: Path | CheckpointStore
     threads_per_worker: int | None
+    store: Any = None
+    address: str | None = None
 
 
 ExecutorFactory = Callable[[ExecutorOptions], "BaseExecutor"]
@@ -63,10 +68,17 @@ def _simulated(o: ExecutorOptions) -> BaseExecutor:
     return SimulatedExecutor(num_workers=o.workers or 1)
 
 
+def _ray(o: ExecutorOptions) -> BaseExecutor:
+    from stagetree.executors.ray import RayExecutor
+
+    return RayExecutor(address=o.address).bind(o)
+
+
 _REGISTRY: dict[str, ExecutorFactory] = {
     "local": _local,
     "inline": _inline,
     "simulated": _simulated,
+    "ray": _ray,
 }
 
 
@@ -89,7 +101,12 @@ def executor_names() -> list[str]:
 
 
 def check_executor(executor: Any) -> None:
-    """Raise ``ValueError`` unless ``executor`` is a registered name or a factory."""
+    """Raise ``ValueError`` unless ``executor`` is a registered name, an executor object
+    or a factory."""
+    from stagetree.executors.base import BaseExecutor
+
+    if isinstance(executor, BaseExecutor):
+        return
     if isinstance(executor, str):
         if executor not in _REGISTRY:
             names = ", ".join(repr(n) for n in executor_names())
@@ -102,8 +119,13 @@ def check_executor(executor: Any) -> None:
 
 
 def make_executor(executor: Any, options: ExecutorOptions) -> BaseExecutor:
-    """Build the executor named ``executor`` (or call a factory taking no argument)."""
+    """Build the executor named ``executor``, bind an executor object to the study's
+    options (:meth:`BaseExecutor.bind`), or call a factory taking no argument."""
+    from stagetree.executors.base import BaseExecutor
+
     check_executor(executor)
+    if isinstance(executor, BaseExecutor):
+        return executor.bind(options)
     if isinstance(executor, str):
         return _REGISTRY[executor](options)
     return executor()

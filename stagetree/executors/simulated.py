@@ -345,9 +345,11 @@ class SimulatedExecutor(BaseExecutor):
     :meth:`events` with nothing scheduled returns ``[]`` at once.
     """
 
-    virtual_time = True
-    """Marks an executor the study engine must pump itself instead of running a driver
-    thread (see :func:`drive`)."""
+    @property
+    def virtual_time(self) -> bool:
+        """True: the study engine pumps this executor itself instead of running a driver
+        thread (see :func:`drive`)."""
+        return True
 
     def __init__(
         self,

@@ -1,0 +1,766 @@
+"""Workers as Ray actors: :class:`RayExecutor` (``pip install 'stagetree[ray]'``).
+
+One actor per worker slot, placed with the resources the user names (``{"GPU": 1}``
+by default when the cluster has GPUs, else ``{"CPU": 1}``). Each actor runs the same
+:class:`~stagetree.worker.Worker` as a local worker process, in a thread of its own,
+so everything a local worker does holds on Ray: the trainer stays warm between
+batches, checkpoints are written in the background and are durable before the batch's
+terminal event, live splits (``AddCheckpoint``) and ``Abort`` reach the running batch
+between steps, and training is exact.
+
+The trainer reaches the actors as it reaches local workers (one mechanism,
+:class:`~stagetree.executors._spec.TrainerSpec`): by import path for installed
+libraries, pickled by value (cloudpickle) otherwise. The plan (SQLite on one machine,
+PostgreSQL when workers span machines) stays the single source of truth on the
+driver; checkpoints go straight from actors to the checkpoint store (a shared
+directory or a bucket), never through Ray's object store: events carry their refs
+only.
+
+Events: the driver keeps one ``drain`` call in flight per actor and waits on them
+with ``ray.wait``; an actor answers a ``drain`` with the events its worker emitted
+since the previous one, in order, so the events of a batch arrive in the order they
+were sent. An actor that dies (its process, or its node) is noticed there: its batch
+ends with ``WorkerLost`` (the scheduler plans its stages again from their last
+durable checkpoint) and a replacement actor is started, which Ray places when the
+cluster has room.
+
+Start-up refuses, with an error that names the problem: Ray not installed, no cluster
+at the address, worker resources that no node of the cluster has, a checkpoint
+location the actors cannot reach (checked once with a marker checkpoint written by the
+driver and read by every actor), and actors whose Python or Ray version differs from
+the driver's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from stagetree.checkpoints import CheckpointStore
+from stagetree.exceptions import ExecutorError, StagetreeError, TrainerError
+from stagetree.executors._spec import TrainerSpec
+from stagetree.executors.base import BaseExecutor
+from stagetree.work import (
+    Abort,
+    AddCheckpoint,
+    BatchDone,
+    BatchFailed,
+    Instruction,
+    RunBatch,
+    SplitMissed,
+    WorkerEvent,
+    WorkerLost,
+    WorkerReady,
+)
+
+if TYPE_CHECKING:
+    from stagetree.executors.registry import ExecutorOptions
+    from stagetree.trainer import Trainer
+
+__all__ = ["RayExecutor", "default_resources", "import_ray"]
+
+INSTALL_HINT = "pip install 'stagetree[ray]'"
+# A slot whose actor dies this many times in a row before it is ready is not restarted.
+_MAX_START_FAILURES = 3
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def import_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        ExecutorError: Ray is not installed (the message names the extra to install).
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise ExecutorError(
+            f"the Ray executor needs Ray, which is not installed here ({exc}): {INSTALL_HINT}"
+        ) from exc
+    return ray
+
+
+def _versions() -> dict[str, str]:
+    """Python and Ray versions of this process."""
+    import ray
+
+    return {"python": platform.python_version(), "ray": str(ray.__version__)}
+
+
+# The driver's versions; a function so that tests can pretend to be another driver.
+driver_versions = _versions
+
+
+# ---------------------------------------------------------------------- the actor
+
+
+@dataclass(frozen=True)
+class _StartupError:
+    """Actor -> driver: the worker could not start (trainer import, store...)."""
+
+    worker: int
+    error: str
+    traceback: str
+
+
+class _WorkerActor:
+    """The body of one worker actor (wrapped with ``ray.remote`` by the driver).
+
+    Calls run on several actor threads (``max_concurrency``): ``run_batch`` and
+    ``instruct`` only queue, the batch runs in the actor's own batch thread, and
+    ``drain`` blocks (a bounded time) until events are there.
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        spec: TrainerSpec,
+        store: CheckpointStore,
+        threads: int,
+        progress_interval: float,
+    ) -> None:
+        from stagetree.worker import Worker
+
+        self._id = worker_id
+        self._cond = threading.Condition()
+        self._events: deque[Any] = deque()
+        self._queue: deque[RunBatch | None] = deque()
+        self._live: dict[int, list[AddCheckpoint | Abort]] = {}
+        self._ended: set[int] = set()
+        self._current: int | None = None
+        self._worker: Any = None
+        self._thread: threading.Thread | None = None
+        self._store = store
+        os.environ.update({name: str(threads) for name in _THREAD_VARS})
+        try:
+            trainer_cls = spec.resolve()
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(threads)
+        except Exception as exc:
+            self._emit(
+                _StartupError(worker_id, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            )
+            return
+        with contextlib.suppress(Exception):  # only an optimisation
+            trainer_cls.warmup()
+        self._worker = Worker(
+            worker_id, trainer_cls, store, self._emit, progress_interval=progress_interval
+        )
+        self._thread = threading.Thread(target=self._loop, name="stagetree-batches", daemon=True)
+        self._thread.start()
+        self._emit(WorkerReady(worker_id))
+
+    def _emit(self, event: Any) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def hello(self, marker: str | None, token: str) -> dict[str, Any]:
+        """Where this actor runs, its versions, and whether it reads the driver's marker
+        checkpoint (``reach``: None when it does, else why not)."""
+        import ray
+
+        reach: str | None = None
+        if marker is not None:
+            try:
+                if not self._store.exists(marker):
+                    reach = "the marker checkpoint the driver wrote is not there"
+                elif self._store.load(marker).get("token") != token:
+                    reach = "the marker checkpoint there is another driver's"
+            except Exception as exc:
+                reach = f"{type(exc).__name__}: {exc}"
+        return {
+            **_versions(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "reach": reach,
+        }
+
+    def run_batch(self, batch: RunBatch) -> None:
+        with self._cond:
+            self._live.setdefault(batch.batch_id, [])
+            self._queue.append(batch)
+            self._cond.notify_all()
+
+    def instruct(self, message: AddCheckpoint | Abort) -> None:
+        with self._cond:
+            if message.batch_id in self._ended:
+                if isinstance(message, AddCheckpoint):
+                    self._events.append(
+                        SplitMissed(message.batch_id, self._id, message.node, message.step)
+                    )
+                    self._cond.notify_all()
+                return
+            # A threaded actor may run this before run_batch of the same batch: keep it.
+            self._live.setdefault(message.batch_id, []).append(message)
+
+    def drain(self, timeout: float) -> list[Any]:
+        """Every event since the last call, in order; waits up to ``timeout`` s for one."""
+        with self._cond:
+            if not self._events:
+                self._cond.wait(timeout)
+            out = list(self._events)
+            self._events.clear()
+        return out
+
+    def stop(self, timeout: float) -> list[Any]:
+        """Abort the running batch, stop the batch thread, wait for background writes."""
+        with self._cond:
+            if self._current is not None:
+                self._live.setdefault(self._current, []).append(Abort(self._current, self._id))
+            self._queue.clear()
+            self._queue.append(None)
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._worker is not None:
+            self._worker.close()
+        with self._cond:
+            out = list(self._events)
+            self._events.clear()
+        return out
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                batch = self._queue.popleft()
+                if batch is None:
+                    return
+                bid = batch.batch_id
+                self._current = bid
+
+            def poll(bid: int = bid) -> list[AddCheckpoint | Abort]:
+                with self._cond:
+                    live = self._live.get(bid)
+                    if not live:
+                        return []
+                    out = list(live)
+                    live.clear()
+                    return out
+
+            try:
+                self._worker.run(batch, poll)
+            except BaseException as exc:  # a bug, not the trainer's: still end the batch
+                first = batch.segments[0]
+                self._emit(
+                    BatchFailed(
+                        bid,
+                        self._id,
+                        first.node,
+                        batch.start_step,
+                        f"{type(exc).__name__}: {exc}",
+                        traceback.format_exc(),
+                    )
+                )
+            finally:
+                with self._cond:
+                    self._current = None
+                    self._live.pop(bid, None)
+                    self._ended.add(bid)
+
+
+# ---------------------------------------------------------------------- the driver
+
+
+@dataclass
+class _Slot:
+    worker: int
+    resources: dict[str, float]
+    actor: Any = None
+    drain: Any = None  # the drain call in flight
+    hello: Any = None  # the hello call in flight (until answered)
+    running: int | None = None
+    ready: bool = False
+    node: str | None = None
+    host: str | None = None
+    start_failures: int = 0
+
+
+def _probe(address: str | None, timeout: float = 5.0) -> str | None:
+    """Why nothing listens at a ``host:port`` (or ``ray://host:port``) address, or None
+    (also for ``"auto"`` and no address, which Ray resolves and refuses quickly)."""
+    if not address or address == "auto":
+        return None
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return None
+    except OSError as exc:
+        return f"cannot open a connection to {hostport} ({exc})"
+
+
+def default_resources(nodes: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """A worker's resources when the user names none: one GPU when some node of the
+    cluster (``nodes``: each node's total resources) has one, else one CPU."""
+    return {"GPU": 1.0} if any(n.get("GPU", 0) >= 1 for n in nodes) else {"CPU": 1.0}
+
+
+def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def _fits(need: Mapping[str, float], have: Mapping[str, float]) -> bool:
+    return all(have.get(k, 0.0) >= v for k, v in need.items() if v > 0)
+
+
+def _capacity(need: Mapping[str, float], have: Mapping[str, float]) -> int:
+    counts = [int(have.get(k, 0.0) // v) for k, v in need.items() if v > 0]
+    return min(counts) if counts else 1
+
+
+def _describe(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k!r}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+class RayExecutor(BaseExecutor):
+    """Workers as Ray actors (see the module docstring).
+
+    Built either complete (``RayExecutor(trainer, checkpoint_dir=...)``) or without a
+    trainer, as a study argument: ``Study(..., executor=RayExecutor(address="auto",
+    worker_resources={"GPU": 1}, num_workers=8))``; the study then binds it to its
+    trainer and checkpoint store (:meth:`bind`).
+
+    Args:
+        trainer: the Trainer subclass, a ``"module:Class"`` string or a
+            :class:`TrainerSpec` (None: given by the study).
+        num_workers: actors; default as many as the cluster's nodes can hold with
+            ``worker_resources``.
+        address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``);
+            None starts a local one-machine Ray unless this process is connected
+            already.
+        worker_resources: resources of each actor, a dict for every worker or a list
+            with one dict per worker (pin workers to nodes with custom resources);
+            default ``{"GPU": 1}`` when the cluster has GPUs, else ``{"CPU": 1}``.
+        checkpoint_dir: the checkpoint location (a directory every node reaches) or a
+            store (None: given by the study).
+        threads_per_worker: CPU threads of each worker (default: the actor's CPUs, at
+            least one).
+        progress_interval: seconds between throttled ``Progress`` events.
+        close_timeout: seconds :meth:`close` waits for actors to stop.
+        start_timeout: seconds :meth:`start` waits for the first actors to come up.
+        init_kwargs: extra arguments of ``ray.init`` (when this executor connects).
+    """
+
+    def __init__(
+        self,
+        trainer: type[Trainer] | str | TrainerSpec | None = None,
+        num_workers: int | None = None,
+        *,
+        address: str | None = None,
+        worker_resources: Mapping[str, float] | Sequence[Mapping[str, float]] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | CheckpointStore | None = None,
+        threads_per_worker: int | None = None,
+        progress_interval: float = 0.2,
+        close_timeout: float = 10.0,
+        start_timeout: float = 60.0,
+        init_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if num_workers is not None and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
+        ):
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if threads_per_worker is not None and threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        self._resources = self._check_resources(worker_resources, num_workers)
+        self._requested = num_workers
+        self.address = address
+        self.threads_per_worker = threads_per_worker
+        self.progress_interval = progress_interval
+        self.close_timeout = close_timeout
+        self.start_timeout = start_timeout
+        self.init_kwargs = dict(init_kwargs or {})
+        self.spec = None if trainer is None else TrainerSpec.of(trainer)
+        self.store: CheckpointStore | None
+        if checkpoint_dir is None or isinstance(checkpoint_dir, CheckpointStore):
+            self.store = checkpoint_dir
+        else:
+            self.store = CheckpointStore(checkpoint_dir)
+        self._slots: list[_Slot] = []
+        self._local: list[WorkerEvent] = []
+        self._started = False
+        self._closed = False
+        self._owns_ray = False
+        self._marker: str | None = None
+        self._token = uuid.uuid4().hex
+        self._actor_cls: Any = None
+
+    @staticmethod
+    def _check_resources(
+        resources: Mapping[str, float] | Sequence[Mapping[str, float]] | None,
+        num_workers: int | None,
+    ) -> list[dict[str, float]] | None:
+        if resources is None:
+            return None
+        items = [resources] if isinstance(resources, Mapping) else list(resources)
+        if not items:
+            raise ValueError("worker_resources must not be an empty list")
+        out = []
+        for item in items:
+            if not isinstance(item, Mapping) or not item:
+                raise ValueError(
+                    f"worker_resources must be a dict like {{'GPU': 1}} (or a list of "
+                    f"them), got {item!r}"
+                )
+            for k, v in item.items():
+                if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"worker resource {k!r}: {v!r} is not a name and a number")
+                if v < 0:
+                    raise ValueError(f"worker resource {k!r} must be >= 0, got {v!r}")
+            out.append({str(k): float(v) for k, v in item.items()})
+        if not isinstance(resources, Mapping) and num_workers not in (None, len(out)):
+            raise ValueError(
+                f"worker_resources lists {len(out)} workers but num_workers={num_workers}"
+            )
+        return out
+
+    def bind(self, options: ExecutorOptions) -> BaseExecutor:
+        """A copy of this executor for a study's trainer and checkpoint store (what this
+        one was built with wins)."""
+        resources: Any = self._resources
+        if resources is not None and len(resources) == 1:
+            resources = resources[0]
+        return RayExecutor(
+            self.spec if self.spec is not None else options.trainer,
+            self._requested if self._requested is not None else options.workers,
+            address=self.address if self.address is not None else options.address,
+            worker_resources=resources,
+            checkpoint_dir=(
+                self.store
+                if self.store is not None
+                else (options.store if options.store is not None else options.checkpoint_dir)
+            ),
+            threads_per_worker=(
+                self.threads_per_worker
+                if self.threads_per_worker is not None
+                else options.threads_per_worker
+            ),
+            progress_interval=self.progress_interval,
+            close_timeout=self.close_timeout,
+            start_timeout=self.start_timeout,
+            init_kwargs=self.init_kwargs,
+        )
+
+    # ------------------------------------------------------------------ contract
+
+    @property
+    def num_workers(self) -> int:
+        if self._slots:
+            return len(self._slots)
+        return self._requested or (len(self._resources) if self._resources else 1)
+
+    def worker_locations(self) -> dict[int, str]:
+        """``worker -> "host (node abcdef12)"`` for the actors that are up."""
+        return {
+            s.worker: f"{s.host} (node {s.node[:8]})"
+            for s in self._slots
+            if s.node is not None and s.host is not None
+        }
+
+    def worker_nodes(self) -> dict[int, str]:
+        """``worker -> Ray node id`` for the actors that are up."""
+        return {s.worker: s.node for s in self._slots if s.node is not None}
+
+    def start(self) -> None:
+        if self._closed:
+            raise StagetreeError("executor is closed")
+        if self._started:
+            return
+        if self.spec is None or self.store is None:
+            raise ValueError(
+                "RayExecutor needs a trainer and a checkpoint location: pass them, or give "
+                "the executor to a Study (it binds them)"
+            )
+        self.spec.resolve()  # fail here, not in every actor
+        ray = import_ray()
+        self._connect(ray)
+        try:
+            self._start_actors(ray)
+        except BaseException:
+            self.close()
+            raise
+        self._started = True
+
+    def _connect(self, ray: Any) -> None:
+        if ray.is_initialized():
+            return
+        kwargs: dict[str, Any] = {"log_to_driver": True, **self.init_kwargs}
+        if self.address is not None:
+            kwargs["address"] = self.address
+        where = self.address or "this machine"
+        hint = (
+            "Start one with `ray start --head` (and `ray start --address HEAD:6379` on the "
+            "other machines), or pass --address / RayExecutor(address=...)"
+        )
+        problem = _probe(self.address)
+        if problem is not None:  # ray.init would retry for minutes
+            raise ExecutorError(f"no Ray cluster at {where!r}: {problem}. {hint}")
+        try:
+            ray.init(**kwargs)
+        except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
+            raise ExecutorError(
+                f"cannot connect to a Ray cluster at {where!r}: {type(exc).__name__}: {exc}. "
+                + hint
+            ) from exc
+        self._owns_ray = True
+
+    def _start_actors(self, ray: Any) -> None:
+        nodes = _alive_nodes(ray)
+        totals = [dict(n.get("Resources", {})) for n in nodes]
+        resources = self._resources if self._resources is not None else [default_resources(totals)]
+        for need in resources:
+            if not any(_fits(need, have) for have in totals):
+                described = "; ".join(
+                    f"{n.get('NodeManagerAddress', '?')}: "
+                    + _describe({k: v for k, v in t.items() if not k.startswith("node:")})
+                    for n, t in zip(nodes, totals)
+                )
+                raise ExecutorError(
+                    f"no node of the Ray cluster has the worker resources {_describe(need)}, "
+                    f"so the workers would wait forever; the nodes have: {described}. "
+                    "Ask for fewer (worker_resources=...) or add such a node"
+                )
+        count = self._requested
+        if count is None:
+            if len(resources) > 1:
+                count = len(resources)
+            else:
+                count = max(1, sum(_capacity(resources[0], have) for have in totals))
+        per_slot = resources if len(resources) == count else [resources[0]] * count
+        self._slots = [_Slot(w, dict(per_slot[w])) for w in range(count)]
+        assert self.store is not None
+        try:
+            info = self.store.save(f"stagetree-reach-{self._token}", {"token": self._token})
+            self._marker = info.ref
+        except Exception as exc:
+            raise ExecutorError(
+                f"cannot write to the checkpoint location {self.store}: {exc}"
+            ) from exc
+        self._actor_cls = ray.remote(_WorkerActor)
+        for slot in self._slots:
+            self._spawn(ray, slot)
+        hellos = {slot.hello: slot for slot in self._slots}
+        ready, _ = ray.wait(list(hellos), num_returns=len(hellos), timeout=self.start_timeout)
+        if not ready:
+            raise ExecutorError(
+                f"no worker actor started within {self.start_timeout:g} s: the Ray cluster "
+                f"has no room for actors with {_describe(self._slots[0].resources)} "
+                "(other jobs hold its resources?)"
+            )
+        for ref in ready:
+            self._on_hello(ray, hellos[ref], ref)
+
+    def _spawn(self, ray: Any, slot: _Slot) -> None:
+        res = dict(slot.resources)
+        cpus = res.pop("CPU", 0.0)
+        gpus = res.pop("GPU", 0.0)
+        memory = res.pop("memory", None)
+        threads = self.threads_per_worker or max(1, int(cpus))
+        options: dict[str, Any] = {
+            "num_cpus": cpus,
+            "num_gpus": gpus,
+            "resources": res,
+            "max_concurrency": 8,
+            "max_restarts": 0,
+            "name": None,
+        }
+        if memory is not None:
+            options["memory"] = memory
+        assert self.spec is not None and self.store is not None
+        slot.actor = self._actor_cls.options(**options).remote(
+            slot.worker, self.spec, self.store, threads, self.progress_interval
+        )
+        slot.hello = slot.actor.hello.remote(self._marker, self._token)
+        slot.drain = None
+        slot.ready = False
+        slot.node = slot.host = None
+
+    def _on_hello(self, ray: Any, slot: _Slot, ref: Any) -> None:
+        """Check an actor's answer to ``hello``; then start draining its events."""
+        slot.hello = None
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            self._lost(ray, slot, exc, self._local)
+            return
+        mine = driver_versions()
+        theirs = {k: info.get(k) for k in mine}
+        if theirs != mine:
+            raise ExecutorError(
+                f"worker {slot.worker} on {info.get('host')} runs Python {theirs['python']} "
+                f"with Ray {theirs['ray']}, but this driver runs Python {mine['python']} "
+                f"with Ray {mine['ray']}: install the same versions on every node"
+            )
+        if info.get("reach") is not None:
+            raise ExecutorError(
+                f"worker {slot.worker} on {info.get('host')} (node {str(info.get('node'))[:8]}) "
+                f"cannot reach the checkpoint location {self.store} ({info['reach']}). "
+                "Workers on other nodes need a location every node reaches: a shared "
+                "file system mounted at the same path, or a bucket"
+            )
+        slot.node, slot.host = info.get("node"), info.get("host")
+        slot.drain = slot.actor.drain.remote(0.5)
+
+    def submit(self, instruction: Instruction) -> None:
+        if not self._started or self._closed:
+            raise StagetreeError("executor is not running: call start() first")
+        worker = instruction.worker
+        if not 0 <= worker < len(self._slots):
+            raise ValueError(f"no worker {worker} (have {len(self._slots)})")
+        slot = self._slots[worker]
+        if isinstance(instruction, RunBatch):
+            if slot.running is not None:
+                raise ValueError(
+                    f"worker {worker} is still running batch {slot.running}; "
+                    f"cannot start batch {instruction.batch_id}"
+                )
+            if slot.actor is None:
+                raise ValueError(f"worker {worker} is not up")
+            slot.running = instruction.batch_id
+            slot.actor.run_batch.remote(instruction)
+        elif isinstance(instruction, (AddCheckpoint, Abort)):
+            if slot.running != instruction.batch_id or slot.actor is None:
+                if isinstance(instruction, AddCheckpoint):
+                    self._local.append(
+                        SplitMissed(
+                            instruction.batch_id, worker, instruction.node, instruction.step
+                        )
+                    )
+                return
+            slot.actor.instruct.remote(instruction)
+        else:
+            raise TypeError(f"not an instruction: {instruction!r}")
+
+    def events(self, timeout: float | None = None) -> list[WorkerEvent]:
+        if not self._started:
+            raise StagetreeError("executor is not running: call start() first")
+        ray = import_ray()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[WorkerEvent] = []
+        while True:
+            out.extend(self._local)
+            self._local.clear()
+            if self._closed:
+                return out
+            calls: dict[Any, tuple[_Slot, str]] = {}
+            for slot in self._slots:
+                if slot.hello is not None:
+                    calls[slot.hello] = (slot, "hello")
+                elif slot.drain is not None:
+                    calls[slot.drain] = (slot, "drain")
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not calls:
+                if out or remaining == 0:
+                    return out
+                time.sleep(min(0.05, remaining if remaining is not None else 0.05))
+                continue
+            wait = 0.0 if out else remaining
+            ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0)
+            if not ready and wait != 0:
+                ready, _ = ray.wait(list(calls), num_returns=1, timeout=wait)
+            for ref in ready:
+                slot, kind = calls[ref]
+                if kind == "hello":
+                    self._on_hello(ray, slot, ref)
+                    continue
+                try:
+                    batch = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    self._lost(ray, slot, exc, out)
+                    continue
+                for event in batch:
+                    self._accept(slot, event, out)
+                if slot.actor is not None:
+                    slot.drain = slot.actor.drain.remote(0.5)
+            out.extend(self._local)
+            self._local.clear()
+            if out or (deadline is not None and time.monotonic() >= deadline):
+                return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            import ray
+        except ImportError:
+            return
+        if not ray.is_initialized():
+            return
+        stops = []
+        for slot in self._slots:
+            # An actor Ray never placed (no room) has nothing to stop: it is killed below.
+            if slot.actor is not None and slot.hello is None:
+                with contextlib.suppress(Exception):
+                    stops.append(slot.actor.stop.remote(self.close_timeout))
+        if stops:
+            with contextlib.suppress(Exception):
+                ray.wait(stops, num_returns=len(stops), timeout=self.close_timeout)
+        for slot in self._slots:
+            if slot.actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(slot.actor, no_restart=True)
+            slot.actor = slot.drain = slot.hello = None
+        if self._marker is not None and self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.delete(self._marker)
+        if self._owns_ray:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+
+    # ------------------------------------------------------------------ internals
+
+    def _accept(self, slot: _Slot, event: Any, out: list[WorkerEvent]) -> None:
+        if isinstance(event, _StartupError):
+            raise TrainerError(
+                f"worker {event.worker} could not start ({self.spec}): {event.error}",
+                event.traceback,
+            )
+        if isinstance(event, WorkerReady):
+            slot.ready = True
+            slot.start_failures = 0
+        elif isinstance(event, (BatchDone, BatchFailed)) and event.batch_id == slot.running:
+            slot.running = None
+        out.append(event)
+
+    def _lost(self, ray: Any, slot: _Slot, exc: BaseException, out: list[WorkerEvent]) -> None:
+        node_alive = True
+        if slot.node is not None:
+            with contextlib.suppress(Exception):
+                node_alive = any(n.get("NodeID") == slot.node for n in _alive_nodes(ray))
+        where = f"{slot.host} (node {slot.node[:8]})" if slot.node and slot.host else "its node"
+        if not node_alive:
+            reason = f"Ray node {where} was lost"
+        else:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = f"Ray actor of worker {slot.worker} on {where} died: {first}"
+        out.append(WorkerLost(slot.worker, slot.running, reason))
+        slot.running = None
+        with contextlib.suppress(Exception):
+            ray.kill(slot.actor, no_restart=True)
+        slot.actor = slot.drain = slot.hello = None
+        if not slot.ready:
+            slot.start_failures += 1
+            if slot.start_failures >= _MAX_START_FAILURES:
+                raise ExecutorError(
+                    f"worker {slot.worker} died {slot.start_failures} times before it was "
+                    f"ready ({reason}); not restarting it"
+                )
+        # Ray places the replacement when the cluster has room for it.
+        self._spawn(ray, slot)
