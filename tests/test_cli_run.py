@@ -813,6 +813,9 @@ def test_run_with_worker_processes_and_real_sigint(tmp_path: Path) -> None:
         # The worker loads the script to find the trainer, and with it builds the Study
         # with the script's own default storage, relative to the working directory.
         cwd=tmp_path,
+        # A shell that starts jobs in the background (CI runners, nohup ... &) leaves
+        # SIGINT ignored, and a child inherits that: give the run the default handler.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 60
