@@ -41,15 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
-from stagetree.exceptions import StagetreeError, TrainerError
+from stagetree.exceptions import StagetreeError
+from stagetree.executors._events import StartupError, accept_event
 from stagetree.executors._spec import TrainerSpec, no_main_rerun
 from stagetree.executors.base import BaseExecutor
 from stagetree.trainer import Trainer
 from stagetree.work import (
     Abort,
     AddCheckpoint,
-    BatchDone,
-    BatchFailed,
     Instruction,
     RunBatch,
     SplitMissed,
@@ -68,15 +67,6 @@ _MAX_START_FAILURES = 3
 
 
 # ---------------------------------------------------------------------- worker process
-
-
-@dataclass(frozen=True)
-class _StartupError:
-    """Child -> parent: the worker could not start (trainer import, store...)."""
-
-    worker: int
-    error: str
-    traceback: str
 
 
 @dataclass(frozen=True)
@@ -113,7 +103,7 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
             sys.modules["torch"].set_num_threads(cfg.threads)
         store = cfg.store
     except Exception as exc:
-        emit(_StartupError(cfg.worker, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        emit(StartupError(cfg.worker, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
     try:
         trainer_cls.warmup()  # all workers warm up at once, before the first batch
@@ -424,17 +414,7 @@ class LocalExecutor(BaseExecutor):
                 self._lost(slot, out)
 
     def _accept(self, slot: _Slot, event: Any, out: list[WorkerEvent]) -> None:
-        if isinstance(event, _StartupError):
-            raise TrainerError(
-                f"worker {event.worker} could not start ({self.spec}): {event.error}",
-                event.traceback,
-            )
-        if isinstance(event, WorkerReady):
-            slot.ready = True
-            slot.start_failures = 0
-        elif isinstance(event, (BatchDone, BatchFailed)) and event.batch_id == slot.running:
-            slot.running = None
-        out.append(event)
+        accept_event(slot, event, out, self.spec)
 
     def _lost(self, slot: _Slot, out: list[WorkerEvent]) -> None:
         process = slot.process

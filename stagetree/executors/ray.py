@@ -48,13 +48,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stagetree.checkpoints import CheckpointStore
-from stagetree.exceptions import ExecutorError, StagetreeError, TrainerError
+from stagetree.exceptions import ExecutorError, StagetreeError
+from stagetree.executors._events import StartupError, accept_event
 from stagetree.executors._spec import TrainerSpec
 from stagetree.executors.base import BaseExecutor
 from stagetree.work import (
     Abort,
     AddCheckpoint,
-    BatchDone,
     BatchFailed,
     Instruction,
     RunBatch,
@@ -105,15 +105,6 @@ driver_versions = _versions
 # ---------------------------------------------------------------------- the actor
 
 
-@dataclass(frozen=True)
-class _StartupError:
-    """Actor -> driver: the worker could not start (trainer import, store...)."""
-
-    worker: int
-    error: str
-    traceback: str
-
-
 class _WorkerActor:
     """The body of one worker actor (wrapped with ``ray.remote`` by the driver).
 
@@ -149,7 +140,7 @@ class _WorkerActor:
                 sys.modules["torch"].set_num_threads(threads)
         except Exception as exc:
             self._emit(
-                _StartupError(worker_id, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                StartupError(worker_id, f"{type(exc).__name__}: {exc}", traceback.format_exc())
             )
             return
         with contextlib.suppress(Exception):  # only an optimisation
@@ -727,17 +718,7 @@ class RayExecutor(BaseExecutor):
     # ------------------------------------------------------------------ internals
 
     def _accept(self, slot: _Slot, event: Any, out: list[WorkerEvent]) -> None:
-        if isinstance(event, _StartupError):
-            raise TrainerError(
-                f"worker {event.worker} could not start ({self.spec}): {event.error}",
-                event.traceback,
-            )
-        if isinstance(event, WorkerReady):
-            slot.ready = True
-            slot.start_failures = 0
-        elif isinstance(event, (BatchDone, BatchFailed)) and event.batch_id == slot.running:
-            slot.running = None
-        out.append(event)
+        accept_event(slot, event, out, self.spec)
 
     def _lost(self, ray: Any, slot: _Slot, exc: BaseException, out: list[WorkerEvent]) -> None:
         node_alive = True
