@@ -19,7 +19,9 @@ Hierarchy::
     └── TunerError                 (also ValueError) invalid tuner arguments or metric
 
     StagetreeWarning               (a UserWarning) something the user should know about:
-                                   repeated draws of a random search, ...
+    ├── TrainerChangedWarning      (stagetree.identity) the trainer's code changed
+    └── UnreadHyperparameterWarning (stagetree.names) a sequence setup() never read
+                                   (also: repeated draws of a random search)
 """
 
 from __future__ import annotations

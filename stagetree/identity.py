@@ -43,6 +43,8 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from stagetree.exceptions import StagetreeWarning
+
 __all__ = [
     "TrainerChangedWarning",
     "current_version",
@@ -54,7 +56,7 @@ __all__ = [
 ]
 
 
-class TrainerChangedWarning(UserWarning):
+class TrainerChangedWarning(StagetreeWarning):
     """The trainer's code differs from the version that trained a study's trials: they
     train again (once per process and study)."""
 

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from stagetree.exceptions import InvalidTrialError
+from stagetree.exceptions import InvalidTrialError, StagetreeWarning
 
 __all__ = [
     "HpReadWatch",
@@ -59,7 +59,7 @@ _SYNONYMS = {
 }
 
 
-class UnreadHyperparameterWarning(UserWarning):
+class UnreadHyperparameterWarning(StagetreeWarning):
     """A sequential hyper-parameter was given to ``Trainer.setup`` and never read."""
 
 
