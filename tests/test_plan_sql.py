@@ -229,3 +229,28 @@ def test_schema_creation_races(tmp_path: Path) -> None:
     plan: BasePlanStorage = SQLPlanStorage(url)
     assert len(plan.nodes(R)) == 2
     plan.close()
+
+
+def _open_at_once(url: str, barrier: Any, name: str) -> None:
+    barrier.wait()
+    storage = open_storage(url)
+    storage.create_study(name, {})
+    storage.close()
+
+
+def test_processes_opening_a_new_sqlite_plan_at_once(tmp_path: Path) -> None:
+    """Regression: switching a new file to WAL needs it to itself, and SQLite answered
+    "database is locked" at once (no busy wait) to a process opening it meanwhile."""
+    ctx = multiprocessing.get_context("spawn")
+    for round_ in range(3):
+        url = f"sqlite:///{tmp_path / f'race{round_}.db'}"
+        barrier = ctx.Barrier(4)
+        procs = [ctx.Process(target=_open_at_once, args=(url, barrier, f"s{i}")) for i in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+        storage = open_storage(url)
+        assert sorted(s["name"] for s in storage.studies()) == ["s0", "s1", "s2", "s3"]
+        storage.close()

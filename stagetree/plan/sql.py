@@ -198,6 +198,26 @@ def _sqlite_readonly(url: URL) -> bool:
     return not (os.access(path, os.W_OK) and os.access(os.path.dirname(path), os.W_OK))
 
 
+def _use_wal(cur: Any, wait: float = 60.0) -> None:
+    """Put the database in WAL mode (persistent: once set, every later connection finds
+    it so). Switching needs the database to itself, and SQLite answers "database is
+    locked" at once instead of waiting when another process is opening it at the same
+    moment, so retry for up to ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            mode = cur.execute("PRAGMA journal_mode").fetchone()
+            if mode is not None and str(mode[0]).lower() == "wal":
+                return
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = "locked" in str(exc) or "busy" in str(exc)
+            if not busy or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _sqlite_engine(url: URL, readonly: bool = False) -> Engine:
     database = url.database or ""
     if database in ("", ":memory:"):
@@ -222,10 +242,10 @@ def _sqlite_engine(url: URL, readonly: bool = False) -> Engine:
         # Let SQLAlchemy's "begin" event (below) emit BEGIN instead of pysqlite.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        if database not in ("", ":memory:") and not readonly:
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; fsync at checkpoints
         cur.execute("PRAGMA busy_timeout=60000")
+        if database not in ("", ":memory:") and not readonly:
+            _use_wal(cur)
+            cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; fsync at checkpoints
         cur.close()
 
     @event.listens_for(engine, "begin")
