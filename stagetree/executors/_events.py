@@ -1,15 +1,73 @@
-"""What worker-slot executors (local processes, Ray actors) share about the events their
-workers send: the start-up failure message and how a slot takes in one event."""
+"""What executors share about the messages they exchange with their workers: the rules
+of ``submit`` (see :class:`~stagetree.executors.base.BaseExecutor`), the start-up
+failure message, and how a worker slot takes in one event."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stagetree.exceptions import TrainerError
-from stagetree.work import BatchDone, BatchFailed, WorkerEvent, WorkerReady
+from stagetree.exceptions import StagetreeError, TrainerError
+from stagetree.work import (
+    Abort,
+    AddCheckpoint,
+    BatchDone,
+    BatchFailed,
+    RunBatch,
+    SplitMissed,
+    WorkerEvent,
+    WorkerReady,
+)
 
-__all__ = ["StartupError", "accept_event"]
+__all__ = ["StartupError", "accept_event", "admit", "check_worker", "missed"]
+
+
+def check_worker(instruction: Any, live: bool, num_workers: int) -> int:
+    """The worker an instruction is for.
+
+    Raises:
+        StagetreeError: the executor is not running (``live`` is False).
+        ValueError: no such worker.
+    """
+    if not live:
+        raise StagetreeError("executor is not running: call start() first")
+    worker = int(instruction.worker)
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"no worker {worker} (have {num_workers})")
+    return worker
+
+
+def admit(instruction: Any, running: int | None) -> bool:
+    """Whether ``instruction`` goes to its worker, whose running batch is ``running``: a
+    ``RunBatch`` does (to an idle worker), an ``AddCheckpoint``/``Abort`` only for the
+    batch still running; for any other the caller answers with :func:`missed`.
+
+    Raises:
+        ValueError: a ``RunBatch`` for a worker whose previous batch has not ended.
+        TypeError: not an instruction.
+    """
+    if isinstance(instruction, RunBatch):
+        if running is not None:
+            raise ValueError(
+                f"worker {instruction.worker} is still running batch {running}; "
+                f"cannot start batch {instruction.batch_id}"
+            )
+        return True
+    if isinstance(instruction, (AddCheckpoint, Abort)):
+        return running == instruction.batch_id
+    raise TypeError(f"not an instruction: {instruction!r}")
+
+
+def missed(instruction: Any) -> list[WorkerEvent]:
+    """The answer to a live instruction whose batch no longer runs: ``SplitMissed`` for
+    an ``AddCheckpoint``, nothing for an ``Abort``."""
+    if isinstance(instruction, AddCheckpoint):
+        return [
+            SplitMissed(
+                instruction.batch_id, instruction.worker, instruction.node, instruction.step
+            )
+        ]
+    return []
 
 
 @dataclass(frozen=True)

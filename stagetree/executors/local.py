@@ -42,7 +42,7 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError
-from stagetree.executors._events import StartupError, accept_event
+from stagetree.executors._events import StartupError, accept_event, admit, check_worker, missed
 from stagetree.executors._spec import TrainerSpec, no_main_rerun
 from stagetree.executors.base import BaseExecutor
 from stagetree.trainer import Trainer
@@ -299,33 +299,15 @@ class LocalExecutor(BaseExecutor):
             self._spawn(slot)
 
     def submit(self, instruction: Instruction) -> None:
-        if not self._started or self._closed:
-            raise StagetreeError("executor is not running: call start() first")
-        worker = instruction.worker
-        if not 0 <= worker < len(self._slots):
-            raise ValueError(f"no worker {worker} (have {len(self._slots)})")
-        slot = self._slots[worker]
+        slot = self._slots[
+            check_worker(instruction, self._started and not self._closed, len(self._slots))
+        ]
         with self._lock:
+            if not admit(instruction, slot.running):
+                self._local.extend(missed(instruction))
+                return
             if isinstance(instruction, RunBatch):
-                if slot.running is not None:
-                    raise ValueError(
-                        f"worker {worker} is still running batch {slot.running}; "
-                        f"cannot start batch {instruction.batch_id}"
-                    )
                 slot.running = instruction.batch_id
-            elif isinstance(instruction, AddCheckpoint):
-                if slot.running != instruction.batch_id:
-                    self._local.append(
-                        SplitMissed(
-                            instruction.batch_id, worker, instruction.node, instruction.step
-                        )
-                    )
-                    return
-            elif isinstance(instruction, Abort):
-                if slot.running != instruction.batch_id:
-                    return
-            else:
-                raise TypeError(f"not an instruction: {instruction!r}")
             assert slot.inbox is not None
             with contextlib.suppress(OSError):
                 # A dead worker is noticed (and its batch reported lost) in events().
@@ -542,30 +524,16 @@ class InlineExecutor(BaseExecutor):
             self._events.extend(WorkerReady(w) for w in range(len(self._workers)))
 
     def submit(self, instruction: Instruction) -> None:
-        if not self._started or self._closed:
-            raise StagetreeError("executor is not running: call start() first")
-        worker = instruction.worker
-        if not 0 <= worker < len(self._workers):
-            raise ValueError(f"no worker {worker} (have {len(self._workers)})")
-        running = self._running.get(worker)
-        if isinstance(instruction, RunBatch):
-            if running is not None:
-                raise ValueError(
-                    f"worker {worker} is still running batch {running}; "
-                    f"cannot start batch {instruction.batch_id}"
-                )
+        live = self._started and not self._closed
+        worker = check_worker(instruction, live, len(self._workers))
+        if not admit(instruction, self._running.get(worker)):
+            self._events.extend(missed(instruction))
+        elif isinstance(instruction, RunBatch):
             self._running[worker] = instruction.batch_id
             self._live[instruction.batch_id] = []
             self._queue.append(instruction)
-        elif isinstance(instruction, (AddCheckpoint, Abort)):
-            if running == instruction.batch_id:
-                self._live[instruction.batch_id].append(instruction)
-            elif isinstance(instruction, AddCheckpoint):
-                self._events.append(
-                    SplitMissed(instruction.batch_id, worker, instruction.node, instruction.step)
-                )
         else:
-            raise TypeError(f"not an instruction: {instruction!r}")
+            self._live[instruction.batch_id].append(instruction)
 
     def events(self, timeout: float | None = None) -> list[WorkerEvent]:
         if not self._started:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import ExecutorError, StagetreeError
-from stagetree.executors._events import StartupError, accept_event
+from stagetree.executors._events import StartupError, accept_event, admit, check_worker, missed
 from stagetree.executors._spec import TrainerSpec
 from stagetree.executors.base import BaseExecutor
 from stagetree.work import (
@@ -609,34 +609,20 @@ class RayExecutor(BaseExecutor):
         slot.drain = slot.actor.drain.remote(0.5)
 
     def submit(self, instruction: Instruction) -> None:
-        if not self._started or self._closed:
-            raise StagetreeError("executor is not running: call start() first")
-        worker = instruction.worker
-        if not 0 <= worker < len(self._slots):
-            raise ValueError(f"no worker {worker} (have {len(self._slots)})")
+        live = self._started and not self._closed
+        worker = check_worker(instruction, live, len(self._slots))
         slot = self._slots[worker]
-        if isinstance(instruction, RunBatch):
-            if slot.running is not None:
-                raise ValueError(
-                    f"worker {worker} is still running batch {slot.running}; "
-                    f"cannot start batch {instruction.batch_id}"
-                )
+        if not admit(instruction, slot.running):
+            self._local.extend(missed(instruction))
+        elif isinstance(instruction, RunBatch):
             if slot.actor is None:
                 raise ValueError(f"worker {worker} is not up")
             slot.running = instruction.batch_id
             slot.actor.run_batch.remote(instruction)
-        elif isinstance(instruction, (AddCheckpoint, Abort)):
-            if slot.running != instruction.batch_id or slot.actor is None:
-                if isinstance(instruction, AddCheckpoint):
-                    self._local.append(
-                        SplitMissed(
-                            instruction.batch_id, worker, instruction.node, instruction.step
-                        )
-                    )
-                return
-            slot.actor.instruct.remote(instruction)
+        elif slot.actor is None:  # lost meanwhile: its batch is reported lost
+            self._local.extend(missed(instruction))
         else:
-            raise TypeError(f"not an instruction: {instruction!r}")
+            slot.actor.instruct.remote(instruction)
 
     def events(self, timeout: float | None = None) -> list[WorkerEvent]:
         if not self._started:
