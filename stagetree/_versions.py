@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from stagetree.hp import dumps_hp
 from stagetree.identity import announce_change, current_version, trial_version
@@ -74,11 +74,6 @@ def own_trials(study: Study, storage: BasePlanStorage) -> list[dict[str, Any]]:
     return [t for t in storage.trials(study.name) if trial_version(t, meta) == study.version]
 
 
-class _Runner(Protocol):
-    study: Study
-    log_checked: bool
-
-
 def _segment(records: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[Any, list[Any]]:
     """``(version, records)`` of the log's last run of one version (a log written
     before versions were recorded belongs to the version the study was created with)."""
@@ -92,24 +87,22 @@ def _segment(records: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[Any, 
     return version, segment
 
 
-def read_log(runner: _Runner) -> list[dict[str, Any]]:
-    """The decisions logged by the latest run if it used the runner's trainer version;
+def read_log(study: Study) -> list[dict[str, Any]]:
+    """The decisions logged by the latest run if it used the study's trainer version;
     none otherwise (decisions taken on another version's results are not replayed)."""
-    study = runner.study
     storage = study._engine.storage
     version, segment = _segment(storage.read_log(study.name), _meta(storage, study.name))
-    runner.log_checked = version == study.version
-    return segment if runner.log_checked else []
+    study._log_checked = version == study.version
+    return segment if study._log_checked else []
 
 
-def append_log(runner: _Runner, record: dict[str, Any]) -> None:
+def append_log(study: Study, record: dict[str, Any]) -> None:
     """Append ``record``, after a record that starts this version's decisions when the
     log's latest run used another version."""
-    study = runner.study
     storage = study._engine.storage
-    if not runner.log_checked:
+    if not study._log_checked:
         version, _ = _segment(storage.read_log(study.name), _meta(storage, study.name))
         if version != study.version:
             storage.append_log(study.name, {"event": LOG_EVENT, "version": study.version})
-        runner.log_checked = True
+        study._log_checked = True
     storage.append_log(study.name, record)

@@ -321,7 +321,7 @@ def _run(
     policy: str,
     cost: Callable[[Mapping[str, Any], Mapping[str, Any]], float],
 ) -> SimResult:
-    from stagetree.study import Study, _run_coro, _StudyRunner, _tuner_horizon, trainer_fingerprint
+    from stagetree.study import Study, _run_coro, _StudyRunner, trainer_fingerprint
 
     base_version = version if version is not None else trainer_fingerprint(trainer)
     storage = MemoryPlanStorage()
@@ -349,7 +349,7 @@ def _run(
             else:
                 # Several tuners on one loop: what Study.tune does for one, for each.
                 for t, st in zip(tuners, studies):
-                    st._horizon = _tuner_horizon(t)
+                    st.begin_tuning(t.metric, t.mode, type(t).__name__, t.horizon)
                 engine = studies[0]._engine
                 engine.ensure_started()
 

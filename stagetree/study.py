@@ -160,11 +160,29 @@ class Study:
             every step either way. Evaluation never changes training (exactness), only
             its cost; it is an engine setting, so studies sharing an engine (same
             storage and trainer in one process) use the first one's.
+        weight: this study's share of the workers when several studies contend for
+            them (fair share, default 1.0): studies with pending work get device time
+            in proportion to their weights; a study alone gets every worker, and a stage
+            two studies need is trained once and counted for both.
+        url: a tuning server (``http://host:8642``, see ``stagetree serve``): the study
+            runs there, on the server's storage and workers, and this object is a
+            client with the same API (:class:`stagetree.server.client.RemoteStudy`).
+            Default: ``STAGETREE_URL`` from the environment, else this process runs the
+            study; ``url=""`` always runs it here.
+        token: the server's token (default: ``STAGETREE_TOKEN`` from the environment).
 
     Studies on the same storage with the same trainer in one process share one engine,
     so they share stages while they run; studies in other processes share everything
     that was stored (metrics, checkpoints).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Study:
+        # A study with a server URL is a client of that server (same API).
+        if cls is Study and remote_url(kwargs.get("url")):
+            from stagetree.server.client import RemoteStudy
+
+            return super().__new__(RemoteStudy)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -181,6 +199,9 @@ class Study:
         max_retries: int = 0,
         threads_per_worker: int | None = None,
         eval_every: int | None = 1,
+        weight: float = 1.0,
+        url: str | None = None,
+        token: str | None = None,
     ) -> None:
         # Every argument is checked here, before the storage is opened or anything written.
         from stagetree.executors.registry import check_executor
@@ -210,6 +231,7 @@ class Study:
             eval_every = 0
         _check_count("eval_every", eval_every, 0)
         self.eval_every = eval_every
+        self.weight = check_weight(weight)
         if not isinstance(storage, (str, BasePlanStorage)):
             raise ValueError(
                 f"storage must be a URL (sqlite:///path.db, postgresql://..., memory://) "
@@ -240,6 +262,7 @@ class Study:
         self._horizon = 0  # steps the current tuner may train a trial to (0: unknown)
         self._meta: dict[str, Any] = {}  # the tuner's metric and mode, recorded at first write
         self._row_ready = False  # the study row exists with this run's meta
+        self._log_checked = False  # whether the log's latest run is this trainer version's
 
     @property
     def _engine(self) -> Engine:
@@ -614,11 +637,28 @@ class Study:
         """
         check_space_names(self.trainer, getattr(tuner, "space", None))
         runner = _StudyRunner(self)
-        self._horizon = _tuner_horizon(tuner)
-        self._meta = {"metric": tuner.metric, "mode": tuner.mode, "tuner": type(tuner).__name__}
-        self._row_ready = False  # the next write records this tuner's metric and mode
+        self.begin_tuning(tuner.metric, tuner.mode, type(tuner).__name__, tuner.horizon)
+        try:
+            best = self._drive(tuner.run(runner))
+        finally:
+            self.end_tuning()
+        if best is None:
+            self._raise_if_all_failed()
+        return best
+
+    # -- front ends (tune(), and the server for its remote clients) ------------------------
+
+    def begin_tuning(self, metric: str, mode: str, tuner: str, horizon: int = 0) -> None:
+        """Start a tuner's run: take the study's tuning lease (one tuner per study at a
+        time, across processes), record the tuner's metric and mode with the next write,
+        and plan trials up to ``horizon`` steps (0: unknown). :meth:`tune` calls it;
+        front ends that run the tuner elsewhere (the server, for a remote client) too.
+
+        Raises:
+            StudyBusyError: another process is tuning this study.
+        """
         engine = self._engine
-        with engine.lock:  # one tuner per study at a time, across processes
+        with engine.lock:
             holder = engine.coord.claim_study(self.name)
         if holder is not None:
             left = max(0.0, holder.expires - time.time())
@@ -632,14 +672,36 @@ class Study:
                 study=self.name,
                 holder=holder.describe(),
             )
-        try:
-            best = self._drive(tuner.run(runner))
-        finally:
-            with engine.lock:
-                engine.coord.release_study(self.name)
-        if best is None:
-            self._raise_if_all_failed()
-        return best
+        self._horizon = int(horizon)
+        self._meta = {"metric": metric, "mode": mode, "tuner": tuner}
+        self._row_ready = False  # the next write records this tuner's metric and mode
+        self._log_checked = False
+
+    def end_tuning(self) -> None:
+        """End the run :meth:`begin_tuning` started: release the tuning lease."""
+        engine = self._engine
+        with engine.lock:
+            engine.coord.release_study(self.name)
+
+    def check(self, config: Mapping[str, Any], hp: Mapping[str, Any]) -> None:
+        """Refuse a trial that does not fit the study (names, values), writing nothing.
+
+        Raises:
+            InvalidTrialError: names or values that differ from the study's trials.
+        """
+        self._normalise(config, hp, 0)
+
+    def read_log(self) -> list[dict[str, Any]]:
+        """The tuner decisions logged by this study's latest run, when that run used
+        this trainer version (decisions on another version's results are not replayed)."""
+        with self._engine.lock:
+            return _versions.read_log(self)
+
+    def append_log(self, record: Mapping[str, Any]) -> None:
+        """Append one JSON-serialisable tuner decision to the study's log (durably)."""
+        with self._engine.lock:
+            self._ensure_row()
+            _versions.append_log(self, dict(record))
 
     def _raise_if_all_failed(self) -> None:
         """``tune()`` found no best trial: when that is because every trial failed, say
@@ -801,6 +863,25 @@ class Study:
         }
 
 
+def remote_url(url: str | None) -> str:
+    """The tuning server a Study talks to: ``url``, else ``stagetree run --url``, else
+    ``STAGETREE_URL``; "" for none (the study runs in this process)."""
+    if url is None:
+        url = _OVERRIDES.get("url") or os.environ.get("STAGETREE_URL") or ""
+    if not isinstance(url, str):
+        raise ValueError(f"url must be a string like 'http://host:8642', got {url!r}")
+    return url.strip()
+
+
+def check_weight(weight: Any) -> float:
+    """A study's fair-share weight: a finite number > 0."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise ValueError(f"weight must be a number > 0, got {weight!r}")
+    if not math.isfinite(weight) or weight <= 0:
+        raise ValueError(f"weight must be a finite number > 0, got {weight!r}")
+    return float(weight)
+
+
 def _check_count(name: str, value: Any, least: int, optional: bool = True) -> None:
     if value is None and optional:
         return
@@ -848,21 +929,12 @@ def parse_size(value: Any, name: str = "size") -> int | None:
     return int(number)
 
 
-def _tuner_horizon(tuner: Tuner) -> int:
-    """The most steps ``tuner`` may train one trial to, when it says (0 otherwise)."""
-    steps = [getattr(tuner, name, None) for name in ("max_steps", "steps")]
-    schedule = getattr(tuner, "schedule", None)
-    if schedule:
-        steps.extend(s for s, _n in schedule)
-    return max((s for s in steps if isinstance(s, int)), default=0)
-
-
 class _StudyRunner:
-    """The :class:`~stagetree.tuners.base.TrialRunner` a study gives its tuners."""
+    """The :class:`~stagetree.tuners.base.TrialRunner` a study gives its tuners: its
+    public methods, so a remote study's tuner runs unchanged over HTTP."""
 
     def __init__(self, study: Study) -> None:
         self.study = study
-        self.log_checked = False  # whether the log's latest run is this trainer version's
 
     async def submit(
         self, config: dict[str, Any], hp: dict[str, Sequence], steps: int
@@ -876,17 +948,13 @@ class _StudyRunner:
         self.study.declare(trials)
 
     def check(self, config: dict[str, Any], hp: dict[str, Sequence]) -> None:
-        """Refuse a trial that does not fit the study before the tuner logs it."""
-        self.study._normalise(config, hp, 0)
+        self.study.check(config, hp)
 
     def append_log(self, record: dict[str, Any]) -> None:
-        with self.study._engine.lock:
-            self.study._ensure_row()
-            _versions.append_log(self, record)
+        self.study.append_log(record)
 
     def read_log(self) -> list[dict[str, Any]]:
-        with self.study._engine.lock:  # only the decisions taken with this trainer version
-            return _versions.read_log(self)
+        return self.study.read_log()
 
 
 def _run_coro(coro: Any) -> Any:

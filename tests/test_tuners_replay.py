@@ -315,6 +315,12 @@ class _Instant:
     def read_log(self) -> list[dict[str, Any]]:
         return list(self.log)
 
+    def check(self, config: dict[str, Any], hp: dict[str, Any]) -> None:
+        pass
+
+    def declare(self, trials: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        pass
+
 
 def test_wait_first_returns_one_job_at_a_time_smallest_key_first() -> None:
     async def main() -> list[int]:

@@ -97,6 +97,12 @@ class FakeRunner:
     def read_log(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self._previous]
 
+    def check(self, config: dict[str, Any], hp: dict[str, Any]) -> None:
+        pass  # every trial fits a fake study
+
+    def declare(self, trials: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        self.declared = len(trials)
+
     async def submit(self, config: dict[str, Any], hp: dict[str, Any], steps: int) -> TrialResult:
         self.calls.append((dict(config), dict(hp), steps))
         self.in_flight += 1

@@ -126,6 +126,10 @@ class ASHA(Tuner):
             b, level = in_flight.pop(job)
             self.rungs[b][level][job.trial.id] = self._observe(job)
 
+    @property
+    def horizon(self) -> int:
+        return self.max_steps
+
 
 class AsyncHyperband(ASHA):
     """Asynchronous Hyperband: ASHA brackets run concurrently.

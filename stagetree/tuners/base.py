@@ -98,11 +98,13 @@ class TrialRunner(Protocol):
     ``submit`` trains (or resumes, or answers from the plan) the trial up to ``steps``
     and returns its result; it raises :class:`~stagetree.exceptions.TrialFailedError`
     if training failed and :class:`~stagetree.exceptions.TrialCancelledError` if the
-    request was cancelled. A runner may also offer ``check(config, hp)``, which raises
-    when a trial does not fit the study: it is called before a submission is logged, so
-    refused input leaves no record. ``append_log`` stores one JSON-serialisable record durably
-    for this study; ``read_log`` returns the records of previous runs of this study in
-    the order they were appended.
+    request was cancelled. ``check(config, hp)`` raises when a trial does not fit the
+    study: it is called before a submission is logged, so refused input leaves no
+    record. ``declare(trials)`` announces ``(config, hp)`` pairs the tuner may submit
+    later (a study plans checkpoints where they will branch off; decisions never depend
+    on it). ``append_log`` stores one JSON-serialisable record durably for this study;
+    ``read_log`` returns the records of previous runs of this study in the order they
+    were appended.
     """
 
     async def submit(
@@ -113,6 +115,14 @@ class TrialRunner(Protocol):
 
     def num_workers(self) -> int:
         """How many trials can train at the same time."""
+        ...
+
+    def check(self, config: dict[str, Any], hp: dict[str, Sequence]) -> None:
+        """Raise when the trial does not fit the study (nothing is written)."""
+        ...
+
+    def declare(self, trials: list[tuple[dict[str, Any], dict[str, Sequence]]]) -> None:
+        """Announce trials that may be submitted later."""
         ...
 
     def append_log(self, record: dict[str, Any]) -> None:
@@ -224,11 +234,9 @@ class ReplayingRunner:
 
     def declare(self, specs: Iterable[Any]) -> None:
         """Tell the runner which trials (``TrialSpec``-like: ``config``, ``hp``) the tuner
-        may submit later, when it has a ``declare`` method (a Study does: it plans
-        checkpoints where they will branch off). Decisions never depend on it."""
-        declare = getattr(self._runner, "declare", None)
-        if callable(declare):
-            declare([(dict(s.config), dict(s.hp)) for s in specs])
+        may submit later (a Study plans checkpoints where they will branch off).
+        Decisions never depend on it."""
+        self._runner.declare([(dict(s.config), dict(s.hp)) for s in specs])
 
     def num_workers(self) -> int:
         """The runner's worker count (at least 1), itself a logged input.
@@ -295,9 +303,8 @@ class ReplayingRunner:
         """
         key = self._next_key
         self._next_key += 1
-        check = getattr(self._runner, "check", None)
-        if check is not None:  # refuse a trial that cannot run before logging it
-            check(dict(trial.config), dict(trial.hp))
+        # refuse a trial that cannot run before logging it
+        self._runner.check(dict(trial.config), dict(trial.hp))
         self._append(
             {
                 "event": event,
@@ -544,6 +551,16 @@ class Tuner(ABC):
         finally:
             await ctx.aclose(finished)
         return self.best()
+
+    @property
+    def horizon(self) -> int:
+        """The most steps this tuner may train one trial to, 0 when it cannot say.
+
+        A study inserts each trial's path up to the horizon when it is first submitted,
+        so that running batches checkpoint where later promotions branch off. Tuners
+        with a fixed budget override it.
+        """
+        return 0
 
     @abstractmethod
     async def _search(self, ctx: ReplayingRunner) -> None:

@@ -33,6 +33,10 @@ class GridSearch(SyncBracketTuner):
         self.space = space
         self.steps = check_int("steps", steps, 1)
 
+    @property
+    def horizon(self) -> int:
+        return self.steps
+
     def _brackets(self) -> list[BracketSpec]:
         specs = draw_specs(self.space, None, self.seed)
         trials = [self._new_trial(s.config, s.hp) for s in specs]
@@ -62,6 +66,10 @@ class RandomSearch(SyncBracketTuner):
         self.space = space
         self.steps = check_int("steps", steps, 1)
         self.num_trials = check_int("num_trials", num_trials, 1)
+
+    @property
+    def horizon(self) -> int:
+        return self.steps
 
     def _brackets(self) -> list[BracketSpec]:
         specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)

@@ -63,6 +63,10 @@ class MedianStopping(Tuner):
         self.stopped: list[tuple[int, int]] = []
         self._history: dict[int, dict[int, float]] = {}
 
+    @property
+    def horizon(self) -> int:
+        return self.steps
+
     def _merge(self, tid: int, job: Job) -> None:
         """Add the job's known metrics to the trial's history (as rank values)."""
         result = job.result()

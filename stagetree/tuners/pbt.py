@@ -79,6 +79,10 @@ class PBT(Tuner):
         self.hp_to_mutate = None if hp_to_mutate is None else sorted(set(hp_to_mutate))
         self.exploits: list[dict[str, Any]] = []
 
+    @property
+    def horizon(self) -> int:
+        return self.steps
+
     def _explore(
         self, hp: Mapping[str, Any], t: int, rng: random.Random
     ) -> tuple[dict[str, Any], dict[str, float]]:

@@ -88,6 +88,10 @@ class SHA(SyncBracketTuner):
             min_steps, max_steps, num_trials, eta
         )
 
+    @property
+    def horizon(self) -> int:
+        return self.max_steps
+
     def _brackets(self) -> list[BracketSpec]:
         specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
         trials = [self._new_trial(s.config, s.hp) for s in specs]
@@ -127,6 +131,10 @@ class Hyperband(SyncBracketTuner):
         self.min_steps, self.max_steps, self.eta, self.num_trials, self.levels = halving_settings(
             min_steps, max_steps, num_trials, eta
         )
+
+    @property
+    def horizon(self) -> int:
+        return self.max_steps
 
     def _brackets(self) -> list[BracketSpec]:
         specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
@@ -179,6 +187,10 @@ class EarlyStop(SyncBracketTuner):
             pairs.append((steps, n))
         self.space = space
         self.schedule = pairs
+
+    @property
+    def horizon(self) -> int:
+        return self.schedule[-1][0]
 
     def _brackets(self) -> list[BracketSpec]:
         specs = draw_specs(self.space, self.schedule[0][1], self.seed, shuffle_grid=True)
