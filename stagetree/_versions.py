@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stagetree.hp import dumps_hp
 from stagetree.identity import announce_change, current_version, trial_version
@@ -21,7 +21,16 @@ from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
     from stagetree.plan import BasePlanStorage
-    from stagetree.study import Study
+
+
+class StudyLike(Protocol):
+    """What this module needs of a study: its name, trainer version and whether the
+    log's latest run was found to be this version's (``log_checked``)."""
+
+    name: str
+    version: str
+    log_checked: bool
+
 
 __all__ = ["append_log", "open_trials", "own_trials", "read_log"]
 
@@ -37,7 +46,9 @@ def _meta(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     return {}
 
 
-def open_trials(study: Study, storage: BasePlanStorage, url: str) -> list[dict[str, Any]]:
+def open_trials(
+    study: StudyLike, trainer_name: str, storage: BasePlanStorage, url: str
+) -> list[dict[str, Any]]:
     """The trials of ``study``'s trainer version, when a Study opens its storage.
 
     When the study's latest run used another version, say once per process how many
@@ -57,7 +68,7 @@ def open_trials(study: Study, storage: BasePlanStorage, url: str) -> list[dict[s
             first = key not in _ANNOUNCED
             _ANNOUNCED.add(key)
         if first and count:
-            announce_change(study.trainer.__qualname__, latest, study.version, count, 5)
+            announce_change(trainer_name, latest, study.version, count, 5)
         now = time.time()
         for t in own if not getattr(storage, "readonly", False) else ():
             storage.update_trial(t["id"], attrs={**(t.get("attrs") or {}), "opened": now})
@@ -68,7 +79,7 @@ def _ident(trial: dict[str, Any]) -> tuple[str, str]:
     return canonical_json(trial["config"]), dumps_hp(trial["hp"])
 
 
-def own_trials(study: Study, storage: BasePlanStorage) -> list[dict[str, Any]]:
+def own_trials(study: StudyLike, storage: BasePlanStorage) -> list[dict[str, Any]]:
     """The trials of ``study`` recorded by its trainer version."""
     meta = _meta(storage, study.name)
     return [t for t in storage.trials(study.name) if trial_version(t, meta) == study.version]
@@ -87,22 +98,20 @@ def _segment(records: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[Any, 
     return version, segment
 
 
-def read_log(study: Study) -> list[dict[str, Any]]:
+def read_log(study: StudyLike, storage: BasePlanStorage) -> list[dict[str, Any]]:
     """The decisions logged by the latest run if it used the study's trainer version;
     none otherwise (decisions taken on another version's results are not replayed)."""
-    storage = study._engine.storage
     version, segment = _segment(storage.read_log(study.name), _meta(storage, study.name))
-    study._log_checked = version == study.version
-    return segment if study._log_checked else []
+    study.log_checked = version == study.version
+    return segment if study.log_checked else []
 
 
-def append_log(study: Study, record: dict[str, Any]) -> None:
+def append_log(study: StudyLike, storage: BasePlanStorage, record: dict[str, Any]) -> None:
     """Append ``record``, after a record that starts this version's decisions when the
     log's latest run used another version."""
-    storage = study._engine.storage
-    if not study._log_checked:
+    if not study.log_checked:
         version, _ = _segment(storage.read_log(study.name), _meta(storage, study.name))
         if version != study.version:
             storage.append_log(study.name, {"event": LOG_EVENT, "version": study.version})
-        study._log_checked = True
+        study.log_checked = True
     storage.append_log(study.name, record)

@@ -888,8 +888,8 @@ def first_contact_check(study: Any, tuner: Any, out: Any) -> CheckReport | None:
         return None
     engine = study._engine
     scope = _check_scope(study)
-    with engine.lock:
-        if engine.storage.stats(scope).get(_CHECKED):
+    with engine.reading() as storage:
+        if storage.stats(scope).get(_CHECKED):
             return None
     config, hp = first_trial(getattr(tuner, "space", None))
     name = study.trainer.__name__
@@ -898,8 +898,7 @@ def first_contact_check(study: Any, tuner: Any, out: Any) -> CheckReport | None:
     except TrainerError as exc:
         print(f"stagetree: warning: could not check {name}: {exc}".rstrip(), file=out)
         return None
-    with engine.lock:
-        engine.storage.add_stats(scope, **{_CHECKED: 1.0, "exact": float(report.exact)})
+    engine.add_stats(scope, **{_CHECKED: 1.0, "exact": float(report.exact)})
     if not report.exact:
         print(
             f"stagetree: warning: {name} is not exact: trials that share stages will get "

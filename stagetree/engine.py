@@ -3,14 +3,21 @@ store, the I/O-free scheduler and an executor, driven by one thread.
 
 The driver thread feeds executor events to the scheduler and carries out its
 instructions; everything it learns (metrics, checkpoints, accounting) goes to the plan,
-so a later process answers from it without training. User threads submit through
-:meth:`Engine.request`, which only queues scheduler events: the driver plans a burst
-of submissions at once.
+so a later process answers from it without training.
+
+Every front end (the in-process :class:`~stagetree.Study`, the tuning server) goes
+through the same few methods: :meth:`Engine.open_study`, :meth:`Engine.submit`,
+:meth:`Engine.declare`, :meth:`Engine.cancel`, the tuner-log and lease methods, and
+:meth:`Engine.reading` for the read side (:mod:`stagetree.reports`). Nothing outside
+the engine takes its lock or writes its storage. A submission only queues scheduler
+events: the driver thread plans a burst of submissions at once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import hashlib
 import logging
 import shutil
 import tempfile
@@ -18,19 +25,30 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stagetree import _versions
 from stagetree.coordination import Coordinator
 from stagetree.exceptions import StagetreeError, TrialCancelledError, TrialFailedError
+from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import BasePlanStorage, RequestState
+from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
     from stagetree.executors.base import BaseExecutor
 
-__all__ = ["Engine", "Waiter", "default_checkpoint_dir", "failure_record", "root_scope"]
+__all__ = [
+    "Engine",
+    "StudySlot",
+    "Waiter",
+    "default_checkpoint_dir",
+    "failure_record",
+    "root_scope",
+]
 
 logger = logging.getLogger("stagetree")
 
@@ -58,20 +76,70 @@ def default_checkpoint_dir(url: str) -> tuple[Path, bool]:
     return Path("stagetree_checkpoints"), False
 
 
+def _request_added(cls: Any, node: int, step: int, study: str) -> Any:
+    """A ``RequestAdded``/``RequestCancelled`` event naming its study (fair share)."""
+    try:
+        return cls(node, step, study=study)
+    except TypeError:  # a scheduler without studies
+        return cls(node, step)
+
+
 def root_scope(root_key: str) -> str:
     """The accounting scope of one plan tree (see ``BasePlanStorage.add_stats``)."""
     return f"root:{root_key}"
 
 
 class Waiter:
-    """A pending request of one submission: a future and what it needs to resolve."""
+    """One submission: a future of its metrics and the request it waits on.
 
-    __slots__ = ("future", "study", "trial_id")
+    ``future`` is already resolved when the plan knew the metrics (nothing to train).
+    """
 
-    def __init__(self, study: str, trial_id: int) -> None:
+    __slots__ = ("future", "node", "root_key", "step", "study", "trial_id")
+
+    def __init__(self, study: str, trial_id: int, root_key: str, node: int, step: int) -> None:
         self.future: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
         self.study = study
         self.trial_id = trial_id
+        self.root_key = root_key
+        self.node = node
+        self.step = step
+
+
+@dataclass(eq=False)
+class StudySlot:
+    """What an engine keeps of one study it serves (one per name and trainer version;
+    every front end of that study in the process shares it).
+
+    Attributes:
+        name: the study.
+        version: the trainer version (its trials' root keys include it).
+        share: False: every trial gets its own plan tree (the trial-based baseline).
+        weight: its fair share of the workers against other studies.
+        names: the config and hp names of its trials (set by the first one).
+        trial_ids: ``(config json, hp json) -> trial id`` of its known trials.
+        meta: the running tuner's metric, mode and name, recorded with the next write.
+        row_ready: whether its row in the plan exists with ``meta``.
+        log_checked: whether the tuner log's latest run is this version's.
+    """
+
+    name: str
+    version: str
+    share: bool = True
+    weight: float = 1.0
+    names: tuple[frozenset[str], frozenset[str]] | None = None
+    trial_ids: dict[tuple[str, str], int] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    row_ready: bool = False
+    log_checked: bool = False
+
+    def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence]) -> str:
+        """The plan tree of a trial: trainer version + fixed config (+ the trial's own
+        sequences when ``share=False``, so that nothing is shared)."""
+        text = canonical_json({"version": self.version, "config": dict(config)})
+        if not self.share:
+            text += "|trial|" + dumps_hp(hp)
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 # Submissions closer together than _QUIET seconds are planned together (waiting at most
@@ -132,6 +200,7 @@ class Engine:
         self._reported_corrupt: set[str] = set()  # start checkpoints reported unreadable
         self._durable: dict[int, int] = {}  # batch id -> last step it checkpointed
         self._studies: set[str] = set()  # studies served (their meta records the workers)
+        self._slots: dict[tuple[str, str], StudySlot] = {}
         self._workers_changed = False
 
     # -- life cycle ----------------------------------------------------------------------
@@ -194,34 +263,191 @@ class Engine:
         if self.temporary_checkpoints:
             shutil.rmtree(self.store.directory, ignore_errors=True)
 
-    # -- requests ------------------------------------------------------------------------
+    # -- the front ends' way in ------------------------------------------------------------
 
-    def request(
+    def open_study(
         self,
-        study: str,
-        trial_id: int,
-        root_key: str,
-        node: int,
-        step: int,
-        leaf: int | None = None,
-    ) -> Waiter:
-        """Ask for ``(node, step)``; the caller has inserted the trial (up to the node
-        ``leaf``, at or below ``node``) and holds a reference to the request. Called with
-        ``lock`` held."""
-        from stagetree.scheduler import RequestAdded
+        name: str,
+        version: str,
+        share: bool = True,
+        weight: float = 1.0,
+        trainer_name: str = "",
+        url: str = "",
+    ) -> StudySlot:
+        """The engine's slot of study ``name`` at trainer ``version``, loading its stored
+        trials the first time (a changed trainer is announced once; see
+        :mod:`stagetree._versions`). Writes nothing but the trials' ``opened`` mark: the
+        study row is created with its first trial or log record."""
+        with self.lock:
+            slot = self._slots.get((name, version))
+            if slot is None:
+                slot = StudySlot(name, version, share, weight)
+                for t in _versions.open_trials(slot, trainer_name, self.storage, url):
+                    ident = (canonical_json(t["config"]), dumps_hp(t["hp"]))
+                    slot.trial_ids[ident] = t["id"]
+                    if slot.names is None:
+                        slot.names = (frozenset(t["config"]), frozenset(t["hp"]))
+                self._slots[(name, version)] = slot
+            slot.share, slot.weight = share, weight
+            self._enqueue(self._weight_events(slot))
+            return slot
 
-        waiter = Waiter(study, trial_id)
-        self._waiters.setdefault((node, step), []).append(waiter)
-        events = self._path_events(root_key, node if leaf is None else leaf)
-        events.append(RequestAdded(node, step))
-        self._enqueue(events)
+    def _weight_events(self, slot: StudySlot) -> list[Any]:
+        from stagetree import scheduler
+
+        weight_event = getattr(scheduler, "StudyWeight", None)  # fair share (scheduler)
+        return [] if weight_event is None else [weight_event(slot.name, slot.weight)]
+
+    def _ensure_row(self, slot: StudySlot) -> None:
+        """Create the study row (or record the tuner's metric and mode in it) just before
+        the first write that needs it. Called with the lock held."""
+        if slot.row_ready:
+            return
+        meta = {"version": slot.version, "share": slot.share, **slot.meta}
+        if not self.storage.create_study(slot.name, meta) and slot.meta:
+            self.storage.update_study_meta(slot.name, slot.meta)
+        slot.row_ready = True
+
+    def begin_tuning(self, slot: StudySlot, meta: Mapping[str, Any]) -> Any:
+        """Take the study's tuning lease (one tuner per study at a time, across
+        processes). Returns the holder's lease when another process holds it, else None
+        (and ``meta``, the tuner's metric and mode, is recorded with the next write)."""
+        with self.lock:
+            holder = self.coord.claim_study(slot.name)
+            if holder is None:
+                slot.meta = dict(meta)
+                slot.row_ready = False
+                slot.log_checked = False
+            return holder
+
+    def end_tuning(self, slot: StudySlot) -> None:
+        with self.lock:
+            self.coord.release_study(slot.name)
+
+    def read_log(self, slot: StudySlot) -> list[dict[str, Any]]:
+        """The tuner decisions of the study's latest run, when it used this version."""
+        with self.lock:
+            return _versions.read_log(slot, self.storage)
+
+    def append_log(self, slot: StudySlot, record: Mapping[str, Any]) -> None:
+        with self.lock:
+            self._ensure_row(slot)
+            _versions.append_log(slot, self.storage, dict(record))
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[BasePlanStorage]:
+        """The plan storage, for read-only queries (:mod:`stagetree.reports`), with the
+        engine's lock held."""
+        with self.lock:
+            yield self.storage
+
+    def submit(
+        self,
+        slot: StudySlot,
+        config: dict[str, Any],
+        hp: dict[str, Sequence],
+        steps: int,
+        horizon: int = 0,
+    ) -> Waiter:
+        """Submit the trial ``(config, hp)`` of study ``slot`` to ``steps`` steps: record
+        the trial, insert its path (up to ``horizon``, the most steps its tuner may ask
+        for, so that the scheduler knows where it branches off later) and ask for its
+        metrics at ``steps``. The waiter's future resolves with them (at once when the
+        plan knows them). ``config`` and ``hp`` are checked by the caller."""
+        root_key = slot.root_key(config, hp)
+        storage = self.storage
+        with self.lock:
+            storage.register_root(root_key, config)
+            ins = storage.insert_trial(root_key, hp, max(steps, horizon), request=False)
+            leaf = ins.node
+            if horizon > steps:
+                where = storage.locate(root_key, hp, steps)
+                assert where is not None
+                node, step = where
+            else:
+                node, step = ins.node, ins.step
+            tid = self._trial_id(slot, root_key, config, hp, steps, node, step)
+            waiter = Waiter(slot.name, tid, root_key, node, step)
+            known = storage.get_metrics(node, step)
+            if known is not None:
+                storage.update_trial(tid, state="done")
+                waiter.future.set_result(known)
+                return waiter
+        self.ensure_started()
+        with self.lock:
+            from stagetree.scheduler import RequestAdded
+
+            storage.add_request(node, step)
+            self._waiters.setdefault((node, step), []).append(waiter)
+            events = self._path_events(root_key, leaf)
+            events.append(_request_added(RequestAdded, node, step, slot.name))
+            self._enqueue(events)
         return waiter
 
-    def declare(self, root_key: str, leaf: int) -> None:
-        """Make the scheduler know the path to ``leaf`` before anything is requested on it
-        (trials a tuner will submit later), so that batches checkpoint where it branches
-        off. Called with ``lock`` held."""
-        self._enqueue(self._path_events(root_key, leaf))
+    def _trial_id(
+        self,
+        slot: StudySlot,
+        root_key: str,
+        cfg: dict[str, Any],
+        seqs: dict[str, Sequence],
+        steps: int,
+        node: int,
+        step: int,
+    ) -> int:
+        ident = (canonical_json(cfg), dumps_hp(seqs))
+        tid = slot.trial_ids.get(ident)
+        self._ensure_row(slot)
+        if tid is None:
+            # unique: another process may have recorded the same trial meanwhile
+            attrs = {"version": slot.version}
+            tid = self.storage.add_trial(
+                slot.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
+            )
+            slot.trial_ids[ident] = tid
+        rec = self.storage.trial(tid)
+        if steps > rec["steps"]:
+            self.storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
+        return tid
+
+    def declare(
+        self,
+        slot: StudySlot,
+        trials: Iterable[tuple[dict[str, Any], dict[str, Sequence]]],
+        horizon: int,
+    ) -> None:
+        """Insert the paths of trials a tuner will submit later, up to ``horizon`` steps,
+        without requests, and tell the scheduler, so that running batches checkpoint
+        where they branch off. ``trials`` are checked by the caller."""
+        with self.lock:
+            for cfg, seqs in trials:
+                root_key = slot.root_key(cfg, seqs)
+                self.storage.register_root(root_key, cfg)
+                ins = self.storage.insert_trial(root_key, seqs, horizon, request=False)
+                self._enqueue(self._path_events(root_key, ins.node))
+
+    def known(
+        self, slot: StudySlot, config: dict[str, Any], hp: dict[str, Sequence], step: int
+    ) -> tuple[dict[str, float] | None, str | None]:
+        """What the plan holds of a trial at ``step``, without training: its metrics and
+        its checkpoint's ref (each None when unknown)."""
+        with self.lock:
+            where = self.storage.locate(slot.root_key(config, hp), hp, step)
+            if where is None:
+                return None, None
+            rec = self.storage.checkpoint(*where)
+            return self.storage.get_metrics(*where), (rec.ref if rec is not None else None)
+
+    def history(
+        self, slot: StudySlot, config: dict[str, Any], hp: dict[str, Sequence], steps: int
+    ) -> dict[int, dict[str, float]]:
+        """Every known metric on the trial's path up to ``steps``, by step."""
+        with self.lock:
+            return self.storage.metrics_along(slot.root_key(config, hp), hp, steps)
+
+    def add_stats(self, scope: str, **deltas: float) -> None:
+        """Add to the plan's counters of ``scope`` (see ``BasePlanStorage.add_stats``)."""
+        with self.lock:
+            self.storage.add_stats(scope, **deltas)
 
     def _path_events(self, root_key: str, leaf: int) -> list[Any]:
         """Scheduler events for the root, the nodes and the durable checkpoints of the
@@ -263,9 +489,12 @@ class Engine:
                 events += self.coord.foreign_nodes(events)  # other processes' branch points
                 self._apply(self.scheduler.handle_all(events))
 
-    def cancel(self, waiter: Waiter, node: int, step: int) -> None:
+    def cancel(self, waiter: Waiter) -> None:
+        """Withdraw a submission: its reference to the request is released (work another
+        live request still needs goes on) and its trial is marked cancelled."""
         from stagetree.scheduler import RequestCancelled
 
+        node, step = waiter.node, waiter.step
         with self.lock:
             waiters = self._waiters.get((node, step), [])
             if waiter not in waiters:
@@ -276,7 +505,7 @@ class Engine:
             req = self.storage.request(node, step)
             if req is not None and req.state not in (RequestState.DONE, RequestState.FAILED):
                 self.storage.release_request(node, step)
-                self._enqueue([RequestCancelled(node, step)])
+                self._enqueue([_request_added(RequestCancelled, node, step, waiter.study)])
             if not waiter.future.done():
                 waiter.future.set_exception(TrialCancelledError(f"request ({node}, {step})"))
             self._set_trial_state(waiter, "cancelled")

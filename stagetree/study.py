@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import json
 import math
 import os
@@ -25,18 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from stagetree import _versions
 from stagetree.checkpoints import CheckpointStore, check_location
-from stagetree.engine import Engine, Waiter, default_checkpoint_dir, root_scope
+from stagetree.engine import Engine, StudySlot, default_checkpoint_dir, root_scope
 from stagetree.exceptions import (
     InvalidTrialError,
     StagetreeError,
     StudyBusyError,
     TrialFailedError,
 )
-from stagetree.hp import Sequence, as_sequence, dumps_hp
+from stagetree.hp import Sequence, as_sequence
 from stagetree.identity import trainer_fingerprint
 from stagetree.names import check_hp_names, check_space_names, names_mismatch
 from stagetree.plan import BasePlanStorage, open_storage
-from stagetree.space import canonical_json
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult, Tuner
 
@@ -257,12 +255,8 @@ class Study:
         self._engine_obj: Engine | None = None
         self._closed = False
         self._started = time.monotonic()
-        self._names: tuple[frozenset[str], frozenset[str]] | None = None
-        self._trial_ids: dict[tuple[str, str], int] = {}
+        self._slot: StudySlot | None = None  # the engine's record of this study
         self._horizon = 0  # steps the current tuner may train a trial to (0: unknown)
-        self._meta: dict[str, Any] = {}  # the tuner's metric and mode, recorded at first write
-        self._row_ready = False  # the study row exists with this run's meta
-        self._log_checked = False  # whether the log's latest run is this trainer version's
 
     @property
     def _engine(self) -> Engine:
@@ -286,24 +280,9 @@ class Study:
             engine.users += 1
         self._engine_key = key
         self._engine_obj = engine
-        with engine.lock:
-            # The study row is written with the first trial or log record (see
-            # _ensure_row), so that input refused before then writes nothing.
-            for t in _versions.open_trials(self, engine.storage, url):
-                self._trial_ids[(canonical_json(t["config"]), dumps_hp(t["hp"]))] = t["id"]
-                if self._names is None:
-                    self._names = (frozenset(t["config"]), frozenset(t["hp"]))
-
-    def _ensure_row(self) -> None:
-        """Create the study row (or record this run's tuner metric and mode in it) just
-        before the first write that needs it. Called with the engine lock held."""
-        if self._row_ready:
-            return
-        storage = self._engine.storage
-        meta = {"version": self.version, "share": self.share, **self._meta}
-        if not storage.create_study(self.name, meta) and self._meta:
-            storage.update_study_meta(self.name, self._meta)
-        self._row_ready = True
+        self._slot = engine.open_study(
+            self.name, self.version, self.share, self.weight, self.trainer.__qualname__, url
+        )
 
     def open(self) -> Study:
         """Open the storage now (it is otherwise opened on first use); returns self.
@@ -401,11 +380,15 @@ class Study:
     def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence] | None = None) -> str:
         """The plan tree of a trial: trainer version + fixed config (+ the trial's own
         sequences when ``share=False``, so that nothing is shared)."""
-        text = canonical_json({"version": self.version, "config": dict(config)})
-        if not self.share:
-            assert hp is not None
-            text += "|trial|" + dumps_hp(hp)
-        return hashlib.sha256(text.encode()).hexdigest()[:20]
+        if not self.share and hp is None:
+            raise ValueError("root_key of a study with share=False needs the trial's hp")
+        return StudySlot(self.name, self.version, self.share).root_key(config, hp or {})
+
+    @property
+    def _study_slot(self) -> StudySlot:
+        _ = self._engine
+        assert self._slot is not None
+        return self._slot
 
     def _normalise(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int, define: bool = True
@@ -426,43 +409,18 @@ class Study:
                 "strings, booleans, None, and lists or dicts of those"
             ) from None
         check_hp_names(self.trainer, seqs)
-        _ = self._engine  # the names of the study's stored trials
+        slot = self._study_slot  # the names of the study's stored trials
         names = (frozenset(cfg), frozenset(seqs))
-        if self._names is None:
+        if slot.names is None:
             if define:
-                self._names = names
-        elif names != self._names:
-            want_c, want_h = self._names
+                slot.names = names
+        elif names != slot.names:
+            want_c, want_h = slot.names
             diff = []
             for label, have, want in (("config", names[0], want_c), ("hp", names[1], want_h)):
                 diff += names_mismatch(label, have, want)
             raise InvalidTrialError(f"trial does not match study {self.name!r}: " + "; ".join(diff))
         return cfg, seqs
-
-    def _trial_id(
-        self,
-        root_key: str,
-        cfg: dict[str, Any],
-        seqs: dict[str, Sequence],
-        steps: int,
-        node: int,
-        step: int,
-    ) -> int:
-        storage = self._engine.storage
-        ident = (canonical_json(cfg), dumps_hp(seqs))
-        tid = self._trial_ids.get(ident)
-        self._ensure_row()
-        if tid is None:
-            # unique: another process may have recorded the same trial meanwhile
-            attrs = {"version": self.version}
-            tid = storage.add_trial(
-                self.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
-            )
-            self._trial_ids[ident] = tid
-        rec = storage.trial(tid)
-        if steps > rec["steps"]:
-            storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
-        return tid
 
     async def submit(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int
@@ -478,65 +436,17 @@ class Study:
             TrialFailedError: the trainer raised in a stage this trial needs.
             TrialCancelledError: the study was closed or the request cancelled.
         """
-        fut, cfg, seqs, node, step, waiter = self._submit(config, hp, steps)
-        try:
-            metrics = await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            if waiter is not None:
-                self._engine.cancel(waiter, node, step)
-            raise
-        return self._result(cfg, seqs, steps, metrics)
-
-    def _submit(
-        self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int
-    ) -> tuple[
-        concurrent.futures.Future[dict[str, float]],
-        dict[str, Any],
-        dict[str, Sequence],
-        int,
-        int,
-        Waiter | None,
-    ]:
         if self._closed:
             raise StagetreeError(f"study {self.name!r} is closed")
         cfg, seqs = self._normalise(config, hp, steps)
         engine = self._engine
-        root_key = self.root_key(cfg, seqs)
-        with engine.lock:
-            storage = engine.storage
-            storage.register_root(root_key, cfg)
-            # The path goes in up to the tuner's horizon, so that the scheduler knows
-            # where this trial will branch off others later (branch checkpoints).
-            ins = storage.insert_trial(root_key, seqs, max(steps, self._horizon), request=False)
-            leaf = ins.node
-            if self._horizon > steps:
-                where = storage.locate(root_key, seqs, steps)
-                assert where is not None
-                node, step = where
-            else:
-                node, step = ins.node, ins.step
-            tid = self._trial_id(root_key, cfg, seqs, steps, node, step)
-            known = storage.get_metrics(node, step)
-            if known is not None:
-                storage.update_trial(tid, state="done")
-                fut: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
-                fut.set_result(known)
-                return fut, cfg, seqs, node, step, None
-        engine.ensure_started()
-        with engine.lock:
-            storage.add_request(node, step)
-            waiter = engine.request(self.name, tid, root_key, node, step, leaf=leaf)
-        return waiter.future, cfg, seqs, node, step, waiter
-
-    def _result(
-        self,
-        cfg: dict[str, Any],
-        seqs: dict[str, Sequence],
-        steps: int,
-        metrics: Mapping[str, float],
-    ) -> TrialResult:
-        with self._engine.lock:
-            history = self._engine.storage.metrics_along(self.root_key(cfg, seqs), seqs, steps)
+        waiter = engine.submit(self._study_slot, cfg, seqs, steps, self._horizon)
+        try:
+            metrics = await asyncio.wrap_future(waiter.future)
+        except asyncio.CancelledError:
+            engine.cancel(waiter)
+            raise
+        history = engine.history(self._study_slot, cfg, seqs, steps)
         # What the plan holds at ``steps``: train() metrics of that step too.
         metrics = {**history.get(steps, {}), **metrics}
         return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=metrics, history=history)
@@ -555,14 +465,8 @@ class Study:
             check_hp_names(self.trainer, hp)
         if not self._horizon:
             return  # no horizon known: submissions insert all there is to know
-        engine = self._engine
-        with engine.lock:
-            for config, hp in trials:
-                cfg, seqs = self._normalise(config, hp, self._horizon)
-                root_key = self.root_key(cfg, seqs)
-                engine.storage.register_root(root_key, cfg)
-                ins = engine.storage.insert_trial(root_key, seqs, self._horizon, request=False)
-                engine.declare(root_key, ins.node)
+        checked = [self._normalise(config, hp, self._horizon) for config, hp in trials]
+        self._engine.declare(self._study_slot, checked, self._horizon)
 
     def run(self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int) -> TrialResult:
         """Synchronous :meth:`submit` for one trial."""
@@ -577,11 +481,7 @@ class Study:
             InvalidTrialError: names the trainer or the study's trials do not have.
         """
         cfg, seqs = self._normalise(config, hp, step, define=False)
-        with self._engine.lock:
-            where = self._engine.storage.locate(self.root_key(cfg, seqs), seqs, step)
-            if where is None:
-                return None
-            return self._engine.storage.get_metrics(*where)
+        return self._engine.known(self._study_slot, cfg, seqs, step)[0]
 
     def state(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
@@ -595,12 +495,8 @@ class Study:
             InvalidTrialError: names the trainer or the study's trials do not have.
         """
         cfg, seqs = self._normalise(config, hp, step, define=False)
-        with self._engine.lock:
-            where = self._engine.storage.locate(self.root_key(cfg, seqs), seqs, step)
-            rec = self._engine.storage.checkpoint(*where) if where is not None else None
-        if rec is None:
-            return None
-        return self._engine.store.load(rec.ref)
+        ref = self._engine.known(self._study_slot, cfg, seqs, step)[1]
+        return None if ref is None else self._engine.store.load(ref)
 
     @staticmethod
     async def wait_any(
@@ -658,8 +554,8 @@ class Study:
             StudyBusyError: another process is tuning this study.
         """
         engine = self._engine
-        with engine.lock:
-            holder = engine.coord.claim_study(self.name)
+        meta = {"metric": metric, "mode": mode, "tuner": tuner}
+        holder = engine.begin_tuning(self._study_slot, meta)
         if holder is not None:
             left = max(0.0, holder.expires - time.time())
             raise StudyBusyError(
@@ -673,15 +569,11 @@ class Study:
                 holder=holder.describe(),
             )
         self._horizon = int(horizon)
-        self._meta = {"metric": metric, "mode": mode, "tuner": tuner}
-        self._row_ready = False  # the next write records this tuner's metric and mode
-        self._log_checked = False
 
     def end_tuning(self) -> None:
         """End the run :meth:`begin_tuning` started: release the tuning lease."""
-        engine = self._engine
-        with engine.lock:
-            engine.coord.release_study(self.name)
+        self._horizon = 0
+        self._engine.end_tuning(self._study_slot)
 
     def check(self, config: Mapping[str, Any], hp: Mapping[str, Any]) -> None:
         """Refuse a trial that does not fit the study (names, values), writing nothing.
@@ -694,14 +586,11 @@ class Study:
     def read_log(self) -> list[dict[str, Any]]:
         """The tuner decisions logged by this study's latest run, when that run used
         this trainer version (decisions on another version's results are not replayed)."""
-        with self._engine.lock:
-            return _versions.read_log(self)
+        return self._engine.read_log(self._study_slot)
 
     def append_log(self, record: Mapping[str, Any]) -> None:
         """Append one JSON-serialisable tuner decision to the study's log (durably)."""
-        with self._engine.lock:
-            self._ensure_row()
-            _versions.append_log(self, dict(record))
+        self._engine.append_log(self._study_slot, record)
 
     def _raise_if_all_failed(self) -> None:
         """``tune()`` found no best trial: when that is because every trial failed, say
@@ -755,7 +644,7 @@ class Study:
 
     def _own_trials(self) -> list[dict[str, Any]]:
         """This study's trials of this trainer version (call with the engine lock)."""
-        return _versions.own_trials(self, self._engine.storage)
+        return _versions.own_trials(self._study_slot, self._engine.storage)
 
     def trials(self) -> list[TrialRecord]:
         """Every trial of this study trained by this version of the trainer (trials of

@@ -383,7 +383,8 @@ def test_close_releases_only_this_process_references(tmp_path: Path) -> None:
 
     url = f"sqlite:///{tmp_path}/plan.db"
     study = Study("mine", SlowLinearTrainer, storage=url)
-    future = study._submit({"seed": 0}, {"lr": LRS[0]}, 500)[0]  # pending, not awaited
+    slot = study._study_slot
+    future = study._engine.submit(slot, {"seed": 0}, {"lr": LRS[0]}, 500).future  # not awaited
     (req,) = study._engine.storage.requests()
     other = open_storage(url)  # another process wanting the same model
     other.add_request(req.node, req.step)
