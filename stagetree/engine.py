@@ -48,6 +48,7 @@ __all__ = [
     "default_checkpoint_dir",
     "failure_record",
     "root_scope",
+    "study_scope",
 ]
 
 logger = logging.getLogger("stagetree")
@@ -87,6 +88,14 @@ def _request_added(cls: Any, node: int, step: int, study: str) -> Any:
 def root_scope(root_key: str) -> str:
     """The accounting scope of one plan tree (see ``BasePlanStorage.add_stats``)."""
     return f"root:{root_key}"
+
+
+def study_scope(name: str) -> str:
+    """The accounting scope of the batches run for one study's requests (by this
+    engine's waiters): ``device_seconds`` and ``steps_executed`` of every batch that
+    served the study, a batch serving several studies counting for each. Fair share
+    divides this between contending studies."""
+    return f"study:{name}"
 
 
 class Waiter:
@@ -191,6 +200,7 @@ class Engine:
         self._queued: list[Any] = []
         self._start_refs: dict[int, str | None] = {}
         self._batch_roots: dict[int, str] = {}
+        self._batch_studies: dict[int, tuple[str, ...]] = {}  # the studies a batch serves
         self._first_queued = self._last_queued = 0.0
         # batch id -> [start step, last reported step]: steps trained by running batches.
         self._positions: dict[int, list[int]] = {}
@@ -593,6 +603,10 @@ class Engine:
                 self.storage.add_stats(
                     root_scope(root), device_seconds=ev.busy_seconds, steps_executed=ev.steps
                 )
+            for name in self._batch_studies.get(ev.batch_id, ()):  # what fair share divides
+                self.storage.add_stats(
+                    study_scope(name), device_seconds=ev.busy_seconds, steps_executed=ev.steps
+                )
             if ev.load_seconds:
                 self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
         if isinstance(ev, work.BatchFailed) and ev.kind == "checkpoint":
@@ -615,6 +629,7 @@ class Engine:
             self._durable.pop(ended, None)
             self._start_refs.pop(ended, None)
             self._batch_roots.pop(ended, None)
+            self._batch_studies.pop(ended, None)
         self._apply(self.scheduler.handle(ev))
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
@@ -682,6 +697,8 @@ class Engine:
                     self._positions[item.batch_id] = [item.start_step, item.start_step]
                     self._start_refs[item.batch_id] = item.start_checkpoint
                     self._batch_roots[item.batch_id] = item.root_key
+                    served = {w.study for k in item.evaluate_at for w in self._waiters.get(k, ())}
+                    self._batch_studies[item.batch_id] = tuple(sorted(served))
                     for seg in item.segments:
                         self._mark_running(seg.node)
                 if isinstance(item, work.AddCheckpoint):
