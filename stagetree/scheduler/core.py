@@ -19,8 +19,12 @@ Decisions after each event that can change them:
    emits one ``RunBatch``: evaluate at every request point of the chain, checkpoint
    at request points, at branch points where other stages continue and at the end,
    except where a durable checkpoint exists.
+   With several studies holding ready work, the chain is chosen for the study
+   furthest behind its fair share, among the stages its requests need (see
+   :class:`Scheduler`: fair share across studies).
 3. **Preemption.** A running batch that no live request needs any more (nothing it
-   will evaluate, nothing waiting for its checkpoints) gets an ``Abort``.
+   will evaluate, nothing waiting for its checkpoints) gets an ``Abort``. Fair share
+   never preempts: a study behind its share gets the next free workers instead.
 
 Failures: ``BatchFailed`` plans the stage again up to ``max_retries`` times, then emits
 ``RequestFailed`` for every live request that cannot be reached without the failed
@@ -184,6 +188,27 @@ class Scheduler:
 
     ``eval_every`` goes into every ``RunBatch``: workers also evaluate every
     ``eval_every`` steps for the learning curve (0: at requested points only).
+
+    Fair share across studies: studies contending for the workers get device time in
+    proportion to their weights (``StudyWeight``; 1.0 by default), in the spirit of a
+    fair-share cluster scheduler, counted in training steps (see :attr:`usage`). When a
+    worker is free, the studies with ready work (a stage-tree root that starts now
+    with one of their live requests in or below it) are ranked by standing: charged
+    steps, plus the steps their running batches will still train for them (so that
+    workers freed together are shared out at once), plus a lift, per unit of weight;
+    ties go by study name. The first one's chain is the policy's choice among the
+    stages its requests need (a view of the tree without other studies' branches;
+    stages are shared, so the chain may serve other studies too, and then counts for
+    them). A study without ready work never holds a worker back (work conserving),
+    and a study alone gets every worker whatever its weight. Lift, fair queueing's
+    virtual time: when a study gets its first live request after having none, its
+    standing is raised to the lowest standing of the active studies (those with live
+    requests), so a newcomer (or a study coming back) starts level instead of taking
+    every worker until it catches up on what others used before it came; the lift is
+    not part of :attr:`usage`. Fair share never preempts a running batch: batches are
+    the unit of sharing, so a study's usage per unit of weight stays within about one
+    batch of the others' while both have work waiting. With one study (e.g. only the
+    anonymous ``""``) decisions are exactly the policy's.
     """
 
     def __init__(
@@ -321,7 +346,8 @@ class Scheduler:
         the step, or the request waits for a position of the batch at or after it. So
         a stage shared by two studies counts for both, and steps no live request needs
         (an aborted batch running out) count for none: the sum over studies is not
-        :attr:`steps_executed`. Steps, not seconds, keep decisions deterministic.
+        :attr:`steps_executed`. Steps, not seconds, keep decisions deterministic. The
+        virtual-time lift of a late study (see the class docstring) is not usage.
         """
         return dict(self._usage)
 

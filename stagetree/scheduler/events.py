@@ -2,8 +2,9 @@
 
 Worker and executor events (``Progress``, ``CheckpointSaved``, ...) live in
 :mod:`stagetree.work`; the events here describe the plan: its roots, nodes, requests
-and durable checkpoints. Notices tell the study what became of its requests. All are
-frozen, picklable dataclasses.
+(with the studies that hold them, and the studies' weights) and durable checkpoints.
+Notices tell the study what became of its requests. All are frozen, picklable
+dataclasses.
 """
 
 from __future__ import annotations
