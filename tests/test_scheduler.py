@@ -552,6 +552,7 @@ def test_public_names() -> None:
         "RequestFailed",
         "RootAdded",
         "Scheduler",
+        "StudyWeight",
         "ThroughputPolicy",
         "make_policy",
     ]

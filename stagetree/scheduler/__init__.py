@@ -21,6 +21,7 @@ from stagetree.scheduler.events import (
     RequestDone,
     RequestFailed,
     RootAdded,
+    StudyWeight,
 )
 from stagetree.scheduler.policies import (
     BasePolicy,
@@ -48,6 +49,7 @@ __all__ = [
     "RequestFailed",
     "RootAdded",
     "Scheduler",
+    "StudyWeight",
     "ThroughputPolicy",
     "make_policy",
 ]

@@ -19,8 +19,12 @@ Decisions after each event that can change them:
    emits one ``RunBatch``: evaluate at every request point of the chain, checkpoint
    at request points, at branch points where other stages continue and at the end,
    except where a durable checkpoint exists.
+   With several studies holding ready work, the chain is chosen for the study
+   furthest behind its fair share, among the stages its requests need (see
+   :class:`Scheduler`: fair share across studies).
 3. **Preemption.** A running batch that no live request needs any more (nothing it
-   will evaluate, nothing waiting for its checkpoints) gets an ``Abort``.
+   will evaluate, nothing waiting for its checkpoints) gets an ``Abort``. Fair share
+   never preempts: a study behind its share gets the next free workers instead.
 
 Failures: ``BatchFailed`` plans the stage again up to ``max_retries`` times, then emits
 ``RequestFailed`` for every live request that cannot be reached without the failed
@@ -43,7 +47,9 @@ before its ``BatchDone``: a promise not kept by then is taken as not kept.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import math
+import numbers
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +67,7 @@ from stagetree.scheduler.events import (
     RequestDone,
     RequestFailed,
     RootAdded,
+    StudyWeight,
 )
 from stagetree.scheduler.policies import BasePolicy, make_policy
 from stagetree.stages import (
@@ -107,6 +114,11 @@ class _Batch:
     aborted: bool = False
     # Metrics reported at a point whose promised checkpoint is not durable yet.
     parked: dict[Key, dict[str, float]] = field(default_factory=dict)
+    # Fair-share accounting: the position up to which the batch's steps were charged,
+    # and pending requests that wait for a position it will pass (waiting stage-tree
+    # roots and covered requests), with that position: refreshed at every decision.
+    charged: int = 0
+    downstream: dict[Key, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,27 @@ class Scheduler:
 
     ``eval_every`` goes into every ``RunBatch``: workers also evaluate every
     ``eval_every`` steps for the learning curve (0: at requested points only).
+
+    Fair share across studies: studies contending for the workers get device time in
+    proportion to their weights (``StudyWeight``; 1.0 by default), in the spirit of a
+    fair-share cluster scheduler, counted in training steps (see :attr:`usage`). When a
+    worker is free, the studies with ready work (a stage-tree root that starts now
+    with one of their live requests in or below it) are ranked by standing: charged
+    steps, plus the steps their running batches will still train for them (so that
+    workers freed together are shared out at once), plus a lift, per unit of weight;
+    ties go by study name. The first one's chain is the policy's choice among the
+    stages its requests need (a view of the tree without other studies' branches;
+    stages are shared, so the chain may serve other studies too, and then counts for
+    them). A study without ready work never holds a worker back (work conserving),
+    and a study alone gets every worker whatever its weight. Lift, fair queueing's
+    virtual time: when a study gets its first live request after having none, its
+    standing is raised to the lowest standing of the active studies (those with live
+    requests), so a newcomer (or a study coming back) starts level instead of taking
+    every worker until it catches up on what others used before it came; the lift is
+    not part of :attr:`usage`. Fair share never preempts a running batch: batches are
+    the unit of sharing, so a study's usage per unit of weight stays within about one
+    batch of the others' while both have work waiting. With one study (e.g. only the
+    anonymous ``""``) decisions are exactly the policy's.
     """
 
     def __init__(
@@ -207,6 +240,13 @@ class Scheduler:
         self._roots: dict[str, dict[str, Any]] = {}
         self._nodes: dict[int, Node] = {}
         self._requests: dict[Key, int] = {}
+        # Fair share: references by study per live request, live requests per active
+        # study, weights, charged steps, and the virtual-time lift of late studies.
+        self._claims: dict[Key, dict[str, int]] = {}
+        self._held: dict[str, int] = {}
+        self._weights: dict[str, float] = {}
+        self._usage: dict[str, float] = {}
+        self._lift: dict[str, float] = {}
         self._checkpoints: dict[Key, str] = {}
         self._batches: dict[int, _Batch] = {}
         self._positions: dict[int, int] = {}  # every batch ever: last reported step
@@ -223,6 +263,7 @@ class Scheduler:
             NodeAdded: self._on_node,
             RequestAdded: self._on_request,
             RequestCancelled: self._on_cancel,
+            StudyWeight: self._on_weight,
             CheckpointAvailable: self._on_checkpoint,
             CheckpointSaved: self._on_checkpoint,
             CheckpointLost: self._on_checkpoint_lost,
@@ -288,6 +329,27 @@ class Scheduler:
     def live_requests(self) -> dict[Key, int]:
         """Unsettled requests and their reference counts."""
         return dict(self._requests)
+
+    @property
+    def live_claims(self) -> dict[Key, dict[str, int]]:
+        """Unsettled requests and their reference counts by study."""
+        return {k: dict(v) for k, v in self._claims.items()}
+
+    @property
+    def usage(self) -> dict[str, float]:
+        """Training steps charged to each study so far (every study seen, 0.0 at first).
+
+        Steps are charged as workers report them (``Progress``, ``MetricsReported``) and
+        when a batch ends (``BatchDone.steps``, the step of a ``BatchFailed``, the last
+        position before a ``WorkerLost``). A step is charged in full to *every* study
+        with a live request that needs it: the batch evaluates that request at or after
+        the step, or the request waits for a position of the batch at or after it. So
+        a stage shared by two studies counts for both, and steps no live request needs
+        (an aborted batch running out) count for none: the sum over studies is not
+        :attr:`steps_executed`. Steps, not seconds, keep decisions deterministic. The
+        virtual-time lift of a late study (see the class docstring) is not usage.
+        """
+        return dict(self._usage)
 
     @property
     def checkpoints(self) -> dict[Key, str]:
@@ -405,23 +467,88 @@ class Scheduler:
 
     def _on_request(self, e: RequestAdded, out: list[Instruction | Notice]) -> None:
         key = self._check_key(e.node, e.step, e.count)
+        study = e.study
+        claims = self._claims.setdefault(key, {})
+        if study not in claims:
+            if not self._held.get(study):
+                self._activate(study)
+            self._held[study] = self._held.get(study, 0) + 1
+        claims[study] = claims.get(study, 0) + e.count
         self._requests[key] = self._requests.get(key, 0) + e.count
         self._dirty = True
 
     def _on_cancel(self, e: RequestCancelled, out: list[Instruction | Notice]) -> None:
         key = self._check_key(e.node, e.step, e.count)
-        held = self._requests.get(key)
-        if held is None:
-            return  # settled meanwhile (done or failed): nothing to cancel
+        claims = self._claims.get(key)
+        held = claims.get(e.study, 0) if claims is not None else 0
+        if not held:
+            # Settled meanwhile (done or failed), perhaps asked for again by another
+            # study since: nothing of this study's to cancel.
+            return
         if e.count > held:
+            by = f" by study {e.study!r}" if e.study else ""
             raise SchedulerError(
-                f"cannot cancel {e.count} references of request {key}: it holds {held}"
+                f"cannot cancel {e.count} references of request {key}{by}: it holds {held}"
             )
+        assert claims is not None
         if e.count == held:
-            del self._requests[key]
+            del claims[e.study]
+            self._unhold(e.study)
         else:
-            self._requests[key] = held - e.count
+            claims[e.study] = held - e.count
+        total = self._requests[key] - e.count
+        if total:
+            self._requests[key] = total
+        else:
+            del self._requests[key]
+            del self._claims[key]
         self._dirty = True
+
+    def _drop(self, key: Key) -> bool:
+        """Settle live request ``key`` (done or failed); False when it is not live."""
+        if self._requests.pop(key, None) is None:
+            return False
+        for study in self._claims.pop(key, {}):
+            self._unhold(study)
+        return True
+
+    def _unhold(self, study: str) -> None:
+        left = self._held[study] - 1
+        if left:
+            self._held[study] = left
+        else:
+            del self._held[study]
+
+    def _on_weight(self, e: StudyWeight, out: list[Instruction | Notice]) -> None:
+        w = e.weight
+        if (
+            isinstance(w, bool)
+            or not isinstance(w, numbers.Real)
+            or not math.isfinite(w)
+            or not w > 0
+        ):
+            raise ValueError(f"study {e.study!r}: weight must be a finite number > 0, got {w!r}")
+        self._weights[e.study] = float(w)
+        self._usage.setdefault(e.study, 0.0)
+
+    def _weight(self, study: str) -> float:
+        return self._weights.get(study, 1.0)
+
+    def _standing(self, study: str) -> float:
+        """Charged steps plus the virtual-time lift, per unit of weight."""
+        return (self._usage.get(study, 0.0) + self._lift.get(study, 0.0)) / self._weight(study)
+
+    def _activate(self, study: str) -> None:
+        """``study`` gets its first live request after having none: lift its standing to
+        the lowest one among the active studies (fair queueing's virtual time), so a
+        late or returning study does not take every worker to catch up."""
+        self._usage.setdefault(study, 0.0)
+        if not self._held:
+            return
+        floor = min(self._standing(s) for s in self._held) * self._weight(study)
+        mine = self._usage[study] + self._lift.get(study, 0.0)
+        if floor > mine:
+            self._lift[study] = self._lift.get(study, 0.0) + floor - mine
 
     def _on_checkpoint(
         self, e: CheckpointAvailable | CheckpointSaved, out: list[Instruction | Notice]
@@ -448,8 +575,10 @@ class Scheduler:
             self._steps_executed += e.step - last
             self._positions[e.batch_id] = e.step
         batch = self._batches.get(e.batch_id)
-        if batch is not None and e.step > batch.position:
-            batch.position = e.step
+        if batch is not None:
+            if e.step > batch.position:
+                batch.position = e.step
+            self._charge(batch, e.step)
         node = self._nodes.get(e.node)
         if node is not None:
             self.estimator.observe(node, e.seconds_per_step)
@@ -458,6 +587,7 @@ class Scheduler:
         key = (e.node, e.step)
         batch = self._batches.get(e.batch_id)
         if batch is not None:
+            self._charge(batch, e.step)  # before the request settles
             if key in batch.checkpoint and key not in self._checkpoints:
                 # Settle once the model at this point is durable too (or the batch ends):
                 # a finished request must find its checkpoint.
@@ -469,7 +599,7 @@ class Scheduler:
     def _settle(
         self, key: Key, metrics: Mapping[str, float], out: list[Instruction | Notice]
     ) -> None:
-        if self._requests.pop(key, None) is not None:
+        if self._drop(key):
             out.append(RequestDone(key[0], key[1], dict(metrics)))
 
     def _on_curve(self, e: CurveReported, out: list[Instruction | Notice]) -> None:
@@ -486,6 +616,8 @@ class Scheduler:
     def _on_done(self, e: BatchDone, out: list[Instruction | Notice]) -> None:
         batch = self._release(e.batch_id)
         if batch is not None:
+            begin = batch.segments[0][1] if batch.segments else batch.end[1]
+            self._charge(batch, max(batch.position, begin + e.steps))
             for key, metrics in batch.parked.items():  # its checkpoint was not kept
                 self._settle(key, metrics, out)
         if batch is not None and not batch.aborted and batch.position >= batch.end[1]:
@@ -495,6 +627,8 @@ class Scheduler:
 
     def _on_failed(self, e: BatchFailed, out: list[Instruction | Notice]) -> None:
         batch = self._release(e.batch_id)
+        if batch is not None:  # the model at ``e.step`` was made
+            self._charge(batch, max(batch.position, e.step))
         self._worker_at.pop(e.worker, None)
         self._dirty = True
         key = (e.node, e.step)
@@ -527,7 +661,7 @@ class Scheduler:
         where: str = "",
     ) -> None:
         for node, step in sorted(doomed, key=lambda k: (k[1], k[0])):
-            if self._requests.pop((node, step), None) is not None:
+            if self._drop((node, step)):
                 out.append(RequestFailed(node, step, error, tb, where))
 
     def _on_path(self, model: Key, node_id: int, step: int) -> bool:
@@ -611,6 +745,7 @@ class Scheduler:
             if b.worker == e.worker or b.batch_id == e.batch_id
         ]:
             batch = self._batches.pop(batch_id)
+            self._charge(batch, batch.position)
             if not batch.aborted:
                 self._count_death(batch, e, out)
         self._dirty = True
@@ -636,6 +771,114 @@ class Scheduler:
         )
         where = f"training from step {batch.position}"
         self._fail(self._behind((node, batch.position + 1)), error, "", out, where)
+
+    # -- fair share ------------------------------------------------------------------------
+
+    def _served(self, batch: _Batch) -> Iterator[tuple[Key, int]]:
+        """Requests a batch serves, each with the position of the batch it needs."""
+        for key in batch.evaluate:
+            yield key, key[1]
+        yield from batch.downstream.items()
+
+    def _needs(self, batch: _Batch, after: int) -> dict[str, int]:
+        """Per study with a live request the batch serves: the furthest position of the
+        batch (past ``after``, up to its end) that those requests need."""
+        end = batch.end[1]
+        out: dict[str, int] = {}
+        for key, pos in self._served(batch):
+            if pos <= after:
+                continue
+            claims = self._claims.get(key)
+            if not claims:
+                continue
+            pos = min(pos, end)
+            for study in claims:
+                if out.get(study, -1) < pos:
+                    out[study] = pos
+        return out
+
+    def _charge(self, batch: _Batch, upto: int) -> None:
+        """Charge the steps of ``batch`` up to position ``upto`` (see :attr:`usage`)."""
+        start = batch.charged
+        if upto <= start:
+            return
+        batch.charged = upto
+        for study, pos in self._needs(batch, start).items():
+            self._usage[study] = self._usage.get(study, 0.0) + (min(pos, upto) - start)
+
+    def _study_order(self, studies: Iterable[str]) -> list[str]:
+        """Studies by fair-share standing, lowest first (ties: name order): charged
+        steps plus the steps running batches still owe them (so that workers freed at
+        once are shared out), plus the virtual-time lift, per unit of weight."""
+        owed: dict[str, float] = {}
+        for batch in self._active():
+            for study, pos in self._needs(batch, batch.charged).items():
+                owed[study] = owed.get(study, 0.0) + (pos - batch.charged)
+        return sorted(
+            studies, key=lambda s: (self._standing(s) + owed.get(s, 0.0) / self._weight(s), s)
+        )
+
+    def _choose(self, tree: StageTree, ready: list[Stage]) -> list[Stage]:
+        """The next chain for an idle worker: the policy's choice among the stages of
+        the study with the lowest fair-share standing that has ready work."""
+        if len(self._held) <= 1:
+            return self.policy.choose(tree, ready)
+        # Studies whose live requests lie in each stage or below it.
+        order = [s for r in ready for s in r.subtree()]
+        below: dict[int, set[str]] = {}
+        for stage in reversed(order):
+            studies: set[str] = set()
+            for t in stage.evaluate_at:
+                studies.update(self._claims.get((stage.node, t), ()))
+            for child in stage.children:
+                studies |= below[id(child)]
+            below[id(stage)] = studies
+        candidates: set[str] = set()
+        for root in ready:
+            candidates |= below[id(root)]
+        if len(candidates) <= 1:
+            return self.policy.choose(tree, ready)
+        for study in self._study_order(candidates):
+            copies: dict[int, Stage] = {}
+            roots: list[Stage] = []
+            for root in ready:
+                if study not in below[id(root)]:
+                    continue
+                top = Stage(
+                    root.node,
+                    root.start,
+                    root.stop,
+                    None,
+                    None,
+                    list(root.evaluate_at),
+                    root.cost,
+                    root.origin,
+                )
+                copies[id(top)] = root
+                roots.append(top)
+                stack = [(root, top)]
+                while stack:
+                    orig, copy = stack.pop()
+                    for child in orig.children:
+                        if study in below[id(child)]:
+                            sub = Stage(
+                                child.node,
+                                child.start,
+                                child.stop,
+                                copy,
+                                None,
+                                list(child.evaluate_at),
+                                child.cost,
+                            )
+                            copy.children.append(sub)
+                            copies[id(sub)] = child
+                            stack.append((child, sub))
+            stages = [s for r in roots for s in r.subtree()]
+            view = StageTree(stages, roots, tree.covered, tree.nodes)
+            path = self.policy.choose(view, roots)
+            if path:
+                return [copies.get(id(s), s) for s in path]
+        return []
 
     # -- decisions -------------------------------------------------------------------------
 
@@ -668,17 +911,21 @@ class Scheduler:
             ready = tree.ready_roots()
             if not ready or not self._idle:
                 break
-            path = self.policy.choose(tree, ready)
+            path = self._choose(tree, ready)
             if not path:
                 break
             self._assign(path, out)
         self._preempt(tree, out)
 
     def _split(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
-        """Ask running batches for the checkpoints and evaluations pending work needs."""
+        """Ask running batches for the checkpoints and evaluations pending work needs
+        (and note, for fair-share accounting, which pending requests wait for them)."""
+        for batch in self._batches.values():
+            batch.downstream.clear()
         for c in tree.covered:
             batch = self._batches[c.batch_id]
             key = (c.node, c.step)
+            batch.downstream[key] = c.step
             if c.step <= batch.position:
                 # A promised checkpoint the worker already passed: the request is
                 # evaluated from it once it is durable.
@@ -692,6 +939,9 @@ class Scheduler:
             assert origin is not None and origin.batch_id is not None
             batch = self._batches[origin.batch_id]
             key = (origin.node, origin.step)
+            for stage in root.subtree():
+                for t in stage.evaluate_at:
+                    batch.downstream[(stage.node, t)] = origin.step
             if key not in batch.checkpoint:
                 batch.checkpoint.add(key)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
@@ -737,6 +987,7 @@ class Scheduler:
             set(checkpoint),
             frozenset(evaluate | checkpoint),
             start,
+            charged=root.start,
         )
         self._positions[batch_id] = root.start
         self._steps_planned += sum(b - a for _, a, b in segments)

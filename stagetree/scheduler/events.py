@@ -2,8 +2,9 @@
 
 Worker and executor events (``Progress``, ``CheckpointSaved``, ...) live in
 :mod:`stagetree.work`; the events here describe the plan: its roots, nodes, requests
-and durable checkpoints. Notices tell the study what became of its requests. All are
-frozen, picklable dataclasses.
+(with the studies that hold them, and the studies' weights) and durable checkpoints.
+Notices tell the study what became of its requests. All are frozen, picklable
+dataclasses.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "RequestDone",
     "RequestFailed",
     "RootAdded",
+    "StudyWeight",
 ]
 
 
@@ -47,7 +49,9 @@ class NodeAdded:
 
 @dataclass(frozen=True)
 class RequestAdded:
-    """``count`` new references to request ``(node, step)`` (canonical key).
+    """``count`` new references of study ``study`` to request ``(node, step)``
+    (canonical key). Several studies may hold references to one request; ``""`` is the
+    anonymous study.
 
     A request whose metrics are already known never reaches the scheduler: the study
     answers it from the plan.
@@ -56,15 +60,26 @@ class RequestAdded:
     node: int
     step: int
     count: int = 1
+    study: str = ""
 
 
 @dataclass(frozen=True)
 class RequestCancelled:
-    """``count`` references to request ``(node, step)`` are dropped."""
+    """``count`` references of study ``study`` to request ``(node, step)`` are dropped."""
 
     node: int
     step: int
     count: int = 1
+    study: str = ""
+
+
+@dataclass(frozen=True)
+class StudyWeight:
+    """Study ``study`` gets device time in proportion to ``weight`` (> 0, finite) while
+    it contends for workers with other studies; a study never given one weighs 1.0."""
+
+    study: str
+    weight: float
 
 
 @dataclass(frozen=True)
@@ -107,7 +122,13 @@ class RequestFailed:
 
 
 PlanEvent = (
-    RootAdded | NodeAdded | RequestAdded | RequestCancelled | CheckpointAvailable | CheckpointLost
+    RootAdded
+    | NodeAdded
+    | RequestAdded
+    | RequestCancelled
+    | StudyWeight
+    | CheckpointAvailable
+    | CheckpointLost
 )
 Event = PlanEvent | WorkerEvent
 Notice = RequestDone | RequestFailed

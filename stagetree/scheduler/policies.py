@@ -31,6 +31,10 @@ class BasePolicy(ABC):
       calls: the scheduler rebuilds the tree for every decision (a policy may keep
       configuration, e.g. a tie-breaking seed).
     * It must be deterministic given the tree.
+
+    When several studies have ready work, ``tree`` and ``roots`` are a view of one
+    study's part of the tree (the stages its requests need; see
+    :class:`~stagetree.scheduler.Scheduler`); the scheduler maps the chain back.
     """
 
     name: str = ""
