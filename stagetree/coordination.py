@@ -77,6 +77,7 @@ class Coordinator:
         self._batch_leases: dict[int, tuple[Lease, ...]] = {}
         self._studies: set[str] = set()
         self._parked: dict[Key, int] = {}  # request -> references taken off the scheduler
+        self._parked_claims: dict[Key, dict[str, int]] = {}  # the same, by study
         self._parked_roots: set[str] = set()
         self._waiting_on: set[int] = set()  # ids of the leases that stopped our claims
         self._adopted: set[Key] = set()
@@ -108,7 +109,12 @@ class Coordinator:
         if known:
             for key, metrics in known.items():
                 self.engine._resolve(key[0], key[1], metrics=metrics)
-            undo: list[Any] = [RequestCancelled(k[0], k[1], live[k]) for k in known]
+            claims = self.engine.scheduler.live_claims
+            undo: list[Any] = [
+                RequestCancelled(k[0], k[1], n, study=study)
+                for k in known
+                for study, n in sorted(claims.get(k, {}).items())
+            ]
             return [*undo, BatchDone(batch.batch_id, batch.worker, 0.0, 0)]
         segments = [(s.node, s.start, s.stop) for s in batch.segments]
         newer = self._checkpoints_on(batch.root_key, segments)
@@ -121,11 +127,15 @@ class Coordinator:
             self._last_beat = time.monotonic()
             return []
         events: list[Any] = []
+        claims = self.engine.scheduler.live_claims
         for key in batch.evaluate_at:
             count = live.get(key, 0)
             if count:
                 self._parked[key] = self._parked.get(key, 0) + count
-                events.append(RequestCancelled(key[0], key[1], count))
+                parked = self._parked_claims.setdefault(key, {})
+                for study, n in sorted(claims.get(key, {}).items()):
+                    parked[study] = parked.get(study, 0) + n
+                    events.append(RequestCancelled(key[0], key[1], n, study=study))
         self._parked_roots.add(batch.root_key)
         self._waiting_on.update(lease.id for lease in result.conflicts)
         events.append(BatchDone(batch.batch_id, batch.worker, 0.0, 0))
@@ -261,9 +271,11 @@ class Coordinator:
             req = self.storage.request(*key)
             if metrics is not None and self._settled(key, foreign):
                 del self._parked[key]
+                self._parked_claims.pop(key, None)
                 engine._resolve(key[0], key[1], metrics=metrics)
             elif req is None or req.state == RequestState.CANCELLED:
                 del self._parked[key]  # nobody wants it any more
+                self._parked_claims.pop(key, None)
         if not self._parked:
             self._parked_roots.clear()
             self._waiting_on.clear()
@@ -273,10 +285,14 @@ class Coordinator:
         if not events and self._waiting_on <= live:
             return []  # nothing changed: keep waiting
         _log.debug("unpark %s", sorted(self._parked))
-        for (node, step), count in sorted(self._parked.items()):
-            waiting = sum(not w.future.done() for w in engine._waiters.get((node, step), []))
-            events.append(RequestAdded(node, step, min(count, waiting) if waiting else count))
+        for (node, step), by_study in sorted(self._parked_claims.items()):
+            waiters = [w for w in engine._waiters.get((node, step), []) if not w.future.done()]
+            for study, count in sorted(by_study.items()):
+                waiting = sum(w.study == study for w in waiters)
+                n = min(count, waiting) if waiting else count
+                events.append(RequestAdded(node, step, n, study=study))
         self._parked.clear()
+        self._parked_claims.clear()
         self._parked_roots.clear()
         self._waiting_on.clear()
         return events
@@ -294,7 +310,11 @@ class Coordinator:
             req = self.storage.request(*key)
             if (req is None or req.state == RequestState.CANCELLED) and key not in engine._waiters:
                 self._adopted.discard(key)
-                events.append(RequestCancelled(key[0], key[1], live[key]))
+                claims = engine.scheduler.live_claims.get(key, {})
+                events.extend(
+                    RequestCancelled(key[0], key[1], n, study=study)
+                    for study, n in sorted(claims.items())
+                )
         leases = [lease for held in self._batch_leases.values() for lease in held]
         states = [RequestState.PENDING, RequestState.SCHEDULED]
         for root in sorted({lease.scope for lease in leases}):

@@ -77,14 +77,6 @@ def default_checkpoint_dir(url: str) -> tuple[Path, bool]:
     return Path("stagetree_checkpoints"), False
 
 
-def _request_added(cls: Any, node: int, step: int, study: str) -> Any:
-    """A ``RequestAdded``/``RequestCancelled`` event naming its study (fair share)."""
-    try:
-        return cls(node, step, study=study)
-    except TypeError:  # a scheduler without studies
-        return cls(node, step)
-
-
 def root_scope(root_key: str) -> str:
     """The accounting scope of one plan tree (see ``BasePlanStorage.add_stats``)."""
     return f"root:{root_key}"
@@ -303,10 +295,9 @@ class Engine:
             return slot
 
     def _weight_events(self, slot: StudySlot) -> list[Any]:
-        from stagetree import scheduler
+        from stagetree.scheduler import StudyWeight
 
-        weight_event = getattr(scheduler, "StudyWeight", None)  # fair share (scheduler)
-        return [] if weight_event is None else [weight_event(slot.name, slot.weight)]
+        return [StudyWeight(slot.name, slot.weight)]
 
     def _ensure_row(self, slot: StudySlot) -> None:
         """Create the study row (or record the tuner's metric and mode in it) just before
@@ -390,7 +381,7 @@ class Engine:
             storage.add_request(node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
             events = self._path_events(root_key, leaf)
-            events.append(_request_added(RequestAdded, node, step, slot.name))
+            events.append(RequestAdded(node, step, study=slot.name))
             self._enqueue(events)
         return waiter
 
@@ -515,7 +506,7 @@ class Engine:
             req = self.storage.request(node, step)
             if req is not None and req.state not in (RequestState.DONE, RequestState.FAILED):
                 self.storage.release_request(node, step)
-                self._enqueue([_request_added(RequestCancelled, node, step, waiter.study)])
+                self._enqueue([RequestCancelled(node, step, study=waiter.study)])
             if not waiter.future.done():
                 waiter.future.set_exception(TrialCancelledError(f"request ({node}, {step})"))
             self._set_trial_state(waiter, "cancelled")

@@ -19,10 +19,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from study_trainers import SlowLinearTrainer  # noqa: E402
+from study_trainers import SlowLinearTrainer
 
-from stagetree import Study  # noqa: E402
-from stagetree.hp import Constant, MultiStep, Sequence  # noqa: E402
+from stagetree import Study
+from stagetree.hp import Constant, MultiStep, Sequence
 
 STEPS = 50
 

@@ -80,7 +80,7 @@ class Box:
 
     def kill(self) -> None:
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL) if False else self.proc.kill()
+        os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
     def stop(self) -> None:
@@ -243,4 +243,4 @@ def test_a_killed_client_releases_its_requests_and_the_other_finishes(
             break
         assert time.monotonic() < deadline, f"bob's requests were not released: {own & live}"
         time.sleep(0.5)
-    assert all(t["state"] != "running" for t in bob if t["config"]["seed"] >= 20) or True
+    assert not any(t["state"] == "done" for t in bob if t["config"]["seed"] >= 20)
