@@ -223,7 +223,7 @@ def test_a_killed_client_releases_its_requests_and_the_other_finishes(
     box: Box, alone: dict[str, dict[str, float]]
 ) -> None:
     a, b = _start_pair(box)
-    time.sleep(1.0)
+    time.sleep(0.5)
     b.proc.kill()  # kill -9: no goodbye
     b.proc.wait()
     res_a = a.wait()
@@ -243,4 +243,3 @@ def test_a_killed_client_releases_its_requests_and_the_other_finishes(
             break
         assert time.monotonic() < deadline, f"bob's requests were not released: {own & live}"
         time.sleep(0.5)
-    assert not any(t["state"] == "done" for t in bob if t["config"]["seed"] >= 20)
