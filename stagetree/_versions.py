@@ -32,7 +32,7 @@ class StudyLike(Protocol):
     log_checked: bool
 
 
-__all__ = ["append_log", "open_trials", "own_trials", "read_log"]
+__all__ = ["append_log", "open_trials", "read_log"]
 
 LOG_EVENT = "trainer"
 _ANNOUNCED: set[tuple[str, str, str]] = set()
@@ -77,12 +77,6 @@ def open_trials(
 
 def _ident(trial: dict[str, Any]) -> tuple[str, str]:
     return canonical_json(trial["config"]), dumps_hp(trial["hp"])
-
-
-def own_trials(study: StudyLike, storage: BasePlanStorage) -> list[dict[str, Any]]:
-    """The trials of ``study`` recorded by its trainer version."""
-    meta = _meta(storage, study.name)
-    return [t for t in storage.trials(study.name) if trial_version(t, meta) == study.version]
 
 
 def _segment(records: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[Any, list[Any]]:

@@ -19,12 +19,11 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stagetree import _versions
+from stagetree import reports
 from stagetree.checkpoints import CheckpointStore, check_location
-from stagetree.engine import Engine, StudySlot, default_checkpoint_dir, root_scope
+from stagetree.engine import Engine, StudySlot, default_checkpoint_dir
 from stagetree.exceptions import (
     InvalidTrialError,
     StagetreeError,
@@ -35,6 +34,7 @@ from stagetree.hp import Sequence, as_sequence
 from stagetree.identity import trainer_fingerprint
 from stagetree.names import check_hp_names, check_space_names, names_mismatch
 from stagetree.plan import BasePlanStorage, open_storage
+from stagetree.reports import TrialError, TrialRecord
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult, Tuner
 
@@ -46,69 +46,6 @@ __all__ = ["Study", "TrialError", "TrialRecord", "trainer_fingerprint"]
 # Command-line overrides (``stagetree run --workers N --storage URL``): the CLI sets them
 # before it runs a script, and every Study built by that script honours them.
 _OVERRIDES: dict[str, Any] = {}
-
-
-@dataclass(frozen=True)
-class TrialError:
-    """Why a trial failed, as kept in the plan (``attrs["error"]`` of its record).
-
-    Attributes:
-        type: the exception's type name (``"ValueError"``, ``"WorkerLost"``, ...).
-        message: the exception's message.
-        traceback: the formatted traceback from the worker ("" when there is none, e.g.
-            a worker process that died).
-        where: what it interrupted, in words ("training step 3", "evaluating or
-            checkpointing the model at step 5", "building the trainer").
-    """
-
-    type: str
-    message: str
-    traceback: str = ""
-    where: str = ""
-
-    @classmethod
-    def from_attrs(cls, attrs: Mapping[str, Any] | None) -> TrialError | None:
-        """The error kept in a trial record's ``attrs``, or None."""
-        raw = (attrs or {}).get("error")
-        if not isinstance(raw, Mapping):
-            return None
-        return cls(
-            str(raw.get("type", "Error")),
-            str(raw.get("message", "")),
-            str(raw.get("traceback", "")),
-            str(raw.get("where", "")),
-        )
-
-    def summary(self) -> str:
-        """One line: ``ValueError: boom (training step 3)``."""
-        where = f" ({self.where})" if self.where else ""
-        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
-        return f"{self.type}: {first}{where}" if first else f"{self.type}{where}"
-
-
-@dataclass
-class TrialRecord:
-    """One trial of a study, as :meth:`Study.trials` returns it.
-
-    Attributes:
-        id: storage-wide trial id.
-        config: fixed hyper-parameters.
-        hp: sequences by name.
-        steps: the most steps requested for this trial so far.
-        state: ``pending`` | ``running`` | ``done`` | ``failed`` | ``cancelled``.
-        metrics: every known metric on the trial's path, by step: its learning curve
-            (``train()``'s metrics at every step, ``evaluate()``'s every ``eval_every``
-            steps and at the requested ones).
-        error: why it failed (``state == "failed"``), else None.
-    """
-
-    id: int
-    config: dict[str, Any]
-    hp: dict[str, Sequence]
-    steps: int
-    state: str
-    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    error: TrialError | None = None
 
 
 _ENGINES: dict[tuple[str, str], Engine] = {}
@@ -640,52 +577,36 @@ class Study:
         self._engine.ensure_started()
         return self._engine.num_workers
 
-    # -- reports -------------------------------------------------------------------------
-
-    def _own_trials(self) -> list[dict[str, Any]]:
-        """This study's trials of this trainer version (call with the engine lock)."""
-        return _versions.own_trials(self._study_slot, self._engine.storage)
+    # -- reports (stagetree.reports: one definition each, shared with the commands) ---------
 
     def trials(self) -> list[TrialRecord]:
         """Every trial of this study trained by this version of the trainer (trials of
         other versions are kept in the storage but never mixed in) with its metrics by
         step."""
-        with self._engine.lock:
-            storage = self._engine.storage
-            out = []
-            for t in self._own_trials():
-                hist = storage.metrics_along(t["root_key"], t["hp"], t["steps"])
-                error = TrialError.from_attrs(t.get("attrs")) if t["state"] == "failed" else None
-                out.append(
-                    TrialRecord(t["id"], t["config"], t["hp"], t["steps"], t["state"], hist, error)
-                )
-            return out
+        with self._engine.reading() as storage:
+            return reports.trial_records(storage, self.name, self.version)
 
     def failures(self) -> list[tuple[int, TrialError]]:
-        """``(trial id, error)`` of every failed trial of this study, in id order (cheap:
-        reads no metrics; progress displays poll it)."""
-        with self._engine.lock:
-            trials = self._engine.storage.trials(self.name)
-        out = []
-        for t in trials:
-            if t["state"] == "failed":
-                error = TrialError.from_attrs(t.get("attrs"))
-                out.append((int(t["id"]), error or TrialError("Error", "no error was recorded")))
-        return out
+        """``(trial id, error)`` of every failed trial of this study (of this trainer
+        version), in id order (cheap: reads no metrics; progress displays poll it)."""
+        with self._engine.reading() as storage:
+            return reports.failures(storage, self.name, self.version)
 
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
-        """The trial with the best ``metric`` at its last step (NaN ranks worst)."""
+        """The best trial by ``metric`` (``mode`` ``"max"`` or ``"min"``), by the rule
+        that :meth:`tune`'s result and ``stagetree status`` follow too
+        (:func:`stagetree.reports.best_trial`): trials are compared at the largest step
+        at which any trial has a finite value of ``metric`` at its final step (a trial
+        stopped early never beats one trained further, however good its early metric),
+        then by that value; ties go to the lowest trial id; NaN and infinite values are
+        never best. None when no trial has a finite value at its final step.
+
+        Raises:
+            ValueError: ``mode`` is not ``"max"`` or ``"min"``.
+        """
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
-        best: tuple[float, TrialRecord] | None = None
-        for t in self.trials():
-            m = t.metrics.get(t.steps, {}).get(metric)
-            if m is None or not math.isfinite(m):
-                continue
-            score = m if mode == "max" else -m
-            if best is None or score > best[0]:
-                best = (score, t)
-        return best[1] if best else None
+        return reports.best_trial(self.trials(), metric, mode)
 
     def stats(self) -> dict[str, float]:
         """Accounting: ``steps_requested`` (total steps of this study's trials),
@@ -695,61 +616,22 @@ class Study:
         storage-wide checkpoint seconds/bytes and live-split counts, and lost workers on
         those trees: ``workers_lost``, and ``steps_lost``: steps a lost worker had trained
         past its last durable checkpoint, which are trained again (they count in
-        ``steps_executed`` both times)."""
-        from stagetree.stages import unique_steps
-
+        ``steps_executed`` both times). See :func:`stagetree.reports.study_accounting`;
+        ``stagetree status`` shows the same numbers."""
         self._engine.settle()
-        with self._engine.lock:
-            storage = self._engine.storage
-            trials = self._own_trials()
-            requested = float(sum(t["steps"] for t in trials))
-            roots = {t["root_key"] for t in trials}
-            nodes = {n.id: n for root in roots for n in storage.nodes(root)}
-            unique = float(unique_steps(nodes, [(t["node"], t["step"]) for t in trials]))
-            engine_stats: dict[str, float] = {}
-            for root in roots:
-                for k, v in storage.stats(root_scope(root)).items():
-                    engine_stats[k] = engine_stats.get(k, 0.0) + v
-            everything = storage.stats("engine")
-        out = {
-            "trials": float(len(trials)),
-            "steps_requested": requested,
-            "steps_unique": unique,
-            "merge_rate": requested / unique if unique else 1.0,
-            "steps_executed": engine_stats.get("steps_executed", 0.0),
-            "device_seconds": engine_stats.get("device_seconds", 0.0),
-            "ckpt_save_seconds": everything.get("ckpt_save_seconds", 0.0),
-            "ckpt_load_seconds": everything.get("ckpt_load_seconds", 0.0),
-            "ckpt_bytes": everything.get("ckpt_bytes", 0.0),
-            "live_splits": everything.get("live_splits", 0.0),
-            "splits_missed": everything.get("splits_missed", 0.0),
-            "workers_lost": engine_stats.get("workers_lost", 0.0),
-            "steps_lost": engine_stats.get("steps_lost", 0.0),
-        }
-        return out
+        with self._engine.reading() as storage:
+            return reports.study_accounting(storage, self.name, self.version)
 
     def progress(self) -> dict[str, float]:
         """A cheap snapshot for progress displays: ``trials`` (submitted),
         ``finished``, ``running``, ``failed``, ``steps_requested`` (total steps of the
         submitted trials), ``steps_executed`` (by the engine so far), ``device_seconds``,
         ``elapsed`` (seconds since this Study object was made)."""
-        with self._engine.lock:
-            storage = self._engine.storage
-            trials = self._own_trials()
-            engine_stats = storage.stats("engine")
-            running = self._engine.running_steps()
-        states = [t["state"] for t in trials]
-        return {
-            "trials": float(len(trials)),
-            "finished": float(states.count("done")),
-            "running": float(states.count("running")),
-            "pending": float(states.count("pending")),
-            "failed": float(states.count("failed")),
-            "steps_requested": float(sum(t["steps"] for t in trials)),
-            "steps_executed": engine_stats.get("steps_executed", 0.0) + running,
-            "device_seconds": engine_stats.get("device_seconds", 0.0),
-            "elapsed": time.monotonic() - self._started,
-        }
+        with self._engine.reading() as storage:  # the engine's lock is held
+            out = reports.progress(storage, self.name, self.version)
+            out["steps_executed"] += self._engine.running_steps()
+        out["elapsed"] = time.monotonic() - self._started
+        return out
 
 
 def remote_url(url: str | None) -> str:

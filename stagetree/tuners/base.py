@@ -46,6 +46,7 @@ from stagetree.exceptions import (
     TrialFailedError,
     TunerError,
 )
+from stagetree.reports import best_key
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
@@ -504,7 +505,8 @@ class Tuner(ABC):
       :class:`TrialRunner`) and returns the best result, or None when no trial
       produced a finite value of ``metric``. "Best" compares results at the largest
       number of steps any finite result reached (a 1-step metric never beats a
-      64-step one); ties go to the trial created first.
+      64-step one), then by value; ties go to the trial created first. This is the
+      one rule of :mod:`stagetree.reports` (``Study.best``, ``stagetree status``).
     * Every tuner takes ``metric`` (a name the trainer reports) and ``mode``
       (``"max"`` or ``"min"``), and a ``seed``: given the seed and the order in which
       results arrive, decisions are identical. Subclasses implement :meth:`_search`
@@ -611,11 +613,12 @@ class Tuner(ABC):
         return sorted(values, key=lambda tid: (-values[tid], tid))
 
     def best(self) -> TrialResult | None:
-        """Best observed result (see the class doc), None without a finite one."""
-        finite = [(tid, r, self.value(r)) for tid, r in self.results]
-        finite = [x for x in finite if x[2] > -math.inf]
-        if not finite:
-            return None
-        top = max(r.steps for _, r, _ in finite)
-        candidates = [x for x in finite if x[1].steps == top]
-        return min(candidates, key=lambda x: (-x[2], x[0]))[1]
+        """Best observed result (see the class doc), None without a finite one: the
+        rule of :func:`stagetree.reports.best_key`, with trials in creation order as the
+        tie-break (what ``Study.best`` and ``stagetree status`` rank by too)."""
+        best: tuple[tuple[int, float, int], TrialResult] | None = None
+        for tid, result in self.results:
+            key = best_key(result.steps, result.metrics.get(self.metric), self.mode, tid)
+            if key is not None and (best is None or key > best[0]):
+                best = (key, result)
+        return best[1] if best is not None else None

@@ -1,0 +1,654 @@
+"""The read side: trial records, the best trial, accounting, status and export.
+
+Every reader of results (:class:`~stagetree.Study`, ``stagetree status`` and
+``stagetree export``, a server or a dashboard) asks this module, so that each question
+has one answer:
+
+* **Which trials.** A study's trials of one trainer version (:mod:`stagetree.identity`):
+  a Study asks for its own version, the commands for the version of the study's latest
+  run; the trials of other versions stay in the storage, hidden.
+* **The best trial** (:func:`best_trial`, and :meth:`Tuner.best
+  <stagetree.tuners.base.Tuner.best>` through :func:`best_key`). Trials are compared
+  at the largest step at which any trial has a finite value of the metric at its
+  final step: a trial stopped early (by ASHA, say) never beats one trained further,
+  however good its early metric. Among the trials at that step the best value wins,
+  ties go to the lowest trial id, and NaN or infinite values are never best.
+* **What a study cost** (:func:`study_accounting`). Executed steps and device-seconds
+  are counted per plan tree (the engine's ``root:<key>`` scopes); a study's are the sums
+  over the trees its trials use, so a tree two studies share counts for both. The
+  storage-wide counters (scope ``engine``) count every stage once.
+
+Everything here is a pure function of a :class:`~stagetree.plan.BasePlanStorage`: it
+takes no engine and no lock (callers hold what they need) and never writes, so it
+works on a storage opened read-only (``open_storage(url, readonly=True)``) while other
+processes write to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from stagetree.identity import split_trials
+
+if TYPE_CHECKING:
+    from stagetree.hp import Sequence
+    from stagetree.plan import BasePlanStorage
+
+__all__ = [
+    "StorageStatus",
+    "StudyStatus",
+    "TrialError",
+    "TrialRecord",
+    "accounting",
+    "best_key",
+    "best_trial",
+    "export_records",
+    "export_table",
+    "failures",
+    "final_value",
+    "hidden_trials",
+    "progress",
+    "storage_status",
+    "study_accounting",
+    "study_record",
+    "study_status",
+    "trial_records",
+]
+
+_MODES = ("max", "min")
+
+# Metric names that are minimised when a study does not record its mode.
+_MIN_WORDS = ("loss", "err", "perplexity", "mse", "mae", "regret")
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class TrialError:
+    """Why a trial failed, as kept in the plan (``attrs["error"]`` of its record).
+
+    Attributes:
+        type: the exception's type name (``"ValueError"``, ``"WorkerLost"``, ...).
+        message: the exception's message.
+        traceback: the formatted traceback from the worker ("" when there is none, e.g.
+            a worker process that died).
+        where: what it interrupted, in words ("training step 3", "evaluating or
+            checkpointing the model at step 5", "building the trainer").
+    """
+
+    type: str
+    message: str
+    traceback: str = ""
+    where: str = ""
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any] | None) -> TrialError | None:
+        """The error kept in a trial record's ``attrs``, or None."""
+        raw = (attrs or {}).get("error")
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(
+            str(raw.get("type", "Error")),
+            str(raw.get("message", "")),
+            str(raw.get("traceback", "")),
+            str(raw.get("where", "")),
+        )
+
+    def summary(self) -> str:
+        """One line: ``ValueError: boom (training step 3)``."""
+        where = f" ({self.where})" if self.where else ""
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"{self.type}: {first}{where}" if first else f"{self.type}{where}"
+
+
+_NO_ERROR = TrialError("Error", "no error was recorded")
+
+
+@dataclass
+class TrialRecord:
+    """One trial of a study, as :meth:`Study.trials <stagetree.Study.trials>` and
+    :func:`trial_records` return it.
+
+    Attributes:
+        id: storage-wide trial id.
+        config: fixed hyper-parameters.
+        hp: sequences by name.
+        steps: the most steps requested for this trial so far (its final step).
+        state: ``pending`` | ``running`` | ``done`` | ``failed`` | ``cancelled``.
+        metrics: every known metric on the trial's path, by step: its learning curve
+            (``train()``'s metrics at every step, ``evaluate()``'s every ``eval_every``
+            steps and at the requested ones).
+        error: why it failed (``state == "failed"``), else None.
+    """
+
+    id: int
+    config: dict[str, Any]
+    hp: dict[str, Sequence]
+    steps: int
+    state: str
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    error: TrialError | None = None
+
+
+def _studies(storage: BasePlanStorage) -> dict[str, dict[str, Any]]:
+    return {s["name"]: s for s in storage.studies()}
+
+
+def study_record(storage: BasePlanStorage, study: str) -> dict[str, Any]:
+    """The storage's record of ``study`` (``name``, ``created``, ``meta``).
+
+    Raises:
+        PlanKeyError: no study ``study`` in the storage (naming the studies there).
+    """
+    from stagetree.plan import PlanKeyError
+
+    by_name = _studies(storage)
+    if study not in by_name:
+        known = ", ".join(sorted(by_name)) or "none"
+        raise PlanKeyError(f"no study {study!r} in the storage (studies: {known})")
+    return by_name[study]
+
+
+def _trials(
+    storage: BasePlanStorage, study: str, version: Any = None
+) -> tuple[list[dict[str, Any]], int]:
+    """``(trial rows of version, number of rows of other versions)``; ``version``
+    defaults to that of the study's latest run. A study without a record has none."""
+    record = _studies(storage).get(study)
+    if record is None:
+        return [], 0
+    return split_trials(storage.trials(study), record.get("meta") or {}, version)
+
+
+def _history(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
+    if trial.get("node") is None:
+        return {}
+    return storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
+
+
+def _record(storage: BasePlanStorage, trial: Mapping[str, Any]) -> TrialRecord:
+    error = TrialError.from_attrs(trial.get("attrs")) if trial["state"] == "failed" else None
+    return TrialRecord(
+        int(trial["id"]),
+        dict(trial["config"]),
+        dict(trial["hp"]),
+        int(trial["steps"]),
+        str(trial["state"]),
+        _history(storage, trial),
+        error,
+    )
+
+
+def trial_records(storage: BasePlanStorage, study: str, version: Any = None) -> list[TrialRecord]:
+    """Every trial of ``study`` of trainer version ``version`` (default: the version of
+    the study's latest run), in id order, with its metrics by step. A study the storage
+    does not hold has none."""
+    return [_record(storage, t) for t in _trials(storage, study, version)[0]]
+
+
+def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
+    """Trials of other trainer versions than the latest run's (of ``study``, or of
+    every study), which status and export leave out."""
+    return sum(
+        split_trials(storage.trials(s["name"]), s.get("meta"))[1]
+        for s in storage.studies()
+        if study is None or s["name"] == study
+    )
+
+
+def failures(
+    storage: BasePlanStorage, study: str, version: Any = None
+) -> list[tuple[int, TrialError]]:
+    """``(trial id, error)`` of every failed trial of ``study`` (of ``version``, as in
+    :func:`trial_records`), in id order. Cheap: reads no metrics."""
+    return _failed(_trials(storage, study, version)[0])
+
+
+def _failed(trials: Iterable[Mapping[str, Any]]) -> list[tuple[int, TrialError]]:
+    return [
+        (int(t["id"]), TrialError.from_attrs(t.get("attrs")) or _NO_ERROR)
+        for t in trials
+        if t["state"] == "failed"
+    ]
+
+
+def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:
+    """A cheap snapshot for progress displays (reads no metrics, builds no tree):
+    ``trials``, ``finished``, ``running``, ``pending``, ``failed`` (trial rows of
+    ``version`` by state), ``steps_requested`` (their total steps), and the storage-wide
+    ``steps_executed`` and ``device_seconds`` of the batches that ended so far."""
+    trials = _trials(storage, study, version)[0]
+    states = [t["state"] for t in trials]
+    engine = storage.stats("engine")
+    return {
+        "trials": float(len(trials)),
+        "finished": float(states.count("done")),
+        "running": float(states.count("running")),
+        "pending": float(states.count("pending")),
+        "failed": float(states.count("failed")),
+        "steps_requested": float(sum(int(t["steps"]) for t in trials)),
+        "steps_executed": engine.get("steps_executed", 0.0),
+        "device_seconds": engine.get("device_seconds", 0.0),
+    }
+
+
+# --------------------------------------------------------------------------- best
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number (not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def best_key(steps: int, value: Any, mode: str, tiebreak: int) -> tuple[int, float, int] | None:
+    """The rank of a result (``value`` of the metric after ``steps`` steps) in the one
+    best-trial rule: the larger key is the better result. None for a value that is
+    never best (missing, not a number, NaN, infinite).
+
+    Keys compare steps first (a result at more steps beats any result at fewer), then
+    the value (``mode`` ``"max"`` or ``"min"``), then ``tiebreak`` (the smaller wins:
+    the trial id, or the order the trial was created in).
+    """
+    number = _finite(value)
+    if number is None:
+        return None
+    return (int(steps), number if mode == "max" else -number, -int(tiebreak))
+
+
+def final_value(record: TrialRecord, metric: str) -> Any:
+    """``metric`` of ``record`` at its final step (``record.steps``), or None."""
+    return record.metrics.get(record.steps, {}).get(metric)
+
+
+def best_trial(
+    records: Iterable[TrialRecord], metric: str, mode: str = "max"
+) -> TrialRecord | None:
+    """The best trial: compared at the largest step at which any trial has a finite
+    value of ``metric`` at its final step, then by that value (``mode``), ties to the
+    lowest trial id; NaN and infinite values are never best (see :func:`best_key`).
+    None when no trial has a finite value at its final step.
+
+    Raises:
+        ValueError: ``mode`` is not ``"max"`` or ``"min"``.
+    """
+    _check_mode(mode)
+    best: tuple[tuple[int, float, int], TrialRecord] | None = None
+    for record in records:
+        key = best_key(record.steps, final_value(record, metric), mode, record.id)
+        if key is not None and (best is None or key > best[0]):
+            best = (key, record)
+    return best[1] if best is not None else None
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+def accounting(
+    steps_requested: float, steps_unique: float, steps_executed: float, device_seconds: float
+) -> dict[str, float]:
+    """What sharing saved: requested minus executed steps, and device-seconds saved
+    estimated as saved steps times the measured device-seconds per executed step.
+
+    Returns:
+        ``steps_requested``, ``steps_unique``, ``steps_executed``, ``merge_rate``
+        (requested / unique, 1.0 when nothing is unique), ``device_seconds``,
+        ``seconds_per_step`` (0.0 before any step ran), ``steps_saved``,
+        ``device_seconds_saved``.
+    """
+    saved = steps_requested - steps_executed
+    per_step = device_seconds / steps_executed if steps_executed > 0 else 0.0
+    return {
+        "steps_requested": float(steps_requested),
+        "steps_unique": float(steps_unique),
+        "steps_executed": float(steps_executed),
+        "merge_rate": steps_requested / steps_unique if steps_unique else 1.0,
+        "device_seconds": float(device_seconds),
+        "seconds_per_step": per_step,
+        "steps_saved": float(saved),
+        "device_seconds_saved": saved * per_step,
+    }
+
+
+def _tree_stats(storage: BasePlanStorage, roots: Iterable[str]) -> dict[str, float]:
+    """The counters of the plan trees ``roots``, summed."""
+    from stagetree.engine import root_scope
+
+    out: dict[str, float] = {}
+    for root in roots:
+        for k, v in storage.stats(root_scope(root)).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _study_accounting(
+    storage: BasePlanStorage, trials: list[dict[str, Any]]
+) -> tuple[dict[str, float], bool]:
+    """:func:`study_accounting` of ``trials``, and whether any of their trees has
+    counters (a storage written before trees were counted has none)."""
+    from stagetree.stages import unique_steps
+
+    requested = float(sum(int(t["steps"]) for t in trials))
+    roots = {str(t["root_key"]) for t in trials}
+    nodes = {n.id: n for root in roots for n in storage.nodes(root)}
+    ends = [(int(t["node"]), int(t["step"])) for t in trials if t.get("node") is not None]
+    unique = float(unique_steps(nodes, [e for e in ends if e[0] in nodes]))
+    trees = _tree_stats(storage, roots)
+    everything = storage.stats("engine")
+    numbers = {
+        "trials": float(len(trials)),
+        "steps_requested": requested,
+        "steps_unique": unique,
+        "merge_rate": requested / unique if unique else 1.0,
+        "steps_executed": trees.get("steps_executed", 0.0),
+        "device_seconds": trees.get("device_seconds", 0.0),
+        "ckpt_save_seconds": everything.get("ckpt_save_seconds", 0.0),
+        "ckpt_load_seconds": everything.get("ckpt_load_seconds", 0.0),
+        "ckpt_bytes": everything.get("ckpt_bytes", 0.0),
+        "live_splits": everything.get("live_splits", 0.0),
+        "splits_missed": everything.get("splits_missed", 0.0),
+        "workers_lost": trees.get("workers_lost", 0.0),
+        "steps_lost": trees.get("steps_lost", 0.0),
+    }
+    return numbers, "steps_executed" in trees
+
+
+def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:
+    """What ``study`` (its trials of ``version``, as in :func:`trial_records`) asked
+    for and cost, as :meth:`Study.stats <stagetree.Study.stats>` returns it.
+
+    Returns:
+        ``trials``; ``steps_requested`` (total steps of the trials), ``steps_unique``
+        (steps of the union of their paths) and ``merge_rate`` (requested / unique);
+        ``steps_executed``, ``device_seconds``, ``workers_lost`` and ``steps_lost``
+        (steps a lost worker trained past its last durable checkpoint: trained again,
+        counted in ``steps_executed`` both times) summed over the plan trees the trials
+        use, over every run on this storage (a tree shared with another study counts
+        for both); and the storage-wide ``ckpt_save_seconds``, ``ckpt_load_seconds``,
+        ``ckpt_bytes``, ``live_splits`` and ``splits_missed``.
+    """
+    return _study_accounting(storage, _trials(storage, study, version)[0])[0]
+
+
+# --------------------------------------------------------------------------- status
+
+
+@dataclass
+class StudyStatus:
+    """One study of a storage, as ``stagetree status`` prints it.
+
+    Attributes:
+        name: the study.
+        created: creation time (``time.time()``).
+        trials, finished, running, failed: trial counts (``running``: trials a live
+            engine holds a lease on, not rows an engine that died left ``running``).
+        metric: the metric ranked (None when no trial reported one).
+        mode: ``"max"`` or ``"min"``.
+        metric_note: where ``metric`` and ``mode`` come from.
+        best: the best value of ``metric`` (:func:`best_trial`).
+        best_trial: its trial id.
+        best_step: the step it was reached at.
+        steps_requested: total steps of its trials (each trained alone).
+        steps_unique: steps of the union of their paths.
+        numbers: :func:`accounting` of the study: its executed steps and device-seconds
+            are those of the plan trees its trials use (:func:`study_accounting`; a tree
+            shared with another study counts for both). None when the trials have
+            metrics but none of their trees has counters (a storage written by a
+            stagetree that counted only the whole storage).
+        failures: ``(trial id, first line of its error)`` per failed trial.
+        hidden: trials of other (older) trainer versions, not counted above.
+        workers: where its workers ran, last seen (cluster executors): worker -> node.
+    """
+
+    name: str
+    created: float
+    trials: int
+    finished: int
+    running: int
+    failed: int
+    metric: str | None
+    mode: str
+    metric_note: str
+    best: float | None
+    best_trial: int | None
+    best_step: int | None
+    steps_requested: int
+    steps_unique: int
+    numbers: dict[str, float] | None
+    failures: list[tuple[int, str]] = field(default_factory=list)
+    hidden: int = 0
+    workers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StorageStatus:
+    """What ``stagetree status`` prints: the studies and the storage-wide accounting.
+
+    Attributes:
+        url: the storage.
+        studies: the studies shown.
+        studies_total: studies in the storage.
+        trials: trials of every study.
+        totals: :func:`accounting` over every study of the storage (requested steps
+            summed, unique steps of their union, executed steps and device-seconds of
+            the storage's engines, which train a stage that several studies share once).
+    """
+
+    url: str
+    studies: list[StudyStatus]
+    studies_total: int
+    trials: int
+    totals: dict[str, float]
+
+
+def _guess_mode(metric: str) -> str:
+    return "min" if any(w in metric.lower() for w in _MIN_WORDS) else "max"
+
+
+def _ranked_metric(
+    meta: Mapping[str, Any], records: list[TrialRecord]
+) -> tuple[str | None, str, str]:
+    """``(metric, mode, where they come from)`` for a study's status."""
+    metric = meta.get("metric") if isinstance(meta.get("metric"), str) else None
+    if metric is not None:
+        recorded = meta.get("mode")
+        mode = recorded if recorded in _MODES else _guess_mode(metric)
+        return metric, mode, "recorded in the study"
+    names = sorted(
+        {
+            k
+            for r in records
+            for k, v in r.metrics.get(r.steps, {}).items()
+            if _finite(v) is not None
+        }
+    )
+    if not names:
+        return None, "max", ""
+    return names[0], _guess_mode(names[0]), f"first of {', '.join(names)}; mode guessed"
+
+
+def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
+    """The status of study ``name``: the trials of its latest run's trainer version.
+
+    The metric is the one recorded in the study's meta (``meta["metric"]`` and
+    ``meta["mode"]``) if any, else the first (alphabetically) metric with a finite value
+    at some trial's final step, minimised when its name says loss or error. The best
+    trial is :func:`best_trial`'s (the rule of ``Study.best`` and the tuners).
+
+    Raises:
+        PlanKeyError: no study ``name`` in the storage.
+    """
+    from stagetree.coordination import running_trials
+
+    record = study_record(storage, name)
+    meta = record.get("meta") or {}
+    trials, hidden = split_trials(storage.trials(name), meta)
+    records = [_record(storage, t) for t in trials]
+    metric, mode, note = _ranked_metric(meta, records)
+    best = best_trial(records, metric, mode) if metric is not None else None
+    numbers, counted = _study_accounting(storage, trials)
+    trained = any(r.metrics for r in records)
+    states = [t["state"] for t in trials]
+    return StudyStatus(
+        name=name,
+        created=float(record.get("created") or 0.0),
+        trials=len(trials),
+        finished=states.count("done"),
+        running=len(running_trials(storage, trials)),  # live leases, not stale rows
+        failed=states.count("failed"),
+        metric=metric,
+        mode=mode,
+        metric_note=note,
+        best=None if best is None or metric is None else float(final_value(best, metric)),
+        best_trial=None if best is None else best.id,
+        best_step=None if best is None else best.steps,
+        steps_requested=round(numbers["steps_requested"]),
+        steps_unique=round(numbers["steps_unique"]),
+        numbers=(
+            accounting(
+                numbers["steps_requested"],
+                numbers["steps_unique"],
+                numbers["steps_executed"],
+                numbers["device_seconds"],
+            )
+            if counted or not trained
+            else None
+        ),
+        failures=[(tid, error.summary()) for tid, error in _failed(trials)],
+        hidden=hidden,
+        workers={str(k): str(v) for k, v in dict(meta.get("workers") or {}).items()},
+    )
+
+
+def storage_status(storage: BasePlanStorage, url: str, study: str | None = None) -> StorageStatus:
+    """The status of every study of ``storage`` (or of ``study``) and its totals.
+
+    Raises:
+        PlanKeyError: no study ``study`` in the storage.
+    """
+    from stagetree.stages import summarize
+
+    names = [s["name"] for s in storage.studies()]
+    shown = names if study is None else [study_record(storage, study)["name"]]
+    everything = summarize(storage)
+    engine = storage.stats("engine")
+    return StorageStatus(
+        url=url,
+        studies=[study_status(storage, n) for n in shown],
+        studies_total=len(names),
+        trials=everything.trials,
+        totals=accounting(
+            everything.total_steps,
+            everything.unique_steps,
+            engine.get("steps_executed", 0.0),
+            engine.get("device_seconds", 0.0),
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _json_number(value: float) -> float | str:
+    """Strict JSON has no NaN or infinities: they become ``"nan"``, ``"inf"``,
+    ``"-inf"`` (``float()`` reads them back)."""
+    return value if math.isfinite(value) else str(value)
+
+
+def export_records(storage: BasePlanStorage, study: str | None = None) -> list[dict[str, Any]]:
+    """Every trial with its metric history, as JSON-able dicts: per study, the trials
+    of its latest trainer version (:func:`hidden_trials` counts the others).
+
+    Each dict: ``study``, ``trial`` (id), ``config``, ``hp`` (sequences as JSON),
+    ``steps``, ``state``, ``error`` (None, or for a failed trial ``{"type", "message",
+    "traceback", "where"}``) and ``history``: ``[{"step": s, "metrics": {...}}, ...]``
+    in step order (only steps with metrics; NaN and infinities as strings).
+
+    Raises:
+        PlanKeyError: no study ``study`` in the storage.
+    """
+    names = [s["name"] for s in storage.studies()] if study is None else [study]
+    if study is not None:
+        study_record(storage, study)
+    out: list[dict[str, Any]] = []
+    for name in names:
+        for rec in trial_records(storage, name):
+            out.append(
+                {
+                    "study": name,
+                    "trial": rec.id,
+                    "config": dict(rec.config),
+                    "hp": {k: seq.to_json() for k, seq in rec.hp.items()},
+                    "steps": rec.steps,
+                    "state": rec.state,
+                    "error": dataclasses.asdict(rec.error) if rec.error is not None else None,
+                    "history": [
+                        {"step": step, "metrics": {k: _json_number(v) for k, v in m.items()}}
+                        for step, m in sorted(rec.metrics.items())
+                    ],
+                }
+            )
+    return out
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def export_table(records: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """One row per (trial, step with metrics) of :func:`export_records`.
+
+    Columns: ``study``, ``trial``, ``config.<name>`` (in order of first appearance),
+    ``hp`` (JSON of the sequences), ``step``, ``metric.<name>`` (sorted), ``state`` and
+    ``error`` (the first line of a failed trial's error). Cells a row does not have are
+    empty. A failed trial without metrics still gets one row (with an empty step), so
+    that every failure is in the table.
+    """
+    records = list(records)
+    config_names: dict[str, None] = {}
+    metric_names: set[str] = set()
+    for rec in records:
+        config_names.update(dict.fromkeys(rec["config"]))
+        for h in rec["history"]:
+            metric_names.update(h["metrics"])
+    metrics = sorted(metric_names)
+    header = [
+        "study",
+        "trial",
+        *(f"config.{k}" for k in config_names),
+        "hp",
+        "step",
+        *(f"metric.{k}" for k in metrics),
+        "state",
+        "error",
+    ]
+    rows: list[list[Any]] = []
+    for rec in records:
+        config = [_cell(rec["config"].get(k, "")) for k in config_names]
+        hp = json.dumps(rec["hp"], sort_keys=True, separators=(",", ":"))
+        error = rec.get("error") or {}
+        line = f"{error.get('type', 'Error')}: {error.get('message', '')}" if error else ""
+        tail = [rec.get("state", ""), line.splitlines()[0] if line else ""]
+        history = rec["history"] or ([{"step": "", "metrics": {}}] if error else [])
+        for h in history:
+            values = [h["metrics"].get(k, "") for k in metrics]
+            rows.append([rec["study"], rec["trial"], *config, hp, h["step"], *values, *tail])
+    return header, rows
