@@ -10,6 +10,10 @@ Subcommands:
 * ``stagetree status``: the studies of a storage: trials, best metric, steps executed,
   requested and unique, device-seconds spent and saved.
 * ``stagetree export``: every trial's metric history as CSV or JSON.
+
+``status`` and ``export`` print what :mod:`stagetree.reports` (the read side, shared
+with :class:`~stagetree.Study`) computes; their data functions (:func:`study_status`,
+:func:`storage_status`, :func:`export_records`, ...) are importable from here too.
 * ``stagetree check SCRIPT.py``: is the script's trainer exact (:mod:`stagetree.check`)?
 
 Each subcommand is a function that adds its subparser (:data:`_SUBCOMMANDS`) and sets
@@ -39,16 +43,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree import __version__
-from stagetree.coordination import running_trials
 from stagetree.exceptions import (
     InvalidSpaceError,
     StagetreeError,
     StorageError,
     TrialFailedError,
 )
-from stagetree.identity import split_trials
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
+from stagetree.reports import (
+    StorageStatus,
+    StudyStatus,
+    accounting,
+    export_records,
+    export_table,
+    hidden_trials,
+    storage_status,
+    study_status,
+)
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
 from stagetree.stages import Summary, build_stage_tree, render_tree, summarize
 
@@ -295,16 +307,13 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 class CommandError(StagetreeError, ValueError):
     """A command-line input stagetree cannot use: a missing script, a script without a
-    study or tuner, an unknown study name."""
+    study or tuner. (An unknown study name is a :class:`~stagetree.plan.PlanKeyError`.)"""
 
 
 DEFAULT_STORAGE = "sqlite:///stagetree.db"
 STORAGE_ENV = "STAGETREE_STORAGE"
 RUN_NAME = "__stagetree_run__"
 EXIT_INTERRUPTED = 130
-
-# Metric names that are minimised when a study does not record its mode.
-_MIN_WORDS = ("loss", "err", "perplexity", "mse", "mae", "regret")
 
 
 def default_storage() -> str:
@@ -399,40 +408,6 @@ def short_sequence(seq: Any, offset: int = 0) -> str:
 def _num(value: float) -> str:
     """A metric value: 6 significant digits."""
     return f"{value:.6g}"
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _guess_mode(metric: str) -> str:
-    return "min" if any(w in metric.lower() for w in _MIN_WORDS) else "max"
-
-
-def accounting(
-    steps_requested: float, steps_unique: float, steps_executed: float, device_seconds: float
-) -> dict[str, float]:
-    """What sharing saved: requested minus executed steps, and device-seconds saved
-    estimated as saved steps times the measured device-seconds per executed step.
-
-    Returns:
-        ``steps_requested``, ``steps_unique``, ``steps_executed``, ``merge_rate``
-        (requested / unique, 1.0 when nothing is unique), ``device_seconds``,
-        ``seconds_per_step`` (0.0 before any step ran), ``steps_saved``,
-        ``device_seconds_saved``.
-    """
-    saved = steps_requested - steps_executed
-    per_step = device_seconds / steps_executed if steps_executed > 0 else 0.0
-    return {
-        "steps_requested": float(steps_requested),
-        "steps_unique": float(steps_unique),
-        "steps_executed": float(steps_executed),
-        "merge_rate": steps_requested / steps_unique if steps_unique else 1.0,
-        "device_seconds": float(device_seconds),
-        "seconds_per_step": per_step,
-        "steps_saved": float(saved),
-        "device_seconds_saved": saved * per_step,
-    }
 
 
 def _accounting_rows(numbers: Mapping[str, float]) -> list[tuple[str, str]]:
@@ -838,202 +813,6 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 # --------------------------------------------------------------------------- status
 
 
-@dataclass
-class StudyStatus:
-    """One study of a storage, as ``stagetree status`` prints it.
-
-    Attributes:
-        name: the study.
-        created: creation time (``time.time()``).
-        trials, finished, running, failed: trial counts.
-        metric: the metric ranked (None when no trial reported one).
-        mode: ``"max"`` or ``"min"``.
-        metric_note: where ``metric`` and ``mode`` come from.
-        best: the best value of ``metric`` (see :func:`study_status`).
-        best_trial: its trial id.
-        best_step: the step it was reached at.
-        steps_requested: total steps of its trials (each trained alone).
-        steps_unique: steps of the union of their paths.
-        numbers: :func:`accounting` of the study, or None when the storage counts
-            executed steps and device-seconds only for all its studies together (see
-            :class:`StorageStatus`).
-        failures: ``(trial id, first line of its error)`` per failed trial.
-        hidden: trials of other (older) trainer versions, not counted above.
-        workers: where its workers ran, last seen (cluster executors): worker -> node.
-    """
-
-    name: str
-    created: float
-    trials: int
-    finished: int
-    running: int
-    failed: int
-    metric: str | None
-    mode: str
-    metric_note: str
-    best: float | None
-    best_trial: int | None
-    best_step: int | None
-    steps_requested: int
-    steps_unique: int
-    numbers: dict[str, float] | None
-    failures: list[tuple[int, str]] = field(default_factory=list)
-    hidden: int = 0
-    workers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class StorageStatus:
-    """What ``stagetree status`` prints: the studies and the storage-wide accounting.
-
-    Attributes:
-        url: the storage.
-        studies: the studies shown.
-        studies_total: studies in the storage.
-        trials: trials of every study.
-        totals: :func:`accounting` over every study of the storage (requested steps
-            summed, unique steps of their union, executed steps and device-seconds of
-            the engine, which shares stages between studies).
-    """
-
-    url: str
-    studies: list[StudyStatus]
-    studies_total: int
-    trials: int
-    totals: dict[str, float]
-
-
-def _final_step_metrics(
-    storage: BasePlanStorage, trials: Iterable[Mapping[str, Any]]
-) -> list[tuple[int, int, dict[str, float]]]:
-    """``(trial id, steps, metrics at steps)`` of every trial that has them."""
-    out = []
-    for t in trials:
-        if t.get("node") is None:
-            continue
-        history = storage.metrics_along(t["root_key"], t["hp"], t["steps"])
-        final = history.get(t["steps"])
-        if final:
-            out.append((int(t["id"]), int(t["steps"]), final))
-    return out
-
-
-def _study_record(storage: BasePlanStorage, name: str) -> dict[str, Any]:
-    by_name = {s["name"]: s for s in storage.studies()}
-    if name not in by_name:
-        known = ", ".join(sorted(by_name)) or "none"
-        raise CommandError(f"no study {name!r} in the storage (studies: {known})")
-    return by_name[name]
-
-
-def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
-    """The status of study ``name``.
-
-    The metric is the one recorded in the study's meta (``meta["metric"]`` and
-    ``meta["mode"]``) if any, else the first (alphabetically) numeric metric that the
-    trials report at their final steps, minimised when its name says loss or error.
-    Like the tuners, the best value compares trials at the largest step any finite
-    value was reached at; ties go to the lowest trial id.
-
-    Executed steps and device-seconds are the study's own counters when the storage
-    keeps them (scope ``name`` with ``steps_executed``), else the engine's when the
-    study is alone in the storage; otherwise ``numbers`` is None.
-
-    Raises:
-        CommandError: no study ``name`` in the storage.
-    """
-    record = _study_record(storage, name)
-    meta = record.get("meta") or {}
-    trials, hidden = split_trials(storage.trials(name), meta)  # the latest trainer version
-    states = [t["state"] for t in trials]
-    finals = _final_step_metrics(storage, trials)
-    metric = meta.get("metric") if isinstance(meta.get("metric"), str) else None
-    if metric is not None:
-        recorded = meta.get("mode")
-        mode = recorded if recorded in ("max", "min") else _guess_mode(metric)
-        note = "recorded in the study"
-    else:
-        names = sorted({k for _, _, m in finals for k, v in m.items() if _finite(v)})
-        metric = names[0] if names else None
-        mode = _guess_mode(metric) if metric else "max"
-        note = f"first of {', '.join(names)}; mode guessed" if names else ""
-    best: tuple[int, float, int] | None = None  # (step, score, -trial id)
-    if metric is not None:
-        for tid, steps, m in finals:
-            value = m.get(metric)
-            if value is None or not _finite(value):
-                continue
-            key = (steps, value if mode == "max" else -value, -tid)
-            if best is None or key > best:
-                best = key
-    summary = summarize(storage, root_keys={t["root_key"] for t in trials}, study=name)
-    own = storage.stats(name)
-    acct: Mapping[str, float] | None = own if "steps_executed" in own else None
-    if acct is None and len(storage.studies()) == 1:
-        acct = storage.stats("engine")
-    numbers = (
-        None
-        if acct is None
-        else accounting(
-            summary.total_steps,
-            summary.unique_steps,
-            acct.get("steps_executed", 0.0),
-            acct.get("device_seconds", 0.0),
-        )
-    )
-    return StudyStatus(
-        name=name,
-        created=float(record.get("created") or 0.0),
-        trials=len(trials),
-        finished=states.count("done"),
-        running=len(running_trials(storage, trials)),  # live leases, not stale rows
-        failed=states.count("failed"),
-        metric=metric,
-        mode=mode,
-        metric_note=note,
-        best=None if best is None else (best[1] if mode == "max" else -best[1]),
-        best_trial=None if best is None else -best[2],
-        best_step=None if best is None else best[0],
-        steps_requested=summary.total_steps,
-        steps_unique=summary.unique_steps,
-        numbers=numbers,
-        failures=[(int(t["id"]), _error_summary(t)) for t in trials if t["state"] == "failed"],
-        hidden=hidden,
-        workers={str(k): str(v) for k, v in dict(meta.get("workers") or {}).items()},
-    )
-
-
-def _error_summary(trial: Mapping[str, Any]) -> str:
-    from stagetree.study import TrialError
-
-    error = TrialError.from_attrs(trial.get("attrs"))
-    return error.summary() if error is not None else "no error was recorded"
-
-
-def storage_status(storage: BasePlanStorage, url: str, study: str | None = None) -> StorageStatus:
-    """The status of every study of ``storage`` (or of ``study``) and its totals.
-
-    Raises:
-        CommandError: no study ``study`` in the storage.
-    """
-    names = [s["name"] for s in storage.studies()]
-    shown = names if study is None else [_study_record(storage, study)["name"]]
-    everything = summarize(storage)
-    engine = storage.stats("engine")
-    return StorageStatus(
-        url=url,
-        studies=[study_status(storage, n) for n in shown],
-        studies_total=len(names),
-        trials=everything.trials,
-        totals=accounting(
-            everything.total_steps,
-            everything.unique_steps,
-            engine.get("steps_executed", 0.0),
-            engine.get("device_seconds", 0.0),
-        ),
-    )
-
-
 def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
     rows = [
         (
@@ -1068,7 +847,7 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
                 ("steps requested", str(st.steps_requested)),
                 ("unique steps", str(st.steps_unique)),
                 ("merge rate", f"{merge:.2f}"),
-                ("steps executed", "see all studies (stages are shared between studies)"),
+                ("steps executed", "not counted per study in this storage (see all studies)"),
             ]
         )
     return rows
@@ -1080,8 +859,10 @@ def status(
     out: TextIO | None = None,
     rich_output: bool | None = None,
 ) -> StorageStatus:
-    """Print the studies of a storage (see :func:`study_status`), and the totals of all
-    studies when the storage holds more than one.
+    """Print the studies of a storage (:func:`stagetree.reports.study_status`: each
+    study's own steps executed, device-seconds and saving, counted on the plan trees its
+    trials use), and the totals of all studies when the storage holds more than one
+    (where a stage that several studies share counts once).
 
     Args:
         url: storage URL (default: :func:`default_storage`).
@@ -1090,8 +871,8 @@ def status(
         rich_output: rich tables instead of plain text (default: ``out`` is a terminal).
 
     Raises:
-        StorageError: the storage cannot be opened.
-        CommandError: no study ``study`` in it.
+        StorageError: the storage cannot be opened, or holds no study ``study``
+            (:class:`~stagetree.plan.PlanKeyError`).
     """
     stream = sys.stdout if out is None else out
     url = default_storage() if url is None else url
@@ -1137,8 +918,9 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "status",
         help="list the studies of a storage and what sharing saved",
         description="Per study: trials, the best metric, steps executed / requested / "
-        "unique, device-seconds spent and saved (for all studies together when several "
-        "share the storage). Reads a storage other processes may be writing.",
+        "unique, device-seconds spent and saved (a stage several studies share counts "
+        "for each), and for all studies together when several share the storage. Reads "
+        "a storage other processes may be writing.",
     )
     p.add_argument(
         "--storage",
@@ -1150,124 +932,6 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 # --------------------------------------------------------------------------- export
-
-
-def _json_number(value: float) -> float | str:
-    """Strict JSON has no NaN or infinities: they become ``"nan"``, ``"inf"``,
-    ``"-inf"`` (``float()`` reads them back)."""
-    return value if math.isfinite(value) else str(value)
-
-
-def export_records(storage: BasePlanStorage, study: str | None = None) -> list[dict[str, Any]]:
-    """Every trial with its metric history, as JSON-able dicts: per study, the trials
-    of its latest trainer version (:func:`hidden_trials` counts the others).
-
-    Each dict: ``study``, ``trial`` (id), ``config``, ``hp`` (sequences as JSON),
-    ``steps``, ``state``, ``error`` (None, or for a failed trial ``{"type", "message",
-    "traceback", "where"}``) and ``history``: ``[{"step": s, "metrics": {...}}, ...]``
-    in step order (only steps with metrics; NaN and infinities as strings).
-
-    Raises:
-        CommandError: no study ``study`` in the storage.
-    """
-    names = [s["name"] for s in storage.studies()]
-    if study is not None:
-        if study not in names:
-            known = ", ".join(sorted(names)) or "none"
-            raise CommandError(f"no study {study!r} in the storage (studies: {known})")
-        names = [study]
-    out: list[dict[str, Any]] = []
-    metas = {s["name"]: s.get("meta") or {} for s in storage.studies()}
-    for name in names:
-        for t in split_trials(storage.trials(name), metas.get(name))[0]:
-            history = (
-                storage.metrics_along(t["root_key"], t["hp"], t["steps"])
-                if t.get("node") is not None
-                else {}
-            )
-            out.append(
-                {
-                    "study": name,
-                    "trial": int(t["id"]),
-                    "config": dict(t["config"]),
-                    "hp": {k: seq.to_json() for k, seq in t["hp"].items()},
-                    "steps": int(t["steps"]),
-                    "state": t["state"],
-                    "error": _export_error(t),
-                    "history": [
-                        {"step": step, "metrics": {k: _json_number(v) for k, v in m.items()}}
-                        for step, m in sorted(history.items())
-                    ],
-                }
-            )
-    return out
-
-
-def _export_error(trial: Mapping[str, Any]) -> dict[str, str] | None:
-    import dataclasses
-
-    from stagetree.study import TrialError
-
-    if trial["state"] != "failed":
-        return None
-    error = TrialError.from_attrs(trial.get("attrs"))
-    return dataclasses.asdict(error) if error is not None else None
-
-
-def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
-    """Trials of older trainer versions, which :func:`export_records` leaves out."""
-    return sum(
-        split_trials(storage.trials(s["name"]), s.get("meta"))[1]
-        for s in storage.studies()
-        if study is None or s["name"] == study
-    )
-
-
-def _cell(value: Any) -> Any:
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True)
-    return value
-
-
-def export_table(records: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    """One row per (trial, step with metrics) of :func:`export_records`.
-
-    Columns: ``study``, ``trial``, ``config.<name>`` (in order of first appearance),
-    ``hp`` (JSON of the sequences), ``step``, ``metric.<name>`` (sorted), ``state`` and
-    ``error`` (the first line of a failed trial's error). Cells a row does not have are
-    empty. A failed trial without metrics still gets one row (with an empty step), so
-    that every failure is in the table.
-    """
-    records = list(records)
-    config_names: dict[str, None] = {}
-    metric_names: set[str] = set()
-    for rec in records:
-        config_names.update(dict.fromkeys(rec["config"]))
-        for h in rec["history"]:
-            metric_names.update(h["metrics"])
-    metrics = sorted(metric_names)
-    header = [
-        "study",
-        "trial",
-        *(f"config.{k}" for k in config_names),
-        "hp",
-        "step",
-        *(f"metric.{k}" for k in metrics),
-        "state",
-        "error",
-    ]
-    rows: list[list[Any]] = []
-    for rec in records:
-        config = [_cell(rec["config"].get(k, "")) for k in config_names]
-        hp = json.dumps(rec["hp"], sort_keys=True, separators=(",", ":"))
-        error = rec.get("error") or {}
-        line = f"{error.get('type', 'Error')}: {error.get('message', '')}" if error else ""
-        tail = [rec.get("state", ""), line.splitlines()[0] if line else ""]
-        history = rec["history"] or ([{"step": "", "metrics": {}}] if error else [])
-        for h in history:
-            values = [h["metrics"].get(k, "") for k in metrics]
-            rows.append([rec["study"], rec["trial"], *config, hp, h["step"], *values, *tail])
-    return header, rows
 
 
 def export(
@@ -1289,8 +953,8 @@ def export(
         Rows written (CSV) or trials written (JSON).
 
     Raises:
-        StorageError: the storage cannot be opened.
-        CommandError: no study ``study`` in it.
+        StorageError: the storage cannot be opened, or holds no study ``study``
+            (:class:`~stagetree.plan.PlanKeyError`).
         ValueError: an unknown format.
     """
     if fmt not in ("csv", "json"):

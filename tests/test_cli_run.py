@@ -106,12 +106,18 @@ def _fill_b(s: BasePlanStorage) -> dict[str, int]:
     return ids
 
 
+def _executed(s: BasePlanStorage, root_key: str, steps: int, seconds: float) -> None:
+    """Count trained steps as the engine does: for the whole storage and for the tree."""
+    s.add_stats("engine", steps_executed=steps, device_seconds=seconds)
+    s.add_stats(f"root:{root_key}", steps_executed=steps, device_seconds=seconds)
+
+
 @pytest.fixture
 def one_study(tmp_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
     url = f"sqlite:///{tmp_path / 'one.db'}"
     s = open_storage(url)
     ids = _fill_a(s)
-    s.add_stats("engine", steps_executed=19, device_seconds=3.8)
+    _executed(s, "rka", 19, 3.8)
     s.close()
     yield url, ids
 
@@ -121,7 +127,8 @@ def two_studies(tmp_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
     url = f"sqlite:///{tmp_path / 'two.db'}"
     s = open_storage(url)
     ids = {**_fill_a(s), **_fill_b(s)}
-    s.add_stats("engine", steps_executed=40, device_seconds=8.0)
+    _executed(s, "rka", 19, 3.8)
+    _executed(s, "rkb", 21, 4.2)
     s.close()
     yield url, ids
 
@@ -153,7 +160,7 @@ def test_status_one_study_exact_numbers(
     assert "all " not in out  # no totals block for a single study
 
 
-def test_status_two_studies_counts_execution_for_the_whole_storage(
+def test_status_two_studies_counts_execution_per_study_and_for_the_whole_storage(
     two_studies: tuple[str, dict[str, int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     url, ids = two_studies
@@ -163,7 +170,9 @@ def test_status_two_studies_counts_execution_for_the_whole_storage(
     a = _block(out, "study a")
     assert _field(a, "steps requested") == "24"
     assert _field(a, "unique steps") == "19"
-    assert _line(a, "steps executed").startswith("see all studies")
+    assert _field(a, "steps executed") == "19"  # counted on its tree
+    assert _field(a, "device-seconds") == "3.8"
+    assert _field(a, "steps saved") == "5"
     b = _block(out, "study b")
     assert _line(b, "trials") == "4 (3 finished, 0 running, 1 failed)"
     assert _line(b, "best loss") == (
@@ -172,6 +181,10 @@ def test_status_two_studies_counts_execution_for_the_whole_storage(
     assert _field(b, "steps requested") == "24"
     assert _field(b, "unique steps") == "18"
     assert _field(b, "merge rate") == "1.33"
+    assert _field(b, "steps executed") == "21"
+    assert _field(b, "device-seconds") == "4.2"
+    assert _field(b, "steps saved") == "3"
+    assert _field(b, "device-seconds saved") == "0.6"
     total = _block(out, "all 2 studies")
     assert _field(total, "trials") == "7"
     assert _field(total, "steps requested") == "48"
@@ -181,6 +194,23 @@ def test_status_two_studies_counts_execution_for_the_whole_storage(
     assert _field(total, "device-seconds") == "8.0"
     assert _field(total, "steps saved") == "8"
     assert _field(total, "device-seconds saved") == "1.6"
+
+
+def test_status_of_a_storage_without_counters_per_tree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A storage whose trees have no counters (written by a stagetree that counted only
+    the whole storage) shows no steps executed per study rather than 0 (which would
+    claim that every requested step was saved)."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    with open_storage(url) as s:
+        _fill_a(s)
+        s.add_stats("engine", steps_executed=19, device_seconds=3.8)
+    assert main(["status", "--storage", url]) == 0
+    block = _block(capsys.readouterr().out, "study a")
+    assert _field(block, "steps requested") == "24"
+    assert _line(block, "steps executed").startswith("not counted per study")
+    assert "steps saved" not in block
 
 
 def test_status_one_study_of_several(
@@ -208,7 +238,7 @@ def test_status_sees_writes_of_another_connection(
         ins = writer.insert_trial("rk", HP_T1, 3)
         writer.add_trial("live", "rk", {}, HP_T1, 3, ins.node, ins.step, state="done")
         writer.put_metrics(ins.node, 3, {"score": 2.5})
-        writer.add_stats("engine", steps_executed=3, device_seconds=0.6)
+        _executed(writer, "rk", 3, 0.6)
         assert main(["status", "--storage", url]) == 0
         out = capsys.readouterr().out
         assert _line(out, "trials") == "1 (1 finished, 0 running, 0 failed)"
