@@ -537,7 +537,6 @@ class SimulatedExecutor(BaseExecutor):
                 "is registered under it (register it with the executor's add_trainer() "
                 "before submitting its batches)",
                 kind="trainer",
-                phase="start",
             )
             return
         # The model to start from: in memory, from a checkpoint, or fresh.
@@ -703,9 +702,9 @@ class SimulatedExecutor(BaseExecutor):
         self._held[w] = (batch.trainer, batch.root_key, config_key, at)
         self._held_state[w] = run.states[run.anchor - run.start]
 
-    def _fail(
-        self, batch: RunBatch, now: float, error: str, kind: str, phase: str = "train"
-    ) -> None:
+    def _fail(self, batch: RunBatch, now: float, error: str, kind: str) -> None:
+        """The batch fails at its start (``phase="start"``, as the real worker's start
+        checkpoint and trainer failures)."""
         node = (
             batch.start_at[0]
             if batch.start_at is not None
@@ -713,7 +712,7 @@ class SimulatedExecutor(BaseExecutor):
         )
         self._held.pop(batch.worker, None)
         event = BatchFailed(
-            batch.batch_id, batch.worker, node, batch.start_step, error, "", kind, phase
+            batch.batch_id, batch.worker, node, batch.start_step, error, "", kind, "start"
         )
         self._push(now, "event", event)
 
