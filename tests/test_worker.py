@@ -269,7 +269,9 @@ def test_factories_by_trainer_key(tmp_path: Path) -> None:
 
     # Factories by key, as a worker process holds them: loaded when a batch needs them.
     factories = TrainerClasses(Noisy)
-    factories.add("other", TrainerSpec.of(Doubled))
+    # By name: resolving a by-value spec in this process would make cloudpickle reset
+    # the methods of the very classes it was pickled from (Noisy's, used by every test).
+    factories.add("other", TrainerSpec(__name__, "Doubled"))
     factories.add("broken", TrainerSpec("no_such_module_xyz", "T"))
     worker = Worker(0, factories, store, events)
     worker.run(dataclasses.replace(_batch(1, [(1, 0, 3, HP)]), trainer="other"))
