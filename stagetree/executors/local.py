@@ -330,8 +330,11 @@ class LocalExecutor(BaseExecutor):
         with self._lock:
             if not new_trainer(self._trainers, key, trainer):
                 return
-            self._specs[key] = TrainerSpec.of(trainer)
-            self._trainers[key] = trainer
+        spec = TrainerSpec.of(trainer)  # pickling may take a while: not under the lock
+        with self._lock:
+            if new_trainer(self._trainers, key, trainer):  # (again: another thread?)
+                self._specs[key] = spec
+                self._trainers[key] = trainer
 
     def start(self) -> None:
         if self._closed:

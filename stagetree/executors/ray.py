@@ -10,15 +10,17 @@ between steps, and training is exact.
 
 The trainer reaches the actors as it reaches local workers (one mechanism,
 :class:`~stagetree.executors._spec.TrainerSpec`): by import path for installed
-libraries, pickled by value (cloudpickle) otherwise. Several trainers share the actors:
-the executor's own trainer is an argument of every actor; a trainer registered with
-:meth:`RayExecutor.add_trainer` is pickled once and sent to an actor along with the
-first batch of its key that actor gets (in the same ``run_batch`` call: the calls of a
-threaded actor are not ordered), and again to a replacement actor. The plan (SQLite on one machine,
+libraries, pickled by value (cloudpickle) otherwise. The plan (SQLite on one machine,
 PostgreSQL when workers span machines) stays the single source of truth on the
 driver; checkpoints go straight from actors to the checkpoint store (a shared
 directory or a bucket), never through Ray's object store: events carry their refs
 only.
+
+Several trainers share the actors: the executor's own trainer is an argument of every
+actor; a trainer registered with :meth:`RayExecutor.add_trainer` is pickled once and
+sent to an actor along with the first batch of its key that actor gets (in the same
+``run_batch`` call: the calls of a threaded actor are not ordered), and again to a
+replacement actor.
 
 Events: the driver keeps one ``drain`` call in flight per actor and waits on them
 with ``ray.wait``; an actor answers a ``drain`` with the events its worker emitted
