@@ -65,6 +65,11 @@ class RunBatch:
             ``s % eval_every == 0`` for the learning curve (:class:`CurveReported`);
             0 evaluates at ``evaluate_at`` only. ``train()`` metrics are reported at
             every step either way.
+        trainer: key of the trainer class that trains the batch, as registered with
+            :meth:`~stagetree.executors.base.BaseExecutor.add_trainer`; ``""`` (the
+            default) is the executor's own trainer (``ExecutorOptions.trainer``). One
+            executor serves batches of several trainers; a worker continues its
+            in-memory trainer only for a batch of the same key.
     """
 
     batch_id: int
@@ -78,6 +83,7 @@ class RunBatch:
     evaluate_at: tuple[tuple[int, int], ...] = ()
     checkpoint_at: tuple[tuple[int, int], ...] = ()
     eval_every: int = 0
+    trainer: str = ""
 
 
 @dataclass(frozen=True)

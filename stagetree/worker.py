@@ -2,8 +2,13 @@
 
 A :class:`Worker` lives as long as its executor slot (a process, an actor, a thread) and
 keeps its trainer in memory between batches: a batch that starts where the previous one
-stopped (same root key and config, same canonical ``(node, step)``) skips the checkpoint
-load. Otherwise it builds a fresh trainer and loads the batch's start checkpoint.
+stopped (same trainer key, root key and config, same canonical ``(node, step)``) skips
+the checkpoint load. Otherwise it builds a fresh trainer and loads the batch's start
+checkpoint.
+
+One worker serves several trainer classes: it builds a batch's trainer with the factory
+registered under the batch's :attr:`~stagetree.work.RunBatch.trainer` key (``""``: the
+default trainer). A key it has no factory for fails the batch at its start.
 
 It holds the :class:`~stagetree.trainer.Trainer` contract exactly: before the t-th call
 of ``train()`` the trainer has been given the value at step t of every sequence, all of
@@ -57,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagetree.checkpoints import CheckpointStore, check_state
-from stagetree.exceptions import CheckpointError, TrainerError
+from stagetree.exceptions import CheckpointError, StagetreeError, TrainerError
 from stagetree.names import HpReadWatch
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -75,7 +80,10 @@ from stagetree.work import (
     WorkerEvent,
 )
 
-__all__ = ["Worker", "WorkerStats", "evaluate_metrics", "snapshot_state"]
+__all__ = ["TrainerFactory", "Worker", "WorkerStats", "evaluate_metrics", "snapshot_state"]
+
+TrainerFactory = Callable[[Mapping[str, Any]], Trainer]
+"""Builds a trainer from a batch's fixed config (usually the Trainer subclass itself)."""
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +158,11 @@ class Worker:
     Args:
         worker_id: id reported in every event.
         trainer_factory: builds a trainer from a batch's fixed config (usually the
-            Trainer subclass itself).
+            Trainer subclass itself), for batches of the default trainer (``""``); or
+            factories by trainer key (``""`` the default), looked up when a batch
+            starts: the mapping may gain keys while the worker lives, and a lookup that
+            raises (a trainer that cannot be loaded) fails that batch at its start,
+            like a key it does not have.
         store: where checkpoints are loaded from and written to.
         emit: receives every event; called from the calling thread and from the
             checkpoint writer thread, so it must be thread-safe.
@@ -162,7 +174,7 @@ class Worker:
     def __init__(
         self,
         worker_id: int,
-        trainer_factory: Callable[[Mapping[str, Any]], Trainer],
+        trainer_factory: TrainerFactory | Mapping[str, TrainerFactory],
         store: CheckpointStore,
         emit: Callable[[WorkerEvent], None],
         *,
@@ -173,13 +185,18 @@ class Worker:
             raise ValueError(f"max_pending_saves must be >= 1, got {max_pending_saves}")
         self.worker_id = worker_id
         self.trainer_factory = trainer_factory
+        self._factories: Mapping[str, TrainerFactory] = (
+            trainer_factory if isinstance(trainer_factory, Mapping) else {"": trainer_factory}
+        )
         self.store = store
         self.emit = emit
         self.progress_interval = progress_interval
         self.max_pending_saves = max_pending_saves
         self.stats = WorkerStats()
         self._trainer: Trainer | None = None
-        # Where the in-memory trainer is: (root_key, config, canonical (node, step) | None).
+        # Where the in-memory trainer is: (trainer key, root_key, config, canonical
+        # (node, step) | None).
+        self._trainer_key: str | None = None
         self._root_key: str | None = None
         self._config: dict[str, Any] | None = None
         self._at: tuple[int, int] | None = None
@@ -205,9 +222,15 @@ class Worker:
             return None
         return (self._root_key, self._at)
 
+    @property
+    def trainer_key(self) -> str | None:
+        """Key of the trainer held in memory (``""``: the default), None when none is."""
+        return self._trainer_key if self._trainer is not None else None
+
     def drop_trainer(self) -> None:
         """Forget the in-memory trainer (the next batch builds a fresh one)."""
         self._trainer = None
+        self._trainer_key = None
         self._root_key = None
         self._config = None
         self._at = None
@@ -326,6 +349,7 @@ class Worker:
         config = dict(batch.config)
         if (
             self._trainer is not None
+            and self._trainer_key == batch.trainer
             and self._root_key == batch.root_key
             and self._at == batch.start_at
             and self._config == config
@@ -335,6 +359,10 @@ class Worker:
             return self._trainer
         self.drop_trainer()
         begin = _perf()
+        try:
+            factory = self._factory(batch.trainer)
+        except Exception as exc:
+            raise _Failed(node, batch.start_step, exc, phase="start") from exc
         try:
             state = None
             if batch.start_checkpoint is not None:
@@ -347,7 +375,7 @@ class Worker:
         except CheckpointError as exc:
             raise _Failed(node, batch.start_step, exc, checkpoint=True, phase="start") from exc
         try:
-            trainer = self.trainer_factory(batch.config)
+            trainer = factory(batch.config)
             if state is not None:
                 trainer.load_state_dict(state)
                 self.stats.loads += 1
@@ -357,12 +385,30 @@ class Worker:
         self.stats.load_seconds += seconds
         self.stats.last_load_seconds = seconds
         self._trainer = trainer
+        self._trainer_key = batch.trainer
         self._root_key = batch.root_key
         self._config = config
         self._at = batch.start_at
         self._given = {}
         self._reads.arm()
         return trainer
+
+    def _factory(self, key: str) -> TrainerFactory:
+        """The factory of trainer ``key``.
+
+        Raises:
+            StagetreeError: no trainer is registered under ``key``.
+            Exception: whatever loading it raised (it cannot be unpickled, imported...).
+        """
+        factory = self._factories.get(key)
+        if factory is None:
+            if key == "":
+                raise StagetreeError("this worker has no default trainer (key '')")
+            raise StagetreeError(
+                f"unknown trainer key {key!r}: no trainer class is registered under it "
+                "(register it with the executor's add_trainer() before submitting its batches)"
+            )
+        return factory
 
     @staticmethod
     def _points(batch: RunBatch, end_step: int) -> dict[int, _Point]:

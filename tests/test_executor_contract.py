@@ -4,7 +4,8 @@ Ray actors (on a one-machine Ray started for this module).
 
 Ready events, one terminal event per batch, checkpoints durable before it, events of a
 batch in order, ``AddCheckpoint`` honoured ahead and answered with ``SplitMissed`` after
-the batch, ``Abort``, lost workers reported and replaced, the clock, ``close``.
+the batch, ``Abort``, lost workers reported and replaced, the clock, ``close``; several
+trainers on one pool (``add_trainer``, ``RunBatch.trainer``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from stagetree.executors import (
     InlineExecutor,
     LocalExecutor,
     SimulatedExecutor,
+    TrainerSpec,
 )
 from stagetree.executors.simulated import StepCost
 from stagetree.hp import Constant
@@ -74,6 +76,36 @@ class Sleeper(Trainer):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.t, self.total = int(state["t"]), float(state["total"])
+
+
+class Scaled(Trainer):
+    """Another trainer than :class:`Sleeper`: multiplies ``x`` by ``1 + lr`` per step.
+    Defined in this test module, it travels to worker processes and actors by value."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.x = float(config.get("x0", 1.0))
+        self.lr = 0.0
+        self.t = 0
+
+    def setup(self, hp: Mapping[str, Any]) -> None:
+        self.lr = hp.get("lr", self.lr)
+
+    def train(self) -> None:
+        self.x *= 1.0 + self.lr
+        self.t += 1
+
+    def evaluate(self) -> dict[str, float]:
+        return {"x": self.x, "t": float(self.t)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "x": self.x}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.t, self.x = int(state["t"]), float(state["x"])
+
+
+STUDY_TRAINERS = Path(__file__).with_name("study_trainers.py")
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +158,17 @@ class Harness:
     @property
     def real_time(self) -> bool:
         return self.kind != "simulated"
+
+    def linear(self) -> Any:
+        """``study_trainers.LinearTrainer``, by reference where a worker process or
+        actor loads it (it imports the file by path), the class elsewhere."""
+        if self.kind in ("local", "ray"):
+            spec = TrainerSpec.of(f"{STUDY_TRAINERS}:LinearTrainer")
+            assert not spec.by_value
+            return spec
+        from study_trainers import LinearTrainer
+
+        return LinearTrainer
 
     def kill(self, ex: BaseExecutor, worker: int) -> None:
         """Kill a worker the hard way (its process or actor)."""
@@ -303,3 +346,151 @@ def test_root_key_does_not_depend_on_the_executor(tmp_path: Path) -> None:
         with contextlib.closing(study):
             keys.add(study.root_key({"sleep": 0.0}))
     assert len(keys) == 1
+
+
+# ---------------------------------------------------------------------- several trainers
+
+LINEAR_HP = {"lr": Constant(0.05)}
+
+
+def _run(
+    batch_id: int,
+    worker: int,
+    trainer: str,
+    stop: int,
+    config: Mapping[str, Any],
+    hp: Mapping[str, Any] = HP,
+    start_at: tuple[int, int] | None = None,
+    node: int = 1,
+) -> RunBatch:
+    """A batch of ``trainer`` from ``start_at`` (fresh: step 0) to ``stop``, on ``node``,
+    evaluated at its end, with no start checkpoint."""
+    start = 0 if start_at is None else start_at[1]
+    return RunBatch(
+        batch_id=batch_id,
+        worker=worker,
+        root_key="r",
+        config=config,
+        start_step=start,
+        start_at=start_at,
+        start_checkpoint=None,
+        segments=(Segment(node, start, stop, hp),),
+        evaluate_at=((node, stop),),
+        trainer=trainer,
+    )
+
+
+def _alone(cls: type[Trainer], config: Mapping[str, Any], lr: float, steps: int) -> Any:
+    """Metrics of ``cls`` trained alone from step 0, in this process."""
+    trainer = cls(config)
+    trainer.setup({"lr": lr})
+    for _ in range(steps):
+        trainer.train()
+    return {k: float(v) for k, v in trainer.evaluate().items()}
+
+
+def test_several_trainers_share_one_pool(harness: Harness) -> None:
+    from study_trainers import LinearTrainer
+
+    assert TrainerSpec.of(Scaled).by_value  # and "linear" travels by reference
+    ex = harness.make(2)
+    linear = harness.linear()
+    ex.add_trainer("linear", linear)  # before start
+    with ex:
+        ex.add_trainer("scaled", Scaled)  # after start
+        _until(ex, _ready(2))
+        # (batch id, worker, key, steps, config, hp): each round runs both workers.
+        rounds = [
+            [(1, 0, "linear", 5, {"seed": 1}, LINEAR_HP), (2, 1, "scaled", 4, {"x0": 2.0}, HP)],
+            [(3, 0, "scaled", 3, {"x0": 1.0}, HP), (4, 1, "linear", 6, {"seed": 2}, LINEAR_HP)],
+            [(5, 0, "", 4, {}, HP), (6, 1, "linear", 5, {"seed": 1}, LINEAR_HP)],
+        ]
+        classes = {"": Sleeper, "linear": LinearTrainer, "scaled": Scaled}
+        for batches in rounds:
+            for bid, w, key, steps, config, hp in batches:
+                ex.submit(_run(bid, w, key, steps, config, hp))
+            ex.add_trainer("linear", linear)  # the same again, while batches run: no-op
+            events = _until(ex, _ended({b[0] for b in batches}))
+            for bid, _w, key, steps, config, hp in batches:
+                assert [e.steps for e in _of(events, BatchDone, bid)] == [steps], events
+                if harness.kind == "simulated":
+                    continue  # its metrics come from the curve model, not the trainer
+                [metrics] = _of(events, MetricsReported, bid)
+                lr = hp["lr"](0)
+                assert dict(metrics.metrics) == _alone(classes[key], config, lr, steps), key
+
+
+def test_a_batch_of_another_trainer_does_not_continue_the_model_in_memory(
+    harness: Harness,
+) -> None:
+    from study_trainers import LinearTrainer
+
+    ex = harness.make(1)
+    ex.add_trainer("a", harness.linear())
+    ex.add_trainer("b", Scaled)
+    config = {"seed": 4}
+    with ex:
+        _until(ex, _ready(1))
+        ex.submit(_run(1, 0, "a", 4, config, LINEAR_HP))
+        _until(ex, _ended({1}))
+        # Same key, starting where the worker stopped: it continues the model in memory
+        # (no start checkpoint is given).
+        ex.submit(_run(2, 0, "a", 8, config, LINEAR_HP, start_at=(1, 4)))
+        events = _until(ex, _ended({2}))
+        assert [e.steps for e in _of(events, BatchDone, 2)] == [4], events
+        if harness.kind != "simulated":
+            [metrics] = _of(events, MetricsReported, 2)
+            assert dict(metrics.metrics) == _alone(LinearTrainer, config, 0.05, 8)
+        # Another key at the very same (node, step): the model in memory is not its own.
+        ex.submit(_run(3, 0, "b", 10, config, start_at=(1, 8)))
+        events = _until(ex, _ended({3}))
+        [failed] = _of(events, BatchFailed, 3)
+        assert (failed.phase, failed.kind, failed.step) == ("start", "checkpoint", 8), failed
+        assert not _of(events, BatchDone, 3)
+
+
+def test_unknown_trainer_key_fails_only_its_batch(harness: Harness) -> None:
+    with harness.make(1) as ex:
+        _until(ex, _ready(1))
+        ex.submit(_run(1, 0, "nope", 3, {}))
+        [failed] = _of(_until(ex, _ended({1})), BatchFailed, 1)
+        assert failed.phase == "start" and "'nope'" in failed.error, failed
+        # The worker goes on serving batches of its trainers, the default and new ones.
+        ex.submit(_run(2, 0, "", 3, {}))
+        assert [e.steps for e in _of(_until(ex, _ended({2})), BatchDone, 2)] == [3]
+        ex.add_trainer("nope", Scaled)
+        ex.submit(_run(3, 0, "nope", 2, {}))
+        events = _until(ex, _ended({3}))
+        assert [e.steps for e in _of(events, BatchDone, 3)] == [2], events
+
+
+def test_a_trainer_its_workers_cannot_load_fails_only_its_batch(harness: Harness) -> None:
+    if harness.kind not in ("local", "ray"):
+        why = "it holds the classes themselves" if harness.kind == "inline" else "it trains nothing"
+        pytest.skip(f"the {harness.kind} executor loads no trainer on a worker ({why})")
+    ex = harness.make(1)
+    broken: Any = TrainerSpec("no_such_module_xyz", "T")  # imported on the worker only
+    ex.add_trainer("broken", broken)
+    ex.add_trainer("scaled", Scaled)
+    with ex:
+        _until(ex, _ready(1))
+        ex.submit(_run(1, 0, "broken", 3, {}))
+        [failed] = _of(_until(ex, _ended({1})), BatchFailed, 1)
+        assert failed.phase == "start", failed
+        assert "'broken'" in failed.error and "no_such_module_xyz" in failed.error, failed
+        ex.submit(_run(2, 0, "scaled", 2, {}))
+        events = _until(ex, _ended({2}))
+        assert [e.steps for e in _of(events, BatchDone, 2)] == [2], events
+
+
+def test_a_trainer_key_names_one_class(harness: Harness) -> None:
+    ex = harness.make(1)
+    try:
+        ex.add_trainer("k", Scaled)
+        ex.add_trainer("k", Scaled)  # the same class again: nothing happens
+        with pytest.raises(ValueError, match="'k'"):
+            ex.add_trainer("k", Sleeper)
+        with pytest.raises(ValueError, match="non-empty"):
+            ex.add_trainer("", Scaled)
+    finally:
+        ex.close()

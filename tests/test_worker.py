@@ -3,6 +3,7 @@ aborts and failures, driven by hand-written RunBatch instructions."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from stagetree.checkpoints import CheckpointInfo, CheckpointStore
+from stagetree.executors._spec import TrainerClasses, TrainerSpec
 from stagetree.hp import Constant, MultiStep, Step
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -255,6 +257,44 @@ def test_batch_not_at_held_position_reloads(tmp_path: Path) -> None:
     # Each restored trainer got every value first, although the worker had given some
     # of the same values to its previous trainer.
     _check_setup_contract({t: _values(HP, t) for t in range(7)})
+
+
+class Doubled(Noisy):
+    """Another trainer class (a batch's key picks it)."""
+
+
+def test_factories_by_trainer_key(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    events = Collector()
+
+    # Factories by key, as a worker process holds them: loaded when a batch needs them.
+    factories = TrainerClasses(Noisy)
+    # By name: resolving a by-value spec in this process would make cloudpickle reset
+    # the methods of the very classes it was pickled from (Noisy's, used by every test).
+    factories.add("other", TrainerSpec(__name__, "Doubled"))
+    factories.add("broken", TrainerSpec("no_such_module_xyz", "T"))
+    worker = Worker(0, factories, store, events)
+    worker.run(dataclasses.replace(_batch(1, [(1, 0, 3, HP)]), trainer="other"))
+    assert worker.trainer_key == "other" and worker.position == ("root", (1, 3))
+    # The same key where it stopped: continued; another key there: not.
+    worker.run(dataclasses.replace(_batch(2, [(1, 3, 5, HP)], start_at=(1, 3)), trainer="other"))
+    assert worker.stats.reuses == 1 and isinstance(events.events[-1], BatchDone)
+    worker.run(_batch(3, [(1, 5, 6, HP)], start_at=(1, 5)))
+    failed = events.events[-1]
+    assert isinstance(failed, BatchFailed) and failed.kind == "checkpoint", failed
+    assert worker.stats.reuses == 1 and worker.trainer_key is None
+    # A key with no factory, or one whose lookup raises: that batch fails at its start.
+    for bid, key, words in (
+        (4, "nope", "unknown trainer key 'nope'"),
+        (5, "broken", "no_such_module_xyz"),
+    ):
+        worker.run(dataclasses.replace(_batch(bid, [(1, 0, 2, HP)]), trainer=key))
+        failed = events.events[-1]
+        assert isinstance(failed, BatchFailed) and failed.phase == "start", failed
+        assert failed.kind == "trainer" and words in failed.error, failed
+    # The default key still works, with the plain class as before.
+    worker.run(_batch(6, [(1, 0, 2, HP)]))
+    assert isinstance(events.events[-1], BatchDone) and worker.trainer_key == ""
 
 
 def test_evaluation_and_progress_points(tmp_path: Path) -> None:

@@ -8,6 +8,10 @@
 * :class:`SimulatedExecutor`: virtual time, a cost model and synthetic learning curves
   (``stagetree simulate``; no training at all).
 * :func:`register_executor`: executors by name (``Study(executor="local")``).
+
+Every executor serves several trainers with one pool of workers: its own trainer, and
+those added with :meth:`BaseExecutor.add_trainer`, chosen per batch by
+``RunBatch.trainer``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """What executors share about the messages they exchange with their workers: the rules
-of ``submit`` (see :class:`~stagetree.executors.base.BaseExecutor`), the start-up
-failure message, and how a worker slot takes in one event."""
+of ``submit`` and ``add_trainer`` (see :class:`~stagetree.executors.base.BaseExecutor`),
+the start-up failure message, and how a worker slot takes in one event."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +20,43 @@ from stagetree.work import (
     WorkerReady,
 )
 
-__all__ = ["StartupError", "accept_event", "admit", "check_worker", "missed"]
+__all__ = [
+    "StartupError",
+    "accept_event",
+    "admit",
+    "check_worker",
+    "missed",
+    "new_trainer",
+]
+
+
+def new_trainer(registered: Mapping[str, Any], key: str, trainer: Any) -> bool:
+    """Whether ``trainer`` is new under ``key`` (False: the same trainer is registered
+    there already, so registering it again does nothing).
+
+    Raises:
+        ValueError: ``key`` is not a non-empty string, ``trainer`` is None, or ``key`` is
+            registered with another trainer.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"a trainer key must be a non-empty string, got {key!r}")
+    if trainer is None:
+        raise ValueError(f"trainer {key!r}: no trainer given")
+    if key not in registered:
+        return True
+    existing = registered[key]
+    if existing is trainer or existing == trainer:
+        return False
+    raise ValueError(
+        f"trainer key {key!r} is already registered with {_name(existing)}; "
+        f"cannot register {_name(trainer)} under it"
+    )
+
+
+def _name(trainer: Any) -> str:
+    if isinstance(trainer, type):
+        return f"{trainer.__module__}.{trainer.__qualname__}"
+    return repr(trainer)
 
 
 def check_worker(instruction: Any, live: bool, num_workers: int) -> int:

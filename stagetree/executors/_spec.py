@@ -17,6 +17,11 @@ main script again (as ``__mp_main__``) to find what was defined there: that is w
 made a guard-less study start its own study in every worker. :func:`no_main_rerun`
 leaves the main script out of what a child prepares; by-value trainers do not need it.
 
+Several trainers, one pool: an executor sends each trainer registered with
+``add_trainer`` to a worker the first time that worker gets a batch of its key, with
+the same by-reference / by-value rule; the worker holds them in
+:class:`TrainerClasses` and loads each (unpickles, imports) when a batch first needs it.
+
 Strings name a class explicitly: ``"pkg.module:Class"`` is imported by name,
 ``"path/file.py:Class"`` loads that file under a stable module name (its ``if
 __name__ == "__main__":`` block does not run, the rest of the file does).
@@ -30,19 +35,20 @@ import hashlib
 import importlib
 import importlib.util
 import io
+import logging
 import multiprocessing.spawn
 import os
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from stagetree.identity import is_library_module
 from stagetree.trainer import Trainer
 
-__all__ = ["TrainerSpec", "no_main_rerun"]
+__all__ = ["TrainerClasses", "TrainerSpec", "no_main_rerun"]
 
 _PICKLE_LOCK = threading.Lock()
 
@@ -117,6 +123,52 @@ class TrainerSpec:
 
     def __str__(self) -> str:
         return f"{self.module or self.path}:{self.qualname}"
+
+
+class TrainerClasses(Mapping[str, "type[Trainer]"]):
+    """Trainer classes by key, as a worker process or actor holds them (a
+    :class:`~stagetree.worker.Worker`'s factories).
+
+    The default trainer (key ``""``) is loaded when the worker starts; the spec of any
+    other key arrives with the first batch of that key (:meth:`add`) and is loaded (and
+    warmed up) the first time a batch looks it up. A spec that cannot be loaded raises
+    ``ImportError`` on each lookup, so each of its batches fails at its start; a key
+    with no spec is missing (``get`` returns None).
+    """
+
+    def __init__(self, default: type[Trainer]) -> None:
+        self._classes: dict[str, type[Trainer]] = {"": default}
+        self._specs: dict[str, TrainerSpec] = {}
+
+    def add(self, key: str, spec: TrainerSpec) -> None:
+        """Hold ``spec`` under ``key`` (the executor never sends another spec for it)."""
+        if key not in self._classes:
+            self._specs[key] = spec
+
+    def __getitem__(self, key: str) -> type[Trainer]:
+        cls = self._classes.get(key)
+        if cls is not None:
+            return cls
+        spec = self._specs[key]  # KeyError: an unknown key
+        try:
+            cls = spec.resolve()
+        except Exception as exc:  # a KeyError here is the loaded code's: not "unknown key"
+            raise ImportError(
+                f"cannot load trainer {key!r} on this worker: {type(exc).__name__}: {exc}"
+            ) from exc
+        try:
+            cls.warmup()
+        except Exception:  # only an optimisation: construction reports real problems
+            logging.getLogger(__name__).exception("%s.warmup failed", spec)
+        self._classes[key] = cls
+        del self._specs[key]
+        return cls
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._classes, *self._specs])
+
+    def __len__(self) -> int:
+        return len(self._classes) + len(self._specs)
 
 
 def _by_reference(trainer: type) -> bool:

@@ -10,6 +10,7 @@ from stagetree.work import Instruction, WorkerEvent
 
 if TYPE_CHECKING:
     from stagetree.executors.registry import ExecutorOptions
+    from stagetree.trainer import Trainer
 
 __all__ = ["BaseExecutor"]
 
@@ -49,6 +50,16 @@ class BaseExecutor(ABC):
     * :meth:`bind` receives what the study knows (trainer, checkpoint store, worker
       count) when the executor was given as an object before the study existed; it
       returns the executor to use (the default: ``self``, unchanged).
+    * Several trainers, one pool: the executor's own trainer (``ExecutorOptions.trainer``)
+      trains batches whose :attr:`RunBatch.trainer <stagetree.work.RunBatch.trainer>` is
+      ``""``; :meth:`add_trainer` registers more trainer classes under keys, before or
+      after :meth:`start` and while batches run, and a batch naming a key is trained by
+      that class (``Trainer(config)`` from its ``config``). Any worker serves any key; a
+      worker continues its in-memory model only for a batch of the same key (and root
+      key, config and ``start_at``). A batch naming a key that was not registered when it
+      was submitted, or whose trainer cannot be loaded on its worker, ends with
+      :class:`~stagetree.work.BatchFailed` (``phase="start"``, the error names the key or
+      the loading error); the worker stays up and serves other batches.
 
     Executors are context managers: ``with Executor(...) as ex:`` starts and closes.
     """
@@ -71,6 +82,23 @@ class BaseExecutor(ABC):
         """Where each worker runs, in words (a host name, a cluster node); empty when
         every worker runs on this machine."""
         return {}
+
+    def add_trainer(self, key: str, trainer: type[Trainer]) -> None:
+        """Register ``trainer`` under ``key``: batches whose ``RunBatch.trainer`` is
+        ``key`` are trained by it (see the contract above). May be called before or
+        after :meth:`start` and while batches run. Registering a key again with the
+        same trainer does nothing.
+
+        The default refuses: an executor that serves one trainer only.
+
+        Raises:
+            ValueError: ``key`` is not a non-empty string, or is registered with another
+                trainer (the message names the key).
+            NotImplementedError: this executor serves its own trainer only.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} serves one trainer only; it cannot add trainer {key!r}"
+        )
 
     @abstractmethod
     def start(self) -> None:

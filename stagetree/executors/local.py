@@ -7,6 +7,11 @@ running the parent's main script again; library classes are imported by name, th
 user's own classes (scripts, ``stagetree run``, notebooks, ``python -c``, stdin, classes
 defined in functions) arrive pickled by value. A worker never runs the user's script.
 
+Several trainers, one pool: the executor's trainer is sent to every worker when it is
+spawned; a trainer registered with :meth:`LocalExecutor.add_trainer` is pickled once (in
+``add_trainer``) and sent to a worker just before the first batch of its key that worker
+gets (again to a replacement process), so workers load only the trainers they train.
+
 Process layout: worker ``w`` is one process pinned to one device
 (``CUDA_VISIBLE_DEVICES``) and to a fixed number of threads (``OMP_NUM_THREADS``,
 ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``torch.set_num_threads``).
@@ -42,8 +47,15 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError
-from stagetree.executors._events import StartupError, accept_event, admit, check_worker, missed
-from stagetree.executors._spec import TrainerSpec, no_main_rerun
+from stagetree.executors._events import (
+    StartupError,
+    accept_event,
+    admit,
+    check_worker,
+    missed,
+    new_trainer,
+)
+from stagetree.executors._spec import TrainerClasses, TrainerSpec, no_main_rerun
 from stagetree.executors.base import BaseExecutor
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -56,7 +68,7 @@ from stagetree.work import (
     WorkerLost,
     WorkerReady,
 )
-from stagetree.worker import Worker
+from stagetree.worker import TrainerFactory, Worker
 
 __all__ = ["InlineExecutor", "LocalExecutor", "TrainerSpec"]
 
@@ -77,6 +89,14 @@ class _ChildConfig:
     threads: int
     device: str | None
     progress_interval: float
+
+
+@dataclass(frozen=True)
+class _AddTrainer:
+    """Driver -> worker: the trainer of ``key`` (sent before its first batch there)."""
+
+    key: str
+    spec: TrainerSpec
 
 
 def _child_env(device: str | None, threads: int) -> dict[str, str]:
@@ -112,7 +132,8 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
         logging.getLogger(__name__).exception(
             "worker %s: %s.warmup failed", cfg.worker, trainer_cls
         )
-    worker = Worker(cfg.worker, trainer_cls, store, emit, progress_interval=cfg.progress_interval)
+    trainers = TrainerClasses(trainer_cls)
+    worker = Worker(cfg.worker, trainers, store, emit, progress_interval=cfg.progress_interval)
     backlog: deque[Any] = deque()
     nothing: list[AddCheckpoint | Abort] = []
     try:
@@ -139,6 +160,8 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
                     return out
 
                 worker.run(message, poll)
+            elif isinstance(message, _AddTrainer):
+                trainers.add(message.key, message.spec)
             elif isinstance(message, AddCheckpoint):
                 emit(SplitMissed(message.batch_id, cfg.worker, message.node, message.step))
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -185,6 +208,7 @@ class _Slot:
     ready: bool = False
     start_failures: int = 0
     pending: list[WorkerEvent] = field(default_factory=list)
+    trainers: set[str] = field(default_factory=set)  # keys whose spec it was sent
 
 
 def _cpu_count() -> int:
@@ -266,6 +290,9 @@ class LocalExecutor(BaseExecutor):
         self._started = False
         self._closed = False
         self._lock = threading.Lock()
+        # Trainers added with add_trainer: as given (to compare), and as they travel.
+        self._trainers: dict[str, Any] = {}
+        self._specs: dict[str, TrainerSpec] = {}
         # Stop children even when close() is forgotten. Registered with atexit after
         # multiprocessing's own exit handler, so it runs first: that handler would
         # otherwise wait forever for (non-daemonic) workers that wait for instructions.
@@ -289,6 +316,26 @@ class LocalExecutor(BaseExecutor):
         process = self._slots[worker].process
         return None if process is None else process.pid
 
+    def add_trainer(self, key: str, trainer: type[Trainer] | str | TrainerSpec) -> None:
+        """Register a trainer under ``key`` (see :meth:`BaseExecutor.add_trainer`).
+
+        ``trainer`` may also be a ``"module:Class"`` / ``"file.py:Class"`` string or a
+        :class:`TrainerSpec`. A class that travels by value is pickled here, once; each
+        worker receives it with its first batch of ``key`` and loads it then (a class it
+        cannot load fails that batch at its start).
+
+        Raises:
+            ValueError: a bad or taken key, or a class that cannot be pickled.
+        """
+        with self._lock:
+            if not new_trainer(self._trainers, key, trainer):
+                return
+        spec = TrainerSpec.of(trainer)  # pickling may take a while: not under the lock
+        with self._lock:
+            if new_trainer(self._trainers, key, trainer):  # (again: another thread?)
+                self._specs[key] = spec
+                self._trainers[key] = trainer
+
     def start(self) -> None:
         if self._closed:
             raise StagetreeError("executor is closed")
@@ -306,11 +353,17 @@ class LocalExecutor(BaseExecutor):
             if not admit(instruction, slot.running):
                 self._local.extend(missed(instruction))
                 return
-            if isinstance(instruction, RunBatch):
-                slot.running = instruction.batch_id
             assert slot.inbox is not None
             with contextlib.suppress(OSError):
                 # A dead worker is noticed (and its batch reported lost) in events().
+                if isinstance(instruction, RunBatch):
+                    slot.running = instruction.batch_id
+                    key = instruction.trainer
+                    spec = self._specs.get(key)
+                    if spec is not None and key not in slot.trainers:
+                        # An unknown key goes without: the worker fails that batch.
+                        slot.inbox.send(_AddTrainer(key, spec))
+                        slot.trainers.add(key)
                 slot.inbox.send(instruction)
 
     def events(self, timeout: float | None = None) -> list[WorkerEvent]:
@@ -369,6 +422,7 @@ class LocalExecutor(BaseExecutor):
         outbox_send.close()
         slot.process, slot.inbox, slot.outbox = process, inbox_send, outbox_recv
         slot.ready = False
+        slot.trainers = set()
 
     def _collect(self, out: list[WorkerEvent]) -> None:
         """Read every available event; report and replace dead workers."""
@@ -474,6 +528,10 @@ class InlineExecutor(BaseExecutor):
     apply (``SplitMissed`` / ignored). Nothing can arrive while no batch is queued, so
     :meth:`events` then returns at once instead of waiting.
 
+    Several trainers: :meth:`add_trainer` registers more trainer classes (or callables
+    ``config -> Trainer``) under keys; every worker builds a batch's trainer with the one
+    of its ``RunBatch.trainer`` key.
+
     Args:
         trainer: a Trainer subclass or any callable ``config -> Trainer``.
         num_workers: worker slots (each keeps its own trainer in memory).
@@ -497,8 +555,17 @@ class InlineExecutor(BaseExecutor):
             else CheckpointStore(Path(checkpoint_dir))
         )
         self._events: list[WorkerEvent] = []
+        # Trainers by key ("": the default), shared by the workers, which look a batch's
+        # key up when it starts.
+        self._factories: dict[str, TrainerFactory] = {"": trainer}
         self._workers = [
-            Worker(w, trainer, self.store, self._events.append, progress_interval=progress_interval)
+            Worker(
+                w,
+                self._factories,
+                self.store,
+                self._events.append,
+                progress_interval=progress_interval,
+            )
             for w in range(num_workers)
         ]
         self._queue: deque[RunBatch] = deque()
@@ -515,6 +582,12 @@ class InlineExecutor(BaseExecutor):
     def workers(self) -> list[Worker]:
         """The in-process workers (for inspection in tests)."""
         return list(self._workers)
+
+    def add_trainer(self, key: str, trainer: type[Trainer]) -> None:
+        """Register a trainer under ``key`` (see :meth:`BaseExecutor.add_trainer`);
+        any callable ``config -> Trainer`` will do."""
+        if new_trainer(self._factories, key, trainer):
+            self._factories[key] = trainer
 
     def start(self) -> None:
         if self._closed:

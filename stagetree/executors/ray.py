@@ -16,6 +16,12 @@ driver; checkpoints go straight from actors to the checkpoint store (a shared
 directory or a bucket), never through Ray's object store: events carry their refs
 only.
 
+Several trainers share the actors: the executor's own trainer is an argument of every
+actor; a trainer registered with :meth:`RayExecutor.add_trainer` is pickled once and
+sent to an actor along with the first batch of its key that actor gets (in the same
+``run_batch`` call: the calls of a threaded actor are not ordered), and again to a
+replacement actor.
+
 Events: the driver keeps one ``drain`` call in flight per actor and waits on them
 with ``ray.wait``; an actor answers a ``drain`` with the events its worker emitted
 since the previous one, in order, so the events of a batch arrive in the order they
@@ -44,13 +50,20 @@ import traceback
 import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import ExecutorError, StagetreeError
-from stagetree.executors._events import StartupError, accept_event, admit, check_worker, missed
-from stagetree.executors._spec import TrainerSpec
+from stagetree.executors._events import (
+    StartupError,
+    accept_event,
+    admit,
+    check_worker,
+    missed,
+    new_trainer,
+)
+from stagetree.executors._spec import TrainerClasses, TrainerSpec
 from stagetree.executors.base import BaseExecutor
 from stagetree.work import (
     Abort,
@@ -133,6 +146,7 @@ class _WorkerActor:
         self._worker: Any = None
         self._thread: threading.Thread | None = None
         self._store = store
+        self._trainers: TrainerClasses | None = None
         os.environ.update({name: str(threads) for name in _THREAD_VARS})
         try:
             trainer_cls = spec.resolve()
@@ -145,8 +159,9 @@ class _WorkerActor:
             return
         with contextlib.suppress(Exception):  # only an optimisation
             trainer_cls.warmup()
+        self._trainers = TrainerClasses(trainer_cls)
         self._worker = Worker(
-            worker_id, trainer_cls, store, self._emit, progress_interval=progress_interval
+            worker_id, self._trainers, store, self._emit, progress_interval=progress_interval
         )
         self._thread = threading.Thread(target=self._loop, name="stagetree-batches", daemon=True)
         self._thread.start()
@@ -179,8 +194,13 @@ class _WorkerActor:
             "reach": reach,
         }
 
-    def run_batch(self, batch: RunBatch) -> None:
+    def run_batch(self, batch: RunBatch, trainers: Mapping[str, TrainerSpec] | None = None) -> None:
+        """Queue ``batch``; ``trainers``: specs of trainer keys this actor has not had
+        (the batch's, the first time it gets one of that key)."""
         with self._cond:
+            if trainers and self._trainers is not None:
+                for key, spec in trainers.items():
+                    self._trainers.add(key, spec)
             self._live.setdefault(batch.batch_id, [])
             self._queue.append(batch)
             self._cond.notify_all()
@@ -279,6 +299,7 @@ class _Slot:
     node: str | None = None
     host: str | None = None
     start_failures: int = 0
+    trainers: set[str] = field(default_factory=set)  # keys whose spec the actor was sent
 
 
 def _probe(address: str | None, timeout: float = 5.0) -> str | None:
@@ -391,6 +412,10 @@ class RayExecutor(BaseExecutor):
         self._marker: str | None = None
         self._token = uuid.uuid4().hex
         self._actor_cls: Any = None
+        # Trainers added with add_trainer: as given (to compare), and as they travel.
+        self._trainers: dict[str, Any] = {}
+        self._specs: dict[str, TrainerSpec] = {}
+        self._trainers_lock = threading.Lock()
 
     @staticmethod
     def _check_resources(
@@ -423,11 +448,11 @@ class RayExecutor(BaseExecutor):
 
     def bind(self, options: ExecutorOptions) -> BaseExecutor:
         """A copy of this executor for a study's trainer and checkpoint store (what this
-        one was built with wins)."""
+        one was built with wins, trainers added with :meth:`add_trainer` included)."""
         resources: Any = self._resources
         if resources is not None and len(resources) == 1:
             resources = resources[0]
-        return RayExecutor(
+        bound = RayExecutor(
             self.spec if self.spec is not None else options.trainer,
             self._requested if self._requested is not None else options.workers,
             address=self.address if self.address is not None else options.address,
@@ -447,8 +472,29 @@ class RayExecutor(BaseExecutor):
             start_timeout=self.start_timeout,
             init_kwargs=self.init_kwargs,
         )
+        with self._trainers_lock:
+            bound._trainers.update(self._trainers)
+            bound._specs.update(self._specs)
+        return bound
 
     # ------------------------------------------------------------------ contract
+
+    def add_trainer(self, key: str, trainer: type[Trainer] | str | TrainerSpec) -> None:
+        """Register a trainer under ``key`` (see :meth:`BaseExecutor.add_trainer`).
+
+        ``trainer`` may also be a ``"module:Class"`` string or a :class:`TrainerSpec`.
+        A class that travels by value is pickled here, once; each actor receives it
+        with its first batch of ``key`` and loads it then (a class it cannot load fails
+        that batch at its start).
+
+        Raises:
+            ValueError: a bad or taken key, or a class that cannot be pickled.
+        """
+        with self._trainers_lock:
+            if not new_trainer(self._trainers, key, trainer):
+                return
+            self._specs[key] = TrainerSpec.of(trainer)
+            self._trainers[key] = trainer
 
     @property
     def num_workers(self) -> int:
@@ -580,6 +626,7 @@ class RayExecutor(BaseExecutor):
         slot.hello = slot.actor.hello.remote(self._marker, self._token)
         slot.drain = None
         slot.ready = False
+        slot.trainers = set()
         slot.node = slot.host = None
 
     def _on_hello(self, ray: Any, slot: _Slot, ref: Any) -> None:
@@ -618,7 +665,15 @@ class RayExecutor(BaseExecutor):
             if slot.actor is None:
                 raise ValueError(f"worker {worker} is not up")
             slot.running = instruction.batch_id
-            slot.actor.run_batch.remote(instruction)
+            key = instruction.trainer
+            spec = self._specs.get(key)
+            if spec is not None and key not in slot.trainers:
+                # With the batch: a threaded actor does not run its calls in order. An
+                # unknown key goes without: the actor fails that batch.
+                slot.trainers.add(key)
+                slot.actor.run_batch.remote(instruction, {key: spec})
+            else:
+                slot.actor.run_batch.remote(instruction)
         elif slot.actor is None:  # lost meanwhile: its batch is reported lost
             self._local.extend(missed(instruction))
         else:

@@ -25,7 +25,9 @@ class ExecutorOptions:
     """What a study passes to an executor factory.
 
     Attributes:
-        trainer: the Trainer subclass.
+        trainer: the Trainer subclass: the executor's default trainer, which trains
+            batches whose ``RunBatch.trainer`` is ``""``; more trainers share the same
+            workers through :meth:`BaseExecutor.add_trainer`.
         workers: worker count asked for (None: the executor's default).
         checkpoint_dir: the checkpoint store (or its directory).
         threads_per_worker: CPU threads per worker (None: the executor's default).

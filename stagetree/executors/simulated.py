@@ -22,7 +22,11 @@ Models (all deterministic; see :mod:`stagetree.simulate` for more):
   nbytes / save_bandwidth`` seconds in the background (training goes on; the batch's
   ``BatchDone`` waits for it), a load ``load_latency + nbytes / load_bandwidth``
   seconds before training, skipped when the worker still holds the model in memory
-  (it just finished where the new batch starts), as the real worker does.
+  (it just finished where the new batch starts, with the same trainer key), as the
+  real worker does.
+* Trainers: nothing is built, so :meth:`SimulatedExecutor.add_trainer` only records
+  keys (the contract's checks hold: a key taken by another class is refused, a batch of
+  an unknown key fails at its start); every key follows the same models.
 
 Timeline of a batch started at ``t0`` on a worker: load, then the steps; at each
 *milestone* (a segment end, an evaluation or checkpoint point, the end, and every
@@ -48,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagetree.exceptions import StagetreeError
+from stagetree.executors._events import new_trainer
 from stagetree.executors.base import BaseExecutor
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -399,8 +404,9 @@ class SimulatedExecutor(BaseExecutor):
         self._seq = itertools.count()
         self._runs: dict[int, _Run] = {}  # batch id -> running batch (until BatchDone)
         self._busy: dict[int, int] = {}  # worker -> batch id until BatchDone
-        # worker -> (root_key, config json, (node, step)) of the model it holds
-        self._held: dict[int, tuple[str, str, tuple[int, int] | None]] = {}
+        # worker -> (trainer key, root_key, config json, (node, step)) of the model it holds
+        self._held: dict[int, tuple[str, str, str, tuple[int, int] | None]] = {}
+        self._trainers: dict[str, Any] = {}  # key -> class, as added (never built)
         self._held_state: dict[int, Any] = {}
         self._ckpts: dict[str, tuple[Any, int]] = {}  # ref -> (curve state, nbytes)
         self._started = False
@@ -411,6 +417,12 @@ class SimulatedExecutor(BaseExecutor):
     @property
     def num_workers(self) -> int:
         return self._num_workers
+
+    def add_trainer(self, key: str, trainer: type[Trainer]) -> None:
+        """Record trainer key ``key`` (see :meth:`BaseExecutor.add_trainer`); nothing is
+        built or loaded in virtual time."""
+        if new_trainer(self._trainers, key, trainer):
+            self._trainers[key] = trainer
 
     def start(self) -> None:
         if self._started:
@@ -517,11 +529,26 @@ class SimulatedExecutor(BaseExecutor):
         segments = [s for s in batch.segments if s.stop > s.start]
         start = batch.start_step
         end = segments[-1].stop if segments else start
+        if batch.trainer and batch.trainer not in self._trainers:
+            self._fail(
+                batch,
+                now,
+                f"StagetreeError: unknown trainer key {batch.trainer!r}: no trainer class "
+                "is registered under it (register it with the executor's add_trainer() "
+                "before submitting its batches)",
+                kind="trainer",
+            )
+            return
         # The model to start from: in memory, from a checkpoint, or fresh.
         held = self._held.get(w)
         load = 0.0
         state: Any
-        if held is not None and held == (batch.root_key, config_key, batch.start_at):
+        if held is not None and held == (
+            batch.trainer,
+            batch.root_key,
+            config_key,
+            batch.start_at,
+        ):
             state = self._held_state[w]
         elif batch.start_checkpoint is not None:
             hit = self._ckpts.get(batch.start_checkpoint)
@@ -672,17 +699,21 @@ class SimulatedExecutor(BaseExecutor):
         # The worker keeps the model in memory, like the real worker.
         at = (run.nodes[run.anchor], run.anchor) if steps else batch.start_at
         config_key = json.dumps(run.config, sort_keys=True, default=repr)
-        self._held[w] = (batch.root_key, config_key, at)
+        self._held[w] = (batch.trainer, batch.root_key, config_key, at)
         self._held_state[w] = run.states[run.anchor - run.start]
 
     def _fail(self, batch: RunBatch, now: float, error: str, kind: str) -> None:
+        """The batch fails at its start (``phase="start"``, as the real worker's start
+        checkpoint and trainer failures)."""
         node = (
             batch.start_at[0]
             if batch.start_at is not None
             else (batch.segments[0].node if batch.segments else 0)
         )
         self._held.pop(batch.worker, None)
-        event = BatchFailed(batch.batch_id, batch.worker, node, batch.start_step, error, "", kind)
+        event = BatchFailed(
+            batch.batch_id, batch.worker, node, batch.start_step, error, "", kind, "start"
+        )
         self._push(now, "event", event)
 
     def _add_checkpoint(self, ins: AddCheckpoint) -> None:
