@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -122,6 +123,8 @@ class StudySlot:
         meta: the running tuner's metric, mode and name, recorded with the next write.
         row_ready: whether its row in the plan exists with ``meta``.
         log_checked: whether the tuner log's latest run is this version's.
+        trainer_key: the key its trainer class has in the executor ("" for the
+            executor's default trainer; see :meth:`Engine.open_study`).
     """
 
     name: str
@@ -133,6 +136,7 @@ class StudySlot:
     meta: dict[str, Any] = field(default_factory=dict)
     row_ready: bool = False
     log_checked: bool = False
+    trainer_key: str = ""
 
     def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence]) -> str:
         """The plan tree of a trial: trainer version + fixed config (+ the trial's own
@@ -203,6 +207,11 @@ class Engine:
         self._durable: dict[int, int] = {}  # batch id -> last step it checkpointed
         self._studies: set[str] = set()  # studies served (their meta records the workers)
         self._slots: dict[tuple[str, str], StudySlot] = {}
+        # One worker pool for every trainer: the executor's default trainer (key "") and
+        # the others by key; each plan tree is trained by its study's trainer.
+        self.default_trainer: type | None = None
+        self._trainers: dict[str, type] = {}
+        self._root_trainers: dict[str, str] = {}
         self._workers_changed = False
 
     # -- life cycle ----------------------------------------------------------------------
@@ -215,6 +224,8 @@ class Engine:
                 return
             self.executor = self._executor_factory()
             self.executor.start()
+            for key, trainer in self._trainers.items():
+                self._add_trainer(key, trainer)
             if self.executor.virtual_time:
                 return  # virtual time: Study.tune pumps it from the tuner's loop, no thread
             self._thread = threading.Thread(target=self._run, name="stagetree-engine", daemon=True)
@@ -273,17 +284,25 @@ class Engine:
         version: str,
         share: bool = True,
         weight: float = 1.0,
-        trainer_name: str = "",
+        trainer: type | None = None,
         url: str = "",
     ) -> StudySlot:
         """The engine's slot of study ``name`` at trainer ``version``, loading its stored
         trials the first time (a changed trainer is announced once; see
         :mod:`stagetree._versions`). Writes nothing but the trials' ``opened`` mark: the
-        study row is created with its first trial or log record."""
+        study row is created with its first trial or log record.
+
+        Studies of several trainer classes share the engine's one worker pool: the
+        first trainer is the executor's default, the others are added to the executor
+        (:meth:`~stagetree.executors.base.BaseExecutor.add_trainer`), and every batch
+        is trained by the trainer of its plan tree's study.
+        """
         with self.lock:
             slot = self._slots.get((name, version))
             if slot is None:
                 slot = StudySlot(name, version, share, weight)
+                slot.trainer_key = self._trainer_key(trainer)
+                trainer_name = getattr(trainer, "__qualname__", "")
                 for t in _versions.open_trials(slot, trainer_name, self.storage, url):
                     ident = (canonical_json(t["config"]), dumps_hp(t["hp"]))
                     slot.trial_ids[ident] = t["id"]
@@ -293,6 +312,32 @@ class Engine:
             slot.share, slot.weight = share, weight
             self._enqueue(self._weight_events(slot))
             return slot
+
+    def _trainer_key(self, trainer: type | None) -> str:
+        """The executor's key of ``trainer``, registering it the first time."""
+        if trainer is None or trainer is self.default_trainer:
+            return ""
+        if self.default_trainer is None:
+            self.default_trainer = trainer
+            return ""
+        key = f"{trainer.__module__}:{trainer.__qualname__}:{id(trainer)}"
+        if key not in self._trainers:
+            self._trainers[key] = trainer
+            if self.executor is not None:
+                self._add_trainer(key, trainer)
+        return key
+
+    def _add_trainer(self, key: str, trainer: type) -> None:
+        assert self.executor is not None
+        try:
+            self.executor.add_trainer(key, trainer)
+        except NotImplementedError:
+            raise StagetreeError(
+                f"executor {type(self.executor).__name__} trains one trainer class, but "
+                f"studies of {getattr(self.default_trainer, '__qualname__', '?')} and "
+                f"{trainer.__qualname__} share this storage in this process: give them "
+                "separate storages, or implement BaseExecutor.add_trainer"
+            ) from None
 
     def _weight_events(self, slot: StudySlot) -> list[Any]:
         from stagetree.scheduler import StudyWeight
@@ -358,6 +403,7 @@ class Engine:
         root_key = slot.root_key(config, hp)
         storage = self.storage
         with self.lock:
+            self._root_trainers[root_key] = slot.trainer_key
             storage.register_root(root_key, config)
             ins = storage.insert_trial(root_key, hp, max(steps, horizon), request=False)
             leaf = ins.node
@@ -422,6 +468,7 @@ class Engine:
         with self.lock:
             for cfg, seqs in trials:
                 root_key = slot.root_key(cfg, seqs)
+                self._root_trainers[root_key] = slot.trainer_key
                 self.storage.register_root(root_key, cfg)
                 ins = self.storage.insert_trial(root_key, seqs, horizon, request=False)
                 self._enqueue(self._path_events(root_key, ins.node))
@@ -684,6 +731,9 @@ class Engine:
             if isinstance(item, (work.RunBatch, work.AddCheckpoint, work.Abort)):
                 assert self.executor is not None
                 if isinstance(item, work.RunBatch):
+                    key = self._root_trainers.get(item.root_key, "")
+                    if key != item.trainer:  # the trainer of the tree's study trains it
+                        item = dataclasses.replace(item, trainer=key)
                     self._inflight.add(item.batch_id)
                     self._positions[item.batch_id] = [item.start_step, item.start_step]
                     self._start_refs[item.batch_id] = item.start_checkpoint

@@ -52,10 +52,6 @@ _ENGINES: dict[tuple[str, str], Engine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def _trainer_ref(trainer: type[Trainer]) -> str:
-    return f"{trainer.__module__}:{trainer.__qualname__}:{id(trainer)}"
-
-
 class Study:
     """One optimization run: a trainer, a storage, and the trials submitted to it.
 
@@ -106,9 +102,11 @@ class Study:
             study; ``url=""`` always runs it here.
         token: the server's token (default: ``STAGETREE_TOKEN`` from the environment).
 
-    Studies on the same storage with the same trainer in one process share one engine,
-    so they share stages while they run; studies in other processes share everything
-    that was stored (metrics, checkpoints).
+    Studies on the same storage in one process share one engine: one worker pool
+    (the first study's ``workers``, ``executor``, ``policy`` and ``eval_every``), divided
+    between studies with pending work by their weights, and, for studies of the same
+    trainer, every stage they have in common while they run. Studies in other
+    processes share everything that was stored (metrics, checkpoints).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Study:
@@ -208,7 +206,7 @@ class Study:
             raise StagetreeError(f"study {self.name!r} is closed")
         storage = self._engine_args[0]
         url = storage if isinstance(storage, str) else f"object:{id(storage)}"
-        key = (url, _trainer_ref(self.trainer))
+        key = (url, "")  # one engine (one worker pool) per storage, whatever the trainer
         with _ENGINES_LOCK:
             engine = _ENGINES.get(key)
             if engine is None:
@@ -218,7 +216,7 @@ class Study:
         self._engine_key = key
         self._engine_obj = engine
         self._slot = engine.open_study(
-            self.name, self.version, self.share, self.weight, self.trainer.__qualname__, url
+            self.name, self.version, self.share, self.weight, self.trainer, url
         )
 
     def open(self) -> Study:
@@ -267,6 +265,7 @@ class Study:
             plan, store, factory, policy, max_retries, checkpoint_budget, self.eval_every
         )
         engine.temporary_checkpoints = temporary
+        engine.default_trainer = trainer
         return engine
 
     # -- context manager -----------------------------------------------------------------

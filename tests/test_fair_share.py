@@ -67,3 +67,40 @@ def test_two_studies_on_one_engine_split_the_workers_by_weight(tmp_path: Path) -
         assert storage.stats("engine")["steps_executed"] == unique  # shared once
     a, b = snapshots[-1]
     assert b > 0 and 1.3 <= a / b <= 3.2, snapshots
+
+
+class _Doubled(SlowLinearTrainer):
+    """Another trainer (another model): the loss of twice the targets."""
+
+    def evaluate(self) -> dict[str, float]:
+        out = super().evaluate()
+        return {k: 2 * v for k, v in out.items()}
+
+
+def test_studies_of_two_trainers_share_one_worker_pool(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/plan.db"
+    one = Study("one", SlowLinearTrainer, storage=url, workers=2)
+    two = Study("two", _Doubled, storage=url, workers=2)
+    trials = _trials(range(1, 4), [5])
+
+    async def main() -> list[Any]:
+        return list(
+            await asyncio.gather(
+                *(one.submit(c, h, 10) for c, h in trials),
+                *(two.submit(c, h, 10) for c, h in trials),
+            )
+        )
+
+    try:
+        results = asyncio.run(main())
+        assert one._engine is two._engine  # one engine, one pool of two workers
+        assert one.num_workers == 2
+    finally:
+        one.close()
+        two.close()
+    with Study("alone", SlowLinearTrainer, storage="memory://", executor="inline") as ref:
+        alone = [ref.run(c, h, 10).metrics for c, h in trials]
+    assert [r.metrics for r in results[: len(trials)]] == alone
+    assert [r.metrics for r in results[len(trials) :]] == [
+        {k: 2 * v for k, v in m.items()} for m in alone
+    ]
