@@ -6,7 +6,9 @@ a client killed with -9 whose requests are released after the lease, the token."
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import ssl
 import stat
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from stagetree import Study, TrialFailedError
+from stagetree import ServerError, Study, TrialFailedError
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import open_storage
 from stagetree.server import RemoteStudy
@@ -42,11 +44,15 @@ LRS = [Constant(0.05), MultiStep(0.05, [3], 0.5), Constant(0.02), Constant(0.01)
 class Server:
     """A ``stagetree serve`` process of the tests (restartable on the same port)."""
 
-    def __init__(self, directory: Path, executor: str = "inline") -> None:
+    def __init__(self, directory: Path, executor: str = "inline", tls: bool = False) -> None:
         self.dir = directory
         self.executor = executor
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.options = ["--ssl-certfile", "cert.pem", "--ssl-keyfile", "key.pem"] if tls else []
+        self.verify: Any = True
+        if tls:
+            self.verify = ssl.create_default_context(cafile=str(directory / "cert.pem"))
         self.storage = f"sqlite:///{directory / 'plan.db'}"
         self.token_file = directory / "plan.db.token"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -64,6 +70,7 @@ class Server:
                 [
                     *(str(CLI), "serve", "--storage", self.storage),
                     *("--executor", self.executor, "--workers", "1", "--port", str(self.port)),
+                    *self.options,
                 ],
                 cwd=self.dir,
                 stdout=out,
@@ -76,7 +83,8 @@ class Server:
             if self.token_file.exists():
                 try:
                     headers = {"Authorization": f"Bearer {self.token}"}
-                    if httpx.get(f"{self.url}/v1/info", headers=headers).status_code == 200:
+                    info = httpx.get(f"{self.url}/v1/info", headers=headers, verify=self.verify)
+                    if info.status_code == 200:
                         return
                 except httpx.TransportError:
                     pass
@@ -344,3 +352,29 @@ def test_the_token_file_is_private_and_the_token_never_printed(server: Server) -
     output = server.output()
     assert str(server.token_file) in output
     assert server.token not in output
+
+
+def test_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ssl-certfile/--ssl-keyfile serve HTTPS; a client trusts a self-signed
+    certificate through SSL_CERT_FILE, and without it fails at once, saying so."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl")
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server = Server(tmp_path, tls=True)
+    server.start()
+    try:
+        with pytest.raises(ServerError, match="SSL_CERT_FILE"):
+            server.study("tls").trials()
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))
+        with server.study("tls") as remote:
+            assert remote.run({"seed": 0}, {"lr": LRS[0]}, 2).steps == 2
+    finally:
+        server.stop()

@@ -58,7 +58,7 @@ LRS = [Constant(0.05), MultiStep(0.05, [3], 0.5), Constant(0.02), Constant(0.01)
 
 @pytest.fixture
 def hub(tmp_path: Path) -> Iterator[Hub]:
-    hub = Hub(HubConfig(f"sqlite:///{tmp_path}/plan.db", executor="inline", ttl=5.0))
+    hub = Hub(HubConfig(f"sqlite:///{tmp_path}/plan.db", executor="inline", ttl=2.0))
     yield hub
     hub.close()
 
@@ -262,6 +262,10 @@ def test_one_class_per_trainer_version(client: TestClient, hub: Hub) -> None:
     assert slow.__qualname__ == "SlowLinearTrainer"
     trainers = {s.name: s.trainer for s in hub._studies.values()}
     assert trainers["a"] is trainers["c"] is LinearTrainer  # one engine for both
+    # The weight goes to the server's study (fair share across studies).
+    heavy = {"name": "d", "trainer": trainer_payload(LinearTrainer), "protocol": 1, "weight": 2.5}
+    assert client.post("/v1/studies", json=heavy).status_code == 200
+    assert [s.weight for s in hub._studies.values() if s.name == "d"] == [2.5]
 
 
 # ---------------------------------------------------------------- submissions, long-polls
@@ -317,7 +321,7 @@ def test_a_silent_session_is_reaped_and_its_requests_released(tmp_path: Path) ->
         )
         begin = {"metric": "score", "mode": "max", "tuner": "SHA"}
         client.post(f"/v1/sessions/{quiet}/tuning", json=begin)
-        client.post(f"/v1/sessions/{quiet}/submissions", json=trial(Constant(0.03), 150))
+        client.post(f"/v1/sessions/{quiet}/submissions", json=trial(Constant(0.03), 60))
         client.post(f"/v1/sessions/{alive}/submissions", json=trial(LRS[2], 3))
         events = wait_events(client, alive, 1)  # polling keeps "alive" alive
         assert "result" in events[0]
@@ -333,7 +337,7 @@ def test_a_silent_session_is_reaped_and_its_requests_released(tmp_path: Path) ->
         (study,) = [s for s in hub._studies.values() if s.name == "quiet"]
         storage = study._engine.storage
         requests = {r.step: r for r in storage.requests(study.root_key({"seed": 0}))}
-        assert requests[150].refcount == 0  # "alive"'s request at step 3 keeps its own
+        assert requests[60].refcount == 0  # "alive"'s request at step 3 keeps its own
         assert requests[3].refcount == 1
 
 

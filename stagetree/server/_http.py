@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json as _json
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,18 @@ def reconnect_timeout() -> float:
     except ValueError:
         return DEFAULT_RECONNECT
     return value if value >= 0 else DEFAULT_RECONNECT
+
+
+def _tls_refused(exc: BaseException) -> bool:
+    """Whether a connection failed on the server's TLS certificate (not retried)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(
+            seen
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class Unreachable(Exception):
@@ -96,6 +109,13 @@ class Connection:
             extra["headers"] = {"Content-Type": "application/json"}
         try:
             response = self._client.request(method, path, params=params, **extra)
+        except httpx.ConnectError as exc:
+            if _tls_refused(exc):  # retrying cannot help: say what to do
+                raise ServerError(
+                    f"TLS to {self.url} failed: {exc}. For a self-signed server certificate "
+                    "set SSL_CERT_FILE to a file holding it"
+                ) from None
+            raise Unreachable(f"ConnectError: {exc}") from None
         except httpx.TransportError as exc:
             raise Unreachable(
                 f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

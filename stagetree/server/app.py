@@ -269,6 +269,7 @@ def create_app(hub: Hub, token: str) -> Starlette:
         if not isinstance(client, str):
             raise RequestError(400, "BadRequest", "'client' must be a string")
         host = request.client.host if request.client else "?"
+        client = "".join(c for c in client if c.isprintable())[:100]  # it goes to the log
         label = f"{client or 'client'} from {host}"
         session = await blocking(hub.open, name, data["trainer"], version, share, weight, label)
         return JSON(

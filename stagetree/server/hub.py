@@ -144,21 +144,26 @@ class Hub:
         with self._lock:
             self._check_open()
             study = self._studies.get(key)
-            if study is None:
-                study = Study(
-                    name,
-                    cls,
-                    storage=self.config.storage,
-                    workers=self.config.workers,
-                    executor=self.config.executor,
-                    checkpoint_dir=self.config.checkpoint_dir,
-                    share=share,
-                    version=version,
-                    weight=weight,
-                    url="",  # the server runs its studies itself
-                )
-                study.open()
-                self._studies[key] = study
+        if study is None:  # opened without the lock: other sessions' calls go on meanwhile
+            made = Study(
+                name,
+                cls,
+                storage=self.config.storage,
+                workers=self.config.workers,
+                executor=self.config.executor,
+                checkpoint_dir=self.config.checkpoint_dir,
+                share=share,
+                version=version,
+                weight=weight,
+                url="",  # the server runs its studies itself
+            )
+            made.open()
+            with self._lock:
+                study = self._studies.setdefault(key, made)
+            if study is not made:  # another session opened it first
+                made.close()
+        with self._lock:
+            self._check_open()
             session = Session(secrets.token_hex(12), study, client, time.monotonic() + self.ttl)
             self._sessions[session.id] = session
         log.info("session %s: %s opened study %r", session.id, client, name)

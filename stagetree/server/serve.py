@@ -59,6 +59,10 @@ def serve(
         check_executor(executor)
     except ValueError as exc:
         raise StagetreeError(str(exc)) from None
+    if executor == "simulated":
+        raise StagetreeError(
+            "a server trains for real: --executor simulated is for `stagetree simulate`"
+        )
     if lease_ttl is not None:
         if not lease_ttl > 0:
             raise StagetreeError(f"--lease-ttl must be > 0 seconds, got {lease_ttl}")
