@@ -4,8 +4,10 @@ a RemoteStudy talking to the app in process."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import subprocess
 import sys
 import time
 import warnings
@@ -438,3 +440,32 @@ def test_unreachable_server_gives_up_after_the_reconnect_time(
     assert 0.5 < time.monotonic() - started < 5
     assert url in str(info.value) and TOKEN not in str(info.value)
     study.close()
+
+
+@pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
+def test_cancelling_a_remote_submission_cancels_it_on_the_server(remote: Any, hub: Hub) -> None:
+    study = remote("cancel", SlowLinearTrainer)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(study.submit({"seed": 0}, {"lr": LRS[0]}, 40))
+        while not study.trials():
+            await asyncio.sleep(0.02)
+        assert Study.cancel(task)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while study.trials()[0].state != "cancelled":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert study._pending == {}
+
+
+def test_importing_stagetree_imports_no_web_framework() -> None:
+    code = (
+        "import sys, stagetree, stagetree.server, stagetree.server.client; "
+        "print(sorted({'starlette', 'uvicorn', 'httpx'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

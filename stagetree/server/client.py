@@ -105,6 +105,7 @@ class _Pending:
     id: str
     body: dict[str, Any]
     future: concurrent.futures.Future[Any]
+    cancelled: bool = False
 
 
 class RemoteStudy(Study):
@@ -228,12 +229,12 @@ class RemoteStudy(Study):
             assert self._session is not None
             return self._generation, self._session
 
-    def _reopen(self, generation: int) -> None:
-        """Open a new session unless another thread already replaced ``generation``'s."""
+    def _lost(self, generation: int) -> None:
+        """The server lost session ``generation``: the next call opens a new one (unless
+        another thread already did)."""
         with self._lock:
             if self._generation == generation:
                 self._session = None
-            self._ensure_session()
 
     def _open_session(self) -> None:
         """Open a session (lock held): the study, then the tuning lease again if a tuner
@@ -310,9 +311,10 @@ class RemoteStudy(Study):
         module docstring says (``retry=False``: one attempt on the current session;
         :class:`~stagetree.exceptions.ServerUnavailableError` when it gets no answer)."""
         for _ in range(_MAX_REOPEN):
-            generation, sid = self._ensure_session()
-            conn = self._connection()
+            generation = self._generation
             try:
+                generation, sid = self._ensure_session()
+                conn = self._connection()
                 if not retry:
                     try:
                         return conn.request(method, f"/v1/sessions/{sid}{path}", **kw)
@@ -322,7 +324,7 @@ class RemoteStudy(Study):
                     functools.partial(conn.request, method, f"/v1/sessions/{sid}{path}", **kw)
                 )
             except SessionLost:
-                self._reopen(generation)
+                self._lost(generation)
         raise ServerError(f"the server at {self.url} keeps losing this client's session")
 
     # -- submissions ---------------------------------------------------------------------
@@ -347,7 +349,7 @@ class RemoteStudy(Study):
             self._pending[pending.id] = pending
             self._start_poller()
         try:
-            await asyncio.to_thread(self._call, "POST", "/submissions", json=body)
+            await asyncio.to_thread(self._post, pending)
         except asyncio.CancelledError:
             self._cancel(pending)
             raise
@@ -362,8 +364,17 @@ class RemoteStudy(Study):
             raise
         return result_from_json(data)
 
+    def _post(self, pending: _Pending) -> None:
+        """Send a submission; one cancelled meanwhile is cancelled on the server too
+        (the cancel request may have arrived first)."""
+        self._call("POST", "/submissions", json=pending.body)
+        if pending.cancelled:
+            with contextlib.suppress(Exception):
+                self._call("DELETE", f"/submissions/{pending.id}", retry=False)
+
     def _cancel(self, pending: _Pending) -> None:
         """Forget ``pending`` and cancel it on the server in the background."""
+        pending.cancelled = True
         with self._lock:
             if self._pending.pop(pending.id, None) is None:
                 return
@@ -414,8 +425,7 @@ class RemoteStudy(Study):
                     )
                 )
             except SessionLost:
-                with contextlib.suppress(Exception):
-                    self._reopen(generation)
+                self._lost(generation)
                 continue
             except Exception as exc:  # unreachable for good, or closed: fail the waiting
                 if self._closed:
