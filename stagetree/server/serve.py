@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from typing import Any, TextIO
 
@@ -75,6 +76,7 @@ def serve(
         raise
     except Exception as exc:
         raise StagetreeError(f"cannot open plan storage {storage!r}: {exc}") from None
+    sock = _listen(host, port)  # before anything is printed: a busy port fails here
     hub = Hub(HubConfig(storage, executor, workers, checkpoints, ttl))
     app = create_app(hub, token)
     scheme = "https" if ssl_certfile else "http"
@@ -93,19 +95,43 @@ def serve(
     options: dict[str, Any] = {}
     if ssl_certfile is not None:
         options.update(ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        **options,
+    )
     try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=2,
-            **options,
-        )
-    except SystemExit as exc:  # uvicorn exits when it cannot bind the port
-        hub.close()
+        uvicorn.Server(config).run(sockets=[sock])
+    except SystemExit as exc:  # uvicorn exits when its start-up fails
         return exc.code if isinstance(exc.code, int) else 1
     finally:
+        hub.close()  # also done by the app's shutdown; closing twice is harmless
+        sock.close()
         server_log.removeHandler(handler)
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``.
+
+    Raises:
+        StagetreeError: the address cannot be resolved or bound (e.g. the port is in use).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise StagetreeError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise StagetreeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
