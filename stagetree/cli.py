@@ -715,6 +715,11 @@ def run_script(
     path = Path(script)
     if not path.is_file():
         raise CommandError(f"no such script: {script}")
+    token = None
+    if token_file is not None:  # read before any override is set
+        from stagetree.server.auth import read_token_file
+
+        token = read_token_file(token_file)
     overrides = study_module._OVERRIDES
     saved_overrides = dict(overrides)
     saved_env = os.environ.get(STORAGE_ENV)
@@ -732,10 +737,8 @@ def run_script(
         overrides["checkpoint_dir"] = checkpoints
     if url is not None:
         overrides["url"] = url
-    if token_file is not None:
-        from stagetree.server.auth import read_token_file
-
-        overrides["token"] = read_token_file(token_file)
+    if token is not None:
+        overrides["token"] = token
     if workers is not None:
         overrides["workers"] = workers
     if storage is not None:

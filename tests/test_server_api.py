@@ -469,3 +469,31 @@ def test_importing_stagetree_imports_no_web_framework() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_run_and_serve_refuse_bad_token_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stagetree import study as study_module
+    from stagetree.cli import main
+
+    script = tmp_path / "s.py"
+    script.write_text("x = 1\n")
+    short = tmp_path / "short.token"
+    short.write_text("abc\n")
+    for token_file in (tmp_path / "missing.token", short):
+        args = ["run", str(script), "--url", "http://127.0.0.1:1", "--token-file", str(token_file)]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert str(token_file) in err and "abc" not in err
+        assert "url" not in study_module._OVERRIDES
+        serve = [
+            "serve",
+            "--storage",
+            f"sqlite:///{tmp_path}/p.db",
+            "--token-file",
+            str(token_file),
+        ]
+        assert main(serve) == 2
+        assert str(token_file) in capsys.readouterr().err
+    assert not (tmp_path / "p.db").exists()
