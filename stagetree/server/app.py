@@ -384,13 +384,15 @@ def create_app(hub: Hub, token: str) -> Starlette:
         record = await blocking(session.study.best, metric, mode)
         return JSON({"trial": None if record is None else record_to_json(record)})
 
-    def report(method: str) -> Callable[[Request], Awaitable[Response]]:
-        @endpoint
-        async def handler(request: Request) -> Response:
-            session = session_of(request)
-            return JSON({"stats": await blocking(getattr(session.study, method))})
+    @endpoint
+    async def stats(request: Request) -> Response:
+        session = session_of(request)
+        return JSON({"stats": await blocking(session.study.stats)})
 
-        return handler
+    @endpoint
+    async def progress(request: Request) -> Response:
+        session = session_of(request)
+        return JSON({"stats": await blocking(session.study.progress)})
 
     @endpoint
     async def failures(request: Request) -> Response:
@@ -481,8 +483,8 @@ def create_app(hub: Hub, token: str) -> Starlette:
         Route(f"{s}/log", study_log, methods=["GET", "POST"]),
         Route(f"{s}/trials", trials, methods=["GET"]),
         Route(f"{s}/best", best, methods=["GET"]),
-        Route(f"{s}/stats", report("stats"), methods=["GET"]),
-        Route(f"{s}/progress", report("progress"), methods=["GET"]),
+        Route(f"{s}/stats", stats, methods=["GET"]),
+        Route(f"{s}/progress", progress, methods=["GET"]),
         Route(f"{s}/failures", failures, methods=["GET"]),
         Route(f"{s}/workers", workers, methods=["GET"]),
         Route(f"{s}/eval", evaluate, methods=["POST"]),
