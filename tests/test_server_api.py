@@ -355,7 +355,7 @@ def remote(client: TestClient) -> Iterator[Any]:
         study = Study(name, trainer, url="http://testserver", token=TOKEN)
         assert isinstance(study, RemoteStudy)
         conn = Connection("http://testserver", TOKEN, give_up=5)
-        conn._client = client  # type: ignore[assignment]
+        conn._client = _Shared(client)  # type: ignore[assignment]
         study._conn = conn
         made.append(study)
         return study
@@ -363,6 +363,24 @@ def remote(client: TestClient) -> Iterator[Any]:
     yield make
     for study in made:
         study.close()
+    for study in made:  # no request may be in flight when the test client stops
+        if study._poller is not None:
+            study._poller.join(timeout=10)
+            assert not study._poller.is_alive()
+
+
+class _Shared:
+    """The test client as a RemoteStudy's HTTP client, which closing the study leaves
+    open (the other studies use it too)."""
+
+    def __init__(self, client: TestClient) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def close(self) -> None:
+        pass
 
 
 @pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
