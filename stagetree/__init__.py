@@ -9,12 +9,15 @@ from __future__ import annotations
 from stagetree.check import CheckReport, check_trainer
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import (
+    AuthError,
     CheckpointError,
     InvalidSequenceError,
     InvalidSpaceError,
     InvalidTrialError,
     SchedulerError,
     SchemaVersionError,
+    ServerError,
+    ServerUnavailableError,
     StagetreeError,
     StagetreeWarning,
     StorageError,
@@ -23,6 +26,7 @@ from stagetree.exceptions import (
     TrialCancelledError,
     TrialFailedError,
     TunerError,
+    VersionMismatchError,
 )
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace, RandomSpace, TrialSpec, load_space_file
@@ -34,6 +38,7 @@ from stagetree.tuners.base import TrialResult
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthError",
     "CheckReport",
     "CheckpointError",
     "Choice",
@@ -47,6 +52,8 @@ __all__ = [
     "RandomSpace",
     "SchedulerError",
     "SchemaVersionError",
+    "ServerError",
+    "ServerUnavailableError",
     "StagetreeError",
     "StagetreeWarning",
     "StorageError",
@@ -62,6 +69,7 @@ __all__ = [
     "TrialSpec",
     "TunerError",
     "Uniform",
+    "VersionMismatchError",
     "__version__",
     "check_trainer",
     "kwise_merge_rate",

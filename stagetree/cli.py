@@ -653,12 +653,17 @@ def run_script(
     executor: str | None = None,
     address: str | None = None,
     checkpoints: str | None = None,
+    url: str | None = None,
+    token_file: str | None = None,
 ) -> int:
     """``stagetree run``: run the study a script defines with its tuner.
 
     ``executor`` (a registered name: ``local``, ``ray``...), ``address`` (the cluster
     of a cluster executor) and ``checkpoints`` (the checkpoint location) override the
-    script's studies as ``workers`` and ``storage`` do.
+    script's studies as ``workers`` and ``storage`` do. ``url`` runs every study of the
+    script on that tuning server (``stagetree serve``) with the token in ``token_file``
+    (default: ``$STAGETREE_TOKEN`` / ``$STAGETREE_TOKEN_FILE``); the exactness check is
+    then left out (the server's trainer version is what trains).
 
     The script runs under ``__name__ == "__stagetree_run__"`` (its ``if __name__ ==
     "__main__":`` block does not run) with ``workers`` and ``storage`` as overrides
@@ -685,6 +690,11 @@ def run_script(
     path = Path(script)
     if not path.is_file():
         raise CommandError(f"no such script: {script}")
+    token = None
+    if token_file is not None:  # read before any override is set
+        from stagetree.server.auth import read_token_file
+
+        token = read_token_file(token_file)
     overrides = study_module._OVERRIDES
     saved_overrides = dict(overrides)
     saved_env = os.environ.get(STORAGE_ENV)
@@ -700,6 +710,10 @@ def run_script(
         overrides["address"] = address
     if checkpoints is not None:
         overrides["checkpoint_dir"] = checkpoints
+    if url is not None:
+        overrides["url"] = url
+    if token is not None:
+        overrides["token"] = token
     if workers is not None:
         overrides["workers"] = workers
     if storage is not None:
@@ -724,7 +738,9 @@ def run_script(
 
                 # Names first: a typo is refused before the storage is even opened.
                 check_space_names(study.trainer, getattr(tuner, "space", None))
-                if check:
+                from stagetree.server.client import RemoteStudy
+
+                if check and not isinstance(study, RemoteStudy):
                     from stagetree.check import first_contact_check
 
                     first_contact_check(study, tuner, sys.stderr)
@@ -767,6 +783,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         executor=args.executor,
         address=args.address,
         checkpoints=args.checkpoints,
+        url=args.url,
+        token_file=args.token_file,
     )
 
 
@@ -800,6 +818,17 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--checkpoints",
         metavar="DIR",
         help="checkpoint location every worker reaches (overrides the script)",
+    )
+    p.add_argument(
+        "--url",
+        metavar="URL",
+        help="run the script's studies on this tuning server (stagetree serve), e.g. "
+        "http://127.0.0.1:8642 (default: $STAGETREE_URL)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the server's token (default: $STAGETREE_TOKEN, else the file $STAGETREE_TOKEN_FILE)",
     )
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
     p.add_argument(
@@ -1100,6 +1129,66 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 _SUBCOMMANDS.append(_add_check)
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``stagetree serve``: a shared tuning server (:func:`stagetree.server.serve`)."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from stagetree.server.serve import serve
+
+        return serve(
+            args.storage or default_storage(),
+            executor=args.executor,
+            workers=args.workers,
+            checkpoints=args.checkpoints,
+            host=args.host,
+            port=args.port,
+            token_file=args.token_file,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+            lease_ttl=args.lease_ttl,
+        )
+
+    p = sub.add_parser(
+        "serve",
+        help="run a shared tuning server that studies tune against (Study(url=...))",
+        description="Own the engines, workers and plan of every study that clients tune "
+        "over HTTP (Study(..., url=URL, token=...), STAGETREE_URL, stagetree run --url). "
+        "Every request needs the token; without --token-file (loopback hosts only) one "
+        "is generated into a file of mode 0600 whose path is printed.",
+    )
+    p.add_argument(
+        "--storage",
+        metavar="URL",
+        help="plan storage (default: $STAGETREE_STORAGE or sqlite:///stagetree.db)",
+    )
+    p.add_argument(
+        "--executor",
+        default="local",
+        metavar="NAME",
+        help="where workers run: local (default), ray, inline...",
+    )
+    p.add_argument("--workers", type=_positive, metavar="N", help="workers per trainer version")
+    p.add_argument(
+        "--checkpoints", metavar="URL", help="checkpoint location (default: beside a SQLite plan)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8642, help="port (default 8642)")
+    p.add_argument("--token-file", metavar="F", help="file holding the token (needed off loopback)")
+    p.add_argument("--ssl-certfile", metavar="F", help="TLS certificate (PEM), with --ssl-keyfile")
+    p.add_argument("--ssl-keyfile", metavar="F", help="TLS private key (PEM)")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        metavar="S",
+        help="seconds before a silent client's session (and a dead server's plan leases) "
+        "expire (default: $STAGETREE_LEASE_TTL or 15)",
+    )
+    p.set_defaults(handler=handler)
+
+
+_SUBCOMMANDS.append(_add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

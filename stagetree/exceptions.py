@@ -16,7 +16,11 @@ Hierarchy::
     ├── TrialFailedError           a request failed (its stage or an ancestor stage raised)
     ├── TrialCancelledError        a request was cancelled before it finished
     ├── StudyBusyError             the study is being tuned by another live process
-    └── TunerError                 (also ValueError) invalid tuner arguments or metric
+    ├── TunerError                 (also ValueError) invalid tuner arguments or metric
+    └── ServerError                a tuning server (``stagetree serve``) refused a request
+        ├── AuthError              no token, or the wrong one (HTTP 401 / 403)
+        ├── VersionMismatchError   client and server speak different protocol versions
+        └── ServerUnavailableError the server could not be reached within the retry time
 
     StagetreeWarning               (a UserWarning) something the user should know about:
     ├── TrainerChangedWarning      (stagetree.identity) the trainer's code changed
@@ -27,6 +31,7 @@ Hierarchy::
 from __future__ import annotations
 
 __all__ = [
+    "AuthError",
     "CheckpointError",
     "ExecutorError",
     "InvalidSequenceError",
@@ -34,6 +39,8 @@ __all__ = [
     "InvalidTrialError",
     "SchedulerError",
     "SchemaVersionError",
+    "ServerError",
+    "ServerUnavailableError",
     "StagetreeError",
     "StagetreeWarning",
     "StorageError",
@@ -42,6 +49,7 @@ __all__ = [
     "TrialCancelledError",
     "TrialFailedError",
     "TunerError",
+    "VersionMismatchError",
 ]
 
 
@@ -123,6 +131,34 @@ class StudyBusyError(StagetreeError):
 
 class TunerError(StagetreeError, ValueError):
     """Invalid tuner arguments, or a metric the trainer never reports."""
+
+
+class ServerError(StagetreeError):
+    """A tuning server refused a request (a malformed request, a trainer it cannot load,
+    a request too large) or failed; the message is the server's.
+
+    Attributes:
+        status: the HTTP status (0 when no response came).
+        type: the server's error type name (``"BadRequest"``, ``"TrainerUnavailable"``...).
+    """
+
+    def __init__(self, message: str, status: int = 0, type: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+
+
+class AuthError(ServerError):
+    """The server refused the token: none was sent (401) or it is wrong (403)."""
+
+
+class VersionMismatchError(ServerError):
+    """Client and server speak incompatible protocol versions (the message names both)."""
+
+
+class ServerUnavailableError(ServerError):
+    """The server could not be reached, or kept failing, for the whole retry time (the
+    message names the URL and how long it tried)."""
 
 
 class StagetreeWarning(UserWarning):

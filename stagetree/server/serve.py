@@ -1,0 +1,137 @@
+"""``stagetree serve``: one process that owns the engines, executors and plan of every
+study its clients tune (see :mod:`stagetree.server.app` for the API)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from typing import Any, TextIO
+
+from stagetree.exceptions import StagetreeError
+from stagetree.server.protocol import DEFAULT_PORT
+
+__all__ = ["serve"]
+
+
+def serve(
+    storage: str,
+    *,
+    executor: str = "local",
+    workers: int | None = None,
+    checkpoints: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    token_file: str | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    lease_ttl: float | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Run a tuning server until SIGINT/SIGTERM; returns the exit status.
+
+    Checks everything before listening: the token (a host other than loopback needs
+    ``token_file``; on loopback a token is generated into a file of mode 0600, whose
+    path, never the token, is printed), the executor name, TLS files given in pairs, the
+    storage (opened once). ``lease_ttl`` (seconds) also sets ``STAGETREE_LEASE_TTL``
+    for this process, so the plan's leases and the sessions expire alike.
+
+    Raises:
+        StagetreeError: bad options, naming the problem (nothing listens then).
+    """
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise StagetreeError("stagetree serve needs pip install 'stagetree[server]'") from None
+
+    from stagetree.coordination import lease_ttl as default_ttl
+    from stagetree.executors.registry import check_executor
+    from stagetree.plan import open_storage
+    from stagetree.server.app import create_app
+    from stagetree.server.auth import server_token
+    from stagetree.server.hub import Hub, HubConfig
+
+    stream = out if out is not None else sys.stdout
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        raise StagetreeError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    try:
+        check_executor(executor)
+    except ValueError as exc:
+        raise StagetreeError(str(exc)) from None
+    if executor == "simulated":
+        raise StagetreeError(
+            "a server trains for real: --executor simulated is for `stagetree simulate`"
+        )
+    if lease_ttl is not None:
+        if not lease_ttl > 0:
+            raise StagetreeError(f"--lease-ttl must be > 0 seconds, got {lease_ttl}")
+        os.environ["STAGETREE_LEASE_TTL"] = repr(float(lease_ttl))
+    ttl = default_ttl()
+    token, token_path = server_token(token_file, storage, host)
+    try:
+        open_storage(storage).close()  # a bad URL fails now, not at the first client
+    except StagetreeError:
+        raise
+    except Exception as exc:
+        raise StagetreeError(f"cannot open plan storage {storage!r}: {exc}") from None
+    sock = _listen(host, port)  # before anything is printed: a busy port fails here
+    hub = Hub(HubConfig(storage, executor, workers, checkpoints, ttl))
+    app = create_app(hub, token)
+    scheme = "https" if ssl_certfile else "http"
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"stagetree serve: {scheme}://{shown}:{port} (storage {storage}, executor {executor}, "
+        f"session lease {ttl:g} s); token in {token_path}",
+        file=stream,
+        flush=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("stagetree serve: %(message)s"))
+    server_log = logging.getLogger("stagetree.server")
+    server_log.addHandler(handler)
+    server_log.setLevel(logging.INFO)
+    options: dict[str, Any] = {}
+    if ssl_certfile is not None:
+        options.update(ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        **options,
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except SystemExit as exc:  # uvicorn exits when its start-up fails
+        return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        hub.close()  # also done by the app's shutdown; closing twice is harmless
+        sock.close()
+        server_log.removeHandler(handler)
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``.
+
+    Raises:
+        StagetreeError: the address cannot be resolved or bound (e.g. the port is in use).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise StagetreeError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise StagetreeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
