@@ -1169,7 +1169,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="NAME",
         help="where workers run: local (default), ray, inline...",
     )
-    p.add_argument("--workers", type=_positive, metavar="N", help="workers per trainer version")
+    p.add_argument(
+        "--workers", type=_positive, metavar="N", help="workers of the one pool every study shares"
+    )
     p.add_argument(
         "--checkpoints", metavar="URL", help="checkpoint location (default: beside a SQLite plan)"
     )

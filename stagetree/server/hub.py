@@ -53,7 +53,8 @@ class HubConfig:
     Attributes:
         storage: plan storage URL every study uses.
         executor: executor name (``local``, ``ray``, ``inline``...).
-        workers: workers per engine (one engine per trainer version); None: default.
+        workers: the size of the one worker pool every study shares (the storage's
+            engine); None: the default.
         checkpoint_dir: checkpoint location; None: the study default.
         ttl: session lease time-to-live in seconds.
     """
