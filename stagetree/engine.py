@@ -492,6 +492,12 @@ class Engine:
         with self.lock:
             return self.storage.metrics_along(slot.root_key(config, hp), hp, steps)
 
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a lease of this engine outlives its last renewal (see
+        :mod:`stagetree.coordination`)."""
+        return self.coord.ttl
+
     def add_stats(self, scope: str, **deltas: float) -> None:
         """Add to the plan's counters of ``scope`` (see ``BasePlanStorage.add_stats``)."""
         with self.lock:

@@ -140,10 +140,7 @@ class Study:
         from stagetree.executors.registry import check_executor
         from stagetree.scheduler.policies import make_policy
 
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"study name must be a non-empty string, got {name!r}")
-        if not (isinstance(trainer, type) and issubclass(trainer, Trainer)):
-            raise TypeError(f"trainer must be a Trainer subclass, got {trainer!r}")
+        check_identity(name, trainer, version)
         # Command-line overrides (``stagetree run --workers ... --checkpoints ...``) are
         # checked like the script's own values.
         workers = _OVERRIDES.get("workers", workers)
@@ -158,8 +155,6 @@ class Study:
             check_location(checkpoint_dir)  # scheme and package; reached at open
         check_executor(executor)
         make_policy(policy)
-        if version is not None and (not isinstance(version, str) or not version):
-            raise ValueError(f"version must be a non-empty string, got {version!r}")
         if eval_every is None:
             eval_every = 0
         _check_count("eval_every", eval_every, 0)
@@ -499,7 +494,7 @@ class Study:
                 "running it twice at once would duplicate its trials and its tuner's log. "
                 "Wait for that run to finish, or give this run another study name. If that "
                 f"process is gone, its lease expires in {left:.0f} s (it is renewed every "
-                f"{engine.coord.ttl / 5:.0f} s while the process lives); then run again to "
+                f"{engine.lease_ttl / 5:.0f} s while the process lives); then run again to "
                 "resume the study.",
                 study=self.name,
                 holder=holder.describe(),
@@ -631,6 +626,21 @@ class Study:
             out["steps_executed"] += self._engine.running_steps()
         out["elapsed"] = time.monotonic() - self._started
         return out
+
+
+def check_identity(name: Any, trainer: Any, version: Any) -> None:
+    """Check what names a study, local or remote: its name, trainer class and version.
+
+    Raises:
+        ValueError: an empty or non-string name or version.
+        TypeError: a trainer that is not a Trainer subclass.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"study name must be a non-empty string, got {name!r}")
+    if not (isinstance(trainer, type) and issubclass(trainer, Trainer)):
+        raise TypeError(f"trainer must be a Trainer subclass, got {trainer!r}")
+    if version is not None and (not isinstance(version, str) or not version):
+        raise ValueError(f"version must be a non-empty string, got {version!r}")
 
 
 def remote_url(url: str | None) -> str:

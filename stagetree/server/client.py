@@ -68,6 +68,7 @@ from stagetree.study import (
     TrialError,
     TrialRecord,
     _run_coro,
+    check_identity,
     check_weight,
     remote_url,
 )
@@ -131,12 +132,7 @@ class RemoteStudy(Study):
         url: str | None = None,
         token: str | None = None,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"study name must be a non-empty string, got {name!r}")
-        if not (isinstance(trainer, type) and issubclass(trainer, Trainer)):
-            raise TypeError(f"trainer must be a Trainer subclass, got {trainer!r}")
-        if version is not None and (not isinstance(version, str) or not version):
-            raise ValueError(f"version must be a non-empty string, got {version!r}")
+        check_identity(name, trainer, version)
         if not isinstance(share, bool):
             raise ValueError(f"share must be True or False, got {share!r}")
         self.url = remote_url(url)
