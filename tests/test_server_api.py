@@ -276,17 +276,24 @@ def test_one_class_per_trainer_version(client: TestClient, hub: Hub) -> None:
 def test_submit_then_long_poll_for_the_result(client: TestClient, tmp_path: Path) -> None:
     sid = open_session(client)
     url = f"/v1/sessions/{sid}/submissions"
-    answer = client.post(url, json=trial(LRS[1], 6))
-    assert answer.json() == {"id": "t0", "started": True}
+    answer = client.post(url, json=trial(LRS[1], 6)).json()
+    assert answer["id"] == "t0" and answer["started"] is True
     assert client.post(url, json=trial(LRS[1], 6)).json()["started"] is False  # idempotent
     (event,) = wait_events(client, sid, 1)
     assert event["id"] == "t0" and event["seq"] == 1
+    assert answer["event"] in (None, event)  # it may have ended within the answer's wait
     with Study("local", LinearTrainer, storage="memory://", executor="inline", url="") as local:
         expected = local.run({"seed": 0}, {"lr": LRS[1]}, 6)
     assert event["result"]["metrics"] == expected.metrics
+    # The plan answers it now: another submission of it comes back with its answer.
+    again = client.post(url, json=trial(LRS[1], 6, sub_id="t1")).json()
+    assert again["event"]["id"] == "t1"
+    assert again["event"]["result"]["metrics"] == expected.metrics
+    (event,) = wait_events(client, sid, 1, after=1)  # the long-poll carries it too
+    assert event == again["event"]
     # Acknowledged events are dropped; an empty poll waits for its timeout.
     started = time.monotonic()
-    got = client.get(f"/v1/sessions/{sid}/results", params={"after": 1, "timeout": 0.3})
+    got = client.get(f"/v1/sessions/{sid}/results", params={"after": 2, "timeout": 0.3})
     assert got.json()["events"] == []
     assert time.monotonic() - started >= 0.25
     assert client.delete(f"{url}/t0").json() == {"cancelled": False}  # already finished

@@ -18,7 +18,9 @@ writes nothing.
                                                    ``{"session", "lease_ttl", ...}``
 ``DELETE /v1/sessions/{s}``                        close it (pending submissions cancelled)
 ``POST /v1/sessions/{s}/submissions``              ``{"id", "config", "hp", "steps"}``: start
-                                                   ``study.submit``; the result comes later
+                                                   ``study.submit``; ``{"event"}`` when it
+                                                   ended at once, else the result comes
+                                                   by the long-poll
 ``DELETE /v1/sessions/{s}/submissions/{id}``       cancel it
 ``GET /v1/sessions/{s}/results?after=N&timeout=T`` long-poll: ``{"events": [...]}``, each
                                                    ``{"seq", "id", "result" | "error"}``
@@ -210,6 +212,9 @@ def _trial(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 # ------------------------------------------------------------------------------- routes
 
 
+_SETTLE_WAIT = 0.02  # seconds a submit waits for an answer the plan already holds
+
+
 def create_app(hub: Hub, token: str) -> Starlette:
     """The Starlette app of ``hub``, guarded by ``token``. The hub is closed when the
     app shuts down (lifespan)."""
@@ -301,7 +306,10 @@ def create_app(hub: Hub, token: str) -> Starlette:
         config, hp = _trial(data)
         await blocking(session.study.check, config, hp)  # refused input writes nothing
         started = hub.submit(session, sub_id, config, hp, steps)
-        return JSON({"id": sub_id, "started": started})
+        # A trial the plan already answers ends within milliseconds: its event comes
+        # back at once (the long-poll delivers it again; the client takes it once).
+        event = await hub.settled(session, sub_id, _SETTLE_WAIT)
+        return JSON({"id": sub_id, "started": started, "event": event})
 
     @endpoint
     async def cancel(request: Request) -> Response:

@@ -362,8 +362,13 @@ class RemoteStudy(Study):
 
     def _post(self, pending: _Pending) -> None:
         """Send a submission; one cancelled meanwhile is cancelled on the server too
-        (the cancel request may have arrived first)."""
-        self._call("POST", "/submissions", json=pending.body)
+        (the cancel request may have arrived first). A submission that ended at once (the
+        plan knew its result) comes back with its event: resolve it now."""
+        generation = self._generation
+        answer = self._call("POST", "/submissions", json=pending.body)
+        event = answer.get("event") if isinstance(answer, Mapping) else None
+        if isinstance(event, Mapping) and event.get("id") == pending.id:
+            self._resolve(generation, [event], advance=False)
         if pending.cancelled:
             with contextlib.suppress(Exception):
                 self._call("DELETE", f"/submissions/{pending.id}", retry=False)
@@ -433,12 +438,19 @@ class RemoteStudy(Study):
             self._deliver(generation, data.get("events", []))
 
     def _deliver(self, generation: int, events: Iterable[Mapping[str, Any]]) -> None:
+        self._resolve(generation, events, advance=True)
+
+    def _resolve(self, generation: int, events: Iterable[Mapping[str, Any]], advance: bool) -> None:
+        """Resolve the submissions ``events`` answer; ``advance``: they came by the
+        long-poll, whose cursor moves past them (an event a submit's answer carried is
+        acknowledged by a later long-poll)."""
         with self._lock:
             if generation != self._generation:
                 return  # events of a replaced session: its submissions were sent again
             done = []
             for event in events:
-                self._cursor = max(self._cursor, int(event["seq"]))
+                if advance:
+                    self._cursor = max(self._cursor, int(event["seq"]))
                 pending = self._pending.pop(str(event["id"]), None)
                 if pending is not None:
                     done.append((pending, event))

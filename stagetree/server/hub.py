@@ -240,6 +240,19 @@ class Hub:
             session.pending[sub_id] = fut
         return True
 
+    async def settled(self, session: Session, sub_id: str, timeout: float) -> dict[str, Any] | None:
+        """The event of submission ``sub_id`` if it ends within ``timeout`` seconds (a
+        trial the plan already answers), else None: the long-poll delivers it later."""
+        with session.lock:
+            fut = session.pending.get(sub_id)
+        if fut is not None:
+            await asyncio.wait({asyncio.wrap_future(fut)}, timeout=timeout)
+        with session.lock:
+            for event in reversed(session.events):
+                if event["id"] == sub_id:
+                    return dict(event)
+        return None
+
     async def _run(self, session: Session, sub_id: str, config: Any, hp: Any, steps: int) -> None:
         try:
             result = await session.study.submit(config, hp, steps)
