@@ -162,6 +162,10 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
                 worker.run(message, poll)
             elif isinstance(message, _AddTrainer):
                 trainers.add(message.key, message.spec)
+                # Load it now (import, warm-up) while this worker has nothing to do: a
+                # spec that fails to load fails the batches that need it, at their start.
+                with contextlib.suppress(Exception):
+                    trainers[message.key]
             elif isinstance(message, AddCheckpoint):
                 emit(SplitMissed(message.batch_id, cfg.worker, message.node, message.step))
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -320,9 +324,10 @@ class LocalExecutor(BaseExecutor):
         """Register a trainer under ``key`` (see :meth:`BaseExecutor.add_trainer`).
 
         ``trainer`` may also be a ``"module:Class"`` / ``"file.py:Class"`` string or a
-        :class:`TrainerSpec`. A class that travels by value is pickled here, once; each
-        worker receives it with its first batch of ``key`` and loads it then (a class it
-        cannot load fails that batch at its start).
+        :class:`TrainerSpec`. A class that travels by value is pickled here, once; every
+        running worker receives it now and loads it (import, ``warmup``) as soon as it
+        is free, a worker started later with its first batch of ``key`` (a class it
+        cannot load fails the batches that need it, at their start).
 
         Raises:
             ValueError: a bad or taken key, or a class that cannot be pickled.
@@ -335,6 +340,18 @@ class LocalExecutor(BaseExecutor):
             if new_trainer(self._trainers, key, trainer):  # (again: another thread?)
                 self._specs[key] = spec
                 self._trainers[key] = trainer
+                if self._started and not self._closed:
+                    for slot in self._slots:  # running workers load it when they are free
+                        self._send_trainer(slot, key)
+
+    def _send_trainer(self, slot: _Slot, key: str) -> None:
+        """Send the spec of ``key`` to ``slot``'s worker once (lock held)."""
+        spec = self._specs.get(key)
+        if spec is None or key in slot.trainers or slot.inbox is None:
+            return
+        with contextlib.suppress(OSError):  # a dead worker is noticed in events()
+            slot.inbox.send(_AddTrainer(key, spec))
+            slot.trainers.add(key)
 
     def start(self) -> None:
         if self._closed:
@@ -358,12 +375,8 @@ class LocalExecutor(BaseExecutor):
                 # A dead worker is noticed (and its batch reported lost) in events().
                 if isinstance(instruction, RunBatch):
                     slot.running = instruction.batch_id
-                    key = instruction.trainer
-                    spec = self._specs.get(key)
-                    if spec is not None and key not in slot.trainers:
-                        # An unknown key goes without: the worker fails that batch.
-                        slot.inbox.send(_AddTrainer(key, spec))
-                        slot.trainers.add(key)
+                    # An unknown key goes without: the worker fails that batch.
+                    self._send_trainer(slot, instruction.trainer)
                 slot.inbox.send(instruction)
 
     def events(self, timeout: float | None = None) -> list[WorkerEvent]:
