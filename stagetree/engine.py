@@ -83,12 +83,11 @@ def root_scope(root_key: str) -> str:
     return f"root:{root_key}"
 
 
-def study_scope(name: str) -> str:
-    """The accounting scope of the batches run for one study's requests (by this
-    engine's waiters): ``device_seconds`` and ``steps_executed`` of every batch that
-    served the study, a batch serving several studies counting for each. Fair share
-    divides this between contending studies."""
-    return f"study:{name}"
+def study_scope(name: str, version: str) -> str:
+    """The accounting scope of one study (at one trainer version): ``steps_executed``
+    and ``device_seconds`` trained for its requests, as fair share charges them (a step
+    several studies needed counts for each; see ``Scheduler.usage``)."""
+    return f"study:{name}@{version}"
 
 
 class Waiter:
@@ -196,7 +195,10 @@ class Engine:
         self._queued: list[Any] = []
         self._start_refs: dict[int, str | None] = {}
         self._batch_roots: dict[int, str] = {}
-        self._batch_studies: dict[int, tuple[str, ...]] = {}  # the studies a batch serves
+        # Per-study accounting: seconds per step of each running batch, and the trainer
+        # version of each study name (the scheduler charges steps by name).
+        self._rates: dict[int, float] = {}
+        self._study_versions: dict[str, str] = {}
         self._first_queued = self._last_queued = 0.0
         # batch id -> [start step, last reported step]: steps trained by running batches.
         self._positions: dict[int, list[int]] = {}
@@ -310,6 +312,7 @@ class Engine:
                         slot.names = (frozenset(t["config"]), frozenset(t["hp"]))
                 self._slots[(name, version)] = slot
             slot.share, slot.weight = share, weight
+            self._study_versions[name] = version
             self._enqueue(self._weight_events(slot))
             return slot
 
@@ -352,6 +355,11 @@ class Engine:
         meta = {"version": slot.version, "share": slot.share, **slot.meta}
         if not self.storage.create_study(slot.name, meta) and slot.meta:
             self.storage.update_study_meta(slot.name, slot.meta)
+        # The study's own counters exist from now on (0 until something is trained for
+        # it): reports tell them from a storage written before studies were counted.
+        self.storage.add_stats(
+            study_scope(slot.name, slot.version), steps_executed=0.0, device_seconds=0.0
+        )
         slot.row_ready = True
 
     def begin_tuning(self, slot: StudySlot, meta: Mapping[str, Any]) -> Any:
@@ -647,10 +655,6 @@ class Engine:
                 self.storage.add_stats(
                     root_scope(root), device_seconds=ev.busy_seconds, steps_executed=ev.steps
                 )
-            for name in self._batch_studies.get(ev.batch_id, ()):  # what fair share divides
-                self.storage.add_stats(
-                    study_scope(name), device_seconds=ev.busy_seconds, steps_executed=ev.steps
-                )
             if ev.load_seconds:
                 self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
         if isinstance(ev, work.BatchFailed) and ev.kind == "checkpoint":
@@ -673,10 +677,30 @@ class Engine:
             self._durable.pop(ended, None)
             self._start_refs.pop(ended, None)
             self._batch_roots.pop(ended, None)
-            self._batch_studies.pop(ended, None)
+        charged = self.scheduler.usage
+        if isinstance(ev, work.Progress) and ev.seconds_per_step > 0:
+            self._rates[ev.batch_id] = ev.seconds_per_step
+        elif isinstance(ev, work.BatchDone) and ev.steps:
+            self._rates[ev.batch_id] = ev.busy_seconds / ev.steps
         self._apply(self.scheduler.handle(ev))
+        self._count_studies(charged, getattr(ev, "batch_id", None))
+        if ended is not None:
+            self._rates.pop(ended, None)
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
+
+    def _count_studies(self, before: Mapping[str, float], batch_id: int | None) -> None:
+        """Per-study accounting (:func:`study_scope`): the steps the scheduler charged to
+        each study for the event just handled (fair share's usage: a step every study
+        needed counts for each), and their device-seconds at the batch's rate."""
+        rate = self._rates.get(batch_id, 0.0) if batch_id is not None else 0.0
+        for name, steps in self.scheduler.usage.items():
+            delta = steps - before.get(name, 0.0)
+            version = self._study_versions.get(name)
+            if delta > 0 and version is not None:
+                self.storage.add_stats(
+                    study_scope(name, version), steps_executed=delta, device_seconds=delta * rate
+                )
 
     def _record_workers(self, events: list[Any]) -> None:
         """Keep where the workers run (cluster executors) in the meta of the studies this
@@ -744,8 +768,6 @@ class Engine:
                     self._positions[item.batch_id] = [item.start_step, item.start_step]
                     self._start_refs[item.batch_id] = item.start_checkpoint
                     self._batch_roots[item.batch_id] = item.root_key
-                    served = {w.study for k in item.evaluate_at for w in self._waiters.get(k, ())}
-                    self._batch_studies[item.batch_id] = tuple(sorted(served))
                     for seg in item.segments:
                         self._mark_running(seg.node)
                 if isinstance(item, work.AddCheckpoint):

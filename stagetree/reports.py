@@ -14,9 +14,12 @@ has one answer:
   however good its early metric. Among the trials at that step the best value wins,
   ties go to the lowest trial id, and NaN or infinite values are never best.
 * **What a study cost** (:func:`study_accounting`). Executed steps and device-seconds
-  are counted per plan tree (the engine's ``root:<key>`` scopes); a study's are the sums
-  over the trees its trials use, so a tree two studies share counts for both. The
-  storage-wide counters (scope ``engine``) count every stage once.
+  are what was trained for the study's requests (the engine's ``study:<name>@<version>``
+  scope, as fair share charges it): a step two studies needed while it trained counts
+  for both, a step another study had trained before costs this one nothing. On a
+  storage written before studies were counted, the sums over the plan trees its trials
+  use (``root:<key>`` scopes). The storage-wide counters (scope ``engine``) count every
+  stage once.
 
 Everything here is a pure function of a :class:`~stagetree.plan.BasePlanStorage`: it
 takes no engine and no lock (callers hold what they need) and never writes, so it
@@ -337,11 +340,26 @@ def _tree_stats(storage: BasePlanStorage, roots: Iterable[str]) -> dict[str, flo
     return out
 
 
+def _own_counters(
+    storage: BasePlanStorage, study: str, trials: list[dict[str, Any]]
+) -> dict[str, float]:
+    """The study's own counters (``engine.study_scope``: what was trained for its
+    requests) at the version of ``trials``; empty when none were kept."""
+    from stagetree.engine import study_scope
+    from stagetree.identity import trial_version
+
+    if not trials:
+        return {}
+    meta = (_studies(storage).get(study) or {}).get("meta") or {}
+    version = trial_version(trials[0], meta)
+    return storage.stats(study_scope(study, str(version))) if version is not None else {}
+
+
 def _study_accounting(
-    storage: BasePlanStorage, trials: list[dict[str, Any]]
+    storage: BasePlanStorage, trials: list[dict[str, Any]], study: str | None = None
 ) -> tuple[dict[str, float], bool]:
-    """:func:`study_accounting` of ``trials``, and whether any of their trees has
-    counters (a storage written before trees were counted has none)."""
+    """:func:`study_accounting` of ``trials``, and whether any counters were found for
+    them (a storage written before studies or trees were counted has none)."""
     from stagetree.stages import unique_steps
 
     requested = float(sum(int(t["steps"]) for t in trials))
@@ -350,14 +368,18 @@ def _study_accounting(
     ends = [(int(t["node"]), int(t["step"])) for t in trials if t.get("node") is not None]
     unique = float(unique_steps(nodes, [e for e in ends if e[0] in nodes]))
     trees = _tree_stats(storage, roots)
+    own = _own_counters(storage, study, trials) if study is not None else {}
+    # What was trained for this study's requests when the engine kept it (shared work
+    # counts for every study that needed it); else all that its trees cost.
+    trained = own if "steps_executed" in own else trees
     everything = storage.stats("engine")
     numbers = {
         "trials": float(len(trials)),
         "steps_requested": requested,
         "steps_unique": unique,
         "merge_rate": requested / unique if unique else 1.0,
-        "steps_executed": trees.get("steps_executed", 0.0),
-        "device_seconds": trees.get("device_seconds", 0.0),
+        "steps_executed": trained.get("steps_executed", 0.0),
+        "device_seconds": trained.get("device_seconds", 0.0),
         "ckpt_save_seconds": everything.get("ckpt_save_seconds", 0.0),
         "ckpt_load_seconds": everything.get("ckpt_load_seconds", 0.0),
         "ckpt_bytes": everything.get("ckpt_bytes", 0.0),
@@ -366,7 +388,7 @@ def _study_accounting(
         "workers_lost": trees.get("workers_lost", 0.0),
         "steps_lost": trees.get("steps_lost", 0.0),
     }
-    return numbers, "steps_executed" in trees
+    return numbers, "steps_executed" in trained
 
 
 def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:
@@ -376,14 +398,17 @@ def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) 
     Returns:
         ``trials``; ``steps_requested`` (total steps of the trials), ``steps_unique``
         (steps of the union of their paths) and ``merge_rate`` (requested / unique);
-        ``steps_executed``, ``device_seconds``, ``workers_lost`` and ``steps_lost``
-        (steps a lost worker trained past its last durable checkpoint: trained again,
-        counted in ``steps_executed`` both times) summed over the plan trees the trials
-        use, over every run on this storage (a tree shared with another study counts
-        for both); and the storage-wide ``ckpt_save_seconds``, ``ckpt_load_seconds``,
+        ``steps_executed`` and ``device_seconds``: what was trained for this study's
+        requests, over every run on this storage (``engine.study_scope``: a step that
+        several studies needed counts for each; a step another study had trained
+        before costs this one nothing); on a storage written before studies were
+        counted, what the plan trees its trials use cost. ``workers_lost`` and
+        ``steps_lost`` (steps a lost worker trained past its last durable checkpoint:
+        trained again, counted in ``steps_executed`` both times) of those trees; and
+        the storage-wide ``ckpt_save_seconds``, ``ckpt_load_seconds``,
         ``ckpt_bytes``, ``live_splits`` and ``splits_missed``.
     """
-    return _study_accounting(storage, _trials(storage, study, version)[0])[0]
+    return _study_accounting(storage, _trials(storage, study, version)[0], study)[0]
 
 
 # --------------------------------------------------------------------------- status
@@ -407,10 +432,9 @@ class StudyStatus:
         steps_requested: total steps of its trials (each trained alone).
         steps_unique: steps of the union of their paths.
         numbers: :func:`accounting` of the study: its executed steps and device-seconds
-            are those of the plan trees its trials use (:func:`study_accounting`; a tree
-            shared with another study counts for both). None when the trials have
-            metrics but none of their trees has counters (a storage written by a
-            stagetree that counted only the whole storage).
+            are what was trained for it (:func:`study_accounting`). None when the trials
+            have metrics but neither the study nor its trees have counters (a storage
+            written by a stagetree that counted only the whole storage).
         failures: ``(trial id, first line of its error)`` per failed trial.
         hidden: trials of other (older) trainer versions, not counted above.
         workers: where its workers ran, last seen (cluster executors): worker -> node.
@@ -502,7 +526,7 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
     records = [_record(storage, t) for t in trials]
     metric, mode, note = _ranked_metric(meta, records)
     best = best_trial(records, metric, mode) if metric is not None else None
-    numbers, counted = _study_accounting(storage, trials)
+    numbers, counted = _study_accounting(storage, trials, name)
     trained = any(r.metrics for r in records)
     states = [t["state"] for t in trials]
     return StudyStatus(

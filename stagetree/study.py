@@ -605,10 +605,10 @@ class Study:
     def stats(self) -> dict[str, float]:
         """Accounting: ``steps_requested`` (total steps of this study's trials),
         ``steps_unique`` (steps of the union of their paths), ``steps_executed`` and
-        ``device_seconds`` (trained on the plan trees this study uses, over every run on
-        this storage: a tree shared with another study counts for both), ``merge_rate``,
-        storage-wide checkpoint seconds/bytes and live-split counts, and lost workers on
-        those trees: ``workers_lost``, and ``steps_lost``: steps a lost worker had trained
+        ``device_seconds`` (trained for this study's requests, over every run on this
+        storage: a step two studies needed counts for both, a step another study had
+        trained before costs this one nothing), ``merge_rate``, storage-wide checkpoint
+        seconds/bytes and live-split counts, and lost workers on this study's trees: ``workers_lost``, and ``steps_lost``: steps a lost worker had trained
         past its last durable checkpoint, which are trained again (they count in
         ``steps_executed`` both times). See :func:`stagetree.reports.study_accounting`;
         ``stagetree status`` shows the same numbers."""

@@ -38,8 +38,8 @@ def test_two_studies_on_one_engine_split_the_workers_by_weight(tmp_path: Path) -
     async def watch(tasks: list[asyncio.Future[Any]]) -> None:
         while not all(t.done() for t in tasks):
             with heavy._engine.reading() as storage:
-                a = storage.stats(study_scope("heavy")).get("steps_executed", 0.0)
-                b = storage.stats(study_scope("light")).get("steps_executed", 0.0)
+                a = storage.stats(study_scope("heavy", heavy.version)).get("steps_executed", 0)
+                b = storage.stats(study_scope("light", light.version)).get("steps_executed", 0)
                 states = [t["state"] for n in ("heavy", "light") for t in storage.trials(n)]
             light_pending = [t for t in tasks[len(a_trials) :] if not t.done()]
             heavy_pending = [t for t in tasks[: len(a_trials)] if not t.done()]

@@ -31,6 +31,7 @@ from server_client import STEPS, key, space
 from study_trainers import LinearTrainer
 
 from stagetree import Study, open_storage
+from stagetree.engine import study_scope
 from stagetree.stages import unique_steps
 
 pytest.importorskip("starlette")
@@ -154,10 +155,19 @@ def _read(box: Box) -> dict[str, Any]:
         states = {n: [t["state"] for t in storage.trials(n)] for n in ("alice", "bob")}
         return {
             "states": states,
-            "alice": storage.stats("study:alice").get("steps_executed", 0.0),
-            "bob": storage.stats("study:bob").get("steps_executed", 0.0),
+            "alice": _served(storage, "alice"),
+            "bob": _served(storage, "bob"),
             "executed": storage.stats("engine").get("steps_executed", 0.0),
         }
+
+
+def _served(storage: Any, name: str) -> float:
+    """Steps trained for study ``name``'s requests (its own accounting scope)."""
+    trials = storage.trials(name)
+    if not trials:
+        return 0.0
+    scope = study_scope(name, trials[0]["attrs"]["version"])
+    return float(storage.stats(scope).get("steps_executed", 0.0))
 
 
 def _unique(box: Box) -> int:

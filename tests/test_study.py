@@ -135,12 +135,14 @@ def test_studies_share_stages_on_one_storage(tmp_path: Path) -> None:
     try:
         ra = a.run({"seed": 0}, {"lr": LRS[1]}, 10)
         executed = a.stats()["steps_executed"]
-        # The same trial in another study: answered from the plan.
+        assert executed == 10
+        # The same trial in another study: answered from the plan, it costs b nothing.
         assert b.run({"seed": 0}, {"lr": LRS[1]}, 10).metrics == ra.metrics
-        assert b.stats()["steps_executed"] == executed
-        # Longer: resumes from a's checkpoint at step 10.
+        assert b.stats()["steps_executed"] == 0
+        # Longer: resumes from a's checkpoint at step 10; b is charged its 5 steps.
         rb = b.run({"seed": 0}, {"lr": LRS[1]}, 15)
-        assert b.stats()["steps_executed"] == executed + 5
+        assert b.stats()["steps_executed"] == 5
+        assert a.stats()["steps_executed"] == executed
         assert rb.history[10] == ra.metrics
     finally:
         a.close()
