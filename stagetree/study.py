@@ -608,8 +608,9 @@ class Study:
         ``device_seconds`` (trained for this study's requests, over every run on this
         storage: a step two studies needed counts for both, a step another study had
         trained before costs this one nothing), ``merge_rate``, storage-wide checkpoint
-        seconds/bytes and live-split counts, and lost workers on this study's trees: ``workers_lost``, and ``steps_lost``: steps a lost worker had trained
-        past its last durable checkpoint, which are trained again (they count in
+        seconds/bytes and live-split counts, and lost workers on this study's trees:
+        ``workers_lost``, and ``steps_lost``: steps a lost worker had trained past its
+        last durable checkpoint, which are trained again (they count in
         ``steps_executed`` both times). See :func:`stagetree.reports.study_accounting`;
         ``stagetree status`` shows the same numbers."""
         self._engine.settle()
