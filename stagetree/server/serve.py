@@ -112,6 +112,11 @@ def serve(
         hub.close()  # also done by the app's shutdown; closing twice is harmless
         sock.close()
         server_log.removeHandler(handler)
+    print(
+        "stagetree serve: stopped (every study continues where it was at the next start)",
+        file=stream,
+        flush=True,
+    )
     return 0
 
 
