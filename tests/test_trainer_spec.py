@@ -95,3 +95,47 @@ def test_no_main_rerun_leaves_the_main_script_out(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr.decode()
         # Plain spawn runs the script again in the child; no_main_rerun does not.
         assert len(list(markers.iterdir())) == processes, mode
+
+
+KEEPER = """\
+import sys, tempfile
+from stagetree import Trainer
+from stagetree.executors.local import LocalExecutor
+
+SEEN = {"n": 0}
+
+
+class Counting(Trainer):
+    def train(self):
+        SEEN["n"] += 1
+        return {}
+
+    def evaluate(self):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+if __name__ == "__main__":
+    train = Counting.train
+    LocalExecutor(Counting, 1, checkpoint_dir=tempfile.mkdtemp())  # by value
+    Counting({}).train()
+    print(Counting.train is train, SEEN["n"])
+"""
+
+
+def test_an_executor_leaves_the_users_class_as_it_was(tmp_path: Path) -> None:
+    """Checking a by-value trainer in the process that defined it must not unpickle it
+    there: cloudpickle would rebind the class to copies of its methods, whose globals
+    are a copy of the module's (the user's own code would no longer see its writes)."""
+    script = tmp_path / "keeper.py"
+    script.write_text(KEEPER)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "1"]

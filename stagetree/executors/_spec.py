@@ -121,6 +121,19 @@ class TrainerSpec:
                 errors.append(f"load {self.path}: {exc}")
         raise ImportError(f"cannot import trainer {self}: " + "; ".join(errors))
 
+    def check(self) -> None:
+        """Fail now, in the process that made the spec, when a worker could not load it:
+        a class by reference is imported (or loaded from its file). A class by value
+        was pickled already and is not unpickled here: cloudpickle would rebind the
+        user's own class to copies of its methods whose module globals are a copy
+        (what the trainer then writes to a global, the user's module never sees).
+
+        Raises:
+            ImportError: a class by reference that cannot be imported or loaded.
+        """
+        if self.payload is None:
+            self.resolve()
+
     def __str__(self) -> str:
         return f"{self.module or self.path}:{self.qualname}"
 

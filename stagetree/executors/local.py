@@ -268,7 +268,7 @@ class LocalExecutor(BaseExecutor):
         close_timeout: float = 10.0,
     ) -> None:
         self.spec = TrainerSpec.of(trainer)
-        self.spec.resolve()  # fail here, not in every worker
+        self.spec.check()  # fail here, not in every worker
         if isinstance(checkpoint_dir, CheckpointStore):
             self.store = checkpoint_dir
         else:

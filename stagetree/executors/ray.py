@@ -524,7 +524,7 @@ class RayExecutor(BaseExecutor):
                 "RayExecutor needs a trainer and a checkpoint location: pass them, or give "
                 "the executor to a Study (it binds them)"
             )
-        self.spec.resolve()  # fail here, not in every actor
+        self.spec.check()  # fail here, not in every actor
         ray = import_ray()
         self._connect(ray)
         try:
