@@ -212,6 +212,7 @@ class Engine:
         # One worker pool for every trainer: the executor's default trainer (key "") and
         # the others by key; each plan tree is trained by its study's trainer.
         self.default_trainer: type | None = None
+        self.settings: dict[str, Any] = {}  # the front end's arguments it was made with
         self._trainers: dict[str, type] = {}
         self._root_trainers: dict[str, str] = {}
         self._workers_changed = False

@@ -18,6 +18,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from stagetree.engine import Engine, StudySlot, default_checkpoint_dir
 from stagetree.exceptions import (
     InvalidTrialError,
     StagetreeError,
+    StagetreeWarning,
     StudyBusyError,
     TrialFailedError,
 )
@@ -206,13 +208,45 @@ class Study:
             engine = _ENGINES.get(key)
             if engine is None:
                 engine = self._make_engine(*self._engine_args)
+                engine.settings = self._settings()
                 _ENGINES[key] = engine
+            else:
+                self._warn_shared(engine, url)
             engine.users += 1
         self._engine_key = key
         self._engine_obj = engine
         self._slot = engine.open_study(
             self.name, self.version, self.share, self.weight, self.trainer, url
         )
+
+    def _settings(self) -> dict[str, Any]:
+        """The arguments that belong to the engine (the first study's win)."""
+        _, workers, _, _, executor, policy, retries, threads = self._engine_args
+        return {
+            "workers": workers,
+            "executor": executor,
+            "policy": policy,
+            "max_retries": retries,
+            "threads_per_worker": threads,
+            "eval_every": self.eval_every,
+        }
+
+    def _warn_shared(self, engine: Engine, url: str) -> None:
+        """Say which of this study's arguments the shared engine does not follow."""
+        first = getattr(engine, "settings", None) or {}
+        differ = [
+            f"{k}={v!r} (it uses {first[k]!r})"
+            for k, v in self._settings().items()
+            if k in first and v != first[k]
+        ]
+        if differ:
+            warnings.warn(
+                f"study {self.name!r} joins the engine of storage {url} in this process "
+                f"(one worker pool for every study there), whose settings come from the "
+                f"first study: {', '.join(differ)} ignored",
+                StagetreeWarning,
+                stacklevel=4,
+            )
 
     def open(self) -> Study:
         """Open the storage now (it is otherwise opened on first use); returns self.

@@ -104,3 +104,26 @@ def test_studies_of_two_trainers_share_one_worker_pool(tmp_path: Path) -> None:
     assert [r.metrics for r in results[len(trials) :]] == [
         {k: 2 * v for k, v in m.items()} for m in alone
     ]
+
+
+def test_a_study_joining_an_engine_is_told_which_arguments_it_ignores(tmp_path: Path) -> None:
+    import warnings
+
+    import pytest
+
+    from stagetree import StagetreeWarning
+
+    url = f"sqlite:///{tmp_path}/plan.db"
+    first = Study("a", SlowLinearTrainer, storage=url, executor="inline", eval_every=1)
+    other = Study("b", SlowLinearTrainer, storage=url, executor="inline", eval_every=3)
+    same = Study("c", SlowLinearTrainer, storage=url, executor="inline", eval_every=1)
+    try:
+        first.open()
+        with pytest.warns(StagetreeWarning, match=r"eval_every=3 \(it uses 1\) ignored"):
+            other.open()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            same.open()  # the same arguments: nothing to say
+    finally:
+        for study in (first, other, same):
+            study.close()
