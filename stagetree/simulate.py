@@ -327,6 +327,10 @@ def _run(
     storage = MemoryPlanStorage()
     names = [name] if len(tuners) == 1 else [f"{name}-{i}" for i in range(len(tuners))]
     studies: list[Study] = []
+
+    def factory() -> SimulatedExecutor:  # one factory: the studies share one engine
+        return executor
+
     with tempfile.TemporaryDirectory(prefix="stagetree-sim-") as ckdir, _no_overrides():
         try:
             for study_name in names:
@@ -340,7 +344,7 @@ def _run(
                         checkpoint_dir=ckdir,
                         # Trial-based baseline: no sharing across studies either.
                         version=base_version if share else f"{base_version}|{study_name}",
-                        executor=lambda: executor,
+                        executor=factory,
                         policy=policy,
                     )
                 )
