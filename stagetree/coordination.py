@@ -76,8 +76,8 @@ class Coordinator:
         self.shared = isinstance(engine.storage, SQLPlanStorage)
         self._batch_leases: dict[int, tuple[Lease, ...]] = {}
         self._studies: set[str] = set()
-        self._parked: dict[Key, int] = {}  # request -> references taken off the scheduler
-        self._parked_claims: dict[Key, dict[str, int]] = {}  # the same, by study
+        # request -> references taken off the scheduler, by study
+        self._parked: dict[Key, dict[str, int]] = {}
         self._parked_roots: set[str] = set()
         self._waiting_on: set[int] = set()  # ids of the leases that stopped our claims
         self._adopted: set[Key] = set()
@@ -90,7 +90,7 @@ class Coordinator:
     @property
     def parked(self) -> dict[Key, int]:
         """Requests waiting on another engine's leases, with their reference counts."""
-        return dict(self._parked)
+        return {key: sum(by_study.values()) for key, by_study in self._parked.items()}
 
     # -- batches -------------------------------------------------------------------------
 
@@ -129,10 +129,8 @@ class Coordinator:
         events: list[Any] = []
         claims = self.engine.scheduler.live_claims
         for key in batch.evaluate_at:
-            count = live.get(key, 0)
-            if count:
-                self._parked[key] = self._parked.get(key, 0) + count
-                parked = self._parked_claims.setdefault(key, {})
+            if live.get(key, 0):
+                parked = self._parked.setdefault(key, {})
                 for study, n in sorted(claims.get(key, {}).items()):
                     parked[study] = parked.get(study, 0) + n
                     events.append(RequestCancelled(key[0], key[1], n, study=study))
@@ -271,11 +269,9 @@ class Coordinator:
             req = self.storage.request(*key)
             if metrics is not None and self._settled(key, foreign):
                 del self._parked[key]
-                self._parked_claims.pop(key, None)
                 engine._resolve(key[0], key[1], metrics=metrics)
             elif req is None or req.state == RequestState.CANCELLED:
                 del self._parked[key]  # nobody wants it any more
-                self._parked_claims.pop(key, None)
         if not self._parked:
             self._parked_roots.clear()
             self._waiting_on.clear()
@@ -285,14 +281,13 @@ class Coordinator:
         if not events and self._waiting_on <= live:
             return []  # nothing changed: keep waiting
         _log.debug("unpark %s", sorted(self._parked))
-        for (node, step), by_study in sorted(self._parked_claims.items()):
+        for (node, step), by_study in sorted(self._parked.items()):
             waiters = [w for w in engine._waiters.get((node, step), []) if not w.future.done()]
             for study, count in sorted(by_study.items()):
                 waiting = sum(w.study == study for w in waiters)
                 n = min(count, waiting) if waiting else count
                 events.append(RequestAdded(node, step, n, study=study))
         self._parked.clear()
-        self._parked_claims.clear()
         self._parked_roots.clear()
         self._waiting_on.clear()
         return events

@@ -35,7 +35,7 @@ from stagetree import _versions
 from stagetree.coordination import Coordinator
 from stagetree.exceptions import StagetreeError, TrialCancelledError, TrialFailedError
 from stagetree.hp import Sequence, dumps_hp
-from stagetree.plan import BasePlanStorage, RequestState
+from stagetree.plan import BasePlanStorage, Insertion, RequestState
 from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
@@ -314,7 +314,9 @@ class Engine:
                 self._slots[(name, version)] = slot
             slot.share, slot.weight = share, weight
             self._study_versions[name] = version
-            self._enqueue(self._weight_events(slot))
+            from stagetree.scheduler import StudyWeight
+
+            self._enqueue([StudyWeight(name, weight)])
             return slot
 
     def _trainer_key(self, trainer: type | None) -> str:
@@ -342,11 +344,6 @@ class Engine:
                 f"{trainer.__qualname__} share this storage in this process: give them "
                 "separate storages, or implement BaseExecutor.add_trainer"
             ) from None
-
-    def _weight_events(self, slot: StudySlot) -> list[Any]:
-        from stagetree.scheduler import StudyWeight
-
-        return [StudyWeight(slot.name, slot.weight)]
 
     def _ensure_row(self, slot: StudySlot) -> None:
         """Create the study row (or record the tuner's metric and mode in it) just before
@@ -409,12 +406,9 @@ class Engine:
         for, so that the scheduler knows where it branches off later) and ask for its
         metrics at ``steps``. The waiter's future resolves with them (at once when the
         plan knows them). ``config`` and ``hp`` are checked by the caller."""
-        root_key = slot.root_key(config, hp)
         storage = self.storage
         with self.lock:
-            self._root_trainers[root_key] = slot.trainer_key
-            storage.register_root(root_key, config)
-            ins = storage.insert_trial(root_key, hp, max(steps, horizon), request=False)
+            root_key, ins = self._insert_path(slot, config, hp, max(steps, horizon))
             leaf = ins.node
             if horizon > steps:
                 where = storage.locate(root_key, hp, steps)
@@ -476,11 +470,19 @@ class Engine:
         where they branch off. ``trials`` are checked by the caller."""
         with self.lock:
             for cfg, seqs in trials:
-                root_key = slot.root_key(cfg, seqs)
-                self._root_trainers[root_key] = slot.trainer_key
-                self.storage.register_root(root_key, cfg)
-                ins = self.storage.insert_trial(root_key, seqs, horizon, request=False)
+                root_key, ins = self._insert_path(slot, cfg, seqs, horizon)
                 self._enqueue(self._path_events(root_key, ins.node))
+
+    def _insert_path(
+        self, slot: StudySlot, config: dict[str, Any], hp: dict[str, Sequence], steps: int
+    ) -> tuple[str, Insertion]:
+        """Insert a trial's path up to ``steps`` without a request (lock held); returns
+        its tree's root key and the insertion (the path's end, canonical). The tree is
+        trained by the study's trainer."""
+        root_key = slot.root_key(config, hp)
+        self._root_trainers[root_key] = slot.trainer_key
+        self.storage.register_root(root_key, config)
+        return root_key, self.storage.insert_trial(root_key, hp, steps, request=False)
 
     def known(
         self, slot: StudySlot, config: dict[str, Any], hp: dict[str, Sequence], step: int

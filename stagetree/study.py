@@ -233,7 +233,7 @@ class Study:
 
     def _warn_shared(self, engine: Engine, url: str) -> None:
         """Say which of this study's arguments the shared engine does not follow."""
-        first = getattr(engine, "settings", None) or {}
+        first = engine.settings
         differ = [
             f"{k}={v!r} (it uses {first[k]!r})"
             for k, v in self._settings().items()
