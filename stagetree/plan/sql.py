@@ -748,6 +748,36 @@ class SQLPlanStorage(BasePlanStorage):
                 out[row.step] = shown_metrics(_codec.loads(row.data))
         return dict(sorted(out.items()))
 
+    def metrics(
+        self, root_key: str, nodes: Collection[int] | None = None
+    ) -> dict[int, dict[int, dict[str, float]]]:
+        query = select(_metrics.c.node, _metrics.c.step, _metrics.c.data)
+        out: dict[int, dict[int, dict[str, float]]] = {}
+        with self._tx(write=False) as conn:
+            if nodes is None:
+                rows = conn.execute(query.where(_metrics.c.root_key == root_key)).all()
+            else:
+                ids = sorted(set(nodes))
+                rows = []
+                for i in range(0, len(ids), _CHUNK):
+                    chunk = query.where(
+                        _metrics.c.root_key == root_key, _metrics.c.node.in_(ids[i : i + _CHUNK])
+                    )
+                    rows.extend(conn.execute(chunk).all())
+        for row in sorted(rows, key=lambda r: (r.node, r.step)):
+            out.setdefault(row.node, {})[row.step] = shown_metrics(_codec.loads(row.data))
+        return out
+
+    def metric_steps(self, root_key: str) -> dict[int, int]:
+        query = (
+            select(_metrics.c.node, func.max(_metrics.c.step))
+            .where(_metrics.c.root_key == root_key)
+            .group_by(_metrics.c.node)
+            .order_by(_metrics.c.node)
+        )
+        with self._tx(write=False) as conn:
+            return {int(node): int(step) for node, step in conn.execute(query).all()}
+
     # -- accounting ----------------------------------------------------------------------
 
     def add_stats(self, scope: str, **deltas: float) -> None:
