@@ -58,9 +58,11 @@ from stagetree.reports import (
     export_records,
     export_table,
     hidden_trials,
+    short_sequence,
     storage_status,
     study_status,
 )
+from stagetree.reports import format_value as _fmt_value
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
 from stagetree.stages import Summary, build_stage_tree, render_tree, summarize
 
@@ -363,46 +365,6 @@ def open_existing_storage(url: str) -> BasePlanStorage:
     except Exception as exc:  # driver errors of a file that is not a database, ...
         raise StorageError(f"cannot open plan storage {url!r}: {_one_line(exc)}") from exc
     return storage
-
-
-def _fmt_value(value: Any) -> str:
-    from stagetree.hp import Sequence
-
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt_value(v) for v in value) + "]"
-    if isinstance(value, Sequence):
-        return short_sequence(value)
-    if isinstance(value, str):
-        return value
-    return repr(value)
-
-
-def short_sequence(seq: Any, offset: int = 0) -> str:
-    """A sequence in short form: ``0.1`` for a constant, ``MultiStep(0.1, [8, 12],
-    0.1)``, ``0.1 until step 4, then Exponential(0.1, 0.8)``.
-
-    Args:
-        seq: a :class:`~stagetree.hp.Sequence` (anything else is formatted as a value).
-        offset: the absolute step the sequence starts at (for the steps of ``Then``).
-    """
-    import dataclasses
-
-    from stagetree.hp import Constant, Sequence, Then
-
-    if isinstance(seq, Constant):
-        return _fmt_value(seq.value)
-    if isinstance(seq, Then):
-        start = offset + seq.at
-        first = short_sequence(seq.first, offset)
-        return f"{first} until step {start}, then {short_sequence(seq.second, start)}"
-    if isinstance(seq, Sequence) and dataclasses.is_dataclass(seq):
-        args = ", ".join(_fmt_value(getattr(seq, f.name)) for f in dataclasses.fields(seq))
-        return f"{type(seq).__name__}({args})"
-    return _fmt_value(seq)
 
 
 def _num(value: float) -> str:
