@@ -142,9 +142,7 @@ def compact(seq: Sequence, start: int, stop: int) -> str:
     runs = _runs(seq, start, stop) if stop > start else [(start, start + 1, seq(start))]
     fmt = reports.format_value
     if len(runs) <= _LABEL_VALUES:
-        return " → ".join(
-            fmt(v) if i == 0 else f"{fmt(v)}@{a}" for i, (a, _, v) in enumerate(runs)
-        )
+        return " → ".join(fmt(v) if i == 0 else f"{fmt(v)}@{a}" for i, (a, _, v) in enumerate(runs))
     (_, _, first), (a, _, last) = runs[0], runs[-1]
     return f"{fmt(first)} → … → {fmt(last)}@{a} ({len(runs)} values)"
 
@@ -164,8 +162,8 @@ def _label(
     shown = [
         (name, seq)
         for name, seq in hp
-        if name not in before or first_difference(seq, before[name], start, max(stop, start + 1))
-        is not None
+        if name not in before
+        or first_difference(seq, before[name], start, max(stop, start + 1)) is not None
     ]
     return ", ".join(f"{name}={compact(seq, start, stop)}" for name, seq in shown or hp)
 
@@ -273,9 +271,7 @@ def _seconds_per_step(storage: BasePlanStorage, roots: Collection[str]) -> float
     """The median measured seconds per step of the batches that trained these trees
     (busy seconds less checkpoint loading, over steps), None before any."""
     rates = [
-        b.rate
-        for b in batches(storage, roots).values()
-        if b.state == "done" and b.rate is not None
+        b.rate for b in batches(storage, roots).values() if b.state == "done" and b.rate is not None
     ]
     return statistics.median(rates) if rates else None
 
@@ -528,14 +524,17 @@ def read_tree(storage: BasePlanStorage, name: str) -> TreeData:
 
     revision = storage.revision()
     record = reports.study_record(storage, name)
-    own, _ = split_trials(storage.trials(name), record.get("meta") or {})
+    mine = storage.trials(name)
+    own, _ = split_trials(mine, record.get("meta") or {})
     roots = list(dict.fromkeys(str(t["root_key"]) for t in own))
     ids = {t["id"] for t in own}
     wanted = set(roots)
+    everyone = [
+        t for s in storage.studies() if s["name"] != name for t in storage.trials(s["name"])
+    ]
     others = [
         (int(t["node"]), int(t["step"]))
-        for s in storage.studies()
-        for t in storage.trials(s["name"])
+        for t in [*mine, *everyone]
         if t["id"] not in ids and t["root_key"] in wanted and t.get("node") is not None
     ]
     nodes: dict[int, Node] = {}
@@ -588,10 +587,10 @@ def build_tree(data: TreeData) -> dict[str, Any]:
     end = {i: nodes[i].branch_step for i in order}
     done = {i: max(nodes[i].branch_step, data.metric_steps.get(i, 0)) for i in order}
     ckpts: dict[int, list[int]] = defaultdict(list)
-    for node, step in sorted(data.checkpoints):
-        if node in nodes:
-            ckpts[node].append(step)
-            done[node] = max(done[node], step)
+    for key, step in sorted(data.checkpoints):
+        if key in nodes:
+            ckpts[key].append(step)
+            done[key] = max(done[key], step)
     live, failed, cancelled = _Needs(), _Needs(), _Needs()
     own_failed: set[int] = set()
     for r in data.requests:
@@ -612,9 +611,9 @@ def build_tree(data: TreeData) -> dict[str, Any]:
         if t.get("node") is not None and t["node"] in nodes:
             own_trials[int(t["node"])].append(int(t["id"]))
     other_count: dict[int, int] = defaultdict(int)
-    for node, _ in data.others:
-        if node in nodes:
-            other_count[node] += 1
+    for key, _ in data.others:
+        if key in nodes:
+            other_count[key] += 1
     # Bottom-up: a child needs its parent trained to its branch step, and a child that
     # has trained any step proves its parent trained there. A trial runs through its
     # end node and every ancestor whose steps it trains (a child branching at its
@@ -645,13 +644,15 @@ def build_tree(data: TreeData) -> dict[str, Any]:
     for batch in data.batches.values():
         if batch.state != "running":
             continue
-        for node, _a, b in batch.segments:
-            if node in nodes and b > done[node]:  # that segment is not trained yet
-                training.setdefault(node, names[(batch.location, batch.worker)])
-    out = []
+        for key, _a, b in batch.segments:
+            if key in nodes and b > done[key]:  # that segment is not trained yet
+                training.setdefault(key, names[(batch.location, batch.worker)])
+    out: list[dict[str, Any]] = []
+    max_step = 0
     for i in order:
         node = nodes[i]
         stop = max(end[i], done[i])
+        max_step = max(max_step, stop)
         if i in training:
             state = "training"
         elif i in own_failed:
@@ -689,7 +690,7 @@ def build_tree(data: TreeData) -> dict[str, Any]:
     return {
         "revision": data.revision,
         "full": True,
-        "max_step": max((n["end"] for n in out), default=0),
+        "max_step": max_step,
         "roots": list(data.roots),
         "nodes": out,
         "removed": [],
@@ -903,17 +904,20 @@ def _batch_trials(
     batch: Batch, paths: Mapping[int, Seq[tuple[int, int, int]]], nodes: Mapping[int, Node]
 ) -> list[int]:
     """The study's trials whose path trains a step of one of the batch's segments."""
-    wanted = {n: (a, b) for n, a, b in batch.segments}
+    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for n, a, b in batch.segments:
+        spans[n].append((a, b))
     out = []
     for trial, path in paths.items():
-        for node, _first, last in path:
-            span = wanted.get(node)
-            if span is None:
-                continue
-            lo = nodes[node].branch_step
-            if last > lo and last > span[0] and lo < span[1]:
-                out.append(trial)
-                break
+        # The trial trains steps [branch step, last) of each node of its path.
+        if any(
+            last > lo and lo < b and last > a
+            for node, _first, last in path
+            if node in spans
+            for lo in (nodes[node].branch_step,)
+            for a, b in spans[node]
+        ):
+            out.append(trial)
     return sorted(out)
 
 

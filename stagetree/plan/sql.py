@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from typing import Any
@@ -967,7 +967,9 @@ class SQLPlanStorage(BasePlanStorage):
             rows = conn.execute(
                 select(_trials).where(_trials.c.study == study).order_by(_trials.c.id)
             ).all()
-        return [_trial(row) for row in rows]
+            # Decoded through the sequence cache (under the lock): a study's trials
+            # share a few sequences, and their nodes hold the same ones.
+            return [_trial(row, self._seqs.decode_hp) for row in rows]
 
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         data = _codec.dumps(dict(record), "log record")
@@ -1172,13 +1174,13 @@ def _replace_expiry(lease: Lease, expires: float) -> Lease:
     return Lease(**{**_lease_row(lease), "expires": expires})
 
 
-def _trial(row: Any) -> dict[str, Any]:
+def _trial(row: Any, decode_hp: Callable[[str], dict[str, Sequence]] = loads_hp) -> dict[str, Any]:
     return {
         "id": row.id,
         "study": row.study,
         "root_key": row.root_key,
         "config": _codec.loads(row.config),
-        "hp": loads_hp(row.hp),
+        "hp": decode_hp(row.hp),
         "steps": row.steps,
         "node": row.node,
         "step": row.step,
