@@ -932,6 +932,7 @@ def timeline(storage: BasePlanStorage, name: str, after: int = 0) -> dict[str, A
     """
     revision = storage.revision()
     now = time.time()
+    reports.study_record(storage, name)
     rows = reports.trial_rows(storage, name)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
     found = batches(storage, roots, now)
