@@ -327,6 +327,8 @@ def serve_dashboard(
         ).start()
     try:
         server.run(sockets=[prepared.sock])
+    except KeyboardInterrupt:  # uvicorn stops cleanly, then raises the Ctrl-C it caught
+        pass
     except SystemExit as exc:  # uvicorn exits when its start-up fails
         return exc.code if isinstance(exc.code, int) else 1
     finally:
