@@ -100,6 +100,22 @@ def _value(value: Any) -> Any:
     return value
 
 
+# Up to this many steps, values are computed one by one rather than in the sequences'
+# cached chunks of 1024 (a node's few steps should not cost a thousand values).
+_DIRECT = 256
+
+
+def _values(seq: Sequence, start: int, stop: int) -> list[Any]:
+    if stop - start <= _DIRECT:
+        return [seq(t) for t in range(start, stop)]
+    return seq.values(start, stop)
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    """Typed equality of two value lists (``1`` is not ``1.0``)."""
+    return a == b and all(type(x) is type(y) for x, y in zip(a, b))
+
+
 def _runs(seq: Sequence, start: int, stop: int) -> list[tuple[int, int, Any]]:
     """Every run ``(from, to, value)`` of equal values of ``seq`` on ``[start, stop)``
     (values of different types differ: ``1`` is not ``1.0``)."""
@@ -109,7 +125,7 @@ def _runs(seq: Sequence, start: int, stop: int) -> list[tuple[int, int, Any]]:
         return []
     if isinstance(seq, Constant):
         return [(start, stop, seq.value)]
-    values = seq.values(start, stop)
+    values = _values(seq, start, stop)
     out: list[tuple[int, int, Any]] = []
     begin, last = start, values[0]
     for i, v in enumerate(values[1:], start + 1):
@@ -156,14 +172,16 @@ def _label(
 ) -> str:
     """``name=values`` of the hyper-parameters in which a node differs from its parent
     on its own steps (every one at a root)."""
-    from stagetree.hp import first_difference
-
     before = dict(parent or ())
+    end = max(stop, start + 1)
     shown = [
         (name, seq)
         for name, seq in hp
         if name not in before
-        or first_difference(seq, before[name], start, max(stop, start + 1)) is not None
+        or not (
+            seq is before[name]
+            or _same(_values(seq, start, end), _values(before[name], start, end))
+        )
     ]
     return ", ".join(f"{name}={compact(seq, start, stop)}" for name, seq in shown or hp)
 

@@ -638,3 +638,16 @@ def test_schema_checks_happen_before_reading(tmp_path: Path) -> None:
 
     with pytest.raises(SchemaVersionError, match="newer"):
         start_dashboard(f"sqlite:///{db}")
+
+
+def test_the_pace_of_live_updates_follows_what_answers_cost() -> None:
+    from stagetree.dashboard.app import Pacer
+
+    pacer = Pacer(factor=4.0, most=5.0)
+    assert pacer.gap == 0.0  # nothing measured: at once
+    pacer.record(0.5)
+    assert pacer.gap == 2.0
+    pacer.record(0.01)
+    assert pacer.gap == 1.0  # a large cost is remembered, halving at each answer
+    pacer.record(10.0)
+    assert pacer.gap == 5.0  # bounded

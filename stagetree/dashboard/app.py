@@ -9,7 +9,8 @@
   (:func:`~stagetree.views.read_tree`) and computed after it is released.
 * **Live updates.** ``GET /api/changes?after=REV`` polls the storage's revision (every
   0.2 s, a short read each) until it exceeds ``REV``, the timeout passes, the client
-  goes away or the server stops. Trees are kept per study for the last few revisions
+  goes away or the server stops; a change is answered at the pace of :class:`Pacer`
+  (at once for small studies). Trees are kept per study for the last few revisions
   (:class:`TreeCache`), so that ``tree?after=REV`` sends only the nodes that changed.
 * **Authentication.** With a token, every ``/api`` request needs it: ``Authorization:
   Bearer <token>``, or the cookie that ``?token=<token>`` on any page sets (HttpOnly,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
     from stagetree.plan import BasePlanStorage
 
-__all__ = ["STATIC_DIR", "TOKEN_COOKIE", "Reader", "TreeCache", "create_dashboard_app"]
+__all__ = ["STATIC_DIR", "TOKEN_COOKIE", "Pacer", "Reader", "TreeCache", "create_dashboard_app"]
 
 log = logging.getLogger("stagetree.dashboard")
 
@@ -133,6 +134,28 @@ class TreeCache:
                 self._trees.popitem(last=False)
 
 
+class Pacer:
+    """Paces live updates by what answering them costs: a long-poll that finds a change
+    answers no sooner than ``factor`` times the recent cost of a view after it was
+    asked (at most ``most`` seconds), so that a page following a busy study spends at
+    most about ``1 / (factor + 1)`` of the time (and of a server engine's lock) on
+    reads. Small studies cost milliseconds: their updates are immediate."""
+
+    def __init__(self, factor: float = 4.0, most: float = 5.0) -> None:
+        self.factor = factor
+        self.most = most
+        self.cost = 0.0  # seconds: the largest recent answer, halving at each answer
+
+    def record(self, seconds: float) -> None:
+        """One view answered in ``seconds``."""
+        self.cost = max(seconds, self.cost / 2)
+
+    @property
+    def gap(self) -> float:
+        """Seconds between a long-poll's arrival and its answer, at least."""
+        return min(self.cost * self.factor, self.most)
+
+
 def _int_param(request: Request, name: str, default: int = 0) -> int:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
@@ -200,6 +223,7 @@ def create_dashboard_app(
         stopping: True once the server is shutting down: long-polls return at once.
     """
     trees = TreeCache()
+    pacer = Pacer()
     location = _checkpoint_location(url, checkpoints)
 
     def read(fn: Callable[..., _T], *args: Any) -> Awaitable[_T]:
@@ -210,13 +234,17 @@ def create_dashboard_app(
         return run_in_threadpool(run)
 
     def api(
-        fn: Callable[[Request], Awaitable[Response]],
+        fn: Callable[[Request], Awaitable[Response]], paced: bool = True
     ) -> Callable[[Request], Awaitable[Response]]:
         async def wrapper(request: Request) -> Response:
+            began = time.monotonic()
             try:
                 if token is not None:
                     _check_token(request, token)
-                return await fn(request)
+                response = await fn(request)
+                if paced:
+                    pacer.record(time.monotonic() - began)
+                return response
             except RequestError as exc:
                 return _error(exc.status, exc.message)
             except PlanKeyError as exc:
@@ -237,6 +265,9 @@ def create_dashboard_app(
         return _error(404, str(exc))
 
     async def tree_of(name: str) -> dict[str, Any]:
+        kept = trees.get(name, await read(lambda s: s.revision()))
+        if kept is not None:  # (an unknown study has no trees kept)
+            return kept
         data = await read(views.read_tree, name)  # the reads, under the reader
         kept = trees.get(name, data.revision)
         if kept is None:
@@ -295,18 +326,21 @@ def create_dashboard_app(
         }
         return await _download(location, ref, headers)
 
-    @api
     async def changes(request: Request) -> Response:
         after = _int_param(request, "after")
-        deadline = time.monotonic() + _wait_param(request)
+        arrived = time.monotonic()
+        deadline = arrived + _wait_param(request)
+        changed = False
         while True:
             revision = await read(lambda s: s.revision())
-            left = deadline - time.monotonic()
-            if revision > after or left <= 0 or (stopping is not None and stopping()):
+            now = time.monotonic()
+            changed = changed or revision > after
+            # A change is answered once the pace allows; no change by the deadline.
+            due = arrived + pacer.gap if changed else deadline
+            ended = await request.is_disconnected() or (stopping is not None and stopping())
+            if now >= due or ended:
                 return JSON({"revision": revision})
-            if await request.is_disconnected():
-                return JSON({"revision": revision})
-            await anyio.sleep(min(_POLL, left))
+            await anyio.sleep(min(_POLL, due - now))
 
     @api
     async def no_endpoint(request: Request) -> Response:
@@ -335,7 +369,7 @@ def create_dashboard_app(
         Route(f"{s}/trials", trials),
         Route(f"{s}/trials/{{trial:int}}/checkpoint", checkpoint),
         Route(f"{s}/timeline", timeline),
-        Route("/api/changes", changes),
+        Route("/api/changes", api(changes, paced=False)),
         Route("/api/{rest:path}", no_endpoint, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
         Mount("/static", app=StaticFiles(directory=STATIC_DIR, check_dir=False), name="static"),
         Route("/{path:path}", page),
