@@ -87,6 +87,12 @@ def serve(
         file=stream,
         flush=True,
     )
+    print(
+        f"stagetree serve: dashboard at {scheme}://{shown}:{port}/ (open it once with "
+        "?token=<the token>)",
+        file=stream,
+        flush=True,
+    )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("stagetree serve: %(message)s"))
     server_log = logging.getLogger("stagetree.server")
