@@ -29,6 +29,7 @@ processes write to it.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -216,15 +217,29 @@ class TreeCurves:
 
     def __init__(self, storage: BasePlanStorage) -> None:
         self.storage = storage
-        self._trees: dict[str, tuple[dict[int, Node], dict[int, dict[int, dict[str, float]]]]] = {}
+        self._nodes: dict[str, dict[int, Node]] = {}
+        self._metrics: dict[str, dict[int, dict[int, dict[str, float]]]] = {}
+        self._steps: dict[int, list[int]] = {}  # node -> its metric steps, sorted
+
+    def nodes(self, root_key: str) -> dict[int, Node]:
+        """The nodes of ``root_key``'s tree by id, read once."""
+        nodes = self._nodes.get(root_key)
+        if nodes is None:
+            nodes = self._nodes[root_key] = {n.id: n for n in self.storage.nodes(root_key)}
+        return nodes
+
+    def metrics(self, root_key: str) -> dict[int, dict[int, dict[str, float]]]:
+        """``{node: {step: metrics}}`` of ``root_key``'s tree, read once."""
+        metrics = self._metrics.get(root_key)
+        if metrics is None:
+            metrics = self._metrics[root_key] = self.storage.metrics(root_key)
+            for node, points in metrics.items():
+                self._steps[node] = sorted(points)
+        return metrics
 
     def tree(self, root_key: str) -> tuple[dict[int, Node], dict[int, dict[int, dict[str, float]]]]:
         """``(nodes by id, {node: {step: metrics}})`` of ``root_key``'s tree, read once."""
-        tree = self._trees.get(root_key)
-        if tree is None:
-            nodes = {n.id: n for n in self.storage.nodes(root_key)}
-            tree = self._trees[root_key] = (nodes, self.storage.metrics(root_key))
-        return tree
+        return self.nodes(root_key), self.metrics(root_key)
 
     def of(self, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
         """Every known metric on ``trial``'s path up to its steps, by step."""
@@ -239,10 +254,14 @@ class TreeCurves:
             return self.storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
         out: dict[int, dict[str, float]] = {}
         for node, first, last in segments:
-            for step, values in metrics.get(node, {}).items():
-                if first <= step <= last:
-                    out[step] = dict(values)
-        return dict(sorted(out.items()))
+            points = metrics.get(node)
+            if not points:
+                continue
+            steps = self._steps[node]
+            lo, hi = bisect.bisect_left(steps, first), bisect.bisect_right(steps, last)
+            for step in steps[lo:hi]:
+                out[step] = dict(points[step])
+        return out
 
 
 def records_of(

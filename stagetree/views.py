@@ -24,9 +24,12 @@ than the lease time-to-live.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
 import math
 import statistics
+import threading
 import time
 import urllib.parse
 from collections import defaultdict
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_RUNS",
+    "ActivityLog",
     "Batch",
     "TreeData",
     "batches",
@@ -270,8 +274,11 @@ def study_summaries(storage: BasePlanStorage, url: str = "") -> dict[str, Any]:
     }
 
 
-def study_detail(storage: BasePlanStorage, name: str) -> dict[str, Any]:
-    """``GET /api/studies/{name}``: the study's summary and its :func:`savings`.
+def study_detail(
+    storage: BasePlanStorage, name: str, log: ActivityLog | None = None
+) -> dict[str, Any]:
+    """``GET /api/studies/{name}``: the study's summary and its :func:`savings`
+    (``log``: see :func:`batches`).
 
     Raises:
         PlanKeyError: no study ``name``.
@@ -281,21 +288,25 @@ def study_detail(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     return {
         "revision": revision,
         "study": _summary(storage, st),
-        "savings": savings(storage, name, st),
+        "savings": savings(storage, name, st, log),
     }
 
 
-def _seconds_per_step(storage: BasePlanStorage, roots: Collection[str]) -> float | None:
+def _seconds_per_step(
+    storage: BasePlanStorage, roots: Collection[str], log: ActivityLog | None
+) -> float | None:
     """The median measured seconds per step of the batches that trained these trees
     (busy seconds less checkpoint loading, over steps), None before any."""
-    rates = [
-        b.rate for b in batches(storage, roots).values() if b.state == "done" and b.rate is not None
-    ]
+    found = batches(storage, roots, log=log).values()
+    rates = [b.rate for b in found if b.state == "done" and b.rate is not None]
     return statistics.median(rates) if rates else None
 
 
 def savings(
-    storage: BasePlanStorage, name: str, status: reports.StudyStatus | None = None
+    storage: BasePlanStorage,
+    name: str,
+    status: reports.StudyStatus | None = None,
+    log: ActivityLog | None = None,
 ) -> dict[str, Any]:
     """The ``Savings`` of study ``name``: what training each trial alone would cost
     (its requested steps, at the median measured seconds per step) against what was
@@ -305,6 +316,7 @@ def savings(
     Args:
         status: the study's :func:`~stagetree.reports.study_status`, when the caller
             has it.
+        log: see :func:`batches`.
 
     Raises:
         PlanKeyError: no study ``name``.
@@ -315,7 +327,7 @@ def savings(
     numbers = st.numbers
     executed = round(numbers["steps_executed"]) if numbers is not None else None
     seconds = numbers["device_seconds"] if numbers is not None else None
-    per_step = _seconds_per_step(storage, roots)
+    per_step = _seconds_per_step(storage, roots, log)
     if per_step is None and numbers is not None and numbers["seconds_per_step"] > 0:
         per_step = numbers["seconds_per_step"]  # no batch records: the mean
     requested = st.steps_requested
@@ -459,29 +471,72 @@ def _live_owners(storage: BasePlanStorage) -> set[str] | None:
     return {lease.owner for lease in storage.leases()}
 
 
+class ActivityLog:
+    """A storage's batches folded from its activity records, read incrementally: each
+    :meth:`update` reads only the records after the last one it saw (the log is
+    append-only), so that a dashboard following a long study does not read its whole
+    history at every change. One log per storage; thread-safe."""
+
+    def __init__(self) -> None:
+        self.seq = 0  # the last record folded in
+        self._batches: dict[str, Batch] = {}
+        self._lock = threading.Lock()
+
+    def update(self, storage: BasePlanStorage, root_keys: Collection[str] | None = None) -> None:
+        """Fold in the records written since the last update (of every tree, or only
+        of ``root_keys`` for a log of those trees alone)."""
+        with self._lock:
+            for record in storage.activity(self.seq, root_keys):
+                key = f"{record.owner}/{record.batch}"
+                batch = self._batches.get(key)
+                if batch is None:
+                    batch = Batch(str(record.owner), int(record.batch), str(record.root_key))
+                    self._batches[key] = batch
+                _apply(batch, record)
+                self.seq = max(self.seq, int(record.seq))
+
+    def of(self, root_keys: Collection[str]) -> dict[str, Batch]:
+        """The batches of these trees, in the order they started: copies of those still
+        running (:func:`batches` sets their state), the ended ones as they are (they
+        change no more; callers do not modify them)."""
+        wanted = set(root_keys)
+        with self._lock:
+            return {
+                k: b if b.state in _ENDS else dataclasses.replace(b, saves=list(b.saves))
+                for k, b in self._batches.items()
+                if b.root_key in wanted
+            }
+
+
 def batches(
-    storage: BasePlanStorage, root_keys: Collection[str], now: float | None = None
+    storage: BasePlanStorage,
+    root_keys: Collection[str],
+    now: float | None = None,
+    log: ActivityLog | None = None,
 ) -> dict[str, Batch]:
     """Every batch that trained the trees ``root_keys``, by :attr:`Batch.key`, in the
     order they started. An unended batch is running while its owner holds a live lease
-    (on a SQL storage), else ``lost`` once older than the lease time-to-live."""
+    (on a SQL storage), else ``lost`` once older than the lease time-to-live.
+
+    Args:
+        log: the storage's :class:`ActivityLog`, brought up to date (else the whole
+            activity of those trees is read).
+    """
     from stagetree.coordination import lease_ttl
 
     if not root_keys:
         return {}
     now = time.time() if now is None else now
-    out: dict[str, Batch] = {}
-    for record in storage.activity(0, list(root_keys)):
-        key = f"{record.owner}/{record.batch}"
-        batch = out.get(key)
-        if batch is None:
-            batch = out[key] = Batch(str(record.owner), int(record.batch), str(record.root_key))
-        _apply(batch, record)
-    live = _live_owners(storage)
+    if log is None:
+        log = ActivityLog()
+        log.update(storage, list(root_keys))
+    else:
+        log.update(storage)
+    out = log.of(root_keys)
+    running = [b for b in out.values() if b.state == "running"]
+    live = _live_owners(storage) if running else None
     ttl = lease_ttl()
-    for batch in out.values():
-        if batch.state != "running":
-            continue
+    for batch in running:
         started = batch.started if batch.started is not None else now
         if live is not None and batch.owner not in live and now - started > ttl:
             batch.state = "lost"
@@ -532,8 +587,9 @@ class TreeData:
     batches: dict[str, Batch]
 
 
-def read_tree(storage: BasePlanStorage, name: str) -> TreeData:
-    """Read what study ``name``'s stage tree is made of: a few bulk reads per tree.
+def read_tree(storage: BasePlanStorage, name: str, log: ActivityLog | None = None) -> TreeData:
+    """Read what study ``name``'s stage tree is made of: a few bulk reads per tree
+    (the batches through ``log`` when given, see :func:`batches`).
 
     Raises:
         PlanKeyError: no study ``name``.
@@ -574,7 +630,7 @@ def read_tree(storage: BasePlanStorage, name: str) -> TreeData:
         metric_steps,
         own,
         others,
-        batches(storage, roots),
+        batches(storage, roots, log=log),
     )
 
 
@@ -785,7 +841,7 @@ def _trial_paths(
         if t.get("node") is None:
             out[int(t["id"])] = []
             continue
-        nodes = curves.tree(str(t["root_key"]))[0]
+        nodes = curves.nodes(str(t["root_key"]))
         try:
             out[int(t["id"])] = reports.path_segments(nodes, int(t["node"]), int(t["steps"]))
         except KeyError:  # committed after the tree was read
@@ -816,7 +872,7 @@ def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> di
     names: set[str] = set()
     segments: dict[str, list[list[Any]]] = {}
     for t in rows:
-        metrics = tree_curves.tree(str(t["root_key"]))[1]
+        metrics = tree_curves.metrics(str(t["root_key"]))
         for node, _first, _last in paths[int(t["id"])]:
             key = str(node)
             if key in segments:
@@ -918,32 +974,43 @@ def checkpoint_of(
 # --------------------------------------------------------------------------- timeline
 
 
+def _trials_by_node(
+    paths: Mapping[int, Seq[tuple[int, int, int]]], nodes: Mapping[int, Node]
+) -> dict[int, list[tuple[int, int]]]:
+    """``node -> [(last, trial)]`` sorted by ``last``: the trials that train steps
+    ``[branch step, last)`` of the node."""
+    out: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for trial, path in paths.items():
+        for node, _first, last in path:
+            if last > nodes[node].branch_step:
+                out[node].append((last, trial))
+    for entries in out.values():
+        entries.sort()
+    return out
+
+
 def _batch_trials(
-    batch: Batch, paths: Mapping[int, Seq[tuple[int, int, int]]], nodes: Mapping[int, Node]
+    batch: Batch, by_node: Mapping[int, list[tuple[int, int]]], nodes: Mapping[int, Node]
 ) -> list[int]:
     """The study's trials whose path trains a step of one of the batch's segments."""
-    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for n, a, b in batch.segments:
-        spans[n].append((a, b))
-    out = []
-    for trial, path in paths.items():
-        # The trial trains steps [branch step, last) of each node of its path.
-        if any(
-            last > lo and lo < b and last > a
-            for node, _first, last in path
-            if node in spans
-            for lo in (nodes[node].branch_step,)
-            for a, b in spans[node]
-        ):
-            out.append(trial)
+    out: set[int] = set()
+    for node, a, b in batch.segments:
+        entries = by_node.get(node)
+        if not entries or nodes[node].branch_step >= b:
+            continue
+        first = bisect.bisect_right(entries, (a, math.inf))  # the trials going past a
+        out.update(trial for _, trial in entries[first:])
     return sorted(out)
 
 
-def timeline(storage: BasePlanStorage, name: str, after: int = 0) -> dict[str, Any]:
+def timeline(
+    storage: BasePlanStorage, name: str, after: int = 0, log: ActivityLog | None = None
+) -> dict[str, Any]:
     """``GET /api/studies/{name}/timeline``: the batches that trained the study's
     trees (which worker trained which segments when, its checkpoint saves, its load
     time) and each worker's busy and idle seconds. With ``after``, only the batches
-    with an activity record after that sequence number (whole batches).
+    with an activity record after that sequence number (whole batches). ``log``: see
+    :func:`batches`.
 
     Raises:
         PlanKeyError: no study ``name``.
@@ -953,10 +1020,11 @@ def timeline(storage: BasePlanStorage, name: str, after: int = 0) -> dict[str, A
     reports.study_record(storage, name)
     rows = reports.trial_rows(storage, name)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
-    found = batches(storage, roots, now)
+    found = batches(storage, roots, now, log)
     tree_curves = reports.TreeCurves(storage)
     paths = {k: v for k, v in _trial_paths(tree_curves, rows).items() if v}
-    nodes = {i: n for root in roots for i, n in tree_curves.tree(root)[0].items()}
+    nodes = {i: n for root in roots for i, n in tree_curves.nodes(root).items()}
+    by_node = _trials_by_node(paths, nodes)
     names = _worker_names(found.values())
     index = {root: i for i, root in enumerate(roots)}
     seq = max((b.last_seq for b in found.values()), default=after)
@@ -979,7 +1047,7 @@ def timeline(storage: BasePlanStorage, name: str, after: int = 0) -> dict[str, A
                 "load_seconds": b.load_seconds,
                 "busy_seconds": b.busy_seconds,
                 "saves": [list(s) for s in b.saves],
-                "trials": _batch_trials(b, paths, nodes),
+                "trials": _batch_trials(b, by_node, nodes),
             }
         )
     return {

@@ -643,11 +643,12 @@ def test_schema_checks_happen_before_reading(tmp_path: Path) -> None:
 def test_the_pace_of_live_updates_follows_what_answers_cost() -> None:
     from stagetree.dashboard.app import Pacer
 
-    pacer = Pacer(factor=4.0, most=5.0)
-    assert pacer.gap == 0.0  # nothing measured: at once
-    pacer.record(0.5)
-    assert pacer.gap == 2.0
-    pacer.record(0.01)
-    assert pacer.gap == 1.0  # a large cost is remembered, halving at each answer
-    pacer.record(10.0)
-    assert pacer.gap == 5.0  # bounded
+    pacer = Pacer(factor=1.0, most=2.0, half_life=2.0)
+    assert pacer.gap(0.0) == 0.0  # nothing measured: at once
+    pacer.record(0.5, now=10.0)
+    assert pacer.gap(10.0) == 0.5
+    pacer.record(0.01, now=10.0)
+    assert pacer.gap(10.0) == 0.5  # the largest recent cost counts...
+    assert pacer.gap(12.0) == pytest.approx(0.25)  # ...halving every half-life
+    pacer.record(10.0, now=12.0)
+    assert pacer.gap(12.0) == 2.0  # bounded

@@ -137,23 +137,34 @@ class TreeCache:
 class Pacer:
     """Paces live updates by what answering them costs: a long-poll that finds a change
     answers no sooner than ``factor`` times the recent cost of a view after it was
-    asked (at most ``most`` seconds), so that a page following a busy study spends at
-    most about ``1 / (factor + 1)`` of the time (and of a server engine's lock) on
-    reads. Small studies cost milliseconds: their updates are immediate."""
+    asked (at most ``most`` seconds), so that a page following a study that changes
+    all the time spends at most about ``factor / (factor + 1)`` of the time (and of a
+    server engine's lock) on reads. A change that finds the page waiting is answered at
+    once, and small studies cost milliseconds: their updates are immediate.
 
-    def __init__(self, factor: float = 4.0, most: float = 5.0) -> None:
+    The recent cost is the largest answer's, halving every ``half_life`` seconds.
+    """
+
+    def __init__(self, factor: float = 1.0, most: float = 2.0, half_life: float = 2.0) -> None:
         self.factor = factor
         self.most = most
-        self.cost = 0.0  # seconds: the largest recent answer, halving at each answer
+        self.half_life = half_life
+        self._cost = 0.0
+        self._at = 0.0
 
-    def record(self, seconds: float) -> None:
+    def cost(self, now: float | None = None) -> float:
+        """The recent cost of an answer, in seconds."""
+        now = time.monotonic() if now is None else now
+        return self._cost * 0.5 ** (max(now - self._at, 0.0) / self.half_life)
+
+    def record(self, seconds: float, now: float | None = None) -> None:
         """One view answered in ``seconds``."""
-        self.cost = max(seconds, self.cost / 2)
+        now = time.monotonic() if now is None else now
+        self._cost, self._at = max(seconds, self.cost(now)), now
 
-    @property
-    def gap(self) -> float:
-        """Seconds between a long-poll's arrival and its answer, at least."""
-        return min(self.cost * self.factor, self.most)
+    def gap(self, now: float | None = None) -> float:
+        """Seconds between a long-poll's arrival and its answer to a change, at least."""
+        return min(self.cost(now) * self.factor, self.most)
 
 
 def _int_param(request: Request, name: str, default: int = 0) -> int:
@@ -224,6 +235,7 @@ def create_dashboard_app(
     """
     trees = TreeCache()
     pacer = Pacer()
+    activity = views.ActivityLog()  # the batches, read incrementally
     location = _checkpoint_location(url, checkpoints)
 
     def read(fn: Callable[..., _T], *args: Any) -> Awaitable[_T]:
@@ -268,7 +280,7 @@ def create_dashboard_app(
         kept = trees.get(name, await read(lambda s: s.revision()))
         if kept is not None:  # (an unknown study has no trees kept)
             return kept
-        data = await read(views.read_tree, name)  # the reads, under the reader
+        data = await read(views.read_tree, name, activity)  # the reads, under the reader
         kept = trees.get(name, data.revision)
         if kept is None:
             kept = await run_in_threadpool(views.build_tree, data)  # the computing, after
@@ -281,7 +293,7 @@ def create_dashboard_app(
 
     @api
     async def study(request: Request) -> Response:
-        return JSON(await read(views.study_detail, request.path_params["name"]))
+        return JSON(await read(views.study_detail, request.path_params["name"], activity))
 
     @api
     async def tree(request: Request) -> Response:
@@ -311,7 +323,7 @@ def create_dashboard_app(
     @api
     async def timeline(request: Request) -> Response:
         after = _int_param(request, "after")
-        return JSON(await read(views.timeline, request.path_params["name"], after))
+        return JSON(await read(views.timeline, request.path_params["name"], after, activity))
 
     @api
     async def checkpoint(request: Request) -> Response:
@@ -336,7 +348,7 @@ def create_dashboard_app(
             now = time.monotonic()
             changed = changed or revision > after
             # A change is answered once the pace allows; no change by the deadline.
-            due = arrived + pacer.gap if changed else deadline
+            due = arrived + pacer.gap(now) if changed else deadline
             ended = await request.is_disconnected() or (stopping is not None and stopping())
             if now >= due or ended:
                 return JSON({"revision": revision})

@@ -1125,8 +1125,11 @@ def _activity_record(row: Any) -> ActivityRecord:
     return ActivityRecord(**{**m, "data": _codec.loads(m["data"])})
 
 
+_STATES = {state.value: state for state in RequestState}  # RequestState(x) is slow
+
+
 def _request(row: Any) -> Request:
-    return Request(row.node, row.step, row.refcount, RequestState(row.state), row.error)
+    return Request(row.node, row.step, row.refcount, _STATES[row.state], row.error)
 
 
 def _request_row(req: Request, root_key: str) -> dict[str, Any]:
