@@ -19,7 +19,8 @@ Batches (the workers timeline, "training" nodes) come from the storage's activit
 records (:meth:`~stagetree.plan.BasePlanStorage.activity`): a batch is running while
 it has a ``start`` record and no end record and its owner (an engine) still holds a
 live lease; an unended batch whose owner is gone is reported ``lost`` once it is older
-than the lease time-to-live.
+than the lease time-to-live. A long-lived reader (the web layer) keeps an
+:class:`ActivityLog`, which reads only the records written since its last read.
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ MAX_RUNS = 200
 # A compact label lists at most this many values of a sequence, else first … last.
 _LABEL_VALUES = 4
 
-_LIVE = (RequestState.PENDING, RequestState.SCHEDULED)
 _ENDS = ("done", "failed", "lost")
 
 
@@ -634,30 +634,26 @@ def read_tree(storage: BasePlanStorage, name: str, log: ActivityLog | None = Non
     )
 
 
-class _Needs:
-    """The furthest step of each node that requests of one kind (live, failed,
-    cancelled) in its subtree need trained; -1 for none."""
+@dataclass
+class _Progress:
+    """Per node: how far anything asks it to go (``end``), how far it is trained
+    (``done``), its checkpoints, and the furthest step that live, failed and cancelled
+    requests in its subtree need it trained to (-1: none)."""
 
-    def __init__(self) -> None:
-        self.step: dict[int, int] = defaultdict(lambda: -1)
-
-    def add(self, node: int, step: int) -> None:
-        if step > self.step[node]:
-            self.step[node] = step
-
-
-def _trained_range(node: Node, last: int) -> bool:
-    """Whether a path segment of ``node`` ending at step ``last`` trains any step."""
-    return last > node.branch_step
+    end: dict[int, int]
+    done: dict[int, int]
+    checkpoints: dict[int, list[int]]
+    live: dict[int, int]
+    failed: dict[int, int]
+    cancelled: dict[int, int]
+    own_failed: set[int]
 
 
-def build_tree(data: TreeData) -> dict[str, Any]:
-    """The stage tree of :class:`TreeData` (``GET /api/studies/{name}/tree``, full):
-    one ``Node`` per plan node of the study's trees (see the module docstring of the
-    API for each field and the rules of ``state``)."""
+def _progress(data: TreeData, order: list[int]) -> _Progress:
+    """Each node's :class:`_Progress`: from its own requests, checkpoints and metric
+    steps, then bottom-up (children have larger ids): a child needs its parent trained
+    to its branch step, and a child that trained any step proves its parent got there."""
     nodes = data.nodes
-    order = sorted(nodes)  # a parent's id is smaller than its children's
-    root_index = {key: i for i, key in enumerate(data.roots)}
     end = {i: nodes[i].branch_step for i in order}
     done = {i: max(nodes[i].branch_step, data.metric_steps.get(i, 0)) for i in order}
     ckpts: dict[int, list[int]] = defaultdict(list)
@@ -665,7 +661,13 @@ def build_tree(data: TreeData) -> dict[str, Any]:
         if key in nodes:
             ckpts[key].append(step)
             done[key] = max(done[key], step)
-    live, failed, cancelled = _Needs(), _Needs(), _Needs()
+    needs = {state: dict.fromkeys(order, -1) for state in ("live", "failed", "cancelled")}
+    kind = {
+        RequestState.PENDING: "live",
+        RequestState.SCHEDULED: "live",
+        RequestState.FAILED: "failed",
+        RequestState.CANCELLED: "cancelled",
+    }
     own_failed: set[int] = set()
     for r in data.requests:
         if r.node not in nodes:
@@ -673,73 +675,105 @@ def build_tree(data: TreeData) -> dict[str, Any]:
         end[r.node] = max(end[r.node], r.step)
         if r.state == RequestState.DONE:
             done[r.node] = max(done[r.node], r.step)
-        elif r.state in _LIVE:
-            live.add(r.node, r.step)
-        elif r.state == RequestState.FAILED:
-            failed.add(r.node, r.step)
-            own_failed.add(r.node)
-        elif r.state == RequestState.CANCELLED:
-            cancelled.add(r.node, r.step)
-    own_trials: dict[int, list[int]] = defaultdict(list)
-    for t in data.trials:
-        if t.get("node") is not None and t["node"] in nodes:
-            own_trials[int(t["node"])].append(int(t["id"]))
-    other_count: dict[int, int] = defaultdict(int)
-    for key, _ in data.others:
-        if key in nodes:
-            other_count[key] += 1
-    # Bottom-up: a child needs its parent trained to its branch step, and a child that
-    # has trained any step proves its parent trained there. A trial runs through its
-    # end node and every ancestor whose steps it trains (a child branching at its
-    # parent's own branch step trains none of the parent's).
-    through: dict[int, list[int]] = {i: list(own_trials.get(i, ())) for i in order}
-    listed: dict[int, list[int]] = {i: list(own_trials.get(i, ())) for i in order}
-    others_through = {i: other_count.get(i, 0) for i in order}
-    others_listed = dict(others_through)
+        else:
+            need = needs[kind[r.state]]
+            need[r.node] = max(need[r.node], r.step)
+            if r.state == RequestState.FAILED:
+                own_failed.add(r.node)
     for i in reversed(order):
-        node = nodes[i]
-        p = node.parent
+        p, b = nodes[i].parent, nodes[i].branch_step
         if p is None or p not in nodes:
             continue
-        b = node.branch_step
         end[p] = max(end[p], b)
         if done[i] > b:
             done[p] = max(done[p], b)
-        for needs in (live, failed, cancelled):
-            if needs.step[i] >= 0:
-                needs.add(p, b)
+        for need in needs.values():
+            if need[i] >= 0:
+                need[p] = max(need[p], b)
+    return _Progress(
+        {i: max(end[i], done[i]) for i in order},
+        done,
+        ckpts,
+        needs["live"],
+        needs["failed"],
+        needs["cancelled"],
+        own_failed,
+    )
+
+
+def _through(data: TreeData, order: list[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Per node, the study's trials that train some of its steps (sorted), and how many
+    trials of others do: a trial trains steps of its end node and of every ancestor but
+    the one its path leaves at that ancestor's own branch step."""
+    nodes = data.nodes
+    through: dict[int, list[int]] = {i: [] for i in order}  # every trial below
+    others_through = dict.fromkeys(order, 0)
+    for t in data.trials:
+        if t.get("node") is not None and t["node"] in nodes:
+            through[int(t["node"])].append(int(t["id"]))
+    for key, _ in data.others:
+        if key in nodes:
+            others_through[key] += 1
+    listed = {i: list(through[i]) for i in order}
+    others_listed = dict(others_through)
+    for i in reversed(order):
+        p = nodes[i].parent
+        if p is None or p not in nodes:
+            continue
         through[p].extend(through[i])
         others_through[p] += others_through[i]
-        if b > nodes[p].branch_step:
+        if nodes[i].branch_step > nodes[p].branch_step:
             listed[p].extend(through[i])
             others_listed[p] += others_through[i]
+    return {i: sorted(v) for i, v in listed.items()}, others_listed
+
+
+def _training(data: TreeData, done: Mapping[int, int]) -> dict[int, str]:
+    """The worker training each node now: a running batch with a segment on it that
+    is not trained yet."""
     names = _worker_names(data.batches.values())
-    training: dict[int, str] = {}
+    out: dict[int, str] = {}
     for batch in data.batches.values():
         if batch.state != "running":
             continue
-        for key, _a, b in batch.segments:
-            if key in nodes and b > done[key]:  # that segment is not trained yet
-                training.setdefault(key, names[(batch.location, batch.worker)])
+        for node, _a, b in batch.segments:
+            if node in data.nodes and b > done[node]:
+                out.setdefault(node, names[(batch.location, batch.worker)])
+    return out
+
+
+def _state(i: int, progress: _Progress, training: Mapping[int, str]) -> str:
+    """A node's state: the rules of ``docs/dashboard-api.md``; a failure or live request
+    below that needs this node trained further counts for it too."""
+    done = progress.done[i]
+    if i in training:
+        return "training"
+    if i in progress.own_failed:
+        return "failed"
+    if progress.live[i] > done:
+        return "pending"
+    if progress.failed[i] > done:
+        return "failed"
+    if progress.cancelled[i] > done:
+        return "cancelled"
+    return "trained"
+
+
+def build_tree(data: TreeData) -> dict[str, Any]:
+    """The stage tree of :class:`TreeData` (``GET /api/studies/{name}/tree``, full):
+    one ``Node`` per plan node of the study's trees (``docs/dashboard-api.md`` gives
+    each field and the rules of ``state``)."""
+    nodes = data.nodes
+    order = sorted(nodes)  # a parent's id is smaller than its children's
+    root_index = {key: i for i, key in enumerate(data.roots)}
+    progress = _progress(data, order)
+    trials, others = _through(data, order)
+    training = _training(data, progress.done)
     out: list[dict[str, Any]] = []
-    max_step = 0
     for i in order:
         node = nodes[i]
-        stop = max(end[i], done[i])
-        max_step = max(max_step, stop)
-        if i in training:
-            state = "training"
-        elif i in own_failed:
-            state = "failed"
-        elif live.step[i] > done[i]:
-            state = "pending"
-        elif failed.step[i] > done[i]:
-            state = "failed"
-        elif cancelled.step[i] > done[i]:
-            state = "cancelled"
-        else:
-            state = "trained"
         parent = nodes.get(node.parent) if node.parent is not None else None
+        stop = progress.end[i]
         out.append(
             {
                 "id": i,
@@ -747,12 +781,12 @@ def build_tree(data: TreeData) -> dict[str, Any]:
                 "root": root_index.get(node.root_key, 0),
                 "start": node.branch_step,
                 "end": stop,
-                "done": done[i],
-                "state": state,
+                "done": progress.done[i],
+                "state": _state(i, progress, training),
                 "worker": training.get(i),
-                "checkpoints": ckpts.get(i, []),
-                "trials": sorted(listed[i]),
-                "others": others_listed[i],
+                "checkpoints": progress.checkpoints.get(i, []),
+                "trials": trials[i],
+                "others": others[i],
                 "label": _label(
                     _hp_key(node),
                     _hp_key(parent) if parent is not None else None,
@@ -764,7 +798,7 @@ def build_tree(data: TreeData) -> dict[str, Any]:
     return {
         "revision": data.revision,
         "full": True,
-        "max_step": max_step,
+        "max_step": max(progress.end.values(), default=0),
         "roots": list(data.roots),
         "nodes": out,
         "removed": [],

@@ -206,8 +206,10 @@ def test_run_with_the_dashboard(tmp_path: Path, storage: str) -> None:
     assert first == f"stagetree run: dashboard at {address}"
     assert "best score:" in text.split(first, 1)[1]  # printed before the report
     if peek:  # the trainer read its own study's tree from the dashboard while it ran
-        # (pending: an inline batch's start is recorded once the driver's round ends)
-        assert seen.read_text().split() == ["pending", "pending"]
+        # (training, or pending when the engine records an inline batch's start only
+        # after the driver's round that runs it)
+        states = seen.read_text().split()
+        assert len(states) == 2 and set(states) <= {"pending", "training"}
     with pytest.raises(OSError):
         _read(address + "api/studies")  # stopped with the run
 
