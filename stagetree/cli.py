@@ -770,7 +770,8 @@ def _dashboard_beside(study: Any, port: int, stream: TextIO) -> Iterator[None]:
     study.open()  # the database exists (and is of this schema) before it is read
     storage = study._engine_args[0]
     store = study._engine.store
-    if isinstance(storage, str) and not storage.strip().startswith(("memory", ":memory:")):
+    database = isinstance(storage, str) and not storage.strip().startswith(("memory", ":memory:"))
+    if database:
         server = start_dashboard(storage, port=port, checkpoints=store)
     else:
         server = start_dashboard("memory://", port=port, checkpoints=store, reader=study.reading)
@@ -779,6 +780,12 @@ def _dashboard_beside(study: Any, port: int, stream: TextIO) -> Iterator[None]:
         yield
     finally:
         server.stop()
+        if database:
+            print(
+                f"stagetree run: the dashboard stopped with the study; to see it again: "
+                f"stagetree dashboard {storage}",
+                file=stream,
+            )
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
