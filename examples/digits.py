@@ -10,6 +10,8 @@ training a step: every result comes from the plan.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 from stagetree import Study
 from stagetree.hp import Constant, Cosine, Exponential, MultiStep, Piecewise, Warmup
@@ -51,12 +53,9 @@ tuner = ASHA(
     seed=0,
 )
 
-study = Study(
-    "digits-asha",
-    DigitsTrainer,
-    storage=os.environ.get("STAGETREE_STORAGE", "sqlite:///stagetree-demo.db"),
-    workers=2,
-)
+STORAGE = os.environ.get("STAGETREE_STORAGE", "sqlite:///stagetree-demo.db")
+
+study = Study("digits-asha", DigitsTrainer, storage=STORAGE, workers=2)
 
 if __name__ == "__main__":
     from stagetree.cli import report_study
@@ -64,3 +63,7 @@ if __name__ == "__main__":
     with study:
         best = study.tune(tuner)
         report_study(study, best, metric="accuracy")
+    command = Path(sys.executable).with_name("stagetree")  # this environment's command
+    shown = os.path.relpath(command) if command.exists() else "stagetree"
+    shown = shown if not shown.startswith("..") else str(command)
+    print(f"\nSee its stage tree, learning curves and workers: {shown} dashboard {STORAGE}")

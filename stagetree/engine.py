@@ -36,6 +36,7 @@ from stagetree.coordination import Coordinator
 from stagetree.exceptions import StagetreeError, TrialCancelledError, TrialFailedError
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import BasePlanStorage, Insertion, RequestState
+from stagetree.plan.leases import host_pid
 from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
@@ -216,6 +217,10 @@ class Engine:
         self._trainers: dict[str, type] = {}
         self._root_trainers: dict[str, str] = {}
         self._workers_changed = False
+        # Activity records (the dashboard's timeline) waiting to be written, once per
+        # round of the driver; the location of this process's workers.
+        self._activity: list[dict[str, Any]] = []
+        self._here = "{}:{}".format(*host_pid())
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -261,6 +266,7 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
         with self.lock:
+            self._write_activity()
             self.coord.close()
             for (node, step), waiters in self._waiters.items():
                 held = 0
@@ -621,8 +627,35 @@ class Engine:
                     self._on_event(ev)
                 self._record_workers(events)
         with self.lock:
+            self._write_activity()
             self.coord.tick()
         return len(events)
+
+    def _note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
+        """Keep one activity record for the storage (:class:`~stagetree.plan.ActivityRecord`),
+        written with the others of this round by :meth:`_write_activity`."""
+        executor: Any = self.executor
+        now = executor.now if executor is not None and executor.virtual_time else time.time()
+        self._activity.append(
+            {
+                "owner": self.coord.owner,
+                "batch": batch,
+                "kind": kind,
+                "worker": worker,
+                "root_key": root_key,
+                "time": now,
+                **fields,
+            }
+        )
+
+    def _write_activity(self) -> None:
+        if not self._activity:
+            return
+        items, self._activity = self._activity, []
+        try:
+            self.storage.record_activity(items)
+        except StagetreeError as exc:  # informative only: training goes on
+            logger.warning("worker activity not recorded: %s", exc)
 
     def _on_event(self, ev: Any) -> None:
         from stagetree import work
@@ -634,6 +667,14 @@ class Engine:
             self.storage.put_metrics_many(ev.points)  # one transaction per event
         elif isinstance(ev, work.CheckpointSaved):
             self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
+            self._note_event(
+                "save",
+                ev,
+                node=ev.node,
+                step=ev.step,
+                seconds=ev.seconds,
+                data={"nbytes": ev.nbytes},
+            )
             self._durable[ev.batch_id] = max(self._durable.get(ev.batch_id, 0), ev.step)
             self.storage.add_stats(
                 scope, ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
@@ -651,6 +692,17 @@ class Engine:
             self._positions[ev.batch_id][1] = ev.step
         elif isinstance(ev, work.SplitMissed):
             self.storage.add_stats(scope, splits_missed=1)
+        if isinstance(ev, work.BatchDone):
+            self._note_event(
+                "done",
+                ev,
+                seconds=ev.busy_seconds,
+                data={"steps": ev.steps, "load_seconds": ev.load_seconds},
+            )
+        elif isinstance(ev, work.BatchFailed):
+            self._note_event("failed", ev, node=ev.node, step=ev.step, data={"error": ev.error})
+        elif isinstance(ev, work.WorkerLost) and ev.batch_id is not None:
+            self._note_event("lost", ev, data={"reason": ev.reason})
         if isinstance(ev, work.BatchDone):
             self.storage.add_stats(scope, device_seconds=ev.busy_seconds, steps_executed=ev.steps)
             root = self._batch_roots.get(ev.batch_id)
@@ -691,6 +743,11 @@ class Engine:
             self._rates.pop(ended, None)
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
+
+    def _note_event(self, kind: str, ev: Any, **fields: Any) -> None:
+        root = self._batch_roots.get(ev.batch_id)
+        if root is not None:  # a batch this engine started (not an undone one)
+            self._note(kind, ev.batch_id, ev.worker, root, **fields)
 
     def _count_studies(self, before: Mapping[str, float], batch_id: int | None) -> None:
         """Per-study accounting (:func:`study_scope`): the steps the scheduler charged to
@@ -771,6 +828,19 @@ class Engine:
                     self._positions[item.batch_id] = [item.start_step, item.start_step]
                     self._start_refs[item.batch_id] = item.start_checkpoint
                     self._batch_roots[item.batch_id] = item.root_key
+                    where = self.executor.worker_locations().get(item.worker, self._here)
+                    self._note(
+                        "start",
+                        item.batch_id,
+                        item.worker,
+                        item.root_key,
+                        data={
+                            "segments": [[g.node, g.start, g.stop] for g in item.segments],
+                            "start_step": item.start_step,
+                            "stop_step": max((g.stop for g in item.segments), default=0),
+                            "location": where,
+                        },
+                    )
                     for seg in item.segments:
                         self._mark_running(seg.node)
                 if isinstance(item, work.AddCheckpoint):

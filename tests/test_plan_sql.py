@@ -87,13 +87,15 @@ def test_newer_schema_version_is_refused_untouched(tmp_path: Path) -> None:
             "UPDATE stagetree_meta SET value = ? WHERE key = 'schema_version'",
             (str(SCHEMA_VERSION + 1),),
         )
+        revision = db.execute("SELECT value FROM stagetree_meta WHERE key = 'revision'")
+        before = revision.fetchone()
     db.close()
     with pytest.raises(SchemaVersionError, match=f"schema version {SCHEMA_VERSION + 1}"):
         SQLPlanStorage(f"sqlite:///{path}")
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT value FROM stagetree_meta").fetchall() == [
-            (str(SCHEMA_VERSION + 1),)
-        ]
+        meta = dict(db.execute("SELECT key, value FROM stagetree_meta").fetchall())
+        assert meta == {"schema_version": str(SCHEMA_VERSION + 1), "revision": meta["revision"]}
+        assert (meta["revision"],) == before  # not even the change counter moved
         assert db.execute("SELECT count(*) FROM stagetree_nodes").fetchone() == (1,)
     db.close()
 
@@ -115,7 +117,9 @@ def test_version_is_written_once(tmp_path: Path) -> None:
     with sqlite3.connect(path) as db:
         rows = db.execute("SELECT key, value FROM stagetree_meta").fetchall()
     db.close()
-    assert rows == [("schema_version", str(SCHEMA_VERSION))]
+    # Opening writes nothing after the first time: the revision stays where creating the
+    # tables left it.
+    assert sorted(rows) == [("revision", "1"), ("schema_version", str(SCHEMA_VERSION))]
 
 
 # -- concurrent processes --------------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_plan_helpers import check_tree, grid, same_values
@@ -763,3 +764,63 @@ def test_study_leases(backend: Backend) -> None:
     assert a.renew("A", 1) == 0 and b.renew("B", 0.05) == 3
     time.sleep(0.1)
     assert a.claim_study("A", "s", ttl=30).ok  # B's expired
+
+
+# -- change feed: revision and worker activity -------------------------------------------
+
+
+def _act(kind: str, batch: int = 1, root: str = R, **fields: Any) -> dict[str, Any]:
+    return {
+        "owner": "engine-a",
+        "batch": batch,
+        "kind": kind,
+        "worker": 0,
+        "root_key": root,
+        "time": 100.0 + batch,
+        **fields,
+    }
+
+
+def test_revision_grows_with_every_change_but_a_heartbeat(backend: Backend) -> None:
+    a = backend.storage
+    other = backend.reopen() if backend.reopen is not None else a
+    start = a.revision()
+    a.insert_trial(R, lr(Constant(0.1)), 10)
+    after_insert = other.revision()  # another handle (process) sees it
+    assert after_insert > start
+    a.put_metrics(1, 10, {"acc": 0.5})
+    assert other.revision() > after_insert
+    a.claim("A", R, [(1, 0, 10)], ttl=30)
+    claimed = other.revision()
+    assert a.renew("A", ttl=30) == 1
+    assert other.revision() == claimed  # a heartbeat changes nothing a reader shows
+    a.request(1, 10), a.nodes(R), a.activity()
+    assert other.revision() == claimed  # reads change nothing
+
+
+def test_activity_is_an_ordered_log_with_a_cursor(backend: Backend) -> None:
+    a = backend.storage
+    other = backend.reopen() if backend.reopen is not None else a
+    segs = {"segments": [[1, 0, 10]], "start_step": 0, "stop_step": 10, "location": "h:1"}
+    a.record_activity([_act("start", data=segs), _act("start", batch=2, root="root-b")])
+    a.record_activity(
+        [
+            _act("save", node=1, step=10, seconds=0.25, data={"nbytes": 7}),
+            _act("done", seconds=1.5, data={"steps": 10, "load_seconds": 0.0}),
+        ]
+    )
+    a.record_activity([])  # nothing: no transaction needed
+    log = other.activity()
+    assert [r.kind for r in log] == ["start", "start", "save", "done"]
+    assert [r.seq for r in log] == sorted({r.seq for r in log})
+    first = log[0]
+    assert (first.owner, first.batch, first.worker, first.root_key) == ("engine-a", 1, 0, R)
+    assert first.data == segs and first.node is None and first.time == 101.0
+    save = log[2]
+    assert (save.node, save.step, save.seconds, save.data) == (1, 10, 0.25, {"nbytes": 7})
+    assert [r.kind for r in other.activity(after=log[1].seq)] == ["save", "done"]
+    assert [r.batch for r in other.activity(root_keys=["root-b"])] == [2]
+    assert other.activity(after=log[-1].seq) == []
+    with pytest.raises(ValueError, match="unknown activity kind 'bogus'"):
+        a.record_activity([_act("bogus")])
+    assert len(other.activity()) == 4  # the refused record wrote nothing

@@ -396,3 +396,36 @@ def test_close_releases_only_this_process_references(tmp_path: Path) -> None:
     with open_storage(url) as storage:
         (req,) = storage.requests()
         assert req.refcount == 1 and req.state.value == "pending"
+
+
+@pytest.mark.parametrize("executor", ["inline", "local"])
+def test_engine_records_what_each_worker_did(tmp_path: Path, executor: str) -> None:
+    """Every batch leaves a start, its checkpoint saves and its end in the storage's
+    activity log (the dashboard's timeline), written by the engine that ran it."""
+    from stagetree.plan import open_storage
+
+    url = f"sqlite:///{tmp_path}/plan.db"
+    with Study("acts", LinearTrainer, storage=url, executor=executor, workers=2) as study:
+        study.run({}, {"lr": MultiStep(0.05, [10], 0.5)}, 20)
+        study.run({}, {"lr": MultiStep(0.05, [10], 0.1)}, 20)
+    storage = open_storage(url, readonly=True)
+    log = storage.activity()
+    batches: dict[tuple[str, int], list[Any]] = {}
+    for rec in log:
+        batches.setdefault((rec.owner, rec.batch), []).append(rec)
+    assert batches
+    trained = set()
+    for recs in batches.values():
+        kinds = [r.kind for r in recs]
+        assert kinds[0] == "start" and kinds[-1] == "done" and set(kinds[1:-1]) <= {"save"}
+        start, done = recs[0], recs[-1]
+        assert start.time <= done.time and done.seconds > 0
+        for node, first, stop in start.data["segments"]:
+            trained.add(node)
+            assert first < stop
+        assert done.data["steps"] == start.data["stop_step"] - start.data["start_step"]
+        for save in recs[1:-1]:  # every save is a checkpoint the plan knows
+            assert storage.checkpoint(save.node, save.step) is not None
+    assert trained == {n.id for n in storage.nodes()}  # every stage was trained by someone
+    executed = storage.stats("engine")["steps_executed"]
+    assert sum(r.data["steps"] for r in log if r.kind == "done") == executed

@@ -11,12 +11,13 @@ from __future__ import annotations
 from stagetree.exceptions import StorageError
 from stagetree.plan.base import BasePlanStorage, CheckpointRecord, PlanKeyError, RequestError
 from stagetree.plan.memory import MemoryPlanStorage
-from stagetree.plan.model import Node, Request, RequestState
+from stagetree.plan.model import ActivityRecord, Node, Request, RequestState
 from stagetree.plan.sql import SCHEMA_VERSION, SQLPlanStorage
 from stagetree.plan.tree import Insertion
 
 __all__ = [
     "SCHEMA_VERSION",
+    "ActivityRecord",
     "BasePlanStorage",
     "CheckpointRecord",
     "Insertion",

@@ -11,16 +11,18 @@ from typing import Any
 from stagetree.exceptions import StorageError
 from stagetree.hp import Sequence
 from stagetree.plan.leases import ClaimResult, Lease
-from stagetree.plan.model import Node, Request, RequestState
+from stagetree.plan.model import ACTIVITY_KINDS, ActivityRecord, Node, Request, RequestState
 from stagetree.plan.tree import Insertion, is_canonical
 
 __all__ = [
+    "ActivityRecord",
     "BasePlanStorage",
     "CheckpointRecord",
     "Insertion",
     "MetricsItem",
     "PlanKeyError",
     "RequestError",
+    "activity_row",
     "after_add",
     "after_release",
     "check_canonical",
@@ -102,6 +104,30 @@ def check_canonical(node: Node, step: int) -> None:
             f"(node {node.id}, step {step!r}) is not canonical: the step must exceed the "
             f"node's branch step {node.branch_step} (or be 0 at the root)"
         )
+
+
+def activity_row(item: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked fields of one activity record (shared rule of every backend).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    kind = str(item["kind"])
+    if kind not in ACTIVITY_KINDS:
+        raise ValueError(f"unknown activity kind {kind!r} (one of {', '.join(ACTIVITY_KINDS)})")
+    node, step = item.get("node"), item.get("step")
+    return {
+        "owner": str(item["owner"]),
+        "batch": int(item["batch"]),
+        "kind": kind,
+        "worker": int(item["worker"]),
+        "root_key": str(item["root_key"]),
+        "node": None if node is None else int(node),
+        "step": None if step is None else int(step),
+        "time": float(item["time"]),
+        "seconds": float(item.get("seconds") or 0.0),
+        "data": dict(item.get("data") or {}),
+    }
 
 
 def trial_changes(
@@ -501,6 +527,29 @@ class BasePlanStorage(ABC):
     def leases(self, scope: str | None = None, live_only: bool = True) -> list[Lease]:
         """Leases (of one root key or study name, or all), by id; only unexpired ones
         with ``live_only``."""
+
+    # -- change feed ---------------------------------------------------------------------
+
+    @abstractmethod
+    def revision(self) -> int:
+        """A counter that every change of the plan increases (every write transaction
+        but a lease renewal), for readers that poll for changes (the dashboard). 0 on a
+        storage that has never been written by a stagetree that keeps it."""
+
+    @abstractmethod
+    def record_activity(self, items: Iterable[Mapping[str, Any]]) -> None:
+        """Append activity records (the fields of :class:`ActivityRecord` but ``seq``;
+        ``node``, ``step``, ``seconds`` and ``data`` optional) in one transaction.
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+
+    @abstractmethod
+    def activity(
+        self, after: int = 0, root_keys: Collection[str] | None = None
+    ) -> list[ActivityRecord]:
+        """Activity records with ``seq > after`` (of the given trees), in order."""
 
     # -- life cycle ----------------------------------------------------------------------
 

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from stagetree.exceptions import StorageError
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import _codec
 from stagetree.plan._seqcache import SeqCache
 from stagetree.plan.base import (
+    ActivityRecord,
     BasePlanStorage,
     CheckpointRecord,
     MetricsItem,
     PlanKeyError,
+    activity_row,
     after_add,
     after_release,
     check_canonical,
@@ -33,6 +36,22 @@ from stagetree.plan.model import Node, Request, RequestState
 from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
 
 __all__ = ["MemoryPlanStorage"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _writes(method: _F) -> _F:
+    """Mark a method that changes the plan: it bumps :meth:`MemoryPlanStorage.revision`
+    once it has succeeded."""
+
+    @functools.wraps(method)
+    def wrapper(self: MemoryPlanStorage, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            out = method(self, *args, **kwargs)
+            self._revision += 1
+            return out
+
+    return cast(_F, wrapper)
 
 
 class MemoryPlanStorage(BasePlanStorage):
@@ -56,6 +75,8 @@ class MemoryPlanStorage(BasePlanStorage):
         self._logs: dict[str, list[str]] = defaultdict(list)
         self._leases: dict[int, Lease] = {}
         self._next_lease = 1
+        self._activity: list[ActivityRecord] = []
+        self._revision = 0
         self._closed = False
 
     def _check_open(self) -> None:
@@ -81,6 +102,7 @@ class MemoryPlanStorage(BasePlanStorage):
 
     # -- roots ---------------------------------------------------------------------------
 
+    @_writes
     def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
         text = _codec.dumps(dict(config), "root config")
         with self._lock:
@@ -104,6 +126,7 @@ class MemoryPlanStorage(BasePlanStorage):
 
     # -- trees ---------------------------------------------------------------------------
 
+    @_writes
     def insert_trials(
         self,
         root_key: str,
@@ -159,6 +182,7 @@ class MemoryPlanStorage(BasePlanStorage):
 
     # -- requests ------------------------------------------------------------------------
 
+    @_writes
     def add_request(self, node: int, step: int, count: int = 1) -> Request:
         with self._lock:
             self._check_open()
@@ -167,6 +191,7 @@ class MemoryPlanStorage(BasePlanStorage):
             self._requests[(node, step)] = req
             return replace(req)
 
+    @_writes
     def release_request(self, node: int, step: int, count: int = 1) -> Request:
         with self._lock:
             self._check_open()
@@ -174,6 +199,7 @@ class MemoryPlanStorage(BasePlanStorage):
             self._requests[(node, step)] = req
             return replace(req)
 
+    @_writes
     def set_request_state(
         self, node: int, step: int, state: RequestState | str, error: str | None = None
     ) -> Request:
@@ -210,6 +236,7 @@ class MemoryPlanStorage(BasePlanStorage):
 
     # -- checkpoints ---------------------------------------------------------------------
 
+    @_writes
     def put_checkpoint(self, node: int, step: int, ref: str, nbytes: int) -> CheckpointRecord:
         with self._lock:
             self._check_open()
@@ -218,6 +245,7 @@ class MemoryPlanStorage(BasePlanStorage):
             self._checkpoints[(node, step)] = record
             return record
 
+    @_writes
     def remove_checkpoint(self, node: int, step: int) -> bool:
         with self._lock:
             self._check_open()
@@ -242,6 +270,7 @@ class MemoryPlanStorage(BasePlanStorage):
     def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
         self.put_metrics_many([(node, step, metrics, True)])
 
+    @_writes
     def put_metrics_many(self, items: Iterable[MetricsItem]) -> None:
         checked = [(node, step, check_metrics(m), bool(ev)) for node, step, m, ev in items]
         with self._lock:
@@ -271,6 +300,7 @@ class MemoryPlanStorage(BasePlanStorage):
 
     # -- accounting ----------------------------------------------------------------------
 
+    @_writes
     def add_stats(self, scope: str, **deltas: float) -> None:
         with self._lock:
             self._check_open()
@@ -291,6 +321,7 @@ class MemoryPlanStorage(BasePlanStorage):
 
     # -- studies -------------------------------------------------------------------------
 
+    @_writes
     def create_study(self, name: str, meta: Mapping[str, Any]) -> bool:
         meta_copy = _codec.copy(dict(meta), "study meta")
         with self._lock:
@@ -300,6 +331,7 @@ class MemoryPlanStorage(BasePlanStorage):
             self._studies[name] = {"name": name, "meta": meta_copy, "created": time.time()}
             return True
 
+    @_writes
     def update_study_meta(self, name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
         meta_copy = _codec.copy(dict(meta), "study meta")
         with self._lock:
@@ -318,6 +350,7 @@ class MemoryPlanStorage(BasePlanStorage):
         if name not in self._studies:
             raise PlanKeyError(f"no study {name!r}")
 
+    @_writes
     def add_trial(
         self,
         study: str,
@@ -357,6 +390,7 @@ class MemoryPlanStorage(BasePlanStorage):
             self._trials[trial_id] = {"id": trial_id, **record}
             return trial_id
 
+    @_writes
     def update_trial(
         self,
         trial_id: int,
@@ -391,6 +425,7 @@ class MemoryPlanStorage(BasePlanStorage):
             self._check_open()
             return [_copy_trial(t) for t in self._trials.values() if t["study"] == study]
 
+    @_writes
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         text = _codec.dumps(dict(record), "log record")
         with self._lock:
@@ -419,6 +454,7 @@ class MemoryPlanStorage(BasePlanStorage):
         for lease_id in [k for k, v in self._leases.items() if not v.live(now)]:
             del self._leases[lease_id]
 
+    @_writes
     def claim(
         self, owner: str, root_key: str, segments: Seq[tuple[int, int, int]], ttl: float
     ) -> ClaimResult:
@@ -432,6 +468,7 @@ class MemoryPlanStorage(BasePlanStorage):
             granted = [self._grant(owner, root_key, n, a, b, ttl) for n, a, b in segments if b > a]
             return ClaimResult(granted=tuple(granted))
 
+    @_writes
     def claim_study(self, owner: str, study: str, ttl: float) -> ClaimResult:
         with self._lock:
             self._check_open()
@@ -455,6 +492,7 @@ class MemoryPlanStorage(BasePlanStorage):
                 self._leases[k] = replace(self._leases[k], expires=expires)
             return len(mine)
 
+    @_writes
     def release(self, owner: str, lease_ids: Collection[int] | None = None) -> int:
         with self._lock:
             self._check_open()
@@ -474,6 +512,31 @@ class MemoryPlanStorage(BasePlanStorage):
                 v
                 for _k, v in sorted(self._leases.items())
                 if (scope is None or v.scope == scope) and (not live_only or v.live(now))
+            ]
+
+    # -- change feed ---------------------------------------------------------------------
+
+    def revision(self) -> int:
+        with self._lock:
+            self._check_open()
+            return self._revision
+
+    @_writes
+    def record_activity(self, items: Iterable[Mapping[str, Any]]) -> None:
+        rows = [activity_row(item) for item in items]
+        with self._lock:
+            self._check_open()
+            for row in rows:
+                self._activity.append(ActivityRecord(seq=len(self._activity) + 1, **row))
+
+    def activity(
+        self, after: int = 0, root_keys: Collection[str] | None = None
+    ) -> list[ActivityRecord]:
+        keys = None if root_keys is None else set(root_keys)
+        with self._lock:
+            self._check_open()
+            return [
+                r for r in self._activity[max(0, after) :] if keys is None or r.root_key in keys
             ]
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Node", "Request", "RequestState"]
+__all__ = ["ACTIVITY_KINDS", "ActivityRecord", "Node", "Request", "RequestState"]
 
 
 class RequestState(str, enum.Enum):
@@ -61,3 +61,42 @@ class Request:
     refcount: int = 1
     state: RequestState = RequestState.PENDING
     error: str | None = None
+
+
+#: Kinds of :class:`ActivityRecord`, in a batch's life: it starts, saves checkpoints,
+#: and ends done, failed or with its worker lost.
+ACTIVITY_KINDS = ("start", "save", "done", "failed", "lost")
+
+
+@dataclass(frozen=True)
+class ActivityRecord:
+    """One thing a worker did, as the engine that ran it recorded it (append-only; the
+    dashboard's workers timeline and "training now" read it).
+
+    A batch is identified by ``(owner, batch)``: ``owner`` is the engine's id (the
+    owner of its leases), ``batch`` the engine's batch id.
+
+    Attributes:
+        seq: position in the storage's activity log (grows with every record).
+        kind: one of :data:`ACTIVITY_KINDS`.
+        worker: the executor's worker index.
+        root_key: the tree the batch trains.
+        node, step: for "save", the checkpoint's canonical key; else None.
+        time: ``time.time()`` when the engine learnt of it.
+        seconds: "save": the save's duration; "done": the batch's busy seconds.
+        data: "start": ``{"segments": [[node, start, stop], ...], "start_step",
+            "stop_step", "location"}``; "save": ``{"nbytes"}``; "done": ``{"steps",
+            "load_seconds"}``; "failed": ``{"error"}``; "lost": ``{"reason"}``.
+    """
+
+    seq: int
+    owner: str
+    batch: int
+    kind: str
+    worker: int
+    root_key: str
+    node: int | None
+    step: int | None
+    time: float
+    seconds: float
+    data: Mapping[str, Any] = field(hash=False, compare=False)

@@ -34,6 +34,7 @@ from sqlalchemy import (
     Table,
     Text,
     bindparam,
+    cast,
     create_engine,
     event,
     func,
@@ -50,10 +51,12 @@ from stagetree.hp import Sequence, dumps_hp, loads_hp
 from stagetree.plan import _codec
 from stagetree.plan._seqcache import SeqCache
 from stagetree.plan.base import (
+    ActivityRecord,
     BasePlanStorage,
     CheckpointRecord,
     MetricsItem,
     PlanKeyError,
+    activity_row,
     after_add,
     after_release,
     check_canonical,
@@ -183,7 +186,34 @@ _leases = Table(
     Column("expires", Float, nullable=False),
     Index("ix_stagetree_leases_owner", "owner"),
 )
+# Activity of the workers (ActivityRecord), append-only; seq orders it (writers are
+# serialised, so seq order is commit order).
+_activity = Table(
+    "stagetree_activity",
+    _md,
+    Column("seq", Integer, primary_key=True, autoincrement=True),
+    Column("owner", String(64), nullable=False),
+    Column("batch", Integer, nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("worker", Integer, nullable=False),
+    Column("root_key", String(512), nullable=False),
+    Column("node", Integer, nullable=True),
+    Column("step", Integer, nullable=True),
+    Column("time", Float, nullable=False),
+    Column("seconds", Float, nullable=False),
+    Column("data", Text, nullable=False),
+    Index("ix_stagetree_activity_root", "root_key", "seq"),
+)
 TABLES = tuple(_md.sorted_tables)
+
+# The change counter (BasePlanStorage.revision): a row of the meta table that every
+# write transaction increments (text, like every meta value).
+_REVISION = "revision"
+_BUMP = (
+    _meta.update()
+    .where(_meta.c.key == _REVISION)
+    .values(value=cast(cast(_meta.c.value, Integer) + 1, Text))
+)
 
 
 def _sqlite_readonly(url: URL) -> bool:
@@ -323,8 +353,9 @@ class SQLPlanStorage(BasePlanStorage):
     # -- transactions --------------------------------------------------------------------
 
     @contextmanager
-    def _tx(self, write: bool) -> Iterator[Connection]:
-        """One transaction; writers are serialised across processes."""
+    def _tx(self, write: bool, bump: bool = True) -> Iterator[Connection]:
+        """One transaction; writers are serialised across processes. A write transaction
+        increments the revision (unless ``bump`` is False) when it commits."""
         with self._lock:
             if self._closed:
                 raise StorageError(f"plan storage {self._url!r} is closed")
@@ -342,6 +373,8 @@ class SQLPlanStorage(BasePlanStorage):
                                 text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY}
                             )
                         yield conn
+                        if write and bump:
+                            conn.execute(_BUMP)
             except SQLAlchemyError as exc:
                 raise StorageError(f"plan storage {self._url!r}: {exc}") from exc
 
@@ -366,6 +399,11 @@ class SQLPlanStorage(BasePlanStorage):
                 conn.execute(
                     _meta.insert(), {"key": "schema_version", "value": str(SCHEMA_VERSION)}
                 )
+            has_revision = conn.execute(
+                select(_meta.c.key).where(_meta.c.key == _REVISION)
+            ).scalar_one_or_none()
+            if has_revision is None:  # a new storage, or one written before it was kept
+                conn.execute(_meta.insert(), {"key": _REVISION, "value": "0"})
 
     def _check_version(self, conn: Connection) -> int | None:
         if not inspect(conn).has_table(_meta.name):
@@ -971,7 +1009,7 @@ class SQLPlanStorage(BasePlanStorage):
             return ClaimResult(granted=self._grant(conn, owner, study, [(None, 0, 0)], ttl))
 
     def renew(self, owner: str, ttl: float) -> int:
-        with self._tx(write=True) as conn:
+        with self._tx(write=True, bump=False) as conn:  # a heartbeat changes nothing shown
             result = conn.execute(
                 _leases.update().where(_leases.c.owner == owner).values(expires=time.time() + ttl)
             )
@@ -997,6 +1035,43 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=False) as conn:
             return [_lease(row) for row in conn.execute(query)]
 
+    # -- change feed ---------------------------------------------------------------------
+
+    def revision(self) -> int:
+        with self._tx(write=False) as conn:
+            raw = conn.execute(
+                select(_meta.c.value).where(_meta.c.key == _REVISION)
+            ).scalar_one_or_none()
+        return int(raw) if raw is not None else 0
+
+    def record_activity(self, items: Iterable[Mapping[str, Any]]) -> None:
+        rows = [activity_row(item) for item in items]
+        if not rows:
+            return
+        for row in rows:
+            row["data"] = _codec.dumps(row["data"], "activity data")
+        with self._tx(write=True) as conn:
+            conn.execute(_activity.insert(), rows)
+
+    def activity(
+        self, after: int = 0, root_keys: Collection[str] | None = None
+    ) -> list[ActivityRecord]:
+        if _activity.name in self._absent:
+            return []
+        query = select(_activity).where(_activity.c.seq > after).order_by(_activity.c.seq)
+        keys = None if root_keys is None else list(root_keys)
+        out: list[ActivityRecord] = []
+        with self._tx(write=False) as conn:
+            if keys is None:
+                out = [_activity_record(row) for row in conn.execute(query)]
+            else:
+                for i in range(0, len(keys), _CHUNK):
+                    chunk = query.where(_activity.c.root_key.in_(keys[i : i + _CHUNK]))
+                    out.extend(_activity_record(row) for row in conn.execute(chunk))
+        if keys is not None and len(keys) > _CHUNK:
+            out.sort(key=lambda r: r.seq)
+        return out
+
     # -- life cycle ----------------------------------------------------------------------
 
     def close(self) -> None:
@@ -1007,10 +1082,15 @@ class SQLPlanStorage(BasePlanStorage):
 
     def drop_all(self) -> None:
         """Drop every stagetree table (tests; irreversible)."""
-        with self._tx(write=True) as conn:
+        with self._tx(write=True, bump=False) as conn:
             _md.drop_all(conn)
         self._trees.clear()
         self._node_cache.clear()
+
+
+def _activity_record(row: Any) -> ActivityRecord:
+    m = row._mapping
+    return ActivityRecord(**{**m, "data": _codec.loads(m["data"])})
 
 
 def _request(row: Any) -> Request:
