@@ -1,8 +1,8 @@
 // Learning curves: metric vs step for every trial, from the per-node segments.
 //
 // A trial's curve runs through its path of nodes: on each node, the points after the
-// node's branch step up to where the trial leaves it (the next node's start, or the
-// trial's own steps on its last node). A point shared by several shown trials is drawn
+// previous node's last step up to the trial's last step on this node (`ends`; without
+// it, the next node's branch step from the tree, or the trial's steps on its last node). A point shared by several shown trials is drawn
 // once, in grey, thicker the more trials share it; each trial's own part after the branch
 // is one `path.curve[data-trial]`, coloured by its final value. A trial whose whole curve
 // is shared gets a thin overlay, so every shown trial has exactly one `.curve`.
@@ -79,7 +79,9 @@ export class CurvesView {
   async load() {
     let data;
     try {
-      [data] = await Promise.all([api.curves(this.name, this.metric ?? undefined), this.tree.sync()]);
+      data = await api.curves(this.name, this.metric ?? undefined);
+      // without each trial's `ends`, the nodes' branch steps come from the tree
+      if (data.trials.some((t) => !Array.isArray(t.ends))) await this.tree.sync();
       clearBanner("curves");
     } catch (err) {
       if (err.status !== 404) showBanner("curves", `Could not load the learning curves: ${err.message}`);
@@ -128,20 +130,30 @@ export class CurvesView {
     const reaches = new Map();
     const plan = shown.map((t) => {
       const path = t.nodes || [];
+      const ends = Array.isArray(t.ends) && t.ends.length === path.length ? t.ends : null;
       const parts = path.map((id, i) => {
-        const node = nodes.get(id);
-        const start = node ? node.start : -Infinity;
-        const next = i + 1 < path.length ? nodes.get(path[i + 1]) : null;
-        let reach = i + 1 < path.length ? (next ? next.start : Infinity) : t.steps ?? Infinity;
-        if (i + 1 < path.length && !next) {
-          // the next node is not known yet (tree behind the curves): up to its first point
-          const pts = seg[String(path[i + 1])];
-          reach = pts && pts.length ? pts[0][0] - 1 : t.steps ?? Infinity;
+        // the steps of node i on this trial's path: after the previous node's last step,
+        // up to its own (`ends`, or the next node's branch step from the tree)
+        let start;
+        let reach;
+        if (ends) {
+          start = i === 0 ? -Infinity : ends[i - 1];
+          reach = ends[i];
+        } else {
+          const node = nodes.get(id);
+          start = i === 0 ? -Infinity : node ? node.start : -Infinity;
+          const next = i + 1 < path.length ? nodes.get(path[i + 1]) : null;
+          reach = i + 1 < path.length ? (next ? next.start : Infinity) : t.steps ?? Infinity;
+          if (i + 1 < path.length && !next) {
+            // the next node is not known yet (tree behind the curves): up to its first point
+            const pts = seg[String(path[i + 1])];
+            reach = pts && pts.length ? pts[0][0] - 1 : t.steps ?? Infinity;
+          }
         }
         let list = reaches.get(id);
         if (!list) reaches.set(id, (list = []));
         list.push(reach);
-        return { id, start: i === 0 ? -Infinity : start, reach };
+        return { id, start, reach };
       });
       return { t, parts };
     });

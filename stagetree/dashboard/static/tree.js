@@ -137,8 +137,7 @@ export class TreeView {
     this.maxStep = this.data.maxStep;
     window.stagetree.tree.nodes = this.nodes;
     window.stagetree.revision = this.data.revision;
-    this.layout();
-    this.render();
+    this.relayout();
     if (this.shown !== null && (change.full || change.changed.includes(this.shown))) {
       this.showNode(this.shown, true);
     }
@@ -237,9 +236,16 @@ export class TreeView {
   }
 
   // ---------------------------------------------------------------- drawing
+  relayout() {
+    this.layout();
+    this.resize();
+    this.render();
+  }
+
   resize() {
     const top = this.scroll.getBoundingClientRect().top;
-    const h = Math.max(260, window.innerHeight - top - 16);
+    const room = Math.max(260, window.innerHeight - top - 16);
+    const h = Math.min(room, Math.max(120, this.rows.length * ROW + 8));
     this.scroll.style.height = `${h}px`;
     this.width = Math.max(400, this.scroll.clientWidth);
     this.plotW = this.width - LABEL_W - PAD_R;
@@ -529,8 +535,7 @@ export class TreeView {
           this.expanded.clear();
           this.collapsed.clear();
           this.more.clear();
-          this.layout();
-          this.render();
+          this.relayout();
         }
       });
     }
@@ -544,8 +549,7 @@ export class TreeView {
       this.collapsed.delete(id);
       this.expanded.add(id);
     }
-    this.layout();
-    this.render();
+    this.relayout();
   }
 
   showMore(parent) {
@@ -553,8 +557,7 @@ export class TreeView {
     const current = parent === "forest" ? (this.more.get("forest") ?? LIMIT) : (this.more.get(parent) ?? CHUNK);
     this.more.set(parent, current + CHUNK);
     if (kids) this.expanded.add(parent);
-    this.layout();
-    this.render();
+    this.relayout();
   }
 
   unpin() {
