@@ -222,7 +222,7 @@ export class CurvesView {
         prev = p;
       }
     }
-    const width = (n) => Math.min(7, 1 + 1.4 * Math.log2(n));
+    const width = (n) => Math.min(10, 2 + 2 * Math.log2(n));
     const sharedPaths = [...shared.values()].filter((r) => r.pts.length > 1).map((r) =>
       `<path class="shared" data-count="${r.n}" stroke-width="${width(r.n).toFixed(2)}" d="${line(r.pts)}"/>`);
 

@@ -97,7 +97,7 @@ export class StudyPage {
       <span>${fmtInt(s.trials)} trials: ${fmtInt(s.finished)} done, ${fmtInt(s.running)} running,
         ${fmtInt(s.pending)} pending, ${fmtInt(s.failed)} failed${s.cancelled ? `, ${fmtInt(s.cancelled)} cancelled` : ""}</span>
       <span>${best}</span>
-      <span>${workers} worker${workers === 1 ? "" : "s"}</span>`;
+      ${workers ? `<span>${workers} worker${workers === 1 ? "" : "s"} at work</span>` : ""}`;
   }
 
   renderSavings(sv, s) {

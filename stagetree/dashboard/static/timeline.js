@@ -176,7 +176,7 @@ export class TimelineView {
     const end = (b) => b.ended ?? Math.max(now, b.started);
     let t0 = d3.min(batches, (b) => b.started);
     let t1 = d3.max(batches, end);
-    const pad = Math.max(0.5, (t1 - t0) * 0.02);
+    const pad = Math.max(0.01, (t1 - t0) * 0.02);
     t0 -= pad;
     t1 += pad;
     const w = W - M.left - M.right;
@@ -189,7 +189,7 @@ export class TimelineView {
     const out = [];
     for (const l of lanes) {
       const y = laneY.get(l);
-      out.push(`<rect class="lane" x="${cx(t0 + pad)}" y="${y + (LANE - BAR) / 2}" width="${Math.max(0, cx(Math.max(now, t1 - pad)) - cx(t0 + pad))}" height="${BAR}"/>`);
+      out.push(`<rect class="lane" x="${cx(t0 + pad)}" y="${y + (LANE - BAR) / 2}" width="${Math.max(0, cx(t1 - pad) - cx(t0 + pad))}" height="${BAR}"/>`);
       out.push(`<text class="lane-label" x="${M.left - 10}" y="${y + LANE / 2 + 4}" text-anchor="end">worker ${esc(l)}</text>`);
     }
     batches.sort((a, b) => a.started - b.started);
@@ -205,7 +205,7 @@ export class TimelineView {
         const xs = cx(t).toFixed(1);
         g += `<path class="save" d="M${xs} ${y + BAR}V${y}M${xs} ${y}l-4 -6h8z"/>`;
       }
-      const label = (b.segments || []).map(([n, a, z]) => `#${n} ${a}→${z}`).join(", ");
+      const label = merged(b.segments).map(([n, a, z]) => `#${n} ${a}→${z}`).join(", ");
       const room = xb - xl - 8;
       if (room > 40) {
         const chars = Math.floor(room / 6.2);
@@ -266,7 +266,7 @@ export class TimelineView {
     if (!g) return hideTooltip();
     const b = this.batches.get(g.dataset.batch);
     if (!b) return hideTooltip();
-    const segs = (b.segments || []).map(([n, a, z]) => `node #${esc(n)}: steps ${fmtInt(a)}–${fmtInt(z)}`).join("<br>");
+    const segs = merged(b.segments).map(([n, a, z]) => `node #${esc(n)}: steps ${fmtInt(a)}–${fmtInt(z)}`).join("<br>");
     const trials = (b.trials || []);
     const dur = (b.ended ?? this.clock()) - b.started;
     showTooltip(`<strong>batch ${esc(b.key)}</strong> · ${esc(b.state)}<br>
@@ -286,4 +286,15 @@ function fmtElapsed(v, span) {
   const sec = Math.round(a % 60);
   const pad2 = (n) => String(n).padStart(2, "0");
   return h ? `${sign}${h}:${pad2(m)}:${pad2(sec)}` : `${sign}${m}:${pad2(sec)}`;
+}
+
+// [node, from, to) segments with the contiguous pieces of one node joined
+function merged(segments) {
+  const out = [];
+  for (const [n, a, z] of segments || []) {
+    const last = out[out.length - 1];
+    if (last && last[0] === n && last[2] === a) last[2] = z;
+    else out.push([n, a, z]);
+  }
+  return out;
 }
