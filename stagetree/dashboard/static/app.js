@@ -78,12 +78,14 @@ async function liveLoop() {
   for (;;) {
     try {
       const answer = await api.changes(revision, 25);
+      const recovered = failures > 0;
       failures = 0;
       clearBanner("live");
       const r = answer.revision;
       setLive("live", `live · rev ${r}`);
-      if (r !== revision) {
-        // a smaller revision: another storage behind the same address; start over
+      if (r !== revision || recovered) {
+        // after an outage the shown view may have failed to load: fetch it again; a
+        // smaller revision: another storage behind the same address, start over
         const reset = r < revision;
         revision = r;
         if (page) page.update({ revision: r, reset });

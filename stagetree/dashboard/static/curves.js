@@ -72,7 +72,8 @@ export class CurvesView {
     clearBanner("curves");
   }
 
-  update() {
+  update(info) {
+    if (info && info.reset) this.tree.revision = null;
     return this.refresh();
   }
 

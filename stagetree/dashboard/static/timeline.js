@@ -72,7 +72,11 @@ export class TimelineView {
     clearBanner("timeline");
   }
 
-  update() {
+  update(info) {
+    if (info && info.reset) {
+      this.seq = null; // every batch again
+      this.batches.clear();
+    }
     return this.refresh();
   }
 

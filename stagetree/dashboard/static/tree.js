@@ -114,7 +114,8 @@ export class TreeView {
     clearBanner("tree");
   }
 
-  update() {
+  update(info) {
+    if (info && info.reset) this.data.revision = null; // a full tree again
     return this.refresh();
   }
 
