@@ -131,7 +131,8 @@ class FakeStudy:
     def metric(self, nid: int, step: int) -> float:
         node = self.nodes[nid]
         e = self.expo[nid] + (step - node["start"]) * self.lr[nid]
-        wobble = 0.02 * math.sin(3 * e) + (0.05 if self.lr[nid] > 0.2 else 0.0) * (step - node["start"])
+        hot = 0.05 if self.lr[nid] > 0.2 else 0.0
+        wobble = 0.02 * math.sin(3 * e) + hot * (step - node["start"])
         return round(1.0 - 0.9 * math.exp(-e) - 0.01 * wobble, 5)
 
     def trial_steps(self, tid: int) -> int:
@@ -217,7 +218,10 @@ class FakeStudy:
         ]
         return {
             "node": node,
-            "hp": {"lr": [[node["start"], node["end"], lr]], "momentum": [[node["start"], node["end"], 0.9]]},
+            "hp": {
+                "lr": [[node["start"], node["end"], lr]],
+                "momentum": [[node["start"], node["end"], 0.9]],
+            },
             "metrics": metrics,
             "trials": [
                 {"id": t, "steps": self.max_step, "state": self.trial_state(t)}
@@ -233,7 +237,7 @@ class FakeStudy:
                 v = self.metric(nid, s)
                 pts.append([s, v if metric == "accuracy" else round(1 - v, 5)])
             segments[str(nid)] = pts
-        best, best_trial = self.best()
+        _best, best_trial = self.best()
         return {
             "metric": metric,
             "mode": "max" if metric == "accuracy" else "min",
@@ -331,8 +335,12 @@ def create_fake_app(backend: FakeBackend) -> Any:
             {
                 "url": backend.url,
                 "studies": [s.summary() for s in backend.studies.values()],
-                "totals": {"steps_requested": 0, "steps_unique": 0, "steps_executed": 0,
-                           "device_seconds": 0.0},
+                "totals": {
+                    "steps_requested": 0,
+                    "steps_unique": 0,
+                    "steps_executed": 0,
+                    "device_seconds": 0.0,
+                },
             }
         )
 
@@ -354,8 +362,13 @@ def create_fake_app(backend: FakeBackend) -> Any:
             nodes = [s.nodes[n] for n, rev in s.changed.items() if rev > int(after)]
             full = False
         return j(
-            {"full": full, "max_step": s.max_step, "roots": ["fakeroot"], "nodes": nodes,
-             "removed": []}
+            {
+                "full": full,
+                "max_step": s.max_step,
+                "roots": ["fakeroot"],
+                "nodes": nodes,
+                "removed": [],
+            }
         )
 
     async def node(request: Request) -> Response:

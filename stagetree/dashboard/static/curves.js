@@ -182,6 +182,18 @@ export class CurvesView {
     const d = this.data;
     const curves = this.build();
     this.curves = new Map(curves.map((c) => [c.t.id, c]));
+    const finals = curves.filter((c) => c.pts.length).map((c) => c.pts[c.pts.length - 1].v);
+    const [flo, fhi] = finals.length ? d3.extent(finals) : [0, 1];
+    const failed = curves.some((c) => c.t.state === "failed");
+    const noPoints = curves.filter((c) => !c.pts.length).length;
+    const lo4 = d3.format(".4~g")(d.mode === "min" ? fhi : flo);
+    const hi4 = d3.format(".4~g")(d.mode === "min" ? flo : fhi);
+    this.box.querySelector("#curve-legend").innerHTML = `
+      <span class="key"><span class="ramp"></span>trial's own part, by final value: ${esc(lo4)} (worse) → ${esc(hi4)} (better)</span>
+      <span class="key"><span class="sw line shared-key"></span>shared prefix, drawn once (thicker: more trials)</span>
+      <span class="key"><span class="sw line best-key"></span>best trial</span>
+      ${failed ? `<span class="key"><span class="sw line failed-key"></span>failed (dashed)</span>` : ""}`;
+
     const W = Math.max(500, this.box.querySelector(".chart-box").clientWidth);
     const top = this.svg.getBoundingClientRect().top;
     const H = Math.max(300, Math.min(620, window.innerHeight - top - 16));
@@ -194,8 +206,6 @@ export class CurvesView {
     if (lo === hi) [lo, hi] = [lo - 0.5, hi + 0.5];
     const x = d3.scaleLinear().domain([0, maxStep]).range([M.left, W - M.right]);
     const y = d3.scaleLinear().domain([lo, hi]).nice().range([H - M.bottom, M.top]);
-    const finals = curves.filter((c) => c.pts.length).map((c) => c.pts[c.pts.length - 1].v);
-    const [flo, fhi] = finals.length ? d3.extent(finals) : [0, 1];
     const better = d.mode === "min" ? (v) => (fhi === flo ? 1 : (fhi - v) / (fhi - flo)) : (v) => (fhi === flo ? 1 : (v - flo) / (fhi - flo));
     const colour = (v) => d3.interpolateViridis(0.05 + 0.78 * better(v));
     const line = (pts) => pts.length ? `M${pts.map((p) => `${x(p.s).toFixed(1)},${y(p.v).toFixed(1)}`).join("L")}` : "";
@@ -263,19 +273,11 @@ export class CurvesView {
     this.x = x;
     this.y = y;
     this.line = line;
-
-    const noPoints = curves.filter((c) => !c.pts.length).length;
     this.box.querySelector("#curve-counts").textContent =
       `${fmtInt(curves.length)} of ${fmtInt(d.trials.length)} trials shown` +
       (noPoints ? ` · ${fmtInt(noPoints)} without points yet` : "") +
       ` · ${fmtInt(sharedPaths.length)} shared segments`;
-    const lo4 = d3.format(".4~g")(d.mode === "min" ? fhi : flo);
-    const hi4 = d3.format(".4~g")(d.mode === "min" ? flo : fhi);
-    this.box.querySelector("#curve-legend").innerHTML = `
-      <span class="key"><span class="ramp"></span>trial's own part, by final value: ${esc(lo4)} (worse) → ${esc(hi4)} (better)</span>
-      <span class="key"><span class="sw line shared-key"></span>shared prefix, drawn once (thicker: more trials)</span>
-      <span class="key"><span class="sw line best-key"></span>best trial</span>
-      <span class="key"><span class="sw line failed-key"></span>failed (dashed)</span>`;
+
   }
 
   hover(event) {

@@ -71,6 +71,12 @@ export class StudyPage {
     if (!this.alive) return;
     this.renderSummary(data.study);
     this.renderSavings(data.savings, data.study);
+    // the views below size themselves to the window: tell them when the head changed
+    const h = this.main.querySelector(".study-head").offsetHeight;
+    if (h !== this.headHeight) {
+      this.headHeight = h;
+      window.dispatchEvent(new Event("resize"));
+    }
   }
 
   notFound(message) {
