@@ -101,16 +101,22 @@ async function liveLoop() {
 }
 
 async function boot() {
-  // the storage's URL for the header, and the revision the first views are read at
-  try {
-    const s = await api.studies();
-    document.getElementById("storage-url").textContent = s.url;
-    revision = s.revision;
-    setLive("live", `live · rev ${revision}`);
-  } catch (err) {
-    showBanner("boot", `Could not read the studies: ${err.message}`);
-  }
+  // The shown view first (a large study's tree should not wait behind other reads),
+  // then the storage's URL for the header; live updates start from the revision the
+  // view was read at, so that nothing after it is missed.
   await route();
+  revision = window.stagetree.revision || 0;
+  const header = document.getElementById("storage-url");
+  if (!header.textContent || !revision) {
+    try {
+      const s = await api.studies();
+      header.textContent = s.url;
+      if (!revision) revision = s.revision;
+    } catch (err) {
+      showBanner("boot", `Could not read the studies: ${err.message}`);
+    }
+  }
+  setLive("live", `live · rev ${revision}`);
   liveLoop();
 }
 

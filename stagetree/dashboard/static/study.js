@@ -37,10 +37,9 @@ export class StudyPage {
         <nav class="tabs" role="tablist">${tabs}</nav>
         <div class="view" id="view"></div>
       </section>`;
-    const summary = this.loadSummary();
-    const view = this.show(this.view);
-    await summary;
-    await view;
+    // the view's data first: on a large study the summary is the slower read
+    await this.show(this.view);
+    await this.loadSummary();
   }
 
   async show(view) {
