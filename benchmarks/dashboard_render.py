@@ -1,20 +1,19 @@
-"""Time to first paint of the dashboard's stage tree in Chromium, over the real back end.
+"""Time to first paint of the dashboard's views in Chromium, over the real back end.
 
-A synthetic plan is written straight into an in-memory storage (nothing trains): trial
-``i`` follows a piecewise-constant ``lr`` whose value after step ``10 k`` depends on bit
-``k`` of ``i``, so trials sharing their low bits share a prefix and ``N`` trials make a
-binary tree of about ``2 N`` nodes. The first half of the trials are marked trained
-(requests done, metrics and a checkpoint at their last step). The dashboard
-(:func:`stagetree.dashboard.serve.start_dashboard`, reading that storage) serves it on a
-free loopback port; Playwright drives Debian's Chromium (``/usr/bin/chromium``, never a
-downloaded browser) to ``/study/big`` and waits for ``window.stagetree.ready`` (set after
-the first paint of the tree).
+A finished grid study of ``N`` trials is written straight into a SQLite plan
+(``_synthetic_plan.write_study``: nothing trains). The dashboard
+(:func:`stagetree.dashboard.serve.start_dashboard`, as ``stagetree dashboard`` would run)
+serves it on a free loopback port; Playwright drives Debian's Chromium
+(``/usr/bin/chromium``, never a downloaded browser) to the study's page and waits for
+``window.stagetree.ready`` (set after the view's first paint).
 
 Per size: plan nodes, the size of the tree's JSON, the server's time to answer ``/tree``
-(its tree of that revision cached), time to first paint in the page (navigation start to
-ready, ``performance.now()``): on the first load (cold: the server builds the tree), and
-the median and worst of ``--repeats`` loads of a fresh page after it; and rows drawn
-(subtrees past ~1,500 rows are collapsed). The goal: 10,000 trials render in < 3 s.
+(its tree of that revision cached), time to first paint of the stage tree (navigation
+start to ready, ``performance.now()``): on the first load (cold: the server builds the
+tree), and the median and worst of ``--repeats`` loads of a fresh page after it; rows
+drawn (subtrees past ~1,500 rows are collapsed); and one load each of the learning
+curves, the trials table and the workers timeline. The goal: 10,000 trials render in
+< 3 s.
 
 Run: ``.venv/bin/python benchmarks/dashboard_render.py [--trials 100 1000 10000]
 [--repeats 3]``.
@@ -23,55 +22,20 @@ Run: ``.venv/bin/python benchmarks/dashboard_render.py [--trials 100 1000 10000]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import statistics
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
+from _synthetic_plan import STUDY, write_study
 from stagetree.dashboard.serve import start_dashboard
-from stagetree.hp import Piecewise
-from stagetree.plan import MemoryPlanStorage
-from stagetree.plan.model import RequestState
+
+from stagetree.plan import open_storage
 
 CHROMIUM = "/usr/bin/chromium"
-STUDY = "big"
-ROOT = "bench-root"
-
-
-def build_plan(trials: int) -> MemoryPlanStorage:
-    """A plan of ``trials`` trials in one tree, half of them trained."""
-    bits = max(1, math.ceil(math.log2(max(trials, 2))))
-    steps = 10 * bits + 10
-    storage = MemoryPlanStorage()
-    storage.register_root(ROOT, {"seed": 0})
-    storage.create_study(STUDY, {"metric": "score", "mode": "max"})
-    items = []
-    for i in range(trials):
-        values = [0.1]
-        for k in range(bits):
-            values.append(round(values[-1] * (0.5 if (i >> k) & 1 else 0.9), 12))
-        milestones = [10 * (k + 1) for k in range(bits)]
-        items.append(({"lr": Piecewise(values, milestones)}, steps))
-    inserted = storage.insert_trials(ROOT, items)
-    for i, ((hp, _), where) in enumerate(zip(items, inserted)):
-        trained = i < trials // 2
-        tid = storage.add_trial(
-            STUDY,
-            ROOT,
-            {"seed": 0},
-            hp,
-            steps,
-            where.node,
-            where.step,
-            state="done" if trained else "pending",
-        )
-        if trained:
-            storage.put_metrics_many([(where.node, steps, {"score": -1.0 / (1 + tid)}, True)])
-            storage.put_checkpoint(where.node, steps, f"bench-{tid}", 1)
-            storage.set_request_state(where.node, steps, RequestState.DONE)
-    return storage
+VIEWS = ("curves", "trials", "workers")
 
 
 def tree_answer(base: str) -> tuple[float, int]:
@@ -84,13 +48,13 @@ def tree_answer(base: str) -> tuple[float, int]:
     return seconds, len(body)
 
 
-def paint(browser: object, base: str, repeats: int) -> tuple[list[float], int]:
-    """Times (s) from navigation start to the tree's first paint, and the rows drawn."""
+def paint(browser: object, base: str, repeats: int, view: str = "") -> tuple[list[float], int]:
+    """Times (s) from navigation start to a view's first paint, and the tree rows drawn."""
     times = []
     rendered = 0
     for _ in range(repeats):
         page = browser.new_page(viewport={"width": 1280, "height": 800})  # type: ignore[attr-defined]
-        page.goto(f"{base}study/{STUDY}")
+        page.goto(f"{base}study/{STUDY}{view}")
         page.wait_for_function("window.stagetree && window.stagetree.ready", timeout=60_000)
         times.append(page.evaluate("performance.now()") / 1000)
         rendered = page.evaluate("window.stagetree.rendered")
@@ -106,27 +70,28 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     rows = []
-    with sync_playwright() as p:
+    others = []
+    with sync_playwright() as p, tempfile.TemporaryDirectory() as tmp:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         for n in args.trials:
+            url = f"sqlite:///{Path(tmp) / f'plan-{n}.db'}"
             t0 = time.perf_counter()
-            storage = build_plan(n)
-            built = time.perf_counter() - t0
-            nodes = len(storage.nodes(ROOT))
-            server = start_dashboard(
-                "memory://", reader=lambda s=storage: contextlib.nullcontext(s)
-            )
+            with open_storage(url) as storage:
+                nodes = int(write_study(storage, n)["nodes"])
+            print(f"{n} trials: plan written in {time.perf_counter() - t0:.1f} s", flush=True)
+            server = start_dashboard(url)
             try:
                 # the first load finds nothing cached on the server: it builds the tree
                 (cold,), _ = paint(browser, server.url, 1)
                 answer, size = tree_answer(server.url)
                 times, rendered = paint(browser, server.url, args.repeats)
+                views = [paint(browser, server.url, 1, f"/{v}")[0][0] for v in VIEWS]
             finally:
                 server.stop()
             rows.append(
                 (n, nodes, size, answer, cold, statistics.median(times), max(times), rendered)
             )
-            print(f"{n} trials: plan built in {built:.1f} s", flush=True)
+            others.append((n, views))
         browser.close()
     print()
     print(
@@ -139,6 +104,11 @@ def main() -> None:
             f"| {n:,} | {nodes:,} | {size / 1e6:.2f} MB | {answer:.2f} s | {cold:.2f} s "
             f"| {med:.2f} s | {worst:.2f} s | {rendered:,} |"
         )
+    print()
+    print("| trials | learning curves | trials table | workers timeline |")
+    print("|---:|---:|---:|---:|")
+    for n, views in others:
+        print(f"| {n:,} | " + " | ".join(f"{t:.2f} s" for t in views) + " |")
 
 
 if __name__ == "__main__":

@@ -233,7 +233,9 @@ export class CurvesView {
         prev = p;
       }
     }
-    const width = (n) => Math.min(10, 2 + 2 * Math.log2(n));
+    // thicker the more trials share it, relative to the most shared (the root)
+    const most = Math.max(2, ...[...shared.values()].map((r) => r.n));
+    const width = (n) => 1.2 + 5 * Math.sqrt(n / most);
     const sharedPaths = [...shared.values()].filter((r) => r.pts.length > 1).map((r) =>
       `<path class="shared" data-count="${r.n}" stroke-width="${width(r.n).toFixed(2)}" d="${line(r.pts)}"/>`);
 

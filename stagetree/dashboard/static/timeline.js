@@ -5,14 +5,14 @@
 
 import { api } from "./api.js";
 import {
-  BATCH_COLOURS, afterPaint, clearBanner, coalesce, esc, fmtClock, fmtInt, fmtSeconds,
-  hideTooltip, showBanner, showTooltip,
+  BATCH_COLOURS, afterPaint, clearBanner, coalesce, esc, fitText, fmtClock, fmtInt, fmtSeconds,
+  hideTooltip, showBanner, showTooltip, textWidth, uiFont,
 } from "./ui.js";
 
 const d3 = window.d3;
 const LANE = 34;
 const BAR = 20;
-const M = { top: 16, right: 20, bottom: 40, left: 150 };
+const M = { top: 16, right: 20, bottom: 40, left: 150 }; // left: fitted to the lane labels
 
 export class TimelineView {
   constructor(box, name) {
@@ -46,7 +46,8 @@ export class TimelineView {
             <button type="button" data-act="fit">fit</button>
           </div>
         </div>
-        <div class="hint">wheel: zoom time · drag: pan · double-click: fit · hover a bar for its stages and trials</div>
+        <div class="hint">wheel: zoom time · drag: pan · double-click: fit · hover a bar for its stages and
+          trials · checkpoint saves show on bars wide enough (zoom in)</div>
         <div class="chart-box"><svg class="timeline-svg"></svg></div>
         <h3>Workers</h3>
         <div class="table-wrap"><table class="data workers" id="workers-table"><thead><tr>
@@ -165,6 +166,8 @@ export class TimelineView {
     const names = new Set(this.workers.map((w) => String(w.worker)));
     for (const b of batches) names.add(String(b.worker));
     const lanes = [...names].sort((a, b) => a.localeCompare(b, undefined, { numeric: true }));
+    const laneFont = uiFont(12.5, 600);
+    M.left = Math.min(260, Math.max(90, ...lanes.map((l) => textWidth(`worker ${l}`, laneFont) + 20)));
     this.width = Math.max(500, this.box.querySelector(".chart-box").clientWidth);
     const W = this.width;
     const H = M.top + Math.max(1, lanes.length) * LANE + M.bottom;
@@ -194,20 +197,25 @@ export class TimelineView {
     for (const l of lanes) {
       const y = laneY.get(l);
       out.push(`<rect class="lane" x="${cx(t0 + pad)}" y="${y + (LANE - BAR) / 2}" width="${Math.max(0, cx(t1 - pad) - cx(t0 + pad))}" height="${BAR}"/>`);
-      out.push(`<text class="lane-label" x="${M.left - 10}" y="${y + LANE / 2 + 4}" text-anchor="end">worker ${esc(l)}</text>`);
+      out.push(`<text class="lane-label" x="${M.left - 10}" y="${y + LANE / 2 + 4}" text-anchor="end">${esc(fitText(`worker ${l}`, M.left - 14, laneFont))}</text>`);
     }
     batches.sort((a, b) => a.started - b.started);
     for (const b of batches) {
       const y = laneY.get(String(b.worker)) + (LANE - BAR) / 2;
+      if (x(end(b)) < M.left - 2 || x(b.started) > W) continue; // outside the zoomed window
       const xa = cx(b.started);
       const xb = Math.max(cx(end(b)), xa + 1.5);
       const xl = Math.min(xb, cx(b.started + (b.load_seconds || 0)));
+      // thin bars (zoomed out) go without their outline and marks: zoom in to see them
+      const wide = xb - xa >= 6;
       let g = `<g class="batch" data-batch="${esc(b.key)}" data-state="${esc(b.state)}">` +
-        `<rect class="bar" x="${xa.toFixed(1)}" y="${y}" width="${(xb - xa).toFixed(1)}" height="${BAR}" fill="${BATCH_COLOURS[b.state] || "#888"}"/>`;
+        `<rect class="bar${wide ? "" : " thin"}" x="${xa.toFixed(1)}" y="${y}" width="${(xb - xa).toFixed(1)}" height="${BAR}" fill="${BATCH_COLOURS[b.state] || "#888"}"/>`;
       if (xl - xa >= 1) g += `<rect class="load" x="${xa.toFixed(1)}" y="${y}" width="${(xl - xa).toFixed(1)}" height="${BAR}"/>`;
-      for (const [t] of b.saves || []) {
-        const xs = cx(t).toFixed(1);
-        g += `<path class="save" d="M${xs} ${y + BAR}V${y}M${xs} ${y}l-4 -6h8z"/>`;
+      if (wide) {
+        for (const [t] of b.saves || []) {
+          const xs = cx(t).toFixed(1);
+          g += `<path class="save" d="M${xs} ${y + BAR}V${y}M${xs} ${y}l-4 -6h8z"/>`;
+        }
       }
       const label = merged(b.segments).map(([n, a, z]) => `#${n} ${a}→${z}`).join(", ");
       const room = xb - xl - 8;

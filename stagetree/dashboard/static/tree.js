@@ -10,8 +10,8 @@
 import { api } from "./api.js";
 import { TreeData } from "./store.js";
 import {
-  STATE_COLOURS, afterPaint, clearBanner, coalesce, esc, fmtInt, fmtNum, fmtValue,
-  showBanner, truncate,
+  STATE_COLOURS, afterPaint, clearBanner, coalesce, esc, fitText, fmtInt, fmtNum, fmtValue,
+  showBanner, textWidth, truncate, uiFont,
 } from "./ui.js";
 
 const d3 = window.d3;
@@ -23,7 +23,6 @@ const CHUNK = 500; // children shown per click on "more"
 const LABEL_W = 260; // the label column
 const PAD_R = 18;
 const AXIS_H = 34;
-const CHAR_W = 6.4; // average glyph width of the 11.5px label font, for truncation
 
 export class TreeView {
   constructor(box, name) {
@@ -299,9 +298,11 @@ export class TreeView {
   renderLabels() {
     const out = [];
     const rows = this.rows;
-    let digits = 1;
-    for (const row of rows) if (row.n) digits = Math.max(digits, String(row.n.id).length);
-    const lx = 20 + (digits + 1) * 7.2 + 8; // labels in one column after the widest id
+    const font = uiFont(11.5);
+    const bold = uiFont(11.5, 600);
+    let widest = 0;
+    for (const row of rows) if (row.n) widest = Math.max(widest, String(row.n.id).length);
+    const lx = 20 + textWidth(`#${"8".repeat(widest)}`, bold) + 7; // labels after the widest id
     for (let i = 0; i < rows.length; i++) {
       const row = rows[i];
       const y = i * ROW;
@@ -317,7 +318,7 @@ export class TreeView {
       let pills = "";
       if (row.hidden) {
         const t = `+${fmtInt(row.hidden)}`;
-        const w = t.length * CHAR_W + 10;
+        const w = textWidth(t, uiFont(10.5, 600)) + 12;
         pills += `<g class="pill collapsed" data-expand="${n.id}"><rect x="${right - w}" y="2" width="${w}" height="${ROW - 4}" rx="7"/>` +
           `<text x="${right - w / 2}" y="13" text-anchor="middle">${t}</text></g>`;
         right -= w + 4;
@@ -325,13 +326,13 @@ export class TreeView {
       if (n.state === "training" && n.worker !== null && n.worker !== undefined) {
         const t = `⚙ ${truncate(n.worker, 14)}`;
         pills += `<text class="worker" x="${right}" y="13" text-anchor="end">${esc(t)}</text>`;
-        right -= t.length * CHAR_W + 4;
+        right -= textWidth(t, bold) + 6;
       }
-      const chars = Math.floor((right - lx) / CHAR_W);
+      const label = fitText(n.label || "", right - lx, font);
       const tog = row.kids ? `<text class="tog" x="5" y="13">${row.show ? "▾" : "▸"}</text>` : "";
       out.push(`<g class="lab${cls}" data-node="${n.id}" transform="translate(0,${y})">${tog}` +
         `<text class="nid" x="20" y="13">${idText}</text>` +
-        (chars > 2 ? `<text class="ltxt" x="${lx}" y="13">${esc(truncate(n.label || "", chars))}</text>` : "") +
+        (label ? `<text class="ltxt" x="${lx.toFixed(1)}" y="13">${esc(label)}</text>` : "") +
         `${pills}</g>`);
     }
     this.svg.querySelector(".labels").innerHTML = out.join("");

@@ -5,12 +5,15 @@ import {
   afterPaint, badge, clearBanner, coalesce, esc, fmtInt, fmtNum, fmtValue, showBanner, truncate,
 } from "./ui.js";
 
+const PAGE = 500;
+
 export class TrialsView {
   constructor(box, name) {
     this.box = box;
     this.name = name;
     this.alive = true;
     this.sort = { key: "id", dir: 1 };
+    this.limit = PAGE; // rows drawn (a large table is drawn a page at a time)
     this.data = null;
     this.refresh = coalesce(() => this.load());
   }
@@ -28,6 +31,12 @@ export class TrialsView {
       if (!th) return;
       const key = th.dataset.key;
       this.sort = { key, dir: this.sort.key === key ? -this.sort.dir : 1 };
+      this.draw();
+    });
+    this.box.querySelector("tbody").addEventListener("click", (event) => {
+      const more = event.target.closest("button[data-more]");
+      if (!more) return;
+      this.limit = more.dataset.more === "all" ? Infinity : this.limit + PAGE;
       this.draw();
     });
     await this.refresh();
@@ -99,7 +108,7 @@ export class TrialsView {
         aria-sort="${on ? (dir > 0 ? "ascending" : "descending") : "none"}"
         title="sort by ${esc(c.title)}">${esc(c.title)}${c.metric === d.metric ? " ★" : ""}${arrow}</th>`;
     }).join("")}</tr>`;
-    const body = rows.map((t) => {
+    const body = rows.slice(0, this.limit).map((t) => {
       const cells = cols.map((c) => {
         if (c.key === "id") return `<td class="num">#${esc(t.id)}</td>`;
         if (c.key === "state") return `<td>${badge(t.state)}</td>`;
@@ -118,6 +127,11 @@ export class TrialsView {
       });
       return `<tr data-trial="${esc(t.id)}">${cells.join("")}</tr>`;
     });
+    if (rows.length > this.limit) {
+      body.push(`<tr class="more-rows"><td colspan="${cols.length}">showing ${fmtInt(this.limit)} of
+        ${fmtInt(rows.length)} trials · <button type="button" data-more="page">${fmtInt(Math.min(PAGE, rows.length - this.limit))} more</button>
+        <button type="button" data-more="all">all</button></td></tr>`);
+    }
     this.box.querySelector("tbody").innerHTML = body.length
       ? body.join("")
       : `<tr><td class="empty" colspan="${cols.length}">No trials yet.</td></tr>`;

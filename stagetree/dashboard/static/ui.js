@@ -62,6 +62,33 @@ export function fmtValue(v) {
   return JSON.stringify(v);
 }
 
+// Text measured in a font (a canvas, not the layout): for fitting labels into columns.
+let measurer = null;
+export function textWidth(text, font) {
+  if (!measurer) measurer = document.createElement("canvas").getContext("2d");
+  if (measurer.font !== font) measurer.font = font;
+  return measurer.measureText(text).width;
+}
+
+// `text`, cut with an ellipsis to at most `width` pixels in `font`.
+export function fitText(text, width, font) {
+  text = String(text ?? "");
+  if (textWidth(text, font) <= width) return text;
+  let lo = 0;
+  let hi = text.length;
+  while (lo < hi) {
+    const mid = Math.ceil((lo + hi) / 2);
+    if (textWidth(`${text.slice(0, mid)}…`, font) <= width) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo ? `${text.slice(0, lo)}…` : "";
+}
+
+export function uiFont(size, weight = 400) {
+  const family = getComputedStyle(document.documentElement).fontFamily;
+  return `${weight} ${size}px ${family}`;
+}
+
 export function truncate(text, n) {
   text = String(text ?? "");
   return text.length > n ? `${text.slice(0, Math.max(1, n - 1))}…` : text;
