@@ -58,6 +58,12 @@ def paint(browser: object, base: str, repeats: int, view: str = "") -> tuple[lis
         page.wait_for_function("window.stagetree && window.stagetree.ready", timeout=60_000)
         times.append(page.evaluate("performance.now()") / 1000)
         rendered = page.evaluate("window.stagetree.rendered")
+        # let the page's later reads (the summary, the header) finish before the next load
+        page.wait_for_function(
+            "document.getElementById('storage-url').textContent"
+            " && document.getElementById('study-facts').textContent",
+            timeout=120_000,
+        )
         page.close()
     return times, rendered
 
