@@ -167,6 +167,7 @@ export class TimelineView {
     for (const b of batches) names.add(String(b.worker));
     const lanes = [...names].sort((a, b) => a.localeCompare(b, undefined, { numeric: true }));
     const laneFont = uiFont(12.5, 600);
+    const barFont = uiFont(11, 600);
     M.left = Math.min(260, Math.max(90, ...lanes.map((l) => textWidth(`worker ${l}`, laneFont) + 20)));
     this.width = Math.max(500, this.box.querySelector(".chart-box").clientWidth);
     const W = this.width;
@@ -218,11 +219,10 @@ export class TimelineView {
         }
       }
       const label = merged(b.segments).map(([n, a, z]) => `#${n} ${a}→${z}`).join(", ");
-      const room = xb - xl - 8;
-      if (room > 40) {
-        const chars = Math.floor(room / 6.2);
-        const text = label.length > chars ? `${label.slice(0, Math.max(1, chars - 1))}…` : label;
-        g += `<text class="bar-label" x="${(xl + 4).toFixed(1)}" y="${y + BAR / 2 + 4}">${esc(text)}</text>`;
+      const room = Math.min(xb, W - M.right) - Math.max(xl, M.left) - 8;
+      if (room > 30) {
+        const text = fitText(label, room, barFont);
+        if (text) g += `<text class="bar-label" x="${(Math.max(xl, M.left) + 4).toFixed(1)}" y="${y + BAR / 2 + 4}">${esc(text)}</text>`;
       }
       out.push(`${g}</g>`);
     }
@@ -243,8 +243,10 @@ export class TimelineView {
     const v0 = t0 + (-this.tx / (w * this.kx)) * (t1 - t0) - origin;
     const v1 = v0 + (t1 - t0) / this.kx;
     const scale = d3.scaleLinear().domain([v0, v1]).range([M.left, M.left + w]);
+    const ticks = scale.ticks(Math.max(2, Math.floor(w / 100)));
+    const decimals = ticks.length > 1 ? d3.precisionFixed(ticks[1] - ticks[0]) : 0;
     d3.select(this.svg).select(".x-axis")
-      .call(d3.axisBottom(scale).ticks(Math.max(2, Math.floor(w / 100))).tickFormat((v) => fmtElapsed(v, v1 - v0)));
+      .call(d3.axisBottom(scale).tickValues(ticks).tickFormat((v) => fmtElapsed(v, v1 - v0, decimals)));
     this.svg.querySelector(".axis-title").textContent =
       `time since the first batch started, at ${fmtClock(origin)}`;
     const running = batches.filter((b) => b.state === "running").length;
@@ -289,10 +291,10 @@ export class TimelineView {
   }
 }
 
-function fmtElapsed(v, span) {
+function fmtElapsed(v, span, decimals) {
   const sign = v < 0 ? "−" : "";
   const a = Math.abs(v);
-  if (span < 120) return `${sign}${d3.format(",.4~r")(a)} s`;
+  if (span < 120) return `${sign}${d3.format(`,.${decimals}f`)(a)} s`;
   const h = Math.floor(a / 3600);
   const m = Math.floor((a % 3600) / 60);
   const sec = Math.round(a % 60);

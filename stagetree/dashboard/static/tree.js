@@ -300,6 +300,7 @@ export class TreeView {
     const rows = this.rows;
     const font = uiFont(11.5);
     const bold = uiFont(11.5, 600);
+    const pillFont = uiFont(10.5, 600);
     let widest = 0;
     for (const row of rows) if (row.n) widest = Math.max(widest, String(row.n.id).length);
     const lx = 20 + textWidth(`#${"8".repeat(widest)}`, bold) + 7; // labels after the widest id
@@ -318,7 +319,7 @@ export class TreeView {
       let pills = "";
       if (row.hidden) {
         const t = `+${fmtInt(row.hidden)}`;
-        const w = textWidth(t, uiFont(10.5, 600)) + 12;
+        const w = textWidth(t, pillFont) + 12;
         pills += `<g class="pill collapsed" data-expand="${n.id}"><rect x="${right - w}" y="2" width="${w}" height="${ROW - 4}" rx="7"/>` +
           `<text x="${right - w / 2}" y="13" text-anchor="middle">${t}</text></g>`;
         right -= w + 4;
