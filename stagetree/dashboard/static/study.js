@@ -155,8 +155,9 @@ export class StudyPage {
       }, () => {});
       return;
     }
-    this.refresh();
-    if (this.child) this.child.update(info);
+    // the shown view first: on a large study the summary is the slower read
+    const child = this.child ? this.child.update(info) : null;
+    Promise.resolve(child).finally(() => this.refresh());
   }
 
   destroy() {
