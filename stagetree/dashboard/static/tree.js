@@ -324,10 +324,13 @@ export class TreeView {
           `<text x="${right - w / 2}" y="13" text-anchor="middle">${t}</text></g>`;
         right -= w + 4;
       }
-      if (n.state === "training" && n.worker !== null && n.worker !== undefined) {
-        const t = `⚙ ${truncate(n.worker, 14)}`;
-        pills += `<text class="worker" x="${right}" y="13" text-anchor="end">${esc(t)}</text>`;
-        right -= textWidth(t, bold) + 6;
+      // the state in words where colour alone would carry it
+      let note = null;
+      if (n.state === "training") note = `⚙ ${truncate(n.worker ?? "", 14)}`;
+      else if (n.state === "failed" || n.state === "cancelled") note = n.state;
+      if (note) {
+        pills += `<text class="note st-${n.state}" x="${right}" y="13" text-anchor="end">${esc(note)}</text>`;
+        right -= textWidth(note, bold) + 6;
       }
       const label = fitText(n.label || "", right - lx, font);
       const tog = row.kids ? `<text class="tog" x="5" y="13">${row.show ? "▾" : "▸"}</text>` : "";
