@@ -137,6 +137,8 @@ export class TreeView {
     this.maxStep = this.data.maxStep;
     window.stagetree.tree.nodes = this.nodes;
     window.stagetree.revision = this.data.revision;
+    const same = !change.full && !change.changed.length && !change.removed.length;
+    if (same && this.rows.length) return; // a revision that changed nothing of this tree
     this.relayout();
     if (this.shown !== null && (change.full || change.changed.includes(this.shown))) {
       this.showNode(this.shown, true);
