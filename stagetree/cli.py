@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree import __version__
+from stagetree.dashboard.serve import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from stagetree.exceptions import (
     InvalidSpaceError,
     StagetreeError,
@@ -58,9 +59,11 @@ from stagetree.reports import (
     export_records,
     export_table,
     hidden_trials,
+    short_sequence,
     storage_status,
     study_status,
 )
+from stagetree.reports import format_value as _fmt_value
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
 from stagetree.stages import Summary, build_stage_tree, render_tree, summarize
 
@@ -274,6 +277,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return value
+
+
 def _cmd_explain(args: argparse.Namespace) -> int:
     explain(
         load_space_file(args.space),
@@ -314,6 +327,7 @@ DEFAULT_STORAGE = "sqlite:///stagetree.db"
 STORAGE_ENV = "STAGETREE_STORAGE"
 RUN_NAME = "__stagetree_run__"
 EXIT_INTERRUPTED = 130
+DASHBOARD_PORT = DEFAULT_DASHBOARD_PORT
 
 
 def default_storage() -> str:
@@ -363,46 +377,6 @@ def open_existing_storage(url: str) -> BasePlanStorage:
     except Exception as exc:  # driver errors of a file that is not a database, ...
         raise StorageError(f"cannot open plan storage {url!r}: {_one_line(exc)}") from exc
     return storage
-
-
-def _fmt_value(value: Any) -> str:
-    from stagetree.hp import Sequence
-
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt_value(v) for v in value) + "]"
-    if isinstance(value, Sequence):
-        return short_sequence(value)
-    if isinstance(value, str):
-        return value
-    return repr(value)
-
-
-def short_sequence(seq: Any, offset: int = 0) -> str:
-    """A sequence in short form: ``0.1`` for a constant, ``MultiStep(0.1, [8, 12],
-    0.1)``, ``0.1 until step 4, then Exponential(0.1, 0.8)``.
-
-    Args:
-        seq: a :class:`~stagetree.hp.Sequence` (anything else is formatted as a value).
-        offset: the absolute step the sequence starts at (for the steps of ``Then``).
-    """
-    import dataclasses
-
-    from stagetree.hp import Constant, Sequence, Then
-
-    if isinstance(seq, Constant):
-        return _fmt_value(seq.value)
-    if isinstance(seq, Then):
-        start = offset + seq.at
-        first = short_sequence(seq.first, offset)
-        return f"{first} until step {start}, then {short_sequence(seq.second, start)}"
-    if isinstance(seq, Sequence) and dataclasses.is_dataclass(seq):
-        args = ", ".join(_fmt_value(getattr(seq, f.name)) for f in dataclasses.fields(seq))
-        return f"{type(seq).__name__}({args})"
-    return _fmt_value(seq)
 
 
 def _num(value: float) -> str:
@@ -655,6 +629,7 @@ def run_script(
     checkpoints: str | None = None,
     url: str | None = None,
     token_file: str | None = None,
+    dashboard: int | None = None,
 ) -> int:
     """``stagetree run``: run the study a script defines with its tuner.
 
@@ -673,7 +648,10 @@ def run_script(
     is tuned with live progress, the report printed (:func:`report_study`) and every
     study of the script closed, also on Ctrl-C. With ``check``, a trainer version the
     storage has not seen is checked first (:func:`stagetree.check.first_contact_check`)
-    and a warning printed to stderr when it is not exact.
+    and a warning printed to stderr when it is not exact. With ``dashboard`` (a port; 0:
+    any free one), the dashboard of the study's storage is served on loopback from this
+    process while it runs (:func:`stagetree.dashboard.start_dashboard`), its address
+    printed before training starts.
 
     Returns:
         0, or 130 when interrupted (the study is closed cleanly: a later run resumes).
@@ -747,8 +725,13 @@ def run_script(
                 display = (
                     ProgressDisplay(study, out=stream) if progress else contextlib.nullcontext()
                 )
+                beside = (
+                    _dashboard_beside(study, dashboard, stream)
+                    if dashboard is not None
+                    else contextlib.nullcontext()
+                )
                 try:
-                    with display:
+                    with beside, display:
                         best = study.tune(tuner)
                 except TrialFailedError as exc:  # no trial succeeded
                     print(f"{exc}", file=sys.stderr)
@@ -773,6 +756,31 @@ def run_script(
     return 0
 
 
+@contextlib.contextmanager
+def _dashboard_beside(study: Any, port: int, stream: TextIO) -> Iterator[None]:
+    """The dashboard of ``study``'s storage on loopback while the block runs: a
+    read-only handle of a database; a ``memory://`` plan through the study's engine."""
+    from stagetree.dashboard import start_dashboard
+    from stagetree.server.client import RemoteStudy
+
+    if isinstance(study, RemoteStudy):
+        print(f"stagetree run: the dashboard is at {study.url}/ (the server's)", file=stream)
+        yield
+        return
+    study.open()  # the database exists (and is of this schema) before it is read
+    storage = study._engine_args[0]
+    store = study._engine.store
+    if isinstance(storage, str) and not storage.strip().startswith(("memory", ":memory:")):
+        server = start_dashboard(storage, port=port, checkpoints=store)
+    else:
+        server = start_dashboard("memory://", port=port, checkpoints=store, reader=study.reading)
+    print(f"stagetree run: dashboard at {server.url}", file=stream, flush=True)
+    try:
+        yield
+    finally:
+        server.stop()
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     return run_script(
         args.script,
@@ -785,6 +793,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         checkpoints=args.checkpoints,
         url=args.url,
         token_file=args.token_file,
+        dashboard=args.dashboard_port if args.dashboard else None,
     )
 
 
@@ -829,6 +838,19 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--token-file",
         metavar="FILE",
         help="the server's token (default: $STAGETREE_TOKEN, else the file $STAGETREE_TOKEN_FILE)",
+    )
+    p.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="serve the dashboard of the study's storage on 127.0.0.1 while it runs "
+        "(pip install 'stagetree[dashboard]')",
+    )
+    p.add_argument(
+        "--dashboard-port",
+        type=_port,
+        default=DASHBOARD_PORT,
+        metavar="N",
+        help=f"port of --dashboard (default {DASHBOARD_PORT}; 0: any free port)",
     )
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
     p.add_argument(
@@ -1191,6 +1213,61 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 _SUBCOMMANDS.append(_add_serve)
+
+
+def _add_dashboard(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``stagetree dashboard``: the web dashboard of a storage
+    (:func:`stagetree.dashboard.serve_dashboard`)."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from stagetree.dashboard import serve_dashboard
+
+        return serve_dashboard(
+            args.storage or default_storage(),
+            host=args.host,
+            port=args.port,
+            token_file=args.token_file,
+            checkpoints=args.checkpoints,
+            show_token=args.show_token,
+        )
+
+    p = sub.add_parser(
+        "dashboard",
+        help="serve a web dashboard of a storage: the live stage tree, curves, savings",
+        description="Serve a read-only dashboard of every study of STORAGE_URL (which "
+        "other processes may be training): the stage tree live, learning curves, the "
+        "trials, the workers timeline and what sharing saved. Listens on 127.0.0.1; on "
+        "any other address every request needs the token of --token-file.",
+    )
+    p.add_argument(
+        "storage",
+        nargs="?",
+        metavar="STORAGE_URL",
+        help=f"plan storage URL (default: ${STORAGE_ENV} or {DEFAULT_STORAGE})",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--port", type=_port, default=DASHBOARD_PORT, help=f"port (default {DASHBOARD_PORT})"
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="F",
+        help="file holding the token every request needs (required off loopback)",
+    )
+    p.add_argument(
+        "--checkpoints",
+        metavar="DIR",
+        help="checkpoint location for downloads (default: beside a SQLite plan)",
+    )
+    p.add_argument(
+        "--show-token",
+        action="store_true",
+        help="print the address with ?token= (puts the token on the terminal)",
+    )
+    p.set_defaults(handler=handler)
+
+
+_SUBCOMMANDS.append(_add_dashboard)
 
 
 def build_parser() -> argparse.ArgumentParser:

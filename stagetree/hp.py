@@ -774,6 +774,13 @@ def _from_json_value(value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _argument_names(family: type[Sequence]) -> frozenset[str]:
+    """The constructor's argument names of a family (read once: decoding a study's
+    thousands of sequences should not inspect a signature each time)."""
+    return frozenset(inspect.signature(family.__init__).parameters) - {"self"}
+
+
 def from_json(d: Mapping[str, Any]) -> Sequence:
     """Rebuild a sequence from :meth:`Sequence.to_json` output."""
     if not isinstance(d, Mapping) or "type" not in d:
@@ -781,7 +788,7 @@ def from_json(d: Mapping[str, Any]) -> Sequence:
     family = _FAMILIES.get(d["type"])
     if family is None:
         raise InvalidSequenceError(f"unknown sequence type {d['type']!r}")
-    names = set(inspect.signature(family.__init__).parameters) - {"self"}
+    names = _argument_names(family)
     kwargs = {k: _from_json_value(v) for k, v in d.items() if k != "type"}
     unknown = set(kwargs) - names
     if unknown:

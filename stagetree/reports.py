@@ -29,6 +29,7 @@ processes write to it.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -40,11 +41,12 @@ from stagetree.identity import split_trials
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
-    from stagetree.plan import BasePlanStorage
+    from stagetree.plan import BasePlanStorage, Node
 
 __all__ = [
     "StorageStatus",
     "StudyStatus",
+    "TreeCurves",
     "TrialError",
     "TrialRecord",
     "accounting",
@@ -54,13 +56,20 @@ __all__ = [
     "export_table",
     "failures",
     "final_value",
+    "format_value",
     "hidden_trials",
+    "metric_mode",
+    "path_segments",
     "progress",
+    "ranked_metric",
+    "records_of",
+    "short_sequence",
     "storage_status",
     "study_accounting",
     "study_record",
     "study_status",
     "trial_records",
+    "trial_rows",
 ]
 
 _MODES = ("max", "min")
@@ -169,30 +178,122 @@ def _trials(
     return split_trials(storage.trials(study), record.get("meta") or {}, version)
 
 
-def _history(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
-    if trial.get("node") is None:
-        return {}
-    return storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
+def trial_rows(storage: BasePlanStorage, study: str, version: Any = None) -> list[dict[str, Any]]:
+    """The storage's rows (:meth:`~stagetree.plan.BasePlanStorage.trials`) of the trials
+    :func:`trial_records` returns: ``study``'s trials of ``version`` (default: the
+    version of its latest run), in id order, without their metrics."""
+    return _trials(storage, study, version)[0]
 
 
-def _record(storage: BasePlanStorage, trial: Mapping[str, Any]) -> TrialRecord:
-    error = TrialError.from_attrs(trial.get("attrs")) if trial["state"] == "failed" else None
-    return TrialRecord(
-        int(trial["id"]),
-        dict(trial["config"]),
-        dict(trial["hp"]),
-        int(trial["steps"]),
-        str(trial["state"]),
-        _history(storage, trial),
-        error,
-    )
+def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple[int, int, int]]:
+    """``(node, first, last)`` per node of the path that ends at the canonical
+    ``(node, step)``, root first: the steps ``first..last`` (inclusive) whose model is
+    keyed by that node (what :func:`stagetree.plan.tree.walk` returns for the trial).
+
+    Raises:
+        KeyError: a node of the path is not in ``nodes``.
+    """
+    chain = [nodes[node]]
+    while chain[-1].parent is not None:
+        chain.append(nodes[chain[-1].parent])
+    chain.reverse()
+    out: list[tuple[int, int, int]] = []
+    for i, n in enumerate(chain):
+        first = 0 if n.parent is None else n.branch_step + 1
+        last = chain[i + 1].branch_step if i + 1 < len(chain) else step
+        if last >= first:
+            out.append((n.id, first, last))
+    return out
+
+
+class TreeCurves:
+    """The metrics of plan trees read once (one bulk read per tree), cut into each
+    trial's learning curve: what :meth:`BasePlanStorage.metrics_along` gives, without
+    one query per trial.
+
+    Attributes:
+        storage: the plan read.
+    """
+
+    def __init__(self, storage: BasePlanStorage) -> None:
+        self.storage = storage
+        self._nodes: dict[str, dict[int, Node]] = {}
+        self._metrics: dict[str, dict[int, dict[int, dict[str, float]]]] = {}
+        self._steps: dict[int, list[int]] = {}  # node -> its metric steps, sorted
+
+    def nodes(self, root_key: str) -> dict[int, Node]:
+        """The nodes of ``root_key``'s tree by id, read once."""
+        nodes = self._nodes.get(root_key)
+        if nodes is None:
+            nodes = self._nodes[root_key] = {n.id: n for n in self.storage.nodes(root_key)}
+        return nodes
+
+    def metrics(self, root_key: str) -> dict[int, dict[int, dict[str, float]]]:
+        """``{node: {step: metrics}}`` of ``root_key``'s tree, read once."""
+        metrics = self._metrics.get(root_key)
+        if metrics is None:
+            metrics = self._metrics[root_key] = self.storage.metrics(root_key)
+            for node, points in metrics.items():
+                self._steps[node] = sorted(points)
+        return metrics
+
+    def tree(self, root_key: str) -> tuple[dict[int, Node], dict[int, dict[int, dict[str, float]]]]:
+        """``(nodes by id, {node: {step: metrics}})`` of ``root_key``'s tree, read once."""
+        return self.nodes(root_key), self.metrics(root_key)
+
+    def of(self, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
+        """Every known metric on ``trial``'s path up to its steps, by step."""
+        if trial.get("node") is None:
+            return {}
+        if trial.get("step") != trial["steps"]:  # the row's end lags: walk its values
+            return self.storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
+        nodes, metrics = self.tree(str(trial["root_key"]))
+        try:
+            segments = path_segments(nodes, int(trial["node"]), int(trial["steps"]))
+        except KeyError:  # a node committed after the tree was read
+            return self.storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
+        out: dict[int, dict[str, float]] = {}
+        for node, first, last in segments:
+            points = metrics.get(node)
+            if not points:
+                continue
+            steps = self._steps[node]
+            lo, hi = bisect.bisect_left(steps, first), bisect.bisect_right(steps, last)
+            for step in steps[lo:hi]:
+                out[step] = dict(points[step])
+        return out
+
+
+def records_of(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    curves: TreeCurves | None = None,
+) -> list[TrialRecord]:
+    """:class:`TrialRecord` of each trial row (:func:`trial_rows`), with its learning
+    curve cut from one bulk read of each plan tree (``curves``, made when None)."""
+    curves = curves if curves is not None else TreeCurves(storage)
+    out = []
+    for trial in trials:
+        error = TrialError.from_attrs(trial.get("attrs")) if trial["state"] == "failed" else None
+        out.append(
+            TrialRecord(
+                int(trial["id"]),
+                dict(trial["config"]),
+                dict(trial["hp"]),
+                int(trial["steps"]),
+                str(trial["state"]),
+                curves.of(trial),
+                error,
+            )
+        )
+    return out
 
 
 def trial_records(storage: BasePlanStorage, study: str, version: Any = None) -> list[TrialRecord]:
     """Every trial of ``study`` of trainer version ``version`` (default: the version of
     the study's latest run), in id order, with its metrics by step. A study the storage
     does not hold has none."""
-    return [_record(storage, t) for t in _trials(storage, study, version)[0]]
+    return records_of(storage, _trials(storage, study, version)[0])
 
 
 def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
@@ -423,6 +524,9 @@ class StudyStatus:
         created: creation time (``time.time()``).
         trials, finished, running, failed: trial counts (``running``: trials a live
             engine holds a lease on, not rows an engine that died left ``running``).
+        pending: trials neither finished, running, failed nor cancelled (waiting, or
+            left ``running`` by an engine that died: they resume at the next run).
+        cancelled: trials cancelled before they finished.
         metric: the metric ranked (None when no trial reported one).
         mode: ``"max"`` or ``"min"``.
         metric_note: where ``metric`` and ``mode`` come from.
@@ -458,6 +562,8 @@ class StudyStatus:
     failures: list[tuple[int, str]] = field(default_factory=list)
     hidden: int = 0
     workers: dict[str, str] = field(default_factory=dict)
+    pending: int = 0
+    cancelled: int = 0
 
 
 @dataclass
@@ -485,10 +591,21 @@ def _guess_mode(metric: str) -> str:
     return "min" if any(w in metric.lower() for w in _MIN_WORDS) else "max"
 
 
-def _ranked_metric(
+def metric_mode(metric: str, meta: Mapping[str, Any]) -> str:
+    """The mode of ``metric`` in a study: the one its meta records for it, else
+    ``"min"`` when the name says loss or error, else ``"max"``."""
+    recorded = meta.get("mode")
+    if meta.get("metric") == metric and recorded in _MODES:
+        return str(recorded)
+    return _guess_mode(metric)
+
+
+def ranked_metric(
     meta: Mapping[str, Any], records: list[TrialRecord]
 ) -> tuple[str | None, str, str]:
-    """``(metric, mode, where they come from)`` for a study's status."""
+    """``(metric, mode, where they come from)`` for a study's status: the metric its
+    meta records, else the first (alphabetically) with a finite value at some trial's
+    final step (see :func:`study_status`); ``(None, "max", "")`` when there is none."""
     metric = meta.get("metric") if isinstance(meta.get("metric"), str) else None
     if metric is not None:
         recorded = meta.get("mode")
@@ -523,19 +640,23 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
     record = study_record(storage, name)
     meta = record.get("meta") or {}
     trials, hidden = split_trials(storage.trials(name), meta)
-    records = [_record(storage, t) for t in trials]
-    metric, mode, note = _ranked_metric(meta, records)
+    records = records_of(storage, trials)
+    metric, mode, note = ranked_metric(meta, records)
     best = best_trial(records, metric, mode) if metric is not None else None
     numbers, counted = _study_accounting(storage, trials, name)
     trained = any(r.metrics for r in records)
     states = [t["state"] for t in trials]
+    running = len(running_trials(storage, trials))  # live leases, not stale rows
+    finished, failed, cancelled = (states.count(s) for s in ("done", "failed", "cancelled"))
     return StudyStatus(
         name=name,
         created=float(record.get("created") or 0.0),
         trials=len(trials),
-        finished=states.count("done"),
-        running=len(running_trials(storage, trials)),  # live leases, not stale rows
-        failed=states.count("failed"),
+        finished=finished,
+        running=running,
+        failed=failed,
+        pending=len(trials) - finished - running - failed - cancelled,
+        cancelled=cancelled,
         metric=metric,
         mode=mode,
         metric_note=note,
@@ -587,6 +708,49 @@ def storage_status(storage: BasePlanStorage, url: str, study: str | None = None)
 
 
 # --------------------------------------------------------------------------- export
+
+
+def format_value(value: Any) -> str:
+    """A config or hyper-parameter value in short form, as the CLI and the dashboard
+    print it: floats with ``%g``, sequences as in :func:`short_sequence`,
+    lists element-wise, strings as they are."""
+    from stagetree.hp import Sequence
+
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    if isinstance(value, Sequence):
+        return short_sequence(value)
+    if isinstance(value, str):
+        return value
+    return repr(value)
+
+
+def short_sequence(seq: Any, offset: int = 0) -> str:
+    """A sequence in short form: ``0.1`` for a constant, ``MultiStep(0.1, [8, 12],
+    0.1)``, ``0.1 until step 4, then Exponential(0.1, 0.8)``.
+
+    Args:
+        seq: a :class:`~stagetree.hp.Sequence` (anything else is formatted as a value).
+        offset: the absolute step the sequence starts at (for the steps of ``Then``).
+    """
+    import dataclasses
+
+    from stagetree.hp import Constant, Sequence, Then
+
+    if isinstance(seq, Constant):
+        return format_value(seq.value)
+    if isinstance(seq, Then):
+        start = offset + seq.at
+        first = short_sequence(seq.first, offset)
+        return f"{first} until step {start}, then {short_sequence(seq.second, start)}"
+    if isinstance(seq, Sequence) and dataclasses.is_dataclass(seq):
+        args = ", ".join(format_value(getattr(seq, f.name)) for f in dataclasses.fields(seq))
+        return f"{type(seq).__name__}({args})"
+    return format_value(seq)
 
 
 def _json_number(value: float) -> float | str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagetree import reports
@@ -606,6 +607,14 @@ class Study:
         return self._engine.num_workers
 
     # -- reports (stagetree.reports: one definition each, shared with the commands) ---------
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[BasePlanStorage]:
+        """The plan storage for read-only queries (:mod:`stagetree.reports`,
+        :mod:`stagetree.views`), with the engine's lock held: the engine waits while it
+        is held, so keep each read short and never write."""
+        with self._engine.reading() as storage:
+            yield storage
 
     def trials(self) -> list[TrialRecord]:
         """Every trial of this study trained by this version of the trainer (trials of

@@ -461,6 +461,30 @@ def test_metrics_along_the_path(plan: BasePlanStorage) -> None:
     assert plan.metrics_along("empty", decay, 20) == {}
 
 
+def test_metrics_of_a_whole_tree_in_one_read(plan: BasePlanStorage) -> None:
+    const, decay = lr(Constant(0.1)), lr(MultiStep(0.1, [10], 0.1))
+    root = plan.insert_trial(R, const, 20).node
+    child = plan.insert_trial(R, decay, 20).node
+    elsewhere = plan.insert_trial("root-b", const, 5).node
+    plan.put_metrics_many(
+        [
+            (root, 5, {"acc": 0.5}, True),
+            (root, 3, {"loss": 1.0}, False),  # train() metrics only: on the curve too
+            (child, 20, {"acc": 0.8, "loss": math.inf}, True),
+            (elsewhere, 5, {"acc": 0.0}, True),
+        ]
+    )
+    got = plan.metrics(R)
+    assert got == {root: {3: {"loss": 1.0}, 5: {"acc": 0.5}}, child: {20: got[child][20]}}
+    assert list(got[root]) == [3, 5] and got[child][20]["loss"] == math.inf
+    assert plan.metrics(R, [child]) == {child: got[child]}
+    assert plan.metrics(R, [elsewhere]) == {}  # another tree's node
+    assert plan.metrics("empty") == {}
+    assert plan.metric_steps(R) == {root: 5, child: 20}
+    assert plan.metric_steps("root-b") == {elsewhere: 5}
+    assert plan.metric_steps("empty") == {}
+
+
 def test_put_metrics_many_records_a_learning_curve(backend: Backend) -> None:
     plan = backend.storage
     const, decay = lr(Constant(0.1)), lr(MultiStep(0.1, [3], 0.1))

@@ -28,6 +28,7 @@ def test_public_names() -> None:
     assert sorted(stagetree.plan.__all__) == sorted(
         [
             "SCHEMA_VERSION",
+            "ActivityRecord",
             "BasePlanStorage",
             "CheckpointRecord",
             "Insertion",

@@ -404,6 +404,19 @@ class BasePlanStorage(ABC):
         gives ``{}``.
         """
 
+    @abstractmethod
+    def metrics(
+        self, root_key: str, nodes: Collection[int] | None = None
+    ) -> dict[int, dict[int, dict[str, float]]]:
+        """Every stored metric of ``root_key``'s tree (or of its ``nodes``) in one read:
+        ``{node: {step: metrics}}``, evaluated steps and ``train()``-only steps alike
+        (the bulk form of :meth:`metrics_along`, for readers of whole trees)."""
+
+    @abstractmethod
+    def metric_steps(self, root_key: str) -> dict[int, int]:
+        """The largest step with stored metrics of each node of ``root_key``'s tree that
+        has any: how far training got on it (cheap: no metric values are read)."""
+
     # -- accounting ----------------------------------------------------------------------
 
     @abstractmethod

@@ -298,6 +298,26 @@ class MemoryPlanStorage(BasePlanStorage):
                         out[step] = shown_metrics(values)
             return dict(sorted(out.items()))
 
+    def metrics(
+        self, root_key: str, nodes: Collection[int] | None = None
+    ) -> dict[int, dict[int, dict[str, float]]]:
+        with self._lock:
+            self._check_open()
+            tree = self._trees.get(root_key)
+            ids = [] if tree is None else sorted(tree.nodes if nodes is None else nodes)
+            return {
+                node: {step: shown_metrics(v) for step, v in sorted(self._metrics[node].items())}
+                for node in ids
+                if self._metrics.get(node) and tree is not None and node in tree.nodes
+            }
+
+    def metric_steps(self, root_key: str) -> dict[int, int]:
+        with self._lock:
+            self._check_open()
+            tree = self._trees.get(root_key)
+            nodes = () if tree is None else tree.nodes
+            return {n: max(self._metrics[n]) for n in sorted(nodes) if self._metrics.get(n)}
+
     # -- accounting ----------------------------------------------------------------------
 
     @_writes

@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from typing import Any
@@ -786,6 +786,36 @@ class SQLPlanStorage(BasePlanStorage):
                 out[row.step] = shown_metrics(_codec.loads(row.data))
         return dict(sorted(out.items()))
 
+    def metrics(
+        self, root_key: str, nodes: Collection[int] | None = None
+    ) -> dict[int, dict[int, dict[str, float]]]:
+        query = select(_metrics.c.node, _metrics.c.step, _metrics.c.data)
+        out: dict[int, dict[int, dict[str, float]]] = {}
+        with self._tx(write=False) as conn:
+            if nodes is None:
+                rows = conn.execute(query.where(_metrics.c.root_key == root_key)).all()
+            else:
+                ids = sorted(set(nodes))
+                rows = []
+                for i in range(0, len(ids), _CHUNK):
+                    chunk = query.where(
+                        _metrics.c.root_key == root_key, _metrics.c.node.in_(ids[i : i + _CHUNK])
+                    )
+                    rows.extend(conn.execute(chunk).all())
+        for row in sorted(rows, key=lambda r: (r.node, r.step)):
+            out.setdefault(row.node, {})[row.step] = shown_metrics(_codec.loads(row.data))
+        return out
+
+    def metric_steps(self, root_key: str) -> dict[int, int]:
+        query = (
+            select(_metrics.c.node, func.max(_metrics.c.step))
+            .where(_metrics.c.root_key == root_key)
+            .group_by(_metrics.c.node)
+            .order_by(_metrics.c.node)
+        )
+        with self._tx(write=False) as conn:
+            return {int(node): int(step) for node, step in conn.execute(query).all()}
+
     # -- accounting ----------------------------------------------------------------------
 
     def add_stats(self, scope: str, **deltas: float) -> None:
@@ -937,7 +967,9 @@ class SQLPlanStorage(BasePlanStorage):
             rows = conn.execute(
                 select(_trials).where(_trials.c.study == study).order_by(_trials.c.id)
             ).all()
-        return [_trial(row) for row in rows]
+            # Decoded through the sequence cache (under the lock): a study's trials
+            # share a few sequences, and their nodes hold the same ones.
+            return [_trial(row, self._seqs.decode_hp) for row in rows]
 
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         data = _codec.dumps(dict(record), "log record")
@@ -1093,8 +1125,11 @@ def _activity_record(row: Any) -> ActivityRecord:
     return ActivityRecord(**{**m, "data": _codec.loads(m["data"])})
 
 
+_STATES = {state.value: state for state in RequestState}  # RequestState(x) is slow
+
+
 def _request(row: Any) -> Request:
-    return Request(row.node, row.step, row.refcount, RequestState(row.state), row.error)
+    return Request(row.node, row.step, row.refcount, _STATES[row.state], row.error)
 
 
 def _request_row(req: Request, root_key: str) -> dict[str, Any]:
@@ -1142,13 +1177,13 @@ def _replace_expiry(lease: Lease, expires: float) -> Lease:
     return Lease(**{**_lease_row(lease), "expires": expires})
 
 
-def _trial(row: Any) -> dict[str, Any]:
+def _trial(row: Any, decode_hp: Callable[[str], dict[str, Sequence]] = loads_hp) -> dict[str, Any]:
     return {
         "id": row.id,
         "study": row.study,
         "root_key": row.root_key,
         "config": _codec.loads(row.config),
-        "hp": loads_hp(row.hp),
+        "hp": decode_hp(row.hp),
         "steps": row.steps,
         "node": row.node,
         "step": row.step,

@@ -40,6 +40,9 @@ writes nothing.
                                                    in the checkpoint format
                                                    (octet-stream), 204 when there is none
 =================================================  ======================================
+
+The dashboard (:mod:`stagetree.dashboard`) is served at ``/``, its JSON under ``/api``,
+read-only through the studies' engine and behind the same token.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stagetree import __version__
@@ -110,14 +113,16 @@ def _mismatch(theirs: str) -> RequestError:
 
 
 class _Guard:
-    """ASGI middleware: token, protocol version and body size, before any route."""
+    """ASGI middleware: token, protocol version and body size, before any ``/v1`` route
+    (the dashboard's pages and ``/api`` check the same token themselves, also from the
+    cookie a browser holds)."""
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
         self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not _is_v1(scope["path"]):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -145,6 +150,10 @@ class _Guard:
             return message
 
         await self.app(scope, limited, send)
+
+
+def _is_v1(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
 
 
 def _too_large(limit: int) -> RequestError:
@@ -215,9 +224,35 @@ def _trial(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 _SETTLE_WAIT = 0.02  # seconds a submit waits for an answer the plan already holds
 
 
+class _Dashboard(Mount):
+    """The dashboard's mount at ``/``: everything but ``/v1``, whose unknown routes and
+    methods stay the API's JSON 404 and 405."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if _is_v1(scope.get("path", "")):
+            return Match.NONE, {}
+        return super().matches(scope)
+
+
+def _dashboard(hub: Hub, token: str) -> ASGIApp:
+    """The dashboard (:mod:`stagetree.dashboard`) of the hub's storage, read through its
+    engine, behind the server's token."""
+    from stagetree.dashboard.app import create_dashboard_app
+    from stagetree.dashboard.serve import shown_url
+
+    return create_dashboard_app(
+        hub.reading,
+        url=shown_url(hub.config.storage),
+        token=token,
+        checkpoints=hub.config.checkpoint_dir,
+        stopping=lambda: hub.closing,
+    )
+
+
 def create_app(hub: Hub, token: str) -> Starlette:
-    """The Starlette app of ``hub``, guarded by ``token``. The hub is closed when the
-    app shuts down (lifespan)."""
+    """The Starlette app of ``hub``, guarded by ``token``: the API under ``/v1`` and
+    the dashboard at ``/`` (its JSON under ``/api``). The hub is closed when the app
+    shuts down (lifespan)."""
 
     def endpoint(
         fn: Callable[[Request], Awaitable[Response]],
@@ -497,6 +532,7 @@ def create_app(hub: Hub, token: str) -> Starlette:
         Route(f"{s}/workers", workers, methods=["GET"]),
         Route(f"{s}/eval", evaluate, methods=["POST"]),
         Route(f"{s}/state", state, methods=["POST"]),
+        _Dashboard("/", app=_dashboard(hub, token)),
     ]
     app = Starlette(
         routes=routes,

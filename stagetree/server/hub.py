@@ -32,11 +32,12 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from stagetree.exceptions import StudyBusyError
+from stagetree.plan import BasePlanStorage, MemoryPlanStorage, open_storage
 from stagetree.server.protocol import RequestError, error_to_json, result_to_json
 from stagetree.server.trainers import TrainerRegistry
 from stagetree.study import Study, check_weight
@@ -108,6 +109,7 @@ class Hub:
         self._studies: dict[tuple[str, str, bool, float], Study] = {}
         self._sessions: dict[str, Session] = {}
         self._tuning: dict[str, str] = {}  # study name -> id of the session tuning it
+        self._reader: BasePlanStorage | None = None  # read-only, before any study opens
         self._lock = threading.RLock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -380,8 +382,41 @@ class Hub:
                 log.exception("closing study %r failed", study.name)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if self._reader is not None:
+            self._reader.close()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[BasePlanStorage]:
+        """The plan for read-only queries (the dashboard at ``/``): through the engine
+        of this server's studies (:meth:`Study.reading <stagetree.Study.reading>`, its
+        lock held: keep reads short); before any study is open, a read-only handle of
+        the storage, opened once.
+
+        Raises:
+            RequestError: 503 while the server shuts down.
+        """
+        with self._lock:
+            self._check_open()
+            study = next(iter(self._studies.values()), None)
+            if study is None and self._reader is None:
+                self._reader = _read_only(self.config.storage)
+            reader = self._reader
+        if study is not None:
+            with study.reading() as storage:
+                yield storage
+        else:
+            assert reader is not None
+            yield reader
 
     def describe(self) -> Mapping[str, Any]:
         """Counts for ``/v1/info``: sessions, studies, trainer versions."""
         with self._lock:
             return {"sessions": len(self._sessions), "studies": len(self._studies)}
+
+
+def _read_only(url: str) -> BasePlanStorage:
+    """A read-only handle of the storage at ``url`` (an empty plan for ``memory://``:
+    the studies that will fill it are not open yet)."""
+    if url.strip().startswith(("memory", ":memory:")):
+        return MemoryPlanStorage()
+    return open_storage(url, readonly=True)

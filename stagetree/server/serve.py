@@ -12,7 +12,7 @@ from typing import Any, TextIO
 from stagetree.exceptions import StagetreeError
 from stagetree.server.protocol import DEFAULT_PORT
 
-__all__ = ["serve"]
+__all__ = ["listen", "serve"]
 
 
 def serve(
@@ -76,7 +76,7 @@ def serve(
         raise
     except Exception as exc:
         raise StagetreeError(f"cannot open plan storage {storage!r}: {exc}") from None
-    sock = _listen(host, port)  # before anything is printed: a busy port fails here
+    sock = listen(host, port)  # before anything is printed: a busy port fails here
     hub = Hub(HubConfig(storage, executor, workers, checkpoints, ttl))
     app = create_app(hub, token)
     scheme = "https" if ssl_certfile else "http"
@@ -84,6 +84,12 @@ def serve(
     print(
         f"stagetree serve: {scheme}://{shown}:{port} (storage {storage}, executor {executor}, "
         f"session lease {ttl:g} s); token in {token_path}",
+        file=stream,
+        flush=True,
+    )
+    print(
+        f"stagetree serve: dashboard at {scheme}://{shown}:{port}/ (open it once with "
+        "?token=<the token>)",
         file=stream,
         flush=True,
     )
@@ -120,7 +126,7 @@ def serve(
     return 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port``.
 
     Raises:
