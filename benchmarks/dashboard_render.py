@@ -30,8 +30,8 @@ import urllib.request
 from pathlib import Path
 
 from _synthetic_plan import STUDY, write_study
-from stagetree.dashboard.serve import start_dashboard
 
+from stagetree.dashboard.serve import start_dashboard
 from stagetree.plan import open_storage
 
 CHROMIUM = "/usr/bin/chromium"
