@@ -315,9 +315,9 @@ def test_workers_timeline_has_bars(page: Any, site: Site) -> None:
     _open(page, site, f"/study/{STUDY}/workers")
     assert page.locator("g.batch").count() > 0
     assert page.locator("#workers-table tbody tr[data-worker]").count() >= 1
+    _shot(page, "workers")
     page.hover("g.batch >> nth=0")
     assert "node #" in page.inner_text("#tooltip")
-    _shot(page, "workers")
 
 
 def test_unknown_study_says_so(page: Any, site: Site) -> None:
