@@ -244,6 +244,12 @@ export class CurvesView {
       const i = c.pts.findIndex((p) => p.n < 2);
       const cls = `curve st-${esc(c.t.state)}`;
       const stroke = c.pts.length ? colour(c.pts[c.pts.length - 1].v) : "#999";
+      if (c.pts.length === 1) {
+        // a trial stopped after its first evaluation: a dot, or it would not show
+        const p = c.pts[0];
+        return `<path class="${cls}" data-trial="${c.t.id}" stroke="${stroke}" d="M${x(p.s)},${y(p.v)}h0"/>` +
+          `<circle class="curve-dot" cx="${x(p.s)}" cy="${y(p.v)}" r="3.5" fill="${stroke}"/>`;
+      }
       if (i < 0) {
         return `<path class="${cls} covered" data-trial="${c.t.id}" stroke="${stroke}" d="${line(c.pts)}"/>`;
       }
