@@ -12,7 +12,9 @@ trials of an MLP on digits, 2 workers) in its own process.
 
 * **First paint**: from ``page.goto(/study/bench)`` until the page says the tree is
   drawn (``window.stagetree.ready``), on a finished synthetic study of N trials
-  (``benchmarks/_synthetic_plan.py``), in a fresh browser context (nothing cached).
+  (``benchmarks/_synthetic_plan.py``), in a fresh browser context: the first load (the
+  dashboard process has read nothing yet) and the median of two more; then one first
+  load of each other view (curves, trials table, workers timeline).
 * **Live update**: a trial is added to the plan by another process's handle (a new
   stage appears); the time from its commit until the page's tree has the new node,
   without a reload, and the bytes of the tree delta the page fetched for it.
@@ -116,6 +118,15 @@ def render_row(browser: Any, trials: int, work: Path) -> dict[str, Any]:
             rendered = page.evaluate("window.stagetree.rendered")
             if attempt < 2:  # keep the last page open for the updates
                 context.close()
+        views = {}
+        for view in ("curves", "trials", "workers"):  # one cold load of each other view
+            ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+            other = ctx.new_page()
+            t0 = time.perf_counter()
+            other.goto(f"{address}study/{STUDY}/{view}")
+            _wait_ready(other)
+            views[view] = time.perf_counter() - t0
+            ctx.close()
         # Live updates: another process's handle adds a trial (a new stage).
         extra = synthetic_hp(trials + 3, 60)[trials:]
         updates, update_bytes = [], []
@@ -147,7 +158,9 @@ def render_row(browser: Any, trials: int, work: Path) -> dict[str, Any]:
         "trials": trials,
         "nodes": int(written["nodes"]),
         "drawn": rendered,
-        "first_paint_s": median(paints),
+        "first_paint_s": paints[0],
+        "again_s": median(paints[1:]),
+        **{f"{view}_s": t for view, t in views.items()},
         "tree_kib": tree_bytes / 1024,
         "update_s": median(updates),
         "update_kib": median(update_bytes) / 1024,
@@ -236,8 +249,12 @@ def main() -> None:
                     [
                         "trials",
                         "plan nodes",
-                        "drawn",
-                        "first paint (s)",
+                        "rows drawn",
+                        "tree: first paint (s)",
+                        "tree: again (s)",
+                        "curves (s)",
+                        "trials table (s)",
+                        "workers (s)",
                         "tree (KiB)",
                         "update reaches page (s)",
                         "update (KiB)",
@@ -248,6 +265,10 @@ def main() -> None:
                             r["nodes"],
                             r["drawn"],
                             f"{r['first_paint_s']:.2f}",
+                            f"{r['again_s']:.2f}",
+                            f"{r['curves_s']:.2f}",
+                            f"{r['trials_s']:.2f}",
+                            f"{r['workers_s']:.2f}",
                             f"{r['tree_kib']:.0f}",
                             f"{r['update_s']:.2f}",
                             f"{r['update_kib']:.1f}",
