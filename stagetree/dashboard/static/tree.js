@@ -56,6 +56,7 @@ export class TreeView {
         <div class="toolbar">
           <div class="legend">${legend}
             <span class="key"><span class="sw split"></span>solid: trained · light: still to train</span>
+            <span class="key"><span class="dash-key"></span>announced branches only (nothing requested)</span>
             <span class="key"><span class="diamond"></span>checkpoint</span>
             <span class="key"><span class="sw faded"></span>only other studies' trials</span>
             <span class="key"><span class="pill-key">+N</span>collapsed subtree</span>
@@ -363,6 +364,8 @@ export class TreeView {
       const xa = cx(n.start);
       const xb = Math.max(cx(n.end), xa + 2);
       const xd = cx(Math.max(n.start, Math.min(n.done ?? n.start, n.end)));
+      // past what any request wants, the bar only carries announced (declared) branches
+      const xw = Math.max(xd, cx(Math.min(n.wanted ?? n.end, n.end)));
       const cls = n.trials && n.trials.length ? "node own" : n.others ? "node other" : "node";
       let ck = "";
       for (const c of n.checkpoints || []) {
@@ -371,7 +374,9 @@ export class TreeView {
         ck += `M${cxp} ${ROW / 2 - 5}l4 5l-4 5l-4 -5z`;
       }
       bars.push(`<g class="${cls}" data-node="${n.id}" data-state="${n.state}" transform="translate(0,${y})">` +
-        `<rect class="rest" x="${xa.toFixed(1)}" y="${y0}" width="${(xb - xa).toFixed(1)}" height="${BAR}"/>` +
+        (xw > xa ? `<rect class="rest" x="${xa.toFixed(1)}" y="${y0}" width="${(xw - xa).toFixed(1)}" height="${BAR}"/>` : "") +
+        (xb > xw + 1 ? `<path class="declared" d="M${xw.toFixed(1)} ${ROW / 2}H${xb.toFixed(1)}"/>` : "") +
+        (xw <= xa && xb <= xw + 1 ? `<rect class="rest" x="${xa.toFixed(1)}" y="${y0}" width="2" height="${BAR}"/>` : "") +
         (xd > xa ? `<rect class="done" x="${xa.toFixed(1)}" y="${y0}" width="${(xd - xa).toFixed(1)}" height="${BAR}"/>` : "") +
         (ck ? `<path class="ckpt" d="${ck}"/>` : "") + `</g>`);
       if (row.prow >= 0) {

@@ -9,6 +9,7 @@ export const STATE_COLOURS = {
   pending: "#8c8c8c",
   failed: "#D55E00",
   cancelled: "#CC79A7",
+  declared: "#b5b5b5",
 };
 
 export const BATCH_COLOURS = {
