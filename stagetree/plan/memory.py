@@ -311,6 +311,18 @@ class MemoryPlanStorage(BasePlanStorage):
                 if self._metrics.get(node) and tree is not None and node in tree.nodes
             }
 
+    def metrics_at(
+        self, keys: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], dict[str, float]]:
+        with self._lock:
+            self._check_open()
+            out: dict[tuple[int, int], dict[str, float]] = {}
+            for node, step in sorted(set(keys)):
+                stored = self._metrics.get(node, {}).get(step)
+                if stored is not None:
+                    out[(node, step)] = shown_metrics(stored)
+            return out
+
     def metric_steps(self, root_key: str) -> dict[int, int]:
         with self._lock:
             self._check_open()
