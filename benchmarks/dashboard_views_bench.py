@@ -1,0 +1,215 @@
+"""The dashboard's read side, in process: how long each JSON view of
+``docs/dashboard-api.md`` takes on a finished synthetic study of 100, 1,000 and 10,000
+trials (``benchmarks/_synthetic_plan.py``) in SQLite, through the dashboard's own app
+(Starlette's test client: the views, their caches, JSON and gzip; no browser, no
+network).
+
+    .venv/bin/python benchmarks/dashboard_views_bench.py [--sizes 100,1000,10000]
+        [--repeat 3] [--cache DIR]
+
+Columns (seconds, the median of ``--repeat`` runs, each on a fresh app and a fresh
+read-only handle, as a newly started ``stagetree dashboard`` has):
+
+* ``studies``, ``study``, ``tree``, ``curves``, ``trials``, ``timeline``: the first
+  request of each (``/api/studies``, ``/api/studies/bench``, ``.../tree``, ...) on
+  a fresh app.
+* ``paint``: ``study`` and ``tree`` requested at once (two threads), as the study page
+  does at first paint.
+* ``Δ trial``: after the page has the tree, another handle adds one trial (a new
+  node, its request and its row: two commits); then ``study``, ``tree?after=`` and
+  ``timeline?after=``, what a page asks for on a live update.
+* ``Δ states``: the same after three requests change state (scheduled, then done
+  again).
+
+Plans are written once into ``--cache`` (default: ``$TMPDIR/stagetree-views-bench``)
+and copied for each run, so that the changes never accumulate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine_info, markdown_table
+from _synthetic_plan import STUDY, synthetic_hp, write_study
+
+from stagetree.plan import BasePlanStorage, RequestState, open_storage
+
+with warnings.catch_warnings():  # starlette >= 1 prefers httpx2 for its test client
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
+from stagetree.dashboard.app import create_dashboard_app
+
+_ROOT = "synthetic-root"
+_STEPS = 60
+
+
+def plan_file(cache: Path, trials: int) -> Path:
+    """The cached plan of ``trials`` trials (written when missing)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"plan-{trials}.db"
+    if not path.exists():
+        partial = path.with_suffix(".tmp")
+        partial.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        with open_storage(f"sqlite:///{partial}") as storage:
+            write_study(storage, trials, steps=_STEPS)
+        partial.rename(path)
+        print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return path
+
+
+@contextlib.contextmanager
+def fresh_copy(path: Path) -> Iterator[str]:
+    """A copy of the plan at ``path``, as a URL, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="views-bench-") as tmp:
+        copy = Path(tmp) / path.name
+        shutil.copyfile(path, copy)
+        yield f"sqlite:///{copy}"
+
+
+@contextlib.contextmanager
+def client(url: str) -> Iterator[TestClient]:
+    """A fresh dashboard app over a fresh read-only handle of ``url``."""
+    storage = open_storage(url, readonly=True)
+    app = create_dashboard_app(lambda: contextlib.nullcontext(storage), url=url)
+    try:
+        with TestClient(app) as c:
+            yield c
+    finally:
+        storage.close()
+
+
+def _get(c: TestClient, path: str) -> dict[str, Any]:
+    response = c.get(path)
+    if response.status_code != 200:
+        raise RuntimeError(f"GET {path}: {response.status_code} {response.text[:200]}")
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def add_trial(writer: BasePlanStorage, trials: int) -> None:
+    """One new trial of the study, as an engine adds it: its path, then its row."""
+    hp = synthetic_hp(trials + 1, _STEPS)[trials]
+    ins = writer.insert_trials(_ROOT, [(hp, _STEPS)])[0]
+    writer.add_trial(
+        STUDY,
+        _ROOT,
+        {"model": "synthetic"},
+        hp,
+        _STEPS,
+        ins.node,
+        ins.step,
+        attrs={"version": "synthetic"},
+    )
+
+
+def flip_states(writer: BasePlanStorage) -> None:
+    """Three done requests scheduled (three commits), as an engine starts on them."""
+    done = writer.requests(_ROOT, states=[RequestState.DONE])
+    for r in done[:: max(len(done) // 3, 1)][:3]:
+        writer.set_request_state(r.node, r.step, RequestState.SCHEDULED)
+
+
+def live_update(c: TestClient, revision: int, seq: int) -> tuple[int, int]:
+    """What a page asks for after a change: the study, the tree and timeline deltas."""
+    study = _get(c, f"/api/studies/{STUDY}")
+    tree = _get(c, f"/api/studies/{STUDY}/tree?after={revision}")
+    timeline = _get(c, f"/api/studies/{STUDY}/timeline?after={seq}")
+    assert tree["full"] is False, "the delta was not kept"
+    return int(study["revision"]), int(timeline["seq"])
+
+
+def one_run(path: Path, trials: int) -> dict[str, float]:
+    """Every column once, on fresh apps over a fresh copy of the plan."""
+    out: dict[str, float] = {}
+    s = f"/api/studies/{STUDY}"
+    with fresh_copy(path) as url:
+        for column, endpoint in (
+            ("studies", "/api/studies"),
+            ("study", s),
+            ("tree", f"{s}/tree"),
+            ("curves", f"{s}/curves"),
+            ("trials", f"{s}/trials"),
+            ("timeline", f"{s}/timeline"),
+        ):
+            with client(url) as c:
+                out[column] = _timed(lambda c=c, e=endpoint: _get(c, e))
+        with client(url) as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            t0 = time.perf_counter()
+            jobs = [pool.submit(_get, c, e) for e in (s, f"{s}/tree")]
+            for job in jobs:
+                job.result()
+            out["paint"] = time.perf_counter() - t0
+        with client(url) as c, open_storage(url) as writer:
+            tree = _get(c, f"{s}/tree")
+            seq = int(_get(c, f"{s}/timeline")["seq"])
+            revision = int(tree["revision"])
+            for column, change in (
+                ("Δ trial", lambda: add_trial(writer, trials)),
+                ("Δ states", lambda: flip_states(writer)),
+            ):
+                change()
+                t0 = time.perf_counter()
+                revision, seq = live_update(c, revision, seq)
+                out[column] = time.perf_counter() - t0
+    return out
+
+
+COLUMNS = (
+    "studies",
+    "study",
+    "tree",
+    "paint",
+    "curves",
+    "trials",
+    "timeline",
+    "Δ trial",
+    "Δ states",
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="100,1000,10000")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--cache", type=Path, default=Path(tempfile.gettempdir()) / "stagetree-views-bench"
+    )
+    args = parser.parse_args()
+    rows = []
+    one_run(plan_file(args.cache, 100), 100)  # imports and first-call costs, not timed
+    for trials in (int(x) for x in args.sizes.split(",")):
+        path = plan_file(args.cache, trials)
+        runs = [one_run(path, trials) for _ in range(args.repeat)]
+        rows.append(
+            [f"{trials:,}", *(f"{statistics.median(r[k] for r in runs):.3f}" for k in COLUMNS)]
+        )
+        print(f"{trials} trials done", file=sys.stderr)
+    info = machine_info()
+    print(f"seconds, median of {args.repeat}; {info.get('cpu', '')} ({info.get('python', '')})")
+    print()
+    print(markdown_table(["trials", *COLUMNS], rows))
+
+
+if __name__ == "__main__":
+    main()
