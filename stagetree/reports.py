@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
+import gc
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from stagetree.identity import split_trials
 
@@ -55,6 +57,8 @@ __all__ = [
     "export_records",
     "export_table",
     "failures",
+    "final_metrics",
+    "final_records",
     "final_value",
     "format_value",
     "hidden_trials",
@@ -73,6 +77,31 @@ __all__ = [
 ]
 
 _MODES = ("max", "min")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def quiet_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` with the generational garbage collector paused (as the stage tree's
+    build does, :func:`stagetree.stages.build_stage_tree`): a reader of a large study
+    allocates tens of thousands of rows and points at once, and collections triggered
+    halfway would walk them and everything the process holds for nothing (a third of
+    the time of a view). Cycles are collected once it is enabled again; nested and
+    concurrent calls leave it enabled as they found it."""
+
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return paused
+
 
 # Metric names that are minimised when a study does not record its mode.
 _MIN_WORDS = ("loss", "err", "perplexity", "mse", "mae", "regret")
@@ -264,6 +293,7 @@ class TreeCurves:
         return out
 
 
+@quiet_gc
 def records_of(
     storage: BasePlanStorage,
     trials: Iterable[Mapping[str, Any]],
@@ -286,6 +316,64 @@ def records_of(
                 error,
             )
         )
+    return out
+
+
+def final_metrics(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    curves: TreeCurves | None = None,
+) -> dict[int, dict[str, float]]:
+    """The metrics of each trial row at its final step (``steps``), by trial id (trials
+    without any there are left out): what :func:`records_of` would hold at that step,
+    without reading the learning curves. One :meth:`BasePlanStorage.metrics_at` read,
+    or taken from ``curves`` when its trees are read already; a row whose end lags its
+    steps walks its path (:meth:`BasePlanStorage.metrics_along`)."""
+    out: dict[int, dict[str, float]] = {}
+    keys: dict[int, tuple[int, int]] = {}
+    for t in trials:
+        if t.get("node") is None:
+            continue
+        steps = int(t["steps"])
+        if t.get("step") != steps:  # the row's end lags: walk its values
+            found = storage.metrics_along(t["root_key"], t["hp"], steps).get(steps)
+            if found is not None:
+                out[int(t["id"])] = found
+        elif curves is not None:
+            root, node = str(t["root_key"]), int(t["node"])
+            if node not in curves.nodes(root):  # committed after the tree was read
+                found = storage.metrics_along(t["root_key"], t["hp"], steps).get(steps)
+            else:
+                point = curves.metrics(root).get(node, {}).get(steps)
+                found = None if point is None else dict(point)
+            if found is not None:
+                out[int(t["id"])] = found
+        else:
+            keys[int(t["id"])] = (int(t["node"]), steps)
+    if keys:
+        points = storage.metrics_at(keys.values())
+        out.update((tid, points[key]) for tid, key in keys.items() if key in points)
+    return out
+
+
+def final_records(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    curves: TreeCurves | None = None,
+) -> list[TrialRecord]:
+    """:class:`TrialRecord` of each trial row whose ``metrics`` hold only its final
+    step's (:func:`final_metrics`): all that :func:`ranked_metric`, :func:`best_trial`
+    and :func:`final_value` read, at the cost of one point per trial. ``config`` and
+    ``hp`` are the rows' own (not copied)."""
+    rows = list(trials)
+    finals = final_metrics(storage, rows, curves)
+    out = []
+    for t in rows:
+        tid, steps = int(t["id"]), int(t["steps"])
+        error = TrialError.from_attrs(t.get("attrs")) if t["state"] == "failed" else None
+        final = finals.get(tid)
+        metrics = {steps: final} if final is not None else {}
+        out.append(TrialRecord(tid, t["config"], t["hp"], steps, str(t["state"]), metrics, error))
     return out
 
 
@@ -624,13 +712,20 @@ def ranked_metric(
     return names[0], _guess_mode(names[0]), f"first of {', '.join(names)}; mode guessed"
 
 
-def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
+@quiet_gc
+def study_status(
+    storage: BasePlanStorage, name: str, rows: list[dict[str, Any]] | None = None
+) -> StudyStatus:
     """The status of study ``name``: the trials of its latest run's trainer version.
 
     The metric is the one recorded in the study's meta (``meta["metric"]`` and
     ``meta["mode"]``) if any, else the first (alphabetically) metric with a finite value
     at some trial's final step, minimised when its name says loss or error. The best
     trial is :func:`best_trial`'s (the rule of ``Study.best`` and the tuners).
+
+    Args:
+        rows: the study's trial rows (:meth:`BasePlanStorage.trials`, every version),
+            when the caller has read them.
 
     Raises:
         PlanKeyError: no study ``name`` in the storage.
@@ -639,12 +734,16 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
 
     record = study_record(storage, name)
     meta = record.get("meta") or {}
-    trials, hidden = split_trials(storage.trials(name), meta)
-    records = records_of(storage, trials)
+    trials, hidden = split_trials(storage.trials(name) if rows is None else rows, meta)
+    records = final_records(storage, trials)  # the final points are all the ranking reads
     metric, mode, note = ranked_metric(meta, records)
     best = best_trial(records, metric, mode) if metric is not None else None
     numbers, counted = _study_accounting(storage, trials, name)
-    trained = any(r.metrics for r in records)
+    # Whether any trial has metrics: a final point says so; else (on a storage without
+    # counters only, where it matters) look along the learning curves.
+    trained = any(r.metrics for r in records) or (
+        not counted and any(r.metrics for r in records_of(storage, trials))
+    )
     states = [t["state"] for t in trials]
     running = len(running_trials(storage, trials))  # live leases, not stale rows
     finished, failed, cancelled = (states.count(s) for s in ("done", "failed", "cancelled"))
@@ -681,30 +780,53 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
     )
 
 
+@quiet_gc
 def storage_status(storage: BasePlanStorage, url: str, study: str | None = None) -> StorageStatus:
     """The status of every study of ``storage`` (or of ``study``) and its totals.
 
     Raises:
         PlanKeyError: no study ``study`` in the storage.
     """
-    from stagetree.stages import summarize
-
     names = [s["name"] for s in storage.studies()]
     shown = names if study is None else [study_record(storage, study)["name"]]
-    everything = summarize(storage)
+    rows = {name: storage.trials(name) for name in names}  # read once, for both
+    trials, requested, unique = _plan_totals(storage, rows)
     engine = storage.stats("engine")
     return StorageStatus(
         url=url,
-        studies=[study_status(storage, n) for n in shown],
+        studies=[study_status(storage, n, rows[n]) for n in shown],
         studies_total=len(names),
-        trials=everything.trials,
+        trials=trials,
         totals=accounting(
-            everything.total_steps,
-            everything.unique_steps,
+            requested,
+            unique,
             engine.get("steps_executed", 0.0),
             engine.get("device_seconds", 0.0),
         ),
     )
+
+
+def _plan_totals(
+    storage: BasePlanStorage, rows: Mapping[str, list[dict[str, Any]]]
+) -> tuple[int, int, int]:
+    """``(trials, steps requested, unique steps)`` of every tree of the storage, as
+    :func:`stagetree.stages.summarize` counts them, from the trial rows of every study
+    (``rows``); without what ``summarize`` also reads for its pending steps."""
+    from stagetree.plan.model import RequestState
+    from stagetree.stages import total_steps, unique_steps
+
+    keys = storage.root_keys()
+    wanted = set(keys)
+    nodes = {n.id: n for key in keys for n in storage.nodes(key)}
+    trials = [t for found in rows.values() for t in found if t["root_key"] in wanted]
+    if trials:
+        count, requested = len(trials), sum(int(t["steps"]) for t in trials)
+        ends = [(int(t["node"]), int(t["step"])) for t in trials if t["node"] is not None]
+    else:  # a plan without trial records: each live or finished request is a trial
+        live = [r for key in keys for r in storage.requests(key)]
+        ends = [(r.node, r.step) for r in live if r.state != RequestState.CANCELLED]
+        count, requested = len(ends), total_steps(ends)
+    return count, requested, unique_steps(nodes, [e for e in ends if e[0] in nodes])
 
 
 # --------------------------------------------------------------------------- export

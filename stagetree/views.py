@@ -255,6 +255,7 @@ def study_summary(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     return _summary(storage, reports.study_status(storage, name))
 
 
+@reports.quiet_gc
 def study_summaries(storage: BasePlanStorage, url: str = "") -> dict[str, Any]:
     """``GET /api/studies``: every study's summary and the storage-wide totals
     (:func:`stagetree.reports.storage_status`) of the storage at ``url``."""
@@ -274,6 +275,7 @@ def study_summaries(storage: BasePlanStorage, url: str = "") -> dict[str, Any]:
     }
 
 
+@reports.quiet_gc
 def study_detail(
     storage: BasePlanStorage, name: str, log: ActivityLog | None = None
 ) -> dict[str, Any]:
@@ -283,12 +285,16 @@ def study_detail(
     Raises:
         PlanKeyError: no study ``name``.
     """
+    from stagetree.identity import split_trials
+
     revision = storage.revision()
-    st = reports.study_status(storage, name)
+    meta = reports.study_record(storage, name).get("meta") or {}
+    rows = storage.trials(name)  # read once, for the status and the savings
+    st = reports.study_status(storage, name, rows)
     return {
         "revision": revision,
         "study": _summary(storage, st),
-        "savings": savings(storage, name, st, log),
+        "savings": savings(storage, name, st, log, split_trials(rows, meta)[0]),
     }
 
 
@@ -307,6 +313,7 @@ def savings(
     name: str,
     status: reports.StudyStatus | None = None,
     log: ActivityLog | None = None,
+    rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The ``Savings`` of study ``name``: what training each trial alone would cost
     (its requested steps, at the median measured seconds per step) against what was
@@ -317,12 +324,14 @@ def savings(
         status: the study's :func:`~stagetree.reports.study_status`, when the caller
             has it.
         log: see :func:`batches`.
+        rows: the study's :func:`~stagetree.reports.trial_rows`, when the caller has
+            them.
 
     Raises:
         PlanKeyError: no study ``name``.
     """
     st = status if status is not None else reports.study_status(storage, name)
-    rows = reports.trial_rows(storage, name)
+    rows = rows if rows is not None else reports.trial_rows(storage, name)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
     numbers = st.numbers
     executed = round(numbers["steps_executed"]) if numbers is not None else None
@@ -482,6 +491,7 @@ class ActivityLog:
         self._batches: dict[str, Batch] = {}
         self._lock = threading.Lock()
 
+    @reports.quiet_gc
     def update(self, storage: BasePlanStorage, root_keys: Collection[str] | None = None) -> None:
         """Fold in the records written since the last update (of every tree, or only
         of ``root_keys`` for a log of those trees alone)."""
@@ -587,6 +597,7 @@ class TreeData:
     batches: dict[str, Batch]
 
 
+@reports.quiet_gc
 def read_tree(storage: BasePlanStorage, name: str, log: ActivityLog | None = None) -> TreeData:
     """Read what study ``name``'s stage tree is made of: a few bulk reads per tree
     (the batches through ``log`` when given, see :func:`batches`).
@@ -759,6 +770,7 @@ def _state(i: int, progress: _Progress, training: Mapping[int, str]) -> str:
     return "trained"
 
 
+@reports.quiet_gc
 def build_tree(data: TreeData) -> dict[str, Any]:
     """The stage tree of :class:`TreeData` (``GET /api/studies/{name}/tree``, full):
     one ``Node`` per plan node of the study's trees (``docs/dashboard-api.md`` gives
@@ -828,6 +840,7 @@ def tree_delta(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]
     }
 
 
+@reports.quiet_gc
 def node_detail(
     storage: BasePlanStorage, name: str, node_id: int, tree: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -883,6 +896,7 @@ def _trial_paths(
     return out
 
 
+@reports.quiet_gc
 def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> dict[str, Any]:
     """``GET /api/studies/{name}/curves``: the learning curves of the study's trials as
     shared segments: the points of ``metric`` (default: the study's ranked metric,
@@ -944,6 +958,7 @@ def _checkpoint_url(name: str, trial_id: int) -> str:
     return f"/api/studies/{urllib.parse.quote(name, safe='')}/trials/{trial_id}/checkpoint"
 
 
+@reports.quiet_gc
 def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     """``GET /api/studies/{name}/trials``: one row per trial of the study's latest
     trainer version: config, sequences in compact form over its steps
@@ -1037,6 +1052,7 @@ def _batch_trials(
     return sorted(out)
 
 
+@reports.quiet_gc
 def timeline(
     storage: BasePlanStorage, name: str, after: int = 0, log: ActivityLog | None = None
 ) -> dict[str, Any]:
