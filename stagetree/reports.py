@@ -292,6 +292,34 @@ class TreeCurves:
                 out[step] = dict(points[step])
         return out
 
+    def last(self, trial: Mapping[str, Any]) -> tuple[int, dict[str, float]] | None:
+        """The last step with metrics on ``trial``'s path up to its steps, and its
+        metrics (the last point of :meth:`of`, without copying the others); None when
+        it has none."""
+        if trial.get("node") is None:
+            return None
+        if trial.get("step") == trial["steps"]:
+            nodes, metrics = self.tree(str(trial["root_key"]))
+            try:
+                segments = path_segments(nodes, int(trial["node"]), int(trial["steps"]))
+            except KeyError:  # a node committed after the tree was read
+                segments = None
+            if segments is not None:
+                for node, first, last in reversed(segments):
+                    points = metrics.get(node)
+                    if not points:
+                        continue
+                    steps = self._steps[node]
+                    hi = bisect.bisect_right(steps, last)
+                    if hi and steps[hi - 1] >= first:
+                        return steps[hi - 1], dict(points[steps[hi - 1]])
+                return None
+        curve = self.of(trial)  # the row's end lags, or its node is new: walk its values
+        if not curve:
+            return None
+        step = max(curve)
+        return step, curve[step]
+
 
 @quiet_gc
 def records_of(

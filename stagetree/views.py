@@ -911,7 +911,7 @@ def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> di
     meta = reports.study_record(storage, name).get("meta") or {}
     rows = reports.trial_rows(storage, name)
     tree_curves = reports.TreeCurves(storage)
-    records = reports.records_of(storage, rows, tree_curves)
+    records = reports.final_records(storage, rows, tree_curves)  # what the ranking reads
     ranked, ranked_mode, _ = reports.ranked_metric(meta, records)
     metric = metric or ranked
     mode = ranked_mode if metric == ranked else reports.metric_mode(metric or "", meta)
@@ -971,14 +971,19 @@ def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     revision = storage.revision()
     meta = reports.study_record(storage, name).get("meta") or {}
     rows = reports.trial_rows(storage, name)
-    records = reports.records_of(storage, rows)
+    records = reports.final_records(storage, rows)  # what the ranking reads
     metric = reports.ranked_metric(meta, records)[0]
     ckpts: dict[tuple[int, int], CheckpointRecord] = {}
     for root in dict.fromkeys(str(t["root_key"]) for t in rows):
         ckpts.update(storage.checkpoints(root))
+    curves: reports.TreeCurves | None = None  # read only for trials short of their end
     out = []
     for t, rec in zip(rows, records):
-        last = max(rec.metrics, default=None)
+        last = rec.metrics.get(rec.steps)  # at the final step: the last one with metrics
+        if last is None:
+            curves = curves if curves is not None else reports.TreeCurves(storage)
+            found = curves.last(t)
+            last = found[1] if found is not None else None
         end = (t.get("node"), t.get("step"))
         has_ckpt = t["state"] == "done" and end in ckpts
         out.append(
@@ -988,7 +993,7 @@ def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
                 "steps": rec.steps,
                 "config": rec.config,
                 "hp": {k: compact(seq, 0, rec.steps) for k, seq in sorted(rec.hp.items())},
-                "metrics": _metrics(rec.metrics[last]) if last is not None else {},
+                "metrics": _metrics(last) if last is not None else {},
                 "error": rec.error.summary() if rec.error is not None else None,
                 "checkpoint": _checkpoint_url(name, rec.id) if has_ckpt else None,
             }

