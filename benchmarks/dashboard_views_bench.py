@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import shutil
 import statistics
 import sys
@@ -93,11 +94,16 @@ def client(url: str) -> Iterator[TestClient]:
         storage.close()
 
 
-def _get(c: TestClient, path: str) -> dict[str, Any]:
-    response = c.get(path)
+def _fetch(c: TestClient, path: str) -> bytes:
+    """The body of ``GET path`` (gzip, as a browser asks for it), not parsed."""
+    response = c.get(path, headers={"Accept-Encoding": "gzip"})
     if response.status_code != 200:
         raise RuntimeError(f"GET {path}: {response.status_code} {response.text[:200]}")
-    data: dict[str, Any] = response.json()
+    return response.content
+
+
+def _get(c: TestClient, path: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(_fetch(c, path))
     return data
 
 
@@ -130,13 +136,14 @@ def flip_states(writer: BasePlanStorage) -> None:
         writer.set_request_state(r.node, r.step, RequestState.SCHEDULED)
 
 
-def live_update(c: TestClient, revision: int, seq: int) -> tuple[int, int]:
-    """What a page asks for after a change: the study, the tree and timeline deltas."""
-    study = _get(c, f"/api/studies/{STUDY}")
-    tree = _get(c, f"/api/studies/{STUDY}/tree?after={revision}")
-    timeline = _get(c, f"/api/studies/{STUDY}/timeline?after={seq}")
-    assert tree["full"] is False, "the delta was not kept"
-    return int(study["revision"]), int(timeline["seq"])
+def live_update(c: TestClient, revision: int, seq: int) -> tuple[float, bytes, bytes, bytes]:
+    """What a page asks for after a change: the study, the tree and timeline deltas
+    (the seconds they took, and their bodies)."""
+    t0 = time.perf_counter()
+    study = _fetch(c, f"/api/studies/{STUDY}")
+    tree = _fetch(c, f"/api/studies/{STUDY}/tree?after={revision}")
+    timeline = _fetch(c, f"/api/studies/{STUDY}/timeline?after={seq}")
+    return time.perf_counter() - t0, study, tree, timeline
 
 
 def one_run(path: Path, trials: int) -> dict[str, float]:
@@ -153,25 +160,25 @@ def one_run(path: Path, trials: int) -> dict[str, float]:
             ("timeline", f"{s}/timeline"),
         ):
             with client(url) as c:
-                out[column] = _timed(lambda c=c, e=endpoint: _get(c, e))
+                out[column] = _timed(lambda c=c, e=endpoint: _fetch(c, e))
         with client(url) as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
             t0 = time.perf_counter()
-            jobs = [pool.submit(_get, c, e) for e in (s, f"{s}/tree")]
+            jobs = [pool.submit(_fetch, c, e) for e in (s, f"{s}/tree")]
             for job in jobs:
                 job.result()
             out["paint"] = time.perf_counter() - t0
         with client(url) as c, open_storage(url) as writer:
-            tree = _get(c, f"{s}/tree")
+            revision = int(_get(c, f"{s}/tree")["revision"])
             seq = int(_get(c, f"{s}/timeline")["seq"])
-            revision = int(tree["revision"])
             for column, change in (
                 ("Δ trial", lambda: add_trial(writer, trials)),
                 ("Δ states", lambda: flip_states(writer)),
             ):
                 change()
-                t0 = time.perf_counter()
-                revision, seq = live_update(c, revision, seq)
-                out[column] = time.perf_counter() - t0
+                out[column], _, tree, timeline = live_update(c, revision, seq)
+                delta = json.loads(tree)
+                assert delta["full"] is False, "the tree's delta was not kept"
+                revision, seq = int(delta["revision"]), int(json.loads(timeline)["seq"])
     return out
 
 

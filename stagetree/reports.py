@@ -62,6 +62,7 @@ __all__ = [
     "final_value",
     "format_value",
     "hidden_trials",
+    "last_points",
     "metric_mode",
     "path_segments",
     "progress",
@@ -292,34 +293,6 @@ class TreeCurves:
                 out[step] = dict(points[step])
         return out
 
-    def last(self, trial: Mapping[str, Any]) -> tuple[int, dict[str, float]] | None:
-        """The last step with metrics on ``trial``'s path up to its steps, and its
-        metrics (the last point of :meth:`of`, without copying the others); None when
-        it has none."""
-        if trial.get("node") is None:
-            return None
-        if trial.get("step") == trial["steps"]:
-            nodes, metrics = self.tree(str(trial["root_key"]))
-            try:
-                segments = path_segments(nodes, int(trial["node"]), int(trial["steps"]))
-            except KeyError:  # a node committed after the tree was read
-                segments = None
-            if segments is not None:
-                for node, first, last in reversed(segments):
-                    points = metrics.get(node)
-                    if not points:
-                        continue
-                    steps = self._steps[node]
-                    hi = bisect.bisect_right(steps, last)
-                    if hi and steps[hi - 1] >= first:
-                        return steps[hi - 1], dict(points[steps[hi - 1]])
-                return None
-        curve = self.of(trial)  # the row's end lags, or its node is new: walk its values
-        if not curve:
-            return None
-        step = max(curve)
-        return step, curve[step]
-
 
 @quiet_gc
 def records_of(
@@ -381,6 +354,51 @@ def final_metrics(
     if keys:
         points = storage.metrics_at(keys.values())
         out.update((tid, points[key]) for tid, key in keys.items() if key in points)
+    return out
+
+
+def last_points(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    finals: Mapping[int, dict[str, float]] | None = None,
+) -> dict[int, tuple[int, dict[str, float]]]:
+    """The last step with metrics on each trial's path up to its steps, and its metrics,
+    by trial id (trials without any are left out): the last point of the learning curve
+    that :func:`records_of` gives it. The final points first (``finals``, else
+    :func:`final_metrics`); only for the trials short of their end the metrics of the
+    nodes on their paths."""
+    rows = list(trials)
+    finals = final_metrics(storage, rows) if finals is None else finals
+    out: dict[int, tuple[int, dict[str, float]]] = {}
+    short: dict[str, list[Mapping[str, Any]]] = {}
+    for t in rows:
+        tid = int(t["id"])
+        if tid in finals:
+            out[tid] = (int(t["steps"]), finals[tid])
+        elif t.get("node") is not None:
+            short.setdefault(str(t["root_key"]), []).append(t)
+    for root, found in short.items():
+        nodes = {n.id: n for n in storage.nodes(root)}
+        paths: dict[int, list[tuple[int, int, int]]] = {}
+        for t in found:
+            try:
+                if t.get("step") == t["steps"]:
+                    paths[int(t["id"])] = path_segments(nodes, int(t["node"]), int(t["steps"]))
+                    continue
+            except KeyError:  # a node committed after the tree was read
+                pass
+            curve = storage.metrics_along(t["root_key"], t["hp"], t["steps"])  # walk it
+            if curve:
+                out[int(t["id"])] = max(curve.items())
+        metrics = storage.metrics(root, {n for path in paths.values() for n, _, _ in path})
+        steps = {node: list(points) for node, points in metrics.items()}  # sorted
+        for tid, path in paths.items():
+            for node, first, last in reversed(path):
+                along = steps.get(node)
+                i = bisect.bisect_right(along, last) if along else 0
+                if i and along is not None and along[i - 1] >= first:
+                    out[tid] = (along[i - 1], metrics[node][along[i - 1]])
+                    break
     return out
 
 

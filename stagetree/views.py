@@ -976,14 +976,11 @@ def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     ckpts: dict[tuple[int, int], CheckpointRecord] = {}
     for root in dict.fromkeys(str(t["root_key"]) for t in rows):
         ckpts.update(storage.checkpoints(root))
-    curves: reports.TreeCurves | None = None  # read only for trials short of their end
+    finals = {r.id: r.metrics[r.steps] for r in records if r.metrics}
+    lasts = reports.last_points(storage, rows, finals)
     out = []
     for t, rec in zip(rows, records):
-        last = rec.metrics.get(rec.steps)  # at the final step: the last one with metrics
-        if last is None:
-            curves = curves if curves is not None else reports.TreeCurves(storage)
-            found = curves.last(t)
-            last = found[1] if found is not None else None
+        last = lasts.get(rec.id)
         end = (t.get("node"), t.get("step"))
         has_ckpt = t["state"] == "done" and end in ckpts
         out.append(
@@ -993,7 +990,7 @@ def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
                 "steps": rec.steps,
                 "config": rec.config,
                 "hp": {k: compact(seq, 0, rec.steps) for k, seq in sorted(rec.hp.items())},
-                "metrics": _metrics(last) if last is not None else {},
+                "metrics": _metrics(last[1]) if last is not None else {},
                 "error": rec.error.summary() if rec.error is not None else None,
                 "checkpoint": _checkpoint_url(name, rec.id) if has_ckpt else None,
             }
