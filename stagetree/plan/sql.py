@@ -652,13 +652,19 @@ class SQLPlanStorage(BasePlanStorage):
         root_key: str | None = None,
         states: Collection[RequestState | str] | None = None,
     ) -> list[Request]:
-        query = select(_requests).order_by(_requests.c.node, _requests.c.step)
+        c = _requests.c
+        query = select(c.node, c.step, c.refcount, c.state, c.error).order_by(c.node, c.step)
         if root_key is not None:
-            query = query.where(_requests.c.root_key == root_key)
+            query = query.where(c.root_key == root_key)
         if states is not None:
-            query = query.where(_requests.c.state.in_([RequestState(s).value for s in states]))
+            query = query.where(c.state.in_([RequestState(s).value for s in states]))
         with self._tx(write=False) as conn:
-            return [_request(row) for row in conn.execute(query)]
+            rows = conn.execute(query).all()
+        known = _STATES
+        return [
+            Request(node, step, refcount, known[state], error)
+            for node, step, refcount, state, error in rows
+        ]
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -701,14 +707,16 @@ class SQLPlanStorage(BasePlanStorage):
         return None if row is None else CheckpointRecord(row.ref, row.nbytes, row.created)
 
     def checkpoints(self, root_key: str | None = None) -> dict[tuple[int, int], CheckpointRecord]:
-        query = select(_checkpoints).order_by(_checkpoints.c.node, _checkpoints.c.step)
+        c = _checkpoints.c
+        query = select(c.node, c.step, c.ref, c.nbytes, c.created).order_by(c.node, c.step)
         if root_key is not None:
-            query = query.where(_checkpoints.c.root_key == root_key)
+            query = query.where(c.root_key == root_key)
         with self._tx(write=False) as conn:
-            return {
-                (row.node, row.step): CheckpointRecord(row.ref, row.nbytes, row.created)
-                for row in conn.execute(query)
-            }
+            rows = conn.execute(query).all()
+        return {
+            (node, step): CheckpointRecord(ref, nbytes, created)
+            for node, step, ref, nbytes, created in rows
+        }
 
     # -- metrics -------------------------------------------------------------------------
 
