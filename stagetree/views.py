@@ -771,42 +771,59 @@ def _state(i: int, progress: _Progress, training: Mapping[int, str]) -> str:
 
 
 @reports.quiet_gc
-def build_tree(data: TreeData) -> dict[str, Any]:
+def build_tree(data: TreeData, previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The stage tree of :class:`TreeData` (``GET /api/studies/{name}/tree``, full):
     one ``Node`` per plan node of the study's trees (``docs/dashboard-api.md`` gives
-    each field and the rules of ``state``)."""
+    each field and the rules of ``state``).
+
+    Args:
+        previous: a full tree of the same study and storage built earlier: the nodes
+            that did not change are its node objects (and their labels are not made
+            again), so that trees of successive revisions share them and
+            :func:`tree_delta` finds the unchanged ones by identity.
+    """
     nodes = data.nodes
     order = sorted(nodes)  # a parent's id is smaller than its children's
     root_index = {key: i for i, key in enumerate(data.roots)}
     progress = _progress(data, order)
     trials, others = _through(data, order)
     training = _training(data, progress.done)
+    before = {n["id"]: n for n in previous["nodes"]} if previous is not None else {}
     out: list[dict[str, Any]] = []
     for i in order:
         node = nodes[i]
-        parent = nodes.get(node.parent) if node.parent is not None else None
         stop = progress.end[i]
-        out.append(
-            {
-                "id": i,
-                "parent": node.parent,
-                "root": root_index.get(node.root_key, 0),
-                "start": node.branch_step,
-                "end": stop,
-                "done": progress.done[i],
-                "state": _state(i, progress, training),
-                "worker": training.get(i),
-                "checkpoints": progress.checkpoints.get(i, []),
-                "trials": trials[i],
-                "others": others[i],
-                "label": _label(
-                    _hp_key(node),
-                    _hp_key(parent) if parent is not None else None,
-                    node.branch_step,
-                    stop,
-                ),
-            }
-        )
+        old = before.get(i)
+        if (
+            old is not None
+            and old["end"] == stop
+            and old["parent"] == node.parent
+            and old["start"] == node.branch_step
+        ):
+            label = old["label"]  # a node's label depends on its (fixed) values up to end
+        else:
+            parent = nodes.get(node.parent) if node.parent is not None else None
+            label = _label(
+                _hp_key(node),
+                _hp_key(parent) if parent is not None else None,
+                node.branch_step,
+                stop,
+            )
+        new = {
+            "id": i,
+            "parent": node.parent,
+            "root": root_index.get(node.root_key, 0),
+            "start": node.branch_step,
+            "end": stop,
+            "done": progress.done[i],
+            "state": _state(i, progress, training),
+            "worker": training.get(i),
+            "checkpoints": progress.checkpoints.get(i, []),
+            "trials": trials[i],
+            "others": others[i],
+            "label": label,
+        }
+        out.append(old if old is not None and old == new else new)
     return {
         "revision": data.revision,
         "full": True,
@@ -835,7 +852,11 @@ def tree_delta(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]
     return {
         **new,
         "full": False,
-        "nodes": [n for n in new["nodes"] if before.get(n["id"]) != n],
+        "nodes": [
+            n
+            for n in new["nodes"]
+            if (b := before.get(n["id"])) is not n and b != n  # shared: unchanged
+        ],
         "removed": [],
     }
 

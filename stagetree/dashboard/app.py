@@ -11,7 +11,10 @@
   0.2 s, a short read each) until it exceeds ``REV``, the timeout passes, the client
   goes away or the server stops; a change is answered at the pace of :class:`Pacer`
   (at once for small studies). Trees are kept per study for the last few revisions
-  (:class:`TreeCache`), so that ``tree?after=REV`` sends only the nodes that changed.
+  (:class:`TreeCache`), so that ``tree?after=REV`` sends only the nodes that changed;
+  a tree is built from the last one kept (its unchanged nodes are shared). The answers
+  of the views that depend on the plan alone (curves, trials table) are kept while the
+  revision they were read at is current (:class:`AnswerCache`).
 * **Authentication.** With a token, every ``/api`` request needs it: ``Authorization:
   Bearer <token>``, or the cookie that ``?token=<token>`` on any page sets (HttpOnly,
   SameSite=Strict), so that a browser's later requests carry it. Tokens are compared
@@ -55,7 +58,15 @@ if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
     from stagetree.plan import BasePlanStorage
 
-__all__ = ["STATIC_DIR", "TOKEN_COOKIE", "Pacer", "Reader", "TreeCache", "create_dashboard_app"]
+__all__ = [
+    "STATIC_DIR",
+    "TOKEN_COOKIE",
+    "AnswerCache",
+    "Pacer",
+    "Reader",
+    "TreeCache",
+    "create_dashboard_app",
+]
 
 log = logging.getLogger("stagetree.dashboard")
 
@@ -121,6 +132,12 @@ class TreeCache:
             self._trees.move_to_end(name)
             return kept[revision]
 
+    def latest(self, name: str) -> dict[str, Any] | None:
+        """The kept tree of ``name`` of the latest revision, if any."""
+        with self._lock:
+            kept = self._trees.get(name)
+            return kept[max(kept)] if kept else None
+
     def put(self, name: str, tree: dict[str, Any]) -> None:
         """Keep ``tree`` (a full tree, with its ``revision``)."""
         with self._lock:
@@ -132,6 +149,40 @@ class TreeCache:
                 kept.popitem(last=False)
             while len(self._trees) > self.studies:
                 self._trees.popitem(last=False)
+
+
+class AnswerCache:
+    """Rendered answers of the views that are functions of the plan alone (the curves
+    and the trials table: no clock, no leases), kept for the revision they were read
+    at: while the storage's revision stays there (a finished study, a page switching
+    between its tabs) the same request is answered without reading or rendering
+    again. At most ``size`` answers (least recently used first out). Thread-safe.
+
+    An answer carries the revision read before its data, so its data is at least that
+    new: it is only served while the storage is still at that revision (never at 0,
+    the revision of a storage whose writers do not keep it)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._kept: OrderedDict[tuple[Any, ...], tuple[int, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, ...], revision: int) -> bytes | None:
+        """The body kept for ``key`` at ``revision``, if any."""
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is None or kept[0] != revision or revision <= 0:
+                return None
+            self._kept.move_to_end(key)
+            return kept[1]
+
+    def put(self, key: tuple[Any, ...], revision: int, body: bytes) -> None:
+        """Keep ``body``, the answer to ``key`` read at ``revision``."""
+        with self._lock:
+            self._kept[key] = (revision, body)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
 
 
 class Pacer:
@@ -234,6 +285,7 @@ def create_dashboard_app(
         stopping: True once the server is shutting down: long-polls return at once.
     """
     trees = TreeCache()
+    answers = AnswerCache()
     pacer = Pacer()
     activity = views.ActivityLog()  # the batches, read incrementally
     location = _checkpoint_location(url, checkpoints)
@@ -283,7 +335,8 @@ def create_dashboard_app(
         data = await read(views.read_tree, name, activity)  # the reads, under the reader
         kept = trees.get(name, data.revision)
         if kept is None:
-            kept = await run_in_threadpool(views.build_tree, data)  # the computing, after
+            # The computing, after; nodes that did not change are the last tree's.
+            kept = await run_in_threadpool(views.build_tree, data, trees.latest(name))
             trees.put(name, kept)
         return kept
 
@@ -311,14 +364,26 @@ def create_dashboard_app(
         current = await tree_of(name)
         return JSON(await read(views.node_detail, name, node_id, current))
 
+    async def kept(key: tuple[Any, ...], fn: Callable[..., dict[str, Any]], *args: Any) -> Response:
+        """The answer of ``fn`` (a view of the plan alone), from :class:`AnswerCache`
+        while the revision it was read at is current."""
+        body = answers.get(key, await read(lambda s: s.revision()))
+        if body is None:
+            answer = await read(fn, *args)
+            response = JSON(answer)
+            answers.put(key, int(answer["revision"]), bytes(response.body))
+            return response
+        return Response(body, media_type=JSON.media_type)
+
     @api
     async def curves(request: Request) -> Response:
-        metric = request.query_params.get("metric") or None
-        return JSON(await read(views.curves, request.path_params["name"], metric))
+        name, metric = request.path_params["name"], request.query_params.get("metric") or None
+        return await kept(("curves", name, metric), views.curves, name, metric)
 
     @api
     async def trials(request: Request) -> Response:
-        return JSON(await read(views.trials_table, request.path_params["name"]))
+        name = request.path_params["name"]
+        return await kept(("trials", name), views.trials_table, name)
 
     @api
     async def timeline(request: Request) -> Response:
