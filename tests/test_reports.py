@@ -252,5 +252,6 @@ def test_final_and_last_points_are_those_of_the_learning_curves(tmp_path: Path, 
         )
         for mode in ("max", "min"):
             best = reports.best_trial(light, "m", mode)
-            assert best is not None
-            assert best.id == getattr(reports.best_trial(list(full.values()), "m", mode), "id")
+            expected_best = reports.best_trial(list(full.values()), "m", mode)
+            assert best is not None and expected_best is not None
+            assert best.id == expected_best.id
