@@ -106,7 +106,9 @@ def render_row(browser: Any, trials: int, work: Path) -> dict[str, Any]:
             context = browser.new_context(viewport={"width": 1280, "height": 800})
             page = context.new_page()
             t0 = time.perf_counter()
-            with page.expect_response(lambda r: "/api/studies/" in r.url and "/tree" in r.url, timeout=60_000) as first:
+            with page.expect_response(
+                lambda r: "/api/studies/" in r.url and "/tree" in r.url, timeout=60_000
+            ) as first:
                 page.goto(f"{address}study/{STUDY}")
             _wait_ready(page)
             paints.append(time.perf_counter() - t0)
