@@ -7,19 +7,19 @@ network).
     .venv/bin/python benchmarks/dashboard_views_bench.py [--sizes 100,1000,10000]
         [--repeat 3] [--cache DIR]
 
-Columns (seconds, the median of ``--repeat`` runs, each on a fresh app and a fresh
-read-only handle, as a newly started ``stagetree dashboard`` has):
+Seconds, the median of ``--repeat`` runs; two tables:
 
-* ``studies``, ``study``, ``tree``, ``curves``, ``trials``, ``timeline``: the first
-  request of each (``/api/studies``, ``/api/studies/bench``, ``.../tree``, ...) on
-  a fresh app.
-* ``paint``: ``study`` and ``tree`` requested at once (two threads), as the study page
-  does at first paint.
-* ``Δ trial``: after the page has the tree, another handle adds one trial (a new
-  node, its request and its row: two commits); then ``study``, ``tree?after=`` and
-  ``timeline?after=``, what a page asks for on a live update.
-* ``Δ states``: the same after three requests change state (scheduled, then done
-  again).
+* **First request** (each on a fresh app over a fresh read-only handle, as a newly
+  started ``stagetree dashboard`` has): ``studies``, ``study``, ``tree``, ``curves``,
+  ``trials``, ``timeline`` (``/api/studies``, ``/api/studies/bench``, ``.../tree``,
+  ...), and ``paint``: ``study`` and ``tree`` requested at once (two threads), as the
+  study page does at first paint.
+* **After a change** (a dashboard that has served every view once): another handle
+  adds one trial (its path, then its row: two commits), then each view is asked again,
+  the tree and the timeline as deltas (``tree?after=``, ``timeline?after=``);
+  ``update`` is ``study`` + ``tree Δ`` + ``timeline Δ``, what a page asks for on a
+  live update, and ``update (states)`` the same after three requests failed (three
+  commits; their nodes turn ``failed``).
 
 Plans are written once into ``--cache`` (default: ``$TMPDIR/stagetree-views-bench``)
 and copied for each run, so that the changes never accumulate.
@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +107,6 @@ def _get(c: TestClient, path: str) -> dict[str, Any]:
     return data
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def add_trial(writer: BasePlanStorage, trials: int) -> None:
     """One new trial of the study, as an engine adds it: its path, then its row."""
     hp = synthetic_hp(trials + 1, _STEPS)[trials]
@@ -129,70 +123,99 @@ def add_trial(writer: BasePlanStorage, trials: int) -> None:
     )
 
 
-def flip_states(writer: BasePlanStorage) -> None:
-    """Three done requests scheduled (three commits), as an engine starts on them."""
+def fail_requests(writer: BasePlanStorage) -> None:
+    """Three done requests failed (three commits), spread over the tree."""
     done = writer.requests(_ROOT, states=[RequestState.DONE])
     for r in done[:: max(len(done) // 3, 1)][:3]:
-        writer.set_request_state(r.node, r.step, RequestState.SCHEDULED)
+        writer.set_request_state(r.node, r.step, RequestState.FAILED, "bench")
 
 
-def live_update(c: TestClient, revision: int, seq: int) -> tuple[float, bytes, bytes, bytes]:
-    """What a page asks for after a change: the study, the tree and timeline deltas
-    (the seconds they took, and their bodies)."""
-    t0 = time.perf_counter()
-    study = _fetch(c, f"/api/studies/{STUDY}")
-    tree = _fetch(c, f"/api/studies/{STUDY}/tree?after={revision}")
-    timeline = _fetch(c, f"/api/studies/{STUDY}/timeline?after={seq}")
-    return time.perf_counter() - t0, study, tree, timeline
-
-
-def one_run(path: Path, trials: int) -> dict[str, float]:
-    """Every column once, on fresh apps over a fresh copy of the plan."""
+def first_requests(url: str) -> dict[str, float]:
+    """Table 1: the first request of each view, each on a fresh app."""
     out: dict[str, float] = {}
     s = f"/api/studies/{STUDY}"
-    with fresh_copy(path) as url:
-        for column, endpoint in (
-            ("studies", "/api/studies"),
-            ("study", s),
-            ("tree", f"{s}/tree"),
-            ("curves", f"{s}/curves"),
-            ("trials", f"{s}/trials"),
-            ("timeline", f"{s}/timeline"),
-        ):
-            with client(url) as c:
-                out[column] = _timed(lambda c=c, e=endpoint: _fetch(c, e))
-        with client(url) as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for column, endpoint in (
+        ("studies", "/api/studies"),
+        ("study", s),
+        ("tree", f"{s}/tree"),
+        ("curves", f"{s}/curves"),
+        ("trials", f"{s}/trials"),
+        ("timeline", f"{s}/timeline"),
+    ):
+        with client(url) as c:
             t0 = time.perf_counter()
-            jobs = [pool.submit(_fetch, c, e) for e in (s, f"{s}/tree")]
-            for job in jobs:
-                job.result()
-            out["paint"] = time.perf_counter() - t0
-        with client(url) as c, open_storage(url) as writer:
-            revision = int(_get(c, f"{s}/tree")["revision"])
-            seq = int(_get(c, f"{s}/timeline")["seq"])
-            for column, change in (
-                ("Δ trial", lambda: add_trial(writer, trials)),
-                ("Δ states", lambda: flip_states(writer)),
-            ):
-                change()
-                out[column], _, tree, timeline = live_update(c, revision, seq)
-                delta = json.loads(tree)
-                assert delta["full"] is False, "the tree's delta was not kept"
-                revision, seq = int(delta["revision"]), int(json.loads(timeline)["seq"])
+            _fetch(c, endpoint)
+            out[column] = time.perf_counter() - t0
+    with client(url) as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        t0 = time.perf_counter()
+        jobs = [pool.submit(_fetch, c, e) for e in (s, f"{s}/tree")]
+        for job in jobs:
+            job.result()
+        out["paint"] = time.perf_counter() - t0
     return out
 
 
-COLUMNS = (
+def after_changes(url: str, trials: int) -> dict[str, float]:
+    """Table 2: every view again after one trial was added, and a live update after
+    three requests failed, on a dashboard that has served every view once."""
+    out: dict[str, float] = {}
+    s = f"/api/studies/{STUDY}"
+    with client(url) as c, open_storage(url) as writer:
+        for endpoint in ("/api/studies", s, f"{s}/curves", f"{s}/trials"):
+            _fetch(c, endpoint)
+        revision = int(_get(c, f"{s}/tree")["revision"])
+        seq = int(_get(c, f"{s}/timeline")["seq"])
+        add_trial(writer, trials)
+        bodies: dict[str, bytes] = {}
+        for column, endpoint in (
+            ("study", s),
+            ("tree Δ", f"{s}/tree?after={revision}"),
+            ("timeline Δ", f"{s}/timeline?after={seq}"),
+            ("studies", "/api/studies"),
+            ("curves", f"{s}/curves"),
+            ("trials", f"{s}/trials"),
+        ):
+            t0 = time.perf_counter()
+            bodies[column] = _fetch(c, endpoint)
+            out[column] = time.perf_counter() - t0
+        out["update"] = out["study"] + out["tree Δ"] + out["timeline Δ"]
+        delta = json.loads(bodies["tree Δ"])
+        assert delta["full"] is False and delta["nodes"], "the tree's delta was not kept"
+        revision, seq = int(delta["revision"]), int(json.loads(bodies["timeline Δ"])["seq"])
+        fail_requests(writer)
+        t0 = time.perf_counter()
+        _fetch(c, s)
+        delta = _get(c, f"{s}/tree?after={revision}")
+        _fetch(c, f"{s}/timeline?after={seq}")
+        out["update (states)"] = time.perf_counter() - t0
+        assert delta["full"] is False and len(delta["nodes"]) >= 3, "no failed nodes"
+    return out
+
+
+def one_run(path: Path, trials: int) -> dict[str, float]:
+    """Every column once, over fresh copies of the plan."""
+    with fresh_copy(path) as url:
+        out = first_requests(url)
+    with fresh_copy(path) as url:
+        out.update({f"after: {k}": v for k, v in after_changes(url, trials).items()})
+    return out
+
+
+FIRST = ("studies", "study", "tree", "paint", "curves", "trials", "timeline")
+AFTER = (
     "studies",
     "study",
-    "tree",
-    "paint",
+    "tree Δ",
+    "timeline Δ",
     "curves",
     "trials",
-    "timeline",
-    "Δ trial",
-    "Δ states",
+    "update",
+    "update (states)",
 )
+
+
+def _cells(runs: list[dict[str, float]], keys: tuple[str, ...], prefix: str = "") -> list[str]:
+    return [f"{statistics.median(r[prefix + k] for r in runs):.3f}" for k in keys]
 
 
 def main() -> None:
@@ -203,19 +226,21 @@ def main() -> None:
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "stagetree-views-bench"
     )
     args = parser.parse_args()
-    rows = []
     one_run(plan_file(args.cache, 100), 100)  # imports and first-call costs, not timed
+    first, after = [], []
     for trials in (int(x) for x in args.sizes.split(",")):
         path = plan_file(args.cache, trials)
         runs = [one_run(path, trials) for _ in range(args.repeat)]
-        rows.append(
-            [f"{trials:,}", *(f"{statistics.median(r[k] for r in runs):.3f}" for k in COLUMNS)]
-        )
+
+        first.append([f"{trials:,}", *_cells(runs, FIRST)])
+        after.append([f"{trials:,}", *_cells(runs, AFTER, "after: ")])
         print(f"{trials} trials done", file=sys.stderr)
     info = machine_info()
     print(f"seconds, median of {args.repeat}; {info.get('cpu', '')} ({info.get('python', '')})")
-    print()
-    print(markdown_table(["trials", *COLUMNS], rows))
+    print("\nFirst request (a fresh dashboard):\n")
+    print(markdown_table(["trials", *FIRST], first))
+    print("\nAfter a change (one trial added; states: three requests failed):\n")
+    print(markdown_table(["trials", *AFTER], after))
 
 
 if __name__ == "__main__":
