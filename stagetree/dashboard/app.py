@@ -49,7 +49,7 @@ from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from stagetree import views
+from stagetree import reports, views
 from stagetree.plan.base import PlanKeyError
 from stagetree.server.auth import check_authorization
 from stagetree.server.protocol import RequestError
@@ -85,17 +85,22 @@ _MAX_WAIT = 60.0
 _T = TypeVar("_T")
 
 
-class JSON(Response):
+def render(content: Any) -> bytes:
     """Strict JSON (no NaN: :mod:`stagetree.views` sends None for them)."""
+    try:
+        text = json.dumps(content, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite number slipped through: null, as promised
+        text = json.dumps(_finite(content), separators=(",", ":"))
+    return text.encode()
+
+
+class JSON(Response):
+    """A response of :func:`render`'s JSON (of ``content``, or ``body`` as rendered)."""
 
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        try:
-            text = json.dumps(content, allow_nan=False, separators=(",", ":"))
-        except ValueError:  # a non-finite number slipped through: null, as promised
-            text = json.dumps(_finite(content), separators=(",", ":"))
-        return text.encode()
+        return content if isinstance(content, bytes) else render(content)
 
 
 def _finite(value: Any) -> Any:
@@ -297,6 +302,23 @@ def create_dashboard_app(
 
         return run_in_threadpool(run)
 
+    def rendered(fn: Callable[..., dict[str, Any]], *args: Any) -> Awaitable[tuple[int, bytes]]:
+        """``(revision, JSON body)`` of a view: read under the reader, rendered after it
+        in the same worker thread (not on the event loop), with the collector paused
+        until the answer's objects are freed (:func:`stagetree.reports.quiet_gc`)."""
+
+        @reports.quiet_gc
+        def run() -> tuple[int, bytes]:
+            with reader() as storage:
+                answer = fn(storage, *args)
+            return int(answer.get("revision", 0)), render(answer)
+
+        return run_in_threadpool(run)
+
+    async def view(fn: Callable[..., dict[str, Any]], *args: Any) -> Response:
+        """The JSON answer of a view (see :func:`rendered`)."""
+        return JSON((await rendered(fn, *args))[1])
+
     def api(
         fn: Callable[[Request], Awaitable[Response]], paced: bool = True
     ) -> Callable[[Request], Awaitable[Response]]:
@@ -342,38 +364,36 @@ def create_dashboard_app(
 
     @api
     async def studies(request: Request) -> Response:
-        return JSON(await read(views.study_summaries, url))
+        return await view(views.study_summaries, url)
 
     @api
     async def study(request: Request) -> Response:
-        return JSON(await read(views.study_detail, request.path_params["name"], activity))
+        return await view(views.study_detail, request.path_params["name"], activity)
 
     @api
     async def tree(request: Request) -> Response:
         name = request.path_params["name"]
         after = request.query_params.get("after")
         current = await tree_of(name)
-        if after is None or after == "":
-            return JSON(current)
-        old = trees.get(name, _int_param(request, "after"))
-        return JSON(views.tree_delta(old, current) if old is not None else current)
+        old = trees.get(name, _int_param(request, "after")) if after else None
+        if old is None:  # the whole tree (no cursor, or one no longer kept)
+            return JSON(await run_in_threadpool(render, current))
+        return JSON(await run_in_threadpool(lambda: render(views.tree_delta(old, current))))
 
     @api
     async def node(request: Request) -> Response:
         name, node_id = request.path_params["name"], request.path_params["node"]
         current = await tree_of(name)
-        return JSON(await read(views.node_detail, name, node_id, current))
+        return await view(views.node_detail, name, node_id, current)
 
     async def kept(key: tuple[Any, ...], fn: Callable[..., dict[str, Any]], *args: Any) -> Response:
         """The answer of ``fn`` (a view of the plan alone), from :class:`AnswerCache`
         while the revision it was read at is current."""
         body = answers.get(key, await read(lambda s: s.revision()))
         if body is None:
-            answer = await read(fn, *args)
-            response = JSON(answer)
-            answers.put(key, int(answer["revision"]), bytes(response.body))
-            return response
-        return Response(body, media_type=JSON.media_type)
+            revision, body = await rendered(fn, *args)
+            answers.put(key, revision, body)
+        return JSON(body)
 
     @api
     async def curves(request: Request) -> Response:
@@ -388,7 +408,7 @@ def create_dashboard_app(
     @api
     async def timeline(request: Request) -> Response:
         after = _int_param(request, "after")
-        return JSON(await read(views.timeline, request.path_params["name"], after, activity))
+        return await view(views.timeline, request.path_params["name"], after, activity)
 
     @api
     async def checkpoint(request: Request) -> Response:
