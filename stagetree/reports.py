@@ -263,8 +263,6 @@ class TreeCurves:
         metrics = self._metrics.get(root_key)
         if metrics is None:
             metrics = self._metrics[root_key] = self.storage.metrics(root_key)
-            for node, points in metrics.items():
-                self._steps[node] = sorted(points)
         return metrics
 
     def tree(self, root_key: str) -> tuple[dict[int, Node], dict[int, dict[int, dict[str, float]]]]:
@@ -287,7 +285,9 @@ class TreeCurves:
             points = metrics.get(node)
             if not points:
                 continue
-            steps = self._steps[node]
+            steps = self._steps.get(node)
+            if steps is None:
+                steps = self._steps[node] = sorted(points)
             lo, hi = bisect.bisect_left(steps, first), bisect.bisect_right(steps, last)
             for step in steps[lo:hi]:
                 out[step] = dict(points[step])

@@ -899,6 +899,19 @@ def node_detail(
 # --------------------------------------------------------------------------- curves
 
 
+def _series(points: Mapping[int, Mapping[str, float]], metric: str | None) -> list[list[Any]]:
+    """``[step, value]`` of ``metric`` at each point that has it (:func:`number`)."""
+    isfinite = math.isfinite
+    out: list[list[Any]] = []
+    if metric is None:
+        return out
+    for step, values in points.items():
+        if metric in values:
+            x = values[metric]
+            out.append([step, x if type(x) is float and isfinite(x) else number(x)])
+    return out
+
+
 def _trial_paths(
     curves: reports.TreeCurves, rows: Iterable[Mapping[str, Any]]
 ) -> dict[int, list[tuple[int, int, int]]]:
@@ -947,10 +960,8 @@ def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> di
             if key in segments:
                 continue
             points = metrics.get(node, {})
-            for values in points.values():
-                names.update(values)
-            series = [[s, number(v[metric])] for s, v in points.items() if metric in v]
-            segments[key] = series
+            names.update(*points.values())
+            segments[key] = _series(points, metric)
     return {
         "revision": revision,
         "metric": metric,

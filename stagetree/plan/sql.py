@@ -815,11 +815,14 @@ class SQLPlanStorage(BasePlanStorage):
                         _metrics.c.root_key == root_key, _metrics.c.node.in_(ids[i : i + _CHUNK])
                     )
                     rows.extend(conn.execute(chunk).all())
+        partial = PARTIAL_KEY
         for (node, step, _), data in zip(rows, _codec.loads_many([r.data for r in rows])):
             points = out.get(node)
             if points is None:
                 points = out[node] = {}
-            points[step] = _shown(data)
+            if partial in data:  # (shown_metrics, inline: this loop runs per point)
+                del data[partial]
+            points[step] = data
         return out
 
     def metrics_at(
