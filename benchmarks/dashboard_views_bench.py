@@ -9,11 +9,12 @@ network).
 
 Seconds, the median of ``--repeat`` runs; two tables:
 
-* **First request** (each on a fresh app over a fresh read-only handle, as a newly
-  started ``stagetree dashboard`` has): ``studies``, ``study``, ``tree``, ``curves``,
-  ``trials``, ``timeline`` (``/api/studies``, ``/api/studies/bench``, ``.../tree``,
-  ...), and ``paint``: ``study`` and ``tree`` requested at once (two threads), as the
-  study page does at first paint.
+* **First request** (each on a fresh app over a fresh read-only handle, the read
+  side's process-wide caches emptied, as a newly started ``stagetree dashboard`` has):
+  ``studies``, ``study``, ``tree``, ``curves``, ``trials``, ``timeline``
+  (``/api/studies``, ``/api/studies/bench``, ``.../tree``, ...), and ``paint``:
+  ``study`` and ``tree`` requested at once (two threads), as the study page does at
+  first paint.
 * **After a change** (a dashboard that has served every view once): another handle
   adds one trial (its path, then its row: two commits), then each view is asked again,
   the tree and the timeline as deltas (``tree?after=``, ``timeline?after=``);
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, markdown_table
 from _synthetic_plan import STUDY, synthetic_hp, write_study
 
+from stagetree import hp, views
 from stagetree.plan import BasePlanStorage, RequestState, open_storage
 
 with warnings.catch_warnings():  # starlette >= 1 prefers httpx2 for its test client
@@ -80,6 +82,14 @@ def fresh_copy(path: Path) -> Iterator[str]:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
         yield f"sqlite:///{copy}"
+
+
+def forget() -> None:
+    """Empty the process-wide caches of the read side (the values and labels of
+    sequences), as a newly started dashboard process has them."""
+    views.compact.cache_clear()
+    views._label.cache_clear()
+    hp._chunk.cache_clear()
 
 
 @contextlib.contextmanager
@@ -142,10 +152,12 @@ def first_requests(url: str) -> dict[str, float]:
         ("trials", f"{s}/trials"),
         ("timeline", f"{s}/timeline"),
     ):
+        forget()
         with client(url) as c:
             t0 = time.perf_counter()
             _fetch(c, endpoint)
             out[column] = time.perf_counter() - t0
+    forget()
     with client(url) as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
         t0 = time.perf_counter()
         jobs = [pool.submit(_fetch, c, e) for e in (s, f"{s}/tree")]
