@@ -198,21 +198,33 @@ def study_record(storage: BasePlanStorage, study: str) -> dict[str, Any]:
 
 
 def _trials(
-    storage: BasePlanStorage, study: str, version: Any = None
+    storage: BasePlanStorage, study: str, version: Any = None, light: bool = False
 ) -> tuple[list[dict[str, Any]], int]:
     """``(trial rows of version, number of rows of other versions)``; ``version``
     defaults to that of the study's latest run. A study without a record has none."""
     record = _studies(storage).get(study)
     if record is None:
         return [], 0
-    return split_trials(storage.trials(study), record.get("meta") or {}, version)
+    return split_trials(storage.trials(study, light=light), record.get("meta") or {}, version)
 
 
-def trial_rows(storage: BasePlanStorage, study: str, version: Any = None) -> list[dict[str, Any]]:
+def trial_rows(
+    storage: BasePlanStorage, study: str, version: Any = None, *, light: bool = False
+) -> list[dict[str, Any]]:
     """The storage's rows (:meth:`~stagetree.plan.BasePlanStorage.trials`) of the trials
     :func:`trial_records` returns: ``study``'s trials of ``version`` (default: the
-    version of its latest run), in id order, without their metrics."""
-    return _trials(storage, study, version)[0]
+    version of its latest run), in id order, without their metrics (and with
+    ``light``, without their config and sequences)."""
+    return _trials(storage, study, version, light)[0]
+
+
+def _along(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
+    """:meth:`BasePlanStorage.metrics_along` the trial's sequences up to its steps (a
+    light row, without them, reads its own row for them)."""
+    hp = trial.get("hp")
+    if hp is None:
+        hp = storage.trial(int(trial["id"]))["hp"]
+    return storage.metrics_along(trial["root_key"], hp, trial["steps"])
 
 
 def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple[int, int, int]]:
@@ -274,12 +286,12 @@ class TreeCurves:
         if trial.get("node") is None:
             return {}
         if trial.get("step") != trial["steps"]:  # the row's end lags: walk its values
-            return self.storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
+            return _along(self.storage, trial)
         nodes, metrics = self.tree(str(trial["root_key"]))
         try:
             segments = path_segments(nodes, int(trial["node"]), int(trial["steps"]))
         except KeyError:  # a node committed after the tree was read
-            return self.storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
+            return _along(self.storage, trial)
         out: dict[int, dict[str, float]] = {}
         for node, first, last in segments:
             points = metrics.get(node)
@@ -309,8 +321,8 @@ def records_of(
         out.append(
             TrialRecord(
                 int(trial["id"]),
-                dict(trial["config"]),
-                dict(trial["hp"]),
+                dict(trial.get("config") or {}),
+                dict(trial.get("hp") or {}),
                 int(trial["steps"]),
                 str(trial["state"]),
                 curves.of(trial),
@@ -337,13 +349,13 @@ def final_metrics(
             continue
         steps = int(t["steps"])
         if t.get("step") != steps:  # the row's end lags: walk its values
-            found = storage.metrics_along(t["root_key"], t["hp"], steps).get(steps)
+            found = _along(storage, t).get(steps)
             if found is not None:
                 out[int(t["id"])] = found
         elif curves is not None:
             root, node = str(t["root_key"]), int(t["node"])
             if node not in curves.nodes(root):  # committed after the tree was read
-                found = storage.metrics_along(t["root_key"], t["hp"], steps).get(steps)
+                found = _along(storage, t).get(steps)
             else:
                 point = curves.metrics(root).get(node, {}).get(steps)
                 found = None if point is None else dict(point)
@@ -387,7 +399,7 @@ def last_points(
                     continue
             except KeyError:  # a node committed after the tree was read
                 pass
-            curve = storage.metrics_along(t["root_key"], t["hp"], t["steps"])  # walk it
+            curve = _along(storage, t)  # walk it
             if curve:
                 out[int(t["id"])] = max(curve.items())
         metrics = storage.metrics(root, {n for path in paths.values() for n, _, _ in path})
@@ -410,7 +422,7 @@ def final_records(
     """:class:`TrialRecord` of each trial row whose ``metrics`` hold only its final
     step's (:func:`final_metrics`): all that :func:`ranked_metric`, :func:`best_trial`
     and :func:`final_value` read, at the cost of one point per trial. ``config`` and
-    ``hp`` are the rows' own (not copied)."""
+    ``hp`` are the rows' own (not copied; empty for light rows)."""
     rows = list(trials)
     finals = final_metrics(storage, rows, curves)
     out = []
@@ -419,7 +431,8 @@ def final_records(
         error = TrialError.from_attrs(t.get("attrs")) if t["state"] == "failed" else None
         final = finals.get(tid)
         metrics = {steps: final} if final is not None else {}
-        out.append(TrialRecord(tid, t["config"], t["hp"], steps, str(t["state"]), metrics, error))
+        config, hp = t.get("config", {}), t.get("hp", {})
+        out.append(TrialRecord(tid, config, hp, steps, str(t["state"]), metrics, error))
     return out
 
 
@@ -780,7 +793,8 @@ def study_status(
 
     record = study_record(storage, name)
     meta = record.get("meta") or {}
-    trials, hidden = split_trials(storage.trials(name) if rows is None else rows, meta)
+    rows = storage.trials(name, light=True) if rows is None else rows
+    trials, hidden = split_trials(rows, meta)
     records = final_records(storage, trials)  # the final points are all the ranking reads
     metric, mode, note = ranked_metric(meta, records)
     best = best_trial(records, metric, mode) if metric is not None else None
@@ -835,7 +849,7 @@ def storage_status(storage: BasePlanStorage, url: str, study: str | None = None)
     """
     names = [s["name"] for s in storage.studies()]
     shown = names if study is None else [study_record(storage, study)["name"]]
-    rows = {name: storage.trials(name) for name in names}  # read once, for both
+    rows = {name: storage.trials(name, light=True) for name in names}  # read once, for both
     trials, requested, unique = _plan_totals(storage, rows)
     engine = storage.stats("engine")
     return StorageStatus(

@@ -289,7 +289,7 @@ def study_detail(
 
     revision = storage.revision()
     meta = reports.study_record(storage, name).get("meta") or {}
-    rows = storage.trials(name)  # read once, for the status and the savings
+    rows = storage.trials(name, light=True)  # read once, for the status and the savings
     st = reports.study_status(storage, name, rows)
     return {
         "revision": revision,
@@ -331,7 +331,7 @@ def savings(
         PlanKeyError: no study ``name``.
     """
     st = status if status is not None else reports.study_status(storage, name)
-    rows = rows if rows is not None else reports.trial_rows(storage, name)
+    rows = rows if rows is not None else reports.trial_rows(storage, name, light=True)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
     numbers = st.numbers
     executed = round(numbers["steps_executed"]) if numbers is not None else None
@@ -579,7 +579,8 @@ class TreeData:
         requests: their requests.
         checkpoints: their durable checkpoints.
         metric_steps: the largest step with metrics per node.
-        trials: the study's trial rows (its latest trainer version).
+        trials: the study's trial rows (its latest trainer version; light rows,
+            without config and sequences).
         others: ``(node, step)`` ends of every other trial on those trees (other
             studies, other versions).
         batches: the batches that trained those trees.
@@ -609,13 +610,16 @@ def read_tree(storage: BasePlanStorage, name: str, log: ActivityLog | None = Non
 
     revision = storage.revision()
     record = reports.study_record(storage, name)
-    mine = storage.trials(name)
+    mine = storage.trials(name, light=True)
     own, _ = split_trials(mine, record.get("meta") or {})
     roots = list(dict.fromkeys(str(t["root_key"]) for t in own))
     ids = {t["id"] for t in own}
     wanted = set(roots)
     everyone = [
-        t for s in storage.studies() if s["name"] != name for t in storage.trials(s["name"])
+        t
+        for s in storage.studies()
+        if s["name"] != name
+        for t in storage.trials(s["name"], light=True)
     ]
     others = [
         (int(t["node"]), int(t["step"]))
@@ -882,7 +886,7 @@ def node_detail(
     node = storage.node(node_id)
     start, stop = found["start"], max(found["end"], found["start"] + 1)
     metrics = storage.metrics(node.root_key, [node_id]).get(node_id, {})
-    rows = {t["id"]: t for t in reports.trial_rows(storage, name)}
+    rows = {t["id"]: t for t in reports.trial_rows(storage, name, light=True)}
     return {
         "revision": tree["revision"],
         "node": found,
@@ -943,7 +947,7 @@ def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> di
     """
     revision = storage.revision()
     meta = reports.study_record(storage, name).get("meta") or {}
-    rows = reports.trial_rows(storage, name)
+    rows = reports.trial_rows(storage, name, light=True)
     tree_curves = reports.TreeCurves(storage)
     records = reports.final_records(storage, rows, tree_curves)  # what the ranking reads
     ranked, ranked_mode, _ = reports.ranked_metric(meta, records)
@@ -1102,7 +1106,7 @@ def timeline(
     revision = storage.revision()
     now = time.time()
     reports.study_record(storage, name)
-    rows = reports.trial_rows(storage, name)
+    rows = reports.trial_rows(storage, name, light=True)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
     found = batches(storage, roots, now, log)
     tree_curves = reports.TreeCurves(storage)

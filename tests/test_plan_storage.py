@@ -621,6 +621,17 @@ def test_studies_and_trials(plan: BasePlanStorage) -> None:
     assert (updated["steps"], updated["node"], updated["step"]) == (20, n, 20)
     assert (updated["state"], updated["attrs"]) == ("done", {"rung": 1})
     assert plan.trials("s")[1] == updated == plan.trial(t2)
+    # Light rows: the same without their config and sequences.
+    light = plan.trials("s", light=True)
+    assert light == [
+        {k: v for k, v in t.items() if k not in ("config", "hp")} for t in plan.trials("s")
+    ]
+    light[1]["attrs"]["rung"] = 7  # a copy
+    assert plan.trials("s", light=True)[1]["attrs"] == {"rung": 1}
+    assert list(plan.trials("s")[0]) == [
+        *("id", "study", "root_key", "config", "hp", "steps", "node", "step", "state"),
+        *("attrs", "created"),
+    ]
     with pytest.raises(PlanKeyError, match="no trial"):
         plan.trial(10_000)
     assert plan.update_trial(t2)["steps"] == 20
@@ -628,7 +639,7 @@ def test_studies_and_trials(plan: BasePlanStorage) -> None:
         plan.update_trial(10_000, state="done")
     with pytest.raises(PlanKeyError, match="no study"):
         plan.add_trial("nope", R, {}, hp, 5, None, None)
-    assert plan.trials("nope") == []
+    assert plan.trials("nope") == [] == plan.trials("nope", light=True)
 
 
 def test_decision_log(plan: BasePlanStorage) -> None:

@@ -506,9 +506,15 @@ class BasePlanStorage(ABC):
         """
 
     @abstractmethod
-    def trials(self, study: str) -> list[dict[str, Any]]:
+    def trials(self, study: str, *, light: bool = False) -> list[dict[str, Any]]:
         """Trials of ``study`` in id order: ``{"id", "study", "root_key", "config", "hp",
-        "steps", "node", "step", "state", "attrs", "created"}``."""
+        "steps", "node", "step", "state", "attrs", "created"}``.
+
+        Args:
+            light: leave out each row's ``config`` and ``hp`` (decoding them is most of
+                the cost of reading many rows): for readers of the trials' states and
+                ends (a dashboard following a large study).
+        """
 
     @abstractmethod
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:

@@ -452,10 +452,10 @@ class MemoryPlanStorage(BasePlanStorage):
                 raise PlanKeyError(f"no trial {trial_id}")
             return _copy_trial(trial)
 
-    def trials(self, study: str) -> list[dict[str, Any]]:
+    def trials(self, study: str, *, light: bool = False) -> list[dict[str, Any]]:
         with self._lock:
             self._check_open()
-            return [_copy_trial(t) for t in self._trials.values() if t["study"] == study]
+            return [_copy_trial(t, light) for t in self._trials.values() if t["study"] == study]
 
     @_writes
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
@@ -579,9 +579,12 @@ class MemoryPlanStorage(BasePlanStorage):
         return f"MemoryPlanStorage(nodes={len(self._nodes)})"
 
 
-def _copy_trial(trial: dict[str, Any]) -> dict[str, Any]:
+def _copy_trial(trial: dict[str, Any], light: bool = False) -> dict[str, Any]:
     out = dict(trial)
-    out["config"] = _codec.copy(trial["config"])
     out["attrs"] = _codec.copy(trial["attrs"])
-    out["hp"] = dict(trial["hp"])
+    if light:
+        del out["config"], out["hp"]
+    else:
+        out["config"] = _codec.copy(trial["config"])
+        out["hp"] = dict(trial["hp"])
     return out

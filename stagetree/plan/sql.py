@@ -997,14 +997,14 @@ class SQLPlanStorage(BasePlanStorage):
             raise PlanKeyError(f"no trial {trial_id}")
         return _trial(row)
 
-    def trials(self, study: str) -> list[dict[str, Any]]:
+    def trials(self, study: str, *, light: bool = False) -> list[dict[str, Any]]:
+        c = _trials.c
+        columns = [col for col in _trials.c if not (light and col.name in ("config", "hp"))]
         with self._tx(write=False) as conn:
-            rows = conn.execute(
-                select(_trials).where(_trials.c.study == study).order_by(_trials.c.id)
-            ).all()
+            rows = conn.execute(select(*columns).where(c.study == study).order_by(c.id)).all()
             # Decoded through the sequence cache (under the lock): a study's trials
             # share a few sequences, and their nodes hold the same ones.
-            return _trials_of(rows, self._seqs.decode_hp_many)
+            return _trials_of(rows, None if light else self._seqs.decode_hp_many)
 
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         data = _codec.dumps(dict(record), "log record")
@@ -1243,11 +1243,27 @@ def _replace_expiry(lease: Lease, expires: float) -> Lease:
 
 
 def _trials_of(
-    rows: Seq[Any], decode_hp: Callable[[list[str]], list[dict[str, Sequence]]]
+    rows: Seq[Any], decode_hp: Callable[[list[str]], list[dict[str, Sequence]]] | None
 ) -> list[dict[str, Any]]:
-    """:func:`_trial` of many rows, their JSON decoded in bulk."""
-    configs = _codec.loads_many([row.config for row in rows])
+    """:func:`_trial` of many rows, their JSON decoded in bulk; without ``config`` and
+    ``hp`` when ``decode_hp`` is None (the rows do not hold them)."""
     attrs = _codec.loads_many([row.attrs for row in rows])
+    if decode_hp is None:
+        return [
+            {
+                "id": row.id,
+                "study": row.study,
+                "root_key": row.root_key,
+                "steps": row.steps,
+                "node": row.node,
+                "step": row.step,
+                "state": row.state,
+                "attrs": attr,
+                "created": row.created,
+            }
+            for row, attr in zip(rows, attrs)
+        ]
+    configs = _codec.loads_many([row.config for row in rows])
     hps = decode_hp([row.hp for row in rows])
     return [
         {
