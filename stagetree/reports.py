@@ -447,7 +447,7 @@ def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
     """Trials of other trainer versions than the latest run's (of ``study``, or of
     every study), which status and export leave out."""
     return sum(
-        split_trials(storage.trials(s["name"]), s.get("meta"))[1]
+        split_trials(storage.trials(s["name"], light=True), s.get("meta"))[1]
         for s in storage.studies()
         if study is None or s["name"] == study
     )
@@ -458,7 +458,7 @@ def failures(
 ) -> list[tuple[int, TrialError]]:
     """``(trial id, error)`` of every failed trial of ``study`` (of ``version``, as in
     :func:`trial_records`), in id order. Cheap: reads no metrics."""
-    return _failed(_trials(storage, study, version)[0])
+    return _failed(_trials(storage, study, version, light=True)[0])
 
 
 def _failed(trials: Iterable[Mapping[str, Any]]) -> list[tuple[int, TrialError]]:
@@ -474,7 +474,7 @@ def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[
     ``trials``, ``finished``, ``running``, ``pending``, ``failed`` (trial rows of
     ``version`` by state), ``steps_requested`` (their total steps), and the storage-wide
     ``steps_executed`` and ``device_seconds`` of the batches that ended so far."""
-    trials = _trials(storage, study, version)[0]
+    trials = _trials(storage, study, version, light=True)[0]
     states = [t["state"] for t in trials]
     engine = storage.stats("engine")
     return {
@@ -656,7 +656,7 @@ def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) 
         the storage-wide ``ckpt_save_seconds``, ``ckpt_load_seconds``,
         ``ckpt_bytes``, ``live_splits`` and ``splits_missed``.
     """
-    return _study_accounting(storage, _trials(storage, study, version)[0], study)[0]
+    return _study_accounting(storage, _trials(storage, study, version, light=True)[0], study)[0]
 
 
 # --------------------------------------------------------------------------- status

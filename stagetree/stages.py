@@ -639,7 +639,9 @@ def summarize(
     keys, nodes, requests, ckpts = _plan_view(storage, root_keys)
     wanted = set(keys)
     names = [study] if study is not None else [s["name"] for s in storage.studies()]
-    trials = [t for name in names for t in storage.trials(name) if t["root_key"] in wanted]
+    trials = [
+        t for name in names for t in storage.trials(name, light=True) if t["root_key"] in wanted
+    ]
     if trials or study is not None:
         count = len(trials)
         steps_sum = sum(int(t["steps"]) for t in trials)
