@@ -9,11 +9,18 @@ storage's change counter read *before* anything else, so that what it holds is a
 least as new as its revision. The web layer (:mod:`stagetree.dashboard`) only routes
 and serialises.
 
-Trees are read in bulk (every node, request, checkpoint and metric step of a tree in
-one read each), never node by node: a study of 10,000 trials gives its tree in a
-fraction of a second. :func:`read_tree` does the reading and :func:`build_tree` the
-computing, so that a caller holding a lock for the reads (a server's engine) releases
-it before the computation.
+Everything is read in bulk (every node, request, checkpoint and metric step of a tree
+in one read each), never node by node, and only what a view shows: trial rows without
+their config and sequences where those are not shown (``trials(light=True)``), each
+trial's final point rather than its learning curve where only the ranking needs it
+(:func:`stagetree.reports.final_records`, one
+:meth:`~stagetree.plan.BasePlanStorage.metrics_at` read). Views pause the generational
+garbage collector while they build (:func:`stagetree.reports.quiet_gc`). A study of
+10,000 trials gives its status and its tree in a fraction of a second.
+:func:`read_tree` does the reading and :func:`build_tree` the computing, so that a
+caller holding a lock for the reads (a server's engine) releases it before the
+computation; a tree built from the previous one (``previous``) shares its unchanged
+nodes, which :func:`tree_delta` then skips by identity.
 
 Batches (the workers timeline, "training" nodes) come from the storage's activity
 records (:meth:`~stagetree.plan.BasePlanStorage.activity`): a batch is running while
