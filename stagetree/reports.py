@@ -66,6 +66,7 @@ __all__ = [
     "metric_mode",
     "path_segments",
     "progress",
+    "quiet_gc",
     "ranked_metric",
     "records_of",
     "short_sequence",
