@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
+import gc
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from stagetree.identity import split_trials
 
@@ -55,12 +57,16 @@ __all__ = [
     "export_records",
     "export_table",
     "failures",
+    "final_metrics",
+    "final_records",
     "final_value",
     "format_value",
     "hidden_trials",
+    "last_points",
     "metric_mode",
     "path_segments",
     "progress",
+    "quiet_gc",
     "ranked_metric",
     "records_of",
     "short_sequence",
@@ -73,6 +79,31 @@ __all__ = [
 ]
 
 _MODES = ("max", "min")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def quiet_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` with the generational garbage collector paused (as the stage tree's
+    build does, :func:`stagetree.stages.build_stage_tree`): a reader of a large study
+    allocates tens of thousands of rows and points at once, and collections triggered
+    halfway would walk them and everything the process holds for nothing (a third of
+    the time of a view). Cycles are collected once it is enabled again; nested and
+    concurrent calls leave it enabled as they found it."""
+
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return paused
+
 
 # Metric names that are minimised when a study does not record its mode.
 _MIN_WORDS = ("loss", "err", "perplexity", "mse", "mae", "regret")
@@ -168,21 +199,33 @@ def study_record(storage: BasePlanStorage, study: str) -> dict[str, Any]:
 
 
 def _trials(
-    storage: BasePlanStorage, study: str, version: Any = None
+    storage: BasePlanStorage, study: str, version: Any = None, light: bool = False
 ) -> tuple[list[dict[str, Any]], int]:
     """``(trial rows of version, number of rows of other versions)``; ``version``
     defaults to that of the study's latest run. A study without a record has none."""
     record = _studies(storage).get(study)
     if record is None:
         return [], 0
-    return split_trials(storage.trials(study), record.get("meta") or {}, version)
+    return split_trials(storage.trials(study, light=light), record.get("meta") or {}, version)
 
 
-def trial_rows(storage: BasePlanStorage, study: str, version: Any = None) -> list[dict[str, Any]]:
+def trial_rows(
+    storage: BasePlanStorage, study: str, version: Any = None, *, light: bool = False
+) -> list[dict[str, Any]]:
     """The storage's rows (:meth:`~stagetree.plan.BasePlanStorage.trials`) of the trials
     :func:`trial_records` returns: ``study``'s trials of ``version`` (default: the
-    version of its latest run), in id order, without their metrics."""
-    return _trials(storage, study, version)[0]
+    version of its latest run), in id order, without their metrics (and with
+    ``light``, without their config and sequences)."""
+    return _trials(storage, study, version, light)[0]
+
+
+def _along(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
+    """:meth:`BasePlanStorage.metrics_along` the trial's sequences up to its steps (a
+    light row, without them, reads its own row for them)."""
+    hp = trial.get("hp")
+    if hp is None:
+        hp = storage.trial(int(trial["id"]))["hp"]
+    return storage.metrics_along(trial["root_key"], hp, trial["steps"])
 
 
 def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple[int, int, int]]:
@@ -233,8 +276,6 @@ class TreeCurves:
         metrics = self._metrics.get(root_key)
         if metrics is None:
             metrics = self._metrics[root_key] = self.storage.metrics(root_key)
-            for node, points in metrics.items():
-                self._steps[node] = sorted(points)
         return metrics
 
     def tree(self, root_key: str) -> tuple[dict[int, Node], dict[int, dict[int, dict[str, float]]]]:
@@ -246,24 +287,27 @@ class TreeCurves:
         if trial.get("node") is None:
             return {}
         if trial.get("step") != trial["steps"]:  # the row's end lags: walk its values
-            return self.storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
+            return _along(self.storage, trial)
         nodes, metrics = self.tree(str(trial["root_key"]))
         try:
             segments = path_segments(nodes, int(trial["node"]), int(trial["steps"]))
         except KeyError:  # a node committed after the tree was read
-            return self.storage.metrics_along(trial["root_key"], trial["hp"], trial["steps"])
+            return _along(self.storage, trial)
         out: dict[int, dict[str, float]] = {}
         for node, first, last in segments:
             points = metrics.get(node)
             if not points:
                 continue
-            steps = self._steps[node]
+            steps = self._steps.get(node)
+            if steps is None:
+                steps = self._steps[node] = sorted(points)
             lo, hi = bisect.bisect_left(steps, first), bisect.bisect_right(steps, last)
             for step in steps[lo:hi]:
                 out[step] = dict(points[step])
         return out
 
 
+@quiet_gc
 def records_of(
     storage: BasePlanStorage,
     trials: Iterable[Mapping[str, Any]],
@@ -278,14 +322,118 @@ def records_of(
         out.append(
             TrialRecord(
                 int(trial["id"]),
-                dict(trial["config"]),
-                dict(trial["hp"]),
+                dict(trial.get("config") or {}),
+                dict(trial.get("hp") or {}),
                 int(trial["steps"]),
                 str(trial["state"]),
                 curves.of(trial),
                 error,
             )
         )
+    return out
+
+
+def final_metrics(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    curves: TreeCurves | None = None,
+) -> dict[int, dict[str, float]]:
+    """The metrics of each trial row at its final step (``steps``), by trial id (trials
+    without any there are left out): what :func:`records_of` would hold at that step,
+    without reading the learning curves. One :meth:`BasePlanStorage.metrics_at` read,
+    or taken from ``curves`` when its trees are read already; a row whose end lags its
+    steps walks its path (:meth:`BasePlanStorage.metrics_along`)."""
+    out: dict[int, dict[str, float]] = {}
+    keys: dict[int, tuple[int, int]] = {}
+    for t in trials:
+        if t.get("node") is None:
+            continue
+        steps = int(t["steps"])
+        if t.get("step") != steps:  # the row's end lags: walk its values
+            found = _along(storage, t).get(steps)
+            if found is not None:
+                out[int(t["id"])] = found
+        elif curves is not None:
+            root, node = str(t["root_key"]), int(t["node"])
+            if node not in curves.nodes(root):  # committed after the tree was read
+                found = _along(storage, t).get(steps)
+            else:
+                point = curves.metrics(root).get(node, {}).get(steps)
+                found = None if point is None else dict(point)
+            if found is not None:
+                out[int(t["id"])] = found
+        else:
+            keys[int(t["id"])] = (int(t["node"]), steps)
+    if keys:
+        points = storage.metrics_at(keys.values())
+        out.update((tid, points[key]) for tid, key in keys.items() if key in points)
+    return out
+
+
+def last_points(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    finals: Mapping[int, dict[str, float]] | None = None,
+) -> dict[int, tuple[int, dict[str, float]]]:
+    """The last step with metrics on each trial's path up to its steps, and its metrics,
+    by trial id (trials without any are left out): the last point of the learning curve
+    that :func:`records_of` gives it. The final points first (``finals``, else
+    :func:`final_metrics`); only for the trials short of their end the metrics of the
+    nodes on their paths."""
+    rows = list(trials)
+    finals = final_metrics(storage, rows) if finals is None else finals
+    out: dict[int, tuple[int, dict[str, float]]] = {}
+    short: dict[str, list[Mapping[str, Any]]] = {}
+    for t in rows:
+        tid = int(t["id"])
+        if tid in finals:
+            out[tid] = (int(t["steps"]), finals[tid])
+        elif t.get("node") is not None:
+            short.setdefault(str(t["root_key"]), []).append(t)
+    for root, found in short.items():
+        nodes = {n.id: n for n in storage.nodes(root)}
+        paths: dict[int, list[tuple[int, int, int]]] = {}
+        for t in found:
+            try:
+                if t.get("step") == t["steps"]:
+                    paths[int(t["id"])] = path_segments(nodes, int(t["node"]), int(t["steps"]))
+                    continue
+            except KeyError:  # a node committed after the tree was read
+                pass
+            curve = _along(storage, t)  # walk it
+            if curve:
+                out[int(t["id"])] = max(curve.items())
+        metrics = storage.metrics(root, {n for path in paths.values() for n, _, _ in path})
+        steps = {node: list(points) for node, points in metrics.items()}  # sorted
+        for tid, path in paths.items():
+            for node, first, last in reversed(path):
+                along = steps.get(node)
+                i = bisect.bisect_right(along, last) if along else 0
+                if i and along is not None and along[i - 1] >= first:
+                    out[tid] = (along[i - 1], metrics[node][along[i - 1]])
+                    break
+    return out
+
+
+def final_records(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    curves: TreeCurves | None = None,
+) -> list[TrialRecord]:
+    """:class:`TrialRecord` of each trial row whose ``metrics`` hold only its final
+    step's (:func:`final_metrics`): all that :func:`ranked_metric`, :func:`best_trial`
+    and :func:`final_value` read, at the cost of one point per trial. ``config`` and
+    ``hp`` are the rows' own (not copied; empty for light rows)."""
+    rows = list(trials)
+    finals = final_metrics(storage, rows, curves)
+    out = []
+    for t in rows:
+        tid, steps = int(t["id"]), int(t["steps"])
+        error = TrialError.from_attrs(t.get("attrs")) if t["state"] == "failed" else None
+        final = finals.get(tid)
+        metrics = {steps: final} if final is not None else {}
+        config, hp = t.get("config", {}), t.get("hp", {})
+        out.append(TrialRecord(tid, config, hp, steps, str(t["state"]), metrics, error))
     return out
 
 
@@ -300,7 +448,7 @@ def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
     """Trials of other trainer versions than the latest run's (of ``study``, or of
     every study), which status and export leave out."""
     return sum(
-        split_trials(storage.trials(s["name"]), s.get("meta"))[1]
+        split_trials(storage.trials(s["name"], light=True), s.get("meta"))[1]
         for s in storage.studies()
         if study is None or s["name"] == study
     )
@@ -311,7 +459,7 @@ def failures(
 ) -> list[tuple[int, TrialError]]:
     """``(trial id, error)`` of every failed trial of ``study`` (of ``version``, as in
     :func:`trial_records`), in id order. Cheap: reads no metrics."""
-    return _failed(_trials(storage, study, version)[0])
+    return _failed(_trials(storage, study, version, light=True)[0])
 
 
 def _failed(trials: Iterable[Mapping[str, Any]]) -> list[tuple[int, TrialError]]:
@@ -327,7 +475,7 @@ def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[
     ``trials``, ``finished``, ``running``, ``pending``, ``failed`` (trial rows of
     ``version`` by state), ``steps_requested`` (their total steps), and the storage-wide
     ``steps_executed`` and ``device_seconds`` of the batches that ended so far."""
-    trials = _trials(storage, study, version)[0]
+    trials = _trials(storage, study, version, light=True)[0]
     states = [t["state"] for t in trials]
     engine = storage.stats("engine")
     return {
@@ -509,7 +657,7 @@ def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) 
         the storage-wide ``ckpt_save_seconds``, ``ckpt_load_seconds``,
         ``ckpt_bytes``, ``live_splits`` and ``splits_missed``.
     """
-    return _study_accounting(storage, _trials(storage, study, version)[0], study)[0]
+    return _study_accounting(storage, _trials(storage, study, version, light=True)[0], study)[0]
 
 
 # --------------------------------------------------------------------------- status
@@ -624,13 +772,20 @@ def ranked_metric(
     return names[0], _guess_mode(names[0]), f"first of {', '.join(names)}; mode guessed"
 
 
-def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
+@quiet_gc
+def study_status(
+    storage: BasePlanStorage, name: str, rows: list[dict[str, Any]] | None = None
+) -> StudyStatus:
     """The status of study ``name``: the trials of its latest run's trainer version.
 
     The metric is the one recorded in the study's meta (``meta["metric"]`` and
     ``meta["mode"]``) if any, else the first (alphabetically) metric with a finite value
     at some trial's final step, minimised when its name says loss or error. The best
     trial is :func:`best_trial`'s (the rule of ``Study.best`` and the tuners).
+
+    Args:
+        rows: the study's trial rows (:meth:`BasePlanStorage.trials`, every version),
+            when the caller has read them.
 
     Raises:
         PlanKeyError: no study ``name`` in the storage.
@@ -639,12 +794,17 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
 
     record = study_record(storage, name)
     meta = record.get("meta") or {}
-    trials, hidden = split_trials(storage.trials(name), meta)
-    records = records_of(storage, trials)
+    rows = storage.trials(name, light=True) if rows is None else rows
+    trials, hidden = split_trials(rows, meta)
+    records = final_records(storage, trials)  # the final points are all the ranking reads
     metric, mode, note = ranked_metric(meta, records)
     best = best_trial(records, metric, mode) if metric is not None else None
     numbers, counted = _study_accounting(storage, trials, name)
-    trained = any(r.metrics for r in records)
+    # Whether any trial has metrics: a final point says so; else (on a storage without
+    # counters only, where it matters) look along the learning curves.
+    trained = any(r.metrics for r in records) or (
+        not counted and any(r.metrics for r in records_of(storage, trials))
+    )
     states = [t["state"] for t in trials]
     running = len(running_trials(storage, trials))  # live leases, not stale rows
     finished, failed, cancelled = (states.count(s) for s in ("done", "failed", "cancelled"))
@@ -681,30 +841,53 @@ def study_status(storage: BasePlanStorage, name: str) -> StudyStatus:
     )
 
 
+@quiet_gc
 def storage_status(storage: BasePlanStorage, url: str, study: str | None = None) -> StorageStatus:
     """The status of every study of ``storage`` (or of ``study``) and its totals.
 
     Raises:
         PlanKeyError: no study ``study`` in the storage.
     """
-    from stagetree.stages import summarize
-
     names = [s["name"] for s in storage.studies()]
     shown = names if study is None else [study_record(storage, study)["name"]]
-    everything = summarize(storage)
+    rows = {name: storage.trials(name, light=True) for name in names}  # read once, for both
+    trials, requested, unique = _plan_totals(storage, rows)
     engine = storage.stats("engine")
     return StorageStatus(
         url=url,
-        studies=[study_status(storage, n) for n in shown],
+        studies=[study_status(storage, n, rows[n]) for n in shown],
         studies_total=len(names),
-        trials=everything.trials,
+        trials=trials,
         totals=accounting(
-            everything.total_steps,
-            everything.unique_steps,
+            requested,
+            unique,
             engine.get("steps_executed", 0.0),
             engine.get("device_seconds", 0.0),
         ),
     )
+
+
+def _plan_totals(
+    storage: BasePlanStorage, rows: Mapping[str, list[dict[str, Any]]]
+) -> tuple[int, int, int]:
+    """``(trials, steps requested, unique steps)`` of every tree of the storage, as
+    :func:`stagetree.stages.summarize` counts them, from the trial rows of every study
+    (``rows``); without what ``summarize`` also reads for its pending steps."""
+    from stagetree.plan.model import RequestState
+    from stagetree.stages import total_steps, unique_steps
+
+    keys = storage.root_keys()
+    wanted = set(keys)
+    nodes = {n.id: n for key in keys for n in storage.nodes(key)}
+    trials = [t for found in rows.values() for t in found if t["root_key"] in wanted]
+    if trials:
+        count, requested = len(trials), sum(int(t["steps"]) for t in trials)
+        ends = [(int(t["node"]), int(t["step"])) for t in trials if t["node"] is not None]
+    else:  # a plan without trial records: each live or finished request is a trial
+        live = [r for key in keys for r in storage.requests(key)]
+        ends = [(r.node, r.step) for r in live if r.state != RequestState.CANCELLED]
+        count, requested = len(ends), total_steps(ends)
+    return count, requested, unique_steps(nodes, [e for e in ends if e[0] in nodes])
 
 
 # --------------------------------------------------------------------------- export

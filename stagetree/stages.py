@@ -517,8 +517,32 @@ def total_steps(requests: Iterable[tuple[int, int]]) -> int:
 
 
 def unique_steps(nodes: Mapping[int, Node], requests: Iterable[tuple[int, int]]) -> int:
-    """Steps covered by the union of the requests' paths from step 0."""
-    return build_stage_tree(nodes, requests).total_steps
+    """Steps covered by the union of the requests' paths from step 0: the
+    ``total_steps`` of their stage tree without checkpoints, counted without building
+    it (each node holds the steps from its branch step up to the furthest step a path
+    through it needs; a walk up a path stops at a node an earlier walk went through).
+
+    Raises:
+        ValueError: a request on an unknown node or not canonical.
+    """
+    need: dict[int, int] = {}  # node -> the furthest step a path needs it trained to
+    for n, s in requests:
+        node = _node(nodes, n, "a request")
+        if not _is_canonical(node, s):
+            raise ValueError(f"request (node {n}, step {s}) is not canonical")
+        up = s
+        while True:
+            seen = node.id in need
+            if not seen or need[node.id] < up:
+                need[node.id] = up
+            if seen or node.parent is None:
+                break
+            up = node.branch_step
+            node = _node(nodes, node.parent, f"the path of node {n}")
+    return sum(
+        max(up - (nodes[m].branch_step if nodes[m].parent is not None else 0), 0)
+        for m, up in need.items()
+    )
 
 
 def _trial_requests(
@@ -615,7 +639,9 @@ def summarize(
     keys, nodes, requests, ckpts = _plan_view(storage, root_keys)
     wanted = set(keys)
     names = [study] if study is not None else [s["name"] for s in storage.studies()]
-    trials = [t for name in names for t in storage.trials(name) if t["root_key"] in wanted]
+    trials = [
+        t for name in names for t in storage.trials(name, light=True) if t["root_key"] in wanted
+    ]
     if trials or study is not None:
         count = len(trials)
         steps_sum = sum(int(t["steps"]) for t in trials)

@@ -9,11 +9,18 @@ storage's change counter read *before* anything else, so that what it holds is a
 least as new as its revision. The web layer (:mod:`stagetree.dashboard`) only routes
 and serialises.
 
-Trees are read in bulk (every node, request, checkpoint and metric step of a tree in
-one read each), never node by node: a study of 10,000 trials gives its tree in a
-fraction of a second. :func:`read_tree` does the reading and :func:`build_tree` the
-computing, so that a caller holding a lock for the reads (a server's engine) releases
-it before the computation.
+Everything is read in bulk (every node, request, checkpoint and metric step of a tree
+in one read each), never node by node, and only what a view shows: trial rows without
+their config and sequences where those are not shown (``trials(light=True)``), each
+trial's final point rather than its learning curve where only the ranking needs it
+(:func:`stagetree.reports.final_records`, one
+:meth:`~stagetree.plan.BasePlanStorage.metrics_at` read). Views pause the generational
+garbage collector while they build (:func:`stagetree.reports.quiet_gc`). A study of
+10,000 trials gives its status and its tree in a fraction of a second.
+:func:`read_tree` does the reading and :func:`build_tree` the computing, so that a
+caller holding a lock for the reads (a server's engine) releases it before the
+computation; a tree built from the previous one (``previous``) shares its unchanged
+nodes, which :func:`tree_delta` then skips by identity.
 
 Batches (the workers timeline, "training" nodes) come from the storage's activity
 records (:meth:`~stagetree.plan.BasePlanStorage.activity`): a batch is running while
@@ -255,6 +262,7 @@ def study_summary(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     return _summary(storage, reports.study_status(storage, name))
 
 
+@reports.quiet_gc
 def study_summaries(storage: BasePlanStorage, url: str = "") -> dict[str, Any]:
     """``GET /api/studies``: every study's summary and the storage-wide totals
     (:func:`stagetree.reports.storage_status`) of the storage at ``url``."""
@@ -274,6 +282,7 @@ def study_summaries(storage: BasePlanStorage, url: str = "") -> dict[str, Any]:
     }
 
 
+@reports.quiet_gc
 def study_detail(
     storage: BasePlanStorage, name: str, log: ActivityLog | None = None
 ) -> dict[str, Any]:
@@ -283,12 +292,16 @@ def study_detail(
     Raises:
         PlanKeyError: no study ``name``.
     """
+    from stagetree.identity import split_trials
+
     revision = storage.revision()
-    st = reports.study_status(storage, name)
+    meta = reports.study_record(storage, name).get("meta") or {}
+    rows = storage.trials(name, light=True)  # read once, for the status and the savings
+    st = reports.study_status(storage, name, rows)
     return {
         "revision": revision,
         "study": _summary(storage, st),
-        "savings": savings(storage, name, st, log),
+        "savings": savings(storage, name, st, log, split_trials(rows, meta)[0]),
     }
 
 
@@ -307,6 +320,7 @@ def savings(
     name: str,
     status: reports.StudyStatus | None = None,
     log: ActivityLog | None = None,
+    rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The ``Savings`` of study ``name``: what training each trial alone would cost
     (its requested steps, at the median measured seconds per step) against what was
@@ -317,12 +331,14 @@ def savings(
         status: the study's :func:`~stagetree.reports.study_status`, when the caller
             has it.
         log: see :func:`batches`.
+        rows: the study's :func:`~stagetree.reports.trial_rows`, when the caller has
+            them.
 
     Raises:
         PlanKeyError: no study ``name``.
     """
     st = status if status is not None else reports.study_status(storage, name)
-    rows = reports.trial_rows(storage, name)
+    rows = rows if rows is not None else reports.trial_rows(storage, name, light=True)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
     numbers = st.numbers
     executed = round(numbers["steps_executed"]) if numbers is not None else None
@@ -482,6 +498,7 @@ class ActivityLog:
         self._batches: dict[str, Batch] = {}
         self._lock = threading.Lock()
 
+    @reports.quiet_gc
     def update(self, storage: BasePlanStorage, root_keys: Collection[str] | None = None) -> None:
         """Fold in the records written since the last update (of every tree, or only
         of ``root_keys`` for a log of those trees alone)."""
@@ -569,7 +586,8 @@ class TreeData:
         requests: their requests.
         checkpoints: their durable checkpoints.
         metric_steps: the largest step with metrics per node.
-        trials: the study's trial rows (its latest trainer version).
+        trials: the study's trial rows (its latest trainer version; light rows,
+            without config and sequences).
         others: ``(node, step)`` ends of every other trial on those trees (other
             studies, other versions).
         batches: the batches that trained those trees.
@@ -587,6 +605,7 @@ class TreeData:
     batches: dict[str, Batch]
 
 
+@reports.quiet_gc
 def read_tree(storage: BasePlanStorage, name: str, log: ActivityLog | None = None) -> TreeData:
     """Read what study ``name``'s stage tree is made of: a few bulk reads per tree
     (the batches through ``log`` when given, see :func:`batches`).
@@ -598,13 +617,16 @@ def read_tree(storage: BasePlanStorage, name: str, log: ActivityLog | None = Non
 
     revision = storage.revision()
     record = reports.study_record(storage, name)
-    mine = storage.trials(name)
+    mine = storage.trials(name, light=True)
     own, _ = split_trials(mine, record.get("meta") or {})
     roots = list(dict.fromkeys(str(t["root_key"]) for t in own))
     ids = {t["id"] for t in own}
     wanted = set(roots)
     everyone = [
-        t for s in storage.studies() if s["name"] != name for t in storage.trials(s["name"])
+        t
+        for s in storage.studies()
+        if s["name"] != name
+        for t in storage.trials(s["name"], light=True)
     ]
     others = [
         (int(t["node"]), int(t["step"]))
@@ -759,42 +781,60 @@ def _state(i: int, progress: _Progress, training: Mapping[int, str]) -> str:
     return "trained"
 
 
-def build_tree(data: TreeData) -> dict[str, Any]:
+@reports.quiet_gc
+def build_tree(data: TreeData, previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The stage tree of :class:`TreeData` (``GET /api/studies/{name}/tree``, full):
     one ``Node`` per plan node of the study's trees (``docs/dashboard-api.md`` gives
-    each field and the rules of ``state``)."""
+    each field and the rules of ``state``).
+
+    Args:
+        previous: a full tree of the same study and storage built earlier: the nodes
+            that did not change are its node objects (and their labels are not made
+            again), so that trees of successive revisions share them and
+            :func:`tree_delta` finds the unchanged ones by identity.
+    """
     nodes = data.nodes
     order = sorted(nodes)  # a parent's id is smaller than its children's
     root_index = {key: i for i, key in enumerate(data.roots)}
     progress = _progress(data, order)
     trials, others = _through(data, order)
     training = _training(data, progress.done)
+    before = {n["id"]: n for n in previous["nodes"]} if previous is not None else {}
     out: list[dict[str, Any]] = []
     for i in order:
         node = nodes[i]
-        parent = nodes.get(node.parent) if node.parent is not None else None
         stop = progress.end[i]
-        out.append(
-            {
-                "id": i,
-                "parent": node.parent,
-                "root": root_index.get(node.root_key, 0),
-                "start": node.branch_step,
-                "end": stop,
-                "done": progress.done[i],
-                "state": _state(i, progress, training),
-                "worker": training.get(i),
-                "checkpoints": progress.checkpoints.get(i, []),
-                "trials": trials[i],
-                "others": others[i],
-                "label": _label(
-                    _hp_key(node),
-                    _hp_key(parent) if parent is not None else None,
-                    node.branch_step,
-                    stop,
-                ),
-            }
-        )
+        old = before.get(i)
+        if (
+            old is not None
+            and old["end"] == stop
+            and old["parent"] == node.parent
+            and old["start"] == node.branch_step
+        ):
+            label = old["label"]  # a node's label depends on its (fixed) values up to end
+        else:
+            parent = nodes.get(node.parent) if node.parent is not None else None
+            label = _label(
+                _hp_key(node),
+                _hp_key(parent) if parent is not None else None,
+                node.branch_step,
+                stop,
+            )
+        new = {
+            "id": i,
+            "parent": node.parent,
+            "root": root_index.get(node.root_key, 0),
+            "start": node.branch_step,
+            "end": stop,
+            "done": progress.done[i],
+            "state": _state(i, progress, training),
+            "worker": training.get(i),
+            "checkpoints": progress.checkpoints.get(i, []),
+            "trials": trials[i],
+            "others": others[i],
+            "label": label,
+        }
+        out.append(old if old is not None and old == new else new)
     return {
         "revision": data.revision,
         "full": True,
@@ -823,11 +863,16 @@ def tree_delta(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]
     return {
         **new,
         "full": False,
-        "nodes": [n for n in new["nodes"] if before.get(n["id"]) != n],
+        "nodes": [
+            n
+            for n in new["nodes"]
+            if (b := before.get(n["id"])) is not n and b != n  # shared: unchanged
+        ],
         "removed": [],
     }
 
 
+@reports.quiet_gc
 def node_detail(
     storage: BasePlanStorage, name: str, node_id: int, tree: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -848,7 +893,7 @@ def node_detail(
     node = storage.node(node_id)
     start, stop = found["start"], max(found["end"], found["start"] + 1)
     metrics = storage.metrics(node.root_key, [node_id]).get(node_id, {})
-    rows = {t["id"]: t for t in reports.trial_rows(storage, name)}
+    rows = {t["id"]: t for t in reports.trial_rows(storage, name, light=True)}
     return {
         "revision": tree["revision"],
         "node": found,
@@ -863,6 +908,19 @@ def node_detail(
 
 
 # --------------------------------------------------------------------------- curves
+
+
+def _series(points: Mapping[int, Mapping[str, float]], metric: str | None) -> list[list[Any]]:
+    """``[step, value]`` of ``metric`` at each point that has it (:func:`number`)."""
+    isfinite = math.isfinite
+    out: list[list[Any]] = []
+    if metric is None:
+        return out
+    for step, values in points.items():
+        if metric in values:
+            x = values[metric]
+            out.append([step, x if type(x) is float and isfinite(x) else number(x)])
+    return out
 
 
 def _trial_paths(
@@ -883,6 +941,7 @@ def _trial_paths(
     return out
 
 
+@reports.quiet_gc
 def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> dict[str, Any]:
     """``GET /api/studies/{name}/curves``: the learning curves of the study's trials as
     shared segments: the points of ``metric`` (default: the study's ranked metric,
@@ -895,9 +954,9 @@ def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> di
     """
     revision = storage.revision()
     meta = reports.study_record(storage, name).get("meta") or {}
-    rows = reports.trial_rows(storage, name)
+    rows = reports.trial_rows(storage, name, light=True)
     tree_curves = reports.TreeCurves(storage)
-    records = reports.records_of(storage, rows, tree_curves)
+    records = reports.final_records(storage, rows, tree_curves)  # what the ranking reads
     ranked, ranked_mode, _ = reports.ranked_metric(meta, records)
     metric = metric or ranked
     mode = ranked_mode if metric == ranked else reports.metric_mode(metric or "", meta)
@@ -912,10 +971,8 @@ def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> di
             if key in segments:
                 continue
             points = metrics.get(node, {})
-            for values in points.values():
-                names.update(values)
-            series = [[s, number(v[metric])] for s, v in points.items() if metric in v]
-            segments[key] = series
+            names.update(*points.values())
+            segments[key] = _series(points, metric)
     return {
         "revision": revision,
         "metric": metric,
@@ -944,6 +1001,7 @@ def _checkpoint_url(name: str, trial_id: int) -> str:
     return f"/api/studies/{urllib.parse.quote(name, safe='')}/trials/{trial_id}/checkpoint"
 
 
+@reports.quiet_gc
 def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     """``GET /api/studies/{name}/trials``: one row per trial of the study's latest
     trainer version: config, sequences in compact form over its steps
@@ -956,14 +1014,16 @@ def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     revision = storage.revision()
     meta = reports.study_record(storage, name).get("meta") or {}
     rows = reports.trial_rows(storage, name)
-    records = reports.records_of(storage, rows)
+    records = reports.final_records(storage, rows)  # what the ranking reads
     metric = reports.ranked_metric(meta, records)[0]
     ckpts: dict[tuple[int, int], CheckpointRecord] = {}
     for root in dict.fromkeys(str(t["root_key"]) for t in rows):
         ckpts.update(storage.checkpoints(root))
+    finals = {r.id: r.metrics[r.steps] for r in records if r.metrics}
+    lasts = reports.last_points(storage, rows, finals)
     out = []
     for t, rec in zip(rows, records):
-        last = max(rec.metrics, default=None)
+        last = lasts.get(rec.id)
         end = (t.get("node"), t.get("step"))
         has_ckpt = t["state"] == "done" and end in ckpts
         out.append(
@@ -973,7 +1033,7 @@ def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
                 "steps": rec.steps,
                 "config": rec.config,
                 "hp": {k: compact(seq, 0, rec.steps) for k, seq in sorted(rec.hp.items())},
-                "metrics": _metrics(rec.metrics[last]) if last is not None else {},
+                "metrics": _metrics(last[1]) if last is not None else {},
                 "error": rec.error.summary() if rec.error is not None else None,
                 "checkpoint": _checkpoint_url(name, rec.id) if has_ckpt else None,
             }
@@ -1037,6 +1097,7 @@ def _batch_trials(
     return sorted(out)
 
 
+@reports.quiet_gc
 def timeline(
     storage: BasePlanStorage, name: str, after: int = 0, log: ActivityLog | None = None
 ) -> dict[str, Any]:
@@ -1052,7 +1113,7 @@ def timeline(
     revision = storage.revision()
     now = time.time()
     reports.study_record(storage, name)
-    rows = reports.trial_rows(storage, name)
+    rows = reports.trial_rows(storage, name, light=True)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
     found = batches(storage, roots, now, log)
     tree_curves = reports.TreeCurves(storage)

@@ -256,6 +256,51 @@ def test_tree_delta_sends_only_what_changed(tmp_path: Path) -> None:
         assert _get(client, "/api/studies/demo/tree?after=1")["full"] is True
 
 
+def test_a_tree_built_from_the_last_one_shares_its_unchanged_nodes(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/plan.db"
+    _tune(url, "demo", _grid(LRS, 10))
+    with open_storage(url, readonly=True) as storage:
+        before = views.stage_tree(storage, "demo")
+    _tune(url, "more", _grid(LRS[1:3], 14))
+    with open_storage(url, readonly=True) as storage:
+        data = views.read_tree(storage, "demo")
+        fresh, shared = views.build_tree(data), views.build_tree(data, before)
+    assert shared == fresh  # the same tree, whatever it was built from
+    old = {n["id"]: n for n in before["nodes"]}
+    for n in shared["nodes"]:
+        assert (n is old.get(n["id"])) == (n == old.get(n["id"]))  # unchanged: the old object
+    assert any(n is old.get(n["id"]) for n in shared["nodes"])
+    assert views.tree_delta(before, shared) == views.tree_delta(before, fresh)
+    assert views.tree_delta(before, shared)["nodes"] == [
+        n for n in fresh["nodes"] if old.get(n["id"]) != n
+    ]
+
+
+def test_answers_of_the_plan_alone_are_kept_while_the_revision_stays(tmp_path: Path) -> None:
+    from stagetree.dashboard.app import AnswerCache
+
+    url = f"sqlite:///{tmp_path}/plan.db"
+    _tune(url, "demo", _grid(LRS, 10))
+    with _client(url) as (client, _):
+        first = client.get("/api/studies/demo/curves?metric=loss")
+        assert client.get("/api/studies/demo/curves?metric=loss").content == first.content
+        assert client.get("/api/studies/demo/curves").json()["metric"] == "score"
+        trials = client.get("/api/studies/demo/trials").json()
+        _tune(url, "more", _grid(LRS[:1], 12))  # trains the root on to step 12
+        later = client.get("/api/studies/demo/curves?metric=loss").json()
+        assert later["revision"] > first.json()["revision"]
+        root = str(later["trials"][0]["nodes"][0])
+        assert max(s for s, _ in later["segments"][root]) == 12  # the new points
+        assert client.get("/api/studies/demo/trials").json()["revision"] > trials["revision"]
+    cache = AnswerCache(size=1)
+    cache.put(("a",), 0, b"x")
+    assert cache.get(("a",), 0) is None  # a storage that keeps no revision
+    cache.put(("a",), 3, b"x")
+    assert cache.get(("a",), 3) == b"x" and cache.get(("a",), 4) is None
+    cache.put(("b",), 3, b"y")
+    assert cache.get(("a",), 3) is None and cache.get(("b",), 3) == b"y"
+
+
 def test_node_detail(api: tuple[TestClient, Any]) -> None:
     client, storage = api
     tree = _get(client, "/api/studies/demo/tree")

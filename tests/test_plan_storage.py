@@ -485,6 +485,33 @@ def test_metrics_of_a_whole_tree_in_one_read(plan: BasePlanStorage) -> None:
     assert plan.metric_steps("empty") == {}
 
 
+def test_metrics_at_many_keys_in_one_read(plan: BasePlanStorage) -> None:
+    const, decay = lr(Constant(0.1)), lr(MultiStep(0.1, [10], 0.1))
+    root = plan.insert_trial(R, const, 700).node
+    child = plan.insert_trial(R, decay, 20).node
+    elsewhere = plan.insert_trial("root-b", const, 5).node
+    curve = [(root, s, {"acc": s / 1000}, s % 2 == 0) for s in range(1, 701)]  # odd: train()
+    plan.put_metrics_many(
+        [
+            *curve,
+            (child, 20, {"acc": math.nan, "loss": -math.inf}, True),
+            (elsewhere, 5, {"acc": 0.0}, True),
+        ]
+    )
+    # More keys than one query takes; duplicates, missing steps and unknown nodes.
+    keys = [(root, s) for s in range(700, 0, -1)]
+    keys += [(root, 3), (child, 20), (child, 19), (elsewhere, 5), (10_000, 1)]
+    got = plan.metrics_at(keys)
+    assert list(got) == sorted({*((root, s) for s in range(1, 701)), (child, 20), (elsewhere, 5)})
+    assert got[(root, 3)] == {"acc": 0.003} and got[(root, 700)] == {"acc": 0.7}  # no mark
+    assert math.isnan(got[(child, 20)]["acc"]) and got[(child, 20)]["loss"] == -math.inf
+    whole = plan.metrics(R)
+    assert all(got[(n, s)] == whole[n][s] for n, s in got if n != elsewhere)
+    got[(root, 3)]["acc"] = 1.0  # a copy
+    assert plan.metrics_at([(root, 3)]) == {(root, 3): {"acc": 0.003}}
+    assert plan.metrics_at([]) == {} and plan.metrics_at([(child, 11)]) == {}
+
+
 def test_put_metrics_many_records_a_learning_curve(backend: Backend) -> None:
     plan = backend.storage
     const, decay = lr(Constant(0.1)), lr(MultiStep(0.1, [3], 0.1))
@@ -594,6 +621,17 @@ def test_studies_and_trials(plan: BasePlanStorage) -> None:
     assert (updated["steps"], updated["node"], updated["step"]) == (20, n, 20)
     assert (updated["state"], updated["attrs"]) == ("done", {"rung": 1})
     assert plan.trials("s")[1] == updated == plan.trial(t2)
+    # Light rows: the same without their config and sequences.
+    light = plan.trials("s", light=True)
+    assert light == [
+        {k: v for k, v in t.items() if k not in ("config", "hp")} for t in plan.trials("s")
+    ]
+    light[1]["attrs"]["rung"] = 7  # a copy
+    assert plan.trials("s", light=True)[1]["attrs"] == {"rung": 1}
+    assert list(plan.trials("s")[0]) == [
+        *("id", "study", "root_key", "config", "hp", "steps", "node", "step", "state"),
+        *("attrs", "created"),
+    ]
     with pytest.raises(PlanKeyError, match="no trial"):
         plan.trial(10_000)
     assert plan.update_trial(t2)["steps"] == 20
@@ -601,7 +639,7 @@ def test_studies_and_trials(plan: BasePlanStorage) -> None:
         plan.update_trial(10_000, state="done")
     with pytest.raises(PlanKeyError, match="no study"):
         plan.add_trial("nope", R, {}, hp, 5, None, None)
-    assert plan.trials("nope") == []
+    assert plan.trials("nope") == [] == plan.trials("nope", light=True)
 
 
 def test_decision_log(plan: BasePlanStorage) -> None:

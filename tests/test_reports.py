@@ -199,3 +199,59 @@ def test_reports_read_a_readonly_storage(tmp_path: Path) -> None:
         assert reports.trial_records(storage, "nosuch") == []
         with pytest.raises(PlanKeyError, match="no study 'nosuch' in the storage"):
             reports.study_status(storage, "nosuch")
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_final_and_last_points_are_those_of_the_learning_curves(tmp_path: Path, kind: str) -> None:
+    """What the status, the curves and the trials table read of each trial (its final
+    point; its last point) is the final and last point of its learning curve
+    (:func:`reports.records_of`), without reading the curves."""
+    url = "memory://" if kind == "memory" else _url(tmp_path)
+    with open_storage(url) as storage:
+        storage.create_study("s", {})
+        const, decay, late = Constant(0.1), MultiStep(0.1, [4], 0.5), MultiStep(0.1, [7], 0.5)
+        ins = {
+            name: storage.insert_trial("r", {"lr": seq}, steps)
+            for name, seq, steps in (("const", const, 10), ("decay", decay, 10), ("late", late, 9))
+        }
+        node = {name: i.node for name, i in ins.items()}
+        points = [(node["const"], s, {"m": s / 10, "x": 1.0}, True) for s in range(1, 11)]
+        points += [(node["decay"], s, {"m": -s / 10}, s % 2 == 0) for s in (5, 6, 7)]  # short
+        points += [(node["late"], 9, {"m": math.nan}, False)]  # final, train() only, NaN
+        storage.put_metrics_many(points)
+        rows = [
+            ("done", {"lr": const}, 10, node["const"], 10),
+            ("running", {"lr": decay}, 10, node["decay"], 10),  # short of its end
+            ("done", {"lr": late}, 9, node["late"], 9),
+            ("pending", {"lr": const}, 12, node["const"], 10),  # its row's end lags
+            ("pending", {"lr": MultiStep(0.1, [2], 0.1)}, 5, None, None),  # not in the tree
+            ("done", {"lr": decay}, 3, node["const"], 3),  # ends before the branch
+        ]
+        for state, hp, steps, n, step in rows:
+            storage.add_trial("s", "r", {}, hp, steps, n, step, state=state)
+        trials = storage.trials("s")
+        full = {r.id: r for r in reports.records_of(storage, trials)}
+        finals = reports.final_metrics(storage, trials)
+        for curves in (None, reports.TreeCurves(storage)):
+            assert reports.final_metrics(storage, trials, curves).keys() == finals.keys()
+        lasts = reports.last_points(storage, trials)
+        for t in trials:
+            rec = full[t["id"]]
+            final = rec.metrics.get(rec.steps)
+            assert (final is None) == (t["id"] not in finals), t
+            if final is not None:
+                assert repr(finals[t["id"]]) == repr(final)  # NaN too
+            last = max(rec.metrics, default=None)
+            expected = None if last is None else (last, rec.metrics[last])
+            assert repr(lasts.get(t["id"])) == repr(expected), t
+        assert sorted(finals) == [1, 3, 6]
+        assert sorted(lasts) == [1, 2, 3, 4, 6]
+        light = reports.final_records(storage, trials)
+        assert repr([r.metrics for r in light]) == repr(
+            [{r.steps: r.metrics[r.steps]} if r.steps in r.metrics else {} for r in full.values()]
+        )
+        for mode in ("max", "min"):
+            best = reports.best_trial(light, "m", mode)
+            expected_best = reports.best_trial(list(full.values()), "m", mode)
+            assert best is not None and expected_best is not None
+            assert best.id == expected_best.id

@@ -303,6 +303,7 @@ def test_random_trees_match_first_principles(seed: int) -> None:
     points = sorted((s.node, t) for s in tree.stages for t in s.evaluate_at)
     assert points == sorted(set(requests))
     assert sum(s.cost for s in tree.stages) == tree.total_steps
+    assert unique_steps(nodes, requests) == build_stage_tree(nodes, requests).total_steps
 
 
 # --------------------------------------------------------------------------- critical path

@@ -11,7 +11,10 @@
   0.2 s, a short read each) until it exceeds ``REV``, the timeout passes, the client
   goes away or the server stops; a change is answered at the pace of :class:`Pacer`
   (at once for small studies). Trees are kept per study for the last few revisions
-  (:class:`TreeCache`), so that ``tree?after=REV`` sends only the nodes that changed.
+  (:class:`TreeCache`), so that ``tree?after=REV`` sends only the nodes that changed;
+  a tree is built from the last one kept (its unchanged nodes are shared). The answers
+  of the views that depend on the plan alone (curves, trials table) are kept while the
+  revision they were read at is current (:class:`AnswerCache`).
 * **Authentication.** With a token, every ``/api`` request needs it: ``Authorization:
   Bearer <token>``, or the cookie that ``?token=<token>`` on any page sets (HttpOnly,
   SameSite=Strict), so that a browser's later requests carry it. Tokens are compared
@@ -46,7 +49,7 @@ from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from stagetree import views
+from stagetree import reports, views
 from stagetree.plan.base import PlanKeyError
 from stagetree.server.auth import check_authorization
 from stagetree.server.protocol import RequestError
@@ -55,7 +58,15 @@ if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
     from stagetree.plan import BasePlanStorage
 
-__all__ = ["STATIC_DIR", "TOKEN_COOKIE", "Pacer", "Reader", "TreeCache", "create_dashboard_app"]
+__all__ = [
+    "STATIC_DIR",
+    "TOKEN_COOKIE",
+    "AnswerCache",
+    "Pacer",
+    "Reader",
+    "TreeCache",
+    "create_dashboard_app",
+]
 
 log = logging.getLogger("stagetree.dashboard")
 
@@ -74,17 +85,22 @@ _MAX_WAIT = 60.0
 _T = TypeVar("_T")
 
 
-class JSON(Response):
+def render(content: Any) -> bytes:
     """Strict JSON (no NaN: :mod:`stagetree.views` sends None for them)."""
+    try:
+        text = json.dumps(content, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite number slipped through: null, as promised
+        text = json.dumps(_finite(content), separators=(",", ":"))
+    return text.encode()
+
+
+class JSON(Response):
+    """A response of :func:`render`'s JSON (of ``content``, or ``body`` as rendered)."""
 
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        try:
-            text = json.dumps(content, allow_nan=False, separators=(",", ":"))
-        except ValueError:  # a non-finite number slipped through: null, as promised
-            text = json.dumps(_finite(content), separators=(",", ":"))
-        return text.encode()
+        return content if isinstance(content, bytes) else render(content)
 
 
 def _finite(value: Any) -> Any:
@@ -121,6 +137,12 @@ class TreeCache:
             self._trees.move_to_end(name)
             return kept[revision]
 
+    def latest(self, name: str) -> dict[str, Any] | None:
+        """The kept tree of ``name`` of the latest revision, if any."""
+        with self._lock:
+            kept = self._trees.get(name)
+            return kept[max(kept)] if kept else None
+
     def put(self, name: str, tree: dict[str, Any]) -> None:
         """Keep ``tree`` (a full tree, with its ``revision``)."""
         with self._lock:
@@ -132,6 +154,40 @@ class TreeCache:
                 kept.popitem(last=False)
             while len(self._trees) > self.studies:
                 self._trees.popitem(last=False)
+
+
+class AnswerCache:
+    """Rendered answers of the views that are functions of the plan alone (the curves
+    and the trials table: no clock, no leases), kept for the revision they were read
+    at: while the storage's revision stays there (a finished study, a page switching
+    between its tabs) the same request is answered without reading or rendering
+    again. At most ``size`` answers (least recently used first out). Thread-safe.
+
+    An answer carries the revision read before its data, so its data is at least that
+    new: it is only served while the storage is still at that revision (never at 0,
+    the revision of a storage whose writers do not keep it)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._kept: OrderedDict[tuple[Any, ...], tuple[int, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, ...], revision: int) -> bytes | None:
+        """The body kept for ``key`` at ``revision``, if any."""
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is None or kept[0] != revision or revision <= 0:
+                return None
+            self._kept.move_to_end(key)
+            return kept[1]
+
+    def put(self, key: tuple[Any, ...], revision: int, body: bytes) -> None:
+        """Keep ``body``, the answer to ``key`` read at ``revision``."""
+        with self._lock:
+            self._kept[key] = (revision, body)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
 
 
 class Pacer:
@@ -234,6 +290,7 @@ def create_dashboard_app(
         stopping: True once the server is shutting down: long-polls return at once.
     """
     trees = TreeCache()
+    answers = AnswerCache()
     pacer = Pacer()
     activity = views.ActivityLog()  # the batches, read incrementally
     location = _checkpoint_location(url, checkpoints)
@@ -244,6 +301,23 @@ def create_dashboard_app(
                 return fn(storage, *args)
 
         return run_in_threadpool(run)
+
+    def rendered(fn: Callable[..., dict[str, Any]], *args: Any) -> Awaitable[tuple[int, bytes]]:
+        """``(revision, JSON body)`` of a view: read under the reader, rendered after it
+        in the same worker thread (not on the event loop), with the collector paused
+        until the answer's objects are freed (:func:`stagetree.reports.quiet_gc`)."""
+
+        @reports.quiet_gc
+        def run() -> tuple[int, bytes]:
+            with reader() as storage:
+                answer = fn(storage, *args)
+            return int(answer.get("revision", 0)), render(answer)
+
+        return run_in_threadpool(run)
+
+    async def view(fn: Callable[..., dict[str, Any]], *args: Any) -> Response:
+        """The JSON answer of a view (see :func:`rendered`)."""
+        return JSON((await rendered(fn, *args))[1])
 
     def api(
         fn: Callable[[Request], Awaitable[Response]], paced: bool = True
@@ -283,47 +357,58 @@ def create_dashboard_app(
         data = await read(views.read_tree, name, activity)  # the reads, under the reader
         kept = trees.get(name, data.revision)
         if kept is None:
-            kept = await run_in_threadpool(views.build_tree, data)  # the computing, after
+            # The computing, after; nodes that did not change are the last tree's.
+            kept = await run_in_threadpool(views.build_tree, data, trees.latest(name))
             trees.put(name, kept)
         return kept
 
     @api
     async def studies(request: Request) -> Response:
-        return JSON(await read(views.study_summaries, url))
+        return await view(views.study_summaries, url)
 
     @api
     async def study(request: Request) -> Response:
-        return JSON(await read(views.study_detail, request.path_params["name"], activity))
+        return await view(views.study_detail, request.path_params["name"], activity)
 
     @api
     async def tree(request: Request) -> Response:
         name = request.path_params["name"]
         after = request.query_params.get("after")
         current = await tree_of(name)
-        if after is None or after == "":
-            return JSON(current)
-        old = trees.get(name, _int_param(request, "after"))
-        return JSON(views.tree_delta(old, current) if old is not None else current)
+        old = trees.get(name, _int_param(request, "after")) if after else None
+        if old is None:  # the whole tree (no cursor, or one no longer kept)
+            return JSON(await run_in_threadpool(render, current))
+        return JSON(await run_in_threadpool(lambda: render(views.tree_delta(old, current))))
 
     @api
     async def node(request: Request) -> Response:
         name, node_id = request.path_params["name"], request.path_params["node"]
         current = await tree_of(name)
-        return JSON(await read(views.node_detail, name, node_id, current))
+        return await view(views.node_detail, name, node_id, current)
+
+    async def kept(key: tuple[Any, ...], fn: Callable[..., dict[str, Any]], *args: Any) -> Response:
+        """The answer of ``fn`` (a view of the plan alone), from :class:`AnswerCache`
+        while the revision it was read at is current."""
+        body = answers.get(key, await read(lambda s: s.revision()))
+        if body is None:
+            revision, body = await rendered(fn, *args)
+            answers.put(key, revision, body)
+        return JSON(body)
 
     @api
     async def curves(request: Request) -> Response:
-        metric = request.query_params.get("metric") or None
-        return JSON(await read(views.curves, request.path_params["name"], metric))
+        name, metric = request.path_params["name"], request.query_params.get("metric") or None
+        return await kept(("curves", name, metric), views.curves, name, metric)
 
     @api
     async def trials(request: Request) -> Response:
-        return JSON(await read(views.trials_table, request.path_params["name"]))
+        name = request.path_params["name"]
+        return await kept(("trials", name), views.trials_table, name)
 
     @api
     async def timeline(request: Request) -> Response:
         after = _int_param(request, "after")
-        return JSON(await read(views.timeline, request.path_params["name"], after, activity))
+        return await view(views.timeline, request.path_params["name"], after, activity)
 
     @api
     async def checkpoint(request: Request) -> Response:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["copy", "dumps", "loads"]
+__all__ = ["copy", "dumps", "loads", "loads_many"]
 
 
 def dumps(value: Any, what: str = "value") -> str:
@@ -23,6 +24,23 @@ def dumps(value: Any, what: str = "value") -> str:
 def loads(text: str) -> Any:
     """Inverse of :func:`dumps`."""
     return json.loads(text)
+
+
+def loads_many(texts: Iterable[str]) -> list[Any]:
+    """:func:`loads` of each text, in one call: the texts are decoded as one JSON array,
+    which is several times faster than decoding them one by one (a bulk read of a
+    learning curve's points, of a study's trial rows).
+
+    Raises:
+        ValueError: a text is not a JSON value.
+    """
+    texts = texts if isinstance(texts, list) else list(texts)
+    if not texts:
+        return []
+    out: list[Any] = json.loads("[" + ",".join(texts) + "]")
+    if len(out) != len(texts):  # a text held a top-level comma: not one JSON value
+        raise ValueError("a stored JSON text holds more than one value")
+    return out
 
 
 def copy(value: Any, what: str = "value") -> Any:

@@ -16,17 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagetree.hp import Sequence, first_difference, from_json
+from stagetree.plan import _codec
 
 __all__ = ["SeqCache"]
-
-
-def _freeze(value: Any) -> Any:
-    """A hashable image of a JSON value (dicts become sorted item tuples)."""
-    if isinstance(value, dict):
-        return ("{", tuple(sorted((k, _freeze(v)) for k, v in value.items())))
-    if isinstance(value, list):
-        return ("[", tuple(_freeze(v) for v in value))
-    return (type(value), value)
 
 
 class SeqCache:
@@ -48,7 +40,8 @@ class SeqCache:
         self.values: dict[tuple[int, int], tuple[type, Any]] = {}
         self.diffs: dict[tuple[int, int, int], int | None] = {}
         self._json: dict[int, str] = {}
-        self._decoded: dict[Any, Sequence] = {}
+        self._decoded: dict[str, Sequence] = {}
+        self._texts: dict[str, dict[str, Sequence]] = {}  # hp text -> decoded
 
     def _keep(self, seq: Sequence) -> int:
         key = id(seq)
@@ -65,6 +58,7 @@ class SeqCache:
         self.diffs.clear()
         self._json.clear()
         self._decoded.clear()
+        self._texts.clear()
 
     def value(self, seq: Sequence, step: int) -> tuple[type, Any]:
         """``(type, value)`` of ``seq`` at ``step`` (typed: 1 and 1.0 differ)."""
@@ -116,16 +110,33 @@ class SeqCache:
 
     def decode_hp(self, text: str) -> dict[str, Sequence]:
         """Inverse of :meth:`encode_hp` (like :func:`stagetree.hp.loads_hp`); equal
-        sequences come back as one shared object."""
-        data = json.loads(text)
-        out: dict[str, Sequence] = {}
-        for name, desc in data.items():
-            key = _freeze(desc)
-            seq = self._decoded.get(key)
-            if seq is None:
-                seq = from_json(desc)
-                if len(self._decoded) >= self._max:
-                    self.clear()
-                self._decoded[key] = seq
-            out[name] = seq
-        return out
+        sequences come back as one shared object (a new dict each call)."""
+        return self.decode_hp_many([text])[0]
+
+    def decode_hp_many(self, texts: list[str]) -> list[dict[str, Sequence]]:
+        """:meth:`decode_hp` of each text: texts seen before are not decoded again (a
+        trial's sequences are those of the node it created, and readers read the same
+        rows over and over), the others in one bulk decode."""
+        known = self._texts
+        found = {t: known[t] for t in texts if t in known}
+        missing = [t for t in dict.fromkeys(texts) if t not in found]
+        if missing:
+            for text, data in zip(missing, _codec.loads_many(missing)):
+                found[text] = {name: self._intern(desc) for name, desc in data.items()}
+            if len(self._texts) + len(missing) > self._max:
+                self.clear()
+            self._texts.update((t, found[t]) for t in missing)
+        return [dict(found[t]) for t in texts]
+
+    def _intern(self, desc: Any) -> Sequence:
+        # Keyed by the repr of the decoded canonical JSON (sorted keys): exact (1, 1.0
+        # and True differ) and ten times cheaper than a hashable copy of it; a text in
+        # another key order could only miss the cache.
+        key = repr(desc)
+        seq = self._decoded.get(key)
+        if seq is None:
+            seq = from_json(desc)
+            if len(self._decoded) >= self._max:
+                self.clear()
+            self._decoded[key] = seq
+        return seq

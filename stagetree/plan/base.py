@@ -413,6 +413,17 @@ class BasePlanStorage(ABC):
         (the bulk form of :meth:`metrics_along`, for readers of whole trees)."""
 
     @abstractmethod
+    def metrics_at(
+        self, keys: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], dict[str, float]]:
+        """The stored metrics at each canonical ``(node, step)`` of ``keys`` that has any,
+        in one read (of any trees): ``{(node, step): metrics}`` in key order, evaluated
+        steps and ``train()``-only steps alike, as :meth:`metrics` returns them. Keys
+        without metrics, or of unknown nodes, are left out. For readers that need one
+        point per trial (its final metrics: a study's best trial and status) without
+        the whole learning curves."""
+
+    @abstractmethod
     def metric_steps(self, root_key: str) -> dict[int, int]:
         """The largest step with stored metrics of each node of ``root_key``'s tree that
         has any: how far training got on it (cheap: no metric values are read)."""
@@ -495,9 +506,15 @@ class BasePlanStorage(ABC):
         """
 
     @abstractmethod
-    def trials(self, study: str) -> list[dict[str, Any]]:
+    def trials(self, study: str, *, light: bool = False) -> list[dict[str, Any]]:
         """Trials of ``study`` in id order: ``{"id", "study", "root_key", "config", "hp",
-        "steps", "node", "step", "state", "attrs", "created"}``."""
+        "steps", "node", "step", "state", "attrs", "created"}``.
+
+        Args:
+            light: leave out each row's ``config`` and ``hp`` (decoding them is most of
+                the cost of reading many rows): for readers of the trials' states and
+                ends (a dashboard following a large study).
+        """
 
     @abstractmethod
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:

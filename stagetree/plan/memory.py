@@ -311,6 +311,18 @@ class MemoryPlanStorage(BasePlanStorage):
                 if self._metrics.get(node) and tree is not None and node in tree.nodes
             }
 
+    def metrics_at(
+        self, keys: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], dict[str, float]]:
+        with self._lock:
+            self._check_open()
+            out: dict[tuple[int, int], dict[str, float]] = {}
+            for node, step in sorted(set(keys)):
+                stored = self._metrics.get(node, {}).get(step)
+                if stored is not None:
+                    out[(node, step)] = shown_metrics(stored)
+            return out
+
     def metric_steps(self, root_key: str) -> dict[int, int]:
         with self._lock:
             self._check_open()
@@ -440,10 +452,10 @@ class MemoryPlanStorage(BasePlanStorage):
                 raise PlanKeyError(f"no trial {trial_id}")
             return _copy_trial(trial)
 
-    def trials(self, study: str) -> list[dict[str, Any]]:
+    def trials(self, study: str, *, light: bool = False) -> list[dict[str, Any]]:
         with self._lock:
             self._check_open()
-            return [_copy_trial(t) for t in self._trials.values() if t["study"] == study]
+            return [_copy_trial(t, light) for t in self._trials.values() if t["study"] == study]
 
     @_writes
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
@@ -567,9 +579,12 @@ class MemoryPlanStorage(BasePlanStorage):
         return f"MemoryPlanStorage(nodes={len(self._nodes)})"
 
 
-def _copy_trial(trial: dict[str, Any]) -> dict[str, Any]:
+def _copy_trial(trial: dict[str, Any], light: bool = False) -> dict[str, Any]:
     out = dict(trial)
-    out["config"] = _codec.copy(trial["config"])
     out["attrs"] = _codec.copy(trial["attrs"])
-    out["hp"] = dict(trial["hp"])
+    if light:
+        del out["config"], out["hp"]
+    else:
+        out["config"] = _codec.copy(trial["config"])
+        out["hp"] = dict(trial["hp"])
     return out

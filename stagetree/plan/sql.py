@@ -11,6 +11,8 @@ loading the nodes of its tree with an id above the largest it holds.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import sqlite3
 import threading
@@ -30,15 +32,18 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Select,
     String,
     Table,
     Text,
+    and_,
     bindparam,
     cast,
     create_engine,
     event,
     func,
     inspect,
+    or_,
     select,
     text,
 )
@@ -51,6 +56,7 @@ from stagetree.hp import Sequence, dumps_hp, loads_hp
 from stagetree.plan import _codec
 from stagetree.plan._seqcache import SeqCache
 from stagetree.plan.base import (
+    PARTIAL_KEY,
     ActivityRecord,
     BasePlanStorage,
     CheckpointRecord,
@@ -63,7 +69,6 @@ from stagetree.plan.base import (
     check_metrics,
     evaluated_metrics,
     merge_metrics,
-    shown_metrics,
     trial_changes,
 )
 from stagetree.plan.leases import ClaimResult, Lease, host_pid, stage_conflicts, study_conflicts
@@ -440,13 +445,12 @@ class SQLPlanStorage(BasePlanStorage):
             .where(_nodes.c.root_key == root_key, _nodes.c.id > tree.last_id)
             .order_by(_nodes.c.id)
         ).all()
+        cache = self._node_cache
+        fresh = [row for row in rows if row.id not in cache]
+        for row, hp in zip(fresh, self._seqs.decode_hp_many([row.hp for row in fresh])):
+            cache[row.id] = Node(row.id, root_key, row.parent, row.branch_step, hp)
         for row in rows:
-            node = self._node_cache.get(row.id)
-            if node is None:
-                hp = self._seqs.decode_hp(row.hp)
-                node = Node(row.id, root_key, row.parent, row.branch_step, hp)
-                self._node_cache[row.id] = node
-            tree.add(node)
+            tree.add(cache[row.id])
         return tree
 
     def _node(self, conn: Connection, node_id: int) -> Node:
@@ -648,13 +652,19 @@ class SQLPlanStorage(BasePlanStorage):
         root_key: str | None = None,
         states: Collection[RequestState | str] | None = None,
     ) -> list[Request]:
-        query = select(_requests).order_by(_requests.c.node, _requests.c.step)
+        c = _requests.c
+        query = select(c.node, c.step, c.refcount, c.state, c.error).order_by(c.node, c.step)
         if root_key is not None:
-            query = query.where(_requests.c.root_key == root_key)
+            query = query.where(c.root_key == root_key)
         if states is not None:
-            query = query.where(_requests.c.state.in_([RequestState(s).value for s in states]))
+            query = query.where(c.state.in_([RequestState(s).value for s in states]))
         with self._tx(write=False) as conn:
-            return [_request(row) for row in conn.execute(query)]
+            rows = conn.execute(query).all()
+        known = _STATES
+        return [
+            Request(node, step, refcount, known[state], error)
+            for node, step, refcount, state, error in rows
+        ]
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -697,14 +707,16 @@ class SQLPlanStorage(BasePlanStorage):
         return None if row is None else CheckpointRecord(row.ref, row.nbytes, row.created)
 
     def checkpoints(self, root_key: str | None = None) -> dict[tuple[int, int], CheckpointRecord]:
-        query = select(_checkpoints).order_by(_checkpoints.c.node, _checkpoints.c.step)
+        c = _checkpoints.c
+        query = select(c.node, c.step, c.ref, c.nbytes, c.created).order_by(c.node, c.step)
         if root_key is not None:
-            query = query.where(_checkpoints.c.root_key == root_key)
+            query = query.where(c.root_key == root_key)
         with self._tx(write=False) as conn:
-            return {
-                (row.node, row.step): CheckpointRecord(row.ref, row.nbytes, row.created)
-                for row in conn.execute(query)
-            }
+            rows = conn.execute(query).all()
+        return {
+            (node, step): CheckpointRecord(ref, nbytes, created)
+            for node, step, ref, nbytes, created in rows
+        }
 
     # -- metrics -------------------------------------------------------------------------
 
@@ -780,16 +792,17 @@ class SQLPlanStorage(BasePlanStorage):
                     _metrics.c.node.in_(list(ranges))
                 )
             ).all()
-        for row in rows:
-            first, last = ranges[row.node]
-            if first <= row.step <= last:
-                out[row.step] = shown_metrics(_codec.loads(row.data))
+        rows = [r for r in rows if ranges[r.node][0] <= r.step <= ranges[r.node][1]]
+        for row, data in zip(rows, _codec.loads_many([r.data for r in rows])):
+            out[row.step] = _shown(data)
         return dict(sorted(out.items()))
 
     def metrics(
         self, root_key: str, nodes: Collection[int] | None = None
     ) -> dict[int, dict[int, dict[str, float]]]:
-        query = select(_metrics.c.node, _metrics.c.step, _metrics.c.data)
+        query = select(_metrics.c.node, _metrics.c.step, _metrics.c.data).order_by(
+            _metrics.c.node, _metrics.c.step
+        )
         out: dict[int, dict[int, dict[str, float]]] = {}
         with self._tx(write=False) as conn:
             if nodes is None:
@@ -797,14 +810,36 @@ class SQLPlanStorage(BasePlanStorage):
             else:
                 ids = sorted(set(nodes))
                 rows = []
-                for i in range(0, len(ids), _CHUNK):
+                for i in range(0, len(ids), _CHUNK):  # chunks in node order: rows stay sorted
                     chunk = query.where(
                         _metrics.c.root_key == root_key, _metrics.c.node.in_(ids[i : i + _CHUNK])
                     )
                     rows.extend(conn.execute(chunk).all())
-        for row in sorted(rows, key=lambda r: (r.node, r.step)):
-            out.setdefault(row.node, {})[row.step] = shown_metrics(_codec.loads(row.data))
+        partial = PARTIAL_KEY
+        for (node, step, _), data in zip(rows, _codec.loads_many([r.data for r in rows])):
+            points = out.get(node)
+            if points is None:
+                points = out[node] = {}
+            if partial in data:  # (shown_metrics, inline: this loop runs per point)
+                del data[partial]
+            points[step] = data
         return out
+
+    def metrics_at(
+        self, keys: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], dict[str, float]]:
+        wanted = sorted({(int(node), int(step)) for node, step in keys})
+        rows: list[Any] = []
+        with self._tx(write=False) as conn:
+            for i in range(0, len(wanted), _AT_CHUNK):
+                chunk = wanted[i : i + _AT_CHUNK]
+                chunk += [chunk[-1]] * (_AT_CHUNK - len(chunk))  # one statement, cached
+                params = {f"n{j}": node for j, (node, _) in enumerate(chunk)}
+                params.update((f"s{j}", step) for j, (_, step) in enumerate(chunk))
+                rows.extend(conn.execute(_metrics_at_query(), params).all())
+        rows.sort(key=lambda r: (r[0], r[1]))
+        datas = _codec.loads_many([r[2] for r in rows])
+        return {(node, step): _shown(data) for (node, step, _), data in zip(rows, datas)}
 
     def metric_steps(self, root_key: str) -> dict[int, int]:
         query = (
@@ -962,14 +997,14 @@ class SQLPlanStorage(BasePlanStorage):
             raise PlanKeyError(f"no trial {trial_id}")
         return _trial(row)
 
-    def trials(self, study: str) -> list[dict[str, Any]]:
+    def trials(self, study: str, *, light: bool = False) -> list[dict[str, Any]]:
+        c = _trials.c
+        columns = [col for col in _trials.c if not (light and col.name in ("config", "hp"))]
         with self._tx(write=False) as conn:
-            rows = conn.execute(
-                select(_trials).where(_trials.c.study == study).order_by(_trials.c.id)
-            ).all()
+            rows = conn.execute(select(*columns).where(c.study == study).order_by(c.id)).all()
             # Decoded through the sequence cache (under the lock): a study's trials
             # share a few sequences, and their nodes hold the same ones.
-            return [_trial(row, self._seqs.decode_hp) for row in rows]
+            return _trials_of(rows, None if light else self._seqs.decode_hp_many)
 
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         data = _codec.dumps(dict(record), "log record")
@@ -1090,19 +1125,25 @@ class SQLPlanStorage(BasePlanStorage):
     ) -> list[ActivityRecord]:
         if _activity.name in self._absent:
             return []
-        query = select(_activity).where(_activity.c.seq > after).order_by(_activity.c.seq)
+        query = select(*_ACTIVITY_COLUMNS).where(_activity.c.seq > after).order_by(_activity.c.seq)
         keys = None if root_keys is None else list(root_keys)
-        out: list[ActivityRecord] = []
+        rows: list[Any] = []
         with self._tx(write=False) as conn:
             if keys is None:
-                out = [_activity_record(row) for row in conn.execute(query)]
+                rows = list(conn.execute(query).all())
             else:
                 for i in range(0, len(keys), _CHUNK):
                     chunk = query.where(_activity.c.root_key.in_(keys[i : i + _CHUNK]))
-                    out.extend(_activity_record(row) for row in conn.execute(chunk))
+                    rows.extend(conn.execute(chunk).all())
         if keys is not None and len(keys) > _CHUNK:
-            out.sort(key=lambda r: r.seq)
-        return out
+            rows.sort(key=lambda r: r[0])
+        datas = _codec.loads_many([row[-1] for row in rows])
+        return [
+            ActivityRecord(seq, owner, batch, kind, worker, root, node, step, at, seconds, data)
+            for (seq, owner, batch, kind, worker, root, node, step, at, seconds, _), data in zip(
+                rows, datas
+            )
+        ]
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -1120,9 +1161,33 @@ class SQLPlanStorage(BasePlanStorage):
         self._node_cache.clear()
 
 
-def _activity_record(row: Any) -> ActivityRecord:
-    m = row._mapping
-    return ActivityRecord(**{**m, "data": _codec.loads(m["data"])})
+# The columns of an ActivityRecord, in its fields' order.
+_ACTIVITY_COLUMNS = tuple(_activity.c[f.name] for f in dataclasses.fields(ActivityRecord))
+
+
+# Keys per query of metrics_at: (node = ? AND step = ?) OR ..., which both SQLite and
+# PostgreSQL answer by index look-ups (SQLite scans the whole table for a row-value
+# IN list); a short last chunk repeats its last key, so that one statement serves all.
+_AT_CHUNK = 250
+
+
+@functools.cache
+def _metrics_at_query() -> Select[Any]:
+    c = _metrics.c
+    return select(c.node, c.step, c.data).where(
+        or_(
+            *(
+                and_(c.node == bindparam(f"n{j}"), c.step == bindparam(f"s{j}"))
+                for j in range(_AT_CHUNK)
+            )
+        )
+    )
+
+
+def _shown(stored: dict[str, float]) -> dict[str, float]:
+    """:func:`shown_metrics` of freshly decoded metrics (changed in place)."""
+    stored.pop(PARTIAL_KEY, None)
+    return stored
 
 
 _STATES = {state.value: state for state in RequestState}  # RequestState(x) is slow
@@ -1175,6 +1240,47 @@ def _lease_row(lease: Lease) -> dict[str, Any]:
 
 def _replace_expiry(lease: Lease, expires: float) -> Lease:
     return Lease(**{**_lease_row(lease), "expires": expires})
+
+
+def _trials_of(
+    rows: Seq[Any], decode_hp: Callable[[list[str]], list[dict[str, Sequence]]] | None
+) -> list[dict[str, Any]]:
+    """:func:`_trial` of many rows, their JSON decoded in bulk; without ``config`` and
+    ``hp`` when ``decode_hp`` is None (the rows do not hold them)."""
+    attrs = _codec.loads_many([row.attrs for row in rows])
+    if decode_hp is None:
+        return [
+            {
+                "id": row.id,
+                "study": row.study,
+                "root_key": row.root_key,
+                "steps": row.steps,
+                "node": row.node,
+                "step": row.step,
+                "state": row.state,
+                "attrs": attr,
+                "created": row.created,
+            }
+            for row, attr in zip(rows, attrs)
+        ]
+    configs = _codec.loads_many([row.config for row in rows])
+    hps = decode_hp([row.hp for row in rows])
+    return [
+        {
+            "id": row.id,
+            "study": row.study,
+            "root_key": row.root_key,
+            "config": config,
+            "hp": hp,
+            "steps": row.steps,
+            "node": row.node,
+            "step": row.step,
+            "state": row.state,
+            "attrs": attr,
+            "created": row.created,
+        }
+        for row, config, hp, attr in zip(rows, configs, hps, attrs)
+    ]
 
 
 def _trial(row: Any, decode_hp: Callable[[str], dict[str, Sequence]] = loads_hp) -> dict[str, Any]:
