@@ -669,6 +669,7 @@ class _Progress:
     failed: dict[int, int]
     cancelled: dict[int, int]
     own_failed: set[int]
+    wanted: dict[int, int]
 
 
 def _progress(data: TreeData, order: list[int]) -> _Progress:
@@ -691,10 +692,14 @@ def _progress(data: TreeData, order: list[int]) -> _Progress:
         RequestState.CANCELLED: "cancelled",
     }
     own_failed: set[int] = set()
+    # How far any request (in any state) of the node or below needs it: past that, the
+    # node only carries the branch points of announced (declared) trials.
+    wanted = dict.fromkeys(order, -1)
     for r in data.requests:
         if r.node not in nodes:
             continue
         end[r.node] = max(end[r.node], r.step)
+        wanted[r.node] = max(wanted[r.node], r.step)
         if r.state == RequestState.DONE:
             done[r.node] = max(done[r.node], r.step)
         else:
@@ -709,6 +714,8 @@ def _progress(data: TreeData, order: list[int]) -> _Progress:
         end[p] = max(end[p], b)
         if done[i] > b:
             done[p] = max(done[p], b)
+        if wanted[i] >= 0 or done[i] > b:
+            wanted[p] = max(wanted[p], b)
         for need in needs.values():
             if need[i] >= 0:
                 need[p] = max(need[p], b)
@@ -720,6 +727,7 @@ def _progress(data: TreeData, order: list[int]) -> _Progress:
         needs["failed"],
         needs["cancelled"],
         own_failed,
+        {i: max(wanted[i], done[i]) for i in order},
     )
 
 
@@ -764,12 +772,15 @@ def _training(data: TreeData, done: Mapping[int, int]) -> dict[int, str]:
     return out
 
 
-def _state(i: int, progress: _Progress, training: Mapping[int, str]) -> str:
+def _state(i: int, progress: _Progress, training: Mapping[int, str], start: int) -> str:
     """A node's state: the rules of ``docs/dashboard-api.md``; a failure or live request
-    below that needs this node trained further counts for it too."""
+    below that needs this node trained further counts for it too; a node no request
+    needs and nothing trained is only announced (``declared``)."""
     done = progress.done[i]
     if i in training:
         return "training"
+    if progress.wanted[i] <= start:
+        return "declared"
     if i in progress.own_failed:
         return "failed"
     if progress.live[i] > done:
@@ -827,7 +838,8 @@ def build_tree(data: TreeData, previous: Mapping[str, Any] | None = None) -> dic
             "start": node.branch_step,
             "end": stop,
             "done": progress.done[i],
-            "state": _state(i, progress, training),
+            "wanted": progress.wanted[i],
+            "state": _state(i, progress, training, node.branch_step),
             "worker": training.get(i),
             "checkpoints": progress.checkpoints.get(i, []),
             "trials": trials[i],

@@ -697,3 +697,22 @@ def test_the_pace_of_live_updates_follows_what_answers_cost() -> None:
     assert pacer.gap(12.0) == pytest.approx(0.25)  # ...halving every half-life
     pacer.record(10.0, now=12.0)
     assert pacer.gap(12.0) == 2.0  # bounded
+
+
+def test_announced_branches_are_declared_not_work_to_do(tmp_path: Path) -> None:
+    """A trial a tuner announced (``Study.declare``) and never submitted is a
+    ``declared`` node, and the stage it branches from is ``wanted`` only as far as the
+    submitted trial's requests go: past that it is not work still to do."""
+    url = f"sqlite:///{tmp_path}/plan.db"
+    with Study("announce", LinearTrainer, storage=url, executor="inline") as study:
+        study.begin_tuning("score", "max", "test", horizon=20)
+        study.declare([({}, {"lr": MultiStep(0.05, [15], 0.5)})])
+        study.run({}, {"lr": Constant(0.05)}, 10)
+        study.end_tuning()
+    storage = open_storage(url, readonly=True)
+    nodes = {n["id"]: n for n in views.stage_tree(storage, "announce")["nodes"]}
+    (root,) = [n for n in nodes.values() if n["parent"] is None]
+    (child,) = [n for n in nodes.values() if n["parent"] is not None]
+    assert child["state"] == "declared" and child["start"] == 15 and child["trials"] == []
+    assert root["state"] == "trained" and root["done"] == 10
+    assert root["wanted"] == 10 and root["end"] == 15  # 10..15 only carries the branch
