@@ -323,9 +323,10 @@ def savings(
     rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The ``Savings`` of study ``name``: what training each trial alone would cost
-    (its requested steps, at the median measured seconds per step) against what was
-    trained for it (:func:`stagetree.reports.study_accounting`); with
-    :func:`_estimate` when it has requested steps and executed none yet.
+    (its requested steps, at the device-seconds per step its own executed steps cost,
+    or the batches' median rate before it has any) against what was trained for it
+    (:func:`stagetree.reports.study_accounting`); with :func:`_estimate` when it has
+    requested steps and executed none yet.
 
     Args:
         status: the study's :func:`~stagetree.reports.study_status`, when the caller
@@ -343,9 +344,13 @@ def savings(
     numbers = st.numbers
     executed = round(numbers["steps_executed"]) if numbers is not None else None
     seconds = numbers["device_seconds"] if numbers is not None else None
-    per_step = _seconds_per_step(storage, roots, log)
-    if per_step is None and numbers is not None and numbers["seconds_per_step"] > 0:
-        per_step = numbers["seconds_per_step"]  # no batch records: the mean
+    # One rate for both sides (as `stagetree run` reports the saving): what the study's
+    # own executed steps cost; the batches' median rate before it has any.
+    per_step: float | None = None
+    if numbers is not None and numbers["seconds_per_step"] > 0:
+        per_step = numbers["seconds_per_step"]
+    else:
+        per_step = _seconds_per_step(storage, roots, log)
     requested = st.steps_requested
     return {
         "alone": {

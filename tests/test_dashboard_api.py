@@ -144,6 +144,9 @@ def test_study_detail_and_savings(api: tuple[TestClient, Any]) -> None:
     assert saving["ratio"] == pytest.approx(40 / 31)
     assert saving["seconds_per_step"] > 0
     assert saving["alone"]["device_seconds"] == pytest.approx(40 * saving["seconds_per_step"])
+    # One rate on both sides: alone / ran in device-seconds is the ratio in steps.
+    ran = saving["ran"]["device_seconds"]
+    assert saving["seconds_per_step"] == pytest.approx(ran / saving["ran"]["steps"])
     assert saving["estimate"] is None  # it ran
 
 

@@ -140,7 +140,7 @@ export class StudyPage {
           <span class="sb-track"><span class="sb-bar ran" style="width:${bar(ran.steps)}"></span></span>
           <span class="sb-val">${fmtInt(ran.steps)} steps · ${fmtSeconds(ran.device_seconds)}</span></div>
         <div class="sb-note">${sv.seconds_per_step !== null && sv.seconds_per_step !== undefined
-          ? `median ${fmtSeconds(sv.seconds_per_step)} per step` : ""}${
+          ? `${fmtSeconds(sv.seconds_per_step)} per executed step` : ""}${
           s && s.merge_rate ? ` · merge rate of the plan ${fmtRatio(s.merge_rate)}` : ""}</div>
       </div>`;
   }
