@@ -20,7 +20,8 @@ trials of an MLP on digits, 2 workers) in its own process.
   without a reload, and the bytes of the tree delta the page fetched for it.
 * **Throughput**: the digits study's steps per second alone and with the dashboard's
   study page open in Chromium (live: long-poll and deltas), in alternating pairs on
-  fresh storages; the ratio of medians.
+  fresh storages; the ratio of medians, and the CPU the dashboard process used while
+  the study ran (its share of one core), which does not depend on the machine's noise.
 
 Goals (issue 11): 10,000 trials render in < 3 s; an update reaches the page < 1 s
 after the plan changes; the study slows by < 2%.
@@ -63,8 +64,8 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def dashboard(url: str) -> Iterator[str]:
-    """``stagetree dashboard URL`` in its own process; yields its address."""
+def dashboard(url: str) -> Iterator[tuple[str, int]]:
+    """``stagetree dashboard URL`` in its own process; yields its address and pid."""
     port = _free_port()
     proc = subprocess.Popen(
         [str(STAGETREE), "dashboard", url, "--port", str(port)],
@@ -84,10 +85,30 @@ def dashboard(url: str) -> Iterator[str]:
                     err = proc.stderr.read() if proc.stderr else ""
                     raise RuntimeError(f"the dashboard did not start: {err}") from None
                 time.sleep(0.1)
-        yield address
+        yield address, proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _browser_cpu_seconds() -> float:
+    """CPU time used so far by every Chromium process (the page's rendering)."""
+    total = 0.0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if b"chromium" in (proc / "cmdline").read_bytes():
+                total += _cpu_seconds(int(proc.name))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return total
 
 
 def _wait_ready(page: Any) -> None:
@@ -102,7 +123,7 @@ def render_row(browser: Any, trials: int, work: Path) -> dict[str, Any]:
     url = f"sqlite:///{path}"
     storage = open_storage(url)
     written = write_study(storage, trials)
-    with dashboard(url) as address:
+    with dashboard(url) as (address, _pid):
         paints, tree_bytes = [], 0
         for attempt in range(3):
             context = browser.new_context(viewport={"width": 1280, "height": 800})
@@ -189,13 +210,13 @@ def _study_run(work: Path, tag: str) -> tuple[float, float, str]:
 
 def throughput(browser: Any, pairs: int, work: Path) -> dict[str, Any]:
     """Steps/s of the digits study alone and with the dashboard open on it."""
-    alone, watched = [], []
+    alone, watched, shares, browser_shares = [], [], [], []
     for i in range(pairs):
         steps, seconds, _ = _study_run(work, f"alone-{i}")
         alone.append(steps / seconds)
         url = f"sqlite:///{work / f'digits-watched-{i}.db'}"
         open_storage(url).close()  # the dashboard opens it before the study starts
-        with dashboard(url) as address:
+        with dashboard(url) as (address, pid):
             context = browser.new_context(viewport={"width": 1280, "height": 800})
             page = context.new_page()
             page.goto(f"{address}")  # the studies list: it shows the study when it appears
@@ -206,6 +227,7 @@ def throughput(browser: Any, pairs: int, work: Path) -> dict[str, Any]:
                 out.update(zip(("steps", "seconds", "url"), _study_run(work, tag)))
 
             runner = threading.Thread(target=run)
+            cpu0, web0, t0 = _cpu_seconds(pid), _browser_cpu_seconds(), time.perf_counter()
             runner.start()
             # Open the study page as soon as the study exists, and keep it open (live).
             page.wait_for_function(
@@ -215,12 +237,17 @@ def throughput(browser: Any, pairs: int, work: Path) -> dict[str, Any]:
             while runner.is_alive():
                 page.wait_for_timeout(200)
             runner.join()
+            elapsed = time.perf_counter() - t0
+            shares.append((_cpu_seconds(pid) - cpu0) / elapsed)
+            browser_shares.append((_browser_cpu_seconds() - web0) / elapsed)
             context.close()
         watched.append(result["steps"] / result["seconds"])
     return {
         "alone_steps_per_s": median(alone),
         "watched_steps_per_s": median(watched),
         "slowdown": 1.0 - median(watched) / median(alone),
+        "dashboard_cpu": median(shares),
+        "browser_cpu": median(browser_shares),
         "alone": alone,
         "watched": watched,
     }
@@ -298,6 +325,11 @@ def main() -> None:
                     )
                 )
                 print(f"\nslowdown with the dashboard open: {100 * t['slowdown']:.1f}%")
+                print(
+                    "the dashboard process's CPU while the study ran: "
+                    f"{100 * t['dashboard_cpu']:.1f}% of one core (median); Chromium's: "
+                    f"{100 * t['browser_cpu']:.1f}%"
+                )
             browser.close()
         if args.plot:
             Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
