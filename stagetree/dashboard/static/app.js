@@ -73,10 +73,32 @@ document.addEventListener("click", (event) => {
 window.addEventListener("popstate", () => route());
 
 // ------------------------------------------------------------------ live updates
+// While a study runs, the revision changes many times a second: the page redraws at
+// most every MIN_GAP ms (an update still shows within a second of the change), and not
+// at all while its tab is hidden, so that a browser on the training machine takes
+// little of its CPU.
+const MIN_GAP = 400;
+
+function visible() {
+  if (!document.hidden) return Promise.resolve();
+  return new Promise((resolve) => {
+    const on = () => {
+      if (document.hidden) return;
+      document.removeEventListener("visibilitychange", on);
+      resolve();
+    };
+    document.addEventListener("visibilitychange", on);
+  });
+}
+
 async function liveLoop() {
   let failures = 0;
+  let last = 0; // when the shown view was last told of a change
   for (;;) {
     try {
+      await visible();
+      const gap = MIN_GAP - (performance.now() - last);
+      if (gap > 0) await sleep(gap);
       const answer = await api.changes(revision, 25);
       const recovered = failures > 0;
       failures = 0;
@@ -88,6 +110,7 @@ async function liveLoop() {
         // smaller revision: another storage behind the same address, start over
         const reset = r < revision;
         revision = r;
+        last = performance.now();
         if (page) page.update({ revision: r, reset });
       }
     } catch (err) {
