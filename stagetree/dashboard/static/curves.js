@@ -10,7 +10,7 @@
 import { api } from "./api.js";
 import { TreeData } from "./store.js";
 import {
-  afterPaint, clearBanner, coalesce, esc, fmtInt, fmtNum, hideTooltip, showBanner, showTooltip,
+  clearBanner, coalesce, esc, firstPaint, fmtInt, fmtNum, hideTooltip, showBanner, showTooltip,
 } from "./ui.js";
 
 const d3 = window.d3;
@@ -59,10 +59,7 @@ export class CurvesView {
     this.svg.addEventListener("mouseout", () => this.unhover());
     this.onResize = () => this.draw();
     window.addEventListener("resize", this.onResize);
-    await this.refresh();
-    if (!this.alive) return;
-    await afterPaint();
-    if (this.alive) window.stagetree.ready = true;
+    await firstPaint(this);
   }
 
   destroy() {

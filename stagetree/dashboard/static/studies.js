@@ -2,7 +2,7 @@
 
 import { api } from "./api.js";
 import {
-  afterPaint, badge, clearBanner, coalesce, esc, fmtInt, fmtNum, fmtRatio, fmtSeconds,
+  badge, clearBanner, coalesce, esc, firstPaint, fmtInt, fmtNum, fmtRatio, fmtSeconds,
   showBanner, studyHref,
 } from "./ui.js";
 
@@ -35,9 +35,7 @@ export class StudiesView {
       const row = event.target.closest("tr[data-study]");
       if (row) row.querySelector("a").click();
     });
-    await this.refresh();
-    await afterPaint();
-    if (this.alive) window.stagetree.ready = true;
+    await firstPaint(this);
   }
 
   async load() {

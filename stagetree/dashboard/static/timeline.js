@@ -5,7 +5,7 @@
 
 import { api } from "./api.js";
 import {
-  BATCH_COLOURS, afterPaint, clearBanner, coalesce, esc, fitText, fmtClock, fmtInt, fmtSeconds,
+  BATCH_COLOURS, clearBanner, coalesce, esc, firstPaint, fitText, fmtClock, fmtInt, fmtSeconds,
   hideTooltip, showBanner, showTooltip, textWidth, uiFont,
 } from "./ui.js";
 
@@ -56,10 +56,7 @@ export class TimelineView {
       </div>`;
     this.svg = this.box.querySelector(".timeline-svg");
     this.bind();
-    await this.refresh();
-    if (!this.alive) return;
-    await afterPaint();
-    if (this.alive) window.stagetree.ready = true;
+    if (!(await firstPaint(this))) return;
     this.ticker = setInterval(() => {
       if ([...this.batches.values()].some((b) => b.state === "running")) this.draw();
     }, 1000);

@@ -10,7 +10,7 @@
 import { api } from "./api.js";
 import { TreeData } from "./store.js";
 import {
-  STATE_COLOURS, afterPaint, clearBanner, coalesce, esc, fitText, fmtInt, fmtNum, fmtValue,
+  STATE_COLOURS, clearBanner, coalesce, esc, firstPaint, fitText, fmtInt, fmtNum, fmtValue,
   showBanner, textWidth, truncate, uiFont,
 } from "./ui.js";
 
@@ -100,10 +100,7 @@ export class TreeView {
     this.panel = this.box.querySelector("#node-panel");
     this.bindEvents();
     this.resize();
-    await this.refresh();
-    if (!this.alive) return;
-    await afterPaint();
-    if (this.alive) window.stagetree.ready = true;
+    await firstPaint(this);
   }
 
   destroy() {

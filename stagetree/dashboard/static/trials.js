@@ -2,7 +2,7 @@
 
 import { api } from "./api.js";
 import {
-  afterPaint, badge, clearBanner, coalesce, esc, fmtInt, fmtNum, fmtValue, showBanner, truncate,
+  badge, clearBanner, coalesce, esc, firstPaint, fmtInt, fmtNum, fmtValue, showBanner, truncate,
 } from "./ui.js";
 
 const PAGE = 500;
@@ -39,10 +39,7 @@ export class TrialsView {
       this.limit = more.dataset.more === "all" ? Infinity : this.limit + PAGE;
       this.draw();
     });
-    await this.refresh();
-    if (!this.alive) return;
-    await afterPaint();
-    if (this.alive) window.stagetree.ready = true;
+    await firstPaint(this);
   }
 
   destroy() {

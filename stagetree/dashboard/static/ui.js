@@ -193,6 +193,16 @@ export function coalesce(fn) {
   return run;
 }
 
+// A view's first load: read and draw, then (once the browser has painted it) tell
+// tests and benchmarks, unless the view was left meanwhile. Returns whether it is shown.
+export async function firstPaint(view) {
+  await view.refresh();
+  if (!view.alive) return false;
+  await afterPaint();
+  if (view.alive) window.stagetree.ready = true;
+  return view.alive;
+}
+
 export function afterPaint() {
   return new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));
 }
