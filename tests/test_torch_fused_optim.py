@@ -1,0 +1,126 @@
+"""Fused optimizers (stagetree.torch.fused_optim): member b of a fused step is
+torch.optim's step of that member alone, with its own hyper-parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from stagetree.torch.fused_optim import FusedAdam, FusedSGD  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+SHAPES = {"w": (4, 3), "b": (3,)}
+STEPS = 12
+
+
+def _run(fused: Any, make_torch: Any, hps: list[dict[str, float]]) -> float:
+    """Largest relative difference between the members of ``fused(params, **[B] hp)``
+    and ``make_torch(params, hp)`` per member, over STEPS steps of random gradients
+    (the same for both)."""
+    gen = torch.Generator().manual_seed(0)
+    B = len(hps)
+    start = {k: torch.randn((B, *s), generator=gen) for k, s in SHAPES.items()}
+    stacked = {k: v.clone().requires_grad_(True) for k, v in start.items()}
+    opt = fused(stacked, **{k: [hp[k] for hp in hps] for k in hps[0]})
+    alone = []
+    for b, hp in enumerate(hps):
+        params = {k: v[b].clone().requires_grad_(True) for k, v in start.items()}
+        alone.append((params, make_torch(list(params.values()), hp)))
+    worst = 0.0
+    for _ in range(STEPS):
+        grads = {k: torch.randn((B, *s), generator=gen) for k, s in SHAPES.items()}
+        for k, p in stacked.items():
+            p.grad = grads[k].clone()
+        opt.step()
+        for b, (params, member) in enumerate(alone):
+            for k, p in params.items():
+                p.grad = grads[k][b].clone()
+            member.step()
+            for k, p in params.items():
+                diff = (stacked[k][b].detach() - p.detach()).abs().max().item()
+                worst = max(worst, diff / max(1.0, p.detach().abs().max().item()))
+    return worst
+
+
+SGD_HPS = [
+    {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 1e-4},
+    {"lr": 0.05, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0},
+    {"lr": 0.2, "momentum": 0.5, "dampening": 0.1, "weight_decay": 1e-3},
+]
+
+
+def test_sgd_members_follow_torch_sgd_with_their_own_values() -> None:
+    worst = _run(FusedSGD, lambda ps, hp: torch.optim.SGD(ps, **hp), SGD_HPS)
+    assert worst < 1e-6
+
+
+def test_nesterov_members_follow_torch_sgd() -> None:
+    hps = [{**hp, "dampening": 0.0} for hp in SGD_HPS if hp["momentum"] > 0]
+    worst = _run(
+        lambda ps, **hp: FusedSGD(ps, nesterov=True, **hp),
+        lambda ps, hp: torch.optim.SGD(ps, nesterov=True, **hp),
+        hps,
+    )
+    assert worst < 1e-6
+
+
+@pytest.mark.parametrize(("decoupled", "cls"), [(False, "Adam"), (True, "AdamW")])
+def test_adam_members_follow_torch_adam(decoupled: bool, cls: str) -> None:
+    def make(params: Any, hp: dict[str, float]) -> Any:
+        return getattr(torch.optim, cls)(
+            params,
+            lr=hp["lr"],
+            betas=(hp["beta1"], hp["beta2"]),
+            eps=hp["eps"],
+            weight_decay=hp["weight_decay"],
+        )
+
+    hps = [
+        {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+        {"lr": 3e-3, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 1e-2},
+        {"lr": 1e-2, "beta1": 0.95, "beta2": 0.9, "eps": 1e-8, "weight_decay": 0.1},
+    ]
+    worst = _run(lambda ps, **hp: FusedAdam(ps, decoupled=decoupled, **hp), make, hps)
+    assert worst < 1e-6
+
+
+def test_a_member_leaves_with_torch_optims_state_and_comes_back() -> None:
+    B = 2
+    stacked = {"w": torch.randn(B, 5, requires_grad=True)}
+    fused = FusedSGD(stacked, lr=[0.1, 0.2], momentum=[0.9, 0.5])
+    for _ in range(3):
+        stacked["w"].grad = torch.randn(B, 5)
+        fused.step()
+    state = fused.member_state(1)
+    alone_w = stacked["w"][1].detach().clone().requires_grad_(True)
+    alone = torch.optim.SGD([alone_w], lr=0.2, momentum=0.5)
+    alone.load_state_dict(
+        {"state": {0: state["w"]}, "param_groups": alone.state_dict()["param_groups"]}
+    )
+    grad = torch.randn(B, 5)
+    stacked["w"].grad = grad.clone()
+    fused.step()
+    alone_w.grad = grad[1].clone()
+    alone.step()
+    torch.testing.assert_close(stacked["w"][1].detach(), alone_w.detach())
+    other = FusedSGD({"w": torch.zeros(B, 5, requires_grad=True)}, lr=0.2, momentum=0.5)
+    other.load_member(0, fused.member_state(1))
+    torch.testing.assert_close(
+        other.state["w"]["momentum_buffer"][0], fused.state["w"]["momentum_buffer"][1]
+    )
+
+
+def test_bad_values_are_refused_by_name() -> None:
+    p = {"w": torch.zeros(3, 2, requires_grad=True)}
+    with pytest.raises(ValueError, match="lr: 2 values for 3 fused members"):
+        FusedSGD(p, lr=[0.1, 0.2])
+    with pytest.raises(ValueError, match="momentum must be finite and >= 0"):
+        FusedSGD(p, momentum=[-1.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="has no hyper-parameter \\['betas'\\]"):
+        FusedSGD(p, betas=0.9)
+    with pytest.raises(ValueError, match="beta1 must be < 1"):
+        FusedAdam(p, beta1=1.0)
