@@ -417,15 +417,23 @@ def test_engine_records_what_each_worker_did(tmp_path: Path, executor: str) -> N
     trained = set()
     for recs in batches.values():
         kinds = [r.kind for r in recs]
-        assert kinds[0] == "start" and kinds[-1] == "done" and set(kinds[1:-1]) <= {"save"}
-        start, done = recs[0], recs[-1]
-        assert start.time <= done.time and done.seconds > 0
+        # A checkpoint written in the background may be reported after the batch's end,
+        # and the end of the last batch may come after the study closed (not recorded:
+        # see the engine's close; the dashboard then shows that batch as lost).
+        assert kinds[0] == "start" and kinds.count("done") <= 1
+        assert set(kinds[1:]) <= {"save", "done"}
+        start = recs[0]
         for node, first, stop in start.data["segments"]:
             trained.add(node)
             assert first < stop
+        ends = [r for r in recs if r.kind == "done"]
+        if not ends:
+            continue
+        (done,) = ends
+        assert start.time <= done.time and done.seconds > 0
         assert done.data["steps"] == start.data["stop_step"] - start.data["start_step"]
-        for save in recs[1:-1]:  # every save is a checkpoint the plan knows
+        for save in (r for r in recs if r.kind == "save"):  # a checkpoint the plan knows
             assert storage.checkpoint(save.node, save.step) is not None
     assert trained == {n.id for n in storage.nodes()}  # every stage was trained by someone
-    executed = storage.stats("engine")["steps_executed"]
+    executed = storage.stats("engine")["steps_executed"]  # counted at BatchDone too
     assert sum(r.data["steps"] for r in log if r.kind == "done") == executed
