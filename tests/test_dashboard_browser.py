@@ -176,19 +176,20 @@ def _roots(storage: Any) -> set[str]:
     return {str(t["root_key"]) for t in storage.trials(STUDY)}
 
 
-def _plan_nodes(storage: Any) -> list[Any]:
-    return [n for root in sorted(_roots(storage)) for n in storage.nodes(root)]
+def _plan_nodes(site: Site) -> list[Any]:
+    """Every plan node of the study's trees, read through a handle of its own."""
+    storage = site.storage()
+    try:
+        return [n for root in sorted(_roots(storage)) for n in storage.nodes(root)]
+    finally:
+        storage.close()
 
 
 # --------------------------------------------------------------------------- live
 
 
 def test_a_node_turns_trained_while_the_study_runs_without_a_reload(page: Any, site: Site) -> None:
-    storage = site.storage()
-    try:
-        nodes = _plan_nodes(storage)
-    finally:
-        storage.close()
+    nodes = _plan_nodes(site)
     _open(page, site, f"/study/{STUDY}")
     page.wait_for_function(f"document.querySelectorAll('.node').length === {len(nodes)}")
     leaf = max(n.id for n in nodes)  # a leaf: trained last
@@ -231,11 +232,7 @@ def test_studies_list_shows_the_study_and_its_best_metric(page: Any, site: Site)
 
 def test_the_tree_has_one_element_per_plan_node(page: Any, site: Site) -> None:
     site.finished()
-    storage = site.storage()
-    try:
-        nodes = _plan_nodes(storage)
-    finally:
-        storage.close()
+    nodes = _plan_nodes(site)
     _open(page, site, f"/study/{STUDY}")
     assert page.locator(".node").count() == len(nodes)
     assert page.evaluate("window.stagetree.rendered") == len(nodes)
@@ -250,15 +247,11 @@ def test_the_tree_has_one_element_per_plan_node(page: Any, site: Site) -> None:
 
 def test_hover_shows_the_sequence_values(page: Any, site: Site) -> None:
     site.finished()
-    storage = site.storage()
-    try:  # the node where lr drops to 0.005 at step 4
-        node = next(
-            n
-            for n in _plan_nodes(storage)
-            if n.branch_step == 4 and abs(float(n.hp["lr"](4)) - 0.005) < 1e-12
-        )
-    finally:
-        storage.close()
+    node = next(  # the node where lr drops to 0.005 at step 4
+        n
+        for n in _plan_nodes(site)
+        if n.branch_step == 4 and abs(float(n.hp["lr"](4)) - 0.005) < 1e-12
+    )
     _open(page, site, f"/study/{STUDY}")
     page.hover(f'.node[data-node="{node.id}"]')
     page.wait_for_selector('#node-panel .hp[data-hp="lr"]')
