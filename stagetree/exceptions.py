@@ -11,6 +11,7 @@ Hierarchy::
     ├── CheckpointError            a checkpoint that is missing, corrupt or cannot be written
     ├── TrainerError               user trainer code raised; carries the formatted traceback
     ├── SchedulerError             an event the scheduler cannot accept (a bug or bad input)
+    ├── FusionError                (stagetree.fusion) members that cannot be trained fused
     ├── ExecutorError              an executor that cannot run: Ray missing, no cluster,
     │                              resources no node has, unreachable checkpoints, versions
     ├── TrialFailedError           a request failed (its stage or an ancestor stage raised)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from typing import Any, ClassVar
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from stagetree.fusion import FusedGroup
 
 __all__ = ["Trainer"]
 
@@ -54,9 +57,26 @@ class Trainer:
             A subclass that overrides ``setup`` must declare again for its names to be
             enforced. ``stagetree check`` (:func:`stagetree.check_trainer`) tells whether
             a trainer is exact.
+        fusible: class attribute; the sequential hyper-parameter names that may differ
+            between members of a fused job (see :mod:`stagetree.fusion`); empty (the
+            default): the class cannot be fused, and :meth:`fuse` is never called.
     """
 
     hyperparameters: ClassVar[Collection[str] | None] = None
+    fusible: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def fuse(cls, members: Sequence[Trainer]) -> FusedGroup:
+        """Train ``members`` (all at the same state) as one job; see
+        :class:`stagetree.fusion.FusedGroup`.
+
+        Raises:
+            FusionError: the members cannot be fused (always, unless a subclass
+                implements fusion).
+        """
+        from stagetree.fusion import FusionError
+
+        raise FusionError(f"{cls.__qualname__} does not implement fused training")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         self.config = dict(config)

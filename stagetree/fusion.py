@@ -1,0 +1,89 @@
+"""Horizontal fusion: sibling stages trained as one job (the contract; torch-free).
+
+Sibling stages start from the same model and differ only in *fusible* hyper-parameters
+(optimizer scalars such as ``lr``, ``momentum``, ``weight_decay``). A trainer class that
+can train B such members at once says so with :attr:`Trainer.fusible
+<stagetree.trainer.Trainer.fusible>` (the names that may differ between members) and
+builds a :class:`FusedGroup` from B member trainers with ``cls.fuse(members)``.
+:class:`stagetree.torch.FusibleTrainer` is the PyTorch implementation
+(``torch.func.stack_module_state`` + ``vmap(functional_call)`` and the fused optimizers
+of :mod:`stagetree.torch.fused_optim`).
+
+The worker (:mod:`stagetree.worker`) owns the loop: it gives every member its sequence
+values with :meth:`FusedGroup.setup`, calls :meth:`FusedGroup.step` once per training
+step for all members, and before evaluating or checkpointing member ``i`` it calls
+:meth:`FusedGroup.sync` so that the member's own trainer object holds member ``i``'s
+state (its ``evaluate()``/``state_dict()`` are then the ordinary ones: a member leaves
+the fused job as an ordinary checkpoint). Members leave with :meth:`FusedGroup.remove`
+as their segments end; the job goes on with the rest.
+
+Semantics: a fused member equals the member trained alone up to floating-point
+reassociation (and, with dropout, up to the random masks drawn), not bit for bit. So a
+study that fuses records its results in plan trees of their own (see
+:attr:`stagetree.Study` ``fuse``): they are never handed to a study that asked for
+exact, unfused training.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from stagetree.exceptions import StagetreeError
+
+if TYPE_CHECKING:
+    from stagetree.trainer import Trainer
+
+__all__ = ["FusedGroup", "FusionError"]
+
+
+class FusionError(StagetreeError):
+    """Members cannot be trained fused (a model that cannot be vmapped, an optimizer
+    without a fused form, ``.item()`` inside the loss...). The worker reports it once per
+    trainer class and trains those members unfused instead."""
+
+
+class FusedGroup(ABC):
+    """B member trainers trained as one job.
+
+    Built by ``TrainerClass.fuse(members)`` from trainers that all hold the same state
+    (built from the same config and restored from the same checkpoint, or fresh), before
+    any of them was given sequence values. Contract:
+
+    * :meth:`setup` ``(i, hp)`` gives member ``i`` its sequence values, exactly as
+      ``Trainer.setup`` would (all of them before the first step, only changes after).
+      Names outside the class's fusible set have the same value for every member.
+    * :meth:`step` trains one step (one ``train()``) of every member at once and returns
+      each member's training metrics, in member order. The first call is where a model
+      that cannot be fused is found: it raises :class:`FusionError` then, and the group
+      must be dropped (its members' state is undefined).
+    * :meth:`sync` ``(i)`` writes member ``i``'s current state into its trainer object
+      (model, optimizer, data position, RNG streams), so that ``members[i].evaluate()``
+      and ``members[i].state_dict()`` are exactly those of member ``i``. Training steps
+      after it do not change the trainer object until the next ``sync``.
+    * :meth:`remove` ``(i)`` takes member ``i`` out (synced first) and returns its
+      trainer, which continues as an ordinary trainer; the indices of later members
+      shift down by one.
+    """
+
+    @property
+    @abstractmethod
+    def members(self) -> Sequence[Trainer]:
+        """The member trainers, in member order."""
+
+    @abstractmethod
+    def setup(self, i: int, hp: Mapping[str, Any]) -> None:
+        """Give member ``i`` sequence values (see the class contract)."""
+
+    @abstractmethod
+    def step(self) -> list[dict[str, float]]:
+        """One training step of every member; their training metrics."""
+
+    @abstractmethod
+    def sync(self, i: int) -> None:
+        """Make member ``i``'s trainer object hold its current state."""
+
+    @abstractmethod
+    def remove(self, i: int) -> Trainer:
+        """Member ``i`` leaves the job (synced); returns its trainer."""
