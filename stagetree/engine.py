@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from stagetree import _versions
 from stagetree.coordination import Coordinator
-from stagetree.exceptions import StagetreeError, TrialCancelledError, TrialFailedError
+from stagetree.exceptions import (
+    StagetreeError,
+    StagetreeWarning,
+    TrialCancelledError,
+    TrialFailedError,
+)
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import BasePlanStorage, Insertion, RequestState
 from stagetree.plan.leases import host_pid
@@ -125,6 +131,10 @@ class StudySlot:
         log_checked: whether the tuner log's latest run is this version's.
         trainer_key: the key its trainer class has in the executor ("" for the
             executor's default trainer; see :meth:`Engine.open_study`).
+        fusible: the names its trainer may fuse over when the study fuses (empty: the
+            study does not fuse). A fusing study's trials live in plan trees of their own
+            (``"fused"`` is part of the root key): fused results, equal to unfused ones
+            only up to floating-point rounding, are never handed to an exact study.
     """
 
     name: str
@@ -137,11 +147,16 @@ class StudySlot:
     row_ready: bool = False
     log_checked: bool = False
     trainer_key: str = ""
+    fusible: frozenset[str] = frozenset()
 
     def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence]) -> str:
         """The plan tree of a trial: trainer version + fixed config (+ the trial's own
-        sequences when ``share=False``, so that nothing is shared)."""
-        text = canonical_json({"version": self.version, "config": dict(config)})
+        sequences when ``share=False``, so that nothing is shared; + ``"fused"`` when the
+        study fuses, so that fused and exact results never mix)."""
+        ident: dict[str, Any] = {"version": self.version, "config": dict(config)}
+        if self.fusible:
+            ident["fused"] = True
+        text = canonical_json(ident)
         if not self.share:
             text += "|trial|" + dumps_hp(hp)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -173,6 +188,7 @@ class Engine:
         max_retries: int,
         checkpoint_budget: int | None,
         eval_every: int = 0,
+        max_fused: int = 1,
     ) -> None:
         from stagetree.scheduler import Scheduler
 
@@ -181,7 +197,9 @@ class Engine:
         self.lock = threading.RLock()
         self._executor_factory = executor_factory
         self.executor: BaseExecutor | None = None
-        self.scheduler = Scheduler(policy=policy, max_retries=max_retries, eval_every=eval_every)
+        self.scheduler = Scheduler(
+            policy=policy, max_retries=max_retries, eval_every=eval_every, max_fused=max_fused
+        )
         self.checkpoint_budget = checkpoint_budget
         self._waiters: dict[tuple[int, int], list[Waiter]] = {}
         self._known_roots: set[str] = set()
@@ -216,6 +234,10 @@ class Engine:
         self.settings: dict[str, Any] = {}  # the front end's arguments it was made with
         self._trainers: dict[str, type] = {}
         self._root_trainers: dict[str, str] = {}
+        # Fusion: fusible names of the trees of fusing studies; trainer keys whose
+        # workers could not fuse them (said once, never fused again).
+        self._root_fusible: dict[str, frozenset[str]] = {}
+        self._unfusible: set[str] = set()
         self._workers_changed = False
         # Activity records (the dashboard's timeline) waiting to be written, once per
         # round of the driver; the location of this process's workers.
@@ -231,6 +253,13 @@ class Engine:
             if self.executor is not None:
                 return
             self.executor = self._executor_factory()
+            if not self.executor.supports_fusion and self.scheduler.max_fused > 1:
+                if self._root_fusible:
+                    logger.warning(
+                        "executor %s cannot fuse jobs: fusing studies train unfused",
+                        type(self.executor).__name__,
+                    )
+                self.scheduler.max_fused = 1
             self.executor.start()
             for key, trainer in self._trainers.items():
                 self._add_trainer(key, trainer)
@@ -295,6 +324,7 @@ class Engine:
         weight: float = 1.0,
         trainer: type | None = None,
         url: str = "",
+        fusible: frozenset[str] = frozenset(),
     ) -> StudySlot:
         """The engine's slot of study ``name`` at trainer ``version``, loading its stored
         trials the first time (a changed trainer is announced once; see
@@ -309,7 +339,7 @@ class Engine:
         with self.lock:
             slot = self._slots.get((name, version))
             if slot is None:
-                slot = StudySlot(name, version, share, weight)
+                slot = StudySlot(name, version, share, weight, fusible=fusible)
                 slot.trainer_key = self._trainer_key(trainer)
                 trainer_name = getattr(trainer, "__qualname__", "")
                 for t in _versions.open_trials(slot, trainer_name, self.storage, url):
@@ -487,6 +517,8 @@ class Engine:
         trained by the study's trainer."""
         root_key = slot.root_key(config, hp)
         self._root_trainers[root_key] = slot.trainer_key
+        if slot.fusible and slot.trainer_key not in self._unfusible:
+            self._root_fusible[root_key] = slot.fusible
         self.storage.register_root(root_key, config)
         return root_key, self.storage.insert_trial(root_key, hp, steps, request=False)
 
@@ -528,7 +560,8 @@ class Engine:
         events: list[Any] = []
         if root_key not in self._known_roots:
             self._known_roots.add(root_key)
-            events.append(RootAdded(root_key, self.storage.root_config(root_key)))
+            fusible = self._root_fusible.get(root_key, frozenset())
+            events.append(RootAdded(root_key, self.storage.root_config(root_key), fusible))
         path = self.storage.path(leaf)
         new = [n for n in path if n.id not in self._known_nodes]
         for n in new:
@@ -679,6 +712,8 @@ class Engine:
             self.storage.add_stats(
                 scope, ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
             )
+        if isinstance(ev, work.FusionFailed):
+            self._fusion_failed(ev)
         ended = ev.batch_id if isinstance(ev, (work.BatchDone, work.BatchFailed)) else None
         if isinstance(ev, work.WorkerLost):
             ended = ev.batch_id
@@ -744,6 +779,26 @@ class Engine:
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
 
+    def _fusion_failed(self, ev: Any) -> None:
+        """A worker could not fuse the trainer's jobs: say it once, and fuse no tree of
+        that trainer again (the worker trains the members one by one)."""
+        if ev.trainer in self._unfusible:
+            return
+        self._unfusible.add(ev.trainer)
+        trees = [r for r, key in self._root_trainers.items() if key == ev.trainer]
+        for root in trees:
+            self._root_fusible.pop(root, None)
+            self.scheduler.disable_fusion(root)
+        trainer = self._trainers.get(ev.trainer, self.default_trainer)
+        name = getattr(trainer, "__qualname__", "the trainer")
+        warnings.warn(
+            f"{name} cannot be trained fused, so its trials train unfused (same results, "
+            f"no fusion speed-up): {ev.error}",
+            StagetreeWarning,
+            stacklevel=2,
+        )
+        self.storage.add_stats("engine", fusion_failures=1)
+
     def _note_event(self, kind: str, ev: Any, **fields: Any) -> None:
         root = self._batch_roots.get(ev.batch_id)
         if root is not None:  # a batch this engine started (not an undone one)
@@ -808,41 +863,29 @@ class Engine:
         todo, refused = deque(out), set()
         while todo:
             item = todo.popleft()
-            if isinstance(item, work.RunBatch):
-                # Another engine holds a lease on some of its stages: the batch is undone
-                # and its requests wait for that engine (stagetree.coordination).
-                undo = self.coord.claim(item)
-                if undo:
-                    refused.add(item.batch_id)
-                    todo.extend(self.scheduler.handle_all(undo))
+            if isinstance(item, (work.RunBatch, work.RunFused)):
+                members = item.members if isinstance(item, work.RunFused) else (item,)
+                started = []
+                for member in members:
+                    # Another engine holds a lease on some of its stages: the batch is
+                    # undone and its requests wait for that engine (stagetree.coordination).
+                    undo = self.coord.claim(member)
+                    if undo:
+                        refused.add(member.batch_id)
+                        todo.extend(self.scheduler.handle_all(undo))
+                    else:
+                        started.append(self._started(member, width=len(members)))
+                if not started:
                     continue
+                assert self.executor is not None
+                if len(started) == 1:
+                    self.executor.submit(started[0])
+                else:
+                    self.executor.submit(work.RunFused(started[0].worker, tuple(started)))
             elif isinstance(item, (work.AddCheckpoint, work.Abort)) and item.batch_id in refused:
                 continue
-            if isinstance(item, (work.RunBatch, work.AddCheckpoint, work.Abort)):
+            elif isinstance(item, (work.AddCheckpoint, work.Abort)):
                 assert self.executor is not None
-                if isinstance(item, work.RunBatch):
-                    key = self._root_trainers.get(item.root_key, "")
-                    if key != item.trainer:  # the trainer of the tree's study trains it
-                        item = dataclasses.replace(item, trainer=key)
-                    self._inflight.add(item.batch_id)
-                    self._positions[item.batch_id] = [item.start_step, item.start_step]
-                    self._start_refs[item.batch_id] = item.start_checkpoint
-                    self._batch_roots[item.batch_id] = item.root_key
-                    where = self.executor.worker_locations().get(item.worker, self._here)
-                    self._note(
-                        "start",
-                        item.batch_id,
-                        item.worker,
-                        item.root_key,
-                        data={
-                            "segments": [[g.node, g.start, g.stop] for g in item.segments],
-                            "start_step": item.start_step,
-                            "stop_step": max((g.stop for g in item.segments), default=0),
-                            "location": where,
-                        },
-                    )
-                    for seg in item.segments:
-                        self._mark_running(seg.node)
                 if isinstance(item, work.AddCheckpoint):
                     self.storage.add_stats("engine", live_splits=1)
                 self.executor.submit(item)
@@ -851,6 +894,31 @@ class Engine:
             elif isinstance(item, RequestFailed):
                 where = getattr(item, "where", "")
                 self._resolve(item.node, item.step, error=(item.error, item.traceback, where))
+
+    def _started(self, item: Any, width: int = 1) -> Any:
+        """Book a batch that goes to the executor (lock held); returns it, trained by
+        the trainer of its tree's study."""
+        assert self.executor is not None
+        key = self._root_trainers.get(item.root_key, "")
+        if key != item.trainer:  # the trainer of the tree's study trains it
+            item = dataclasses.replace(item, trainer=key)
+        self._inflight.add(item.batch_id)
+        self._positions[item.batch_id] = [item.start_step, item.start_step]
+        self._start_refs[item.batch_id] = item.start_checkpoint
+        self._batch_roots[item.batch_id] = item.root_key
+        where = self.executor.worker_locations().get(item.worker, self._here)
+        data = {
+            "segments": [[g.node, g.start, g.stop] for g in item.segments],
+            "start_step": item.start_step,
+            "stop_step": max((g.stop for g in item.segments), default=0),
+            "location": where,
+        }
+        if width > 1:
+            data["fused"] = width
+        self._note("start", item.batch_id, item.worker, item.root_key, data=data)
+        for seg in item.segments:
+            self._mark_running(seg.node)
+        return item
 
     def _mark_running(self, node: int) -> None:
         for (n, _step), waiters in self._waiters.items():

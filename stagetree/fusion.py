@@ -26,6 +26,7 @@ exact, unfused training.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,11 @@ from stagetree.exceptions import StagetreeError
 if TYPE_CHECKING:
     from stagetree.trainer import Trainer
 
-__all__ = ["FusedGroup", "FusionError"]
+__all__ = ["DEFAULT_MAX_FUSED", "FusedGroup", "FusionError", "check_max_fused", "fusion_names"]
+
+#: Default ``max_fused``: the width where the fused digits MLP's throughput per model
+#: levels off on a CPU (``benchmarks/fusion_bench.py``).
+DEFAULT_MAX_FUSED = 16
 
 
 class FusionError(StagetreeError):
@@ -87,3 +92,56 @@ class FusedGroup(ABC):
     @abstractmethod
     def remove(self, i: int) -> Trainer:
         """Member ``i`` leaves the job (synced); returns its trainer."""
+
+
+def has_accelerator() -> bool:
+    """Whether this process sees a CUDA device (torch already imported: a fusible
+    trainer is a torch trainer)."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def fusion_names(trainer: type, fuse: Any, executor: Any = "local") -> frozenset[str]:
+    """The names a study of ``trainer`` fuses over given its ``fuse`` argument (empty:
+    it does not fuse).
+
+    Raises:
+        ValueError: ``fuse`` is not True, False or "auto"; ``fuse=True`` with a trainer
+            that cannot be fused, or with the simulated executor (it trains nothing).
+    """
+    if fuse is not True and fuse is not False and fuse != "auto":
+        raise ValueError(f'fuse must be True, False or "auto", got {fuse!r}')
+    if fuse is False:
+        return frozenset()
+    names = frozenset(getattr(trainer, "fusible", ()) or ())
+    name = getattr(trainer, "__qualname__", repr(trainer))
+    if fuse == "auto":
+        return names if names and executor != "simulated" and has_accelerator() else frozenset()
+    if not names:
+        raise ValueError(
+            f"fuse=True, but {name} cannot be fused: it declares no fusible "
+            "hyper-parameters (subclass stagetree.torch.FusibleTrainer, which trains "
+            "B copies of a model as one job)"
+        )
+    if executor == "simulated":
+        raise ValueError(
+            "fuse=True needs real training: the simulated executor cannot fuse jobs "
+            "(use executor='local', 'inline' or 'ray')"
+        )
+    return names
+
+
+def check_max_fused(max_fused: Any) -> int:
+    """``max_fused`` as an int >= 1 (None: :data:`DEFAULT_MAX_FUSED`).
+
+    Raises:
+        ValueError: not an integer >= 1.
+    """
+    if max_fused is None:
+        return DEFAULT_MAX_FUSED
+    if isinstance(max_fused, bool) or not isinstance(max_fused, int) or max_fused < 1:
+        raise ValueError(f"max_fused must be an integer >= 1, got {max_fused!r}")
+    return max_fused

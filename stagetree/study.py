@@ -33,6 +33,7 @@ from stagetree.exceptions import (
     StudyBusyError,
     TrialFailedError,
 )
+from stagetree.fusion import check_max_fused, fusion_names
 from stagetree.hp import Sequence, as_sequence
 from stagetree.identity import trainer_fingerprint
 from stagetree.names import check_hp_names, check_space_names, names_mismatch
@@ -104,6 +105,20 @@ class Study:
             Default: ``STAGETREE_URL`` from the environment, else this process runs the
             study; ``url=""`` always runs it here.
         token: the server's token (default: ``STAGETREE_TOKEN`` from the environment).
+        fuse: horizontal fusion (:mod:`stagetree.fusion`): ``True`` trains sibling stages
+            that start from the same model and differ only in fusible hyper-parameters
+            (optimizer scalars; see the trainer's ``fusible``) as one fused job on one
+            worker, ``False`` (the default) never fuses, ``"auto"`` fuses when the
+            trainer is fusible and this machine has a CUDA device. Fused training equals
+            unfused training up to floating-point rounding (and dropout masks), not bit
+            for bit, so a fusing study keeps its results in plan trees of its own: they
+            are never handed to a study that does not fuse (and the other way round).
+            Needs a trainer that can fuse (:class:`stagetree.torch.FusibleTrainer`) and
+            an executor that can (``local``, ``inline``, ``ray``).
+        max_fused: most members of one fused job (default: 16, the width where the
+            digits benchmark's speed-up levels off on a CPU; lower it when B copies of the
+            model do not fit in the device's memory). An engine setting, like
+            ``eval_every``.
 
     Studies on the same storage in one process share one engine: one worker pool
     (the first study's ``workers``, ``executor``, ``policy`` and ``eval_every``), divided
@@ -138,6 +153,8 @@ class Study:
         weight: float = 1.0,
         url: str | None = None,
         token: str | None = None,
+        fuse: bool | str = False,
+        max_fused: int | None = None,
     ) -> None:
         # Every argument is checked here, before the storage is opened or anything written.
         from stagetree.executors.registry import check_executor
@@ -162,6 +179,8 @@ class Study:
             eval_every = 0
         _check_count("eval_every", eval_every, 0)
         self.eval_every = eval_every
+        self.fusible = fusion_names(trainer, fuse, executor)
+        self.max_fused = check_max_fused(max_fused)
         self.weight = check_weight(weight)
         if not isinstance(storage, (str, BasePlanStorage)):
             raise ValueError(
@@ -217,7 +236,7 @@ class Study:
         self._engine_key = key
         self._engine_obj = engine
         self._slot = engine.open_study(
-            self.name, self.version, self.share, self.weight, self.trainer, url
+            self.name, self.version, self.share, self.weight, self.trainer, url, self.fusible
         )
 
     def _settings(self) -> dict[str, Any]:
@@ -230,6 +249,7 @@ class Study:
             "max_retries": retries,
             "threads_per_worker": threads,
             "eval_every": self.eval_every,
+            "max_fused": self.max_fused,
         }
 
     def _warn_shared(self, engine: Engine, url: str) -> None:
@@ -292,7 +312,14 @@ class Study:
             return make_executor(executor, options)
 
         engine = Engine(
-            plan, store, factory, policy, max_retries, checkpoint_budget, self.eval_every
+            plan,
+            store,
+            factory,
+            policy,
+            max_retries,
+            checkpoint_budget,
+            self.eval_every,
+            self.max_fused,
         )
         engine.temporary_checkpoints = temporary
         engine.default_trainer = trainer
@@ -339,6 +366,8 @@ class Study:
             max_retries=retries,
             threads_per_worker=threads,
             eval_every=self.eval_every,
+            fuse=bool(self.fusible),
+            max_fused=self.max_fused,
         )
 
     # -- trials --------------------------------------------------------------------------
@@ -348,7 +377,9 @@ class Study:
         sequences when ``share=False``, so that nothing is shared)."""
         if not self.share and hp is None:
             raise ValueError("root_key of a study with share=False needs the trial's hp")
-        return StudySlot(self.name, self.version, self.share).root_key(config, hp or {})
+        return StudySlot(self.name, self.version, self.share, fusible=self.fusible).root_key(
+            config, hp or {}
+        )
 
     @property
     def _study_slot(self) -> StudySlot:

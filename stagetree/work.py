@@ -22,10 +22,12 @@ __all__ = [
     "BatchFailed",
     "CheckpointSaved",
     "CurveReported",
+    "FusionFailed",
     "Instruction",
     "MetricsReported",
     "Progress",
     "RunBatch",
+    "RunFused",
     "Segment",
     "SplitMissed",
     "WorkerEvent",
@@ -87,6 +89,48 @@ class RunBatch:
 
 
 @dataclass(frozen=True)
+class RunFused:
+    """Instruction: train ``members`` as one fused job on worker ``worker`` (horizontal
+    fusion, :mod:`stagetree.fusion`).
+
+    The members are ordinary batches of one plan tree that start from the same model
+    (same ``root_key``, ``config``, ``trainer``, ``start_at``, ``start_checkpoint`` and
+    ``start_step``) and whose sequences differ only in the trainer's fusible names. The
+    worker trains them step by step together, and every member behaves as its own batch
+    towards the scheduler: its own ``Progress`` (with ``width``), metrics, checkpoints,
+    live splits, ``Abort`` and terminal event. A member leaves the job when its segments
+    end; the job ends when the last member does. A worker that cannot fuse them (see
+    :class:`FusionFailed`) trains them one after another instead.
+    """
+
+    worker: int
+    members: tuple[RunBatch, ...]
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ValueError("RunFused needs at least one member")
+        first = self.members[0]
+        for m in self.members[1:]:
+            if (m.root_key, m.trainer, m.start_at, m.start_checkpoint, m.start_step) != (
+                first.root_key,
+                first.trainer,
+                first.start_at,
+                first.start_checkpoint,
+                first.start_step,
+            ) or dict(m.config) != dict(first.config):
+                raise ValueError(
+                    f"batch {m.batch_id} does not start from the model batch "
+                    f"{first.batch_id} starts from: they cannot be fused"
+                )
+            if m.worker != self.worker:
+                raise ValueError(f"batch {m.batch_id} is for worker {m.worker}, not {self.worker}")
+
+    @property
+    def batch_ids(self) -> tuple[int, ...]:
+        return tuple(m.batch_id for m in self.members)
+
+
+@dataclass(frozen=True)
 class AddCheckpoint:
     """Instruction (live split): the running batch must also checkpoint at ``(node, step)``,
     and evaluate there when ``evaluate`` is set. Ignored by the worker if already past
@@ -108,18 +152,22 @@ class Abort:
     worker: int
 
 
-Instruction = RunBatch | AddCheckpoint | Abort
+Instruction = RunBatch | RunFused | AddCheckpoint | Abort
 
 
 @dataclass(frozen=True)
 class Progress:
-    """The worker finished training up to ``step`` (model at ``step``) on ``node``."""
+    """The worker finished training up to ``step`` (model at ``step``) on ``node``.
+
+    ``width``: how many batches the worker trained at once (``RunFused`` members);
+    ``seconds_per_step`` is the wall time of one step of all of them."""
 
     batch_id: int
     worker: int
     node: int
     step: int
     seconds_per_step: float
+    width: int = 1
 
 
 @dataclass(frozen=True)
@@ -203,6 +251,19 @@ class SplitMissed:
 
 
 @dataclass(frozen=True)
+class FusionFailed:
+    """Worker event: the members of a ``RunFused`` could not be trained fused (the
+    trainer's model cannot be vmapped, an optimizer without a fused form...); the worker
+    trains them one after another instead. Sent once per job, before its members'
+    events; ``trainer`` is their ``RunBatch.trainer`` key."""
+
+    worker: int
+    root_key: str
+    trainer: str
+    error: str
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     """Executor event: worker ``worker`` is up and idle (also sent for a replacement)."""
 
@@ -227,6 +288,7 @@ WorkerEvent = (
     | BatchDone
     | BatchFailed
     | SplitMissed
+    | FusionFailed
     | WorkerReady
     | WorkerLost
 )

@@ -72,9 +72,11 @@ from stagetree.work import (
     BatchFailed,
     CheckpointSaved,
     CurveReported,
+    FusionFailed,
     MetricsReported,
     Progress,
     RunBatch,
+    RunFused,
     Segment,
     SplitMissed,
     WorkerEvent,
@@ -130,6 +132,20 @@ class _Point:
         self.ckpt_node: int | None = None
         self.eval_done = False
         self.ckpt_done = False
+
+
+class _Job:
+    """What a worker keeps of one batch while it runs (a ``RunFused`` has one per member)."""
+
+    def __init__(self, batch: RunBatch, points: dict[int, _Point], end_step: int) -> None:
+        self.batch = batch
+        self.points = points
+        self.end_step = end_step
+        # Learning-curve points not sent yet; the latest evaluation (step, metrics).
+        self.curve: list[tuple[int, int, dict[str, float], bool]] = []
+        self.evaluated: tuple[int, dict[str, float]] | None = None
+        # The first background write of the batch that failed: (node, step, error).
+        self.write_error: tuple[int, int, BaseException] | None = None
 
 
 class _Failed(Exception):
@@ -204,12 +220,9 @@ class Worker:
         self._given: dict[str, Any] = {}
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
-        # The first background write of the running batch that failed: (node, step, error).
-        self._write_error: tuple[int, int, BaseException] | None = None
         self._reads = HpReadWatch()  # names a fresh trainer's first setup() never reads
-        # Learning-curve points not sent yet; the latest evaluation (step, metrics).
-        self._curve: list[tuple[int, int, dict[str, float], bool]] = []
-        self._evaluated: tuple[int, dict[str, float]] | None = None
+        # Trainer keys whose fused jobs failed to fuse: their members run one by one.
+        self._unfusible: set[str] = set()
 
     # ------------------------------------------------------------------ public
 
@@ -272,19 +285,17 @@ class Worker:
         step = batch.start_step
         steps_done = 0
         points = self._points(batch, end_step)
-        self._write_error = None
+        job = _Job(batch, points, end_step)
         eval_every = batch.eval_every
-        self._curve = []
-        self._evaluated = None
         try:
             trainer = self._prepare(batch, node)
             aborted = False
             point = points.get(step)
             if point is not None:
-                self._do_point(trainer, batch, step, point)
+                self._do_point(trainer, job, step, point)
             instructions = poll()
             if instructions:
-                aborted = self._apply(instructions, trainer, batch, step, end_step, points)
+                aborted = self._apply(instructions, trainer, job, step)
             interval = self.progress_interval
             for seg in segments:
                 if aborted:
@@ -310,50 +321,150 @@ class Worker:
                         point = points.get(step)
                         if point is not None or step == seg_stop or now - mark >= interval:
                             emit(Progress(bid, wid, node, step, (now - mark) / since))
-                            self._curve_point(trainer, batch, node, step, trained, point)
-                            self._flush_curve(bid)
+                            self._curve_point(trainer, job, node, step, trained, point)
+                            self._flush_curve(job)
                             mark = _perf()
                             since = 0
                         elif trained or (eval_every and step % eval_every == 0):
                             # Not counted in seconds_per_step: evaluation time.
-                            mark += self._curve_point(trainer, batch, node, step, trained, None)
+                            mark += self._curve_point(trainer, job, node, step, trained, None)
                         instructions = poll()
                         if instructions:
-                            aborted = self._apply(
-                                instructions, trainer, batch, step, end_step, points
-                            )
+                            aborted = self._apply(instructions, trainer, job, step)
                             if aborted:
                                 break
                     if aborted:
                         break
             if steps_done:
                 self._at = (node, step)
-            self._flush_curve(bid)
-            self._check_writes()
+            self._flush_curve(job)
+            self._check_writes(job)
         except _Failed as failed:
-            self._flush_curve(bid)  # the steps before the failure stand
-            self._finish_failed(batch, failed, steps_done)
+            self._flush_curve(job)  # the steps before the failure stand
+            self._finish_failed(job, failed, steps_done)
             return
         except Exception as exc:
             # Trainer code raised in setup/train (the only unwrapped calls above).
-            self._flush_curve(bid)
-            self._finish_failed(batch, _Failed(node, step, exc), steps_done)
+            self._flush_curve(job)
+            self._finish_failed(job, _Failed(node, step, exc), steps_done)
             return
         self._wait_saves()
         self.stats.steps += steps_done
         emit(BatchDone(bid, wid, _perf() - begin, steps_done, self.stats.last_load_seconds))
 
-    # ------------------------------------------------------------------ batch start
+    # ------------------------------------------------------------------ fused jobs
 
-    def _prepare(self, batch: RunBatch, node: int) -> Trainer:
-        config = dict(batch.config)
-        if (
+    def run_fused(
+        self,
+        job: RunFused,
+        poll: Callable[[], list[AddCheckpoint | Abort]] | None = None,
+    ) -> None:
+        """Run the members of ``job`` as one fused job (see :mod:`stagetree.fusion`):
+        every member emits the events of an ordinary batch, and a member leaves when
+        its segments end (or it is aborted or fails). Members that cannot be fused (the
+        trainer class is not fusible, or :class:`~stagetree.fusion.FusionError` on
+        building the group or on its first step) run one after another instead, after a
+        ``FusionFailed`` event.
+
+        Args:
+            job: the instruction.
+            poll: as for :meth:`run`; instructions for any member.
+        """
+        mail = _Mailbox(poll or _no_instructions, self._missed)
+        first = job.members[0]
+        node0 = first.start_at[0] if first.start_at is not None else first.segments[0].node
+        try:
+            factory = self._factory(first.trainer)
+        except Exception:
+            factory = None  # run() fails each member at its start, with the reason
+        fusible = getattr(factory, "fusible", None) and callable(getattr(factory, "fuse", None))
+        if len(job.members) == 1 or not fusible or first.trainer in self._unfusible:
+            self._run_each(job.members, mail)
+            return
+        assert factory is not None
+        begin = _perf()
+        jobs = []
+        for batch in job.members:
+            segments = [s for s in batch.segments if s.stop > s.start]
+            end_step = segments[-1].stop if segments else batch.start_step
+            jobs.append(_Job(batch, self._points(batch, end_step), end_step))
+        try:
+            trainers = self._members(first, node0, factory, len(jobs))
+        except _Failed as failed:
+            for j in jobs:
+                self._finish_failed(j, failed, 0)
+                mail.done(j.batch.batch_id)
+            return
+        load = _perf() - begin
+        try:
+            group = factory.fuse(trainers)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._fusion_failed(first, exc)
+            self._run_each(job.members, mail)
+            return
+        _FusedRun(self, group, jobs, mail, begin, load).run()
+
+    def _members(self, batch: RunBatch, node: int, factory: TrainerFactory, n: int) -> list[Any]:
+        """``n`` trainers at the batch's start (built fresh, or restored from the start
+        checkpoint, or from the in-memory trainer when it stands there)."""
+        state: Any = None
+        try:
+            if self._reusable(batch):
+                assert self._trainer is not None
+                state = self._trainer.state_dict()
+            elif batch.start_checkpoint is not None:
+                state = self.store.load(batch.start_checkpoint)
+            elif batch.start_step != 0:
+                raise CheckpointError(
+                    f"batch {batch.batch_id} starts at step {batch.start_step} "
+                    "without a start checkpoint, and this worker does not hold that model"
+                )
+        except CheckpointError as exc:
+            raise _Failed(node, batch.start_step, exc, checkpoint=True, phase="start") from exc
+        self.drop_trainer()
+        trainers = []
+        try:
+            for _ in range(n):
+                trainer = factory(batch.config)
+                if state is not None:
+                    trainer.load_state_dict(state)
+                trainers.append(trainer)
+        except Exception as exc:
+            raise _Failed(node, batch.start_step, exc, phase="start") from exc
+        if state is not None:
+            self.stats.loads += 1
+        return trainers
+
+    def _reusable(self, batch: RunBatch) -> bool:
+        """Whether the in-memory trainer stands exactly where ``batch`` starts."""
+        return (
             self._trainer is not None
             and self._trainer_key == batch.trainer
             and self._root_key == batch.root_key
             and self._at == batch.start_at
-            and self._config == config
-        ):
+            and self._config == dict(batch.config)
+        )
+
+    def _fusion_failed(self, batch: RunBatch, exc: BaseException) -> None:
+        """Members of ``batch``'s trainer cannot be fused: say so once, and run them (and
+        later jobs of that trainer) one after another."""
+        self._unfusible.add(batch.trainer)
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning("worker %s: training unfused: %s", self.worker_id, error)
+        self.emit(FusionFailed(self.worker_id, batch.root_key, batch.trainer, error))
+
+    def _run_each(self, members: tuple[RunBatch, ...], mail: _Mailbox) -> None:
+        for batch in members:
+            bid = batch.batch_id
+            self.run(batch, lambda bid=bid: mail.poll_for(bid))  # type: ignore[misc]
+            mail.done(bid)
+
+    # ------------------------------------------------------------------ batch start
+
+    def _prepare(self, batch: RunBatch, node: int) -> Trainer:
+        config = dict(batch.config)
+        if self._reusable(batch):
+            assert self._trainer is not None
             self.stats.reuses += 1
             self.stats.last_load_seconds = 0.0
             return self._trainer
@@ -423,10 +534,13 @@ class Worker:
 
     # ------------------------------------------------------------------ sequences
 
-    def _changes(self, seg: Segment, lo: int, hi: int) -> dict[int, dict[str, Any]]:
+    def _changes(
+        self, seg: Segment, lo: int, hi: int, given: dict[str, Any] | None = None
+    ) -> dict[int, dict[str, Any]]:
         """Values to give before each step in ``[lo, hi)``: only steps where some
-        sequence differs from what the trainer holds (all of them after a restore)."""
-        given = self._given
+        sequence differs from what the trainer holds (all of them after a restore).
+        ``given``: what it holds (default: the in-memory trainer's)."""
+        given = self._given if given is None else given
         out: dict[int, dict[str, Any]] = {}
         for name, seq in seg.hp.items():
             column = _values(seq, lo, hi)
@@ -448,7 +562,7 @@ class Worker:
     def _curve_point(
         self,
         trainer: Trainer,
-        batch: RunBatch,
+        job: _Job,
         node: int,
         step: int,
         trained: dict[str, float],
@@ -458,50 +572,58 @@ class Worker:
         metrics, and ``evaluate()``'s when the step is due (``eval_every``) or a point
         evaluates there; then do the point. Returns the seconds it took."""
         begin = _perf()
-        every = batch.eval_every
-        evaluate = bool(every and step % every == 0) or (
-            point is not None and point.eval_node is not None and not point.eval_done
-        )
-        if evaluate and point is not None and point.ckpt_node is not None:
-            # Checkpoint first: the saved state must not depend on whether we evaluated.
-            self._do_point(trainer, batch, step, point, evaluate=False)
-        metrics = self._evaluate(trainer, node, step) if evaluate else None
+        if self._evaluates(job, step, point):
+            if point is not None and point.ckpt_node is not None:
+                # Checkpoint first: the saved state must not depend on whether we evaluated.
+                self._do_point(trainer, job, step, point, evaluate=False)
+            metrics: dict[str, float] | None = self._evaluate(trainer, job, node, step)
+        else:
+            metrics = None
         if trained or metrics is not None:
             values = {**trained, **metrics} if metrics is not None else trained
-            self._curve.append((node, step, values, metrics is not None))
+            job.curve.append((node, step, values, metrics is not None))
         if point is not None:
-            self._do_point(trainer, batch, step, point)
+            self._do_point(trainer, job, step, point)
         return _perf() - begin
 
-    def _flush_curve(self, batch_id: int) -> None:
-        if self._curve:
-            curve, self._curve = self._curve, []
-            self.emit(CurveReported(batch_id, self.worker_id, tuple(curve)))
+    @staticmethod
+    def _evaluates(job: _Job, step: int, point: _Point | None) -> bool:
+        """Whether the curve point at ``step`` evaluates the model."""
+        every = job.batch.eval_every
+        return bool(every and step % every == 0) or (
+            point is not None and point.eval_node is not None and not point.eval_done
+        )
 
-    def _evaluate(self, trainer: Trainer, node: int, step: int) -> dict[str, float]:
+    def _flush_curve(self, job: _Job) -> None:
+        if job.curve:
+            curve, job.curve = job.curve, []
+            self.emit(CurveReported(job.batch.batch_id, self.worker_id, tuple(curve)))
+
+    def _evaluate(self, trainer: Trainer, job: _Job, node: int, step: int) -> dict[str, float]:
         """``evaluate()`` of the model at ``step``, at most once per step of a batch."""
-        if self._evaluated is not None and self._evaluated[0] == step:
-            return self._evaluated[1]
+        if job.evaluated is not None and job.evaluated[0] == step:
+            return job.evaluated[1]
         try:
             metrics = evaluate_metrics(trainer)
         except Exception as exc:
             raise _Failed(node, step, exc, phase="point") from exc
-        self._evaluated = (step, metrics)
+        job.evaluated = (step, metrics)
         return metrics
 
     # ------------------------------------------------------------------ points, splits
 
     def _do_point(
-        self, trainer: Trainer, batch: RunBatch, step: int, point: _Point, evaluate: bool = True
+        self, trainer: Trainer, job: _Job, step: int, point: _Point, evaluate: bool = True
     ) -> None:
+        batch = job.batch
         # Checkpoint first: the saved state must not depend on whether we evaluated.
         if point.ckpt_node is not None and not point.ckpt_done:
             point.ckpt_done = True
-            self._checkpoint(trainer, batch, point.ckpt_node, step)
+            self._checkpoint(trainer, job, point.ckpt_node, step)
         if evaluate and point.eval_node is not None and not point.eval_done:
             point.eval_done = True
-            metrics = self._evaluate(trainer, point.eval_node, step)
-            self._flush_curve(batch.batch_id)  # the curve reaches the plan first
+            metrics = self._evaluate(trainer, job, point.eval_node, step)
+            self._flush_curve(job)  # the curve reaches the plan first
             self.emit(
                 MetricsReported(batch.batch_id, self.worker_id, point.eval_node, step, metrics)
             )
@@ -510,34 +632,47 @@ class Worker:
         self,
         instructions: list[AddCheckpoint | Abort],
         trainer: Trainer,
-        batch: RunBatch,
+        job: _Job,
         step: int,
-        end_step: int,
-        points: dict[int, _Point],
     ) -> bool:
         """Apply live instructions at ``step``; returns True when the batch must stop."""
         aborted = False
         for ins in instructions:
             if isinstance(ins, Abort):
-                aborted = aborted or ins.batch_id == batch.batch_id
+                aborted = aborted or ins.batch_id == job.batch.batch_id
                 continue
-            if not isinstance(ins, AddCheckpoint):
-                raise TypeError(f"poll() returned {type(ins).__name__}, not AddCheckpoint/Abort")
-            if aborted or ins.batch_id != batch.batch_id or not step <= ins.step <= end_step:
-                self.emit(SplitMissed(ins.batch_id, self.worker_id, ins.node, ins.step))
+            if ins.batch_id != job.batch.batch_id or aborted:
+                self._missed(ins)
                 continue
-            point = points.setdefault(ins.step, _Point())
-            if point.ckpt_node is None:
-                point.ckpt_node = ins.node
-            if ins.evaluate and point.eval_node is None:
-                point.eval_node = ins.node
-            if ins.step == step:
-                self._do_point(trainer, batch, step, point)
+            point = self._add_point(ins, job, step)
+            if point is not None and ins.step == step:
+                self._do_point(trainer, job, step, point)
         return aborted
+
+    def _missed(self, ins: AddCheckpoint | Abort) -> None:
+        if not isinstance(ins, (AddCheckpoint, Abort)):
+            raise TypeError(f"poll() returned {type(ins).__name__}, not AddCheckpoint/Abort")
+        if isinstance(ins, AddCheckpoint):
+            self.emit(SplitMissed(ins.batch_id, self.worker_id, ins.node, ins.step))
+
+    def _add_point(self, ins: AddCheckpoint, job: _Job, step: int) -> _Point | None:
+        """The point of a live split of ``job`` at ``step`` (None, answered with
+        ``SplitMissed``, when the batch is past it or will not reach it)."""
+        if not isinstance(ins, AddCheckpoint):
+            raise TypeError(f"poll() returned {type(ins).__name__}, not AddCheckpoint/Abort")
+        if not step <= ins.step <= job.end_step:
+            self._missed(ins)
+            return None
+        point = job.points.setdefault(ins.step, _Point())
+        if point.ckpt_node is None:
+            point.ckpt_node = ins.node
+        if ins.evaluate and point.eval_node is None:
+            point.eval_node = ins.node
+        return point
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _checkpoint(self, trainer: Trainer, batch: RunBatch, node: int, step: int) -> None:
+    def _checkpoint(self, trainer: Trainer, job: _Job, node: int, step: int) -> None:
         begin = _perf()
         try:
             state = trainer.state_dict()
@@ -553,21 +688,20 @@ class Worker:
             self._writer = ThreadPoolExecutor(
                 1, thread_name_prefix=f"stagetree-ckpt-{self.worker_id}"
             )
-        name = _checkpoint_name(batch.root_key, node, step)
-        pending.append(
-            self._writer.submit(self._write, batch.batch_id, node, step, name, snapshot, capture)
-        )
+        name = _checkpoint_name(job.batch.root_key, node, step)
+        pending.append(self._writer.submit(self._write, job, node, step, name, snapshot, capture))
         self._pending = pending
 
     def _write(
-        self, batch_id: int, node: int, step: int, name: str, state: dict[str, Any], capture: float
+        self, job: _Job, node: int, step: int, name: str, state: dict[str, Any], capture: float
     ) -> None:
+        batch_id = job.batch.batch_id
         try:
             info = self.store.save(name, state)
         except Exception as exc:
             # Training goes on (it may still be needed); the batch fails when it ends.
-            if self._write_error is None:
-                self._write_error = (node, step, exc)
+            if job.write_error is None:
+                job.write_error = (node, step, exc)
             return
         seconds = capture + info.seconds
         self.stats.saves += 1
@@ -581,15 +715,16 @@ class Worker:
         for future in pending:
             future.result()
 
-    def _check_writes(self) -> None:
+    def _check_writes(self, job: _Job) -> None:
         """Wait for the batch's background writes; fail at the first that failed."""
         self._wait_saves()
-        if self._write_error is not None:
-            node, step, exc = self._write_error
-            self._write_error = None
+        if job.write_error is not None:
+            node, step, exc = job.write_error
+            job.write_error = None
             raise _Failed(node, step, exc, phase="point")
 
-    def _finish_failed(self, batch: RunBatch, failed: _Failed, steps_done: int) -> None:
+    def _finish_failed(self, job: _Job, failed: _Failed, steps_done: int) -> None:
+        batch = job.batch
         self._wait_saves()
         self.stats.steps += steps_done
         self.drop_trainer()
@@ -609,6 +744,293 @@ class Worker:
                 failed.phase,
             )
         )
+
+
+# ---------------------------------------------------------------------- fused jobs
+
+
+class _Mailbox:
+    """Live instructions of a fused job's members, sorted by batch id as they are
+    polled; an ``AddCheckpoint`` for a member that has ended is answered ``missed``."""
+
+    def __init__(
+        self,
+        poll: Callable[[], list[AddCheckpoint | Abort]],
+        missed: Callable[[AddCheckpoint | Abort], None],
+    ) -> None:
+        self._poll = poll
+        self._missed = missed
+        self._boxes: dict[int, list[AddCheckpoint | Abort]] = {}
+        self._ended: set[int] = set()
+
+    def fetch(self) -> None:
+        for ins in self._poll():
+            if ins.batch_id in self._ended:
+                self._missed(ins)
+            else:
+                self._boxes.setdefault(ins.batch_id, []).append(ins)
+
+    def take(self, batch_id: int) -> list[AddCheckpoint | Abort]:
+        """What arrived for ``batch_id`` until the last :meth:`fetch`."""
+        return self._boxes.pop(batch_id, [])
+
+    def poll_for(self, batch_id: int) -> list[AddCheckpoint | Abort]:
+        """A ``poll`` for one member run on its own."""
+        self.fetch()
+        return self.take(batch_id)
+
+    def done(self, batch_id: int) -> None:
+        self._ended.add(batch_id)
+        for ins in self._boxes.pop(batch_id, []):
+            self._missed(ins)
+
+
+class _Member:
+    """One member of a fused job as the loop sees it: its batch state, the sequence
+    values it was given, where it is in its segments."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.segments = [s for s in job.batch.segments if s.stop > s.start]
+        self.index = 0  # current segment
+        self.given: dict[str, Any] = {}
+        self.chunk: dict[int, dict[str, Any]] = {}
+        self.chunk_hi = -1
+        self.steps = 0
+        self.aborted = False
+        self.seconds = 0.0  # training time since its last Progress, and steps in it
+        self.since = 0
+
+    @property
+    def node(self) -> int:
+        if self.segments:
+            return self.segments[min(self.index, len(self.segments) - 1)].node
+        batch = self.job.batch
+        return batch.start_at[0] if batch.start_at is not None else batch.segments[0].node
+
+    def change(self, worker: Worker, t: int) -> dict[str, Any] | None:
+        """Sequence values to give before training step ``t`` (None: no change)."""
+        while self.segments[self.index].stop <= t:
+            self.index += 1
+        seg = self.segments[self.index]
+        if t >= self.chunk_hi:
+            hi = min(t + _CHUNK, seg.stop)
+            self.chunk = worker._changes(seg, t, hi, self.given)
+            self.chunk_hi = hi
+        change = self.chunk.get(t)
+        if change is not None:
+            self.given.update(change)
+        return change
+
+    @property
+    def seg_stop(self) -> int:
+        return self.segments[self.index].stop
+
+
+class _FusedRun:
+    """The loop of one fused job (see :meth:`Worker.run_fused`)."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        group: Any,
+        jobs: list[_Job],
+        mail: _Mailbox,
+        begin: float,
+        load: float,
+    ) -> None:
+        self.w = worker
+        self.group = group
+        self.members = [_Member(j) for j in jobs]  # index i is the group's member i
+        self.mail = mail
+        self.begin = begin
+        self.load = load
+        self.synced: set[int] = set()  # members whose trainer object holds their state
+
+    def trainer(self, i: int) -> Trainer:
+        if i not in self.synced:
+            self.group.sync(i)
+            self.synced.add(i)
+        return self.group.members[i]
+
+    def run(self) -> None:
+        w, members = self.w, self.members
+        step = members[0].job.batch.start_step
+        for i in reversed(range(len(members))):
+            m = members[i]
+            point = m.job.points.get(step)
+            try:
+                if point is not None:
+                    w._do_point(self.trainer(i), m.job, step, point)
+            except _Failed as failed:
+                self.fail(i, failed)
+        self.instructions(step)
+        self.finish_ended(step)
+        first = True
+        interval = w.progress_interval
+        mark = _perf()
+        while self.members:
+            t = step
+            members = self.members
+            begin = _perf()
+            try:
+                for i, m in enumerate(members):
+                    change = m.change(w, t)
+                    if change is not None:
+                        self.group.setup(i, change)
+                metrics = self.group.step()
+            except Exception as exc:
+                from stagetree.fusion import FusionError
+
+                if first and isinstance(exc, FusionError):
+                    self.fall_back(exc)
+                else:
+                    self.rerun(exc, t)
+                return
+            first = False
+            seconds = _perf() - begin
+            self.synced.clear()
+            step = t + 1
+            width = len(members)
+            now = _perf()
+            due = now - mark >= interval
+            if due:
+                mark = now
+            for i in reversed(range(len(members))):
+                m = members[i]
+                m.steps += 1
+                m.seconds += seconds
+                m.since += 1
+                node = m.node
+                point = m.job.points.get(step)
+                try:
+                    evaluates = w._evaluates(m.job, step, point)
+                    trainer = self.trainer(i) if (point is not None or evaluates) else None
+                    trained = _train_metrics(metrics[i])
+                    if point is not None or step == m.seg_stop or due:
+                        w.emit(
+                            Progress(
+                                m.job.batch.batch_id,
+                                w.worker_id,
+                                node,
+                                step,
+                                m.seconds / m.since,
+                                width,
+                            )
+                        )
+                        m.seconds, m.since = 0.0, 0
+                        w._curve_point(
+                            trainer if trainer is not None else self.group.members[i],
+                            m.job,
+                            node,
+                            step,
+                            trained,
+                            point,
+                        )
+                        w._flush_curve(m.job)
+                    else:
+                        w._curve_point(
+                            trainer if trainer is not None else self.group.members[i],
+                            m.job,
+                            node,
+                            step,
+                            trained,
+                            None,
+                        )
+                except _Failed as failed:
+                    self.fail(i, failed)
+            self.instructions(step)
+            self.finish_ended(step)
+
+    def instructions(self, step: int) -> None:
+        """Apply live instructions that arrived for the members, at ``step``."""
+        self.mail.fetch()
+        for i in reversed(range(len(self.members))):
+            m = self.members[i]
+            for ins in self.mail.take(m.job.batch.batch_id):
+                if isinstance(ins, Abort):
+                    m.aborted = True
+                    continue
+                if m.aborted:
+                    self.w._missed(ins)
+                    continue
+                point = self.w._add_point(ins, m.job, step)
+                if point is not None and ins.step == step:
+                    try:
+                        self.w._do_point(self.trainer(i), m.job, step, point)
+                    except _Failed as failed:
+                        self.fail(i, failed)
+                        break
+
+    def finish_ended(self, step: int) -> None:
+        """Members whose segments end at ``step`` (or aborted) leave with ``BatchDone``."""
+        w = self.w
+        for i in reversed(range(len(self.members))):
+            m = self.members[i]
+            if not (m.aborted or step >= m.job.end_step):
+                continue
+            try:
+                w._flush_curve(m.job)
+                w._check_writes(m.job)
+            except _Failed as failed:
+                self.fail(i, failed)
+                continue
+            trainer = self.remove(i)
+            w.stats.steps += m.steps
+            batch = m.job.batch
+            if m.steps:  # the worker keeps the last member that leaves, where it stands
+                w._trainer, w._trainer_key, w._root_key = trainer, batch.trainer, batch.root_key
+                w._config, w._at, w._given = dict(batch.config), (m.node, step), dict(m.given)
+            w.emit(BatchDone(batch.batch_id, w.worker_id, _perf() - self.begin, m.steps, self.load))
+            self.mail.done(batch.batch_id)
+
+    def remove(self, i: int) -> Trainer:
+        trainer: Trainer = self.group.remove(i)
+        del self.members[i]
+        self.synced = {k if k < i else k - 1 for k in self.synced if k != i}
+        return trainer
+
+    def fail(self, i: int, failed: _Failed) -> None:
+        m = self.members[i]
+        self.w._flush_curve(m.job)  # the steps before the failure stand
+        try:
+            self.remove(i)
+        except Exception:
+            del self.members[i]
+            self.synced = {k if k < i else k - 1 for k in self.synced if k != i}
+        self.w._finish_failed(m.job, failed, m.steps)
+        self.mail.done(m.job.batch.batch_id)
+
+    def rerun(self, exc: BaseException, step: int) -> None:
+        """A fused step raised: which member's trainer code failed is unknown (and every
+        member's state is undefined), so the members still in the job train again, one
+        after another and unfused, from their batches' start: the failing one fails on
+        its own and the others finish. What they reported before stands (a
+        recomputation reports the same points again)."""
+        w = self.w
+        logger.warning(
+            "worker %s: a fused step at step %s raised %s: %s; training its %s members "
+            "again unfused to find the failing one",
+            w.worker_id,
+            step,
+            type(exc).__name__,
+            exc,
+            len(self.members),
+        )
+        for m in self.members:
+            w._flush_curve(m.job)
+        w._wait_saves()
+        w.drop_trainer()
+        w._run_each(tuple(m.job.batch for m in self.members), self.mail)
+
+    def fall_back(self, exc: BaseException) -> None:
+        """The first fused step failed: train the members one after another, from the
+        start (the group's state is undefined)."""
+        w = self.w
+        first = self.members[0].job.batch
+        w._fusion_failed(first, exc)
+        w.drop_trainer()
+        w._run_each(tuple(m.job.batch for m in self.members), self.mail)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -84,3 +84,69 @@ class SlowLinearTrainer(LinearTrainer):
 
         time.sleep(0.02)
         return super().train()
+
+
+class FusedLinearTrainer(LinearTrainer):
+    """LinearTrainer that can be fused over ``lr`` (a numpy stand-in for
+    :class:`stagetree.torch.FusibleTrainer`, to test the worker and scheduler side of
+    fusion without torch). Each step reports ``width``: the members trained with it
+    (1 unfused). The group updates member by member, so results equal unfused ones
+    exactly. Config ``fuse_fails``: the group's first step raises ``FusionError``."""
+
+    fusible = frozenset({"lr"})
+
+    def train(self) -> dict[str, float]:
+        super().train()
+        return {"width": 1.0}
+
+    @classmethod
+    def fuse(cls, members: Any) -> Any:
+        return _LinearGroup(list(members))
+
+
+class _LinearGroup:
+    """A FusedGroup over FusedLinearTrainer members (see stagetree.fusion)."""
+
+    def __init__(self, members: list[FusedLinearTrainer]) -> None:
+        self._members = members
+        # The group's own copy of each member's weights: the trainer objects only see
+        # them on sync(), as with stacked torch parameters.
+        self.w = np.stack([m.w.copy() for m in members])
+        self.t = members[0].t
+        self.first = True
+
+    @property
+    def members(self) -> list[FusedLinearTrainer]:
+        return self._members
+
+    def setup(self, i: int, hp: Mapping[str, Any]) -> None:
+        self._members[i].setup(hp)
+
+    def step(self) -> list[dict[str, float]]:
+        if self.first and self._members[0].config.get("fuse_fails"):
+            from stagetree.fusion import FusionError
+
+            raise FusionError("this model cannot be vmapped (test)")
+        self.first = False
+        out = []
+        width = float(len(self._members))
+        for i, m in enumerate(self._members):
+            if m.fail_train_at is not None and self.t == m.fail_train_at:
+                raise ValueError(f"boom in fused train at step {self.t}")
+            if m.lr > 1.0:
+                raise FloatingPointError(f"lr {m.lr} diverges at step {self.t}")
+            grad = 2 * m.x.T @ (m.x @ self.w[i] - m.y) / len(m.y)
+            self.w[i] = self.w[i] - m.lr * grad
+            out.append({"width": width})
+        self.t += 1
+        return out
+
+    def sync(self, i: int) -> None:
+        m = self._members[i]
+        m.w = self.w[i].copy()
+        m.t = self.t
+
+    def remove(self, i: int) -> FusedLinearTrainer:
+        self.sync(i)
+        self.w = np.delete(self.w, i, axis=0)
+        return self._members.pop(i)

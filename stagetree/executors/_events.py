@@ -4,7 +4,7 @@ the start-up failure message, and how a worker slot takes in one event."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,6 +15,7 @@ from stagetree.work import (
     BatchDone,
     BatchFailed,
     RunBatch,
+    RunFused,
     SplitMissed,
     WorkerEvent,
     WorkerReady,
@@ -27,6 +28,7 @@ __all__ = [
     "check_worker",
     "missed",
     "new_trainer",
+    "started",
 ]
 
 
@@ -74,24 +76,34 @@ def check_worker(instruction: Any, live: bool, num_workers: int) -> int:
     return worker
 
 
-def admit(instruction: Any, running: int | None) -> bool:
-    """Whether ``instruction`` goes to its worker, whose running batch is ``running``: a
-    ``RunBatch`` does (to an idle worker), an ``AddCheckpoint``/``Abort`` only for the
-    batch still running; for any other the caller answers with :func:`missed`.
+def started(instruction: RunBatch | RunFused) -> set[int]:
+    """The batch ids a ``RunBatch`` or ``RunFused`` starts on its worker."""
+    if isinstance(instruction, RunFused):
+        return set(instruction.batch_ids)
+    return {instruction.batch_id}
+
+
+def admit(instruction: Any, running: Collection[int]) -> bool:
+    """Whether ``instruction`` goes to its worker, whose running batches are ``running``
+    (several for a fused job): a ``RunBatch`` or ``RunFused`` does (to an idle worker),
+    an ``AddCheckpoint``/``Abort`` only for a batch still running; for any other the
+    caller answers with :func:`missed`.
 
     Raises:
-        ValueError: a ``RunBatch`` for a worker whose previous batch has not ended.
+        ValueError: a ``RunBatch``/``RunFused`` for a worker whose previous batch has not
+            ended.
         TypeError: not an instruction.
     """
-    if isinstance(instruction, RunBatch):
-        if running is not None:
+    if isinstance(instruction, (RunBatch, RunFused)):
+        if running:
+            ids = sorted(started(instruction))
             raise ValueError(
-                f"worker {instruction.worker} is still running batch {running}; "
-                f"cannot start batch {instruction.batch_id}"
+                f"worker {instruction.worker} is still running batch {min(running)}; "
+                f"cannot start batch {ids[0] if len(ids) == 1 else ids}"
             )
         return True
     if isinstance(instruction, (AddCheckpoint, Abort)):
-        return running == instruction.batch_id
+        return instruction.batch_id in running
     raise TypeError(f"not an instruction: {instruction!r}")
 
 
@@ -119,7 +131,7 @@ class StartupError:
 class _Slot(Protocol):
     ready: bool
     start_failures: int
-    running: int | None
+    running: set[int]
 
 
 def accept_event(slot: _Slot, event: Any, out: list[WorkerEvent], spec: Any) -> None:
@@ -136,6 +148,6 @@ def accept_event(slot: _Slot, event: Any, out: list[WorkerEvent], spec: Any) -> 
     if isinstance(event, WorkerReady):
         slot.ready = True
         slot.start_failures = 0
-    elif isinstance(event, (BatchDone, BatchFailed)) and event.batch_id == slot.running:
-        slot.running = None
+    elif isinstance(event, (BatchDone, BatchFailed)):
+        slot.running.discard(event.batch_id)
     out.append(event)

@@ -61,8 +61,17 @@ class BaseExecutor(ABC):
       :class:`~stagetree.work.BatchFailed` (``phase="start"``, the error names the key or
       the loading error); the worker stays up and serves other batches.
 
+    * Fusion (:attr:`supports_fusion`): an executor that can train several batches on one
+      worker at once accepts :class:`~stagetree.work.RunFused`; its members are then
+      that worker's running batches, each with its own events and terminal event, and
+      the worker takes a new ``RunBatch``/``RunFused`` only after every member ended.
+      A worker that cannot fuse them reports ``FusionFailed`` and runs them one by one.
+
     Executors are context managers: ``with Executor(...) as ex:`` starts and closes.
     """
+
+    #: Whether :meth:`submit` accepts :class:`~stagetree.work.RunFused` (fused jobs).
+    supports_fusion: bool = False
 
     @property
     @abstractmethod

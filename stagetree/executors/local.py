@@ -54,6 +54,7 @@ from stagetree.executors._events import (
     check_worker,
     missed,
     new_trainer,
+    started,
 )
 from stagetree.executors._spec import TrainerClasses, TrainerSpec, no_main_rerun
 from stagetree.executors.base import BaseExecutor
@@ -63,6 +64,7 @@ from stagetree.work import (
     AddCheckpoint,
     Instruction,
     RunBatch,
+    RunFused,
     SplitMissed,
     WorkerEvent,
     WorkerLost,
@@ -142,10 +144,10 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
             message = backlog.popleft() if backlog else inbox.recv()
             if message is None:
                 break
-            if isinstance(message, RunBatch):
-                batch_id = message.batch_id
+            if isinstance(message, (RunBatch, RunFused)):
+                ids = started(message)
 
-                def poll(batch_id: int = batch_id) -> list[AddCheckpoint | Abort]:
+                def poll(ids: set[int] = ids) -> list[AddCheckpoint | Abort]:
                     if not inbox.poll():
                         return nothing
                     out: list[AddCheckpoint | Abort] = []
@@ -154,12 +156,15 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
                         if isinstance(msg, (AddCheckpoint, Abort)):
                             out.append(msg)
                         else:
-                            if msg is None:  # shutting down: stop this batch first
-                                out.append(Abort(batch_id, cfg.worker))
+                            if msg is None:  # shutting down: stop these batches first
+                                out.extend(Abort(i, cfg.worker) for i in sorted(ids))
                             backlog.append(msg)
                     return out
 
-                worker.run(message, poll)
+                if isinstance(message, RunFused):
+                    worker.run_fused(message, poll)
+                else:
+                    worker.run(message, poll)
             elif isinstance(message, _AddTrainer):
                 trainers.add(message.key, message.spec)
                 # Load it now (import, warm-up) while this worker has nothing to do: a
@@ -208,7 +213,7 @@ class _Slot:
     process: Any = None
     inbox: Connection | None = None
     outbox: Connection | None = None
-    running: int | None = None
+    running: set[int] = field(default_factory=set)
     ready: bool = False
     start_failures: int = 0
     pending: list[WorkerEvent] = field(default_factory=list)
@@ -255,6 +260,8 @@ class LocalExecutor(BaseExecutor):
         close_timeout: seconds :meth:`close` waits for workers to exit before
             terminating them.
     """
+
+    supports_fusion = True
 
     def __init__(
         self,
@@ -373,10 +380,13 @@ class LocalExecutor(BaseExecutor):
             assert slot.inbox is not None
             with contextlib.suppress(OSError):
                 # A dead worker is noticed (and its batch reported lost) in events().
-                if isinstance(instruction, RunBatch):
-                    slot.running = instruction.batch_id
+                if isinstance(instruction, (RunBatch, RunFused)):
+                    slot.running = started(instruction)
                     # An unknown key goes without: the worker fails that batch.
-                    self._send_trainer(slot, instruction.trainer)
+                    first = (
+                        instruction.members[0] if isinstance(instruction, RunFused) else instruction
+                    )
+                    self._send_trainer(slot, first.trainer)
                 slot.inbox.send(instruction)
 
     def events(self, timeout: float | None = None) -> list[WorkerEvent]:
@@ -473,8 +483,8 @@ class LocalExecutor(BaseExecutor):
             if code is not None and code < 0
             else f"worker process {process.pid} exited with code {code}"
         )
-        out.append(WorkerLost(slot.worker, slot.running, reason))
-        slot.running = None
+        out.append(WorkerLost(slot.worker, min(slot.running, default=None), reason))
+        slot.running = set()
         for conn in (slot.inbox, slot.outbox):
             if conn is not None:
                 conn.close()
@@ -552,6 +562,8 @@ class InlineExecutor(BaseExecutor):
         progress_interval: seconds between throttled ``Progress`` events.
     """
 
+    supports_fusion = True
+
     def __init__(
         self,
         trainer: Callable[[Mapping[str, Any]], Trainer],
@@ -581,9 +593,9 @@ class InlineExecutor(BaseExecutor):
             )
             for w in range(num_workers)
         ]
-        self._queue: deque[RunBatch] = deque()
+        self._queue: deque[RunBatch | RunFused] = deque()
         self._live: dict[int, list[AddCheckpoint | Abort]] = {}
-        self._running: dict[int, int] = {}  # worker -> batch id not yet ended
+        self._running: dict[int, set[int]] = {}  # worker -> batch ids not yet ended
         self._started = False
         self._closed = False
 
@@ -612,11 +624,12 @@ class InlineExecutor(BaseExecutor):
     def submit(self, instruction: Instruction) -> None:
         live = self._started and not self._closed
         worker = check_worker(instruction, live, len(self._workers))
-        if not admit(instruction, self._running.get(worker)):
+        if not admit(instruction, self._running.get(worker, ())):
             self._events.extend(missed(instruction))
-        elif isinstance(instruction, RunBatch):
-            self._running[worker] = instruction.batch_id
-            self._live[instruction.batch_id] = []
+        elif isinstance(instruction, (RunBatch, RunFused)):
+            self._running[worker] = started(instruction)
+            for batch_id in started(instruction):
+                self._live[batch_id] = []
             self._queue.append(instruction)
         else:
             self._live[instruction.batch_id].append(instruction)
@@ -626,19 +639,26 @@ class InlineExecutor(BaseExecutor):
             raise StagetreeError("executor is not running: call start() first")
         while self._queue:
             batch = self._queue.popleft()
-            live = self._live[batch.batch_id]
+            lives = [self._live[i] for i in sorted(started(batch))]
 
-            def poll(live: list[AddCheckpoint | Abort] = live) -> list[AddCheckpoint | Abort]:
-                if not live:
-                    return live
-                out = list(live)
-                live.clear()
+            def poll(
+                lives: list[list[AddCheckpoint | Abort]] = lives,
+            ) -> list[AddCheckpoint | Abort]:
+                out: list[AddCheckpoint | Abort] = []
+                for live in lives:
+                    out.extend(live)
+                    live.clear()
                 return out
 
             try:
-                self._workers[batch.worker].run(batch, poll)
+                worker = self._workers[batch.worker]
+                if isinstance(batch, RunFused):
+                    worker.run_fused(batch, poll)
+                else:
+                    worker.run(batch, poll)
             finally:
-                del self._live[batch.batch_id]
+                for i in started(batch):
+                    del self._live[i]
                 self._running.pop(batch.worker, None)
         out = list(self._events)
         self._events.clear()

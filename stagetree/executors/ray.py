@@ -62,15 +62,18 @@ from stagetree.executors._events import (
     check_worker,
     missed,
     new_trainer,
+    started,
 )
 from stagetree.executors._spec import TrainerClasses, TrainerSpec
 from stagetree.executors.base import BaseExecutor
 from stagetree.work import (
     Abort,
     AddCheckpoint,
+    BatchDone,
     BatchFailed,
     Instruction,
     RunBatch,
+    RunFused,
     SplitMissed,
     WorkerEvent,
     WorkerLost,
@@ -139,10 +142,10 @@ class _WorkerActor:
         self._id = worker_id
         self._cond = threading.Condition()
         self._events: deque[Any] = deque()
-        self._queue: deque[RunBatch | None] = deque()
+        self._queue: deque[RunBatch | RunFused | None] = deque()
         self._live: dict[int, list[AddCheckpoint | Abort]] = {}
         self._ended: set[int] = set()
-        self._current: int | None = None
+        self._current: set[int] = set()
         self._worker: Any = None
         self._thread: threading.Thread | None = None
         self._store = store
@@ -194,14 +197,17 @@ class _WorkerActor:
             "reach": reach,
         }
 
-    def run_batch(self, batch: RunBatch, trainers: Mapping[str, TrainerSpec] | None = None) -> None:
-        """Queue ``batch``; ``trainers``: specs of trainer keys this actor has not had
-        (the batch's, the first time it gets one of that key)."""
+    def run_batch(
+        self, batch: RunBatch | RunFused, trainers: Mapping[str, TrainerSpec] | None = None
+    ) -> None:
+        """Queue ``batch`` (or a fused job); ``trainers``: specs of trainer keys this actor
+        has not had (the batch's, the first time it gets one of that key)."""
         with self._cond:
             if trainers and self._trainers is not None:
                 for key, spec in trainers.items():
                     self._trainers.add(key, spec)
-            self._live.setdefault(batch.batch_id, [])
+            for batch_id in started(batch):
+                self._live.setdefault(batch_id, [])
             self._queue.append(batch)
             self._cond.notify_all()
 
@@ -229,8 +235,8 @@ class _WorkerActor:
     def stop(self, timeout: float) -> list[Any]:
         """Abort the running batch, stop the batch thread, wait for background writes."""
         with self._cond:
-            if self._current is not None:
-                self._live.setdefault(self._current, []).append(Abort(self._current, self._id))
+            for current in self._current:
+                self._live.setdefault(current, []).append(Abort(current, self._id))
             self._queue.clear()
             self._queue.append(None)
             self._cond.notify_all()
@@ -251,37 +257,53 @@ class _WorkerActor:
                 batch = self._queue.popleft()
                 if batch is None:
                     return
-                bid = batch.batch_id
-                self._current = bid
+                ids = sorted(started(batch))
+                self._current = set(ids)
 
-            def poll(bid: int = bid) -> list[AddCheckpoint | Abort]:
+            def poll(ids: list[int] = ids) -> list[AddCheckpoint | Abort]:
+                out: list[AddCheckpoint | Abort] = []
                 with self._cond:
-                    live = self._live.get(bid)
-                    if not live:
-                        return []
-                    out = list(live)
-                    live.clear()
-                    return out
+                    for bid in ids:
+                        live = self._live.get(bid)
+                        if live:
+                            out.extend(live)
+                            live.clear()
+                return out
+
+            ended: set[int] = set()
+
+            def emit(event: Any, ended: set[int] = ended) -> None:
+                if isinstance(event, (BatchDone, BatchFailed)):
+                    ended.add(event.batch_id)
+                self._emit(event)
 
             try:
-                self._worker.run(batch, poll)
-            except BaseException as exc:  # a bug, not the trainer's: still end the batch
-                first = batch.segments[0]
-                self._emit(
-                    BatchFailed(
-                        bid,
-                        self._id,
-                        first.node,
-                        batch.start_step,
-                        f"{type(exc).__name__}: {exc}",
-                        traceback.format_exc(),
+                self._worker.emit = emit
+                if isinstance(batch, RunFused):
+                    self._worker.run_fused(batch, poll)
+                else:
+                    self._worker.run(batch, poll)
+            except BaseException as exc:  # a bug, not the trainer's: still end the batches
+                members = batch.members if isinstance(batch, RunFused) else (batch,)
+                for member in members:
+                    if member.batch_id in ended:
+                        continue
+                    self._emit(
+                        BatchFailed(
+                            member.batch_id,
+                            self._id,
+                            member.segments[0].node,
+                            member.start_step,
+                            f"{type(exc).__name__}: {exc}",
+                            traceback.format_exc(),
+                        )
                     )
-                )
             finally:
                 with self._cond:
-                    self._current = None
-                    self._live.pop(bid, None)
-                    self._ended.add(bid)
+                    self._current = set()
+                    for bid in ids:
+                        self._live.pop(bid, None)
+                    self._ended.update(ids)
 
 
 # ---------------------------------------------------------------------- the driver
@@ -294,7 +316,7 @@ class _Slot:
     actor: Any = None
     drain: Any = None  # the drain call in flight
     hello: Any = None  # the hello call in flight (until answered)
-    running: int | None = None
+    running: set[int] = field(default_factory=set)
     ready: bool = False
     node: str | None = None
     host: str | None = None
@@ -369,6 +391,8 @@ class RayExecutor(BaseExecutor):
         start_timeout: seconds :meth:`start` waits for the first actors to come up.
         init_kwargs: extra arguments of ``ray.init`` (when this executor connects).
     """
+
+    supports_fusion = True
 
     def __init__(
         self,
@@ -661,11 +685,12 @@ class RayExecutor(BaseExecutor):
         slot = self._slots[worker]
         if not admit(instruction, slot.running):
             self._local.extend(missed(instruction))
-        elif isinstance(instruction, RunBatch):
+        elif isinstance(instruction, (RunBatch, RunFused)):
             if slot.actor is None:
                 raise ValueError(f"worker {worker} is not up")
-            slot.running = instruction.batch_id
-            key = instruction.trainer
+            slot.running = started(instruction)
+            first = instruction.members[0] if isinstance(instruction, RunFused) else instruction
+            key = first.trainer
             spec = self._specs.get(key)
             if spec is not None and key not in slot.trainers:
                 # With the batch: a threaded actor does not run its calls in order. An
@@ -772,8 +797,8 @@ class RayExecutor(BaseExecutor):
         else:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             reason = f"Ray actor of worker {slot.worker} on {where} died: {first}"
-        out.append(WorkerLost(slot.worker, slot.running, reason))
-        slot.running = None
+        out.append(WorkerLost(slot.worker, min(slot.running, default=None), reason))
+        slot.running = set()
         with contextlib.suppress(Exception):
             ray.kill(slot.actor, no_restart=True)
         slot.actor = slot.drain = slot.hello = None

@@ -77,6 +77,7 @@ from stagetree.stages import (
     Stage,
     StageTree,
     build_stage_tree,
+    critical_path,
 )
 from stagetree.work import (
     Abort,
@@ -85,10 +86,12 @@ from stagetree.work import (
     BatchFailed,
     CheckpointSaved,
     CurveReported,
+    FusionFailed,
     Instruction,
     MetricsReported,
     Progress,
     RunBatch,
+    RunFused,
     Segment,
     SplitMissed,
     WorkerLost,
@@ -220,9 +223,16 @@ class Scheduler:
         branch_checkpoints: bool = True,
         max_worker_deaths: int = 2,
         eval_every: int = 0,
+        max_fused: int = 1,
     ) -> None:
         if eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {eval_every}")
+        if isinstance(max_fused, bool) or not isinstance(max_fused, int) or max_fused < 1:
+            raise ValueError(f"max_fused must be an integer >= 1, got {max_fused!r}")
+        self.max_fused = max_fused
+        # Fusible sequence names per plan tree (RootAdded.fusible), minus the trees whose
+        # trainer could not be fused (FusionFailed).
+        self._fusible: dict[str, frozenset[str]] = {}
         self.eval_every = eval_every
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -273,6 +283,7 @@ class Scheduler:
             BatchDone: self._on_done,
             BatchFailed: self._on_failed,
             SplitMissed: self._on_split_missed,
+            FusionFailed: self._on_fusion_failed,
             WorkerReady: self._on_worker_ready,
             WorkerLost: self._on_worker_lost,
         }
@@ -395,6 +406,19 @@ class Scheduler:
     def _on_root(self, e: RootAdded, out: list[Instruction | Notice]) -> None:
         self._roots[e.root_key] = dict(e.config)
         self.estimator.register_root(e.root_key, e.config)
+        fusible = frozenset(getattr(e, "fusible", ()) or ())
+        if fusible:
+            self._fusible[e.root_key] = fusible
+        else:
+            self._fusible.pop(e.root_key, None)
+
+    def _on_fusion_failed(self, e: FusionFailed, out: list[Instruction | Notice]) -> None:
+        """The tree's trainer cannot be fused: never fuse its stages again."""
+        self._fusible.pop(e.root_key, None)
+
+    def disable_fusion(self, root_key: str) -> None:
+        """Never fuse the stages of plan tree ``root_key`` (its trainer cannot be fused)."""
+        self._fusible.pop(root_key, None)
 
     def _on_node(self, e: NodeAdded, out: list[Instruction | Notice]) -> None:
         node = e.node
@@ -581,7 +605,7 @@ class Scheduler:
             self._charge(batch, e.step)
         node = self._nodes.get(e.node)
         if node is not None:
-            self.estimator.observe(node, e.seconds_per_step)
+            self.estimator.observe(node, e.seconds_per_step, getattr(e, "width", 1))
 
     def _on_metrics(self, e: MetricsReported, out: list[Instruction | Notice]) -> None:
         key = (e.node, e.step)
@@ -609,7 +633,10 @@ class Scheduler:
         batch = self._batches.pop(batch_id, None)
         if batch is not None:
             self._dirty = True
-            if batch.worker in self._workers:
+            # A worker of a fused job is free once every member ended.
+            if batch.worker in self._workers and not any(
+                b.worker == batch.worker for b in self._batches.values()
+            ):
                 self._idle.add(batch.worker)
         return batch
 
@@ -914,7 +941,7 @@ class Scheduler:
             path = self._choose(tree, ready)
             if not path:
                 break
-            self._assign(path, out)
+            self._assign(self._fuse(tree, ready, path), out)
         self._preempt(tree, out)
 
     def _split(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
@@ -953,7 +980,82 @@ class Scheduler:
                     return worker
         return min(self._idle)
 
-    def _assign(self, path: list[Stage], out: list[Instruction | Notice]) -> None:
+    # -- fusion --------------------------------------------------------------------------
+
+    def _fuse(self, tree: StageTree, ready: list[Stage], path: list[Stage]) -> list[list[Stage]]:
+        """The chains to run on one worker: ``path`` alone, or, when its tree is fusible,
+        ``path`` and up to ``max_fused - 1`` sibling chains that start from the same model
+        and differ only in fusible sequences (one fused job).
+
+        Every chain of a fusible tree stops after its first branching stage, so that the
+        stages continuing from there start together and can be fused in turn.
+        """
+        root = path[0]
+        fusible = self._fusible.get(self._nodes[root.node].root_key)
+        if self.max_fused <= 1 or fusible is None:
+            return [path]
+        group = [self._cut(path)]
+        origin = root.origin
+        assert origin is not None
+        siblings = [
+            r
+            for r in ready
+            if r is not root
+            and r.origin is not None
+            and (r.origin.kind, r.origin.node, r.origin.step)
+            == (origin.kind, origin.node, origin.step)
+        ]
+        # The costliest first, as the critical-path policy would take them.
+        siblings.sort(key=lambda r: -sum(s.cost for s in critical_path(tree, [r])))
+        for sibling in siblings:
+            if len(group) >= self.max_fused:
+                break
+            chain = self.policy.choose(tree, [sibling])
+            if chain and chain[0] is sibling:
+                chain = self._cut(chain)
+                if self._compatible(group, chain, fusible):
+                    group.append(chain)
+        return group
+
+    @staticmethod
+    def _cut(path: list[Stage]) -> list[Stage]:
+        """``path`` up to its first stage with several children (see :meth:`_fuse`)."""
+        for i, stage in enumerate(path):
+            if len(stage.children) > 1:
+                return path[: i + 1]
+        return path
+
+    def _compatible(
+        self, group: list[list[Stage]], chain: list[Stage], fusible: frozenset[str]
+    ) -> bool:
+        """Whether ``chain`` may join ``group``: the same sequence names, and the same
+        sequence for every name that is not fusible, on every node of every chain."""
+        first = self._nodes[group[0][0].node].hp
+        names = set(first)
+        for stage in (s for c in (*group, chain) for s in c):
+            hp = self._nodes[stage.node].hp
+            if set(hp) != names:
+                return False
+            for name in names - fusible:
+                if hp[name] != first[name]:
+                    return False
+        return True
+
+    # -- assignment ------------------------------------------------------------------------
+
+    def _assign(self, group: list[list[Stage]], out: list[Instruction | Notice]) -> None:
+        """Run ``group`` (one chain, or the chains of a fused job) on one worker."""
+        origin = group[0][0].origin
+        if origin is None or origin.kind not in (FRESH, CHECKPOINT):
+            raise SchedulerError(f"policy {self.policy!r} chose a path that is not ready")
+        start = None if origin.kind == FRESH else (origin.node, origin.step)
+        worker = self._pick_worker(start)
+        self._idle.discard(worker)
+        self._worker_at.pop(worker, None)
+        batches = [self._batch(path, worker) for path in group]
+        out.append(batches[0] if len(batches) == 1 else RunFused(worker, tuple(batches)))
+
+    def _batch(self, path: list[Stage], worker: int) -> RunBatch:
         root = path[0]
         origin = root.origin
         if origin is None or origin.kind not in (FRESH, CHECKPOINT):
@@ -971,9 +1073,6 @@ class Scheduler:
             checkpoint |= self._branch_points(segments)
         checkpoint -= self._checkpoints.keys()
         last = path[-1]
-        worker = self._pick_worker(start)
-        self._idle.discard(worker)
-        self._worker_at.pop(worker, None)
         batch_id = self._next_batch
         self._next_batch += 1
         root_key = self._nodes[root.node].root_key
@@ -991,20 +1090,18 @@ class Scheduler:
         )
         self._positions[batch_id] = root.start
         self._steps_planned += sum(b - a for _, a, b in segments)
-        out.append(
-            RunBatch(
-                batch_id=batch_id,
-                worker=worker,
-                root_key=root_key,
-                config=dict(self._roots[root_key]),
-                start_step=root.start,
-                start_at=start,
-                start_checkpoint=None if start is None else self._checkpoints[start],
-                segments=tuple(Segment(n, a, b, self._nodes[n].hp) for n, a, b in segments),
-                evaluate_at=_by_step(evaluate),
-                checkpoint_at=_by_step(checkpoint),
-                eval_every=self.eval_every,
-            )
+        return RunBatch(
+            batch_id=batch_id,
+            worker=worker,
+            root_key=root_key,
+            config=dict(self._roots[root_key]),
+            start_step=root.start,
+            start_at=start,
+            start_checkpoint=None if start is None else self._checkpoints[start],
+            segments=tuple(Segment(n, a, b, self._nodes[n].hp) for n, a, b in segments),
+            evaluate_at=_by_step(evaluate),
+            checkpoint_at=_by_step(checkpoint),
+            eval_every=self.eval_every,
         )
 
     def _preempt(self, tree: StageTree, out: list[Instruction | Notice]) -> None:

@@ -71,6 +71,8 @@ class CostEstimator:
         self._cache: dict[int, float] = {}
         self._model: _Model | None = None
         self._fitted = True
+        # fused width -> [sum of seconds per step, count]
+        self._widths: dict[int, tuple[float, int]] = {}
 
     def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
         """Make ``config`` part of the configuration of ``root_key``'s nodes."""
@@ -96,16 +98,49 @@ class CostEstimator:
             hit = self._keys[node.id] = (key, features)
         return hit
 
-    def observe(self, node: Node, seconds_per_step: float) -> None:
-        """Record a measured time per step of ``node`` (non-positive or NaN is ignored)."""
+    def observe(self, node: Node, seconds_per_step: float, width: int = 1) -> None:
+        """Record a measured time per step of ``node`` (non-positive or NaN is ignored).
+
+        ``width``: members of the fused job the step was measured in (1: unfused). A
+        node trained fused costs what its steps really took (the job's step time), and
+        the step time is also learnt as a function of the width (:meth:`fused_step`).
+        """
         sps = float(seconds_per_step)
         if not (math.isfinite(sps) and sps > 0):
             return
+        total, count = self._widths.get(width, (0.0, 0))
+        self._widths[width] = (total + sps, count + 1)
         key, features = self._key(node)
         total, count, _ = self._measured.get(key, (0.0, 0, features))
         self._measured[key] = (total + sps, count + 1, features)
         self._cache.clear()
         self._fitted = False
+
+    def fused_step(self, width: int) -> float | None:
+        """Estimated seconds per step of a fused job of ``width`` members, relative to
+        one unfused step (``fused_step(1) == 1.0``): measured widths give their mean;
+        others are interpolated linearly between the nearest measured widths (or
+        extrapolated from the last two); None before two widths were measured."""
+        means = {w: t / n for w, (t, n) in self._widths.items() if n}
+        if 1 not in means or len(means) < 2:
+            return None
+        base = means[1]
+        if width in means:
+            return means[width] / base
+        xs = sorted(means)
+        lo = max((w for w in xs if w < width), default=None)
+        hi = min((w for w in xs if w > width), default=None)
+        if lo is None or hi is None:  # extrapolate from the two nearest widths
+            a, b = (xs[-2], xs[-1]) if hi is None else (xs[0], xs[1])
+        else:
+            a, b = lo, hi
+        slope = (means[b] - means[a]) / (b - a)
+        return max(means[a] + slope * (width - a), 0.0) / base
+
+    @property
+    def widths(self) -> dict[int, float]:
+        """Mean measured seconds per step by fused width (1: unfused)."""
+        return {w: t / n for w, (t, n) in sorted(self._widths.items()) if n}
 
     @property
     def measured(self) -> int:

@@ -34,10 +34,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RootAdded:
-    """A plan tree and its fixed config (``Trainer(config)``); before its nodes."""
+    """A plan tree and its fixed config (``Trainer(config)``); before its nodes.
+
+    ``fusible``: the sequence names that may differ between members of a fused job of
+    this tree (:mod:`stagetree.fusion`); empty: its stages are never fused."""
 
     root_key: str
     config: Mapping[str, Any] = field(hash=False)
+    fusible: frozenset[str] = field(default=frozenset(), hash=False)
 
 
 @dataclass(frozen=True)

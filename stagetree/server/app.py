@@ -14,7 +14,7 @@ writes nothing.
 ``POST /v1/studies``                               open a session on a study (created or
                                                    continued): ``{"name", "trainer",
                                                    "protocol", "version"?, "share"?,
-                                                   "weight"?, "client"?}`` ->
+                                                   "weight"?, "client"?, "fuse"?}`` ->
                                                    ``{"session", "lease_ttl", ...}``
 ``DELETE /v1/sessions/{s}``                        close it (pending submissions cancelled)
 ``POST /v1/sessions/{s}/submissions``              ``{"id", "config", "hp", "steps"}``: start
@@ -287,7 +287,7 @@ def create_app(hub: Hub, token: str) -> Starlette:
         data = await _body(
             request,
             {"name", "trainer", "protocol"},
-            {"version", "share", "weight", "client"},
+            {"version", "share", "weight", "client", "fuse"},
         )
         if data["protocol"] != PROTOCOL_VERSION:
             raise _mismatch(str(data["protocol"]))
@@ -305,13 +305,20 @@ def create_app(hub: Hub, token: str) -> Starlette:
                 400, "BadRequest", f"'share' must be true or false, got {share!r:.100}"
             )
         weight = data.get("weight", 1.0)
+        fuse = data.get("fuse", False)
+        if fuse is not True and fuse is not False and fuse != "auto":
+            raise RequestError(
+                400, "BadRequest", f"'fuse' must be true, false or \"auto\", got {fuse!r:.100}"
+            )
         client = data.get("client", "")
         if not isinstance(client, str):
             raise RequestError(400, "BadRequest", "'client' must be a string")
         host = request.client.host if request.client else "?"
         client = "".join(c for c in client if c.isprintable())[:100]  # it goes to the log
         label = f"{client or 'client'} from {host}"
-        session = await blocking(hub.open, name, data["trainer"], version, share, weight, label)
+        session = await blocking(
+            hub.open, name, data["trainer"], version, share, weight, label, fuse
+        )
         return JSON(
             {
                 "session": session.id,

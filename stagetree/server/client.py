@@ -93,6 +93,7 @@ _SERVER_SIDE = {
     "max_retries": 0,
     "threads_per_worker": None,
     "eval_every": 1,
+    "max_fused": None,
 }
 _WARNED: set[str] = set()
 _WARNED_LOCK = threading.Lock()
@@ -131,8 +132,15 @@ class RemoteStudy(Study):
         weight: float = 1.0,
         url: str | None = None,
         token: str | None = None,
+        fuse: bool | str = False,
+        max_fused: int | None = None,
     ) -> None:
         check_identity(name, trainer, version)
+        if fuse is not True and fuse is not False and fuse != "auto":
+            raise ValueError(f'fuse must be True, False or "auto", got {fuse!r}')
+        self.fuse = fuse
+        # Root keys of a fusing study (Study.root_key); "auto" is the server's to decide.
+        self.fusible = frozenset(getattr(trainer, "fusible", ())) if fuse is True else frozenset()
         if not isinstance(share, bool):
             raise ValueError(f"share must be True or False, got {share!r}")
         self.url = remote_url(url)
@@ -149,6 +157,7 @@ class RemoteStudy(Study):
                 "max_retries": max_retries,
                 "threads_per_worker": threads_per_worker,
                 "eval_every": eval_every,
+                "max_fused": max_fused,
             }
         )
         self.name = name
@@ -195,6 +204,7 @@ class RemoteStudy(Study):
             weight=self.weight,
             url=self.url,
             token=self._token,
+            fuse=self.fuse,
         )
 
     def open(self) -> RemoteStudy:
@@ -248,6 +258,7 @@ class RemoteStudy(Study):
             "share": self.share,
             "weight": self.weight,
             "client": f"{socket.gethostname()}:{os.getpid()}",
+            **({"fuse": self.fuse} if self.fuse is not False else {}),
         }
         data = conn.retrying(functools.partial(conn.request, "POST", "/v1/studies", json=body))
         if data.get("protocol") != PROTOCOL_VERSION:

@@ -106,7 +106,7 @@ class Hub:
         self.ttl = config.ttl
         self.registry = TrainerRegistry()
         self.closing = False
-        self._studies: dict[tuple[str, str, bool, float], Study] = {}
+        self._studies: dict[tuple[str, str, bool, float, bool | str], Study] = {}
         self._sessions: dict[str, Session] = {}
         self._tuning: dict[str, str] = {}  # study name -> id of the session tuning it
         self._reader: BasePlanStorage | None = None  # read-only, before any study opens
@@ -132,6 +132,7 @@ class Hub:
         share: bool,
         weight: float,
         client: str,
+        fuse: bool | str = False,
     ) -> Session:
         """Open a session on study ``name`` (created or continued) with the trainer of
         payload ``trainer``; blocking (opens the storage).
@@ -143,7 +144,7 @@ class Hub:
         cls = self.registry.resolve(trainer)
         weight = check_weight(weight)
         version = version or str(trainer["fingerprint"])
-        key = (name, version, share, weight)
+        key = (name, version, share, weight, fuse)
         with self._lock:
             self._check_open()
             study = self._studies.get(key)
@@ -159,6 +160,7 @@ class Hub:
                 version=version,
                 weight=weight,
                 url="",  # the server runs its studies itself
+                fuse=fuse,
             )
             made.open()
             with self._lock:

@@ -1,0 +1,358 @@
+"""Horizontal fusion, the orchestration side: the worker's fused loop, the scheduler's
+grouping of sibling stages, ``Study(fuse=...)`` and the plan rule that keeps fused and
+exact results apart. Trained with ``FusedLinearTrainer`` (numpy; its group updates
+member by member, so fused results must equal unfused ones exactly here). The PyTorch
+fused training itself is tested in ``test_torch_fused.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from study_trainers import FusedLinearTrainer, LinearTrainer
+
+from stagetree import Study
+from stagetree.checkpoints import CheckpointStore
+from stagetree.exceptions import StagetreeWarning, TrialFailedError
+from stagetree.fusion import DEFAULT_MAX_FUSED, fusion_names
+from stagetree.hp import Constant, Piecewise
+from stagetree.work import (
+    Abort,
+    AddCheckpoint,
+    BatchDone,
+    BatchFailed,
+    CheckpointSaved,
+    FusionFailed,
+    MetricsReported,
+    Progress,
+    RunBatch,
+    RunFused,
+    Segment,
+    SplitMissed,
+)
+from stagetree.worker import Worker
+
+LRS = (0.01, 0.02, 0.03, 0.05)
+
+
+def _grid(study: Study, lrs: tuple[float, ...] = LRS, steps: int = 12, split: int = 5) -> list[Any]:
+    """Trials that share ``split`` steps at lr 0.01, then differ in lr."""
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(
+            *[study.submit({}, {"lr": Piecewise([0.01, lr], [split])}, steps) for lr in lrs]
+        )
+
+    return study._drive(go())  # type: ignore[no-any-return]
+
+
+def _starts(study: Study) -> list[int]:
+    """Per batch started, in order: how many batches it was fused with (1: unfused)."""
+    with study.reading() as storage:
+        return [
+            int((a.data or {}).get("fused", 1)) for a in storage.activity() if a.kind == "start"
+        ]
+
+
+def _scores(results: list[Any]) -> list[float]:
+    return [r.metrics["score"] for r in results]
+
+
+@pytest.fixture(scope="module")
+def exact() -> list[float]:
+    """The grid trained unfused: the reference."""
+    with Study("exact", FusedLinearTrainer, storage="memory://", executor="inline") as study:
+        return _scores(_grid(study))
+
+
+# ------------------------------------------------------------------ the study side
+
+
+def test_siblings_train_as_one_job_after_their_shared_prefix(exact: list[float]) -> None:
+    with Study(
+        "fused", FusedLinearTrainer, storage="memory://", executor="inline", fuse=True
+    ) as study:
+        results = _grid(study)
+        starts = _starts(study)
+    # The shared prefix once, alone; then the four continuations as one fused job.
+    assert starts == [1, 4, 4, 4, 4]
+    assert _scores(results) == exact
+    for r in results:
+        assert r.history[3]["width"] == 1.0  # the prefix was trained unfused
+        assert r.history[12]["width"] == 4.0  # the rest fused, four wide
+
+
+def test_max_fused_bounds_the_width(exact: list[float]) -> None:
+    with Study(
+        "two",
+        FusedLinearTrainer,
+        storage="memory://",
+        executor="inline",
+        fuse=True,
+        max_fused=2,
+    ) as study:
+        results = _grid(study)
+        assert _starts(study) == [1, 2, 2, 2, 2]
+    assert _scores(results) == exact
+
+
+def test_fusion_is_off_by_default(exact: list[float]) -> None:
+    with Study("off", FusedLinearTrainer, storage="memory://", executor="inline") as study:
+        results = _grid(study)
+        assert set(_starts(study)) == {1}
+        assert study.fusible == frozenset()
+    assert _scores(results) == exact
+
+
+def test_worker_processes_fuse_too(exact: list[float]) -> None:
+    with Study("procs", FusedLinearTrainer, storage="memory://", workers=1, fuse=True) as study:
+        results = _grid(study)
+        assert _starts(study) == [1, 4, 4, 4, 4]
+    assert _scores(results) == exact
+
+
+class _Decay(FusedLinearTrainer):
+    """``decay`` is a sequence the trainer cannot fuse over."""
+
+    hyperparameters = frozenset({"lr", "decay"})
+
+    def setup(self, hp: Mapping[str, Any]) -> None:
+        super().setup(hp)
+        if "decay" in hp:
+            self.decay = float(hp["decay"])
+
+
+def test_siblings_differing_in_an_infusible_name_are_never_fused() -> None:
+    with Study("decay", _Decay, storage="memory://", executor="inline", fuse=True) as study:
+
+        async def go() -> list[Any]:
+            return await asyncio.gather(
+                *[
+                    study.submit({}, {"lr": Constant(lr), "decay": Constant(d)}, 6)
+                    for lr, d in ((0.01, 0.0), (0.02, 0.0), (0.03, 0.5), (0.05, 0.5))
+                ]
+            )
+
+        study._drive(go())
+        # Two fused jobs: the trials with decay 0 together, those with 0.5 together.
+        assert sorted(_starts(study)) == [2, 2, 2, 2]
+
+
+class _FailsToFuse(FusedLinearTrainer):
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__({**config, "fuse_fails": True})
+
+
+def test_a_trainer_that_cannot_fuse_is_said_once_and_trains_unfused() -> None:
+    with Study("fails", _FailsToFuse, storage="memory://", executor="inline", fuse=True) as study:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = _scores(_grid(study, steps=8))
+            second = _scores(_grid(study, lrs=(0.04, 0.06), steps=8))
+        said = [w for w in caught if issubclass(w.category, StagetreeWarning)]
+        assert len(said) == 1 and "cannot be trained fused" in str(said[0].message)
+        assert "cannot be vmapped" in str(said[0].message)
+        starts = _starts(study)
+    with Study("ref", FusedLinearTrainer, storage="memory://", executor="inline") as ref:
+        assert _scores(_grid(ref, steps=8)) == first
+        assert _scores(_grid(ref, lrs=(0.04, 0.06), steps=8)) == second
+    # The first job was planned fused (and trained one by one); nothing after it.
+    assert starts[:5] == [1, 4, 4, 4, 4] and set(starts[5:]) == {1}
+
+
+def test_a_failing_member_fails_alone() -> None:
+    """A fused step that raises cannot say which member's code failed: the members train
+    again unfused, the failing one fails on its own, the others finish."""
+    with Study(
+        "div", FusedLinearTrainer, storage="memory://", executor="inline", fuse=True
+    ) as study:
+
+        async def go() -> list[Any]:
+            return await asyncio.gather(
+                *[
+                    study.submit({}, {"lr": Piecewise([0.01, lr], [6])}, 10)
+                    for lr in (0.01, 0.02, 5.0)
+                ],
+                return_exceptions=True,
+            )
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = study._drive(go())
+    assert isinstance(results[2], TrialFailedError) and "diverges" in str(results[2])
+    with Study("ref", FusedLinearTrainer, storage="memory://", executor="inline") as ref:
+        expected = [ref.run({}, {"lr": Piecewise([0.01, lr], [6])}, 10) for lr in (0.01, 0.02)]
+    assert _scores(results[:2]) == _scores(expected)
+
+
+def test_fused_and_exact_results_are_never_mixed(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    trial = {"lr": Constant(0.02)}
+    with Study("s", FusedLinearTrainer, storage=url, executor="inline", fuse=True) as fused:
+        fused.run({}, trial, 6)
+        fused_key = fused.root_key({}, trial)
+    with Study("s", FusedLinearTrainer, storage=url, executor="inline") as plain:
+        assert plain.root_key({}, trial) != fused_key
+        before = plain.stats()["steps_executed"]
+        plain.run({}, trial, 6)
+        assert plain.stats()["steps_executed"] == before + 6  # trained again, not reused
+    with Study("s", FusedLinearTrainer, storage=url, executor="inline", fuse=True) as again:
+        before = again.stats()["steps_executed"]
+        again.run({}, trial, 6)  # its own earlier result: answered from the plan
+        assert again.stats()["steps_executed"] == before
+
+
+def test_promotions_continue_fused_members_exactly() -> None:
+    from stagetree.space import GridSpace
+    from stagetree.tuners import SHA
+
+    def tune(fuse: bool) -> tuple[list[tuple[int, float]], list[int]]:
+        with Study(
+            f"sha-{fuse}", FusedLinearTrainer, storage="memory://", executor="inline", fuse=fuse
+        ) as study:
+            space = GridSpace({"lr": [0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08]})
+            study.tune(SHA(space, "score", min_steps=2, max_steps=8, eta=2, num_trials=8))
+            scores = sorted((t.steps, t.metrics[t.steps]["score"]) for t in study.trials())
+            return scores, _starts(study)
+
+    fused, starts = tune(True)
+    exact, unfused = tune(False)
+    assert fused == exact
+    assert max(starts) > 1 and set(unfused) == {1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fuse": "yes"}, "fuse must be True, False or"),
+        ({"fuse": True, "max_fused": 0}, "max_fused must be an integer >= 1"),
+        ({"fuse": True, "max_fused": 2.5}, "max_fused must be an integer >= 1"),
+        ({"fuse": True, "executor": "simulated"}, "simulated executor cannot fuse"),
+    ],
+)
+def test_bad_fusion_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Study("bad", FusedLinearTrainer, storage="memory://", **kwargs)
+
+
+def test_a_trainer_that_cannot_fuse_is_refused_with_fuse_true() -> None:
+    with pytest.raises(ValueError, match=r"LinearTrainer cannot be fused.*FusibleTrainer"):
+        Study("bad", LinearTrainer, storage="memory://", fuse=True)
+    # "auto" fuses only on an accelerator, and never a trainer that cannot.
+    assert fusion_names(LinearTrainer, "auto") == frozenset()
+    assert Study("auto", LinearTrainer, storage="memory://", fuse="auto").fusible == frozenset()
+    assert DEFAULT_MAX_FUSED >= 2
+
+
+# ------------------------------------------------------------------ the worker side
+
+
+def _batch(bid: int, lr: float, stop: int, evaluate: tuple[int, ...] = ()) -> RunBatch:
+    seg = Segment(bid, 0, stop, {"lr": Constant(lr)})
+    return RunBatch(
+        batch_id=bid,
+        worker=0,
+        root_key="r",
+        config={},
+        start_step=0,
+        start_at=None,
+        start_checkpoint=None,
+        segments=(seg,),
+        evaluate_at=tuple((bid, s) for s in evaluate),
+        checkpoint_at=((bid, stop),),
+    )
+
+
+def _worker(tmp_path: Path, events: list[Any]) -> Worker:
+    return Worker(
+        0, FusedLinearTrainer, CheckpointStore(tmp_path), events.append, progress_interval=0.0
+    )
+
+
+def test_members_leave_as_their_segments_end_and_obey_live_instructions(
+    tmp_path: Path,
+) -> None:
+    members = (_batch(1, 0.01, 4, (4,)), _batch(2, 0.02, 8, (8,)), _batch(3, 0.03, 10, (10,)))
+    sent = {
+        2: [AddCheckpoint(3, 0, 3, 6, evaluate=True), AddCheckpoint(1, 0, 1, 1)],
+        6: [Abort(2, 0)],
+    }
+    events: list[Any] = []
+
+    def poll() -> list[Any]:  # at the step the job reported last (every step: interval 0)
+        step = max((e.step for e in events if isinstance(e, Progress)), default=0)
+        return sent.pop(step, [])
+
+    worker = _worker(tmp_path, events)
+    worker.run_fused(RunFused(0, members), poll)
+    worker.close()
+    done = [e for e in events if isinstance(e, BatchDone)]
+    # Member 1 leaves at step 4, member 2 is aborted after step 6, member 3 runs to 10.
+    assert [(e.batch_id, e.steps) for e in done] == [(1, 4), (2, 6), (3, 10)]
+    assert not any(isinstance(e, BatchFailed | FusionFailed) for e in events)
+    widths = {e.batch_id: e.width for e in events if isinstance(e, Progress) and e.step == 4}
+    assert widths == {1: 3, 2: 3, 3: 3}
+    saved = {(e.batch_id, e.step) for e in events if isinstance(e, CheckpointSaved)}
+    assert saved == {(1, 4), (3, 6), (3, 10)}  # member 2 was aborted before its end
+    assert SplitMissed(1, 0, 1, 1) in events  # asked for step 1 at step 2: too late
+    metrics = {(e.batch_id, e.step): e.metrics for e in events if isinstance(e, MetricsReported)}
+    assert set(metrics) == {(1, 4), (3, 6), (3, 10)}
+    # Each member's results are those of its batch run alone.
+    for bid, step in metrics:
+        alone: list[Any] = []
+        w = _worker(tmp_path / f"alone{bid}", alone)
+        batch = next(m for m in members if m.batch_id == bid)
+        w.run(
+            RunBatch(
+                **{
+                    **batch.__dict__,
+                    "evaluate_at": ((bid, step),),
+                    "segments": (Segment(bid, 0, step, batch.segments[0].hp),),
+                }
+            )
+        )
+        w.close()
+        ref = next(e for e in alone if isinstance(e, MetricsReported))
+        assert ref.metrics == metrics[(bid, step)]
+
+
+def test_a_fused_job_loads_its_start_checkpoint_once(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    events: list[Any] = []
+    worker = Worker(0, FusedLinearTrainer, store, events.append)
+    worker.run(_batch(1, 0.01, 3))
+    ref = next(e.ref for e in events if isinstance(e, CheckpointSaved))
+    worker.drop_trainer()
+    members = tuple(
+        RunBatch(
+            batch_id=bid,
+            worker=0,
+            root_key="r",
+            config={},
+            start_step=3,
+            start_at=(1, 3),
+            start_checkpoint=ref,
+            segments=(Segment(bid, 3, 6, {"lr": Constant(lr)}),),
+            evaluate_at=((bid, 6),),
+        )
+        for bid, lr in ((2, 0.02), (3, 0.03))
+    )
+    events.clear()
+    worker.run_fused(RunFused(0, members))
+    worker.close()
+    assert sorted(e.batch_id for e in events if isinstance(e, BatchDone)) == [2, 3]
+    assert {e.step for e in events if isinstance(e, MetricsReported)} == {6}
+    assert worker.stats.loads == 1
+
+
+def test_run_fused_refuses_members_that_start_apart() -> None:
+    a = _batch(1, 0.01, 4)
+    b = RunBatch(**{**_batch(2, 0.02, 4).__dict__, "config": {"seed": 1}})
+    with pytest.raises(ValueError, match="cannot be fused"):
+        RunFused(0, (a, b))
+    with pytest.raises(ValueError, match="at least one member"):
+        RunFused(0, ())
