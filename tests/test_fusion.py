@@ -7,6 +7,7 @@ fused training itself is tested in ``test_torch_fused.py``."""
 from __future__ import annotations
 
 import asyncio
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -98,6 +99,25 @@ def test_max_fused_bounds_the_width(exact: list[float]) -> None:
         results = _grid(study)
         assert _starts(study) == [1, 2, 2, 2, 2]
     assert _scores(results) == exact
+
+
+def test_siblings_are_shared_out_over_the_idle_workers(exact: list[float]) -> None:
+    with Study("spread", FusedLinearTrainer, storage="memory://", workers=2, fuse=True) as study:
+        study.run({}, {"lr": Constant(0.1)}, 1)  # starts the workers
+        deadline = time.monotonic() + 60
+        while len(study._engine.scheduler.idle_workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results = _grid(study)
+        with study.reading() as storage:
+            starts = [
+                (a.worker, (a.data or {}).get("fused", 1))
+                for a in storage.activity()
+                if a.kind == "start"
+            ]
+    assert _scores(results) == exact
+    # The warm-up trial, the prefix alone, then two jobs of two, one per worker.
+    assert [width for _, width in starts[:2]] == [1, 1]
+    assert sorted(starts[2:]) == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
 def test_fusion_is_off_by_default(exact: list[float]) -> None:

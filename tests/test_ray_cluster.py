@@ -164,7 +164,8 @@ def test_node_removed_mid_study(cluster: Any, references: Any, tmp_path: Path) -
         while time.monotonic() < deadline:
             engine = study._engine
             executor = engine.executor
-            batch = executor._slots[1].running if isinstance(executor, RayExecutor) else None
+            running = executor._slots[1].running if isinstance(executor, RayExecutor) else set()
+            batch = min(running, default=None)
             if batch is not None and study.progress()["steps_executed"] >= 6:
                 with engine.lock:
                     start, last = engine._positions.get(batch, (0, 0))

@@ -257,3 +257,37 @@ def test_default_resources_and_how_trainers_travel(tmp_path: Path) -> None:
     assert by_ref.spec is not None and not by_ref.spec.by_value
     by_value = RayExecutor(Adder, 1, checkpoint_dir=tmp_path)
     assert by_value.spec is not None and by_value.spec.by_value
+
+
+def test_ray_workers_train_fused_jobs(ray_runtime: Any, tmp_path: Path) -> None:
+    """A fused job on a Ray actor: siblings train as one job, results as unfused."""
+    import asyncio
+
+    from study_trainers import FusedLinearTrainer
+
+    from stagetree.hp import Piecewise
+
+    def grid(study: Study) -> list[float]:
+        async def go() -> list[Any]:
+            return await asyncio.gather(
+                *[study.submit({}, {"lr": Piecewise([0.01, lr], [3])}, 8) for lr in (0.02, 0.04)]
+            )
+
+        return [r.metrics["score"] for r in study._drive(go())]
+
+    with Study(
+        "fused",
+        FusedLinearTrainer,
+        storage=f"sqlite:///{tmp_path}/p.db",
+        executor="ray",
+        workers=1,
+        fuse=True,
+    ) as study:
+        fused = grid(study)
+        with study.reading() as storage:
+            widths = [
+                (a.data or {}).get("fused", 1) for a in storage.activity() if a.kind == "start"
+            ]
+    with Study("exact", FusedLinearTrainer, storage="memory://", executor="inline") as ref:
+        assert grid(ref) == fused
+    assert widths == [1, 2, 2]

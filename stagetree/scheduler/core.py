@@ -985,7 +985,8 @@ class Scheduler:
     def _fuse(self, tree: StageTree, ready: list[Stage], path: list[Stage]) -> list[list[Stage]]:
         """The chains to run on one worker: ``path`` alone, or, when its tree is fusible,
         ``path`` and up to ``max_fused - 1`` sibling chains that start from the same model
-        and differ only in fusible sequences (one fused job).
+        and differ only in fusible sequences (one fused job), shared out evenly over the
+        idle workers.
 
         Every chain of a fusible tree stops after its first branching stage, so that the
         stages continuing from there start together and can be fused in turn.
@@ -1005,10 +1006,15 @@ class Scheduler:
             and (r.origin.kind, r.origin.node, r.origin.step)
             == (origin.kind, origin.node, origin.step)
         ]
-        # The costliest first, as the critical-path policy would take them.
+        # The costliest first, as the critical-path policy would take them; spread over
+        # the idle workers (two jobs of 8 on two workers beat one of 16 and an idle one).
         siblings.sort(key=lambda r: -sum(s.cost for s in critical_path(tree, [r])))
+        # Workers whose batches reached their end are about to be free too.
+        ending = {b.worker for b in self._batches.values() if b.position >= b.end[1]}
+        free = len(self._idle | (ending - self._busy_workers(ending)))
+        width = min(self.max_fused, -(-(len(siblings) + 1) // max(free, 1)))
         for sibling in siblings:
-            if len(group) >= self.max_fused:
+            if len(group) >= width:
                 break
             chain = self.policy.choose(tree, [sibling])
             if chain and chain[0] is sibling:
@@ -1016,6 +1022,14 @@ class Scheduler:
                 if self._compatible(group, chain, fusible):
                     group.append(chain)
         return group
+
+    def _busy_workers(self, workers: set[int]) -> set[int]:
+        """Those of ``workers`` with a batch that has not reached its end."""
+        return {
+            b.worker
+            for b in self._batches.values()
+            if b.worker in workers and b.position < b.end[1]
+        }
 
     @staticmethod
     def _cut(path: list[Stage]) -> list[Stage]:
