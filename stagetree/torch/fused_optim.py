@@ -78,6 +78,7 @@ class FusedOptimizer:
         # dim): rebuilt only when a value changes, so that a step on an accelerator
         # does not copy every hyper-parameter to it for every parameter.
         self._columns: dict[tuple[str, torch.dtype, torch.device, int], torch.Tensor] = {}
+        self._flags: dict[str, bool] = {}  # facts about the values, e.g. "any weight decay"
         for name, default in self.HP.items():
             self.set_hp(name, hp.get(name, default))
         self.state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.params}
@@ -104,8 +105,9 @@ class FusedOptimizer:
         derive: Callable[[], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """:meth:`_scale` of ``self.hp[name]``, or of the ``[B]`` column ``derive()``
-        computes from the hyper-parameters (named ``"source:what"`` so that changing
-        ``source`` drops it), cached until :meth:`_forget`."""
+        computes from the hyper-parameters (named ``"source:what"`` or
+        ``"source+other:what"`` so that changing a source drops it), cached until
+        :meth:`_forget`."""
         key = (name, like.dtype, like.device, like.dim())
         column = self._columns.get(key)
         if column is None:
@@ -113,11 +115,25 @@ class FusedOptimizer:
             column = self._columns[key] = self._scale(values, like)
         return column
 
+    def _flag(self, name: str, test: Callable[[], torch.Tensor]) -> bool:
+        """``bool(test())`` of a test on the (CPU) hyper-parameter values, cached under
+        ``name`` (``"source:what"``) like :meth:`_col`'s columns."""
+        flag = self._flags.get(name)
+        if flag is None:
+            flag = self._flags[name] = bool(test())
+        return flag
+
     def _forget(self, *names: str) -> None:
-        """Drop the cached columns of ``names`` and those derived from them (cached
-        under ``"name:..."``)."""
-        for key in [k for k in self._columns if k[0].split(":", 1)[0] in names]:
+        """Drop the cached columns and flags of ``names`` and those derived from them
+        (cached under ``"name:..."``)."""
+
+        def derived(key: str) -> bool:
+            return any(source in names for source in key.split(":", 1)[0].split("+"))
+
+        for key in [k for k in self._columns if derived(k[0])]:
             del self._columns[key]
+        for flag in [k for k in self._flags if derived(k)]:
+            del self._flags[flag]
 
     @torch.no_grad()
     def step(self) -> None:
@@ -177,31 +193,35 @@ class FusedSGD(FusedOptimizer):
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         hp = self.hp
-        d_p = (
-            grad + self._col("weight_decay", p) * p
-            if bool((hp["weight_decay"] > 0).any())
-            else grad
-        )
-        active = hp["momentum"] > 0
-        if not bool(active.any()):  # plain SGD for everyone: buffers stay as they are
-            p.sub_(self._col("lr", p) * d_p)
+        d_p = grad
+        if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
+            d_p = grad + self._col("weight_decay", p) * p
+        lr = self._col("lr", p)
+        if not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any()):
+            p.sub_(lr * d_p)  # plain SGD for everyone: buffers stay as they are
             return
         state = self.state[name]
         buf = state.get("momentum_buffer")
-        has = state.get("has_buffer")
+        has = state.get("has_buffer")  # [B] bool on the CPU: member b's buffer exists
         if buf is None or has is None:
             buf = state["momentum_buffer"] = torch.zeros_like(p)
-            has = state["has_buffer"] = torch.zeros(self.size, dtype=torch.bool, device=p.device)
+            has = state["has_buffer"] = torch.zeros(self.size, dtype=torch.bool)
         momentum = self._col("momentum", p)
-        uses = self._col("momentum:uses", p, lambda: active.to(torch.float64)) > 0
         keep = self._col("dampening:keep", p, lambda: 1.0 - hp["dampening"])
-        continued = buf * momentum + d_p * keep
-        # A member's first step with momentum starts its buffer at its gradient.
-        started = has.view(-1, *([1] * (p.dim() - 1)))
-        buf.copy_(torch.where(uses, torch.where(started, continued, d_p), buf))
-        has.logical_or_(uses.reshape(-1))
+        if self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and bool(has.all()):
+            # The usual case: every member has momentum and a buffer.
+            buf.mul_(momentum).add_(d_p * keep)
+            step = d_p + momentum * buf if self.nesterov else buf
+            p.sub_(lr * step)
+            return
+        uses = self._col("momentum:uses", p, lambda: (hp["momentum"] > 0).double()) > 0
+        started = self._scale(has.double(), p) > 0
+        # A member's first step with momentum starts its buffer at its gradient; a member
+        # without momentum leaves its buffer as it is.
+        buf.copy_(torch.where(uses, torch.where(started, buf * momentum + d_p * keep, d_p), buf))
+        has.logical_or_(hp["momentum"] > 0)
         step = d_p + momentum * buf if self.nesterov else buf
-        p.sub_(self._col("lr", p) * torch.where(uses, step, d_p))
+        p.sub_(lr * torch.where(uses, step, d_p))
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -226,7 +246,7 @@ class FusedSGD(FusedOptimizer):
             s = self.state[name]
             if "momentum_buffer" not in s:
                 s["momentum_buffer"] = torch.zeros_like(p)
-                s["has_buffer"] = torch.zeros(self.size, dtype=torch.bool, device=p.device)
+                s["has_buffer"] = torch.zeros(self.size, dtype=torch.bool)
             s["momentum_buffer"][b].copy_(buf)
             s["has_buffer"][b] = True
 
@@ -251,11 +271,13 @@ class FusedAdam(FusedOptimizer):
         if "exp_avg" not in s:
             s["exp_avg"] = torch.zeros_like(p)
             s["exp_avg_sq"] = torch.zeros_like(p)
-        lr, wd = self._col("lr", p), self._col("weight_decay", p)
-        if self.decoupled:
-            p.mul_(1 - lr * wd)
-        else:
-            grad = grad + wd * p
+        if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
+            if self.decoupled:
+                p.mul_(
+                    self._col("lr+weight_decay:keep", p, lambda: 1 - hp["lr"] * hp["weight_decay"])
+                )
+            else:
+                grad = grad + self._col("weight_decay", p) * p
         beta1, beta2 = self._col("beta1", p), self._col("beta2", p)
         s["exp_avg"].lerp_(grad, 1 - beta1)
         s["exp_avg_sq"].mul_(beta2).add_((1 - beta2) * grad * grad)
