@@ -20,7 +20,8 @@ optimizer (:meth:`FusedOptimizer.load_member` is the way back in).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -73,28 +74,76 @@ class FusedOptimizer:
         self.params = dict(params)
         self.size = sizes.pop()
         self.hp: dict[str, torch.Tensor] = {}
+        # [B] columns already cast and shaped for a parameter's (name, dtype, device,
+        # dim): rebuilt only when a value changes, so that a step on an accelerator
+        # does not copy every hyper-parameter to it for every parameter.
+        self._columns: dict[tuple[str, torch.dtype, torch.device, int], torch.Tensor] = {}
+        self._flags: dict[str, bool] = {}  # facts about the values, e.g. "any weight decay"
         for name, default in self.HP.items():
             self.set_hp(name, hp.get(name, default))
         self.state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.params}
         self.steps = torch.zeros(self.size, dtype=torch.float64)  # per member
+        self._stepped: set[str] = set()  # parameters stepped (or loaded) at least once
 
     def set_hp(self, name: str, values: Any) -> None:
         """Set one hyper-parameter for every member (a number) or each (B numbers)."""
         if name not in self.HP:
             raise ValueError(f"{type(self).__name__} has no hyper-parameter {name!r}")
         self.hp[name] = _column(values, self.size, name)
+        self._forget(name)
 
     def _scale(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """``[B]`` values shaped to broadcast over a stacked parameter like ``like``."""
-        return values.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+        """``[B]`` values shaped to broadcast over a stacked parameter like ``like`` (its
+        dtype and device)."""
+        values = values.to(device=like.device, dtype=like.dtype)
+        return values.view(-1, *([1] * (like.dim() - 1)))
+
+    def _col(
+        self,
+        name: str,
+        like: torch.Tensor,
+        derive: Callable[[], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`_scale` of ``self.hp[name]``, or of the ``[B]`` column ``derive()``
+        computes from the hyper-parameters (named ``"source:what"`` or
+        ``"source+other:what"`` so that changing a source drops it), cached until
+        :meth:`_forget`."""
+        key = (name, like.dtype, like.device, like.dim())
+        column = self._columns.get(key)
+        if column is None:
+            values = self.hp[name] if derive is None else derive()
+            column = self._columns[key] = self._scale(values, like)
+        return column
+
+    def _flag(self, name: str, test: Callable[[], torch.Tensor]) -> bool:
+        """``bool(test())`` of a test on the (CPU) hyper-parameter values, cached under
+        ``name`` (``"source:what"``) like :meth:`_col`'s columns."""
+        flag = self._flags.get(name)
+        if flag is None:
+            flag = self._flags[name] = bool(test())
+        return flag
+
+    def _forget(self, *names: str) -> None:
+        """Drop the cached columns and flags of ``names`` and those derived from them
+        (cached under ``"name:..."``)."""
+
+        def derived(key: str) -> bool:
+            return any(source in names for source in key.split(":", 1)[0].split("+"))
+
+        for key in [k for k in self._columns if derived(k[0])]:
+            del self._columns[key]
+        for flag in [k for k in self._flags if derived(k)]:
+            del self._flags[flag]
 
     @torch.no_grad()
     def step(self) -> None:
         """One step of every member from the parameters' ``.grad`` (members whose
         gradient is None for a parameter are left as they are there)."""
         self.steps += 1
+        self._forget("step")
         for name, p in self.params.items():
             if p.grad is not None:
+                self._stepped.add(name)
                 self._update(name, p, p.grad)
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -113,13 +162,25 @@ class FusedOptimizer:
         raise NotImplementedError
 
 
+@functools.cache
+def _sgd_records_empty_buffers() -> bool:
+    """Whether this PyTorch's ``SGD`` records ``{"momentum_buffer": None}`` for a
+    parameter stepped without momentum (older versions) or no state at all (newer)."""
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    optimizer.step()
+    return bool(optimizer.state)
+
+
 class FusedSGD(FusedOptimizer):
     """``torch.optim.SGD`` per member: ``lr``, ``momentum``, ``dampening``,
     ``weight_decay`` as [B] values; ``nesterov`` for all (as a structural choice).
 
-    A member with momentum 0 keeps no buffer in effect (its update is its gradient), as
-    ``torch.optim.SGD`` does; its slot of the stacked buffer is kept at its last
-    gradient only to keep the step one operation.
+    As in ``torch.optim.SGD``, a member's momentum buffer starts as its first gradient
+    taken with momentum > 0 and is left untouched by steps taken with momentum 0 (its
+    update is then its gradient); the stacked buffer keeps a per-member flag of whether
+    the member's buffer exists yet, so momentum may go to 0 and back mid-run.
     """
 
     HP = {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0}
@@ -131,42 +192,63 @@ class FusedSGD(FusedOptimizer):
         self.nesterov = bool(nesterov)
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
-        wd = self._scale(self.hp["weight_decay"], p)
-        d_p = grad + wd * p if bool((self.hp["weight_decay"] > 0).any()) else grad
-        momentum = self._scale(self.hp["momentum"], p)
-        has = self._scale((self.hp["momentum"] > 0).to(torch.float64), p) > 0
+        hp = self.hp
+        d_p = grad
+        if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
+            d_p = grad + self._col("weight_decay", p) * p
+        lr = self._col("lr", p)
+        if not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any()):
+            p.sub_(lr * d_p)  # plain SGD for everyone: buffers stay as they are
+            return
         state = self.state[name]
         buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = state["momentum_buffer"] = d_p.detach().clone()
-        else:
-            damp = self._scale(1.0 - self.hp["dampening"], p)
-            buf.mul_(momentum).add_(d_p * damp)
-        if self.nesterov:
-            step = torch.where(has, d_p + momentum * buf, d_p)
-        else:
-            step = torch.where(has, buf, d_p)
-        p.sub_(self._scale(self.hp["lr"], p) * step)
+        has = state.get("has_buffer")  # [B] bool on the CPU: member b's buffer exists
+        if buf is None or has is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(p)
+            has = state["has_buffer"] = torch.zeros(self.size, dtype=torch.bool)
+        momentum = self._col("momentum", p)
+        keep = self._col("dampening:keep", p, lambda: 1.0 - hp["dampening"])
+        if self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and bool(has.all()):
+            # The usual case: every member has momentum and a buffer.
+            buf.mul_(momentum).add_(d_p * keep)
+            step = d_p + momentum * buf if self.nesterov else buf
+            p.sub_(lr * step)
+            return
+        uses = self._col("momentum:uses", p, lambda: (hp["momentum"] > 0).double()) > 0
+        started = self._scale(has.double(), p) > 0
+        # A member's first step with momentum starts its buffer at its gradient; a member
+        # without momentum leaves its buffer as it is.
+        buf.copy_(torch.where(uses, torch.where(started, buf * momentum + d_p * keep, d_p), buf))
+        has.logical_or_(hp["momentum"] > 0)
+        step = d_p + momentum * buf if self.nesterov else buf
+        p.sub_(lr * torch.where(uses, step, d_p))
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for name in self.params:
-            buf = self.state[name].get("momentum_buffer")
-            if buf is None or float(self.hp["momentum"][b]) <= 0:
-                out[name] = {"momentum_buffer": None}  # torch.optim keeps none either
-            else:
+            state = self.state[name]
+            buf, has = state.get("momentum_buffer"), state.get("has_buffer")
+            if buf is not None and has is not None and bool(has[b]):
                 out[name] = {"momentum_buffer": buf[b].clone()}
+            elif name in self._stepped and _sgd_records_empty_buffers():
+                out[name] = {"momentum_buffer": None}
         return out
 
     def load_member(self, b: int, state: Mapping[str, Mapping[str, Any]]) -> None:
         for name, p in self.params.items():
-            buf = state.get(name, {}).get("momentum_buffer")
+            member = state.get(name)
+            if member is None:
+                continue
+            self._stepped.add(name)
+            buf = member.get("momentum_buffer")
             if buf is None:
                 continue
-            stacked = self.state[name].get("momentum_buffer")
-            if stacked is None:
-                stacked = self.state[name]["momentum_buffer"] = torch.zeros_like(p)
-            stacked[b].copy_(buf)
+            s = self.state[name]
+            if "momentum_buffer" not in s:
+                s["momentum_buffer"] = torch.zeros_like(p)
+                s["has_buffer"] = torch.zeros(self.size, dtype=torch.bool)
+            s["momentum_buffer"][b].copy_(buf)
+            s["has_buffer"][b] = True
 
 
 class FusedAdam(FusedOptimizer):
@@ -189,22 +271,22 @@ class FusedAdam(FusedOptimizer):
         if "exp_avg" not in s:
             s["exp_avg"] = torch.zeros_like(p)
             s["exp_avg_sq"] = torch.zeros_like(p)
-        lr, wd = self._scale(hp["lr"], p), self._scale(hp["weight_decay"], p)
-        if self.decoupled:
-            p.mul_(1 - lr * wd)
-        else:
-            grad = grad + wd * p
-        beta1, beta2 = self._scale(hp["beta1"], p), self._scale(hp["beta2"], p)
+        if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
+            if self.decoupled:
+                p.mul_(
+                    self._col("lr+weight_decay:keep", p, lambda: 1 - hp["lr"] * hp["weight_decay"])
+                )
+            else:
+                grad = grad + self._col("weight_decay", p) * p
+        beta1, beta2 = self._col("beta1", p), self._col("beta2", p)
         s["exp_avg"].lerp_(grad, 1 - beta1)
         s["exp_avg_sq"].mul_(beta2).add_((1 - beta2) * grad * grad)
-        # Bias corrections in float64 per member, as torch.optim computes them in Python.
+        # Bias corrections in float64 per member, as torch.optim computes them in Python
+        # (once per step: "step:" columns are dropped by every step()).
         steps = self.steps
-        correction1 = 1 - hp["beta1"] ** steps
-        correction2_sqrt = (1 - hp["beta2"] ** steps).sqrt()
-        step_size = self._scale(hp["lr"] / correction1, p)
-        denom = (s["exp_avg_sq"].sqrt() / self._scale(correction2_sqrt, p)).add_(
-            self._scale(hp["eps"], p)
-        )
+        step_size = self._col("step:size", p, lambda: hp["lr"] / (1 - hp["beta1"] ** steps))
+        correction2_sqrt = self._col("step:c2", p, lambda: (1 - hp["beta2"] ** steps).sqrt())
+        denom = (s["exp_avg_sq"].sqrt() / correction2_sqrt).add_(self._col("eps", p))
         p.sub_(step_size * (s["exp_avg"] / denom))
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
@@ -231,3 +313,5 @@ class FusedAdam(FusedOptimizer):
             s["exp_avg"][b].copy_(member["exp_avg"])
             s["exp_avg_sq"][b].copy_(member["exp_avg_sq"])
             self.steps[b] = float(member["step"])
+            self._stepped.add(name)
+        self._forget("step")
