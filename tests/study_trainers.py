@@ -150,3 +150,20 @@ class _LinearGroup:
         self.sync(i)
         self.w = np.delete(self.w, i, axis=0)
         return self._members.pop(i)
+
+
+def submit_together(
+    study: Any, trials: list[tuple[dict[str, Any], dict[str, Any]]], steps: int
+) -> Any:
+    """Submit ``trials`` so that the scheduler sees them at once (however loaded the
+    machine: the engine's driver waits on its lock meanwhile), then wait for them all;
+    returns their results in order (or the exceptions they raised)."""
+    import asyncio
+
+    async def go() -> list[Any]:
+        with study._engine.lock:
+            tasks = [asyncio.ensure_future(study.submit(c, h, steps)) for c, h in trials]
+            await asyncio.sleep(0)  # each task submits (up to its first await)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    return study._drive(go())

@@ -261,19 +261,13 @@ def test_default_resources_and_how_trainers_travel(tmp_path: Path) -> None:
 
 def test_ray_workers_train_fused_jobs(ray_runtime: Any, tmp_path: Path) -> None:
     """A fused job on a Ray actor: siblings train as one job, results as unfused."""
-    import asyncio
-
-    from study_trainers import FusedLinearTrainer
+    from study_trainers import FusedLinearTrainer, submit_together
 
     from stagetree.hp import Piecewise
 
     def grid(study: Study) -> list[float]:
-        async def go() -> list[Any]:
-            return await asyncio.gather(
-                *[study.submit({}, {"lr": Piecewise([0.01, lr], [3])}, 8) for lr in (0.02, 0.04)]
-            )
-
-        return [r.metrics["score"] for r in study._drive(go())]
+        trials = [({}, {"lr": Piecewise([0.01, lr], [3])}) for lr in (0.02, 0.04)]
+        return [r.metrics["score"] for r in submit_together(study, trials, 8)]
 
     with Study(
         "fused",
