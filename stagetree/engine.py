@@ -882,6 +882,9 @@ class Engine:
                     self.executor.submit(started[0])
                 else:
                     self.executor.submit(work.RunFused(started[0].worker, tuple(started)))
+                    self.storage.add_stats(
+                        root_scope(started[0].root_key), fused_jobs=1, fused_members=len(started)
+                    )
             elif isinstance(item, (work.AddCheckpoint, work.Abort)) and item.batch_id in refused:
                 continue
             elif isinstance(item, (work.AddCheckpoint, work.Abort)):

@@ -636,6 +636,8 @@ def _study_accounting(
         "splits_missed": everything.get("splits_missed", 0.0),
         "workers_lost": trees.get("workers_lost", 0.0),
         "steps_lost": trees.get("steps_lost", 0.0),
+        "fused_jobs": trees.get("fused_jobs", 0.0),
+        "fused_members": trees.get("fused_members", 0.0),
     }
     return numbers, "steps_executed" in trained
 
@@ -655,7 +657,9 @@ def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) 
         ``steps_lost`` (steps a lost worker trained past its last durable checkpoint:
         trained again, counted in ``steps_executed`` both times) of those trees; and
         the storage-wide ``ckpt_save_seconds``, ``ckpt_load_seconds``,
-        ``ckpt_bytes``, ``live_splits`` and ``splits_missed``.
+        ``ckpt_bytes``, ``live_splits`` and ``splits_missed``; ``fused_jobs`` and
+        ``fused_members``: fused jobs started on those trees and the batches in them
+        (:mod:`stagetree.fusion`).
     """
     return _study_accounting(storage, _trials(storage, study, version, light=True)[0], study)[0]
 

@@ -800,6 +800,7 @@ class _Member:
         self.aborted = False
         self.seconds = 0.0  # training time since its last Progress, and steps in it
         self.since = 0
+        self.busy = 0.0  # its share of the job's time so far
 
     @property
     def node(self) -> int:
@@ -842,6 +843,10 @@ class _FusedRun:
         self.w = worker
         self.group = group
         self.members = [_Member(j) for j in jobs]  # index i is the group's member i
+        self.width = len(jobs)
+        for m in self.members:
+            m.busy = load / self.width
+        self.loaded = {jobs[0].batch.batch_id} if jobs else set()  # one load, reported once
         self.mail = mail
         self.begin = begin
         self.load = load
@@ -901,42 +906,26 @@ class _FusedRun:
                 m.steps += 1
                 m.seconds += seconds
                 m.since += 1
+                m.busy += seconds / width  # its share of the device
+                own = _perf()
                 node = m.node
                 point = m.job.points.get(step)
                 try:
-                    evaluates = w._evaluates(m.job, step, point)
-                    trainer = self.trainer(i) if (point is not None or evaluates) else None
+                    if point is not None or w._evaluates(m.job, step, point):
+                        trainer = self.trainer(i)  # synced: its evaluate()/state_dict()
+                    else:
+                        trainer = self.group.members[i]  # only train() metrics recorded
                     trained = _train_metrics(metrics[i])
                     if point is not None or step == m.seg_stop or due:
-                        w.emit(
-                            Progress(
-                                m.job.batch.batch_id,
-                                w.worker_id,
-                                node,
-                                step,
-                                m.seconds / m.since,
-                                width,
-                            )
-                        )
+                        sps = m.seconds / m.since
+                        batch_id = m.job.batch.batch_id
+                        w.emit(Progress(batch_id, w.worker_id, node, step, sps, width))
                         m.seconds, m.since = 0.0, 0
-                        w._curve_point(
-                            trainer if trainer is not None else self.group.members[i],
-                            m.job,
-                            node,
-                            step,
-                            trained,
-                            point,
-                        )
+                        w._curve_point(trainer, m.job, node, step, trained, point)
                         w._flush_curve(m.job)
                     else:
-                        w._curve_point(
-                            trainer if trainer is not None else self.group.members[i],
-                            m.job,
-                            node,
-                            step,
-                            trained,
-                            None,
-                        )
+                        w._curve_point(trainer, m.job, node, step, trained, None)
+                    m.busy += _perf() - own
                 except _Failed as failed:
                     self.fail(i, failed)
             self.instructions(step)
@@ -981,7 +970,10 @@ class _FusedRun:
             if m.steps:  # the worker keeps the last member that leaves, where it stands
                 w._trainer, w._trainer_key, w._root_key = trainer, batch.trainer, batch.root_key
                 w._config, w._at, w._given = dict(batch.config), (m.node, step), dict(m.given)
-            w.emit(BatchDone(batch.batch_id, w.worker_id, _perf() - self.begin, m.steps, self.load))
+            # busy_seconds: its share of the job (the device time of a step is divided
+            # among the members that trained it), so the members' sum is the job's time.
+            load = self.load if batch.batch_id in self.loaded else 0.0
+            w.emit(BatchDone(batch.batch_id, w.worker_id, m.busy, m.steps, load))
             self.mail.done(batch.batch_id)
 
     def remove(self, i: int) -> Trainer:

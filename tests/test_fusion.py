@@ -74,8 +74,11 @@ def test_siblings_train_as_one_job_after_their_shared_prefix(exact: list[float])
     ) as study:
         results = _grid(study)
         starts = _starts(study)
+        stats = study.stats()
     # The shared prefix once, alone; then the four continuations as one fused job.
     assert starts == [1, 4, 4, 4, 4]
+    assert (stats["fused_jobs"], stats["fused_members"]) == (1, 4)
+    assert stats["steps_executed"] == 5 + 4 * 7
     assert _scores(results) == exact
     for r in results:
         assert r.history[3]["width"] == 1.0  # the prefix was trained unfused
@@ -287,9 +290,13 @@ def test_members_leave_as_their_segments_end_and_obey_live_instructions(
         return sent.pop(step, [])
 
     worker = _worker(tmp_path, events)
+    begin = time.perf_counter()
     worker.run_fused(RunFused(0, members), poll)
+    wall = time.perf_counter() - begin
     worker.close()
     done = [e for e in events if isinstance(e, BatchDone)]
+    # Each member is charged its share of the job: together, the job's time (not 3x).
+    assert 0 < sum(e.busy_seconds for e in done) <= wall
     # Member 1 leaves at step 4, member 2 is aborted after step 6, member 3 runs to 10.
     assert [(e.batch_id, e.steps) for e in done] == [(1, 4), (2, 6), (3, 10)]
     assert not any(isinstance(e, BatchFailed | FusionFailed) for e in events)
