@@ -179,7 +179,11 @@ class Study:
             eval_every = 0
         _check_count("eval_every", eval_every, 0)
         self.eval_every = eval_every
-        self.fusible = fusion_names(trainer, fuse, executor)
+        if _OVERRIDES.get("executor") == "simulated":  # `stagetree simulate`
+            fusion_names(trainer, fuse)  # still checked; the simulator plans it unfused
+            self.fusible: frozenset[str] = frozenset()
+        else:
+            self.fusible = fusion_names(trainer, fuse, executor)
         self.max_fused = check_max_fused(max_fused)
         self.weight = check_weight(weight)
         if not isinstance(storage, (str, BasePlanStorage)):
