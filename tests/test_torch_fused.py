@@ -435,6 +435,8 @@ def test_later_failures_propagate_unchanged() -> None:
 def test_unfusible_trainers_are_refused_by_fuse(cls: type[DigitsTrainer], match: str) -> None:
     with pytest.raises(FusionError, match=match):
         cls.fuse([cls(BASE), cls(BASE)])
+    # A trainer with its own loop says so up front; the others find out in fuse().
+    assert (cls.fusible == frozenset()) == (cls is OwnLoop)
 
 
 def test_members_must_share_class_and_config() -> None:

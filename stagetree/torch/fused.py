@@ -110,7 +110,8 @@ class FusibleTrainer(TorchTrainer):
     Write ``__init__`` (calling ``super().__init__(config)`` first), :meth:`loss` and
     ``evaluate``; optionally :meth:`next_batch` and :attr:`updates_per_step` (a class or
     an instance attribute). Do not override ``train()``: a subclass that does trains as
-    an ordinary :class:`~stagetree.torch.TorchTrainer` and :meth:`fuse` refuses it.
+    an ordinary :class:`~stagetree.torch.TorchTrainer` (its :attr:`fusible` is empty)
+    and :meth:`fuse` refuses it.
     """
 
     #: Optimizer scalars: the sequential hyper-parameters fused members may differ in.
@@ -121,6 +122,13 @@ class FusibleTrainer(TorchTrainer):
     )
     #: Optimizer updates (minibatches) per ``train()`` call.
     updates_per_step: int = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Its own train() means its own loop: nothing the worker could fuse (an empty
+        # `fusible` says so before fuse() is ever called), unless it says otherwise.
+        if "train" in cls.__dict__ and "fusible" not in cls.__dict__:
+            cls.fusible = frozenset()
 
     def loss(self, batch: Any) -> torch.Tensor:
         """The scalar training loss of ``batch`` with the trainer's modules.
@@ -562,10 +570,10 @@ class TorchFusedGroup(FusedGroup):
             return member
         with torch.no_grad():
             self._params = {
-                s: p.detach()[keep].clone().requires_grad_(p.requires_grad)
+                s: p.detach()[keep].requires_grad_(p.requires_grad)  # indexing copies
                 for s, p in self._params.items()
             }
-            self._buffers = {s: b[keep].clone() for s, b in self._buffers.items()}
+            self._buffers = {s: b[keep] for s, b in self._buffers.items()}
         self._optimizer = self._new_optimizer()
         for b, state in enumerate(states):
             self._optimizer.load_member(b, state)
