@@ -249,6 +249,30 @@ def test_batchnorm_running_stats_stay_per_member(device: str) -> None:
     assert within(device, "bn", worst_abs, worst_rel)
 
 
+class TiedDigits(DigitsTrainer):
+    """Two hidden layers sharing one weight matrix."""
+
+    def build_model(self, c: Mapping[str, Any]) -> torch.nn.Module:
+        hidden = torch.nn.Linear(32, 32)
+        tied = torch.nn.Linear(32, 32)
+        tied.weight = hidden.weight
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 32),
+            torch.nn.ReLU(),
+            hidden,
+            torch.nn.ReLU(),
+            tied,
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 10),
+        )
+
+
+def test_tied_weights_stay_tied() -> None:
+    config = {**BASE, "optimizer": "momentum"}
+    worst_abs, worst_rel = compare(TiedDigits, config, at_start(SGD_HP[:2]), 2, "tied")
+    assert within("cpu", "sgd", worst_abs, worst_rel)
+
+
 def test_dropout_masks_are_independent_per_member() -> None:
     config = {**BASE, "dropout": 0.3, "optimizer": "momentum"}
     members = [DigitsTrainer(config) for _ in range(3)]

@@ -421,10 +421,19 @@ class TorchFusedGroup(FusedGroup):
                 b, {s: state[p] for s, p in zip(opt_names, group) if p in state}
             )
 
+        # Tied tensors (one parameter under two names) are stacked once, under their
+        # first name; functional_call ties the others to it, at a cost per call worth
+        # skipping when nothing is tied.
+        tied = any(
+            len(list(named(remove_duplicate=False))) != len(list(named()))
+            for n in fused
+            for named in (objects[n].named_parameters, objects[n].named_buffers)
+        )
+
         def member_loss(
             p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], batch: Any
         ) -> torch.Tensor:
-            return functional_call(holder, (p, b), (batch,))
+            return functional_call(holder, (p, b), (batch,), tie_weights=tied)
 
         # randomness="different": each member draws its own dropout masks.
         self._loss = vmap(member_loss, in_dims=(0, 0, None), randomness="different")
