@@ -447,10 +447,19 @@ def test_later_failures_propagate_unchanged() -> None:
         group.step()
 
 
+class LooseParameter(DigitsTrainer):
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        params = [*self.model.parameters(), self.scale]
+        self.optimizer = torch.optim.SGD(params, lr=0.1)
+
+
 @pytest.mark.parametrize(
     ("cls", "match"),
     [
         (OwnLoop, "OwnLoop overrides train()"),
+        (LooseParameter, "a parameter of shape \\(\\) that no checkpointed module holds"),
         (WithRMSprop, "RMSprop has no fused form"),
         (WithAmsgrad, r"Adam\(amsgrad=True\) has no fused form"),
         (TwoGroups, "2 param groups"),

@@ -375,7 +375,7 @@ class TorchFusedGroup(FusedGroup):
         rule: tuple[type[FusedOptimizer], dict[str, Any]] | None = None
         for objs in member_objects:
             targets: dict[str, torch.Tensor] = {}
-            owner: dict[int, str] = {}
+            owner: dict[int, str] = {}  # id of a parameter -> its stacked name
             for n in fused:
                 for k, t in objs[n].named_parameters():
                     if id(t) in owner:
@@ -383,8 +383,8 @@ class TorchFusedGroup(FusedGroup):
                             f"{name}: parameter {n}.{k} is also {owner[id(t)]}; fusion "
                             "needs every parameter in one checkpointed module"
                         )
-                    owner[id(t)] = f"{n}.{k}"
-                    targets[f"{keys[n]}.{k}"] = t
+                    owner[id(t)] = targets_key = f"{keys[n]}.{k}"
+                    targets[targets_key] = t
                 targets.update({f"{keys[n]}.{k}": t for k, t in objs[n].named_buffers()})
             optimizers = [o for o in objs.values() if isinstance(o, torch.optim.Optimizer)]
             if len(optimizers) != 1:
@@ -396,15 +396,14 @@ class TorchFusedGroup(FusedGroup):
             if rule is not None and member_rule != rule:
                 raise FusionError(f"{name}: members' optimizers differ ({rule} and {member_rule})")
             rule = member_rule
-            by_id = {id(t): s for s, t in targets.items()}
             names = []
             for p in optimizer.param_groups[0]["params"]:
-                if id(p) not in by_id:
+                if id(p) not in owner:
                     raise FusionError(
                         f"{name}: the optimizer updates a parameter of shape "
                         f"{tuple(p.shape)} that no checkpointed module holds"
                     )
-                names.append(by_id[id(p)])
+                names.append(owner[id(p)])
             if opt_names is not None and names != opt_names:
                 raise FusionError(f"{name}: members' optimizers hold different parameters")
             opt_names = names
