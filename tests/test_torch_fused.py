@@ -249,6 +249,30 @@ def test_batchnorm_running_stats_stay_per_member(device: str) -> None:
     assert within(device, "bn", worst_abs, worst_rel)
 
 
+class TiedDigits(DigitsTrainer):
+    """Two hidden layers sharing one weight matrix."""
+
+    def build_model(self, c: Mapping[str, Any]) -> torch.nn.Module:
+        hidden = torch.nn.Linear(32, 32)
+        tied = torch.nn.Linear(32, 32)
+        tied.weight = hidden.weight
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 32),
+            torch.nn.ReLU(),
+            hidden,
+            torch.nn.ReLU(),
+            tied,
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 10),
+        )
+
+
+def test_tied_weights_stay_tied() -> None:
+    config = {**BASE, "optimizer": "momentum"}
+    worst_abs, worst_rel = compare(TiedDigits, config, at_start(SGD_HP[:2]), 2, "tied")
+    assert within("cpu", "sgd", worst_abs, worst_rel)
+
+
 def test_dropout_masks_are_independent_per_member() -> None:
     config = {**BASE, "dropout": 0.3, "optimizer": "momentum"}
     members = [DigitsTrainer(config) for _ in range(3)]
@@ -423,10 +447,19 @@ def test_later_failures_propagate_unchanged() -> None:
         group.step()
 
 
+class LooseParameter(DigitsTrainer):
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        params = [*self.model.parameters(), self.scale]
+        self.optimizer = torch.optim.SGD(params, lr=0.1)
+
+
 @pytest.mark.parametrize(
     ("cls", "match"),
     [
         (OwnLoop, "OwnLoop overrides train()"),
+        (LooseParameter, "a parameter of shape \\(\\) that no checkpointed module holds"),
         (WithRMSprop, "RMSprop has no fused form"),
         (WithAmsgrad, r"Adam\(amsgrad=True\) has no fused form"),
         (TwoGroups, "2 param groups"),
@@ -435,6 +468,8 @@ def test_later_failures_propagate_unchanged() -> None:
 def test_unfusible_trainers_are_refused_by_fuse(cls: type[DigitsTrainer], match: str) -> None:
     with pytest.raises(FusionError, match=match):
         cls.fuse([cls(BASE), cls(BASE)])
+    # A trainer with its own loop says so up front; the others find out in fuse().
+    assert (cls.fusible == frozenset()) == (cls is OwnLoop)
 
 
 def test_members_must_share_class_and_config() -> None:

@@ -110,7 +110,8 @@ class FusibleTrainer(TorchTrainer):
     Write ``__init__`` (calling ``super().__init__(config)`` first), :meth:`loss` and
     ``evaluate``; optionally :meth:`next_batch` and :attr:`updates_per_step` (a class or
     an instance attribute). Do not override ``train()``: a subclass that does trains as
-    an ordinary :class:`~stagetree.torch.TorchTrainer` and :meth:`fuse` refuses it.
+    an ordinary :class:`~stagetree.torch.TorchTrainer` (its :attr:`fusible` is empty)
+    and :meth:`fuse` refuses it.
     """
 
     #: Optimizer scalars: the sequential hyper-parameters fused members may differ in.
@@ -121,6 +122,13 @@ class FusibleTrainer(TorchTrainer):
     )
     #: Optimizer updates (minibatches) per ``train()`` call.
     updates_per_step: int = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Its own train() means its own loop: nothing the worker could fuse (an empty
+        # `fusible` says so before fuse() is ever called), unless it says otherwise.
+        if "train" in cls.__dict__ and "fusible" not in cls.__dict__:
+            cls.fusible = frozenset()
 
     def loss(self, batch: Any) -> torch.Tensor:
         """The scalar training loss of ``batch`` with the trainer's modules.
@@ -367,7 +375,7 @@ class TorchFusedGroup(FusedGroup):
         rule: tuple[type[FusedOptimizer], dict[str, Any]] | None = None
         for objs in member_objects:
             targets: dict[str, torch.Tensor] = {}
-            owner: dict[int, str] = {}
+            owner: dict[int, str] = {}  # id of a parameter -> its stacked name
             for n in fused:
                 for k, t in objs[n].named_parameters():
                     if id(t) in owner:
@@ -375,8 +383,8 @@ class TorchFusedGroup(FusedGroup):
                             f"{name}: parameter {n}.{k} is also {owner[id(t)]}; fusion "
                             "needs every parameter in one checkpointed module"
                         )
-                    owner[id(t)] = f"{n}.{k}"
-                    targets[f"{keys[n]}.{k}"] = t
+                    owner[id(t)] = targets_key = f"{keys[n]}.{k}"
+                    targets[targets_key] = t
                 targets.update({f"{keys[n]}.{k}": t for k, t in objs[n].named_buffers()})
             optimizers = [o for o in objs.values() if isinstance(o, torch.optim.Optimizer)]
             if len(optimizers) != 1:
@@ -388,15 +396,14 @@ class TorchFusedGroup(FusedGroup):
             if rule is not None and member_rule != rule:
                 raise FusionError(f"{name}: members' optimizers differ ({rule} and {member_rule})")
             rule = member_rule
-            by_id = {id(t): s for s, t in targets.items()}
             names = []
             for p in optimizer.param_groups[0]["params"]:
-                if id(p) not in by_id:
+                if id(p) not in owner:
                     raise FusionError(
                         f"{name}: the optimizer updates a parameter of shape "
                         f"{tuple(p.shape)} that no checkpointed module holds"
                     )
-                names.append(by_id[id(p)])
+                names.append(owner[id(p)])
             if opt_names is not None and names != opt_names:
                 raise FusionError(f"{name}: members' optimizers hold different parameters")
             opt_names = names
@@ -413,10 +420,19 @@ class TorchFusedGroup(FusedGroup):
                 b, {s: state[p] for s, p in zip(opt_names, group) if p in state}
             )
 
+        # Tied tensors (one parameter under two names) are stacked once, under their
+        # first name; functional_call ties the others to it, at a cost per call worth
+        # skipping when nothing is tied.
+        tied = any(
+            len(list(named(remove_duplicate=False))) != len(list(named()))
+            for n in fused
+            for named in (objects[n].named_parameters, objects[n].named_buffers)
+        )
+
         def member_loss(
             p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], batch: Any
         ) -> torch.Tensor:
-            return functional_call(holder, (p, b), (batch,))
+            return functional_call(holder, (p, b), (batch,), tie_weights=tied)
 
         # randomness="different": each member draws its own dropout masks.
         self._loss = vmap(member_loss, in_dims=(0, 0, None), randomness="different")
@@ -562,10 +578,10 @@ class TorchFusedGroup(FusedGroup):
             return member
         with torch.no_grad():
             self._params = {
-                s: p.detach()[keep].clone().requires_grad_(p.requires_grad)
+                s: p.detach()[keep].requires_grad_(p.requires_grad)  # indexing copies
                 for s, p in self._params.items()
             }
-            self._buffers = {s: b[keep].clone() for s, b in self._buffers.items()}
+            self._buffers = {s: b[keep] for s, b in self._buffers.items()}
         self._optimizer = self._new_optimizer()
         for b, state in enumerate(states):
             self._optimizer.load_member(b, state)

@@ -1,0 +1,354 @@
+"""Horizontal fusion: training throughput of B models fused into one job against the same
+B models trained one after another (issue 12).
+
+For each model and width B (``--widths``), B trainers are built from one config and
+given B different learning rates (what sibling trials of a study differ in):
+
+* ``fused``: :meth:`FusibleTrainer.fuse` of the B trainers; one step is
+  ``TorchFusedGroup.step()`` (``vmap(functional_call)`` over the stacked models, one
+  backward, one fused optimizer step, ``updates_per_step`` times);
+* ``sequential``: the B trainers' ``train()``, one after another (what B unfused stages
+  cost one worker).
+
+Throughput is training samples per second summed over the B models (B x updates per step
+x batch size x steps / seconds). Each width runs ``--repeats`` rounds of ``--steps``
+steps per mode, fused and sequential alternating, after one warm-up step each; the
+median round is reported. On CUDA every timed block ends with ``torch.cuda.synchronize``.
+
+Memory per model: ``state/model`` is the bytes of the fused job's stacked parameters,
+their gradients, buffers and fused optimizer state over B (what fusion keeps per member;
+the member trainers keep their own copy of parameters and optimizer state besides, for
+``sync``). On CUDA, ``peak/model`` is ``torch.cuda.max_memory_allocated`` over B while
+the fused steps (or the sequential ones) run, everything alive included.
+
+Models:
+
+* ``mlp``: ``DigitsTrainer`` with its defaults (one hidden layer of 64, SGD with
+  momentum 0.9, 10 minibatches of 32 per step) and dropout 0;
+* ``cnn``: ``DigitsConvTrainer`` with its defaults (two 3x3 convolutions of 16 and 32
+  channels with BatchNorm, SGD with momentum, 10 minibatches of 32 per step);
+* ``resnet18``: a ResNet-18 (CIFAR layout, 11.2 M parameters, BatchNorm) on synthetic
+  3x32x32 images generated from a fixed seed in this script (nothing is downloaded), SGD
+  with momentum, 1 minibatch of 64 per step. Only with ``--device cuda`` (unless named
+  in ``--models``); widths that run out of GPU memory are reported as such.
+
+CPU runs use ``--threads`` torch threads (default 1: stable timings on a shared machine,
+and the fair setting for B models that would otherwise each get a worker process).
+
+Run::
+
+    .venv/bin/python benchmarks/fusion_bench.py                      # CPU, widths 1..64
+    .venv/bin/python benchmarks/fusion_bench.py --quick              # ~1 minute
+    .venv/bin/python benchmarks/fusion_bench.py --device cuda --plot fusion_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.nn.functional as F
+from _common import fmt, load_average, machine_info, markdown_table
+from torch import nn
+
+from stagetree.torch import FusibleTrainer, StageLoader, TorchFusedGroup
+from stagetree.torch.examples import DigitsConvTrainer, DigitsTrainer
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+QUICK_WIDTHS = (1, 4, 16)
+
+
+# ---------------------------------------------------------------------- ResNet-18
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+def resnet18(classes: int = 10) -> nn.Sequential:
+    """ResNet-18 for 32x32 inputs (3x3 stem, no max-pool), as usual on CIFAR-10."""
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, 64, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+    ]
+    cin = 64
+    for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+        layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
+    return nn.Sequential(*layers)
+
+
+class SyntheticResNetTrainer(FusibleTrainer):
+    """ResNet-18 on 2048 synthetic 3x32x32 images in 10 classes (class-dependent means,
+    so the loss can fall), generated from a fixed seed on the trainer's device."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        device = torch.device(config.get("device", "cpu"))
+        gen = torch.Generator().manual_seed(1234)
+        labels = torch.randint(0, 10, (2048,), generator=gen)
+        means = torch.randn(10, 3, 1, 1, generator=gen)
+        images = torch.randn(2048, 3, 32, 32, generator=gen) + means[labels]
+        self.loader = StageLoader(
+            (images.to(device), labels.to(device)),
+            batch_size=int(config.get("batch_size", 64)),
+            seed=int(config.get("seed", 0)),
+        )
+        self.model = resnet18().to(device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+
+# ---------------------------------------------------------------------- measurement
+
+
+MODELS: dict[str, tuple[type[FusibleTrainer], dict[str, Any], float]] = {
+    # name: (trainer class, config, base learning rate)
+    "mlp": (DigitsTrainer, {"dropout": 0.0, "optimizer": "momentum"}, 0.05),
+    "cnn": (DigitsConvTrainer, {"optimizer": "momentum"}, 0.05),
+    "resnet18": (SyntheticResNetTrainer, {"batch_size": 64}, 0.05),
+}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    synchronize(device)
+    begin = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - begin
+
+
+def samples_per_step(trainer: FusibleTrainer) -> int:
+    loaders = trainer._loaders()
+    return int(trainer.updates_per_step) * loaders[0].batch_size
+
+
+def state_bytes(group: TorchFusedGroup) -> int:
+    """Bytes of the stacked parameters, gradients, buffers and optimizer state."""
+    total = 0
+    for p in group._params.values():
+        total += p.numel() * p.element_size() * (2 if p.requires_grad else 1)
+    for b in group._buffers.values():
+        total += b.numel() * b.element_size()
+    for state in group._optimizer.state.values():
+        for t in state.values():
+            total += t.numel() * t.element_size()
+    return total
+
+
+def measure(model: str, width: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Fused and sequential throughput of ``width`` models of kind ``model``."""
+    cls, base, lr = MODELS[model]
+    device = torch.device(args.device)
+    config = {**base, "device": args.device}
+    row: dict[str, Any] = {"model": model, "device": device.type, "B": width}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    lrs = [lr * (0.5 + i / width) for i in range(width)]
+    try:
+        alone = [cls(config) for _ in range(width)]
+        for trainer, value in zip(alone, lrs):
+            trainer.setup({"lr": value})
+        members = [cls(config) for _ in range(width)]
+        group = cls.fuse(members)
+        for i, value in enumerate(lrs):
+            group.setup(i, {"lr": value})
+        samples = width * samples_per_step(alone[0]) * args.steps
+
+        def fused() -> None:
+            for _ in range(args.steps):
+                group.step()
+
+        def sequential() -> None:
+            for _ in range(args.steps):
+                for trainer in alone:
+                    trainer.train()
+
+        timed(group.step, device)  # warm-up: allocations, first-call checks
+        timed(lambda: [t.train() for t in alone], device)
+        fused_s, seq_s = [], []
+        peak_fused = peak_seq = 0
+        for _ in range(args.repeats):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            fused_s.append(timed(fused, device))
+            if device.type == "cuda":
+                peak_fused = max(peak_fused, torch.cuda.max_memory_allocated(device))
+                torch.cuda.reset_peak_memory_stats(device)
+            seq_s.append(timed(sequential, device))
+            if device.type == "cuda":
+                peak_seq = max(peak_seq, torch.cuda.max_memory_allocated(device))
+        sync_s = timed(lambda: [group.sync(i) for i in range(width)], device)
+    except torch.cuda.OutOfMemoryError:
+        row["error"] = "out of GPU memory"
+        return row
+    row["fused"] = samples / statistics.median(fused_s)
+    row["sequential"] = samples / statistics.median(seq_s)
+    row["speedup"] = row["fused"] / row["sequential"]
+    row["state_kib"] = state_bytes(group) / width / 1024
+    row["sync_ms"] = sync_s / width * 1000
+    if device.type == "cuda":
+        row["peak_fused_mib"] = peak_fused / width / 2**20
+        row["peak_seq_mib"] = peak_seq / width / 2**20
+    return row
+
+
+def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Section 1: fused against sequential, every model and width."""
+    rows = []
+    for model in args.models:
+        for width in args.widths:
+            row = measure(model, width, args)
+            rows.append(row)
+            if "error" in row:
+                print(f"{model} B={width}: {row['error']}", file=sys.stderr)
+                break  # wider only needs more memory
+            print(
+                f"{model} B={width}: fused {row['fused']:.0f}/s, sequential "
+                f"{row['sequential']:.0f}/s (x{row['speedup']:.2f})",
+                file=sys.stderr,
+            )
+    return rows
+
+
+# ---------------------------------------------------------------------- report
+
+
+def report(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
+    info = machine_info()
+    out = [
+        f"Machine: {info['nproc']} cores, {info['cpu']}; torch {info.get('torch')}, "
+        f"python {info['python']}; {info['date']}; load at the end {load_average()}",
+        f"Setup: device {args.device}"
+        + (f", {args.threads} torch thread(s)" if args.device == "cpu" else "")
+        + f", {args.steps} steps x {args.repeats} rounds per mode (median round)\n",
+    ]
+    cuda = args.device.startswith("cuda")
+    headers = [
+        "model", "B", "fused samples/s", "sequential samples/s", "speedup",
+        "state/model KiB", "sync ms/model",
+    ] + (["peak/model MiB fused", "peak/model MiB seq."] if cuda else [])  # fmt: skip
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([r["model"], r["B"], r["error"], *["-"] * (len(headers) - 3)])
+            continue
+        line = [
+            r["model"], r["B"], fmt(r["fused"], 0), fmt(r["sequential"], 0),
+            fmt(r["speedup"]), fmt(r["state_kib"], 1), fmt(r["sync_ms"]),
+        ]  # fmt: skip
+        if cuda:
+            line += [fmt(r["peak_fused_mib"], 1), fmt(r["peak_seq_mib"], 1)]
+        table.append(line)
+    out.append(markdown_table(headers, table))
+    return "\n".join(out)
+
+
+def plot(path: str, rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Throughput against B, fused and sequential, one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in args.models if any(r["model"] == m and "fused" in r for r in rows)]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 4.0), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model and "fused" in r]
+        widths = [r["B"] for r in mine]
+        ax.plot(widths, [r["fused"] for r in mine], "o-", label="fused")
+        ax.plot(widths, [r["sequential"] for r in mine], "s--", label="sequential")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("models B")
+        ax.set_ylabel("samples/s, all models")
+        ax.set_title(f"{model} ({args.device})", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle("horizontal fusion: training throughput", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="widths 1, 4, 16; 1 round")
+    parser.add_argument("--widths", default=None, help="comma-separated B (default 1..64)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
+    parser.add_argument("--models", default=None, help="mlp,cnn (+ resnet18 on cuda)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per round (3, quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds (3, quick 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    if args.widths:
+        args.widths = [int(w) for w in args.widths.split(",")]
+    else:
+        args.widths = list(QUICK_WIDTHS if args.quick else WIDTHS)
+    if args.models:
+        args.models = args.models.split(",")
+    else:
+        args.models = ["mlp", "cnn"] + (["resnet18"] if args.device.startswith("cuda") else [])
+    unknown = set(args.models) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; known: {sorted(MODELS)}")
+    args.steps = args.steps or (2 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+
+    rows = throughput(args)
+    text = report(rows, args)
+    # A second section, end_to_end(args) -- a digits grid study with sharing alone
+    # against sharing + fusion -- belongs here, after the fused Study is integrated.
+    print(text)
+    if args.plot:
+        try:
+            plot(args.plot, rows, args)
+            print(f"\nplot written to {args.plot}")
+        except ImportError:
+            print("\nmatplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
