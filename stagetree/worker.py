@@ -396,13 +396,21 @@ class Worker:
                 mail.done(j.batch.batch_id)
             return
         load = _perf() - begin
-        try:
-            group = factory.fuse(trainers)  # type: ignore[attr-defined]
-        except Exception as exc:
-            self._fusion_failed(first, exc)
-            self._run_each(job.members, mail)
-            return
-        _FusedRun(self, group, jobs, mail, begin, load).run()
+        # The device may hold fewer members than the scheduler sent (a memory estimate on
+        # accelerators; Trainer.fused_width_limit): then the job runs in narrower chunks.
+        limit = _width_limit(trainers[0], len(trainers))
+        for lo in range(0, len(jobs), limit):
+            chunk, members = jobs[lo : lo + limit], trainers[lo : lo + limit]
+            try:
+                group = factory.fuse(members)  # type: ignore[attr-defined]
+            except Exception as exc:
+                self._fusion_failed(first, exc)
+                self._run_each(tuple(j.batch for j in jobs[lo:]), mail)
+                return
+            _FusedRun(self, group, chunk, mail, _perf(), load if lo == 0 else 0.0).run()
+            if first.trainer in self._unfusible:  # it fell back: the rest go one by one
+                self._run_each(tuple(j.batch for j in jobs[lo + limit :]), mail)
+                return
 
     def _members(self, batch: RunBatch, node: int, factory: TrainerFactory, n: int) -> list[Any]:
         """``n`` trainers at the batch's start (built fresh, or restored from the start
@@ -747,6 +755,18 @@ class Worker:
 
 
 # ---------------------------------------------------------------------- fused jobs
+
+
+def _width_limit(trainer: Any, width: int) -> int:
+    """How many members of ``trainer``'s kind one fused job may hold (at most
+    ``width``): the trainer's ``fused_width_limit()`` when it has one, else ``width``."""
+    limit = getattr(trainer, "fused_width_limit", None)
+    try:
+        value = limit() if callable(limit) else None
+    except Exception:
+        logger.exception("fused_width_limit() failed; fusing %s members", width)
+        value = None
+    return width if value is None else max(1, min(width, int(value)))
 
 
 class _Mailbox:

@@ -103,6 +103,10 @@ class FusedLinearTrainer(LinearTrainer):
     def fuse(cls, members: Any) -> Any:
         return _LinearGroup(list(members))
 
+    def fused_width_limit(self) -> int | None:
+        """Config ``max_width``: as if the device held no more members."""
+        return self.config.get("max_width")
+
 
 class _LinearGroup:
     """A FusedGroup over FusedLinearTrainer members (see stagetree.fusion)."""

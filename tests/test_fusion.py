@@ -6,6 +6,7 @@ fused training itself is tested in ``test_torch_fused.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Mapping
@@ -353,6 +354,20 @@ def test_a_fused_job_loads_its_start_checkpoint_once(tmp_path: Path) -> None:
     assert sorted(e.batch_id for e in events if isinstance(e, BatchDone)) == [2, 3]
     assert {e.step for e in events if isinstance(e, MetricsReported)} == {6}
     assert worker.stats.loads == 1
+
+
+def test_a_job_wider_than_the_device_holds_runs_in_chunks(tmp_path: Path) -> None:
+    members = tuple(
+        dataclasses.replace(_batch(bid, lr, 5, (5,)), config={"max_width": 2})
+        for bid, lr in ((1, 0.01), (2, 0.02), (3, 0.03))
+    )
+    events: list[Any] = []
+    worker = _worker(tmp_path, events)
+    worker.run_fused(RunFused(0, members))
+    worker.close()
+    widths = {e.batch_id: e.width for e in events if isinstance(e, Progress)}
+    assert widths == {1: 2, 2: 2, 3: 1}  # two fused, then the third alone
+    assert sorted(e.batch_id for e in events if isinstance(e, BatchDone)) == [1, 2, 3]
 
 
 def test_run_fused_refuses_members_that_start_apart() -> None:
