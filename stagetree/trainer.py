@@ -65,6 +65,12 @@ class Trainer:
     hyperparameters: ClassVar[Collection[str] | None] = None
     fusible: ClassVar[frozenset[str]] = frozenset()
 
+    def fused_width_limit(self) -> int | None:
+        """Optional: the most members of this trainer's kind that one fused job should
+        hold on its device (e.g. from the free accelerator memory); None (the default):
+        no limit. A worker given a wider job runs it in chunks of this width."""
+        return None
+
     @classmethod
     def fuse(cls, members: Sequence[Trainer]) -> FusedGroup:
         """Train ``members`` (all at the same state) as one job; see

@@ -423,6 +423,8 @@ class Batch:
         saves: ``(time, step, seconds)`` of each checkpoint it saved.
         last_seq: its latest activity record.
         detail: the error of a failed batch, the reason of a lost one.
+        fused: the batches of the fused job it started in (1: unfused); a member's
+            ``busy_seconds`` is its share of the job's time.
     """
 
     owner: str
@@ -442,6 +444,7 @@ class Batch:
     saves: list[tuple[float, int, float]] = field(default_factory=list)
     last_seq: int = 0
     detail: str = ""
+    fused: int = 1
 
     @property
     def key(self) -> str:
@@ -467,6 +470,7 @@ def _apply(batch: Batch, record: Any) -> None:
         batch.start_step = int(data.get("start_step", 0))
         batch.stop_step = int(data.get("stop_step", 0))
         batch.location = str(data.get("location", ""))
+        batch.fused = int(data.get("fused", 1))
     elif record.kind == "save":
         batch.saves.append((float(record.time), int(record.step or 0), float(record.seconds)))
     elif record.kind in _ENDS:
@@ -1159,6 +1163,7 @@ def timeline(
                 "load_seconds": b.load_seconds,
                 "busy_seconds": b.busy_seconds,
                 "saves": [list(s) for s in b.saves],
+                "fused": b.fused,
                 "trials": _batch_trials(b, by_node, nodes),
             }
         )

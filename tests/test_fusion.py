@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from study_trainers import FusedLinearTrainer, LinearTrainer, submit_together
 
-from stagetree import Study
+from stagetree import Study, views
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeWarning, TrialFailedError
 from stagetree.fusion import DEFAULT_MAX_FUSED, fusion_names
@@ -76,9 +76,13 @@ def test_siblings_train_as_one_job_after_their_shared_prefix(exact: list[float])
         results = _grid(study)
         starts = _starts(study)
         stats = study.stats()
+        with study.reading() as storage:
+            timeline = views.timeline(storage, "fused")
     # The shared prefix once, alone; then the four continuations as one fused job.
     assert starts == [1, 4, 4, 4, 4]
     assert (stats["fused_jobs"], stats["fused_members"]) == (1, 4)
+    # The dashboard's timeline says which batches ran fused.
+    assert sorted(b["fused"] for b in timeline["batches"]) == [1, 4, 4, 4, 4]
     assert stats["steps_executed"] == 5 + 4 * 7
     assert _scores(results) == exact
     for r in results:

@@ -280,7 +280,8 @@ export class TimelineView {
     const segs = merged(b.segments).map(([n, a, z]) => `node #${esc(n)}: steps ${fmtInt(a)}–${fmtInt(z)}`).join("<br>");
     const trials = (b.trials || []);
     const dur = (b.ended ?? this.clock()) - b.started;
-    showTooltip(`<strong>batch ${esc(b.key)}</strong> · ${esc(b.state)}<br>
+    const fused = (b.fused || 1) > 1 ? ` · fused with ${fmtInt(b.fused - 1)} sibling${b.fused === 2 ? "" : "s"}` : "";
+    showTooltip(`<strong>batch ${esc(b.key)}</strong> · ${esc(b.state)}${fused}<br>
       worker ${esc(b.worker)} <span class="muted">${esc(b.location ?? "")}</span><br>${segs}<br>
       trials ${trials.slice(0, 20).map((t) => `#${esc(t)}`).join(", ")}${trials.length > 20 ? ` … (${trials.length})` : ""}<br>
       ${fmtClock(b.started)} → ${b.ended ? fmtClock(b.ended) : "running"} (${fmtSeconds(dur)})<br>
