@@ -47,7 +47,7 @@ statistics per member: the buffers are stacked like the parameters and its in-pl
 updates land in each member's slice.
 
 **What cannot be fused** (:class:`~stagetree.fusion.FusionError`): a subclass that
-overrides ``train()``; another optimizer than ``SGD``/``Adam``/``AdamW``, several
+overrides ``train()`` (its ``fusible`` is then empty, unless it sets it); another optimizer than ``SGD``/``Adam``/``AdamW``, several
 optimizers or param groups, ``amsgrad``/``maximize``/``differentiable``; an optimized
 parameter outside the checkpointed modules; and, found on the first fused step, a
 ``loss`` that ``vmap`` refuses (``.item()`` or data-dependent Python control flow on a
