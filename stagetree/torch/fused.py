@@ -47,9 +47,10 @@ statistics per member: the buffers are stacked like the parameters and its in-pl
 updates land in each member's slice.
 
 **What cannot be fused** (:class:`~stagetree.fusion.FusionError`): a subclass that
-overrides ``train()`` (its ``fusible`` is then empty, unless it sets it); another optimizer than ``SGD``/``Adam``/``AdamW``, several
-optimizers or param groups, ``amsgrad``/``maximize``/``differentiable``; an optimized
-parameter outside the checkpointed modules; and, found on the first fused step, a
+overrides ``train()`` (its ``fusible`` is then empty, unless it sets it); another
+optimizer than ``SGD``/``Adam``/``AdamW``, several optimizers or param groups,
+``amsgrad``/``maximize``/``differentiable``; an optimized parameter outside the
+checkpointed modules; and, found on the first fused step, a
 ``loss`` that ``vmap`` refuses (``.item()`` or data-dependent Python control flow on a
 tensor, an in-place write of a per-member value into a shared tensor, ...).
 """
@@ -574,7 +575,8 @@ class TorchFusedGroup(FusedGroup):
         self._shared.pop(i)
         self._synced = {j - (j > i) for j in self._synced if j != i}
         self._hp_stale = True
-        if not self._members:
+        if not self._members:  # nothing left to train: let the stacks go
+            self._params, self._buffers = {}, {}
             return member
         with torch.no_grad():
             self._params = {
