@@ -95,7 +95,9 @@ class FusedOptimizer:
     def _scale(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``[B]`` values shaped to broadcast over a stacked parameter like ``like`` (its
         dtype and device)."""
-        values = values.to(device=like.device, dtype=like.dtype)
+        # non_blocking: a blocking copy to an accelerator would wait for every kernel
+        # queued before it (the backward), once per step for Adam's bias corrections.
+        values = values.to(dtype=like.dtype).to(device=like.device, non_blocking=True)
         return values.view(-1, *([1] * (like.dim() - 1)))
 
     def _col(
