@@ -381,3 +381,42 @@ def test_run_fused_refuses_members_that_start_apart() -> None:
         RunFused(0, (a, b))
     with pytest.raises(ValueError, match="at least one member"):
         RunFused(0, ())
+
+
+# ------------------------------------------------------------------ the scheduler side
+
+
+def _decide(fusible: frozenset[str], measured: dict[int, float] | None = None) -> list[Any]:
+    """A fresh scheduler's first decision over four sibling trials of one tree (one
+    worker, max_fused 4), after the given step times per width were measured."""
+    from stagetree.plan.model import Node
+    from stagetree.scheduler import NodeAdded, RequestAdded, RootAdded, Scheduler
+
+    nodes = [Node(0, "r", None, 0, {"lr": Constant(0.1)})] + [
+        Node(i, "r", 0, 0, {"lr": Constant(0.1 * (i + 1))}) for i in (1, 2, 3)
+    ]
+    scheduler = Scheduler(num_workers=1, max_fused=4)
+    for width, seconds in (measured or {}).items():
+        scheduler.estimator.observe(nodes[0], seconds, width)
+    return scheduler.handle_all(
+        [RootAdded("r", {}, fusible)]
+        + [NodeAdded(n) for n in nodes]
+        + [RequestAdded(n.id, 5) for n in nodes]
+    )
+
+
+def test_the_scheduler_fuses_siblings_of_a_fusible_tree_only() -> None:
+    (job,) = _decide(frozenset({"lr"}))
+    assert isinstance(job, RunFused) and len(job.members) == 4
+    assert {m.segments[0].node for m in job.members} == {0, 1, 2, 3}
+    (alone,) = _decide(frozenset())
+    assert isinstance(alone, RunBatch)
+
+
+def test_the_scheduler_stops_fusing_where_it_was_measured_not_to_pay() -> None:
+    # A step of 4 fused members took 2x an unfused step: fusing pays.
+    (job,) = _decide(frozenset({"lr"}), {1: 1.0, 4: 2.0})
+    assert isinstance(job, RunFused)
+    # It took 5x (vmap slower than 4 separate steps on this device): separate batches.
+    (batch,) = _decide(frozenset({"lr"}), {1: 1.0, 4: 5.0})
+    assert isinstance(batch, RunBatch)

@@ -992,7 +992,8 @@ class Scheduler:
         stages continuing from there start together and can be fused in turn.
         """
         root = path[0]
-        fusible = self._fusible.get(self._nodes[root.node].root_key)
+        root_key = self._nodes[root.node].root_key
+        fusible = self._fusible.get(root_key)
         if self.max_fused <= 1 or fusible is None:
             return [path]
         group = [self._cut(path)]
@@ -1021,6 +1022,12 @@ class Scheduler:
                 chain = self._cut(chain)
                 if self._compatible(group, chain, fusible):
                     group.append(chain)
+        # Fuse only where it pays: a job of B members whose step was measured to take B
+        # unfused steps or more (a model vmap does not speed up on this device) runs as
+        # separate batches instead.
+        ratio = self.estimator.fused_step(root_key, len(group))
+        if len(group) > 1 and ratio is not None and ratio >= len(group):
+            return [group[0]]
         return group
 
     def _busy_workers(self, workers: set[int]) -> set[int]:

@@ -71,8 +71,8 @@ class CostEstimator:
         self._cache: dict[int, float] = {}
         self._model: _Model | None = None
         self._fitted = True
-        # fused width -> [sum of seconds per step, count]
-        self._widths: dict[int, tuple[float, int]] = {}
+        # (root key, fused width) -> [sum of seconds per step, count]
+        self._widths: dict[tuple[str, int], tuple[float, int]] = {}
 
     def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
         """Make ``config`` part of the configuration of ``root_key``'s nodes."""
@@ -108,20 +108,22 @@ class CostEstimator:
         sps = float(seconds_per_step)
         if not (math.isfinite(sps) and sps > 0):
             return
-        total, count = self._widths.get(width, (0.0, 0))
-        self._widths[width] = (total + sps, count + 1)
+        total, count = self._widths.get((node.root_key, width), (0.0, 0))
+        self._widths[(node.root_key, width)] = (total + sps, count + 1)
         key, features = self._key(node)
         total, count, _ = self._measured.get(key, (0.0, 0, features))
         self._measured[key] = (total + sps, count + 1, features)
         self._cache.clear()
         self._fitted = False
 
-    def fused_step(self, width: int) -> float | None:
-        """Estimated seconds per step of a fused job of ``width`` members, relative to
-        one unfused step (``fused_step(1) == 1.0``): measured widths give their mean;
-        others are interpolated linearly between the nearest measured widths (or
-        extrapolated from the last two); None before two widths were measured."""
-        means = {w: t / n for w, (t, n) in self._widths.items() if n}
+    def fused_step(self, root_key: str, width: int) -> float | None:
+        """Estimated seconds per step of a fused job of ``width`` members of plan tree
+        ``root_key``, relative to one unfused step of that tree: measured widths give
+        their mean; others are interpolated linearly between the nearest measured widths
+        (or extrapolated from the two nearest); None until the tree was measured unfused
+        and at one width > 1. Fusing ``width`` members pays when this is below ``width``.
+        """
+        means = self.widths(root_key)
         if 1 not in means or len(means) < 2:
             return None
         base = means[1]
@@ -137,10 +139,12 @@ class CostEstimator:
         slope = (means[b] - means[a]) / (b - a)
         return max(means[a] + slope * (width - a), 0.0) / base
 
-    @property
-    def widths(self) -> dict[int, float]:
-        """Mean measured seconds per step by fused width (1: unfused)."""
-        return {w: t / n for w, (t, n) in sorted(self._widths.items()) if n}
+    def widths(self, root_key: str) -> dict[int, float]:
+        """Mean measured seconds per step of plan tree ``root_key`` by fused width (1:
+        unfused)."""
+        return {
+            w: t / n for (root, w), (t, n) in sorted(self._widths.items()) if root == root_key and n
+        }
 
     @property
     def measured(self) -> int:
