@@ -26,6 +26,14 @@ Decisions after each event that can change them:
    will evaluate, nothing waiting for its checkpoints) gets an ``Abort``. Fair share
    never preempts: a study behind its share gets the next free workers instead.
 
+Fusion (``max_fused > 1`` and a tree whose ``RootAdded.fusible`` is not empty): the
+chosen chain stops after its first branching stage, and sibling chains that start from
+the same model and differ only in fusible sequences join it, up to ``max_fused`` and
+shared out over the free workers, as one ``RunFused`` job; each member is an ordinary
+batch from then on (its own splits, abort, terminal event; a worker is free once all
+its members ended). A tree whose fused steps were measured not to pay (the estimator's
+``fused_step``) is no longer fused, nor one whose trainer could not be (``FusionFailed``).
+
 Failures: ``BatchFailed`` plans the stage again up to ``max_retries`` times, then emits
 ``RequestFailed`` for every live request that cannot be reached without the failed
 step or point (requests behind a later durable checkpoint, or covered by another
