@@ -769,7 +769,8 @@ class Engine:
             self._batch_roots.pop(ended, None)
         charged = self.scheduler.usage
         if isinstance(ev, work.Progress) and ev.seconds_per_step > 0:
-            self._rates[ev.batch_id] = ev.seconds_per_step
+            # A member of a fused job costs its share of the job's step.
+            self._rates[ev.batch_id] = ev.seconds_per_step / max(getattr(ev, "width", 1), 1)
         elif isinstance(ev, work.BatchDone) and ev.steps:
             self._rates[ev.batch_id] = ev.busy_seconds / ev.steps
         self._apply(self.scheduler.handle(ev))
