@@ -115,9 +115,10 @@ class Study:
             are never handed to a study that does not fuse (and the other way round).
             Needs a trainer that can fuse (:class:`stagetree.torch.FusibleTrainer`) and
             an executor that can (``local``, ``inline``, ``ray``).
-        max_fused: most members of one fused job (default: 16, the width where the
-            digits benchmark's speed-up levels off on a CPU; lower it when B copies of the
-            model do not fit in the device's memory). An engine setting, like
+        max_fused: most members of one fused job (default: 32, past which the digits
+            benchmark gains little on a CPU; see
+            :data:`stagetree.fusion.DEFAULT_MAX_FUSED`). A trainer may hold a job to what
+            its device fits (``Trainer.fused_width_limit``). An engine setting, like
             ``eval_every``.
 
     Studies on the same storage in one process share one engine: one worker pool

@@ -540,3 +540,14 @@ def test_fused_sgd_follows_torch_when_momentum_goes_to_zero_and_back() -> None:
     plain.step()
     expected = {"w": {"momentum_buffer": None}} if plain.state_dict()["state"] else {}
     assert never.member_state(0) == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_width_a_device_holds(device: str) -> None:
+    """On a CPU no limit; on CUDA a positive estimate that shrinks as the model grows."""
+    small = DigitsTrainer({**BASE, "device": device}).fused_width_limit()
+    if device == "cpu":
+        assert small is None
+        return
+    big = DigitsTrainer({**BASE, "hidden": 2048, "device": device}).fused_width_limit()
+    assert small is not None and big is not None and 1 <= big < small

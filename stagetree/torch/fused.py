@@ -203,6 +203,32 @@ class FusibleTrainer(TorchTrainer):
                 )
         return TorchFusedGroup(members)
 
+    def fused_width_limit(self) -> int | None:
+        """On a CUDA device, how many members one fused job may hold: half the device's
+        free memory over a member's state (its stacked parameters, their gradients, its
+        own trainer's copy, and the fused and its own optimizer state); the other half
+        is left to activations, which grow with the width too. None on a CPU (memory is
+        rarely the limit there; ``max_fused`` is). A rough estimate: lower ``max_fused``
+        for a model whose activations dwarf its parameters."""
+        modules = [m for m in self.checkpointed_objects().values() if isinstance(m, nn.Module)]
+        tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+        if not tensors or tensors[0].device.type != "cuda":
+            return None
+        device = tensors[0].device
+        free, _total = torch.cuda.mem_get_info(device)
+        state = sum(t.numel() * t.element_size() for t in tensors)
+        optimizer = next(
+            (
+                o
+                for o in self.checkpointed_objects().values()
+                if isinstance(o, torch.optim.Optimizer)
+            ),
+            None,
+        )
+        slots = 2 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 1
+        per_member = state * (3 + 2 * slots)
+        return max(1, int(free // 2 // max(per_member, 1)))
+
 
 # -- the fused job --------------------------------------------------------------------------
 
