@@ -248,6 +248,88 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ---------------------------------------------------------------------- end to end
+
+
+def grid_study(fuse: bool, trials: int, steps: int, warmup: int, workers: int) -> dict[str, Any]:
+    """The digits grid, as a user runs it: ``trials`` learning rates (0.01 x 1.2^i) after
+    a shared warm-up of ``warmup`` steps at 0.05, ``steps`` steps each, submitted at
+    once to a ``Study`` (``DigitsTrainer`` defaults, local worker processes, a fresh
+    SQLite storage, ``eval_every`` 1: the learning curve evaluated at every step).
+    Wall time from the study's creation to its last result."""
+    import asyncio
+    import tempfile
+
+    from stagetree import Study
+    from stagetree.hp import Piecewise
+
+    lrs = [0.01 * 1.2**i for i in range(trials)]
+    with tempfile.TemporaryDirectory() as tmp:
+        begin = time.perf_counter()
+        with Study(
+            "grid", DigitsTrainer, storage=f"sqlite:///{tmp}/plan.db", workers=workers, fuse=fuse
+        ) as study:
+
+            async def grid() -> list[Any]:
+                hps = [{"lr": Piecewise([0.05, lr], [warmup])} for lr in lrs]
+                return await asyncio.gather(*[study.submit({}, hp, steps) for hp in hps])
+
+            results = study._drive(grid())
+            seconds = time.perf_counter() - begin
+            stats = study.stats()
+    return {
+        "seconds": seconds,
+        "accuracy": [r.metrics["accuracy"] for r in results],
+        "steps": stats["steps_executed"],
+        "device": stats["device_seconds"],
+        "jobs": stats["fused_jobs"],
+        "members": stats["fused_members"],
+    }
+
+
+def end_to_end(args: argparse.Namespace) -> str:
+    """The digits grid with sharing alone against sharing + fusion: alternating runs,
+    ``--e2e-repeats`` of each, medians."""
+    trials, steps = (16, 40) if args.quick else (args.e2e_trials, args.e2e_steps)
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for _ in range(1 if args.quick else args.e2e_repeats):
+        for fuse in (False, True):
+            run = grid_study(fuse, trials, steps, args.e2e_warmup, args.workers)
+            runs[fuse].append(run)
+            print(
+                f"grid fuse={fuse}: {run['seconds']:.1f} s, device {run['device']:.1f} s",
+                file=sys.stderr,
+            )
+    wall = {f: statistics.median(r["seconds"] for r in runs[f]) for f in runs}
+    device = {f: statistics.median(r["device"] for r in runs[f]) for f in runs}
+    acc = [abs(a - b) for a, b in zip(runs[False][0]["accuracy"], runs[True][0]["accuracy"])]
+    first = runs[True][0]
+    shape = f"{first['jobs']:.0f} x {first['members'] / max(first['jobs'], 1):.0f}"
+    table = [
+        [
+            "sharing + fusion" if fuse else "sharing alone",
+            int(runs[fuse][0]["steps"]),
+            shape if fuse else "-",
+            fmt(wall[fuse], 1),
+            fmt(wall[False] / wall[fuse]),
+            fmt(device[fuse], 1),
+            fmt(device[False] / device[fuse]),
+        ]
+        for fuse in (False, True)
+    ]
+    head = (
+        f"\nDigits grid end to end: {trials} learning rates after {args.e2e_warmup} shared "
+        f"steps, {steps} steps each, {args.workers} workers, eval_every 1; median of "
+        f"{len(runs[True])} run(s) each. Final accuracy, fused vs unfused: max difference "
+        f"{max(acc):.4f} over {len(acc)} trials.\n"
+    )
+    headers = [
+        "run", "steps executed", "fused jobs x members", "wall s", "speed-up",
+        "device s", "device-time saving",
+    ]  # fmt: skip
+    return head + markdown_table(headers, table)
+
+
 # ---------------------------------------------------------------------- report
 
 
@@ -317,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="rounds (3, quick 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    parser.add_argument("--no-e2e", action="store_true", help="skip the digits grid study")
+    parser.add_argument("--e2e-only", action="store_true", help="only the digits grid study")
+    parser.add_argument("--e2e-trials", type=int, default=64, help="grid trials (64)")
+    parser.add_argument("--e2e-steps", type=int, default=200, help="steps per trial (200)")
+    parser.add_argument("--e2e-warmup", type=int, default=10, help="shared steps (10)")
+    parser.add_argument("--e2e-repeats", type=int, default=2, help="runs of each (2)")
+    parser.add_argument("--workers", type=int, default=2, help="study workers (2)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
@@ -336,12 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
 
-    rows = throughput(args)
-    text = report(rows, args)
-    # A second section, end_to_end(args) -- a digits grid study with sharing alone
-    # against sharing + fusion -- belongs here, after the fused Study is integrated.
+    rows = [] if args.e2e_only else throughput(args)
+    text = "" if args.e2e_only else report(rows, args)
+    if not args.no_e2e:
+        text += end_to_end(args)
     print(text)
-    if args.plot:
+    if args.plot and rows:
         try:
             plot(args.plot, rows, args)
             print(f"\nplot written to {args.plot}")
