@@ -252,7 +252,8 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def grid_study(fuse: bool, trials: int, steps: int, warmup: int, workers: int) -> dict[str, Any]:
-    """The digits grid, as a user runs it: ``trials`` learning rates (0.01 x 1.2^i) after
+    """The digits grid, as a user runs it: ``trials`` learning rates (log-spaced from
+    0.005 to 0.5) after
     a shared warm-up of ``warmup`` steps at 0.05, ``steps`` steps each, submitted at
     once to a ``Study`` (``DigitsTrainer`` defaults, local worker processes, a fresh
     SQLite storage, ``eval_every`` 1: the learning curve evaluated at every step).
@@ -263,7 +264,7 @@ def grid_study(fuse: bool, trials: int, steps: int, warmup: int, workers: int) -
     from stagetree import Study
     from stagetree.hp import Piecewise
 
-    lrs = [0.01 * 1.2**i for i in range(trials)]
+    lrs = [0.005 * 100 ** (i / max(trials - 1, 1)) for i in range(trials)]
     with tempfile.TemporaryDirectory() as tmp:
         begin = time.perf_counter()
         with Study(

@@ -69,7 +69,9 @@ class FusedGroup(ABC):
     * :meth:`sync` ``(i)`` writes member ``i``'s current state into its trainer object
       (model, optimizer, data position, RNG streams), so that ``members[i].evaluate()``
       and ``members[i].state_dict()`` are exactly those of member ``i``. Training steps
-      after it do not change the trainer object until the next ``sync``.
+      after it do not change the trainer object until the next ``sync``. With
+      ``optimizer=False`` it may leave the optimizer state out (what ``evaluate()`` sees
+      is enough: the cheap sync the worker uses to evaluate, not to checkpoint).
     * :meth:`remove` ``(i)`` takes member ``i`` out (synced first) and returns its
       trainer, which continues as an ordinary trainer; the indices of later members
       shift down by one.
@@ -89,8 +91,9 @@ class FusedGroup(ABC):
         """One training step of every member; their training metrics."""
 
     @abstractmethod
-    def sync(self, i: int) -> None:
-        """Make member ``i``'s trainer object hold its current state."""
+    def sync(self, i: int, optimizer: bool = True) -> None:
+        """Make member ``i``'s trainer object hold its current state (without the
+        optimizer's when ``optimizer`` is False)."""
 
     @abstractmethod
     def remove(self, i: int) -> Trainer:

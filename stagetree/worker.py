@@ -872,10 +872,13 @@ class _FusedRun:
         self.load = load
         self.synced: set[int] = set()  # members whose trainer object holds their state
 
-    def trainer(self, i: int) -> Trainer:
+    def trainer(self, i: int, full: bool = True) -> Trainer:
+        """Member ``i``'s trainer holding its state: all of it (``full``: it may be
+        checkpointed), or what ``evaluate()`` sees (the optimizer state is left out)."""
         if i not in self.synced:
-            self.group.sync(i)
-            self.synced.add(i)
+            self.group.sync(i, optimizer=full)
+            if full:
+                self.synced.add(i)
         return self.group.members[i]
 
     def run(self) -> None:
@@ -932,7 +935,9 @@ class _FusedRun:
                 point = m.job.points.get(step)
                 try:
                     if point is not None or w._evaluates(m.job, step, point):
-                        trainer = self.trainer(i)  # synced: its evaluate()/state_dict()
+                        # Synced: its evaluate() (and state_dict() at a checkpoint).
+                        full = point is not None and point.ckpt_node is not None
+                        trainer = self.trainer(i, full)
                     else:
                         trainer = self.group.members[i]  # only train() metrics recorded
                     trained = _train_metrics(metrics[i])

@@ -145,7 +145,7 @@ class _LinearGroup:
         self.t += 1
         return out
 
-    def sync(self, i: int) -> None:
+    def sync(self, i: int, optimizer: bool = True) -> None:
         m = self._members[i]
         m.w = self.w[i].copy()
         m.t = self.t

@@ -344,6 +344,24 @@ def test_a_synced_member_continues_as_an_ordinary_trainer(optimizer: str) -> Non
     assert_same(fresh.state_dict(), members[1].state_dict())
 
 
+def test_a_sync_for_evaluation_leaves_the_optimizer_out() -> None:
+    """``sync(i, optimizer=False)``: what ``evaluate()`` sees (the same metrics as a full
+    sync), without the optimizer state; a full sync afterwards adds it."""
+    members = [DigitsTrainer({**BASE, "optimizer": "momentum"}) for _ in range(2)]
+    group = DigitsTrainer.fuse(members)
+    for i, lr in enumerate([0.01, 0.05]):
+        group.setup(i, {"lr": lr})
+    for _ in range(3):
+        group.step()
+    before = roundtrip(members[1].optimizer.state_dict())
+    group.sync(1, optimizer=False)
+    light = members[1].evaluate()
+    assert_same(roundtrip(members[1].optimizer.state_dict()), before)  # left out
+    group.sync(1)
+    assert members[1].evaluate() == light
+    assert structure(roundtrip(members[1].optimizer.state_dict())) != structure(before)
+
+
 def test_remove_keeps_the_others_in_step() -> None:
     hp = SGD_HP[:3]
     config = {**BASE, "optimizer": "momentum"}

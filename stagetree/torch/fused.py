@@ -474,7 +474,8 @@ class TorchFusedGroup(FusedGroup):
 
         self._steps = 0
         self._hp_stale = True  # re-read the members' optimizer values before a step
-        self._synced: set[int] = set()
+        self._synced: set[int] = set()  # members synced since the last step
+        self._synced_model: set[int] = set()  # ... all but their optimizer state
         self._shared: list[dict[str, Any]] = [{} for _ in self._members]
         self._driver_shared: dict[str, Any] = {}
 
@@ -560,27 +561,34 @@ class TorchFusedGroup(FusedGroup):
                 total = losses.detach() if total is None else total + losses.detach()
         self._steps += 1
         self._synced.clear()
+        self._synced_model.clear()
         assert total is not None
         return [{"train_loss": value / updates} for value in total.tolist()]
 
-    def sync(self, i: int) -> None:
-        """Write member ``i``'s tensors, optimizer state and the shared state (loader,
-        RNG streams, extra state, modes) into its trainer."""
-        if i in self._synced:
+    def sync(self, i: int, optimizer: bool = True) -> None:
+        """Write member ``i``'s tensors, optimizer state (unless ``optimizer`` is False:
+        enough to evaluate, and the costliest part) and the shared state (loader, RNG
+        streams, extra state, modes) into its trainer."""
+        if i in self._synced or (not optimizer and i in self._synced_model):
             return
         member = self._members[i]
+        if optimizer:
+            target_optimizer = self._optimizers[i]
+            state = self._optimizer.member_state(i)
+            target_optimizer.load_state_dict(
+                {
+                    "state": {j: state[s] for j, s in enumerate(self._opt_names) if s in state},
+                    "param_groups": target_optimizer.state_dict()["param_groups"],
+                }
+            )
+            self._synced.add(i)
+        if i in self._synced_model:
+            return
+        self._synced_model.add(i)
         with torch.no_grad():
             for s, target in self._targets[i].items():
                 source = self._params.get(s)
                 target.copy_((self._buffers[s] if source is None else source)[i])
-        optimizer = self._optimizers[i]
-        state = self._optimizer.member_state(i)
-        optimizer.load_state_dict(
-            {
-                "state": {j: state[s] for j, s in enumerate(self._opt_names) if s in state},
-                "param_groups": optimizer.state_dict()["param_groups"],
-            }
-        )
         driver = self._driver
         mine = member.checkpointed_objects()
         for n, obj in driver.checkpointed_objects().items():
@@ -596,7 +604,6 @@ class TorchFusedGroup(FusedGroup):
                 target.load_state_dict(_clone_tree(obj.state_dict()))
         _set_global_rng(member, driver._current_rng())
         member.load_extra_state(_clone_tree(driver.extra_state()))
-        self._synced.add(i)
 
     def remove(self, i: int) -> Trainer:
         """Member ``i`` leaves (synced); the stacks keep the others, in order."""
@@ -608,6 +615,7 @@ class TorchFusedGroup(FusedGroup):
         self._optimizers.pop(i)
         self._shared.pop(i)
         self._synced = {j - (j > i) for j in self._synced if j != i}
+        self._synced_model = {j - (j > i) for j in self._synced_model if j != i}
         self._hp_stale = True
         if not self._members:  # nothing left to train: let the stacks go
             self._params, self._buffers = {}, {}
