@@ -242,6 +242,7 @@ class Engine:
         # Activity records (the dashboard's timeline) waiting to be written, once per
         # round of the driver; the location of this process's workers.
         self._activity: list[dict[str, Any]] = []
+        self._curves: list[Any] = []  # learning-curve points not written yet
         self._here = "{}:{}".format(*host_pid())
 
     # -- life cycle ----------------------------------------------------------------------
@@ -656,8 +657,11 @@ class Engine:
         events = self.executor.events(timeout=0 if self._queued else timeout)
         if events:
             with self.lock:
-                for ev in events:
-                    self._on_event(ev)
+                try:
+                    for ev in events:
+                        self._on_event(ev)
+                finally:
+                    self._write_curves()
                 self._record_workers(events)
         with self.lock:
             self._write_activity()
@@ -694,10 +698,14 @@ class Engine:
         from stagetree import work
 
         scope = "engine"
+        if isinstance(ev, work.CurveReported):
+            # Written together with the round's other curves (a fused job sends one per
+            # member), before anything that could read them.
+            self._curves.extend(ev.points)
+        elif not isinstance(ev, (work.Progress, work.CheckpointSaved)):
+            self._write_curves()
         if isinstance(ev, work.MetricsReported):
             self.storage.put_metrics(ev.node, ev.step, ev.metrics)
-        elif isinstance(ev, work.CurveReported):
-            self.storage.put_metrics_many(ev.points)  # one transaction per event
         elif isinstance(ev, work.CheckpointSaved):
             self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
             self._note_event(
@@ -779,6 +787,13 @@ class Engine:
             self._rates.pop(ended, None)
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
+
+    def _write_curves(self) -> None:
+        """Store the learning-curve points received since the last write (one
+        transaction)."""
+        if self._curves:
+            points, self._curves = self._curves, []
+            self.storage.put_metrics_many(points)
 
     def _fusion_failed(self, ev: Any) -> None:
         """A worker could not fuse the trainer's jobs: say it once, and fuse no tree of
