@@ -330,7 +330,7 @@ def end_to_end(args: argparse.Namespace) -> str:
         for fuse in (False, True)
     ]
     head = (
-        f"\nDigits grid end to end: {trials} learning rates after {args.e2e_warmup} shared "
+        f"\n\nDigits grid end to end: {trials} learning rates after {args.e2e_warmup} shared "
         f"steps, {steps} steps each, {args.workers} workers, eval_every "
         f"{args.e2e_eval_every}; median of "
         f"{len(runs[True])} run(s) each. Final accuracy, fused vs unfused: max difference "

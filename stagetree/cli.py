@@ -519,6 +519,16 @@ def report_study(
         numbers["steps_lost"] = stats.get("steps_lost", 0.0)
         rows.append(("workers lost", str(round(stats["workers_lost"]))))
         rows.append(("steps lost", f"{round(numbers['steps_lost'])} (recomputed)"))
+    if stats.get("fused_jobs"):  # fuse=True: siblings trained as one job
+        numbers["fused_jobs"] = stats["fused_jobs"]
+        numbers["fused_members"] = stats.get("fused_members", 0.0)
+        rows.append(
+            (
+                "fused",
+                f"{round(stats['fused_jobs'])} job(s) trained "
+                f"{round(numbers['fused_members'])} stages at once",
+            )
+        )
     title = f"study {study.name}"
     if _use_rich(stream, rich_output):
         from rich.console import Console

@@ -415,20 +415,14 @@ class Worker:
     def _members(self, batch: RunBatch, node: int, factory: TrainerFactory, n: int) -> list[Any]:
         """``n`` trainers at the batch's start (built fresh, or restored from the start
         checkpoint, or from the in-memory trainer when it stands there)."""
-        state: Any = None
-        try:
-            if self._reusable(batch):
-                assert self._trainer is not None
+        if self._reusable(batch):
+            assert self._trainer is not None
+            try:
                 state = self._trainer.state_dict()
-            elif batch.start_checkpoint is not None:
-                state = self.store.load(batch.start_checkpoint)
-            elif batch.start_step != 0:
-                raise CheckpointError(
-                    f"batch {batch.batch_id} starts at step {batch.start_step} "
-                    "without a start checkpoint, and this worker does not hold that model"
-                )
-        except CheckpointError as exc:
-            raise _Failed(node, batch.start_step, exc, checkpoint=True, phase="start") from exc
+            except Exception as exc:
+                raise _Failed(node, batch.start_step, exc, phase="start") from exc
+        else:
+            state = self._start_state(batch, node)
         self.drop_trainer()
         trainers = []
         try:
@@ -482,17 +476,7 @@ class Worker:
             factory = self._factory(batch.trainer)
         except Exception as exc:
             raise _Failed(node, batch.start_step, exc, phase="start") from exc
-        try:
-            state = None
-            if batch.start_checkpoint is not None:
-                state = self.store.load(batch.start_checkpoint)
-            elif batch.start_step != 0:
-                raise CheckpointError(
-                    f"batch {batch.batch_id} starts at step {batch.start_step} "
-                    "without a start checkpoint, and this worker does not hold that model"
-                )
-        except CheckpointError as exc:
-            raise _Failed(node, batch.start_step, exc, checkpoint=True, phase="start") from exc
+        state = self._start_state(batch, node)
         try:
             trainer = factory(batch.config)
             if state is not None:
@@ -511,6 +495,21 @@ class Worker:
         self._given = {}
         self._reads.arm()
         return trainer
+
+    def _start_state(self, batch: RunBatch, node: int) -> Any:
+        """The state ``batch`` starts from: its start checkpoint's, None for a fresh
+        model (a missing or corrupt checkpoint fails the batch as ``checkpoint``)."""
+        try:
+            if batch.start_checkpoint is not None:
+                return self.store.load(batch.start_checkpoint)
+            if batch.start_step != 0:
+                raise CheckpointError(
+                    f"batch {batch.batch_id} starts at step {batch.start_step} "
+                    "without a start checkpoint, and this worker does not hold that model"
+                )
+            return None
+        except CheckpointError as exc:
+            raise _Failed(node, batch.start_step, exc, checkpoint=True, phase="start") from exc
 
     def _factory(self, key: str) -> TrainerFactory:
         """The factory of trainer ``key``.

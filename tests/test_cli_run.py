@@ -451,6 +451,18 @@ def test_report_study_plain_exact() -> None:
     assert "\r" not in out and "\x1b" not in out
 
 
+def test_report_study_says_what_ran_fused() -> None:
+    stats = {"trials": 8, "steps_requested": 80, "steps_unique": 45, "steps_executed": 45}
+    buf = io.StringIO()
+    report_study(_FakeStudy({**stats, "device_seconds": 9.0}), None, "loss", out=buf)  # type: ignore[arg-type]
+    assert "fused" not in buf.getvalue()  # a study that does not fuse says nothing
+    fused = {**stats, "device_seconds": 3.0, "fused_jobs": 2, "fused_members": 8}
+    buf = io.StringIO()
+    numbers = report_study(_FakeStudy(fused), None, "loss", out=buf)  # type: ignore[arg-type]
+    assert _line(buf.getvalue(), "fused") == "2 job(s) trained 8 stages at once"
+    assert numbers["fused_jobs"] == 2
+
+
 def test_report_study_without_best_and_rich() -> None:
     study = _FakeStudy({"steps_requested": 10, "steps_unique": 10, "steps_executed": 0})
     buf = io.StringIO()
