@@ -569,3 +569,42 @@ def test_the_width_a_device_holds(device: str) -> None:
         return
     big = DigitsTrainer({**BASE, "hidden": 2048, "device": device}).fused_width_limit()
     assert small is not None and big is not None and 1 <= big < small
+
+
+# ------------------------------------------------------------------ through a Study
+
+
+def _study_grid(trainer: type, fuse: bool, quiet: bool = True) -> list[dict[str, float]]:
+    """Three learning rates after 3 shared steps, 8 steps each, in one process."""
+    import warnings
+
+    from study_trainers import submit_together
+
+    from stagetree import Study
+    from stagetree.hp import Piecewise
+
+    config = {"dropout": 0.0, "batches_per_step": 2, "hidden": 32}
+    trials = [(config, {"lr": Piecewise([0.05, lr], [3])}) for lr in (0.02, 0.05, 0.1)]
+    with Study("grid", trainer, storage="memory://", executor="inline", fuse=fuse) as study:
+        with warnings.catch_warnings():
+            if quiet:
+                warnings.simplefilter("ignore")
+            results = submit_together(study, trials, 8)
+        assert study.stats()["fused_jobs"] == (1 if fuse else 0)
+    return [r.metrics for r in results]
+
+
+def test_a_fused_study_gives_the_unfused_results_within_the_tolerance() -> None:
+    fused, exact = _study_grid(DigitsTrainer, True), _study_grid(DigitsTrainer, False)
+    for got, want in zip(fused, exact):
+        assert got["accuracy"] == want["accuracy"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_a_study_whose_trainer_cannot_be_vmapped_warns_once_and_trains_unfused() -> None:
+    from stagetree.exceptions import StagetreeWarning
+
+    with pytest.warns(StagetreeWarning, match=r"CallsItem cannot be trained fused") as said:
+        fused = _study_grid(CallsItem, True, quiet=False)
+    assert len([w for w in said if issubclass(w.category, StagetreeWarning)]) <= 1
+    assert fused == _study_grid(CallsItem, False)  # trained unfused: exactly
