@@ -154,6 +154,24 @@ def test_remote_sha_equals_local(server: Server) -> None:
         assert remote.stats()["steps_executed"] == remote.stats()["steps_unique"]
 
 
+def test_a_remote_study_fuses_on_the_server(server: Server) -> None:
+    """``fuse=True`` travels to the server: its workers train the siblings fused, and the
+    results are those of an unfused local run (the numpy group updates member by
+    member)."""
+    from study_trainers import FusedLinearTrainer
+
+    with local_study("fused", FusedLinearTrainer) as local:
+        want = local.tune(sha())
+    with server.study("fused", FusedLinearTrainer, fuse=True) as remote:
+        got = remote.tune(sha())
+        assert (got.hp, got.metrics["score"]) == (want.hp, want.metrics["score"])
+        assert max(m.get("width", 1) for m in got.history.values()) > 1  # trained fused
+        assert remote.stats()["fused_jobs"] >= 1
+        assert remote.root_key({"seed": 1}, {"lr": Constant(0.01)}) != local.root_key(
+            {"seed": 1}, {"lr": Constant(0.01)}
+        )
+
+
 def test_remote_asha_trials_match_local_training(server: Server) -> None:
     space = GridSpace({"lr": [*LRS, Constant(0.03)]}, fixed={"seed": [3]})
     tuner = ASHA(space, "score", min_steps=1, max_steps=8, eta=2, num_trials=5)
