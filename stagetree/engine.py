@@ -290,6 +290,11 @@ class Engine:
                 self._idle.wait(left)
 
     def close(self) -> None:
+        if self._thread is not None and self.error is None:
+            # Every result was delivered: let the batches still in flight report their
+            # end (aborted ones stop within a step), so that their activity and counters
+            # are complete. Returns at once when submissions are still waiting.
+            self.settle(timeout=5.0)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
