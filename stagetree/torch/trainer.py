@@ -94,6 +94,7 @@ from stagetree.torch.loader import StageLoader
 from stagetree.torch.optim import OPTIMIZER_HP, set_optimizer_hp
 from stagetree.torch.rng import (
     GlobalRngState,
+    _cuda_in_use,
     capture_global_rng,
     decode_global_rng,
     encode_global_rng,
@@ -272,36 +273,56 @@ class TorchTrainer(Trainer):
         object RNG, every module's train/eval mode and every :class:`StageLoader` cursor
         is exactly as before the block.
         """
-        with self._rng_scope():
-            objects = self.checkpointed_objects()
-            rng = capture_global_rng()
-            rng_objects = {
-                name: get_rng_object_state(obj)
-                for name, obj in objects.items()
-                if is_rng_object(obj)
-            }
-            loaders = {
-                name: obj.state_dict()
-                for name, obj in objects.items()
-                if isinstance(obj, StageLoader)
-            }
-            modules = [obj for obj in objects.values() if isinstance(obj, torch.nn.Module)]
-            modes = [[m.training for m in module.modules()] for module in modules]
-            try:
-                if self.evaluate_in_eval_mode:
-                    for module in modules:
-                        module.eval()
-                with torch.no_grad():
-                    yield
-            finally:
-                for module, flags in zip(modules, modes):
-                    for submodule, flag in zip(module.modules(), flags):
-                        submodule.training = flag
-                for name, loader_state in loaders.items():
-                    objects[name].load_state_dict(loader_state)
-                for name, rng_state in rng_objects.items():
-                    set_rng_object_state(objects[name], rng_state)
-                restore_global_rng(rng)
+        state = self.__dict__
+        saved = state.get(_RNG)
+        if state.get(_DEPTH, 0) or saved is None or bool(saved.cuda) != _cuda_in_use():
+            with self._rng_scope(), self._untraced(capture_global_rng()):
+                yield
+            return
+        # Called from outside the trainer (the worker evaluating): its streams are the
+        # stored ones, and the block leaves them as they were, so they are put in and
+        # the caller's back without capturing them again (2 of 3 captures saved; an
+        # evaluation is often a step's largest cost after training).
+        outer = capture_global_rng()
+        restore_global_rng(saved)
+        state[_DEPTH] = 1
+        try:
+            with self._untraced(saved):
+                yield
+        finally:
+            state[_DEPTH] = 0
+            if bool(saved.cuda) != _cuda_in_use():  # CUDA came up inside: as _rng_scope
+                state[_RNG] = capture_global_rng()
+            restore_global_rng(outer)
+
+    @contextlib.contextmanager
+    def _untraced(self, rng: GlobalRngState) -> Iterator[None]:
+        """The body of :meth:`no_trace`: eval mode and no_grad inside; afterwards modes,
+        loader cursors, object RNGs and the global generators (to ``rng``) put back."""
+        objects = self.checkpointed_objects()
+        rng_objects = {
+            name: get_rng_object_state(obj) for name, obj in objects.items() if is_rng_object(obj)
+        }
+        loaders = {
+            name: obj.state_dict() for name, obj in objects.items() if isinstance(obj, StageLoader)
+        }
+        modules = [obj for obj in objects.values() if isinstance(obj, torch.nn.Module)]
+        modes = [[m.training for m in module.modules()] for module in modules]
+        try:
+            if self.evaluate_in_eval_mode:
+                for module in modules:
+                    module.eval()
+            with torch.no_grad():
+                yield
+        finally:
+            for module, flags in zip(modules, modes):
+                for submodule, flag in zip(module.modules(), flags):
+                    submodule.training = flag
+            for name, loader_state in loaders.items():
+                objects[name].load_state_dict(loader_state)
+            for name, rng_state in rng_objects.items():
+                set_rng_object_state(objects[name], rng_state)
+            restore_global_rng(rng)
 
     # -- discovery --------------------------------------------------------------------------
 
