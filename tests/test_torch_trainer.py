@@ -539,3 +539,35 @@ def test_digits_trainer_rejects_bad_config() -> None:
         DigitsTrainer({"optimizer": "lbfgs"})
     with pytest.raises(ValueError, match="seed"):
         DigitsTrainer({"seed": "abc"})
+
+
+class DrawsInEvaluate(DigitsTrainer):
+    """An evaluate that draws from every global generator (a random test subset, say)."""
+
+    def evaluate(self) -> dict[str, float]:
+        out = super().evaluate()
+        out["noise"] = float(torch.rand(()).item() + np.random.rand() + random.random())
+        return out
+
+
+def test_an_evaluate_that_draws_leaves_every_stream_as_it_was() -> None:
+    """The caller's generators after ``evaluate()`` are as before it, the trainer's own
+    streams too (what it trains next), and the same evaluate draws the same numbers."""
+    from stagetree.torch.rng import capture_global_rng
+
+    config = {**CONFIG, "seed": 3}
+    a, b = DrawsInEvaluate(config), DrawsInEvaluate(config)
+    for t in (a, b):
+        t.setup({"lr": 0.05, "momentum": 0.9})
+        t.train()
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    caller = capture_global_rng()
+    first = a.evaluate()
+    assert a.evaluate() == first  # drawn from the trainer's stream, put back each time
+    after = capture_global_rng()
+    assert torch.equal(after.cpu, caller.cpu) and after.python == caller.python
+    assert np.array_equal(after.numpy["state"]["key"], caller.numpy["state"]["key"])
+    assert after.numpy["state"]["pos"] == caller.numpy["state"]["pos"]
+    assert a.train() == b.train()  # as if it had never evaluated

@@ -281,24 +281,27 @@ class TorchTrainer(Trainer):
             return
         # Called from outside the trainer (the worker evaluating): its streams are the
         # stored ones, and the block leaves them as they were, so they are put in and
-        # the caller's back without capturing them again (2 of 3 captures saved; an
-        # evaluation is often a step's largest cost after training).
+        # the caller's back, without capturing them again or restoring them before the
+        # caller's (which sets every generator they hold): 2 of 3 captures and 1 of 3
+        # restores saved; an evaluation is often a step's largest cost after training.
         outer = capture_global_rng()
         restore_global_rng(saved)
         state[_DEPTH] = 1
         try:
-            with self._untraced(saved):
+            with self._untraced(None):
                 yield
         finally:
             state[_DEPTH] = 0
             if bool(saved.cuda) != _cuda_in_use():  # CUDA came up inside: as _rng_scope
+                restore_global_rng(saved)
                 state[_RNG] = capture_global_rng()
             restore_global_rng(outer)
 
     @contextlib.contextmanager
-    def _untraced(self, rng: GlobalRngState) -> Iterator[None]:
+    def _untraced(self, rng: GlobalRngState | None) -> Iterator[None]:
         """The body of :meth:`no_trace`: eval mode and no_grad inside; afterwards modes,
-        loader cursors, object RNGs and the global generators (to ``rng``) put back."""
+        loader cursors, object RNGs and the global generators (to ``rng``, unless None:
+        the caller restores them) put back."""
         objects = self.checkpointed_objects()
         rng_objects = {
             name: get_rng_object_state(obj) for name, obj in objects.items() if is_rng_object(obj)
@@ -322,7 +325,8 @@ class TorchTrainer(Trainer):
                 objects[name].load_state_dict(loader_state)
             for name, rng_state in rng_objects.items():
                 set_rng_object_state(objects[name], rng_state)
-            restore_global_rng(rng)
+            if rng is not None:
+                restore_global_rng(rng)
 
     # -- discovery --------------------------------------------------------------------------
 
