@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from stagetree.plan import BasePlanStorage, Node
 
 __all__ = [
+    "EFFICIENCY_KEYS",
     "StorageStatus",
     "StudyStatus",
     "TreeCurves",
@@ -691,6 +692,7 @@ def efficiency(
     *,
     now: float | None = None,
     workers: int | None = None,
+    rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, float]:
     """How close the study's latest run came to the limit of this system (training
     each unique step once, on every worker at once), and where the rest of its
@@ -747,6 +749,8 @@ def efficiency(
             engine's clock for a virtual-time run).
         workers: ``W`` when the run's record has none (else the number of workers
             that ran its batches).
+        rows: the study's trial rows (:meth:`BasePlanStorage.trials`, every version),
+            when the caller has read them.
     """
     from stagetree.views import batches
 
@@ -757,8 +761,8 @@ def efficiency(
         return {}
     if version is not None and run.get("version") not in (None, version):
         return {}
-    trials, _ = split_trials(storage.trials(study, light=True), meta, version)
-    roots = {str(t["root_key"]) for t in trials}
+    rows = storage.trials(study, light=True) if rows is None else rows
+    roots = {str(t["root_key"]) for t in split_trials(rows, meta, version)[0]}
     now = time.time() if now is None else float(now)
     start, owner = float(run["started"]), run.get("owner")
     ended = run.get("ended")
@@ -892,6 +896,7 @@ class StudyStatus:
         failures: ``(trial id, first line of its error)`` per failed trial.
         hidden: trials of other (older) trainer versions, not counted above.
         workers: where its workers ran, last seen (cluster executors): worker -> node.
+        efficiency: :func:`efficiency` of its latest run (empty: none recorded).
     """
 
     name: str
@@ -914,6 +919,7 @@ class StudyStatus:
     workers: dict[str, str] = field(default_factory=dict)
     pending: int = 0
     cancelled: int = 0
+    efficiency: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -1040,6 +1046,7 @@ def study_status(
         failures=[(tid, error.summary()) for tid, error in _failed(trials)],
         hidden=hidden,
         workers={str(k): str(v) for k, v in dict(meta.get("workers") or {}).items()},
+        efficiency=efficiency(storage, name, rows=rows),
     )
 
 
