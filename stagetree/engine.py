@@ -280,14 +280,16 @@ class Engine:
     def settle(self, timeout: float = 30.0) -> None:
         """When no submission is waiting any more, wait (at most ``timeout`` s) for the
         batches still in flight to report their end (background checkpoint writes,
-        accounting), so that statistics are complete."""
+        accounting), so that statistics are complete; then store the activity records
+        not written yet."""
         deadline = time.monotonic() + timeout
         with self._idle:
             while self._inflight and not self._waiters and self.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return
+                    break
                 self._idle.wait(left)
+            self._write_activity()  # the ends just learnt of, not at the next round
 
     def close(self) -> None:
         self._stop.set()

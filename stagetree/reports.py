@@ -703,8 +703,9 @@ def efficiency(
     :meth:`~stagetree.Study.begin_tuning`) recorded in the study's meta (``run``:
     ``started``, ``ended``, ``workers``, ``owner``); its batches are those its engine
     (``owner``) started on the study's plan trees between those times. With ``W``
-    workers and the wall-clock ``T`` from ``started`` to ``ended`` (now while it runs;
-    the run's last activity record when its engine died without saying)::
+    workers and the wall-clock ``T`` from ``started`` to ``ended``, or to the end of
+    the last batch it started if later (now while it runs; the run's last activity
+    record when its engine died without saying)::
 
         efficiency = (unique steps x median seconds per step trained alone / W) / T
 
@@ -772,7 +773,10 @@ def efficiency(
         if (owner is None or b.owner == owner) and b.started is not None and b.started >= start
     ]
     if isinstance(ended, (int, float)):
-        end = float(ended)
+        # ... or later, when batches it started ended after it (their last checkpoint
+        # writes: the run's wall-clock includes them).
+        last = [b.ended or 0.0 for b in found if b.started is not None and b.started <= ended]
+        end = max([float(ended), *last])
     elif any(b.state == "running" for b in found) or _owner_lives(storage, owner):
         end = now
     else:  # its engine died without recording the end: its last record ends it
