@@ -723,16 +723,18 @@ def efficiency(
 
         T = limit + startup + ckpt_load_wait + ckpt_save_wait + idle + scheduling
 
-    * ``startup_seconds``: from the run's start until its first batch started (the
-      workers starting up, the tuner's first decisions), on every worker.
+    * ``startup_seconds``: from the run's start until its first step trained (the
+      workers starting up, the tuner's first decisions, the first batch building its
+      trainer or loading its checkpoint), on every worker.
     * ``ckpt_load_wait_seconds``: the finished batches' start-checkpoint loads (and
-      trainer builds), which their training waited for (not the storage-wide
-      ``ckpt_load_seconds`` of :func:`study_accounting`).
+      trainer builds) after that, which their training waited for (each batch loads
+      when it starts; not the storage-wide ``ckpt_load_seconds`` of
+      :func:`study_accounting`).
     * ``ckpt_save_wait_seconds``: what finished batches waited at their end for their
       background checkpoint writes (saves during training overlap it and cost nothing
-      here).
-    * ``idle_seconds``: worker-time after the first batch started in which a worker
-      had no batch of this study (another study sharing the workers counts as idle).
+      here; a fused job's members report none: their wait falls in scheduling).
+    * ``idle_seconds``: worker-time after the first step in which a worker had no
+      batch of this study (another study sharing the workers counts as idle).
     * ``scheduling_seconds``: the remainder: dispatching batches and reporting their
       end, steps trained more than once or by batches that failed, were lost or still
       run (a running batch counts only once it ends), evaluation beyond the median's,
@@ -788,8 +790,11 @@ def efficiency(
     count = int(run.get("workers") or workers or len({(b.location, b.worker) for b in found}))
     count = max(count, 1)
     wall = max(end - start, 0.0)
-    first = min(float(b.started) for b in found if b.started is not None)
-    startup = min(max(first - start, 0.0), wall)
+    # The first step trained: the earliest start of a batch after its load (a batch
+    # loads its start checkpoint, or builds its trainer, before it trains).
+    first = min(_began(b, start) + _load(b) for b in found)
+    first = min(max(first, start), start + wall)
+    startup = first - start
     occupied = 0.0
     by_worker: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for b in found:
@@ -800,7 +805,8 @@ def efficiency(
     for spans in by_worker.values():
         occupied += _union_length(spans)
     idle = max(count * (wall - startup) - occupied, 0.0)
-    load = sum(b.load_seconds for b in done)
+    # Load time after the first step (what came before it is start-up).
+    load = sum(_overlap(_began(b, start), _began(b, start) + _load(b), first) for b in done)
     save_wait = sum(b.save_wait_seconds for b in done)
     rates = sorted(
         (
@@ -832,6 +838,20 @@ def efficiency(
         "steps_unique_trained": float(unique),
         "seconds_per_step": rate,
     }
+
+
+def _began(batch: Any, default: float) -> float:
+    return float(batch.started) if batch.started is not None else default
+
+
+def _load(batch: Any) -> float:
+    """The load time a batch reported (0 before it ended)."""
+    return float(batch.load_seconds) if batch.state == "done" else 0.0
+
+
+def _overlap(lo: float, hi: float, after: float) -> float:
+    """The length of ``[lo, hi]`` after ``after``."""
+    return max(hi - max(lo, after), 0.0)
 
 
 def _owner_lives(storage: BasePlanStorage, owner: Any) -> bool:

@@ -86,17 +86,18 @@ def test_the_definition_on_hand_written_records() -> None:
     storage.record_activity(records)
     got = reports.efficiency(storage, "s")
     # W x T = 20 worker-seconds: the limit is 9 unique steps x 1 s (the step-weighted
-    # median) = 9; start-up 1 s on both workers = 2; loads 1, save waits 1; idle:
-    # 2 x 9 s after the first start less 6.5 s (worker 0) and 7 s (worker 1) = 4.5;
-    # scheduling the rest, 2.5. Each divided by W: seconds of the wall-clock.
+    # median) = 9; start-up until the first step (101.5, after batch 1's load) on both
+    # workers = 3; loads after it 0.5 (batch 2's), save waits 1; idle: 2 x 8.5 s after
+    # the first step less 6 s (worker 0) and 7 s (worker 1) = 4; scheduling the rest,
+    # 2.5. Each divided by W: seconds of the wall-clock.
     expected = {
         "efficiency": 0.45,
         "wall_seconds": 10.0,
         "limit_seconds": 4.5,
-        "startup_seconds": 1.0,
-        "ckpt_load_wait_seconds": 0.5,
+        "startup_seconds": 1.5,
+        "ckpt_load_wait_seconds": 0.25,
         "ckpt_save_wait_seconds": 0.5,
-        "idle_seconds": 2.25,
+        "idle_seconds": 2.0,
         "scheduling_seconds": 1.25,
         "workers": 2.0,
         "steps_unique_trained": 9.0,
@@ -106,8 +107,8 @@ def test_the_definition_on_hand_written_records() -> None:
     assert set(got) == set(reports.EFFICIENCY_KEYS)
     assert sum(got[k] for k in PARTS) == pytest.approx(got["wall_seconds"])
     line = efficiency_line(got)
-    assert line.startswith("0.45 (limit 4.50 s of 10.0 s on 2 workers; start-up 1.00 s")
-    assert "idle 2.25 s" in line and "scheduling 1.25 s" in line
+    assert line.startswith("0.45 (limit 4.50 s of 10.0 s on 2 workers; start-up 1.50 s")
+    assert "load 0.25 s + save 0.50 s, idle 2.00 s, scheduling 1.25 s)" in line
 
 
 def test_a_run_without_an_end_is_measured_until_now() -> None:
