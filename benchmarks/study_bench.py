@@ -21,7 +21,7 @@ ratio no-share / share against the goal 0.9 x merge rate (medians over repeats).
 run, the study's efficiency as ``study.stats()`` gives it
 (:func:`stagetree.reports.efficiency`: unique steps x the median seconds per step trained
 alone / workers / the wall-clock of the run, from the workers' own timings) and where the
-rest of the wall-clock went: start-up (from ``study.tune`` until its first batch started:
+rest of the wall-clock went: start-up (from ``study.tune`` until its first step trained:
 the workers are warm here), checkpoint loads and end-of-batch save waits, idle workers,
 and scheduling (the remainder).
 
