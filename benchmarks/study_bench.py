@@ -17,7 +17,13 @@ synchronous part of checkpoint saves and the wait for the last save of each batc
 executed, the CPU-seconds of the worker processes (from ``/proc``: unlike busy wall time
 they do not grow when other programs take the cores) and of this process (the engine:
 scheduler, storage, tuner) during ``study.tune``, merge rate, and the device-seconds
-ratio no-share / share against the goal 0.9 x merge rate (medians over repeats).
+ratio no-share / share against the goal 0.9 x merge rate (medians over repeats). And per
+run, the study's efficiency as ``study.stats()`` gives it
+(:func:`stagetree.reports.efficiency`: unique steps x the median seconds per step trained
+alone / workers / the wall-clock of the run, from the workers' own timings) and where the
+rest of the wall-clock went: start-up (from ``study.tune`` until its first step trained:
+the workers are warm here), checkpoint loads and end-of-batch save waits, idle workers,
+and scheduling (the remainder).
 
 **(c) Checkpoint saves on the critical path.** A worker captures a checkpoint
 synchronously (``state_dict()`` and a clone of every tensor), writes it from a background
@@ -67,6 +73,7 @@ from _common import bar_plot, fmt, load_average, machine_info, markdown_table, m
 
 from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
+from stagetree.cli import efficiency_line
 from stagetree.executors import LocalExecutor
 from stagetree.hp import Piecewise
 from stagetree.space import GridSpace
@@ -223,6 +230,9 @@ def run_study(
         "ckpt_save_seconds": sum(e.seconds for e in log["saves"]),
         "cpu_seconds": cpu,
         "engine_cpu": engine_cpu,
+        # stagetree.reports.efficiency of the run (None: none recorded)
+        "efficiency": stats.get("efficiency"),
+        "efficiency_line": efficiency_line(stats) or "not recorded",
     }
     if stats["steps_executed"] != row["steps_executed"]:
         print(
@@ -425,6 +435,16 @@ def report(rows: list[dict[str, Any]], ckpt: dict[str, Any] | None, args: Any) -
         ])  # fmt: skip
     out.append("Per run:\n")
     out.append(markdown_table(headers, table))
+    out.append(
+        "\nEfficiency per run (study.stats(): unique steps x median s per step trained "
+        "alone / workers / wall-clock; the rest of the wall-clock):\n"
+    )
+    for i, r in enumerate(rows):
+        out.append(f"- run {i // 2 + 1} {r['mode']}: {r['efficiency_line']}")
+    out.append("")
+    for mode in ("share", "no-share"):
+        eff = median(r["efficiency"] for r in rows if r["mode"] == mode)
+        out.append(f"median efficiency {mode}: {fmt(eff)}")
     summary = []
     med: dict[str, dict[str, float | None]] = {}
     keys = ("wall", "startup", "device_seconds", "cpu_seconds", "steps_executed", "merge_rate")
@@ -565,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(
                     f"repeat {rep + 1} {row['mode']}: wall {row['wall']:.1f} s, "
-                    f"device {row['device_seconds']:.1f} s",
+                    f"device {row['device_seconds']:.1f} s, efficiency {row['efficiency_line']}",
                     file=sys.stderr,
                 )
                 if share:

@@ -53,6 +53,7 @@ from stagetree.exceptions import (
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.reports import (
+    EFFICIENCY_KEYS,
     StorageStatus,
     StudyStatus,
     accounting,
@@ -78,6 +79,7 @@ __all__ = [
     "accounting",
     "build_parser",
     "default_storage",
+    "efficiency_line",
     "explain",
     "export",
     "export_records",
@@ -401,6 +403,38 @@ def _accounting_rows(numbers: Mapping[str, float]) -> list[tuple[str, str]]:
     ]
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if abs(value) < 10 else f"{value:.1f} s"
+
+
+def efficiency_line(numbers: Mapping[str, float]) -> str:
+    """:func:`stagetree.reports.efficiency` in one line: ``0.82 (limit 12.3 s of
+    15.0 s on 2 workers; start-up 2.10 s, checkpoint load 0.30 s + save 0.10 s, idle
+    0.20 s, scheduling 0.10 s)``; "" without an efficiency."""
+    if "efficiency" not in numbers:
+        return ""
+    workers = round(numbers.get("workers", 1.0))
+    parts = ", ".join(
+        [
+            f"start-up {_seconds(numbers['startup_seconds'])}",
+            f"checkpoint load {_seconds(numbers['ckpt_load_wait_seconds'])}"
+            f" + save {_seconds(numbers['ckpt_save_wait_seconds'])}",
+            f"idle {_seconds(numbers['idle_seconds'])}",
+            f"scheduling {_seconds(numbers['scheduling_seconds'])}",
+        ]
+    )
+    return (
+        f"{numbers['efficiency']:.2f} (limit {_seconds(numbers['limit_seconds'])} of "
+        f"{_seconds(numbers['wall_seconds'])} on {workers} worker{'s' if workers != 1 else ''}"
+        f"; {parts})"
+    )
+
+
+def _efficiency_rows(numbers: Mapping[str, float]) -> list[tuple[str, str]]:
+    line = efficiency_line(numbers)
+    return [("efficiency", line)] if line else []
+
+
 def _print_rows(
     rows: Iterable[tuple[str, str]], stream: TextIO, indent: str = "", width: int = 22
 ) -> None:
@@ -519,6 +553,9 @@ def report_study(
         numbers["steps_lost"] = stats.get("steps_lost", 0.0)
         rows.append(("workers lost", str(round(stats["workers_lost"]))))
         rows.append(("steps lost", f"{round(numbers['steps_lost'])} (recomputed)"))
+    if "efficiency" in stats:  # the run's efficiency and where its wall-clock went
+        numbers.update({k: stats[k] for k in EFFICIENCY_KEYS if k in stats})
+        rows.extend(_efficiency_rows(stats))
     if stats.get("fused_jobs"):  # fuse=True: siblings trained as one job
         numbers["fused_jobs"] = stats["fused_jobs"]
         numbers["fused_members"] = stats.get("fused_members", 0.0)
@@ -918,6 +955,7 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
                 ("steps executed", "not counted per study in this storage (see all studies)"),
             ]
         )
+    rows.extend(_efficiency_rows(st.efficiency))  # its latest run's
     return rows
 
 

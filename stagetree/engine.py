@@ -280,14 +280,16 @@ class Engine:
     def settle(self, timeout: float = 30.0) -> None:
         """When no submission is waiting any more, wait (at most ``timeout`` s) for the
         batches still in flight to report their end (background checkpoint writes,
-        accounting), so that statistics are complete."""
+        accounting), so that statistics are complete; then store the activity records
+        not written yet."""
         deadline = time.monotonic() + timeout
         with self._idle:
             while self._inflight and not self._waiters and self.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return
+                    break
                 self._idle.wait(left)
+            self._write_activity()  # the ends just learnt of, not at the next round
 
     def close(self) -> None:
         if self._thread is not None and self.error is None:
@@ -404,19 +406,61 @@ class Engine:
 
     def begin_tuning(self, slot: StudySlot, meta: Mapping[str, Any]) -> Any:
         """Take the study's tuning lease (one tuner per study at a time, across
-        processes). Returns the holder's lease when another process holds it, else None
-        (and ``meta``, the tuner's metric and mode, is recorded with the next write)."""
+        processes). Returns the holder's lease when another process holds it, else None:
+        then the workers are started, and ``meta``, the tuner's metric and mode, is
+        recorded with the next write, with the run's record ``meta["run"]``: ``started``
+        (this call's time, on the clock of the activity records: before the workers
+        start, so that their start-up counts), ``workers``, ``owner`` (this engine's
+        lease owner, which the activity records of its batches carry) and ``version``.
+        :meth:`end_tuning` adds ``ended``; :func:`stagetree.reports.efficiency` reads
+        them."""
+        wall = time.time()
         with self.lock:
             holder = self.coord.claim_study(slot.name)
-            if holder is None:
-                slot.meta = dict(meta)
-                slot.row_ready = False
-                slot.log_checked = False
-            return holder
+            if holder is not None:
+                return holder
+        try:
+            self.ensure_started()
+        except BaseException:
+            with self.lock:
+                self.coord.release_study(slot.name)
+            raise
+        with self.lock:
+            started = self.clock() if self._virtual() else wall
+            run = {
+                "started": started,
+                "workers": self.num_workers,
+                "owner": self.coord.owner,
+                "version": slot.version,
+            }
+            slot.meta = {**meta, "run": run}
+            slot.row_ready = False
+            slot.log_checked = False
+            return None
 
     def end_tuning(self, slot: StudySlot) -> None:
+        """Release the study's tuning lease; record when the run ended (``meta["run"]
+        ["ended"]``) when the run wrote its study's row."""
         with self.lock:
             self.coord.release_study(slot.name)
+            run = slot.meta.get("run")
+            if not isinstance(run, dict) or "ended" in run or not slot.row_ready:
+                return
+            run = {**run, "ended": self.clock(), "workers": self.num_workers}
+            slot.meta = {**slot.meta, "run": run}
+            try:
+                self.storage.update_study_meta(slot.name, {"run": run})
+            except StagetreeError as exc:  # informative only
+                logger.warning("the end of study %s's run not recorded: %s", slot.name, exc)
+
+    def _virtual(self) -> bool:
+        return self.executor is not None and bool(self.executor.virtual_time)
+
+    def clock(self) -> float:
+        """Now, on the clock of the activity records: the executor's virtual time, else
+        ``time.time()``."""
+        executor: Any = self.executor
+        return float(executor.now) if self._virtual() else time.time()
 
     def read_log(self, slot: StudySlot) -> list[dict[str, Any]]:
         """The tuner decisions of the study's latest run, when it used this version."""
@@ -676,8 +720,7 @@ class Engine:
     def _note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
         """Keep one activity record for the storage (:class:`~stagetree.plan.ActivityRecord`),
         written with the others of this round by :meth:`_write_activity`."""
-        executor: Any = self.executor
-        now = executor.now if executor is not None and executor.virtual_time else time.time()
+        now = self.clock()
         self._activity.append(
             {
                 "owner": self.coord.owner,
@@ -745,7 +788,11 @@ class Engine:
                 "done",
                 ev,
                 seconds=ev.busy_seconds,
-                data={"steps": ev.steps, "load_seconds": ev.load_seconds},
+                data={
+                    "steps": ev.steps,
+                    "load_seconds": ev.load_seconds,
+                    "save_wait_seconds": getattr(ev, "save_wait_seconds", 0.0),
+                },
             )
         elif isinstance(ev, work.BatchFailed):
             self._note_event("failed", ev, node=ev.node, step=ev.step, data={"error": ev.error})

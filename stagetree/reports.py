@@ -35,6 +35,7 @@ import functools
 import gc
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from stagetree.plan import BasePlanStorage, Node
 
 __all__ = [
+    "EFFICIENCY_KEYS",
     "StorageStatus",
     "StudyStatus",
     "TreeCurves",
@@ -54,6 +56,7 @@ __all__ = [
     "accounting",
     "best_key",
     "best_trial",
+    "efficiency",
     "export_records",
     "export_table",
     "failures",
@@ -664,6 +667,229 @@ def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) 
     return _study_accounting(storage, _trials(storage, study, version, light=True)[0], study)[0]
 
 
+# --------------------------------------------------------------------------- efficiency
+
+EFFICIENCY_KEYS = (
+    "efficiency",
+    "wall_seconds",
+    "limit_seconds",
+    "startup_seconds",
+    "ckpt_load_wait_seconds",
+    "ckpt_save_wait_seconds",
+    "idle_seconds",
+    "scheduling_seconds",
+    "workers",
+    "steps_unique_trained",
+    "seconds_per_step",
+)
+
+
+@quiet_gc
+def efficiency(
+    storage: BasePlanStorage,
+    study: str,
+    version: Any = None,
+    *,
+    now: float | None = None,
+    workers: int | None = None,
+    rows: list[dict[str, Any]] | None = None,
+) -> dict[str, float]:
+    """How close the study's latest run came to the limit of this system (training
+    each unique step once, on every worker at once), and where the rest of its
+    wall-clock went; all from the workers' own timings (the activity records, see
+    :func:`stagetree.views.batches`).
+
+    The run is the one :meth:`Study.tune <stagetree.Study.tune>` (or
+    :meth:`~stagetree.Study.begin_tuning`) recorded in the study's meta (``run``:
+    ``started``, ``ended``, ``workers``, ``owner``); its batches are those its engine
+    (``owner``) started on the study's plan trees between those times. With ``W``
+    workers and the wall-clock ``T`` from ``started`` to ``ended``, or to the end of
+    the last batch it started if later (now while it runs; the run's last activity
+    record when its engine died without saying)::
+
+        efficiency = (unique steps x median seconds per step trained alone / W) / T
+
+    * *unique steps*: the ``(node, step)`` pairs the run's finished batches trained,
+      each counted once (a step trained twice, e.g. after a lost worker, counts once;
+      steps earlier runs trained are not this run's work).
+    * *seconds per step trained alone*: per finished batch, ``(busy - load -
+      save wait) / steps`` (a member of a fused job: its share of the job's time, and
+      of its load); the median over the batches **weighted by their steps** (the
+      rate at which half of the run's steps trained: a one-step batch's odd timing
+      weighs one step), the lower one on a tie.
+
+    The rest of ``W x T`` worker-seconds, each divided by ``W`` so that the parts are
+    seconds of the wall-clock that add up to ``T`` (``wall_seconds``)::
+
+        T = limit + startup + ckpt_load_wait + ckpt_save_wait + idle + scheduling
+
+    * ``startup_seconds``: from the run's start until its first step trained (the
+      workers starting up, the tuner's first decisions, the first batch building its
+      trainer or loading its checkpoint), on every worker.
+    * ``ckpt_load_wait_seconds``: the finished batches' start-checkpoint loads (and
+      trainer builds) after that, which their training waited for (each batch loads
+      when it starts; not the storage-wide ``ckpt_load_seconds`` of
+      :func:`study_accounting`).
+    * ``ckpt_save_wait_seconds``: what finished batches waited at their end for their
+      background checkpoint writes (saves during training overlap it and cost nothing
+      here; a fused job's members report none: their wait falls in scheduling).
+    * ``idle_seconds``: worker-time after the first step in which a worker had no
+      batch of this study (another study sharing the workers counts as idle).
+    * ``scheduling_seconds``: the remainder: dispatching batches and reporting their
+      end, steps trained more than once or by batches that failed, were lost or still
+      run (a running batch counts only once it ends), evaluation beyond the median's,
+      and steps slower than the median (it can be slightly negative when steps
+      trained faster than the median).
+
+    Also ``workers`` (``W``), ``steps_unique_trained`` and ``seconds_per_step`` (the
+    median). Empty when there is no such run (a storage written before runs were
+    recorded, a study not run by a tuner, a run of another trainer ``version``) or it
+    trained nothing: no figure rather than a wrong one.
+
+    Args:
+        version: the trainer version whose run is wanted (default: the latest run's).
+        now: the end of a run that has not ended (default ``time.time()``; the
+            engine's clock for a virtual-time run).
+        workers: ``W`` when the run's record has none (else the number of workers
+            that ran its batches).
+        rows: the study's trial rows (:meth:`BasePlanStorage.trials`, every version),
+            when the caller has read them.
+    """
+    from stagetree.views import batches
+
+    record = _studies(storage).get(study)
+    meta = (record or {}).get("meta") or {}
+    run = meta.get("run")
+    if not isinstance(run, Mapping) or not isinstance(run.get("started"), (int, float)):
+        return {}
+    if version is not None and run.get("version") not in (None, version):
+        return {}
+    rows = storage.trials(study, light=True) if rows is None else rows
+    roots = {str(t["root_key"]) for t in split_trials(rows, meta, version)[0]}
+    now = time.time() if now is None else float(now)
+    start, owner = float(run["started"]), run.get("owner")
+    ended = run.get("ended")
+    found = [
+        b
+        for b in batches(storage, roots, now=now).values()
+        if (owner is None or b.owner == owner) and b.started is not None and b.started >= start
+    ]
+    if isinstance(ended, (int, float)):
+        # ... or later, when batches it started ended after it (their last checkpoint
+        # writes: the run's wall-clock includes them).
+        last = [b.ended or 0.0 for b in found if b.started is not None and b.started <= ended]
+        end = max([float(ended), *last])
+    elif any(b.state == "running" for b in found) or _owner_lives(storage, owner):
+        end = now
+    else:  # its engine died without recording the end: its last record ends it
+        end = max([start, *(b.ended or b.started or start for b in found)])
+    found = [b for b in found if b.started is not None and b.started <= end]
+    done = [b for b in found if b.state == "done" and b.steps > 0]
+    if not done:
+        return {}
+    count = int(run.get("workers") or workers or len({(b.location, b.worker) for b in found}))
+    count = max(count, 1)
+    wall = max(end - start, 0.0)
+    # The first step trained: the earliest start of a batch after its load (a batch
+    # loads its start checkpoint, or builds its trainer, before it trains).
+    first = min(_began(b, start) + _load(b) for b in found)
+    first = min(max(first, start), start + wall)
+    startup = first - start
+    occupied = 0.0
+    by_worker: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for b in found:
+        assert b.started is not None
+        lo, hi = max(b.started, first), min(b.ended if b.ended is not None else end, end)
+        if hi > lo:
+            by_worker.setdefault((b.location, b.worker), []).append((lo, hi))
+    for spans in by_worker.values():
+        occupied += _union_length(spans)
+    idle = max(count * (wall - startup) - occupied, 0.0)
+    # Load time after the first step (what came before it is start-up).
+    load = sum(_overlap(_began(b, start), _began(b, start) + _load(b), first) for b in done)
+    save_wait = sum(b.save_wait_seconds for b in done)
+    rates = sorted(
+        (
+            max(b.busy_seconds - b.load_seconds / max(b.fused, 1) - b.save_wait_seconds, 0.0)
+            / b.steps,
+            b.steps,
+        )
+        for b in done
+    )
+    half, total, rate = sum(w for _, w in rates) / 2.0, 0.0, rates[-1][0]
+    for r, w in rates:
+        total += w
+        if total >= half:
+            rate = r
+            break
+    unique = _trained_steps(done)
+    limit = unique * rate
+    scheduling = count * wall - count * startup - idle - load - save_wait - limit
+    return {
+        "efficiency": limit / count / wall if wall > 0 else 0.0,
+        "wall_seconds": wall,
+        "limit_seconds": limit / count,
+        "startup_seconds": startup,
+        "ckpt_load_wait_seconds": load / count,
+        "ckpt_save_wait_seconds": save_wait / count,
+        "idle_seconds": idle / count,
+        "scheduling_seconds": scheduling / count,
+        "workers": float(count),
+        "steps_unique_trained": float(unique),
+        "seconds_per_step": rate,
+    }
+
+
+def _began(batch: Any, default: float) -> float:
+    return float(batch.started) if batch.started is not None else default
+
+
+def _load(batch: Any) -> float:
+    """The load time a batch reported (0 before it ended)."""
+    return float(batch.load_seconds) if batch.state == "done" else 0.0
+
+
+def _overlap(lo: float, hi: float, after: float) -> float:
+    """The length of ``[lo, hi]`` after ``after``."""
+    return max(hi - max(lo, after), 0.0)
+
+
+def _owner_lives(storage: BasePlanStorage, owner: Any) -> bool:
+    """Whether engine ``owner`` still holds a lease (always, on a storage of this
+    process alone, which has no leases)."""
+    from stagetree.plan import SQLPlanStorage
+
+    if not isinstance(storage, SQLPlanStorage):
+        return True
+    return any(lease.owner == owner for lease in storage.leases())
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of intervals (a fused job's members overlap)."""
+    length, reach = 0.0, -math.inf
+    for lo, hi in sorted(spans):
+        if hi > reach:
+            length += hi - max(lo, reach)
+            reach = hi
+    return length
+
+
+def _trained_steps(done: Iterable[Any]) -> int:
+    """How many distinct ``(node, step)`` finished batches trained: each trains the
+    first ``steps`` steps of its segments, in order."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for b in done:
+        left = b.steps
+        for node, lo, hi in b.segments:
+            if left <= 0:
+                break
+            take = min(hi - lo, left)
+            if take > 0:
+                spans.setdefault(node, []).append((lo, lo + take))
+                left -= take
+    return round(sum(_union_length(s) for s in spans.values()))
+
+
 # --------------------------------------------------------------------------- status
 
 
@@ -694,6 +920,7 @@ class StudyStatus:
         failures: ``(trial id, first line of its error)`` per failed trial.
         hidden: trials of other (older) trainer versions, not counted above.
         workers: where its workers ran, last seen (cluster executors): worker -> node.
+        efficiency: :func:`efficiency` of its latest run (empty: none recorded).
     """
 
     name: str
@@ -716,6 +943,7 @@ class StudyStatus:
     workers: dict[str, str] = field(default_factory=dict)
     pending: int = 0
     cancelled: int = 0
+    efficiency: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -842,6 +1070,7 @@ def study_status(
         failures=[(tid, error.summary()) for tid, error in _failed(trials)],
         hidden=hidden,
         workers={str(k): str(v) for k, v in dict(meta.get("workers") or {}).items()},
+        efficiency=efficiency(storage, name, rows=rows),
     )
 
 

@@ -691,10 +691,27 @@ class Study:
         ``workers_lost``, and ``steps_lost``: steps a lost worker had trained past its
         last durable checkpoint, which are trained again (they count in
         ``steps_executed`` both times). See :func:`stagetree.reports.study_accounting`;
-        ``stagetree status`` shows the same numbers."""
-        self._engine.settle()
-        with self._engine.reading() as storage:
-            return reports.study_accounting(storage, self.name, self.version)
+        ``stagetree status`` shows the same numbers.
+
+        And the efficiency of the study's latest run (:meth:`tune`) of this trainer
+        version, with where its wall-clock went (:func:`stagetree.reports.efficiency`:
+        ``efficiency``, ``wall_seconds``, ``limit_seconds``, ``startup_seconds``,
+        ``ckpt_load_wait_seconds``, ``ckpt_save_wait_seconds``, ``idle_seconds``,
+        ``scheduling_seconds``, ``workers``, ``steps_unique_trained``,
+        ``seconds_per_step``); measured until now while the run goes on. Absent when
+        no run was recorded (trials submitted without a tuner, a storage written before
+        runs were recorded) or the run trained nothing."""
+        engine = self._engine
+        engine.settle()
+        workers = engine.num_workers if engine.executor is not None else None
+        with engine.reading() as storage:
+            out = reports.study_accounting(storage, self.name, self.version)
+            out.update(
+                reports.efficiency(
+                    storage, self.name, self.version, now=engine.clock(), workers=workers
+                )
+            )
+            return out
 
     def progress(self) -> dict[str, float]:
         """A cheap snapshot for progress displays: ``trials`` (submitted),

@@ -419,6 +419,8 @@ class Batch:
         state: ``running``, ``done``, ``failed`` or ``lost``.
         busy_seconds: what it spent (its ``done`` record), or the time since it started.
         load_seconds: loading its start checkpoint.
+        save_wait_seconds: waiting at its end for its background checkpoint writes
+            (its ``done`` record; 0 from a stagetree that did not record it).
         steps: steps it trained (its ``done`` record).
         saves: ``(time, step, seconds)`` of each checkpoint it saved.
         last_seq: its latest activity record.
@@ -440,6 +442,7 @@ class Batch:
     state: str = "running"
     busy_seconds: float = 0.0
     load_seconds: float = 0.0
+    save_wait_seconds: float = 0.0
     steps: int = 0
     saves: list[tuple[float, int, float]] = field(default_factory=list)
     last_seq: int = 0
@@ -480,6 +483,7 @@ def _apply(batch: Batch, record: Any) -> None:
         if record.kind == "done":
             batch.steps = int(data.get("steps", 0))
             batch.load_seconds = float(data.get("load_seconds", 0.0))
+            batch.save_wait_seconds = float(data.get("save_wait_seconds", 0.0))
         else:
             batch.detail = str(data.get("error", data.get("reason", "")))
             if not batch.busy_seconds and batch.started is not None:

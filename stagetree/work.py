@@ -208,13 +208,17 @@ class CheckpointSaved:
 @dataclass(frozen=True)
 class BatchDone:
     """The batch ended (finished or aborted): ``steps`` trained in ``busy_seconds``,
-    of which ``load_seconds`` went to loading its start checkpoint."""
+    of which ``load_seconds`` went to loading its start checkpoint and
+    ``save_wait_seconds`` to waiting, at its end, for its background checkpoint writes
+    (0 for a member of a fused job, whose share of the job does not include that wait;
+    see :func:`stagetree.reports.efficiency`)."""
 
     batch_id: int
     worker: int
     busy_seconds: float
     steps: int
     load_seconds: float = 0.0
+    save_wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

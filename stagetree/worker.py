@@ -338,7 +338,9 @@ class Worker:
             if steps_done:
                 self._at = (node, step)
             self._flush_curve(job)
+            waited = _perf()
             self._check_writes(job)
+            waited = _perf() - waited  # the checkpoint writes the batch's end waits for
         except _Failed as failed:
             self._flush_curve(job)  # the steps before the failure stand
             self._finish_failed(job, failed, steps_done)
@@ -350,7 +352,8 @@ class Worker:
             return
         self._wait_saves()
         self.stats.steps += steps_done
-        emit(BatchDone(bid, wid, _perf() - begin, steps_done, self.stats.last_load_seconds))
+        load = self.stats.last_load_seconds
+        emit(BatchDone(bid, wid, _perf() - begin, steps_done, load, waited))
 
     # ------------------------------------------------------------------ fused jobs
 

@@ -85,8 +85,9 @@ class ActivityRecord:
         time: ``time.time()`` when the engine learnt of it.
         seconds: "save": the save's duration; "done": the batch's busy seconds.
         data: "start": ``{"segments": [[node, start, stop], ...], "start_step",
-            "stop_step", "location"}``; "save": ``{"nbytes"}``; "done": ``{"steps",
-            "load_seconds"}``; "failed": ``{"error"}``; "lost": ``{"reason"}``.
+            "stop_step", "location"}`` (and ``"fused"``: the width of a fused job);
+            "save": ``{"nbytes"}``; "done": ``{"steps", "load_seconds",
+            "save_wait_seconds"}``; "failed": ``{"error"}``; "lost": ``{"reason"}``.
     """
 
     seq: int
