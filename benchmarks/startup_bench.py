@@ -12,7 +12,8 @@ entered, "all workers" the latest of the workers' first calls (every worker trai
 Medians over ``--repeats`` fresh processes.
 
 Run: ``.venv/bin/python benchmarks/startup_bench.py [--workers 1 2 4] [--repeats 3]``
-(``--no-pool`` measures the same with the pool off: every study spawns its workers).
+(``--no-pool``: the same with the pool off, every study starts its workers;
+``--start-method forkserver``: workers forked from a fork server that imported torch once).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-pool", action="store_true", help="STAGETREE_WORKER_IDLE=0")
+    parser.add_argument(
+        "--start-method", choices=["spawn", "forkserver"], default="spawn", help="of the workers"
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -100,6 +104,7 @@ def main() -> None:
     env = dict(os.environ)
     if args.no_pool:
         env["STAGETREE_WORKER_IDLE"] = "0"
+    env["STAGETREE_START_METHOD"] = args.start_method
     rows: list[list[Any]] = []
     for workers in args.workers:
         runs = []
@@ -128,7 +133,10 @@ def main() -> None:
             ]
         )
     print(", ".join(f"{k}: {v}" for k, v in machine_info().items()))
-    print(f"pool: {'off' if args.no_pool else 'on'}; median of {args.repeats} processes\n")
+    print(
+        f"start method: {args.start_method}; pool: {'off' if args.no_pool else 'on'}; "
+        f"median of {args.repeats} processes\n"
+    )
     header = [
         "workers",
         "cold: first step s",

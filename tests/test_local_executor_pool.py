@@ -225,3 +225,17 @@ def test_a_script_with_pooled_workers_exits_promptly_and_leaves_no_process(
     assert len(pids) == 2
     assert ended - float(lines["EXITING"][0]) < 10  # the pool is stopped at exit, quickly
     assert _gone(pids, timeout=1.0)
+
+
+def test_forkserver_workers_train_like_spawned_ones(tmp_path: Path) -> None:
+    totals = []
+    for method in ("spawn", "forkserver"):
+        with LocalExecutor(
+            Counter, 1, checkpoint_dir=tmp_path / method, devices=[], start_method=method
+        ) as ex:
+            _ready(ex)
+            totals.append(_total(ex, _batch(1, 0, 3, evaluate_at=((1, 3),))))
+    assert totals[0] == totals[1]
+    assert len(pooled_pids()) == 1  # pooled by start method: spawn's went for forkserver's
+    with pytest.raises(ValueError, match="start_method"):
+        LocalExecutor(Counter, 1, checkpoint_dir=tmp_path, start_method="fork")
