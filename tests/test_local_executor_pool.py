@@ -239,3 +239,22 @@ def test_forkserver_workers_train_like_spawned_ones(tmp_path: Path) -> None:
     assert len(pooled_pids()) == 1  # pooled by start method: spawn's went for forkserver's
     with pytest.raises(ValueError, match="start_method"):
         LocalExecutor(Counter, 1, checkpoint_dir=tmp_path, start_method="fork")
+
+
+def test_a_process_older_than_an_edited_module_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with LocalExecutor(Counter, 1, checkpoint_dir=tmp_path, devices=[]) as ex:
+        _ready(ex)
+        old = ex.pid(0)
+    assert pooled_pids() == [old]
+    module = tmp_path / "edited_since.py"
+    module.write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import edited_since  # noqa: F401  (this process now runs code newer than the worker)
+
+    with LocalExecutor(Counter, 1, checkpoint_dir=tmp_path, devices=[]) as ex:
+        _ready(ex)
+        assert ex.pid(0) not in (None, old)
+    assert old is not None and _gone({old})
+    monkeypatch.delitem(sys.modules, "edited_since")

@@ -286,6 +286,7 @@ class _Slot:
     pending: list[WorkerEvent] = field(default_factory=list)
     trainers: set[str] = field(default_factory=set)  # keys whose spec it was sent
     key: tuple[Any, ...] | None = None  # its pool key (None: it is not pooled)
+    born: float = 0.0  # time.time() when its process was started
 
 
 def _cpu_count() -> int:
@@ -596,7 +597,7 @@ class LocalExecutor(BaseExecutor):
                 slot.process, slot.inbox, slot.outbox = idle.process, idle.inbox, idle.outbox
                 slot.ready = False
                 slot.trainers = set()
-                slot.key = key
+                slot.key, slot.born = key, idle.born
                 return
         self._spawn(slot)
 
@@ -620,6 +621,7 @@ class LocalExecutor(BaseExecutor):
         slot.ready = False
         slot.trainers = set()
         slot.key = self._pool_key(slot) if self.keep_workers else None
+        slot.born = time.time()
 
     def _collect(self, out: list[WorkerEvent]) -> None:
         """Read every available event; report and replace dead workers."""
@@ -756,10 +758,26 @@ def _release(slots: list[_Slot], timeout: float) -> None:
     _shutdown(stop + asked, 2.0)
     idle = []
     for slot in released:
-        idle.append(_Slot(-1, slot.device, slot.process, slot.inbox, slot.outbox, key=slot.key))
+        idle.append(
+            _Slot(
+                -1, slot.device, slot.process, slot.inbox, slot.outbox, key=slot.key, born=slot.born
+            )
+        )
         slot.process = slot.inbox = slot.outbox = None
         slot.running = set()
     _POOL.put(idle, cap=len(slots))
+
+
+def _newest_module_mtime() -> float:
+    """When the newest source file of this process's modules was last modified (a few
+    milliseconds for torch's two thousand modules)."""
+    newest = 0.0
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.stat(path).st_mtime)
+    return newest
 
 
 class _WorkerPool:
@@ -795,7 +813,15 @@ class _WorkerPool:
             return [slot.process.pid for _, slot in self._idle]
 
     def take(self, key: tuple[Any, ...]) -> _Slot | None:
-        """A live idle process with this key (the most recently released), or None."""
+        """A live idle process with this key (the most recently released), or None.
+
+        A process started before a module of this process changed on disk (an edited
+        editable install, a notebook's autoreload) may hold the old code: it is stopped.
+        """
+        with self._lock:
+            if all(slot.key != key for _, slot in self._idle):
+                return None
+        edited = _newest_module_mtime()
         dead: list[_Slot] = []
         found = None
         with self._lock:
@@ -806,7 +832,7 @@ class _WorkerPool:
                 del self._idle[i]
                 assert slot.outbox is not None
                 # An idle worker sends nothing: anything readable is its end (EOF).
-                if slot.process.exitcode is not None or slot.outbox.poll():
+                if slot.process.exitcode is not None or slot.outbox.poll() or slot.born < edited:
                     dead.append(slot)
                     continue
                 found = slot
