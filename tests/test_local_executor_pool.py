@@ -21,7 +21,15 @@ from stagetree.executors.local import pooled_pids, shutdown_pool
 from stagetree.hp import Constant, MultiStep
 from stagetree.space import GridSpace
 from stagetree.tuners import ASHA
-from stagetree.work import BatchDone, BatchFailed, MetricsReported, RunBatch, Segment, WorkerReady
+from stagetree.work import (
+    BatchDone,
+    BatchFailed,
+    MetricsReported,
+    Progress,
+    RunBatch,
+    Segment,
+    WorkerReady,
+)
 
 
 def _alive(pid: int) -> bool:
@@ -258,3 +266,20 @@ def test_a_process_older_than_an_edited_module_is_not_reused(
         assert ex.pid(0) not in (None, old)
     assert old is not None and _gone({old})
     monkeypatch.delitem(sys.modules, "edited_since")
+
+
+def test_closing_during_a_batch_stops_it_and_pools_the_process(tmp_path: Path) -> None:
+    ex = LocalExecutor(Counter, 1, checkpoint_dir=tmp_path, devices=[])
+    ex.start()
+    _ready(ex)
+    ex.submit(_batch(1, 0, 10_000, config={"sleep": 0.01}))
+    _until(ex, lambda ev: bool(_of(ev, Progress)))  # it trains
+    pid = ex.pid(0)
+    began = time.monotonic()
+    ex.close()
+    assert time.monotonic() - began < 5  # stopped at its next step, not at close_timeout
+    assert pooled_pids() == [pid]
+    with LocalExecutor(Counter, 1, checkpoint_dir=tmp_path, devices=[]) as again:
+        _ready(again)
+        assert again.pid(0) == pid
+        assert _total(again, _batch(2, 0, 3, evaluate_at=((1, 3),))) > 0
