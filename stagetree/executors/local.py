@@ -70,7 +70,6 @@ from stagetree.executors._events import (
 )
 from stagetree.executors._spec import TrainerClasses, TrainerSpec, no_main_rerun
 from stagetree.executors.base import BaseExecutor
-from stagetree.identity import is_library_module
 from stagetree.trainer import Trainer
 from stagetree.work import (
     Abort,
@@ -316,47 +315,32 @@ def _visible_cuda_devices() -> list[str]:
 _FORKSERVER_LOCK = threading.Lock()
 
 
-_WARMUP_ENV = "STAGETREE_FORKSERVER_WARMUP"
-
-
 def _preload_modules(trainer: Any) -> list[str]:
     """What the fork server imports once for its children: torch (when this process has
-    it) and the library modules the trainer class is made of."""
+    it) and stagetree's modules the trainer class is made of (``stagetree.torch``...).
+    Other libraries are left to the workers: a module that starts a thread when imported
+    would make forking from the server unsafe."""
     modules = ["stagetree.executors.local"]
     if "torch" in sys.modules:
         modules.append("torch")
-    for cls in _library_bases(trainer):
-        if cls.__module__ not in modules:
-            modules.append(cls.__module__)
+    if isinstance(trainer, type):
+        for cls in trainer.__mro__:
+            name = cls.__module__
+            if name.startswith("stagetree.") and name not in modules:
+                modules.append(name)
     return modules
 
 
-def _library_bases(trainer: Any) -> list[type]:
-    """The trainer's classes (itself and its bases) that a fresh interpreter imports by
-    name from an installed library, most derived first."""
-    if not isinstance(trainer, type):
-        return []
-    return [
-        cls
-        for cls in trainer.__mro__
-        if cls.__module__ != "builtins"
-        and "<locals>" not in cls.__qualname__
-        and is_library_module(cls.__module__)
-    ]
-
-
-def _start_forkserver(trainer: Any, preload: list[str]) -> None:
-    """Start multiprocessing's fork server (once per process) with ``preload`` imported
-    and the trainer's nearest library class warmed up (:meth:`Trainer.warmup`: heavy
-    imports, cached data, inherited by every forked worker), in this process's
-    environment (not a worker's pinned one). A server that is running already keeps
-    what it imported."""
+def _start_forkserver(preload: list[str]) -> None:
+    """Start multiprocessing's fork server (once per process) with ``preload`` imported,
+    in this process's environment (not a worker's pinned one). A server that is running
+    already keeps what it imported. Only imports: ``Trainer.warmup`` runs in each forked
+    worker, as work that may start threads (torch's thread pools) must never precede a
+    fork (its children can hang on a lock held by a thread they do not have)."""
     from multiprocessing import forkserver
 
-    bases = [c for c in _library_bases(trainer) if issubclass(c, Trainer) and c is not Trainer]
-    warm = {_WARMUP_ENV: f"{bases[0].__module__}:{bases[0].__qualname__}"} if bases else {}
-    with _FORKSERVER_LOCK, no_main_rerun(), _environ(warm):
-        multiprocessing.set_forkserver_preload([*preload, "stagetree.executors._warmup"])
+    with _FORKSERVER_LOCK, no_main_rerun():
+        multiprocessing.set_forkserver_preload(preload)
         forkserver.ensure_running()
 
 
@@ -381,7 +365,7 @@ class LocalExecutor(BaseExecutor):
         start_method: ``"spawn"`` (default; or ``$STAGETREE_START_METHOD``): each worker
             is a fresh interpreter that imports torch and the trainer itself;
             ``"forkserver"``: workers are forked from multiprocessing's fork server,
-            which imports torch and the trainer's library modules once (faster cold
+            which imports torch and stagetree once (faster cold
             starts with several workers; the server keeps the environment it started
             with, and it is shared with the rest of the program's forkserver use).
     """
@@ -426,7 +410,6 @@ class LocalExecutor(BaseExecutor):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         self._ctx: Any = multiprocessing.get_context(start_method)
         self._preload = _preload_modules(trainer) if start_method == "forkserver" else []
-        self._trainer_arg = trainer
         self._slots = [
             _Slot(w, device_ids[w % len(device_ids)] if device_ids else None)
             for w in range(num_workers)
@@ -501,7 +484,7 @@ class LocalExecutor(BaseExecutor):
             return
         self._started = True
         if self._preload:
-            _start_forkserver(self._trainer_arg, self._preload)
+            _start_forkserver(self._preload)
         for slot in self._slots:
             self._start_worker(slot)
 
