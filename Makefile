@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/vs_peers.py --plot benchmarks/out/vs_peers.png
 	$(BIN)/python benchmarks/ray_bench.py --plot benchmarks/out/ray_bench.png
 	$(BIN)/python benchmarks/fusion_bench.py --plot benchmarks/out/fusion_bench.png
+	$(BIN)/python benchmarks/startup_bench.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -15,6 +15,7 @@ import pytest
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError, TrainerError
 from stagetree.executors import BaseExecutor, InlineExecutor, LocalExecutor, TrainerSpec
+from stagetree.executors.local import pooled_pids, shutdown_pool
 from stagetree.hp import Constant, MultiStep
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -324,6 +325,9 @@ def test_failure_in_worker_process_and_close(tmp_path: Path) -> None:
     ex.close()
     ex.close()  # idempotent
     assert ex.pid(0) is None
+    assert pid in pooled_pids()  # kept for the next executor of this process
+    shutdown_pool()
+    assert pooled_pids() == []
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(StagetreeError):

@@ -20,12 +20,24 @@ without blocking; events come back on a second pipe per worker (one writer per p
 worker killed mid-write cannot corrupt or lock the others' channel). A worker that dies
 is noticed in :meth:`LocalExecutor.events`, reported as ``WorkerLost`` after the events
 it sent, and replaced by a fresh process that sends ``WorkerReady``.
+
+Start-up, and processes kept across executors: a worker process serves one executor at a
+time, under a *lease* (worker id, trainer, checkpoint store, the parent's ``sys.path``),
+with a fresh :class:`~stagetree.worker.Worker` per lease. When an executor closes, each
+healthy worker stops its batches, drops its trainer and model, and waits in this
+process's pool (:class:`_WorkerPool`); the next executor with the same start method,
+device, threads, working directory and environment leases those processes instead of
+starting new ones (a study's first step then starts in about 0.1 s instead of seconds of
+importing torch and the trainer). The pool is bounded, idle processes stop after
+``STAGETREE_WORKER_IDLE`` seconds, dead ones are discarded, and :func:`shutdown_pool`
+(also run at interpreter exit) stops them all.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib.util
 import logging
 import multiprocessing
@@ -72,9 +84,10 @@ from stagetree.work import (
 )
 from stagetree.worker import TrainerFactory, Worker
 
-__all__ = ["InlineExecutor", "LocalExecutor", "TrainerSpec"]
+__all__ = ["InlineExecutor", "LocalExecutor", "TrainerSpec", "pooled_pids", "shutdown_pool"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+_PINNED_VARS = frozenset((*_THREAD_VARS, "CUDA_VISIBLE_DEVICES"))
 _ENV_LOCK = threading.Lock()
 # A worker that dies this many times in a row before WorkerReady is not restarted.
 _MAX_START_FAILURES = 3
@@ -84,13 +97,40 @@ _MAX_START_FAILURES = 3
 
 
 @dataclass(frozen=True)
-class _ChildConfig:
+class _Lease:
+    """Driver -> worker: what one executor (one study) needs of a worker process. The
+    first lease travels with the process's start; a pooled process receives the next
+    executor's lease as a message (see :func:`shutdown_pool`)."""
+
     worker: int
     spec: TrainerSpec
     store: CheckpointStore  # pickles as its location
+    progress_interval: float
+    sys_path: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _ChildConfig:
+    """What a worker process keeps for its whole life (what the pool is keyed by), and
+    its first lease."""
+
+    lease: _Lease
     threads: int
     device: str | None
-    progress_interval: float
+
+
+class _Release:
+    """Driver -> worker: the executor is closing and keeps the process for the next one:
+    stop the running batches (as when shutting down), drop the trainer, say
+    :class:`_Released`, then wait for the next :class:`_Lease` (or None: exit)."""
+
+
+@dataclass(frozen=True)
+class _Released:
+    """Worker -> driver: every batch ended, every checkpoint is durable, the worker holds
+    nothing of the executor that leased it."""
+
+    worker: int
 
 
 @dataclass(frozen=True)
@@ -109,7 +149,7 @@ def _child_env(device: str | None, threads: int) -> dict[str, str]:
 
 
 def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> None:
-    """Entry point of a worker process."""
+    """Entry point of a worker process: serve leases until told to exit."""
     # The parent handles Ctrl-C and stops workers through close().
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(_child_env(cfg.device, cfg.threads))
@@ -119,31 +159,61 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
         with lock:
             outbox.send(event)
 
+    lease: _Lease | None = cfg.lease
     try:
-        trainer_cls = cfg.spec.resolve()
+        while lease is not None and _serve(lease, cfg.threads, inbox, emit):
+            emit(_Released(lease.worker))
+            lease = None
+            while True:  # idle in the pool: only a lease or the exit sentinel arrive
+                message = inbox.recv()
+                if message is None or isinstance(message, _Lease):
+                    lease = message
+                    break
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone
+    # Skip the interpreter's teardown (tearing down torch takes about a second): nothing
+    # is left to flush, and the parent waits for this exit when it closes the study.
+    for stream in (sys.stdout, sys.stderr):  # the user's prints must not be lost
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        outbox.close()
+    os._exit(0)
+
+
+def _serve(lease: _Lease, threads: int, inbox: Connection, emit: Callable[[Any], None]) -> bool:
+    """Serve one executor with a fresh :class:`Worker` (nothing of an earlier lease's
+    trainers, models or batches survives). Returns True when released back to the pool,
+    False when told to exit or unable to start."""
+    if lease.sys_path:
+        sys.path[:] = list(lease.sys_path)  # the leasing process's, as spawn gives it
+    try:
+        trainer_cls = lease.spec.resolve()
         if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(cfg.threads)
-        store = cfg.store
+            sys.modules["torch"].set_num_threads(threads)
+        store = lease.store
     except Exception as exc:
-        emit(StartupError(cfg.worker, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        return
+        emit(StartupError(lease.worker, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return False
     try:
         trainer_cls.warmup()  # all workers warm up at once, before the first batch
     except Exception:
         # Only an optimisation: the trainer's own construction reports real problems.
         logging.getLogger(__name__).exception(
-            "worker %s: %s.warmup failed", cfg.worker, trainer_cls
+            "worker %s: %s.warmup failed", lease.worker, trainer_cls
         )
     trainers = TrainerClasses(trainer_cls)
-    worker = Worker(cfg.worker, trainers, store, emit, progress_interval=cfg.progress_interval)
+    worker = Worker(lease.worker, trainers, store, emit, progress_interval=lease.progress_interval)
     backlog: deque[Any] = deque()
     nothing: list[AddCheckpoint | Abort] = []
     try:
-        emit(WorkerReady(cfg.worker))
+        emit(WorkerReady(lease.worker))
         while True:
             message = backlog.popleft() if backlog else inbox.recv()
             if message is None:
-                break
+                return False
+            if isinstance(message, _Release):
+                return True
             if isinstance(message, (RunBatch, RunFused)):
                 ids = started(message)
 
@@ -156,8 +226,9 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
                         if isinstance(msg, (AddCheckpoint, Abort)):
                             out.append(msg)
                         else:
-                            if msg is None:  # shutting down: stop these batches first
-                                out.extend(Abort(i, cfg.worker) for i in sorted(ids))
+                            if msg is None or isinstance(msg, _Release):
+                                # shutting down: stop these batches first
+                                out.extend(Abort(i, lease.worker) for i in sorted(ids))
                             backlog.append(msg)
                     return out
 
@@ -172,19 +243,14 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
                 with contextlib.suppress(Exception):
                     trainers[message.key]
             elif isinstance(message, AddCheckpoint):
-                emit(SplitMissed(message.batch_id, cfg.worker, message.node, message.step))
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # the parent is gone
+                emit(SplitMissed(message.batch_id, lease.worker, message.node, message.step))
     finally:
         worker.close()  # every background checkpoint write is durable after this
-    # Skip the interpreter's teardown (tearing down torch takes about a second): nothing
-    # is left to flush, and the parent waits for this exit when it closes the study.
-    for stream in (sys.stdout, sys.stderr):  # the user's prints must not be lost
-        with contextlib.suppress(Exception):
-            stream.flush()
-    with contextlib.suppress(OSError):
-        outbox.close()
-    os._exit(0)
+        del worker, trainers, trainer_cls
+        gc.collect()  # the trainer's model and data go now, not with the next lease
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
@@ -218,6 +284,8 @@ class _Slot:
     start_failures: int = 0
     pending: list[WorkerEvent] = field(default_factory=list)
     trainers: set[str] = field(default_factory=set)  # keys whose spec it was sent
+    key: tuple[Any, ...] | None = None  # its pool key (None: it is not pooled)
+    born: float = 0.0  # time.time() when its process was started
 
 
 def _cpu_count() -> int:
@@ -244,6 +312,38 @@ def _visible_cuda_devices() -> list[str]:
     return [str(i) for i in range(count)]
 
 
+_FORKSERVER_LOCK = threading.Lock()
+
+
+def _preload_modules(trainer: Any) -> list[str]:
+    """What the fork server imports once for its children: torch (when this process has
+    it) and stagetree's modules the trainer class is made of (``stagetree.torch``...).
+    Other libraries are left to the workers: a module that starts a thread when imported
+    would make forking from the server unsafe."""
+    modules = ["stagetree.executors.local"]
+    if "torch" in sys.modules:
+        modules.append("torch")
+    if isinstance(trainer, type):
+        for cls in trainer.__mro__:
+            name = cls.__module__
+            if name.startswith("stagetree.") and name not in modules:
+                modules.append(name)
+    return modules
+
+
+def _start_forkserver(preload: list[str]) -> None:
+    """Start multiprocessing's fork server (once per process) with ``preload`` imported,
+    in this process's environment (not a worker's pinned one). A server that is running
+    already keeps what it imported. Only imports: ``Trainer.warmup`` runs in each forked
+    worker, as work that may start threads (torch's thread pools) must never precede a
+    fork (its children can hang on a lock held by a thread they do not have)."""
+    from multiprocessing import forkserver
+
+    with _FORKSERVER_LOCK, no_main_rerun():
+        multiprocessing.set_forkserver_preload(preload)
+        forkserver.ensure_running()
+
+
 class LocalExecutor(BaseExecutor):
     """Worker processes on this machine (see the module docstring for the layout).
 
@@ -257,8 +357,17 @@ class LocalExecutor(BaseExecutor):
         devices: device ids to pin workers to, round-robin (``CUDA_VISIBLE_DEVICES``
             values); default every visible CUDA device, ``[]`` for no pinning.
         progress_interval: seconds between throttled ``Progress`` events.
-        close_timeout: seconds :meth:`close` waits for workers to exit before
-            terminating them.
+        close_timeout: seconds :meth:`close` waits for workers to exit (or to be
+            released to the pool) before terminating them.
+        keep_workers: on :meth:`close`, put the idle worker processes in this process's
+            pool for the next executor instead of stopping them (see
+            :func:`shutdown_pool`); :meth:`start` takes processes from the pool first.
+        start_method: ``"spawn"`` (default; or ``$STAGETREE_START_METHOD``): each worker
+            is a fresh interpreter that imports torch and the trainer itself;
+            ``"forkserver"``: workers are forked from multiprocessing's fork server,
+            which imports torch and stagetree once (faster cold
+            starts with several workers; the server keeps the environment it started
+            with, and it is shared with the rest of the program's forkserver use).
     """
 
     supports_fusion = True
@@ -273,6 +382,8 @@ class LocalExecutor(BaseExecutor):
         devices: Sequence[int | str] | None = None,
         progress_interval: float = 0.2,
         close_timeout: float = 10.0,
+        keep_workers: bool = True,
+        start_method: str | None = None,
     ) -> None:
         self.spec = TrainerSpec.of(trainer)
         self.spec.check()  # fail here, not in every worker
@@ -292,7 +403,13 @@ class LocalExecutor(BaseExecutor):
         self.threads_per_worker = threads_per_worker
         self.progress_interval = progress_interval
         self.close_timeout = close_timeout
-        self._ctx = multiprocessing.get_context("spawn")
+        self.keep_workers = keep_workers
+        if start_method is None:
+            start_method = os.environ.get("STAGETREE_START_METHOD") or "spawn"
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+        self._ctx: Any = multiprocessing.get_context(start_method)
+        self._preload = _preload_modules(trainer) if start_method == "forkserver" else []
         self._slots = [
             _Slot(w, device_ids[w % len(device_ids)] if device_ids else None)
             for w in range(num_workers)
@@ -366,8 +483,10 @@ class LocalExecutor(BaseExecutor):
         if self._started:
             return
         self._started = True
+        if self._preload:
+            _start_forkserver(self._preload)
         for slot in self._slots:
-            self._spawn(slot)
+            self._start_worker(slot)
 
     def submit(self, instruction: Instruction) -> None:
         slot = self._slots[
@@ -418,20 +537,58 @@ class LocalExecutor(BaseExecutor):
             return
         self._closed = True
         atexit.unregister(self._finalizer)
-        self._finalizer()
+        if self.keep_workers and _POOL.enabled():
+            self._finalizer.detach()
+            _release(self._slots, self.close_timeout)
+        else:
+            self._finalizer()
 
     # ------------------------------------------------------------------ internals
+
+    def _lease(self, slot: _Slot) -> _Lease:
+        return _Lease(
+            worker=slot.worker,
+            spec=self.spec,
+            store=self.store,
+            progress_interval=self.progress_interval,
+            sys_path=tuple(sys.path),
+        )
+
+    def _pool_key(self, slot: _Slot) -> tuple[Any, ...]:
+        """What a pooled process must share with ``slot`` to serve it: start method,
+        device, threads, working directory and environment (a process keeps those of
+        its start)."""
+        with _ENV_LOCK:  # not while _environ() has changed them for a start
+            env = hash(
+                tuple(sorted((k, v) for k, v in os.environ.items() if k not in _PINNED_VARS))
+            )
+            cwd = os.getcwd()
+        return (self._ctx.get_start_method(), slot.device, self.threads_per_worker, cwd, env)
+
+    def _start_worker(self, slot: _Slot) -> None:
+        """Take a live process from the pool for ``slot``, else spawn one."""
+        if self.keep_workers:
+            key = self._pool_key(slot)
+            lease = self._lease(slot)
+            while (idle := _POOL.take(key)) is not None:
+                assert idle.inbox is not None
+                try:
+                    idle.inbox.send(lease)
+                except OSError:  # it died in the pool
+                    _shutdown([idle], 1.0)
+                    continue
+                slot.process, slot.inbox, slot.outbox = idle.process, idle.inbox, idle.outbox
+                slot.ready = False
+                slot.trainers = set()
+                slot.key, slot.born = key, idle.born
+                return
+        self._spawn(slot)
 
     def _spawn(self, slot: _Slot) -> None:
         inbox_recv, inbox_send = self._ctx.Pipe(duplex=False)
         outbox_recv, outbox_send = self._ctx.Pipe(duplex=False)
         cfg = _ChildConfig(
-            worker=slot.worker,
-            spec=self.spec,
-            store=self.store,
-            threads=self.threads_per_worker,
-            device=slot.device,
-            progress_interval=self.progress_interval,
+            lease=self._lease(slot), threads=self.threads_per_worker, device=slot.device
         )
         process = self._ctx.Process(
             target=_worker_main,
@@ -446,6 +603,8 @@ class LocalExecutor(BaseExecutor):
         slot.process, slot.inbox, slot.outbox = process, inbox_send, outbox_recv
         slot.ready = False
         slot.trainers = set()
+        slot.key = self._pool_key(slot) if self.keep_workers else None
+        slot.born = time.time()
 
     def _collect(self, out: list[WorkerEvent]) -> None:
         """Read every available event; report and replace dead workers."""
@@ -498,7 +657,7 @@ class LocalExecutor(BaseExecutor):
                     f"worker {slot.worker} died {slot.start_failures} times before it "
                     f"was ready ({reason}); not restarting it"
                 )
-        self._spawn(slot)
+        self._start_worker(slot)
 
 
 def _shutdown(slots: list[_Slot], timeout: float) -> None:
@@ -537,6 +696,196 @@ def _shutdown(slots: list[_Slot], timeout: float) -> None:
         slot.inbox = slot.outbox = None
         process.close()
         slot.process = None
+
+
+# ---------------------------------------------------------------------- the pool
+
+
+def _release(slots: list[_Slot], timeout: float) -> None:
+    """Close an executor, keeping its healthy workers: each stops its batches, drops its
+    trainer and says :class:`_Released`; those that do within ``timeout`` go to the pool,
+    the others (dead, busy past the timeout, unpooled) are stopped."""
+    asked: list[_Slot] = []
+    stop: list[_Slot] = []
+    for slot in slots:
+        if slot.process is None:
+            continue
+        if slot.key is None or slot.inbox is None or slot.process.exitcode is not None:
+            stop.append(slot)
+            continue
+        try:
+            slot.inbox.send(_Release())
+            asked.append(slot)
+        except OSError:
+            stop.append(slot)
+    deadline = time.monotonic() + timeout
+    released: list[_Slot] = []
+    while asked and time.monotonic() < deadline:
+        for slot in list(asked):
+            assert slot.outbox is not None
+            try:
+                while slot.outbox.poll():  # its last events, then _Released
+                    if isinstance(slot.outbox.recv(), _Released):
+                        released.append(slot)
+                        asked.remove(slot)
+                        break
+            except (EOFError, OSError):
+                asked.remove(slot)
+                stop.append(slot)
+        if asked:
+            waitables: list[Any] = [s.outbox for s in asked]
+            waitables += [s.process.sentinel for s in asked]
+            multiprocessing.connection.wait(
+                waitables, min(0.05, max(0.0, deadline - time.monotonic()))
+            )
+    _shutdown(stop + asked, 2.0)
+    idle = []
+    for slot in released:
+        idle.append(
+            _Slot(
+                -1, slot.device, slot.process, slot.inbox, slot.outbox, key=slot.key, born=slot.born
+            )
+        )
+        slot.process = slot.inbox = slot.outbox = None
+        slot.running = set()
+    _POOL.put(idle, cap=len(slots))
+
+
+def _newest_module_mtime() -> float:
+    """When the newest source file of this process's modules was last modified (a few
+    milliseconds for torch's two thousand modules)."""
+    newest = 0.0
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.stat(path).st_mtime)
+    return newest
+
+
+class _WorkerPool:
+    """Idle worker processes of this process, kept for the next :class:`LocalExecutor`.
+
+    A process serves one executor at a time with a fresh :class:`Worker` per lease (no
+    model, state or trainer class of one study reaches the next: a by-value class is
+    unpickled again, and the previous lease's objects are dropped and collected before
+    it joins the pool). The pool keeps at most as many processes as the executor that
+    released last had workers (the oldest go first), stops a process idle for
+    ``STAGETREE_WORKER_IDLE`` seconds (default 60; 0 turns the pool off), discards
+    processes that died, and is emptied at interpreter exit.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._idle: list[tuple[float, _Slot]] = []  # (since, process), oldest first
+        self._reaper: threading.Thread | None = None
+
+    @staticmethod
+    def idle_seconds() -> float:
+        try:
+            return float(os.environ.get("STAGETREE_WORKER_IDLE", "60"))
+        except ValueError:
+            return 60.0
+
+    def enabled(self) -> bool:
+        return self.idle_seconds() > 0
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [slot.process.pid for _, slot in self._idle]
+
+    def take(self, key: tuple[Any, ...]) -> _Slot | None:
+        """A live idle process with this key (the most recently released), or None.
+
+        A process started before a module of this process changed on disk (an edited
+        editable install, a notebook's autoreload) may hold the old code: it is stopped.
+        """
+        with self._lock:
+            if all(slot.key != key for _, slot in self._idle):
+                return None
+        edited = _newest_module_mtime()
+        dead: list[_Slot] = []
+        found = None
+        with self._lock:
+            for i in range(len(self._idle) - 1, -1, -1):
+                slot = self._idle[i][1]
+                if slot.key != key:
+                    continue
+                del self._idle[i]
+                assert slot.outbox is not None
+                # An idle worker sends nothing: anything readable is its end (EOF).
+                if slot.process.exitcode is not None or slot.outbox.poll() or slot.born < edited:
+                    dead.append(slot)
+                    continue
+                found = slot
+                break
+        _shutdown(dead, 1.0)
+        return found
+
+    def put(self, slots: list[_Slot], cap: int) -> None:
+        if not slots:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._idle.extend((now, slot) for slot in slots)
+            excess = [slot for _, slot in self._idle[: max(0, len(self._idle) - cap)]]
+            del self._idle[: len(excess)]
+            if self._reaper is None or not self._reaper.is_alive():
+                self._reaper = threading.Thread(
+                    target=self._reap, name="stagetree-worker-pool", daemon=True
+                )
+                self._reaper.start()
+            self._wake.notify_all()
+        _shutdown(excess, 2.0)
+
+    def _reap(self) -> None:
+        """Stop processes idle for too long (a daemon thread while the pool is not empty)."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    self._reaper = None
+                    return
+                limit = self.idle_seconds()
+                now = time.monotonic()
+                expired = [slot for since, slot in self._idle if now - since >= limit]
+                if not expired:
+                    oldest = min(since for since, _ in self._idle)
+                    self._wake.wait(max(0.01, oldest + limit - now))
+                    continue
+                self._idle = [(t, slot) for t, slot in self._idle if slot not in expired]
+            _shutdown(expired, 2.0)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            slots = [slot for _, slot in self._idle]
+            self._idle = []
+            self._wake.notify_all()
+        _shutdown(slots, 5.0)
+
+    def forget(self) -> None:
+        """In a forked child: the parent's workers are not this process's to use."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._idle = []
+        self._reaper = None
+
+
+_POOL = _WorkerPool()
+# Registered after multiprocessing's exit handler (imported above), so it runs first.
+atexit.register(_POOL.shutdown)
+os.register_at_fork(after_in_child=_POOL.forget)
+
+
+def shutdown_pool() -> None:
+    """Stop every idle worker process kept for reuse in this process (also done at
+    interpreter exit; a later executor spawns fresh ones)."""
+    _POOL.shutdown()
+
+
+def pooled_pids() -> list[int]:
+    """Process ids of the idle worker processes kept for reuse in this process."""
+    return _POOL.pids()
 
 
 # ---------------------------------------------------------------------- InlineExecutor
