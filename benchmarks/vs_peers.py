@@ -309,7 +309,7 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
     alone = step_seconds_alone(s, threads)
     os.environ[COUNTER_ENV] = str(tmp / "train_calls")
     tuner = make_tuner(s)
-    begin = _perf()
+    begin, begin_clock = _perf(), time.time()
     study = Study(
         s["study"],
         trainer_class(s),
@@ -326,6 +326,7 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
     finally:
         study.close()
     wall = _perf() - begin
+    phases = {"tune": tuned, "close": wall - tuned, **activity_phases(tmp, begin_clock, wall)}
     top = s["max_steps"]
     finals = {
         trial_key(t.config, t.hp): t.metrics[top]["accuracy"] for t in trials if top in t.metrics
@@ -342,7 +343,7 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
     busy = sum(n * alone.get(size, alone.get(0, 0.0)) for size, n in unique.items())
     return {
         "wall": wall,
-        "phases": {"tune": tuned, "close": wall - tuned},
+        "phases": phases,
         "finals": finals,
         "curves": curves,
         "best_accuracy": max(finals.values(), default=None),
@@ -355,6 +356,32 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
         "efficiency": (busy / 2 / wall) if share and wall else None,
         "device_seconds": stats["device_seconds"],
         "merge_rate": stats["merge_rate"],
+    }
+
+
+def activity_phases(tmp: Path, begin: float, wall: float) -> dict[str, float]:
+    """Where stagetree's wall-clock went, from the workers' activity log: seconds until
+    the first batch started, the batches' busy seconds over both workers, and seconds
+    after the last batch ended (empty when the log cannot be read)."""
+    from stagetree.plan import open_storage
+
+    try:
+        storage = open_storage(f"sqlite:///{tmp / 'plan.db'}")
+        try:
+            records = storage.activity()
+        finally:
+            storage.close()
+    except Exception:  # informative only
+        return {}
+    starts = [r.time for r in records if r.kind == "start"]
+    ends = [r for r in records if r.kind == "done"]
+    if not starts or not ends:
+        return {}
+    return {
+        "to first batch": min(starts) - begin,
+        "batches": float(len(ends)),
+        "batch busy (2 workers)": sum(r.seconds for r in ends),
+        "after last batch": begin + wall - max(r.time for r in ends),
     }
 
 
