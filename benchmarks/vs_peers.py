@@ -25,6 +25,25 @@ Runners:
   thread: 2 threads were slower for this small model on the 2-core machine), in-memory
   storage; the objective reports the accuracy after every step and stops when pruned.
 
+``--study race-grid`` / ``--study race-sha``: a race where training dominates. 36 trials
+of a small CNN (``DigitsConvTrainer``, 32 channels, BatchNorm, SGD with momentum) on the
+digits, with Hippo-style schedules (:func:`race_space`: 6 learning-rate schedules with
+step decays at different epochs, warm-ups, cosine and exponential tails, x 3 batch-size
+schedules 64 -> 128 at different epochs, x 2 momentum schedules), 32 epochs each (quick:
+16). One step is one epoch: ``_common.EpochConvTrainer`` trains one pass over the 1348
+training samples at the step's batch size (22 minibatches at 64, 11 at 128). The trials
+share long prefixes (merge rate of the grid 2.72; quick 2.76). ``race-grid``:
+``GridSearch`` to 32 epochs (Ray: no scheduler; Optuna: ``GridSampler``, no pruner).
+``race-sha``: ``SHA(eta=3, min_steps=epochs/8)`` (rungs 4, 12, 32; Ray: ``ASHAScheduler``
+with the same grace period, factor and ``max_t``; Optuna: ``SuccessiveHalvingPruner``).
+Optuna runs 2 trials at a time in threads (``n_jobs=2``, 1 torch thread each; ``--optuna-
+jobs`` changes it). Every runner's accuracy is compared with stagetree's at the check
+steps (the rungs, or a quarter, half, three quarters and all of the epochs). For
+stagetree the run also reports its efficiency: unique steps x the median seconds of one
+step (setup + train + evaluate) trained alone in the child just before the run (per
+batch size), / 2 workers, / the wall-clock; and, from the activity log, the seconds to
+the first batch, the batches' busy seconds and the seconds after the last batch.
+
 Measured per run: wall-clock from before the framework starts (``Study(...)``,
 ``ray.init``, ``optuna.create_study``) until it has shut down (imports excluded, the same
 for all), training steps executed (``train()`` calls counted by a subclass of the trainer
@@ -39,6 +58,9 @@ Run::
     .venv/bin/python benchmarks/vs_peers.py --repeats 3 --plot vs_peers.png   # ~4 min
     .venv/bin/python benchmarks/vs_peers.py --quick                          # ~1 min
     .venv/bin/python benchmarks/vs_peers.py --runners stagetree,optuna
+    .venv/bin/python benchmarks/vs_peers.py --study race-grid --repeats 3     # ~15 min
+    .venv/bin/python benchmarks/vs_peers.py --study race-sha --repeats 3      # ~8 min
+    .venv/bin/python benchmarks/vs_peers.py --study race-grid --quick         # ~2.5 min
 """
 
 from __future__ import annotations
