@@ -61,8 +61,8 @@ Run::
     .venv/bin/python benchmarks/vs_peers.py --repeats 3 --plot vs_peers.png   # ~4 min
     .venv/bin/python benchmarks/vs_peers.py --quick                          # ~1 min
     .venv/bin/python benchmarks/vs_peers.py --runners stagetree,optuna
-    .venv/bin/python benchmarks/vs_peers.py --study race-grid --repeats 3     # ~15 min
-    .venv/bin/python benchmarks/vs_peers.py --study race-sha --repeats 3      # ~8 min
+    .venv/bin/python benchmarks/vs_peers.py --study race-grid --repeats 3     # ~11 min
+    .venv/bin/python benchmarks/vs_peers.py --study race-sha --repeats 3      # ~7 min
     .venv/bin/python benchmarks/vs_peers.py --study race-grid --quick         # ~2.5 min
 """
 
@@ -666,7 +666,9 @@ def run_optuna(s: dict[str, Any], tmp: Path, args: argparse.Namespace) -> dict[s
     steps = sum(max(t.intermediate_values, default=0) for t in trials)
     return {
         "wall": wall,
-        "phases": {"extra trials dropped": float(len(study.trials) - len(trials))},
+        "phases": (
+            {"extra trials dropped": float(len(study.trials) - len(trials))} if jobs > 1 else {}
+        ),
         "finals": results["finals"],
         "curves": results["curves"],
         "best_accuracy": max((t.value for t in done if t.value is not None), default=None),
