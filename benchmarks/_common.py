@@ -19,11 +19,12 @@ import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from stagetree.torch.examples import DigitsTrainer
+from stagetree.torch.examples import DigitsConvTrainer, DigitsTrainer
 
 __all__ = [
     "COUNTER_ENV",
     "CountingDigitsTrainer",
+    "EpochConvTrainer",
     "bar_plot",
     "count_steps",
     "fmt",
@@ -59,6 +60,27 @@ def count_steps(path: str | os.PathLike[str]) -> int:
 class CountingDigitsTrainer(DigitsTrainer):
     """:class:`~stagetree.torch.examples.DigitsTrainer` that records each ``train()``
     call in the file named by :data:`COUNTER_ENV` (see the module docstring)."""
+
+    def train(self) -> dict[str, float]:
+        out = super().train()
+        _bump()
+        return out
+
+
+class EpochConvTrainer(DigitsConvTrainer):
+    """:class:`~stagetree.torch.examples.DigitsConvTrainer` whose step is one epoch: one
+    pass over the training split (1348 samples) at the current batch size, so
+    ``ceil(1348 / batch_size)`` minibatches (the last one smaller), whatever the
+    ``batch_size`` sequence says; ``batches_per_step`` is ignored. Counts its ``train()``
+    calls like :class:`CountingDigitsTrainer`."""
+
+    @property  # type: ignore[override]
+    def updates_per_step(self) -> int:
+        return len(self.loader)  # batches in one whole epoch at the current batch size
+
+    @updates_per_step.setter
+    def updates_per_step(self, value: int) -> None:
+        pass  # the base class sets batches_per_step here: a step is an epoch instead
 
     def train(self) -> dict[str, float]:
         out = super().train()

@@ -25,6 +25,28 @@ Runners:
   thread: 2 threads were slower for this small model on the 2-core machine), in-memory
   storage; the objective reports the accuracy after every step and stops when pruned.
 
+``--study race-grid`` / ``--study race-sha``: a race where training dominates. 36 trials
+of a small CNN (``DigitsConvTrainer``, 32 channels, BatchNorm, SGD with momentum) on the
+digits, with Hippo-style schedules (:func:`race_space`: 6 learning-rate schedules with
+step decays at different epochs, warm-ups, cosine and exponential tails, x 3 batch-size
+schedules 64 -> 128 at different epochs, x 2 momentum schedules), 32 epochs each (quick:
+16). One step is one epoch: ``_common.EpochConvTrainer`` trains one pass over the 1348
+training samples at the step's batch size (22 minibatches at 64, 11 at 128). The trials
+share long prefixes (merge rate of the grid 2.72; quick 2.76). ``race-grid``:
+``GridSearch`` to 32 epochs (Ray: no scheduler; Optuna: ``GridSampler``, no pruner).
+``race-sha``: ``SHA(eta=3, min_steps=epochs/8)`` (rungs 4, 12, 32; Ray: ``ASHAScheduler``
+with the same grace period, factor and ``max_t``; Optuna: ``SuccessiveHalvingPruner``).
+Optuna runs 2 trials at a time in 2 processes of this script sharing one journal-file
+storage (1 torch thread each; ``--optuna-jobs`` changes the count): with ``n_jobs=2``
+threads, trials share torch's global RNG, and 21 of 432 compared accuracies differed
+from the other systems' (by up to 0.29) in a trial run. Every runner's accuracy is
+compared with stagetree's at the check steps (the rungs, or a quarter, half, three
+quarters and all of the epochs). For stagetree the run also reports its efficiency:
+unique steps x the median seconds of one step (setup + train + evaluate) trained alone
+in the child just before the run (per batch size), / 2 workers, / the wall-clock; and,
+from the activity log, the seconds to the first batch, the batches' busy seconds and the
+seconds after the last batch.
+
 Measured per run: wall-clock from before the framework starts (``Study(...)``,
 ``ray.init``, ``optuna.create_study``) until it has shut down (imports excluded, the same
 for all), training steps executed (``train()`` calls counted by a subclass of the trainer
@@ -39,6 +61,9 @@ Run::
     .venv/bin/python benchmarks/vs_peers.py --repeats 3 --plot vs_peers.png   # ~4 min
     .venv/bin/python benchmarks/vs_peers.py --quick                          # ~1 min
     .venv/bin/python benchmarks/vs_peers.py --runners stagetree,optuna
+    .venv/bin/python benchmarks/vs_peers.py --study race-grid --repeats 3     # ~11 min
+    .venv/bin/python benchmarks/vs_peers.py --study race-sha --repeats 3      # ~7 min
+    .venv/bin/python benchmarks/vs_peers.py --study race-grid --quick         # ~2.5 min
 """
 
 from __future__ import annotations
@@ -63,7 +88,6 @@ from typing import Any
 
 from _common import (
     COUNTER_ENV,
-    CountingDigitsTrainer,
     bar_plot,
     count_steps,
     fmt,
@@ -76,6 +100,7 @@ from _common import (
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "digits.py"
 RUNNERS = ("stagetree", "stagetree-noshare", "ray", "optuna")
+STUDIES = ("digits-asha", "race-grid", "race-sha")
 _perf = time.perf_counter
 
 
@@ -107,11 +132,16 @@ def load_example() -> ModuleType:
     return module
 
 
-def settings(quick: bool) -> dict[str, Any]:
-    """Search space and ASHA settings of the example (quick: at most 8 trials)."""
+def settings(quick: bool, study: str = "digits-asha") -> dict[str, Any]:
+    """The study's search space, tuner and trainer settings (see :data:`STUDIES`)."""
+    if study != "digits-asha":
+        return race_settings(quick, study)
     ex = load_example()
     tuner = ex.tuner
     return {
+        "study": study,
+        "tuner": "asha",
+        "trainer": "CountingDigitsTrainer",
         "space": ex.space,
         "min_steps": tuner.min_steps,
         "max_steps": tuner.max_steps,
@@ -123,10 +153,77 @@ def settings(quick: bool) -> dict[str, Any]:
     }
 
 
+def race_space(epochs: int) -> Any:
+    """The race's Hippo-style grid: 6 learning-rate schedules (step decays at different
+    epochs, warm-ups, cosine, exponential) x 3 batch-size schedules (64; 64 then 128 from
+    half-way; 64 then 128 from three quarters) x 2 momentum schedules (0.9; 0.9 then 0.8
+    from three quarters): 36 trials of ``epochs`` epochs sharing long prefixes."""
+    from stagetree.hp import Constant, Cosine, Exponential, MultiStep, Piecewise, Warmup
+    from stagetree.space import GridSpace
+
+    t = epochs
+    half, late, w = t // 2, 3 * t // 4, max(1, t // 8)
+    return GridSpace(
+        hp={
+            "lr": [
+                MultiStep(0.1, [half, late], 0.1),  # x0.1 at 1/2 and 3/4
+                MultiStep(0.1, [5 * t // 8, 7 * t // 8], 0.1),  # x0.1 at 5/8 and 7/8
+                Constant(0.1).then(Cosine(0.1, t - half), at=half),  # flat, then cosine
+                Constant(0.1).then(Exponential(0.1, 0.85), at=half),  # flat, then x0.85
+                # a warm-up from 0.02, then x0.1 at 3/8 and 5/8
+                Warmup(w, 0.1, 0.02).then(MultiStep(0.1, [3 * t // 8, 5 * t // 8], 0.1), at=w),
+                Warmup(w, 0.1, 0.02).then(Cosine(0.1, t - w), at=w),  # a warm-up, then cosine
+            ],
+            "batch_size": [64, Piecewise([64, 128], [half]), Piecewise([64, 128], [late])],
+            "momentum": [0.9, Piecewise([0.9, 0.8], [late])],
+        },
+        fixed={"optimizer": ["momentum"], "channels": [32], "seed": [0]},
+    )
+
+
+def race_settings(quick: bool, study: str) -> dict[str, Any]:
+    """The race (``race-grid``: GridSearch; ``race-sha``: SHA, eta=3, from epoch
+    ``epochs/8``): 36 trials of :class:`_common.EpochConvTrainer` (one step = one epoch),
+    32 epochs each (quick: 16)."""
+    from stagetree.tuners.base import rung_levels
+
+    epochs = 16 if quick else 32
+    space = race_space(epochs)
+    grid = study == "race-grid"
+    min_steps = epochs if grid else epochs // 8
+    eta = 3
+    return {
+        "study": study,
+        "tuner": "grid" if grid else "sha",
+        "trainer": "EpochConvTrainer",
+        "space": space,
+        "min_steps": min_steps,
+        "max_steps": epochs,
+        "eta": eta,
+        "num_trials": len(space),
+        "seed": 0,
+        "max_rungs": None,
+        "levels": [epochs] if grid else rung_levels(min_steps, epochs, eta),
+        "checks": sorted({epochs // 4, epochs // 2, 3 * epochs // 4, epochs})
+        if grid
+        else rung_levels(min_steps, epochs, eta),
+    }
+
+
+def trainer_class(s: dict[str, Any]) -> Any:
+    """The (counting) trainer class the study trains, from ``_common``."""
+    import _common
+
+    return getattr(_common, s["trainer"])
+
+
 def trial_specs(s: dict[str, Any]) -> list[Any]:
-    """The trials in the order stagetree's ASHA starts them."""
+    """The trials in the order stagetree's tuner starts them (ASHA and SHA: shuffled by
+    the seed; GridSearch: the grid's order)."""
     from stagetree.tuners.base import draw_specs
 
+    if s["tuner"] == "grid":
+        return draw_specs(s["space"], None, s["seed"])
     return draw_specs(s["space"], s["num_trials"], s["seed"], shuffle_grid=True)
 
 
@@ -146,25 +243,101 @@ def hp_at(hp: dict[str, Any], t: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------- runners (child)
 
 
-def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> dict[str, Any]:
-    from stagetree import Study
-    from stagetree.tuners import ASHA
+def make_tuner(s: dict[str, Any]) -> Any:
+    """stagetree's tuner for the study: the example's ASHA, GridSearch or SHA."""
+    from stagetree.tuners import ASHA, SHA, GridSearch
 
-    tuner = ASHA(
+    common = {"metric": "accuracy", "mode": "max", "seed": s["seed"]}
+    if s["tuner"] == "grid":
+        return GridSearch(s["space"], steps=s["max_steps"], **common)
+    if s["tuner"] == "sha":
+        return SHA(
+            s["space"],
+            min_steps=s["min_steps"],
+            max_steps=s["max_steps"],
+            eta=s["eta"],
+            num_trials=s["num_trials"],
+            **common,
+        )
+    return ASHA(
         s["space"],
-        metric="accuracy",
-        mode="max",
         min_steps=s["min_steps"],
         max_steps=s["max_steps"],
         eta=s["eta"],
         num_trials=s["num_trials"],
-        seed=s["seed"],
         max_rungs=s["max_rungs"],
+        **common,
     )
-    begin = _perf()
+
+
+def checks(s: dict[str, Any]) -> list[int]:
+    """Steps at which every runner's accuracies are compared (the rungs, or for the grid
+    race a quarter, half, three quarters and all of the epochs)."""
+    return list(s.get("checks", s["levels"]))
+
+
+def step_seconds_alone(s: dict[str, Any], threads: int, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one step (``setup`` + ``train`` + ``evaluate``) of the study's
+    trainer trained alone in this process, per batch size the space uses (after one
+    warm-up step each); call it before the step counter is set."""
+    import torch
+
+    torch.set_num_threads(threads)
+    spec = next(iter(s["space"].trials()))
+    sizes = sorted(
+        {
+            int(sp.hp["batch_size"](t))
+            for sp in s["space"].trials()
+            if "batch_size" in sp.hp
+            for t in range(s["max_steps"])
+        }
+    )
+    trainer = trainer_class(s)(spec.config)
+    out: dict[int, float] = {}
+    for size in sizes or [0]:
+        hp = hp_at(spec.hp, 0)
+        if size:
+            hp["batch_size"] = size
+        times = []
+        for _ in range(repeats + 1):
+            begin = _perf()
+            trainer.setup(hp)
+            trainer.train()
+            trainer.evaluate()
+            times.append(_perf() - begin)
+        out[size] = float(median(times[1:]) or 0.0)
+    return out
+
+
+def unique_steps(paths: list[tuple[dict[str, Any], dict[str, Any], int]]) -> dict[int, int]:
+    """Steps of the union of the trials' paths (``(config, hp, steps trained)``), counted
+    per batch size (0 when the space has none): what sharing leaves to train."""
+    from stagetree.space import canonical_json
+
+    seen: set[tuple[Any, ...]] = set()
+    counts: dict[int, int] = {}
+    for config, hp, steps in paths:
+        prefix: tuple[Any, ...] = (canonical_json(config),)
+        for t in range(steps):
+            values = hp_at(hp, t)
+            prefix = (prefix, repr(sorted(values.items())))
+            if prefix not in seen:
+                seen.add(prefix)
+                size = int(values.get("batch_size", 0))
+                counts[size] = counts.get(size, 0) + 1
+    return counts
+
+
+def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> dict[str, Any]:
+    from stagetree import Study
+
+    alone = step_seconds_alone(s, threads)
+    os.environ[COUNTER_ENV] = str(tmp / "train_calls")
+    tuner = make_tuner(s)
+    begin, begin_clock = _perf(), time.time()
     study = Study(
-        "digits-asha",
-        CountingDigitsTrainer,
+        s["study"],
+        trainer_class(s),
         storage=f"sqlite:///{tmp / 'plan.db'}",
         workers=2,
         share=share,
@@ -178,20 +351,62 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
     finally:
         study.close()
     wall = _perf() - begin
+    phases = {"tune": tuned, "close": wall - tuned, **activity_phases(tmp, begin_clock, wall)}
     top = s["max_steps"]
     finals = {
         trial_key(t.config, t.hp): t.metrics[top]["accuracy"] for t in trials if top in t.metrics
     }
+    curves = {
+        trial_key(t.config, t.hp): {
+            str(c): t.metrics[c]["accuracy"] for c in checks(s) if c in t.metrics
+        }
+        for t in trials
+    }
+    # Efficiency limit: the unique steps at their trained-alone time, on 2 workers.
+    paths = [(t.config, t.hp, max(t.metrics, default=0)) for t in trials]
+    unique = unique_steps(paths) if share else {}
+    busy = sum(n * alone.get(size, alone.get(0, 0.0)) for size, n in unique.items())
     return {
         "wall": wall,
-        "phases": {"tune": tuned, "close": wall - tuned},
+        "phases": phases,
         "finals": finals,
+        "curves": curves,
         "best_accuracy": max(finals.values(), default=None),
         "trials": len(trials),
         "trials_full": len(finals),
         "steps_reported": stats["steps_executed"],
+        "steps_unique": sum(unique.values()) if share else None,
+        "steps_requested": stats.get("steps_requested"),
+        "step_alone": {str(k): v for k, v in alone.items()},
+        "efficiency": (busy / 2 / wall) if share and wall else None,
         "device_seconds": stats["device_seconds"],
         "merge_rate": stats["merge_rate"],
+    }
+
+
+def activity_phases(tmp: Path, begin: float, wall: float) -> dict[str, float]:
+    """Where stagetree's wall-clock went, from the workers' activity log: seconds until
+    the first batch started, the batches' busy seconds over both workers, and seconds
+    after the last batch ended (empty when the log cannot be read)."""
+    from stagetree.plan import open_storage
+
+    try:
+        storage = open_storage(f"sqlite:///{tmp / 'plan.db'}")
+        try:
+            records = storage.activity()
+        finally:
+            storage.close()
+    except Exception:  # informative only
+        return {}
+    starts = [r.time for r in records if r.kind == "start"]
+    ends = [r for r in records if r.kind == "done"]
+    if not starts or not ends:
+        return {}
+    return {
+        "to first batch": min(starts) - begin,
+        "batches": float(len(ends)),
+        "batch busy (2 workers)": sum(r.seconds for r in ends),
+        "after last batch": begin + wall - max(r.time for r in ends),
     }
 
 
@@ -203,6 +418,9 @@ def run_ray(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
 
     specs = trial_specs(s)
     bench_dir = str(HERE)
+    trainer_name = s["trainer"]
+    check_steps = set(checks(s))
+    log = str(tmp / "ray_curves.jsonl")  # the accuracy at each check step, appended
 
     class DigitsTrainable(tune.Trainable):
         def setup(self, config: dict[str, Any]) -> None:
@@ -213,19 +431,28 @@ def run_ray(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
 
             if bench_dir not in sys.path:
                 sys.path.insert(0, bench_dir)
-            from _common import CountingDigitsTrainer
+            import _common
 
             torch.set_num_threads(threads)
-            spec = specs[config["trial"]]
+            self.trial = config["trial"]
+            spec = specs[self.trial]
             self.hp = dict(spec.hp)
-            self.trainer = CountingDigitsTrainer(spec.config)
+            self.trainer = getattr(_common, trainer_name)(spec.config)
             self.t = 0
 
         def step(self) -> dict[str, float]:
             self.trainer.setup(hp_at(self.hp, self.t))
             self.trainer.train()
             self.t += 1
-            return {"accuracy": self.trainer.evaluate()["accuracy"]}
+            acc = self.trainer.evaluate()["accuracy"]
+            if self.t in check_steps:
+                line = json.dumps({"trial": self.trial, "step": self.t, "accuracy": acc})
+                fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, (line + "\n").encode())
+                finally:
+                    os.close(fd)
+            return {"accuracy": acc}
 
         def reset_config(self, new_config: dict[str, Any]) -> bool:
             self._build(new_config)
@@ -248,7 +475,9 @@ def run_ray(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
             tune_config=tune.TuneConfig(
                 metric="accuracy",
                 mode="max",
-                scheduler=ASHAScheduler(
+                scheduler=None
+                if s["tuner"] == "grid"  # FIFO: every trial to max_steps
+                else ASHAScheduler(
                     time_attr="training_iteration",
                     max_t=s["max_steps"],
                     grace_period=s["min_steps"],
@@ -285,10 +514,18 @@ def run_ray(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
         if m.get("training_iteration") == top and "accuracy" in m:
             spec = specs[int((result.config or {})["trial"])]
             finals[trial_key(spec.config, spec.hp)] = float(m["accuracy"])
+    curves: dict[str, dict[str, float]] = {}
+    if os.path.exists(log):
+        for line in Path(log).read_text().splitlines():
+            rec = json.loads(line)
+            spec = specs[int(rec["trial"])]
+            key = trial_key(spec.config, spec.hp)
+            curves.setdefault(key, {})[str(rec["step"])] = float(rec["accuracy"])
     return {
         "wall": wall,
         "phases": phases,
         "finals": finals,
+        "curves": curves,
         "best_accuracy": max(finals.values(), default=None),
         "trials": len(grid),
         "trials_full": len(finals),
@@ -298,7 +535,9 @@ def run_ray(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
     }
 
 
-def run_optuna(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
+def _optuna_setup(s: dict[str, Any], threads: int) -> tuple[Any, Any, Any]:
+    """``(objective, sampler, pruner)`` of the Optuna runner, and the objective's
+    ``finals`` / ``curves`` dicts in ``objective.results``."""
     import optuna
     import torch
 
@@ -319,44 +558,121 @@ def run_optuna(s: dict[str, Any], tmp: Path, threads: int) -> dict[str, Any]:
     varying = [n for n in names if len(options[n]) > 1]
     lookup = {tuple(options[n].index(value(sp, n)) for n in varying): sp for sp in specs}
     top = s["max_steps"]
+    trainer_cls = trainer_class(s)
+    check_steps = set(checks(s))
 
     finals: dict[str, float] = {}
+    curves: dict[str, dict[str, float]] = {}
 
     def objective(trial: optuna.Trial) -> float:
+        if trial.number >= s["num_trials"]:
+            # Processes on one storage can start one trial past the grid (a grid point
+            # another process had just taken): drop it untrained, and stop.
+            trial.study.stop()
+            raise optuna.TrialPruned()
         key = tuple(trial.suggest_categorical(n, list(range(len(options[n])))) for n in varying)
         spec = lookup[key]
-        trainer = CountingDigitsTrainer(spec.config)
+        trainer = trainer_cls(spec.config)
+        curve = curves.setdefault(trial_key(spec.config, spec.hp), {})
         acc = math.nan
         for t in range(top):
             trainer.setup(hp_at(spec.hp, t))
             trainer.train()
             acc = trainer.evaluate()["accuracy"]
+            if t + 1 in check_steps:
+                curve[str(t + 1)] = acc
             trial.report(acc, t + 1)
             if trial.should_prune():
                 raise optuna.TrialPruned()
         finals[trial_key(spec.config, spec.hp)] = acc
         return acc
 
-    begin = _perf()
-    study = optuna.create_study(
-        direction="maximize",
-        sampler=optuna.samplers.GridSampler(
-            {n: list(range(len(options[n]))) for n in varying}, seed=s["seed"]
-        ),
-        pruner=optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=s["min_steps"], reduction_factor=s["eta"], min_early_stopping_rate=0
-        ),
+    objective.results = {"finals": finals, "curves": curves}  # type: ignore[attr-defined]
+    # Optuna 5's GridSampler gives trial number k grid point k (k < grid size), so
+    # processes sharing a storage never train the same point twice.
+    sampler = optuna.samplers.GridSampler(
+        {n: list(range(len(options[n]))) for n in varying}, seed=s["seed"]
     )
+    pruner = (
+        optuna.pruners.NopPruner()
+        if s["tuner"] == "grid"
+        else optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=s["min_steps"], reduction_factor=s["eta"], min_early_stopping_rate=0
+        )
+    )
+    return objective, sampler, pruner
+
+
+def _optuna_storage(tmp: Path) -> Any:
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    return JournalStorage(JournalFileBackend(str(tmp / "optuna.journal")))
+
+
+def optuna_worker(args: argparse.Namespace) -> int:
+    """One of the Optuna runner's processes: trials of the shared study until the grid
+    is done; writes its trials' accuracies to ``args.out``."""
+    import optuna
+
+    s = settings(args.quick, args.study)
+    objective, sampler, pruner = _optuna_setup(s, args.optuna_threads)
+    study = optuna.load_study(
+        study_name="race", storage=_optuna_storage(Path(args.workdir)), sampler=sampler,
+        pruner=pruner,
+    )  # fmt: skip
     study.optimize(objective, n_trials=s["num_trials"])
+    Path(args.out).write_text(json.dumps(objective.results))
+    return 0
+
+
+def run_optuna(s: dict[str, Any], tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Optuna: in this process (``--optuna-jobs 1``), or in ``jobs`` processes of this
+    script on one journal-file storage (each 1 torch thread; they inherit the step
+    counter)."""
+    import optuna
+
+    jobs = optuna_jobs(args)
+    objective, sampler, pruner = _optuna_setup(s, args.optuna_threads)
+    begin = _perf()
+    storage = _optuna_storage(tmp) if jobs > 1 else None
+    study = optuna.create_study(
+        study_name="race", storage=storage, direction="maximize", sampler=sampler,
+        pruner=pruner,
+    )  # fmt: skip
+    results = objective.results
+    if jobs == 1:
+        study.optimize(objective, n_trials=s["num_trials"])
+    else:
+        outs = [tmp / f"optuna-worker-{i}.json" for i in range(jobs)]
+        procs = []
+        for out in outs:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "optuna-worker"]
+            cmd += ["--out", str(out), "--workdir", str(tmp), "--study", args.study]
+            cmd += ["--optuna-threads", str(args.optuna_threads)]
+            cmd += ["--quick"] if args.quick else []
+            procs.append(subprocess.Popen(cmd))
+        if any(p.wait() != 0 for p in procs):
+            raise RuntimeError("an Optuna worker process failed")
+        for out in outs:
+            part = json.loads(out.read_text())
+            results["finals"].update(part["finals"])
+            for key, curve in part["curves"].items():
+                results["curves"].setdefault(key, {}).update(curve)
+        study = optuna.load_study(study_name="race", storage=storage)
     wall = _perf() - begin
-    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    steps = sum(max(t.intermediate_values, default=0) for t in study.trials)
+    trials = [t for t in study.trials if t.number < s["num_trials"]]
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    steps = sum(max(t.intermediate_values, default=0) for t in trials)
     return {
         "wall": wall,
-        "phases": {},
-        "finals": finals,
+        "phases": (
+            {"extra trials dropped": float(len(study.trials) - len(trials))} if jobs > 1 else {}
+        ),
+        "finals": results["finals"],
+        "curves": results["curves"],
         "best_accuracy": max((t.value for t in done if t.value is not None), default=None),
-        "trials": len(study.trials),
+        "trials": len(trials),
         "trials_full": len(done),
         "steps_reported": steps,
         "device_seconds": None,
@@ -368,10 +684,11 @@ def child(args: argparse.Namespace) -> int:
     # A time limit sends SIGTERM: exit through SystemExit so that clean-up code (such as
     # ray.shutdown) runs; the parent removes the work directory in any case.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    s = settings(args.quick)
+    s = settings(args.quick, args.study)
     tmp = Path(args.workdir)
     counter = tmp / "train_calls"
-    os.environ[COUNTER_ENV] = str(counter)
+    if not args.child.startswith("stagetree"):  # stagetree's runner sets it after timing
+        os.environ[COUNTER_ENV] = str(counter)
     load = load_average()
     if args.child == "stagetree":
         out = run_stagetree(s, tmp, True, 1)
@@ -380,7 +697,9 @@ def child(args: argparse.Namespace) -> int:
     elif args.child == "ray":
         out = run_ray(s, tmp, 1)
     elif args.child == "optuna":
-        out = run_optuna(s, tmp, args.optuna_threads)
+        out = run_optuna(s, tmp, args)
+    elif args.child == "optuna-worker":
+        return optuna_worker(args)
     else:
         raise ValueError(f"unknown runner {args.child!r}")
     out["steps_executed"] = count_steps(counter)
@@ -406,13 +725,21 @@ def available(runner: str) -> str | None:
     return None
 
 
+def optuna_jobs(args: argparse.Namespace) -> int:
+    """Optuna's parallel trials: ``--optuna-jobs``, else 1 (digits study) or 2 (races)."""
+    if args.optuna_jobs:
+        return int(args.optuna_jobs)
+    return 1 if args.study == "digits-asha" else 2
+
+
 def run_child(runner: str, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """One run in a fresh process (own session, so a timeout ends all it started)."""
     workdir = tempfile.mkdtemp(prefix=f"stagetree-vs-{runner}-")
     out = os.path.join(workdir, "result.json")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", runner, "--out", out]
     cmd += ["--workdir", workdir]
-    cmd += ["--optuna-threads", str(args.optuna_threads)]
+    cmd += ["--optuna-threads", str(args.optuna_threads), "--study", args.study]
+    cmd += ["--optuna-jobs", str(optuna_jobs(args))]
     if args.quick:
         cmd.append("--quick")
     log = Path(tempfile.gettempdir()) / f"stagetree-vs-peers-{runner}.log"
@@ -465,6 +792,8 @@ def summarise(results: dict[str, list[dict[str, Any]]], skipped: dict[str, str])
             "best": median(r["best_accuracy"] for r in ok),
             "trials_full": median(r["trials_full"] for r in ok),
             "vs": (wall / base) if wall and base else None,
+            "merge_rate": median(r.get("merge_rate") for r in ok),
+            "efficiency": median(r.get("efficiency") for r in ok),
         })  # fmt: skip
     for runner, why in skipped.items():
         rows.append({"runner": runner, "runs": "skipped", "why": why})
@@ -478,25 +807,28 @@ def report(
     args: argparse.Namespace,
 ) -> str:
     info = machine_info()
+    jobs = optuna_jobs(args)
+    optuna_how = "sequential" if jobs == 1 else f"{jobs} processes on one journal storage"
     out = [
         f"Machine: {info['nproc']} cores, {info['cpu']}; torch {info.get('torch')}, python "
         f"{info['python']}; {info['date']}; load at the end {info['load']}",
-        f"Study: examples/digits.py, {s['num_trials']} trials, ASHA eta={s['eta']}, "
-        f"min_steps={s['min_steps']}, max_steps={s['max_steps']} (rungs {s['levels']}); "
+        f"Study: {study_line(s)}; "
         f"{args.repeats} repeat(s), medians. stagetree: 2 workers x 1 thread; Ray: "
-        f"num_cpus=2, 1 CPU per trial, 1 thread; Optuna: sequential, "
-        f"{args.optuna_threads} thread(s).\n",
+        f"num_cpus=2, 1 CPU per trial, 1 thread; Optuna: {optuna_how}, "
+        f"{args.optuna_threads} torch thread(s) each.\n",
     ]
+    race = s["study"] != "digits-asha"
     table = []
     for r in rows:
         if r["runs"] == "skipped":
-            table.append([r["runner"], "skipped", None, None, None, None, None, r["why"]])
+            table.append([r["runner"], "skipped", None, None, None, None, None, r["why"]]
+                         + ([None, None] if race else []))  # fmt: skip
             continue
         table.append([
             r["runner"], r["runs"], r["wall"], r["wall_min"], r["vs"],
             None if r["steps"] is None else int(r["steps"]), fmt(r["best"], 4),
             None if r["trials_full"] is None else int(r["trials_full"]),
-        ])  # fmt: skip
+        ] + ([r["merge_rate"], fmt(r["efficiency"], 3)] if race else []))  # fmt: skip
     out.append(
         markdown_table(
             [
@@ -508,7 +840,8 @@ def report(
                 "steps executed",
                 "best acc @max_steps",
                 "trials to max_steps",
-            ],
+            ]
+            + (["merge rate", "efficiency"] if race else []),
             table,
         )
     )
@@ -524,21 +857,84 @@ def report(
                 extra = f", busy {r['device_seconds']:.1f} s"
             if r.get("merge_rate") is not None:
                 extra += f", merge rate {r['merge_rate']:.2f}"
+            if r.get("efficiency") is not None:
+                alone = ", ".join(
+                    f"{'bs ' + k + ' ' if k != '0' else ''}{1000 * v:.1f} ms"
+                    for k, v in r["step_alone"].items()
+                )
+                extra += (
+                    f", unique steps {r['steps_unique']}, a step alone {alone}, "
+                    f"efficiency {r['efficiency']:.3f} (busy / 2 / wall: "
+                    f"{r['device_seconds'] / 2 / r['wall']:.3f})"
+                )
             out.append(
                 f"- {runner} #{i + 1}: {r['wall']:.1f} s, {r['steps_executed']} steps "
                 f"(runner's own count {r['steps_reported']:.0f}), best "
                 f"{fmt(r['best_accuracy'], 4)}; {phases}{extra}; load {r['load']}"
             )
     out.append("\n" + _agreement(results))
-    by = {r["runner"]: r for r in rows}
-    st, ray_ = by.get("stagetree"), by.get("ray")
-    if st and ray_ and st.get("wall") and ray_.get("wall"):
-        speed = ray_["wall"] / st["wall"]
+    out.append("\n" + "\n".join(goals(rows, s)))
+    return "\n".join(out)
+
+
+def study_line(s: dict[str, Any]) -> str:
+    """One line that says what the study is."""
+    if s["study"] == "digits-asha":
+        return (
+            f"examples/digits.py, {s['num_trials']} trials, ASHA eta={s['eta']}, "
+            f"min_steps={s['min_steps']}, max_steps={s['max_steps']} (rungs {s['levels']})"
+        )
+    tuner = (
+        f"GridSearch, every trial to {s['max_steps']} epochs"
+        if s["tuner"] == "grid"
+        else f"SHA eta={s['eta']}, rungs {s['levels']} epochs (Ray: ASHAScheduler, "
+        f"Optuna: SuccessiveHalvingPruner, same rungs)"
+    )
+    return (
+        f"{s['study']}: {s['num_trials']} trials of DigitsConvTrainer (channels 32, "
+        f"BatchNorm; one step = one epoch over the 1348 training samples at the step's "
+        f"batch size) on Hippo-style lr / batch-size / momentum schedules, {tuner}; "
+        f"the whole grid: {s['max_steps']} epochs x {s['num_trials']} trials = "
+        f"{s['max_steps'] * s['num_trials']} trial steps, {ideal_unique(s)} unique "
+        f"(ideal merge rate {s['max_steps'] * s['num_trials'] / ideal_unique(s):.2f})"
+    )
+
+
+def ideal_unique(s: dict[str, Any]) -> int:
+    """Unique steps of the whole grid trained to max_steps."""
+    paths = [(sp.config, sp.hp, s["max_steps"]) for sp in s["space"].trials()]
+    return sum(unique_steps(paths).values())
+
+
+def goals(rows: list[dict[str, Any]], s: dict[str, Any]) -> list[str]:
+    """The issue's goals, met or missed, from the medians."""
+    by = {r["runner"]: r for r in rows if r.get("runs") != "skipped"}
+    st = by.get("stagetree")
+    out: list[str] = []
+    if not st or not st.get("wall"):
+        return ["Goals: no stagetree run finished."]
+    peer = by.get("optuna") if s["tuner"] == "grid" else by.get("ray")
+    if s["tuner"] == "grid" and peer and peer.get("wall") and st.get("merge_rate"):
+        speed, need = peer["wall"] / st["wall"], 0.95 * st["merge_rate"]
+        verdict = "met" if speed >= need else f"missed by {need - speed:.2f}x"
+        out.append(
+            f"Goal stagetree faster than Optuna by >= 0.95 x merge rate "
+            f"({st['merge_rate']:.2f}) = {need:.2f}x: {speed:.2f}x, {verdict}."
+        )
+    elif peer and peer.get("wall"):
+        speed = peer["wall"] / st["wall"]
         verdict = "met" if speed >= 3 else f"missed: {speed:.2f}x is {3 - speed:.2f}x short"
         out.append(
-            f"\nGoal stagetree >= 3x faster end to end than Ray Tune: {speed:.2f}x, {verdict}."
+            f"Goal stagetree >= 3x faster end to end than Ray Tune: {speed:.2f}x, {verdict}."
         )
-    return "\n".join(out)
+    if s["study"] != "digits-asha" and st.get("efficiency") is not None:
+        eff = st["efficiency"]
+        verdict = "met" if eff >= 0.90 else f"missed by {0.90 - eff:.3f}"
+        out.append(
+            f"Goal stagetree efficiency (unique steps x a step's time alone / 2 workers / "
+            f"wall) >= 0.90: {eff:.3f}, {verdict}."
+        )
+    return out
 
 
 def _agreement(results: dict[str, list[dict[str, Any]]]) -> str:
@@ -550,14 +946,46 @@ def _agreement(results: dict[str, list[dict[str, Any]]]) -> str:
                 seen.setdefault(key, []).append(acc)
     shared = {k: v for k, v in seen.items() if len(v) > 1}
     if not shared:
-        return "Same-trial check: no trial was trained to max_steps twice."
+        none = "Same-trial check: no trial was trained to max_steps twice."
+        return "\n".join([none, *_curve_agreement(results)])
     worst = max(max(v) - min(v) for v in shared.values())
     count = sum(len(v) for v in shared.values())
-    return (
+    lines = [
         f"Same-trial check: {len(shared)} trials were trained to max_steps by several runs "
         f"({count} results across runners and repeats); largest accuracy difference for "
         f"the same trial: {worst:.2g}."
-    )
+    ]
+    return "\n".join(lines + _curve_agreement(results))
+
+
+def _curve_agreement(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each runner against stagetree's first run: the accuracy of every trial both
+    trained to a check step (a rung, or a quarter of the epochs), compared."""
+    base = next((r for r in results.get("stagetree", []) if "curves" in r), None)
+    if base is None:
+        return []
+    out = []
+    for runner, runs in results.items():
+        pairs = worst = differ = 0.0
+        for r in runs:
+            if r is base or "curves" not in r:
+                continue
+            for key, curve in r["curves"].items():
+                for step, acc in curve.items():
+                    ref = base["curves"].get(key, {}).get(step)
+                    if ref is None:
+                        continue
+                    pairs += 1
+                    worst = max(worst, abs(acc - ref))
+                    differ += abs(acc - ref) > 1e-6
+        if pairs:
+            who = "stagetree's other runs" if runner == "stagetree" else runner
+            out.append(
+                f"- {who} vs stagetree run 1, at the check steps: {int(pairs)} "
+                f"(trial, step) pairs, {int(differ)} differ by more than 1e-6, largest "
+                f"difference {worst:.2g}"
+            )
+    return out
 
 
 def plot(path: str, rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
@@ -570,8 +998,12 @@ def plot(path: str, rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
             ("training steps executed", labels, [r["steps"] or 0 for r in ran], "steps"),
             ("best accuracy at max_steps", labels, [r["best"] or 0 for r in ran], "accuracy"),
         ],
-        f"digits ASHA study ({s['num_trials']} trials, eta={s['eta']}, "
-        f"max_steps={s['max_steps']}), 2 cores",
+        (
+            f"digits ASHA study ({s['num_trials']} trials, eta={s['eta']}, "
+            f"max_steps={s['max_steps']}), 2 cores"
+            if s["study"] == "digits-asha"
+            else f"{s['study']} ({s['num_trials']} CNN trials, {s['max_steps']} epochs), 2 cores"
+        ),
         notes={2: [fmt(r["best"], 4) for r in ran]},
         ylims={2: (0.8, 1.0)},
     )
@@ -583,9 +1015,19 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="at most 8 trials, 1 repeat: a smoke test"
     )
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
-    parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated")
+    parser.add_argument(
+        "--study",
+        choices=STUDIES,
+        default="digits-asha",
+        help="digits-asha (examples/digits.py, ASHA), or a race where training dominates: "
+        "race-grid (GridSearch) or race-sha (SHA)",
+    )
+    parser.add_argument(
+        "--runners", default=None, help="comma-separated (default: all; races: no noshare)"
+    )
     parser.add_argument("--timeout", type=float, default=None, help="s per run (600; quick 240)")
-    parser.add_argument("--optuna-threads", type=int, default=1)
+    parser.add_argument("--optuna-threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--optuna-jobs", type=int, default=None, help="Optuna n_jobs (1; races: 2)")
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -595,6 +1037,9 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     args.repeats = args.repeats or (1 if args.quick else 3)
     timeout = args.timeout or (240.0 if args.quick else 600.0)
+    if args.runners is None:
+        default = [r for r in RUNNERS if args.study == "digits-asha" or "noshare" not in r]
+        args.runners = ",".join(default)
     runners = [r.strip() for r in args.runners.split(",") if r.strip()]
     unknown = sorted(set(runners) - set(RUNNERS))
     if unknown:
@@ -603,7 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
     for r, why in skipped.items():
         print(f"skipping {r}: {why}", file=sys.stderr)
     active = [r for r in runners if r not in skipped]
-    s = settings(args.quick)
+    s = settings(args.quick, args.study)
     results: dict[str, list[dict[str, Any]]] = {r: [] for r in active}
     for rep in range(args.repeats):
         order = active[rep % len(active) :] + active[: rep % len(active)] if active else []
