@@ -135,12 +135,19 @@ class _Point:
 
 
 class _Job:
-    """What a worker keeps of one batch while it runs (a ``RunFused`` has one per member)."""
+    """What a worker keeps of one batch while it runs (a ``RunFused`` has one per member):
+    its non-empty segments, its end step, the node it starts on and its points."""
 
-    def __init__(self, batch: RunBatch, points: dict[int, _Point], end_step: int) -> None:
+    def __init__(self, batch: RunBatch) -> None:
         self.batch = batch
-        self.points = points
-        self.end_step = end_step
+        self.segments = [s for s in batch.segments if s.stop > s.start]
+        self.end_step = self.segments[-1].stop if self.segments else batch.start_step
+        self.start_node = (
+            batch.start_at[0]
+            if batch.start_at is not None
+            else (batch.segments[0].node if batch.segments else 0)
+        )
+        self.points = Worker._points(batch, self.end_step)
         # Learning-curve points not sent yet; the latest evaluation (step, metrics).
         self.curve: list[tuple[int, int, dict[str, float], bool]] = []
         self.evaluated: tuple[int, dict[str, float]] | None = None
@@ -275,17 +282,10 @@ class Worker:
         wid = self.worker_id
         bid = batch.batch_id
         self.stats.batches += 1
-        segments = [s for s in batch.segments if s.stop > s.start]
-        end_step = segments[-1].stop if segments else batch.start_step
-        node = (
-            batch.start_at[0]
-            if batch.start_at is not None
-            else (batch.segments[0].node if batch.segments else 0)
-        )
+        job = _Job(batch)
+        segments, points, node = job.segments, job.points, job.start_node
         step = batch.start_step
         steps_done = 0
-        points = self._points(batch, end_step)
-        job = _Job(batch, points, end_step)
         eval_every = batch.eval_every
         try:
             trainer = self._prepare(batch, node)
@@ -375,7 +375,6 @@ class Worker:
         """
         mail = _Mailbox(poll or _no_instructions, self._missed)
         first = job.members[0]
-        node0 = first.start_at[0] if first.start_at is not None else first.segments[0].node
         try:
             factory = self._factory(first.trainer)
         except Exception:
@@ -386,13 +385,9 @@ class Worker:
             return
         assert factory is not None
         begin = _perf()
-        jobs = []
-        for batch in job.members:
-            segments = [s for s in batch.segments if s.stop > s.start]
-            end_step = segments[-1].stop if segments else batch.start_step
-            jobs.append(_Job(batch, self._points(batch, end_step), end_step))
+        jobs = [_Job(batch) for batch in job.members]
         try:
-            trainers = self._members(first, node0, factory, len(jobs))
+            trainers = self._members(first, jobs[0].start_node, factory, len(jobs))
         except _Failed as failed:
             for j in jobs:
                 self._finish_failed(j, failed, 0)
@@ -410,7 +405,7 @@ class Worker:
                 self._fusion_failed(first, exc)
                 self._run_each(tuple(j.batch for j in jobs[lo:]), mail)
                 return
-            _FusedRun(self, group, chunk, mail, _perf(), load if lo == 0 else 0.0).run()
+            _FusedRun(self, group, chunk, mail, load if lo == 0 else 0.0).run()
             if first.trainer in self._unfusible:  # it fell back: the rest go one by one
                 self._run_each(tuple(j.batch for j in jobs[lo + limit :]), mail)
                 return
@@ -813,7 +808,7 @@ class _Member:
 
     def __init__(self, job: _Job) -> None:
         self.job = job
-        self.segments = [s for s in job.batch.segments if s.stop > s.start]
+        self.segments = job.segments
         self.index = 0  # current segment
         self.given: dict[str, Any] = {}
         self.chunk: dict[int, dict[str, Any]] = {}
@@ -828,8 +823,7 @@ class _Member:
     def node(self) -> int:
         if self.segments:
             return self.segments[min(self.index, len(self.segments) - 1)].node
-        batch = self.job.batch
-        return batch.start_at[0] if batch.start_at is not None else batch.segments[0].node
+        return self.job.start_node
 
     def change(self, worker: Worker, t: int) -> dict[str, Any] | None:
         """Sequence values to give before training step ``t`` (None: no change)."""
@@ -859,7 +853,6 @@ class _FusedRun:
         group: Any,
         jobs: list[_Job],
         mail: _Mailbox,
-        begin: float,
         load: float,
     ) -> None:
         self.w = worker
@@ -870,7 +863,6 @@ class _FusedRun:
             m.busy = load / self.width
         self.loaded = {jobs[0].batch.batch_id} if jobs else set()  # one load, reported once
         self.mail = mail
-        self.begin = begin
         self.load = load
         self.synced: set[int] = set()  # members whose trainer object holds their state
 
@@ -1005,18 +997,21 @@ class _FusedRun:
 
     def remove(self, i: int) -> Trainer:
         trainer: Trainer = self.group.remove(i)
+        self.forget(i)
+        return trainer
+
+    def forget(self, i: int) -> None:
+        """Member ``i`` is out of the loop: later members' indices shift down."""
         del self.members[i]
         self.synced = {k if k < i else k - 1 for k in self.synced if k != i}
-        return trainer
 
     def fail(self, i: int, failed: _Failed) -> None:
         m = self.members[i]
         self.w._flush_curve(m.job)  # the steps before the failure stand
         try:
             self.remove(i)
-        except Exception:
-            del self.members[i]
-            self.synced = {k if k < i else k - 1 for k in self.synced if k != i}
+        except Exception:  # the group cannot hand it back: it is dropped anyway
+            self.forget(i)
         self.w._finish_failed(m.job, failed, m.steps)
         self.mail.done(m.job.batch.batch_id)
 
@@ -1039,17 +1034,18 @@ class _FusedRun:
         for m in self.members:
             w._flush_curve(m.job)
         w._wait_saves()
-        w.drop_trainer()
-        w._run_each(tuple(m.job.batch for m in self.members), self.mail)
+        self.unfused()
 
     def fall_back(self, exc: BaseException) -> None:
         """The first fused step failed: train the members one after another, from the
         start (the group's state is undefined)."""
-        w = self.w
-        first = self.members[0].job.batch
-        w._fusion_failed(first, exc)
-        w.drop_trainer()
-        w._run_each(tuple(m.job.batch for m in self.members), self.mail)
+        self.w._fusion_failed(self.members[0].job.batch, exc)
+        self.unfused()
+
+    def unfused(self) -> None:
+        """The members still in the job train one after another from their start."""
+        self.w.drop_trainer()
+        self.w._run_each(tuple(m.job.batch for m in self.members), self.mail)
 
 
 # ---------------------------------------------------------------------- helpers
