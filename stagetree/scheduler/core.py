@@ -1077,19 +1077,17 @@ class Scheduler:
         origin = group[0][0].origin
         if origin is None or origin.kind not in (FRESH, CHECKPOINT):
             raise SchedulerError(f"policy {self.policy!r} chose a path that is not ready")
+        # Fused chains all start from this model (see _fuse).
         start = None if origin.kind == FRESH else (origin.node, origin.step)
         worker = self._pick_worker(start)
         self._idle.discard(worker)
         self._worker_at.pop(worker, None)
-        batches = [self._batch(path, worker) for path in group]
+        batches = [self._batch(path, worker, start) for path in group]
         out.append(batches[0] if len(batches) == 1 else RunFused(worker, tuple(batches)))
 
-    def _batch(self, path: list[Stage], worker: int) -> RunBatch:
+    def _batch(self, path: list[Stage], worker: int, start: Key | None) -> RunBatch:
+        """The ``RunBatch`` of chain ``path`` on ``worker``, from model ``start``."""
         root = path[0]
-        origin = root.origin
-        if origin is None or origin.kind not in (FRESH, CHECKPOINT):
-            raise SchedulerError(f"policy {self.policy!r} chose a path that is not ready")
-        start = None if origin.kind == FRESH else (origin.node, origin.step)
         evaluate: set[Key] = set()
         checkpoint: set[Key] = set()
         for i, stage in enumerate(path):
