@@ -1249,29 +1249,17 @@ def _trials_of(
     ``hp`` when ``decode_hp`` is None (the rows do not hold them)."""
     attrs = _codec.loads_many([row.attrs for row in rows])
     if decode_hp is None:
-        return [
-            {
-                "id": row.id,
-                "study": row.study,
-                "root_key": row.root_key,
-                "steps": row.steps,
-                "node": row.node,
-                "step": row.step,
-                "state": row.state,
-                "attrs": attr,
-                "created": row.created,
-            }
-            for row, attr in zip(rows, attrs)
-        ]
-    configs = _codec.loads_many([row.config for row in rows])
-    hps = decode_hp([row.hp for row in rows])
+        loaded: list[dict[str, Any]] = [{}] * len(rows)
+    else:
+        configs = _codec.loads_many([row.config for row in rows])
+        hps = decode_hp([row.hp for row in rows])
+        loaded = [{"config": c, "hp": h} for c, h in zip(configs, hps)]
     return [
         {
             "id": row.id,
             "study": row.study,
             "root_key": row.root_key,
-            "config": config,
-            "hp": hp,
+            **config_hp,  # in _trial's key order
             "steps": row.steps,
             "node": row.node,
             "step": row.step,
@@ -1279,7 +1267,7 @@ def _trials_of(
             "attrs": attr,
             "created": row.created,
         }
-        for row, config, hp, attr in zip(rows, configs, hps, attrs)
+        for row, attr, config_hp in zip(rows, attrs, loaded)
     ]
 
 
