@@ -16,7 +16,8 @@ import os
 import platform
 import statistics
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from stagetree.torch.examples import DigitsConvTrainer, DigitsTrainer
@@ -158,6 +159,16 @@ def median(values: Iterable[float | None]) -> float | None:
 
 
 # ---------------------------------------------------------------------- plots
+
+
+def write_plot(path: str, draw: Callable[..., None], *args: Any) -> None:
+    """``draw(path, *args)``, then say where the plot went; without matplotlib, say
+    that instead of failing (it is a benchmark-only dependency)."""
+    try:
+        draw(path, *args)
+        print(f"\nplot written to {path}")
+    except ImportError:
+        print("\nmatplotlib is not installed: no plot", file=sys.stderr)
 
 
 def bar_plot(

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from _common import fmt, load_average, machine_info, markdown_table
+from _common import fmt, load_average, machine_info, markdown_table, write_plot
 from torch import nn
 
 from stagetree.torch import FusibleTrainer, StageLoader, TorchFusedGroup
@@ -447,11 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         text += end_to_end(args)
     print(text)
     if args.plot and rows:
-        try:
-            plot(args.plot, rows, args)
-            print(f"\nplot written to {args.plot}")
-        except ImportError:
-            print("\nmatplotlib is not installed: no plot", file=sys.stderr)
+        write_plot(args.plot, plot, rows, args)
     return 0
 
 

@@ -69,7 +69,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from _common import bar_plot, fmt, load_average, machine_info, markdown_table, median
+from _common import bar_plot, fmt, load_average, machine_info, markdown_table, median, write_plot
 
 from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
@@ -597,11 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(rows, ckpt, args)
     print(text)
     if args.plot:
-        try:
-            plot(args.plot, rows, ckpt)
-            print(f"\nplot written to {args.plot}")
-        except ImportError:
-            print("\nmatplotlib is not installed: no plot", file=sys.stderr)
+        write_plot(args.plot, plot, rows, ckpt)
     return 0
 
 

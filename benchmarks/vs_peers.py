@@ -95,6 +95,7 @@ from _common import (
     machine_info,
     markdown_table,
     median,
+    write_plot,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -1060,11 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(results, skipped)
     print(report(rows, results, s, args))
     if args.plot:
-        try:
-            plot(args.plot, rows, s)
-            print(f"\nplot written to {args.plot}")
-        except ImportError:
-            print("\nmatplotlib is not installed: no plot", file=sys.stderr)
+        write_plot(args.plot, plot, rows, s)
     return 0
 
 
