@@ -830,7 +830,7 @@ class Engine:
         charged = self.scheduler.usage
         if isinstance(ev, work.Progress) and ev.seconds_per_step > 0:
             # A member of a fused job costs its share of the job's step.
-            self._rates[ev.batch_id] = ev.seconds_per_step / max(getattr(ev, "width", 1), 1)
+            self._rates[ev.batch_id] = ev.seconds_per_step / max(ev.width, 1)
         elif isinstance(ev, work.BatchDone) and ev.steps:
             self._rates[ev.batch_id] = ev.busy_seconds / ev.steps
         self._apply(self.scheduler.handle(ev))

@@ -414,15 +414,14 @@ class Scheduler:
     def _on_root(self, e: RootAdded, out: list[Instruction | Notice]) -> None:
         self._roots[e.root_key] = dict(e.config)
         self.estimator.register_root(e.root_key, e.config)
-        fusible = frozenset(getattr(e, "fusible", ()) or ())
-        if fusible:
-            self._fusible[e.root_key] = fusible
+        if e.fusible:
+            self._fusible[e.root_key] = frozenset(e.fusible)
         else:
-            self._fusible.pop(e.root_key, None)
+            self.disable_fusion(e.root_key)
 
     def _on_fusion_failed(self, e: FusionFailed, out: list[Instruction | Notice]) -> None:
         """The tree's trainer cannot be fused: never fuse its stages again."""
-        self._fusible.pop(e.root_key, None)
+        self.disable_fusion(e.root_key)
 
     def disable_fusion(self, root_key: str) -> None:
         """Never fuse the stages of plan tree ``root_key`` (its trainer cannot be fused)."""
@@ -613,7 +612,7 @@ class Scheduler:
             self._charge(batch, e.step)
         node = self._nodes.get(e.node)
         if node is not None:
-            self.estimator.observe(node, e.seconds_per_step, getattr(e, "width", 1))
+            self.estimator.observe(node, e.seconds_per_step, e.width)
 
     def _on_metrics(self, e: MetricsReported, out: list[Instruction | Notice]) -> None:
         key = (e.node, e.step)
