@@ -251,24 +251,10 @@ def make_tuner(s: dict[str, Any]) -> Any:
     common = {"metric": "accuracy", "mode": "max", "seed": s["seed"]}
     if s["tuner"] == "grid":
         return GridSearch(s["space"], steps=s["max_steps"], **common)
+    halving = {k: s[k] for k in ("min_steps", "max_steps", "eta", "num_trials")}
     if s["tuner"] == "sha":
-        return SHA(
-            s["space"],
-            min_steps=s["min_steps"],
-            max_steps=s["max_steps"],
-            eta=s["eta"],
-            num_trials=s["num_trials"],
-            **common,
-        )
-    return ASHA(
-        s["space"],
-        min_steps=s["min_steps"],
-        max_steps=s["max_steps"],
-        eta=s["eta"],
-        num_trials=s["num_trials"],
-        max_rungs=s["max_rungs"],
-        **common,
-    )
+        return SHA(s["space"], **halving, **common)
+    return ASHA(s["space"], **halving, max_rungs=s["max_rungs"], **common)
 
 
 def checks(s: dict[str, Any]) -> list[int]:
