@@ -100,7 +100,7 @@ class FusedGroup(ABC):
         """Member ``i`` leaves the job (synced); returns its trainer."""
 
 
-def has_accelerator() -> bool:
+def _has_accelerator() -> bool:
     """Whether this process sees a CUDA device (torch already imported: a fusible
     trainer is a torch trainer)."""
     torch = sys.modules.get("torch")
@@ -125,7 +125,7 @@ def fusion_names(trainer: type, fuse: Any, executor: Any = "local") -> frozenset
     names = frozenset(getattr(trainer, "fusible", ()) or ())
     name = getattr(trainer, "__qualname__", repr(trainer))
     if fuse == "auto":
-        return names if names and executor != "simulated" and has_accelerator() else frozenset()
+        return names if names and executor != "simulated" and _has_accelerator() else frozenset()
     if not names:
         raise ValueError(
             f"fuse=True, but {name} cannot be fused: it declares no fusible "
