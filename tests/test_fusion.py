@@ -59,6 +59,19 @@ def _scores(results: list[Any]) -> list[float]:
     return [r.metrics["score"] for r in results]
 
 
+@pytest.fixture(autouse=True)
+def _fusion_always_pays(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the scheduler's "fusing was measured not to pay" rule out of the tests that
+    assert widths: the numpy group steps member by member, so its measured fused step
+    is about ``width`` unfused steps, and on a loaded machine the rule would split jobs
+    at random (CI saw it). The rule itself is tested on recorded timings below."""
+    if "measured_not_to_pay" in request.node.name:
+        return
+    from stagetree.scheduler.cost import CostEstimator
+
+    monkeypatch.setattr(CostEstimator, "fused_step", lambda self, root_key, width: None)
+
+
 @pytest.fixture(scope="module")
 def exact() -> list[float]:
     """The grid trained unfused: the reference."""
