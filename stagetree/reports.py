@@ -171,6 +171,10 @@ class TrialRecord:
             (``train()``'s metrics at every step, ``evaluate()``'s every ``eval_every``
             steps and at the requested ones).
         error: why it failed (``state == "failed"``), else None.
+        lineage: how population based training made this trial, oldest first: one
+            ``{"donor": trial id, "step": t}`` per exploit (the trial copies the donor's
+            model at step ``t`` and trains on from there with mutated sequences); empty
+            for a trial that no exploit made.
     """
 
     id: int
@@ -180,6 +184,7 @@ class TrialRecord:
     state: str
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     error: TrialError | None = None
+    lineage: list[dict[str, int]] = field(default_factory=list)
 
 
 def _studies(storage: BasePlanStorage) -> dict[str, dict[str, Any]]:
