@@ -189,6 +189,7 @@ class Engine:
         checkpoint_budget: int | None,
         eval_every: int = 0,
         max_fused: int = 1,
+        checkpoint_every: int | str | None = "auto",
     ) -> None:
         from stagetree.scheduler import Scheduler
 
@@ -198,7 +199,11 @@ class Engine:
         self._executor_factory = executor_factory
         self.executor: BaseExecutor | None = None
         self.scheduler = Scheduler(
-            policy=policy, max_retries=max_retries, eval_every=eval_every, max_fused=max_fused
+            policy=policy,
+            max_retries=max_retries,
+            eval_every=eval_every,
+            max_fused=max_fused,
+            checkpoint_every=checkpoint_every,
         )
         self.checkpoint_budget = checkpoint_budget
         self._waiters: dict[tuple[int, int], list[Waiter]] = {}
@@ -284,7 +289,11 @@ class Engine:
         not written yet."""
         deadline = time.monotonic() + timeout
         with self._idle:
-            while self._inflight and not self._waiters and self.error is None:
+            while (
+                (self._inflight or self.scheduler.saving)
+                and not self._waiters
+                and self.error is None
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -768,6 +777,17 @@ class Engine:
             self.storage.add_stats(
                 scope, ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
             )
+        if isinstance(ev, work.CheckpointFailed):
+            logger.warning(
+                "checkpoint of node %s at step %s not stored (%s); work that needs it "
+                "recomputes it",
+                ev.node,
+                ev.step,
+                ev.error,
+            )
+            self.storage.add_stats(scope, ckpt_failures=1)
+        if isinstance(ev, (work.CheckpointSaved, work.CheckpointFailed)):
+            self._idle.notify_all()  # settle() also waits for the writes of ended batches
         if isinstance(ev, work.FusionFailed):
             self._fusion_failed(ev)
         ended = ev.batch_id if isinstance(ev, (work.BatchDone, work.BatchFailed)) else None

@@ -736,8 +736,9 @@ def efficiency(
       when it starts; not the storage-wide ``ckpt_load_seconds`` of
       :func:`study_accounting`).
     * ``ckpt_save_wait_seconds``: what finished batches waited at their end for their
-      background checkpoint writes (saves during training overlap it and cost nothing
-      here; a fused job's members report none: their wait falls in scheduling).
+      background checkpoint writes. Workers no longer wait (a batch ends when its
+      training does and its writes go on after it), so this is 0 for studies run since;
+      a worker that waits for a checkpoint still being written elsewhere is idle.
     * ``idle_seconds``: worker-time after the first step in which a worker had no
       batch of this study (another study sharing the workers counts as idle).
     * ``scheduling_seconds``: the remainder: dispatching batches and reporting their

@@ -39,6 +39,7 @@ from stagetree.identity import trainer_fingerprint
 from stagetree.names import check_hp_names, check_space_names, names_mismatch
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.reports import TrialError, TrialRecord
+from stagetree.scheduler.core import check_checkpoint_every
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult, Tuner
 
@@ -120,6 +121,13 @@ class Study:
             :data:`stagetree.fusion.DEFAULT_MAX_FUSED`). A trainer may hold a job to what
             its device fits (``Trainer.fused_width_limit``). An engine setting, like
             ``eval_every``.
+        checkpoint_every: periodic checkpoints, which bound the steps a crash loses
+            (checkpoints are otherwise taken where trials branch and where batches
+            end): an int (every that many steps), ``"auto"`` (the default: once a step
+            and a save were measured, every 5% of a trial's steps, but no more often
+            than every 100 steps' time, so that saves cost at most about 1% of the
+            training; none for cheap steps and short trials) or ``None`` (off). Saves
+            are written in the background. An engine setting, like ``eval_every``.
 
     Studies on the same storage in one process share one engine: one worker pool
     (the first study's ``workers``, ``executor``, ``policy`` and ``eval_every``), divided
@@ -156,6 +164,7 @@ class Study:
         token: str | None = None,
         fuse: bool | str = False,
         max_fused: int | None = None,
+        checkpoint_every: int | str | None = "auto",
     ) -> None:
         # Every argument is checked here, before the storage is opened or anything written.
         from stagetree.executors.registry import check_executor
@@ -186,6 +195,8 @@ class Study:
         else:
             self.fusible = fusion_names(trainer, fuse, executor)
         self.max_fused = check_max_fused(max_fused)
+        check_checkpoint_every(checkpoint_every)
+        self.checkpoint_every = checkpoint_every
         self.weight = check_weight(weight)
         if not isinstance(storage, (str, BasePlanStorage)):
             raise ValueError(
@@ -255,6 +266,7 @@ class Study:
             "threads_per_worker": threads,
             "eval_every": self.eval_every,
             "max_fused": self.max_fused,
+            "checkpoint_every": self.checkpoint_every,
         }
 
     def _warn_shared(self, engine: Engine, url: str) -> None:
@@ -325,6 +337,7 @@ class Study:
             checkpoint_budget,
             self.eval_every,
             self.max_fused,
+            self.checkpoint_every,
         )
         engine.temporary_checkpoints = temporary
         engine.default_trainer = trainer
@@ -373,6 +386,7 @@ class Study:
             eval_every=self.eval_every,
             fuse=bool(self.fusible),
             max_fused=self.max_fused,
+            checkpoint_every=self.checkpoint_every,
         )
 
     # -- trials --------------------------------------------------------------------------

@@ -20,6 +20,7 @@ __all__ = [
     "AddCheckpoint",
     "BatchDone",
     "BatchFailed",
+    "CheckpointFailed",
     "CheckpointSaved",
     "CurveReported",
     "FusionFailed",
@@ -206,12 +207,27 @@ class CheckpointSaved:
 
 
 @dataclass(frozen=True)
+class CheckpointFailed:
+    """The background write of the checkpoint of ``(node, step)``, promised by batch
+    ``batch_id``, failed after that batch had ended (``error``: the exception, one
+    line). Nothing was stored: work that needs this model is planned from an earlier
+    one. (A write that fails while its batch still runs fails the batch instead.)"""
+
+    batch_id: int
+    worker: int
+    node: int
+    step: int
+    error: str
+
+
+@dataclass(frozen=True)
 class BatchDone:
     """The batch ended (finished or aborted): ``steps`` trained in ``busy_seconds``,
     of which ``load_seconds`` went to loading its start checkpoint and
-    ``save_wait_seconds`` to waiting, at its end, for its background checkpoint writes
-    (0 for a member of a fused job, whose share of the job does not include that wait;
-    see :func:`stagetree.reports.efficiency`)."""
+    ``save_wait_seconds`` to waiting, at its end, for its background checkpoint writes.
+    Workers no longer wait (0): a batch ends when its training does, and the writes of
+    its last checkpoints follow as ``CheckpointSaved``/``CheckpointFailed`` (see
+    :func:`stagetree.reports.efficiency`)."""
 
     batch_id: int
     worker: int
@@ -289,6 +305,7 @@ WorkerEvent = (
     | MetricsReported
     | CurveReported
     | CheckpointSaved
+    | CheckpointFailed
     | BatchDone
     | BatchFailed
     | SplitMissed

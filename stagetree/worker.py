@@ -22,10 +22,14 @@ evaluation/checkpoint points), ``CurveReported`` (the learning curve since the p
 one, right after a ``Progress`` and before the ``MetricsReported`` of a point),
 ``MetricsReported``, ``CheckpointSaved`` (from the writer thread, when durable),
 ``SplitMissed`` (answers to live splits it cannot honour), and exactly one terminal
-event, ``BatchDone`` or ``BatchFailed``, sent after every background write of the batch
-has finished (and after the last ``CurveReported``). ``emit`` must therefore be
-thread-safe. ``Progress.seconds_per_step`` is wall time per step since the previous
-``Progress``, excluding evaluation and checkpoint capture.
+event, ``BatchDone`` or ``BatchFailed`` (after the last ``CurveReported``).
+``BatchDone`` is sent as soon as training is done: the writes of the batch's last
+checkpoints go on in the background, and their ``CheckpointSaved`` (or
+``CheckpointFailed``) may follow it, so checkpoint I/O is off the critical path (the
+next batch may start meanwhile, continuing the model in memory). ``BatchFailed`` waits
+for the batch's writes. ``emit`` must be thread-safe. ``Progress.seconds_per_step`` is
+wall time per step since the previous ``Progress``, excluding evaluation and checkpoint
+capture.
 
 Learning curves: every step's ``train()`` metrics, merged with ``evaluate()``'s at the
 steps where the model is evaluated (requested points, and every ``RunBatch.eval_every``
@@ -44,7 +48,8 @@ starting with ``"CheckpointError:"``: the model has to be recomputed. A state th
 cannot be checkpointed (``state_dict()`` not implemented or not a dict, a value the
 checkpoint format cannot hold: the error names its key) fails the batch at that
 point, before anything is written; so does a checkpoint whose background write failed
-(reported when the batch ends).
+while the batch ran (reported when the batch ends). A write that fails after the
+batch ended is reported as ``CheckpointFailed``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import hashlib
 import logging
 import secrets
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -70,6 +76,7 @@ from stagetree.work import (
     AddCheckpoint,
     BatchDone,
     BatchFailed,
+    CheckpointFailed,
     CheckpointSaved,
     CurveReported,
     FusionFailed,
@@ -151,8 +158,11 @@ class _Job:
         # Learning-curve points not sent yet; the latest evaluation (step, metrics).
         self.curve: list[tuple[int, int, dict[str, float], bool]] = []
         self.evaluated: tuple[int, dict[str, float]] | None = None
-        # The first background write of the batch that failed: (node, step, error).
+        # The first background write of the batch that failed while it ran: (node,
+        # step, error); ``ended``: BatchDone was decided (later failures are reported
+        # as CheckpointFailed). Both under the worker's lock (the writer thread).
         self.write_error: tuple[int, int, BaseException] | None = None
+        self.ended = False
 
 
 class _Failed(Exception):
@@ -227,9 +237,14 @@ class Worker:
         self._given: dict[str, Any] = {}
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
+        self._lock = threading.Lock()  # a job's write_error/ended, shared with the writer
         self._reads = HpReadWatch()  # names a fresh trainer's first setup() never reads
         # Trainer keys whose fused jobs failed to fuse: their members run one by one.
         self._unfusible: set[str] = set()
+        # A fused job that started from the in-memory model keeps its state here while
+        # it runs: members that must start again unfused restore it (it may not be
+        # durable anywhere yet). (batch's trainer, root key, config, start_at), state.
+        self._held: tuple[tuple[Any, ...], Any] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -255,6 +270,11 @@ class Worker:
         self._config = None
         self._at = None
         self._given = {}
+
+    def flush(self) -> None:
+        """Wait until every background checkpoint write has ended (and its
+        ``CheckpointSaved``/``CheckpointFailed`` was emitted)."""
+        self._wait_saves()
 
     def close(self) -> None:
         """Wait for background writes, stop the writer thread and drop the trainer."""
@@ -338,9 +358,7 @@ class Worker:
             if steps_done:
                 self._at = (node, step)
             self._flush_curve(job)
-            waited = _perf()
-            self._check_writes(job)
-            waited = _perf() - waited  # the checkpoint writes the batch's end waits for
+            self._end_job(job)
         except _Failed as failed:
             self._flush_curve(job)  # the steps before the failure stand
             self._finish_failed(job, failed, steps_done)
@@ -350,10 +368,9 @@ class Worker:
             self._flush_curve(job)
             self._finish_failed(job, _Failed(node, step, exc), steps_done)
             return
-        self._wait_saves()
         self.stats.steps += steps_done
         load = self.stats.last_load_seconds
-        emit(BatchDone(bid, wid, _perf() - begin, steps_done, load, waited))
+        emit(BatchDone(bid, wid, _perf() - begin, steps_done, load))
 
     # ------------------------------------------------------------------ fused jobs
 
@@ -380,10 +397,28 @@ class Worker:
         except Exception:
             factory = None  # run() fails each member at its start, with the reason
         fusible = getattr(factory, "fusible", None) and callable(getattr(factory, "fuse", None))
-        if len(job.members) == 1 or not fusible or first.trainer in self._unfusible:
-            self._run_each(job.members, mail)
-            return
-        assert factory is not None
+        if len(job.members) > 1 and self._reusable(first):
+            self._hold(first)
+        try:
+            if len(job.members) == 1 or not fusible or first.trainer in self._unfusible:
+                self._run_each(job.members, mail)
+            else:
+                assert factory is not None
+                self._run_fused(job, mail, factory)
+        finally:
+            self._held = None
+
+    def _hold(self, batch: RunBatch) -> None:
+        """Keep a copy of the in-memory model ``batch`` starts from, for the members of
+        its job that cannot continue the trainer itself (see ``_held``)."""
+        assert self._trainer is not None
+        try:
+            self._held = (self._where(batch), snapshot_state(self._trainer.state_dict()))
+        except Exception:  # the members report it at their start
+            self._held = None
+
+    def _run_fused(self, job: RunFused, mail: _Mailbox, factory: TrainerFactory) -> None:
+        first = job.members[0]
         begin = _perf()
         jobs = [_Job(batch) for batch in job.members]
         try:
@@ -434,6 +469,10 @@ class Worker:
         if state is not None:
             self.stats.loads += 1
         return trainers
+
+    @staticmethod
+    def _where(batch: RunBatch) -> tuple[Any, ...]:
+        return (batch.trainer, batch.root_key, dict(batch.config), batch.start_at)
 
     def _reusable(self, batch: RunBatch) -> bool:
         """Whether the in-memory trainer stands exactly where ``batch`` starts."""
@@ -500,6 +539,8 @@ class Worker:
         try:
             if batch.start_checkpoint is not None:
                 return self.store.load(batch.start_checkpoint)
+            if self._held is not None and self._held[0] == self._where(batch):
+                return snapshot_state(self._held[1])  # a fused job's in-memory start
             if batch.start_step != 0:
                 raise CheckpointError(
                     f"batch {batch.batch_id} starts at step {batch.start_step} "
@@ -704,9 +745,16 @@ class Worker:
         try:
             info = self.store.save(name, state)
         except Exception as exc:
-            # Training goes on (it may still be needed); the batch fails when it ends.
-            if job.write_error is None:
-                job.write_error = (node, step, exc)
+            # While the batch runs, training goes on (it may still be needed) and the
+            # batch fails when it ends; after its end, the scheduler is told.
+            with self._lock:
+                ended = job.ended
+                if not ended and job.write_error is None:
+                    job.write_error = (node, step, exc)
+            if ended:
+                error = f"{type(exc).__name__}: {exc}"
+                logger.warning("worker %s: checkpoint write failed: %s", self.worker_id, error)
+                self.emit(CheckpointFailed(batch_id, self.worker_id, node, step, error))
             return
         seconds = capture + info.seconds
         self.stats.saves += 1
@@ -720,12 +768,15 @@ class Worker:
         for future in pending:
             future.result()
 
-    def _check_writes(self, job: _Job) -> None:
-        """Wait for the batch's background writes; fail at the first that failed."""
-        self._wait_saves()
-        if job.write_error is not None:
-            node, step, exc = job.write_error
+    def _end_job(self, job: _Job) -> None:
+        """The batch's training is done: fail at the first of its writes that already
+        failed, else mark it ended without waiting for the writes still going on."""
+        with self._lock:
+            failed = job.write_error
             job.write_error = None
+            job.ended = failed is None
+        if failed is not None:
+            node, step, exc = failed
             raise _Failed(node, step, exc, phase="point")
 
     def _finish_failed(self, job: _Job, failed: _Failed, steps_done: int) -> None:
@@ -979,7 +1030,7 @@ class _FusedRun:
                 continue
             try:
                 w._flush_curve(m.job)
-                w._check_writes(m.job)
+                w._end_job(m.job)
             except _Failed as failed:
                 self.fail(i, failed)
                 continue

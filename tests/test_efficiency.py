@@ -175,10 +175,10 @@ def test_real_studies_report_it_everywhere(
     # Read later, by another process, from the storage alone: the same figure.
     with open_storage(url, readonly=True) as storage:
         assert reports.efficiency(storage, "s") == {k: stats[k] for k in reports.EFFICIENCY_KEYS}
-        # every batch's end says how long it waited for its checkpoint writes
+        # it saved checkpoints, and no batch's end waited for them (off the critical path)
         ends = [r for r in storage.activity() if r.kind == "done"]
-        assert ends and all(r.data["save_wait_seconds"] >= 0.0 for r in ends)
-        assert sum(r.data["save_wait_seconds"] for r in ends) > 0.0  # it saved checkpoints
+        assert ends and all(r.data["save_wait_seconds"] == 0.0 for r in ends)
+        assert [r for r in storage.activity() if r.kind == "save"]
     text = io.StringIO()
     result = status(url, out=text, rich_output=False)
     assert result.studies[0].efficiency["efficiency"] == stats["efficiency"]

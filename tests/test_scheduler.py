@@ -31,6 +31,7 @@ from stagetree.work import (
     AddCheckpoint,
     BatchDone,
     BatchFailed,
+    CheckpointFailed,
     CheckpointSaved,
     MetricsReported,
     Progress,
@@ -93,6 +94,7 @@ def finish(h: Harness, batch: RunBatch, metrics: bool = True) -> list[Any]:
 CONST = {"lr": Constant(0.1)}
 AT50 = {"lr": MultiStep(0.1, [50], 0.1)}
 AT70 = {"lr": MultiStep(0.1, [70], 0.5)}
+AT150 = {"lr": MultiStep(0.1, [150], 0.1)}
 
 
 def grid(h: Harness) -> dict[str, tuple[int, int]]:
@@ -317,9 +319,62 @@ def test_batch_done_without_its_promised_checkpoint_replans() -> None:
     h(Progress(batch.batch_id, 0, 1, 100, 0.1))
     h(MetricsReported(batch.batch_id, 0, 1, 100, {"loss": 0.0}))
     h(CheckpointSaved(batch.batch_id, 0, 1, 100, "ck-100", 1, 0.0))
-    out = h(BatchDone(batch.batch_id, 0, 1.0, 100))  # (1, 50) was never reported
+    out = h(BatchDone(batch.batch_id, 0, 1.0, 100))  # (1, 50) is still being written
+    assert only(out, RunBatch) == []  # waits for that write, off the batch's end
+    out = h(CheckpointFailed(batch.batch_id, 0, 1, 50, "OSError: disk full"))
     (again,) = only(out, RunBatch)
     assert (again.start_at, segs(again)) == (None, [(1, 0, 50), (2, 50, 120)])
+    assert h.sched.saving == {}
+
+
+# ------------------------------------------------------------- checkpoint writes after the end
+
+
+def test_work_from_a_checkpoint_still_being_written_waits_for_it_elsewhere() -> None:
+    h = Harness(workers=2)
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    h(Progress(batch.batch_id, 0, 1, 20, 0.1))
+    h.trial(AT50, 120)
+    h(Progress(batch.batch_id, 0, 1, 100, 0.1))
+    h(MetricsReported(batch.batch_id, 0, 1, 100, {"loss": 0.0}))
+    out = h(BatchDone(batch.batch_id, 0, 1.0, 100))  # its writes at 50 and 100 go on
+    assert only(out, RunBatch) == [] and only(out, RequestDone) == []
+    assert h.sched.saving == {batch.batch_id: frozenset({(1, 50), (1, 100)})}
+    out = h(CheckpointSaved(batch.batch_id, 0, 1, 50, "ck-50", 1, 0.0))
+    (more,) = only(out, RunBatch)
+    assert (more.start_at, more.start_checkpoint) == ((1, 50), "ck-50")
+    assert segs(more) == [(2, 50, 120)]
+    # The trial at 100 is done once its model is durable too.
+    out = h(CheckpointSaved(batch.batch_id, 0, 1, 100, "ck-100", 1, 0.0))
+    assert [(d.node, d.step) for d in only(out, RequestDone)] == [(1, 100)]
+    assert h.sched.saving == {}
+
+
+def test_the_worker_holding_a_model_continues_it_before_its_write_ends() -> None:
+    h = Harness(workers=1)
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    h(Progress(batch.batch_id, 0, 1, 100, 0.1))
+    h(MetricsReported(batch.batch_id, 0, 1, 100, {"loss": 0.0}))
+    h(BatchDone(batch.batch_id, 0, 1.0, 100))
+    (_, out) = h.trial(AT150, 200)  # continues the model at 100, not written yet
+    (more,) = only(out, RunBatch)
+    assert (more.worker, more.start_at, more.start_checkpoint) == (0, (1, 100), None)
+    assert segs(more) == [(1, 100, 150), (2, 150, 200)]
+
+
+def test_a_lost_worker_takes_its_pending_writes_with_it() -> None:
+    h = Harness(workers=2)
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    h(Progress(batch.batch_id, 0, 1, 100, 0.1))
+    h(MetricsReported(batch.batch_id, 0, 1, 100, {"loss": 0.0}))
+    h(BatchDone(batch.batch_id, 0, 1.0, 100))
+    out = h(WorkerLost(0, None, "killed"))
+    # The trial's metrics stand; its model was not kept.
+    assert [(d.node, d.step) for d in only(out, RequestDone)] == [(1, 100)]
+    assert h.sched.saving == {}
 
 
 # --------------------------------------------------------------------------- preemption
@@ -557,3 +612,40 @@ def test_public_names() -> None:
         "make_policy",
     ]
     assert all(hasattr(scheduler_pkg, name) for name in scheduler_pkg.__all__)
+
+
+# --------------------------------------------------------------------- periodic checkpoints
+
+
+def test_checkpoint_every_adds_periodic_points_to_a_batch() -> None:
+    h = Harness(workers=1, checkpoint_every=30)
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    assert batch.checkpoint_at == ((1, 30), (1, 60), (1, 90), (1, 100))
+    off = Harness(workers=1, checkpoint_every=None)
+    (_, out) = off.trial(CONST, 100)
+    assert only(out, RunBatch)[0].checkpoint_at == ((1, 100),)
+
+
+def test_checkpoint_every_auto_follows_the_measured_costs() -> None:
+    h = Harness(workers=1)  # "auto": nothing measured yet, no periodic points
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    assert batch.checkpoint_at == ((1, 100),)
+    assert h.sched.periodic_interval("r", 100) is None
+    h(Progress(batch.batch_id, 0, 1, 100, 0.5))  # 0.5 s a step
+    h(CheckpointSaved(batch.batch_id, 0, 1, 100, "ck", 1, 0.1))  # 0.1 s a save
+    # 5% of a 400-step trial is 20 steps, and 100 steps' time pays 5 s for 0.1 s saves.
+    assert h.sched.periodic_interval("r", 400) == 20
+    cheap = Harness(workers=1)  # 1 ms steps: saves every 10000 steps, none in 400
+    (_, out) = cheap.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    cheap(Progress(batch.batch_id, 0, 1, 100, 0.001))
+    cheap(CheckpointSaved(batch.batch_id, 0, 1, 100, "ck", 1, 0.1))
+    assert cheap.sched.periodic_interval("r", 400) is None
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "often", True])
+def test_bad_checkpoint_every_is_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        Scheduler(num_workers=1, checkpoint_every=bad)

@@ -35,8 +35,11 @@ class BaseExecutor(ABC):
       :class:`~stagetree.work.SplitMissed` and ``Abort`` is ignored.
     * Every ``RunBatch`` ends with exactly one terminal event: ``BatchDone``,
       ``BatchFailed`` or ``WorkerLost`` naming its batch. Events of one batch arrive in
-      the order the worker sent them, and every ``CheckpointSaved`` of a batch arrives
-      before its terminal event (checkpoints it reports are durable).
+      the order the worker sent them. Checkpoint writes are off the critical path: a
+      ``CheckpointSaved`` (or ``CheckpointFailed``) of a batch may arrive after its
+      ``BatchDone`` (never after a ``BatchFailed``), and every checkpoint it captured
+      ends with one of the two unless its worker is lost; no other event of a batch
+      follows its terminal event.
     * :meth:`events` blocks until at least one event is available or ``timeout``
       seconds pass (forever when None), then returns every available event. Liveness is
       checked there: a dead worker is reported as ``WorkerLost`` (after the events it

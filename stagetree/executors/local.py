@@ -1005,6 +1005,9 @@ class InlineExecutor(BaseExecutor):
                     worker.run_fused(batch, poll)
                 else:
                     worker.run(batch, poll)
+                # In-process and sequential: the batch's writes end before events()
+                # returns (they follow its BatchDone, as with other executors).
+                worker.flush()
             finally:
                 for i in started(batch):
                     del self._live[i]

@@ -19,8 +19,9 @@ Models (all deterministic; see :mod:`stagetree.simulate` for more):
   that trials sharing a prefix get identical metrics there, however the path was
   split into stages, resumed or shared.
 * Checkpoints: ``checkpoint_bytes`` per config; a save costs ``save_latency +
-  nbytes / save_bandwidth`` seconds in the background (training goes on; the batch's
-  ``BatchDone`` waits for it), a load ``load_latency + nbytes / load_bandwidth``
+  nbytes / save_bandwidth`` seconds in the background (training goes on, and the
+  batch's ``BatchDone`` does not wait for it: ``CheckpointSaved`` may come after, as
+  with the real worker), a load ``load_latency + nbytes / load_bandwidth``
   seconds before training, skipped when the worker still holds the model in memory
   (it just finished where the new batch starts, with the same trainer key), as the
   real worker does.
@@ -310,7 +311,6 @@ class _Run:
     anchor_time: float = 0.0  # when training resumes from ``anchor``
     next_step: int = -1  # milestone scheduled
     version: int = 0
-    saves_until: float = 0.0
     stop_at: int | None = None  # abort: stop at this step
     finished: bool = False
 
@@ -675,7 +675,6 @@ class SimulatedExecutor(BaseExecutor):
             ref = f"sim-{batch.root_key[:8]}-n{point.ckpt}-s{step}-b{bid}.ckpt"  # store-valid name
             self._ckpts[ref] = (run.states[step - run.start], nbytes)
             done = at + save
-            run.saves_until = max(run.saves_until, done)
             self.saves += 1
             self._push(done, "event", CheckpointSaved(bid, w, point.ckpt, step, ref, nbytes, save))
         if point.eval is not None and not point.eval_done:
@@ -690,7 +689,7 @@ class SimulatedExecutor(BaseExecutor):
         run.version += 1
         batch = run.batch
         w = batch.worker
-        done = max(run.anchor_time, run.saves_until)
+        done = run.anchor_time  # its writes go on after it (see the module docstring)
         steps = run.anchor - run.start
         busy = done - run.t0
         self.busy_seconds[w] += busy

@@ -46,11 +46,18 @@ pending; checkpoints it reported stay valid. A worker that dies more than
 ``os._exit`` in the trainer) fails the requests behind the point it last reported.
 
 A request is settled (``RequestDone``) once its metrics are reported *and* the
-checkpoint its batch promised at that point is durable (or the batch ended), so a
+checkpoint its batch promised at that point is durable (or known not to come), so a
 finished request always has its model on disk.
 
-Executors must deliver a batch's ``MetricsReported`` and ``CheckpointSaved`` events
-before its ``BatchDone``: a promise not kept by then is taken as not kept.
+Checkpoint writes are off the critical path: a worker reports ``BatchDone`` when its
+training is done, and the checkpoints the batch captured become durable afterwards
+(``CheckpointSaved``; ``CheckpointFailed`` when a write fails). Until then the batch
+stays *saving*: the worker is free, the stage tree counts the pending checkpoints as
+positions of that batch (work that needs one on another worker waits for it), and the
+worker that holds the model in memory may continue from it at once without any load.
+A saving batch's promises end with its ``CheckpointSaved``/``CheckpointFailed``, a
+``SplitMissed`` for it, or the loss of its worker. Executors deliver a batch's
+``MetricsReported`` before its ``BatchDone``.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ from stagetree.work import (
     AddCheckpoint,
     BatchDone,
     BatchFailed,
+    CheckpointFailed,
     CheckpointSaved,
     CurveReported,
     FusionFailed,
@@ -122,6 +130,7 @@ class _Batch:
     checkpoint: set[Key]  # promised checkpoints not durable yet
     planned: frozenset[Key] = frozenset()  # points of the RunBatch itself (not splits)
     start_at: Key | None = None
+    start_ref: str | None = None  # the checkpoint it loads (None: fresh, or in memory)
     aborted: bool = False
     # Metrics reported at a point whose promised checkpoint is not durable yet.
     parked: dict[Key, dict[str, float]] = field(default_factory=dict)
@@ -166,6 +175,14 @@ def _where(phase: str, step: int) -> str:
 
 def _by_step(keys: set[Key]) -> tuple[Key, ...]:
     return tuple(sorted(keys, key=lambda k: (k[1], k[0])))
+
+
+def check_checkpoint_every(value: Any) -> None:
+    """Raises ValueError unless ``value`` is an int >= 1, ``"auto"`` or None."""
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"checkpoint_every must be an integer >= 1, 'auto' or None, got {value!r}")
 
 
 class Scheduler:
@@ -232,12 +249,18 @@ class Scheduler:
         max_worker_deaths: int = 2,
         eval_every: int = 0,
         max_fused: int = 1,
+        checkpoint_every: int | str | None = "auto",
     ) -> None:
         if eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {eval_every}")
         if isinstance(max_fused, bool) or not isinstance(max_fused, int) or max_fused < 1:
             raise ValueError(f"max_fused must be an integer >= 1, got {max_fused!r}")
         self.max_fused = max_fused
+        check_checkpoint_every(checkpoint_every)
+        self.checkpoint_every = checkpoint_every
+        # Mean seconds of a checkpoint (capture + write), from CheckpointSaved.
+        self._save_total = 0.0
+        self._save_count = 0
         # Fusible sequence names per plan tree (RootAdded.fusible), minus the trees whose
         # trainer could not be fused (FusionFailed).
         self._fusible: dict[str, frozenset[str]] = {}
@@ -267,6 +290,12 @@ class Scheduler:
         self._lift: dict[str, float] = {}
         self._checkpoints: dict[Key, str] = {}
         self._batches: dict[int, _Batch] = {}
+        # Ended batches whose captured checkpoints are not durable yet (see the module
+        # docstring); ``checkpoint`` holds the pending keys, ``parked`` their metrics.
+        self._saving: dict[int, _Batch] = {}
+        # Pending checkpoints whose model an idle worker holds in memory (refreshed by
+        # every stage-tree build): work from there may start on that worker at once.
+        self._memory: dict[Key, int] = {}
         self._positions: dict[int, int] = {}  # every batch ever: last reported step
         self._workers: set[int] = set(range(num_workers or 0))
         self._idle: set[int] = set(self._workers)
@@ -284,6 +313,7 @@ class Scheduler:
             StudyWeight: self._on_weight,
             CheckpointAvailable: self._on_checkpoint,
             CheckpointSaved: self._on_checkpoint,
+            CheckpointFailed: self._on_checkpoint_failed,
             CheckpointLost: self._on_checkpoint_lost,
             Progress: self._on_progress,
             MetricsReported: self._on_metrics,
@@ -408,6 +438,12 @@ class Scheduler:
     def idle(self) -> bool:
         """True when no batch runs and no live request is left."""
         return not self._batches and not self._requests
+
+    @property
+    def saving(self) -> dict[int, frozenset[Key]]:
+        """Ended batches whose checkpoints are still being written: the pending
+        ``(node, step)`` keys by batch id."""
+        return {b.batch_id: frozenset(b.checkpoint) for b in self._saving.values()}
 
     # -- plan events -----------------------------------------------------------------------
 
@@ -586,13 +622,45 @@ class Scheduler:
     ) -> None:
         key = (e.node, e.step)
         self._checkpoints[key] = e.ref
-        for batch in self._batches.values():
+        seconds = getattr(e, "seconds", None)
+        if seconds is not None and math.isfinite(seconds) and seconds > 0:
+            self._save_total += seconds
+            self._save_count += 1
+        for batch in (*self._batches.values(), *self._saving.values()):
             batch.checkpoint.discard(key)
             metrics = batch.parked.pop(key, None)
             if metrics is not None:
                 batch.evaluate.discard(key)
                 self._settle(key, metrics, out)
+        self._end_saving(out)
         self._dirty = True
+
+    def _on_checkpoint_failed(self, e: CheckpointFailed, out: list[Instruction | Notice]) -> None:
+        batch = self._saving.get(e.batch_id)
+        if batch is not None:
+            self._unpromise(batch, (e.node, e.step), out)
+            self._end_saving(out)
+            self._dirty = True
+
+    def _unpromise(self, batch: _Batch, key: Key, out: list[Instruction | Notice]) -> None:
+        """A saving batch's checkpoint at ``key`` will not come: a request parked on it
+        settles without its model (it is recomputed if ever needed)."""
+        batch.checkpoint.discard(key)
+        metrics = batch.parked.pop(key, None)
+        if metrics is not None:
+            self._settle(key, metrics, out)
+
+    def _end_saving(self, out: list[Instruction | Notice], worker: int | None = None) -> None:
+        """Forget saving batches with nothing pending (or all of ``worker``'s: lost)."""
+        for batch in list(self._saving.values()):
+            if worker is not None and batch.worker == worker:
+                for key in list(batch.checkpoint):
+                    self._unpromise(batch, key, out)
+            if not batch.checkpoint:
+                for key, metrics in batch.parked.items():
+                    self._settle(key, metrics, out)
+                del self._saving[batch.batch_id]
+                self._dirty = True
 
     def _on_checkpoint_lost(self, e: CheckpointLost, out: list[Instruction | Notice]) -> None:
         if self._checkpoints.pop((e.node, e.step), None) is not None:
@@ -651,9 +719,17 @@ class Scheduler:
         batch = self._release(e.batch_id)
         if batch is not None:
             begin = batch.segments[0][1] if batch.segments else batch.end[1]
-            self._charge(batch, max(batch.position, begin + e.steps))
-            for key, metrics in batch.parked.items():  # its checkpoint was not kept
-                self._settle(key, metrics, out)
+            position = max(batch.position, begin + e.steps)
+            self._charge(batch, position)
+            batch.position = position
+            # Checkpoints at positions the worker passed were captured: their writes
+            # end after the batch (the module docstring). Others were not kept.
+            batch.checkpoint = {k for k in batch.checkpoint if k[1] <= position}
+            batch.evaluate.clear()
+            for key in [k for k in batch.parked if k not in batch.checkpoint]:
+                self._settle(key, batch.parked.pop(key), out)
+            if batch.checkpoint:
+                self._saving[batch.batch_id] = batch
         if batch is not None and not batch.aborted and batch.position >= batch.end[1]:
             self._worker_at[batch.worker] = batch.end
         else:
@@ -667,9 +743,16 @@ class Scheduler:
         self._dirty = True
         key = (e.node, e.step)
         if getattr(e, "kind", "trainer") == "checkpoint":
-            # The start checkpoint is unreadable: forget it and plan from an earlier one.
-            start = batch.start_at if batch is not None and batch.start_at else key
-            self._checkpoints.pop(start, None)
+            # The start checkpoint is unreadable: forget it and plan from an earlier one
+            # (a batch that was to continue a model in memory forgets nothing).
+            if batch is None:
+                self._checkpoints.pop(key, None)
+            elif (
+                batch.start_at is not None
+                and batch.start_ref is not None
+                and self._checkpoints.get(batch.start_at) == batch.start_ref
+            ):
+                del self._checkpoints[batch.start_at]
             return
         failures = self._failures.get(key, 0) + 1
         if failures <= self.max_retries:
@@ -753,6 +836,12 @@ class Scheduler:
         return out
 
     def _on_split_missed(self, e: SplitMissed, out: list[Instruction | Notice]) -> None:
+        saving = self._saving.get(e.batch_id)
+        if saving is not None:  # asked for after its end: never captured
+            self._unpromise(saving, (e.node, e.step), out)
+            self._end_saving(out)
+            self._dirty = True
+            return
         batch = self._batches.get(e.batch_id)
         if batch is None:
             return
@@ -773,6 +862,7 @@ class Scheduler:
         self._workers.discard(e.worker)
         self._idle.discard(e.worker)
         self._worker_at.pop(e.worker, None)
+        self._end_saving(out, worker=e.worker)  # its pending writes died with it
         for batch_id in [
             b.batch_id
             for b in self._batches.values()
@@ -920,23 +1010,39 @@ class Scheduler:
         return [b for b in self._batches.values() if not b.aborted]
 
     def _promised(self) -> set[Key]:
+        """Requests evaluated by a running batch, or whose metrics wait for the write of
+        a saving batch's checkpoint."""
         out: set[Key] = set()
         for batch in self._active():
             out |= batch.evaluate
+        for batch in self._saving.values():
+            out.update(batch.parked)
         return out
 
     def _tree(self) -> StageTree:
-        active = self._active()
-        promised: set[Key] = set()
+        promised = self._promised()
         running = []
-        for b in active:
-            promised |= b.evaluate
+        for b in self._active():
             saving = tuple(k for k in b.checkpoint if k[1] <= b.position)
             running.append(RunningPosition(b.batch_id, b.segments, b.position, saving))
+        # An idle worker that holds the model of a pending checkpoint can start from it
+        # now (no load): for this decision that model counts as durable.
+        self._memory = {}
+        for b in self._saving.values():
+            at = self._worker_at.get(b.worker)
+            if at is not None and b.worker in self._idle and at in b.checkpoint:
+                self._memory[at] = b.worker
+            keys = tuple(k for k in b.checkpoint if k not in self._memory)
+            if keys:
+                running.append(RunningPosition(b.batch_id, (), b.position, keys))
         requests = [k for k in self._requests if k not in promised]
-        return build_stage_tree(
-            self._nodes, requests, self._checkpoints, running, self.estimator.cost
-        )
+        checkpoints = self._checkpoints.keys() | self._memory.keys()
+        return build_stage_tree(self._nodes, requests, checkpoints, running, self.estimator.cost)
+
+    def _any_batch(self, batch_id: int) -> _Batch:
+        """A running or saving batch."""
+        batch = self._batches.get(batch_id)
+        return batch if batch is not None else self._saving[batch_id]
 
     def _schedule(self, out: list[Instruction | Notice]) -> None:
         while True:
@@ -957,7 +1063,7 @@ class Scheduler:
         for batch in self._batches.values():
             batch.downstream.clear()
         for c in tree.covered:
-            batch = self._batches[c.batch_id]
+            batch = self._any_batch(c.batch_id)
             key = (c.node, c.step)
             batch.downstream[key] = c.step
             if c.step <= batch.position:
@@ -971,7 +1077,7 @@ class Scheduler:
         for root in tree.waiting_roots():
             origin = root.origin
             assert origin is not None and origin.batch_id is not None
-            batch = self._batches[origin.batch_id]
+            batch = self._any_batch(origin.batch_id)
             key = (origin.node, origin.step)
             for stage in root.subtree():
                 for t in stage.evaluate_at:
@@ -981,6 +1087,8 @@ class Scheduler:
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
     def _pick_worker(self, start: Key | None) -> int:
+        if start in self._memory:  # only that worker has the model
+            return self._memory[start]
         if start is not None:
             for worker in sorted(self._idle):
                 if self._worker_at.get(worker) == start:
@@ -1097,6 +1205,11 @@ class Scheduler:
         segments = tuple((s.node, s.start, s.stop) for s in path if s.stop > s.start)
         if self.branch_checkpoints:
             checkpoint |= self._branch_points(segments)
+        every = self.periodic_interval(self._nodes[root.node].root_key, path[-1].stop)
+        if every is not None:  # bound what a crash loses (see periodic_interval)
+            checkpoint |= {
+                (n, t) for n, a, b in segments for t in range(a + 1, b) if t % every == 0
+            }
         checkpoint -= self._checkpoints.keys()
         last = path[-1]
         batch_id = self._next_batch
@@ -1112,6 +1225,7 @@ class Scheduler:
             set(checkpoint),
             frozenset(evaluate | checkpoint),
             start,
+            None if start is None else self._checkpoints.get(start),
             charged=root.start,
         )
         self._positions[batch_id] = root.start
@@ -1123,12 +1237,35 @@ class Scheduler:
             config=dict(self._roots[root_key]),
             start_step=root.start,
             start_at=start,
-            start_checkpoint=None if start is None else self._checkpoints[start],
+            # None from an in-memory model (see _tree): the worker continues it.
+            start_checkpoint=None if start is None else self._checkpoints.get(start),
             segments=tuple(Segment(n, a, b, self._nodes[n].hp) for n, a, b in segments),
             evaluate_at=_by_step(evaluate),
             checkpoint_at=_by_step(checkpoint),
             eval_every=self.eval_every,
         )
+
+    def periodic_interval(self, root_key: str, end: int) -> int | None:
+        """Steps between the periodic checkpoints of a batch of tree ``root_key`` that
+        ends at step ``end`` (None: none), which bound the steps a crash loses.
+
+        ``checkpoint_every`` an int: that. ``"auto"``: the cost model's choice, once a
+        step of the tree and a checkpoint were measured: a crash loses at most 5% of
+        the trial (``end / 20`` steps), and the saves cost at most 1% of the training
+        time (at least 100 steps' time between saves); none where that interval is
+        not shorter than the batch. ``None``: off (branch points and batch ends only).
+        """
+        every = self.checkpoint_every
+        if every is None:
+            return None
+        if isinstance(every, int):
+            return every
+        step = self.estimator.widths(root_key).get(1)
+        if not step or not self._save_count:
+            return None
+        save = self._save_total / self._save_count
+        interval = max(math.ceil(end / 20), math.ceil(100 * save / step))
+        return interval if interval < end else None
 
     def _preempt(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
         needed = {c.batch_id for c in tree.covered}
