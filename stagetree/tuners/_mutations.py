@@ -116,10 +116,15 @@ def _perturb_value(dist: Any, value: Any, perturb: float, rng: random.Random) ->
         family = dist.family
         if not isinstance(value, family):
             return dist.sample(rng)
+        args = _template_params(dist)
         kwargs = {}
-        for param, arg in _template_params(dist).items():
-            current = _field_of(value, param)
-            kwargs[param] = _perturb_arg(arg, current, perturb, rng)
+        for param in inspect.signature(family.__init__).parameters:
+            if param == "self":
+                continue
+            current = _field_of(value, param)  # arguments the template leaves out too
+            kwargs[param] = (
+                _perturb_arg(args[param], current, perturb, rng) if param in args else current
+            )
         return family(**kwargs)
     if isinstance(dist, (list, tuple)):
         return _perturb_arg(dist, value, perturb, rng)
@@ -227,6 +232,13 @@ def _contained(inner: Any, outer: Any) -> str | None:
 def check_within(name: str, mutation: Any, entry: Any) -> None:
     """Raise :class:`TunerError` when ``mutation`` can draw what space entry ``entry``
     cannot (for sequence ``name``)."""
+    from stagetree.hp import Sequence
+
+    if isinstance(entry, Sequence):
+        raise TunerError(
+            f"mutations[{name!r}] is outside the search space: the space fixes {name!r} "
+            f"to {entry!r}, so any mutation varies what the space fixes"
+        )
     problem = _contained(mutation, entry)
     if problem is not None:
         raise TunerError(f"mutations[{name!r}] is outside the search space: {problem}")
