@@ -401,3 +401,36 @@ def test_grid_pbt_runs_in_a_study(tmp_path: Path) -> None:
     for r in records:
         assert {r.hp["lr"](s) for s in range(9)} <= {0.01, 0.02, 0.04, 0.08}
     assert sum(1 for r in records if r.lineage) == len(tuner.exploits)
+
+
+def test_grid_mutations_are_a_subset_of_its_options() -> None:
+    grid = GridSpace({"x": [0.1, 0.3, 0.5, 0.7]})
+    tuner = PBT(grid, "acc", population=4, interval=2, steps=6, mutations={"x": [0.3, 0.5]})
+    run(tuner, FakeRunner())
+    assert tuner.exploits
+    for e, new, _ in exploited(tuner):
+        assert new.hp["x"](e["step"]) in (0.3, 0.5)
+    with pytest.raises(TunerError, match=r"0\.4 is not one of the options"):
+        PBT(grid, "acc", population=4, interval=2, steps=6, mutations={"x": [0.3, 0.4]})
+
+
+def test_a_choice_of_schedules_moves_to_a_neighbouring_schedule() -> None:
+    options = [
+        Constant(0.6),
+        MultiStep(0.7, [5]),
+        MultiStep(init=Uniform(0.6, 0.8), milestones=[7]),
+    ]
+    space = RandomSpace({"x": Choice(options)})
+    tuner = PBT(space, "acc", population=6, interval=2, steps=10, seed=3, resample_probability=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the space has few distinct trials
+        run(tuner, FakeRunner())
+    assert tuner.exploits
+    for e, new, _ in exploited(tuner):
+        t, seq = e["step"], new.hp["x"]
+        assert isinstance(seq, Then) and seq.at == t
+        tail = seq.second.base if isinstance(seq.second, Shifted) else seq.second
+        assert tail in options[:2] or (
+            isinstance(tail, MultiStep) and tail.milestones == (7,) and 0.6 <= tail.init <= 0.8
+        )
+        assert seq.values(t, 10) == tail.values(t, 10)  # in the trial's step numbering
