@@ -434,3 +434,15 @@ def test_a_choice_of_schedules_moves_to_a_neighbouring_schedule() -> None:
             isinstance(tail, MultiStep) and tail.milestones == (7,) and 0.6 <= tail.init <= 0.8
         )
         assert seq.values(t, 10) == tail.values(t, 10)  # in the trial's step numbering
+
+
+def test_lineage_travels_to_a_remote_study() -> None:
+    from stagetree.reports import TrialRecord
+    from stagetree.server.protocol import record_from_json, record_to_json
+
+    seq = Then(MultiStep(0.1, [30, 60]), Shifted(MultiStep(0.12, [30, 60]), 40), 40)
+    record = TrialRecord(7, {"seed": 0}, {"lr": seq}, 80, "done", {}, None, [
+        {"donor": 2, "step": 20}, {"donor": 5, "step": 40},
+    ])  # fmt: skip
+    back = record_from_json(record_to_json(record))
+    assert back.lineage == record.lineage and back.hp == record.hp
