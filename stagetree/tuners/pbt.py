@@ -15,6 +15,7 @@ import random
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from stagetree.distributions import Choice
 from stagetree.exceptions import TunerError
 from stagetree.tuners._mutations import (
     Mutation,
@@ -31,16 +32,17 @@ __all__ = ["PBT"]
 _REDRAWS = 10
 
 
-def _fraction(name: str, value: Any, low: float, high: float, closed_low: bool) -> float:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and (low <= value if closed_low else low < value)
-        and value <= high
-    )
+def _number_in(name: str, value: Any, interval: str) -> float:
+    """``value`` as a float in ``interval`` (``"(0, 1)"``, ``"[0, 1]"``, ``"(0, 0.5]"``),
+    else :class:`TunerError` naming the argument."""
+    lo, hi = (float(x) for x in interval[1:-1].split(","))
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        ok = (lo <= value if interval[0] == "[" else lo < value) and (
+            value <= hi if interval[-1] == "]" else value < hi
+        )
     if not ok:
-        bracket = "[" if closed_low else "("
-        raise TunerError(f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
+        raise TunerError(f"{name} must be a number in {interval}, got {value!r}")
     return float(value)
 
 
@@ -110,12 +112,10 @@ class PBT(Tuner):
         self.population = check_int("population", population, 2)
         self.interval = check_int("interval", interval, 1)
         self.steps = check_int("steps", steps, 1)
-        self.perturb = _fraction("perturb", perturb, 0.0, 1.0, False)
-        if self.perturb >= 1:
-            raise TunerError(f"perturb must be a number in (0, 1), got {perturb!r}")
-        self.quantile = _fraction("quantile", quantile, 0.0, 0.5, False)
-        self.resample_probability = _fraction(
-            "resample_probability", resample_probability, 0.0, 1.0, True
+        self.perturb = _number_in("perturb", perturb, "(0, 1)")
+        self.quantile = _number_in("quantile", quantile, "(0, 0.5]")
+        self.resample_probability = _number_in(
+            "resample_probability", resample_probability, "[0, 1]"
         )
         if isinstance(hp_to_mutate, str):
             hp_to_mutate = [hp_to_mutate]
@@ -158,8 +158,6 @@ class PBT(Tuner):
                 dist = as_distribution(name, value)
                 if entries is not None:
                     entry = entries[name]
-                    from stagetree.distributions import Choice
-
                     check_within(name, dist, Choice(entry) if isinstance(entry, list) else entry)
                 plan[name] = Mutation(name, dist)
         if only is not None:
