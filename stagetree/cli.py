@@ -940,6 +940,7 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
             )
         )
     rows.extend(_failure_rows(st.failures))
+    rows.extend(_lineage_rows(st))
     if st.workers:
         where = ", ".join(f"{w} on {node}" for w, node in st.workers.items())
         rows.append(("workers", f"{where} (last seen)"))
@@ -957,6 +958,18 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
         )
     rows.extend(_efficiency_rows(st.efficiency))  # its latest run's
     return rows
+
+
+def _lineage_rows(st: StudyStatus) -> list[tuple[str, str]]:
+    """PBT's exploits: how many trials they made, and the best trial's ancestry."""
+    if not st.lineage:
+        return []
+    text = f"{len(st.lineage)} trials made by PBT exploits"
+    chain = st.lineage.get(st.best_trial) if st.best_trial is not None else None
+    if chain:
+        steps = ", ".join(f"trial {e['donor']} to step {e['step']}" for e in chain)
+        text += f"; best trial {st.best_trial} follows {steps}"
+    return [("lineage", text)]
 
 
 def status(
