@@ -325,3 +325,27 @@ def test_parse_duration() -> None:
     for bad in ("", "soon", "-1", True, float("nan"), "inf"):
         with pytest.raises(ValueError):
             parse_duration(bad)  # type: ignore[arg-type]
+
+
+def test_gc_on_an_fsspec_location_and_its_ages(tmp_path: Path) -> None:
+    location = f"memory://stagetree-gc/{tmp_path.name}"
+    with make(tmp_path, checkpoint_dir=location) as study:
+        study.tune(GridSearch(SPACE, steps=20, metric="score"))
+    store = CheckpointStore(location)
+    orphan = store.save(_orphan_name(tmp_path, 1, 7), {"w": [1.0]}).ref
+    ages = store.modified()
+    assert set(ages) == set(store.refs()) and abs(ages[orphan] - time.time()) < 60
+    report = collect_garbage(url_of(tmp_path), location, keep="leaves", now=time.time() + 7200)
+    assert sorted(i.reason for i in report.removed) == ["intermediate", "intermediate", "orphan"]
+    assert set(store.refs()) == set(records(tmp_path).values())
+    assert len(store.refs()) == 4
+
+
+def test_keep_best_without_a_ranked_trial_keeps_every_final(tmp_path: Path) -> None:
+    with Study("nan", LinearTrainer, storage=url_of(tmp_path), executor="inline") as study:
+        space = GridSpace({"lr": LRS}, fixed={"seed": [1], "nan_at": [1]})
+        study.tune(GridSearch(space, steps=20, metric="score"))
+    report = collect_garbage(url_of(tmp_path), keep="best")
+    assert {i.reason for i in report.removed} == {"intermediate"}
+    assert report.kept["kept trial"] == 4
+    assert "no trial with a finite final metric" in report.lines()[-1]

@@ -233,6 +233,8 @@ class GcReport:
         skipped: files of the location ``gc`` leaves alone because they are not
             this plan's checkpoints (other names, or trees the plan does not hold).
         missing: plan records whose file the location does not hold (left alone).
+        notes: anything else the user should know (a study ``keep="best"`` could not
+            rank, whose trials' final checkpoints were all kept).
         dry_run: nothing was removed.
         keep: the keep mode.
         location: the checkpoint location.
@@ -243,6 +245,7 @@ class GcReport:
     kept_bytes: dict[str, int] = field(default_factory=dict)
     skipped: int = 0
     missing: int = 0
+    notes: list[str] = field(default_factory=list)
     dry_run: bool = False
     keep: str = "leaves"
     location: str = ""
@@ -278,6 +281,7 @@ class GcReport:
             out.append(f"left alone {self.skipped} file(s) that are not this plan's checkpoints")
         if self.missing:
             out.append(f"{self.missing} plan record(s) point at files the location lacks")
+        out.extend(self.notes)
         return out
 
 
@@ -546,12 +550,18 @@ def _collect(
     leaf_of: dict[Key, set[str]] = {}  # final checkpoint of any current trial -> studies
     best = _best_trials(storage, plan) if keep == "best" else {}
     for name in ruled:
+        if keep == "best" and best.get(name) is None and plan.current[name]:
+            report.notes.append(
+                f"study {name!r} has no trial with a finite final metric to rank: "
+                "kept every trial's final checkpoint (as --keep leaves)"
+            )
+    for name in ruled:
         for trial in plan.current[name]:
             at = _final(trial, paths, by_node)
             if at is None:
                 continue
             leaf_of.setdefault(at, set()).add(name)
-            if keep != "best" or best.get(name) == int(trial["id"]):
+            if keep != "best" or best.get(name) in (None, int(trial["id"])):
                 finals.setdefault(at, set()).add(name)
 
     removed: list[GcItem] = []
