@@ -10,9 +10,10 @@ A needed checkpoint is never removed.
 ``collect_garbage`` also removes what no kept trial needs, by ``keep``:
 
 * ``"all"``: only checkpoints of plan trees that no study's current trainer version
-  uses (*old version*), and *orphans*: files of this plan's trees that no plan record
-  references (left by killed workers), once older than a grace period, so that a file
-  a worker has just written and its engine is about to record is never taken;
+  uses (*old version*; *no trial* for a tree no trial at all uses), and *orphans*:
+  files of this plan's trees that no plan record references (left by killed workers),
+  once older than a grace period, so that a file a worker has just written and its
+  engine is about to record is never taken;
 * ``"leaves"`` (the default): also every checkpoint that is not some trial's final one
   (*intermediate*); a trial's final checkpoint is the latest on its path at or before
   its steps, where resuming or extending it starts;
@@ -32,6 +33,7 @@ removed) when ``keep`` would remove any of them; ``"leaves"`` and ``"all"`` neve
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -60,6 +62,8 @@ __all__ = [
     "parse_duration",
 ]
 
+logger = logging.getLogger("stagetree")
+
 #: What ``keep`` may be (see the module docstring).
 KEEP_MODES = ("best", "leaves", "all")
 
@@ -67,7 +71,7 @@ KEEP_MODES = ("best", "leaves", "all")
 DEFAULT_GRACE = 3600.0
 
 #: Reasons a checkpoint is removed, in report order.
-REASONS = ("old version", "intermediate", "not best", "orphan")
+REASONS = ("old version", "no trial", "intermediate", "not best", "orphan")
 
 # The names workers give checkpoints (``stagetree.worker._checkpoint_name``): the first
 # 8 hex digits of the sha1 of the tree's root key, the node, the step, a random suffix.
@@ -177,8 +181,9 @@ def evict_to_budget(storage: BasePlanStorage, store: CheckpointStore) -> list[Ke
         scheduler they are lost), in removal order; empty without a budget.
 
     Raises:
-        CheckpointError: the store cannot be listed (nothing removed) or a file cannot
-            be deleted (its record is gone already: the next ``gc`` takes the file).
+        CheckpointError: the store cannot be listed (nothing removed). A file that
+            cannot be deleted is logged and left (its record is gone: an orphan that
+            the next ``gc`` takes).
     """
     if store.budget_bytes is None:
         return []
@@ -192,8 +197,11 @@ def evict_to_budget(storage: BasePlanStorage, store: CheckpointStore) -> list[Ke
     for ref in eviction_order(candidates, sizes, needed, store.budget_bytes):
         key = keys[ref]
         storage.remove_checkpoint(*key)
-        store.delete(ref)
-        removed.append(key)
+        removed.append(key)  # gone for the plan, whatever happens to the file
+        try:
+            store.delete(ref)
+        except CheckpointError as exc:  # an orphan now: the next ``gc`` takes it
+            logger.warning("checkpoint %s left in the store: %s", ref, exc)
     return removed
 
 
@@ -207,7 +215,9 @@ class GcItem:
     Attributes:
         ref: its name in the checkpoint store.
         nbytes: its size.
-        reason: ``"old version"``, ``"intermediate"``, ``"not best"`` or ``"orphan"``.
+        reason: ``"old version"`` (a tree only other trainer versions' trials use),
+            ``"no trial"`` (a tree no trial uses), ``"intermediate"``, ``"not best"``
+            or ``"orphan"`` (see the module docstring).
         node, step: its canonical plan key; None for an orphan.
     """
 
@@ -538,6 +548,7 @@ def _collect(
     by_node = _steps_by_node(plan.records)
     paths = _Paths(storage)
     current_trees = {str(t["root_key"]) for ts in plan.current.values() for t in ts}
+    used_trees = {root for trees in plan.trees.values() for root in trees}
     scope = plan.trees[study] if study is not None else None
     # Trees other studies use now stay whole under --study (their own keep is theirs).
     frozen = (
@@ -580,7 +591,8 @@ def _collect(
         elif root in frozen:
             why = "in use"
         elif root not in current_trees:
-            removed.append(GcItem(rec.ref, nbytes, "old version", *key))
+            reason = "old version" if root in used_trees else "no trial"
+            removed.append(GcItem(rec.ref, nbytes, reason, *key))
             continue
         elif keep == "all":
             why = "in use"
