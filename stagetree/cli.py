@@ -1341,14 +1341,18 @@ def _add_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     def handler(args: argparse.Namespace) -> int:
         from stagetree.checkpoints.gc import DEFAULT_GRACE, collect_garbage
 
-        report = collect_garbage(
-            args.storage or default_storage(),
-            args.checkpoints,
-            keep=args.keep,
-            study=args.study,
-            dry_run=args.dry_run,
-            grace=DEFAULT_GRACE if args.grace is None else args.grace,
-        )
+        try:
+            report = collect_garbage(
+                args.storage or default_storage(),
+                args.checkpoints,
+                keep=args.keep,
+                study=args.study,
+                dry_run=args.dry_run,
+                grace=DEFAULT_GRACE if args.grace is None else args.grace,
+            )
+        except ValueError as exc:  # checked before anything is opened or written
+            print(f"stagetree gc: error: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_USAGE
         for line in report.lines():
             print(line)
         return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import sys
 import threading
 import time
@@ -299,6 +300,13 @@ def test_bad_input_is_refused_before_anything_is_written(
     assert not missing.exists()
     assert main(["gc", "--storage", f"sqlite:///{missing}"]) == 2
     assert "does not exist" in capsys.readouterr().err and not missing.exists()
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("create table t(x)")
+    content = other.read_bytes()
+    with pytest.raises(StorageError, match="not a stagetree plan storage"):
+        collect_garbage(f"sqlite:///{other}", tmp_path)
+    assert other.read_bytes() == content
     before = tuned(tmp_path)
     with pytest.raises(ValueError, match="keep must be one of best, leaves, all"):
         collect_garbage(url_of(tmp_path), keep="some")
@@ -314,8 +322,12 @@ def test_bad_input_is_refused_before_anything_is_written(
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="holds none of the 6 checkpoints"):
         collect_garbage(url_of(tmp_path), tmp_path / "empty")
-    with pytest.raises(ValueError, match="no checkpoint location"):
+    with pytest.raises(CheckpointError, match="no checkpoint location"):
         collect_garbage(open_storage("memory://"))
+    assert main(["gc", "--storage", url_of(tmp_path), "--study", ""]) == 2
+    assert "study must be a non-empty string" in capsys.readouterr().err
+    assert main(["gc", "--storage", "memory://"]) == 2
+    assert "no checkpoint location" in capsys.readouterr().err
     assert records(tmp_path) == before and files(tmp_path) == set(before.values())
 
 

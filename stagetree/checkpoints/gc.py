@@ -424,7 +424,7 @@ def _open_location(
     default = checkpoints is None
     if checkpoints is None:
         if url is None or not url.startswith("sqlite:///"):
-            raise ValueError(
+            raise CheckpointError(
                 "no checkpoint location: pass checkpoints= (stagetree gc --checkpoints URL); "
                 "only a SQLite plan has a default one (beside its file)"
             )
@@ -441,9 +441,12 @@ def _open_location(
     return CheckpointStore(open_byte_store(text), cache_bytes=0)
 
 
-def _open_plan(storage: str | BasePlanStorage) -> tuple[BasePlanStorage, str | None, bool]:
-    """``(plan, its URL or None, whether this call opened it)``; a SQLite file must
-    exist (``gc`` never creates one)."""
+def _open_plan(
+    storage: str | BasePlanStorage, readonly: bool
+) -> tuple[BasePlanStorage, str | None, bool]:
+    """``(plan, its URL or None, whether this call opened it)``. A SQLite file must
+    exist and a URL must hold a plan: both are checked read-only, so a wrong URL gets
+    nothing written to it (``gc`` never creates a file or stagetree's tables)."""
     from stagetree.plan import BasePlanStorage, open_storage
 
     if isinstance(storage, BasePlanStorage):
@@ -454,6 +457,18 @@ def _open_plan(storage: str | BasePlanStorage) -> tuple[BasePlanStorage, str | N
         path = Path(storage[len("sqlite:///") :])
         if not path.is_file():
             raise StorageError(f"cannot open plan storage {storage!r}: {path} does not exist")
+    probe = open_storage(storage, readonly=True)
+    try:
+        probe.studies()  # a database that is not a plan fails here
+    except StorageError:
+        probe.close()
+        raise
+    except Exception as exc:
+        probe.close()
+        raise StorageError(f"cannot open plan storage {storage!r}: {exc}") from exc
+    if readonly:
+        return probe, storage, True
+    probe.close()
     return open_storage(storage, readonly=False), storage, True
 
 
@@ -489,14 +504,14 @@ def collect_garbage(
         A :class:`GcReport`.
 
     Raises:
-        ValueError: an unknown ``keep``, a bad ``grace``, or no checkpoint location for a
-            plan that is not SQLite.
+        ValueError: an unknown ``keep``, a bad ``grace`` or ``study``.
         PlanKeyError: ``study`` is not in the storage.
         StorageError: the storage cannot be opened (a missing SQLite file is never
             created).
-        CheckpointError: a checkpoint location that does not exist or cannot be
-            listed, or one that holds none of the plan's checkpoints (the wrong
-            location, most likely; nothing is removed).
+        CheckpointError: no ``checkpoints`` for a plan that is not SQLite; a checkpoint
+            location that does not exist or cannot be listed, or one that holds none
+            of the plan's checkpoints (the wrong location, most likely; nothing is
+            removed).
         CheckpointsInUseError: ``keep`` would remove a final checkpoint of a study that
             is running (nothing is removed).
     """
@@ -505,7 +520,7 @@ def collect_garbage(
     grace_s = parse_duration(grace)
     if study is not None and (not isinstance(study, str) or not study):
         raise ValueError(f"study must be a non-empty string, got {study!r}")
-    plan_storage, url, opened = _open_plan(storage)
+    plan_storage, url, opened = _open_plan(storage, readonly=dry_run)
     try:
         return _collect(plan_storage, url, checkpoints, keep, study, dry_run, grace_s, now)
     finally:
