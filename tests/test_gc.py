@@ -361,3 +361,29 @@ def test_keep_best_without_a_ranked_trial_keeps_every_final(tmp_path: Path) -> N
     assert {i.reason for i in report.removed} == {"intermediate"}
     assert report.kept["kept trial"] == 4
     assert "no trial with a finite final metric" in report.lines()[-1]
+
+
+def test_a_crash_midway_leaves_no_record_without_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = tuned(tmp_path)
+    real = CheckpointStore.delete
+    calls: list[str] = []
+
+    def dies_on_the_second(self: CheckpointStore, ref: str) -> bool:
+        calls.append(ref)
+        if len(calls) == 2:
+            raise SystemExit("killed")  # the process dies between record and file
+        return real(self, ref)
+
+    monkeypatch.setattr(CheckpointStore, "delete", dies_on_the_second)
+    with pytest.raises(SystemExit):
+        collect_garbage(url_of(tmp_path), keep="best")
+    monkeypatch.undo()
+    left = records(tmp_path)
+    assert len(left) == 4 and set(left.values()) <= files(tmp_path)  # every record has its file
+    assert calls[1] in files(tmp_path) and calls[1] not in left.values()  # an orphan now
+    report = collect_garbage(url_of(tmp_path), keep="best", grace=0)
+    assert calls[1] in {i.ref for i in report.removed if i.reason == "orphan"}
+    assert files(tmp_path) == set(records(tmp_path).values()) and len(records(tmp_path)) == 1
+    assert set(before) >= set(records(tmp_path))
