@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sqlite3
 import sys
 import threading
@@ -188,7 +189,8 @@ def test_pending_requests_keep_their_start_and_a_running_study_refuses_keep_best
         assert needed_checkpoints(plan) == {start: 1}
     with pytest.raises(CheckpointsInUseError, match=r"study 's' is running.*--keep leaves") as err:
         collect_garbage(url_of(tmp_path), keep="best")
-    assert err.value.study == "s"
+    assert err.value.study == "s" and err.value.holder == f"{socket.gethostname()}:{os.getpid()}"
+    assert f"({err.value.holder} tunes it)" in str(err.value)
     assert records(tmp_path) == before and files(tmp_path) == set(before.values())
     # keep=leaves takes only what no trial ends at; the pending start stays.
     report = collect_garbage(url_of(tmp_path), keep="leaves")

@@ -160,9 +160,10 @@ def needed_checkpoints(
 def eviction_candidates(
     storage: BasePlanStorage, records: Mapping[Key, CheckpointRecord] | None = None
 ) -> tuple[dict[str, EvictionInfo], set[str]]:
-    """What the checkpoint budget weighs: ``(candidates, needed)`` for
-    :meth:`CheckpointStore.evict` (every recorded checkpoint with its recompute cost,
-    its step, and its pending references) and :func:`needed_checkpoints`'s refs."""
+    """What the checkpoint budget weighs, for :func:`eviction_order` (or
+    :meth:`CheckpointStore.evict`): ``(candidates, needed)``, every recorded checkpoint
+    with its recompute cost (its step) and pending references, and the refs of
+    :func:`needed_checkpoints`."""
     records = storage.checkpoints() if records is None else records
     needed = needed_checkpoints(storage, records)
     candidates = {
@@ -395,15 +396,22 @@ def _best_trials(storage: BasePlanStorage, plan: _Plan) -> dict[str, int | None]
     return out
 
 
-def _running_studies(storage: BasePlanStorage, plan: _Plan, now: float) -> dict[str, str]:
-    """Studies some live engine is working for: name -> who (``host:pid``). A live
-    study lease (a tuner runs) or a live stage lease on a tree of its current trials."""
-    out: dict[str, str] = {}
+def _running_studies(
+    storage: BasePlanStorage, plan: _Plan, now: float
+) -> dict[str, tuple[str, str]]:
+    """Studies some live engine is working for: name -> (``host:pid``, what it does in
+    words). A live study lease (a tuner runs) or a live stage lease on a tree of
+    its current trials (a batch trains it, maybe for another study sharing the tree)."""
+    out: dict[str, tuple[str, str]] = {}
     leases = [lease for lease in storage.leases(live_only=True) if lease.live(now)]
-    busy_trees = {lease.scope: lease.describe() for lease in leases if lease.node is not None}
+    busy_trees = {
+        lease.scope: (lease.describe(), "trains its plan trees")
+        for lease in leases
+        if lease.node is not None
+    }
     for lease in leases:
         if lease.node is None and lease.scope in plan.current:
-            out[lease.scope] = lease.describe()
+            out[lease.scope] = (lease.describe(), "tunes it")
     for name, trials in plan.current.items():
         for trial in trials:
             who = busy_trees.get(str(trial["root_key"]))
@@ -629,12 +637,13 @@ def _collect(
             lost[name] = lost.get(name, 0) + 1
     if lost:
         name = sorted(lost)[0]
+        holder, doing = running[name]
         raise CheckpointsInUseError(
-            f"study {name!r} is running ({running[name]}) and keep={keep!r} would remove "
+            f"study {name!r} is running ({holder} {doing}) and keep={keep!r} would remove "
             f"{lost[name]} final checkpoint(s) of its trials, which it may still resume "
             "from; nothing was removed: use --keep leaves (or all), or run gc when it ends",
             study=name,
-            holder=running[name],
+            holder=holder,
         )
 
     # Orphans: files of this plan's trees that no record references, old enough.
