@@ -175,7 +175,7 @@ def test_old_trainer_version_checkpoints_go_even_with_keep_all(tmp_path: Path) -
 
 
 def test_pending_requests_keep_their_start_and_a_running_study_refuses_keep_best(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     before = tuned(tmp_path)
     ends = finals(tmp_path)
@@ -191,6 +191,8 @@ def test_pending_requests_keep_their_start_and_a_running_study_refuses_keep_best
         collect_garbage(url_of(tmp_path), keep="best")
     assert err.value.study == "s" and err.value.holder == f"{socket.gethostname()}:{os.getpid()}"
     assert f"({err.value.holder} tunes it)" in str(err.value)
+    assert main(["gc", "--storage", url_of(tmp_path), "--keep", "best"]) == 2
+    assert "error: study 's' is running" in capsys.readouterr().err
     assert records(tmp_path) == before and files(tmp_path) == set(before.values())
     # keep=leaves takes only what no trial ends at; the pending start stays.
     report = collect_garbage(url_of(tmp_path), keep="leaves")
