@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stagetree.distributions import Choice, Distribution
+from stagetree.distributions import Choice, Distribution, shared_draws
 from stagetree.exceptions import (
     InvalidSequenceError,
     InvalidSpaceError,
@@ -502,6 +502,10 @@ class RandomSpace(BaseSpace):
         return f"RandomSpace(hp={list(self._hp)}, fixed={list(self._fixed)})"
 
     def _draw(self, rng: random.Random) -> TrialSpec:
+        with shared_draws():  # each Shared name takes one value per trial
+            return self._draw_entries(rng)
+
+    def _draw_entries(self, rng: random.Random) -> TrialSpec:
         config: dict[str, Any] = {}
         for name, entry in self._fixed.items():
             value = _resolve(entry, rng)
@@ -534,13 +538,42 @@ class RandomSpace(BaseSpace):
             "the filter may reject (nearly) everything"
         )
 
-    def sample(self, n: int, seed: int = 0) -> list[TrialSpec]:
-        """Draw ``n`` trials from ``random.Random(seed)`` (duplicates are possible; the
-        plan merges identical trials)."""
+    def sample(self, n: int, seed: int = 0, unique: bool = True) -> list[TrialSpec]:
+        """Draw ``n`` distinct trials from ``random.Random(seed)``.
+
+        A draw that repeats an earlier trial is drawn again (identical trials would train
+        once and count as one), up to ``max(100, 10 * n)`` repeats in all.
+        ``unique=False`` keeps every draw, repeats included.
+
+        Raises:
+            InvalidSpaceError: ``n`` is not an int >= 1, or the space gave fewer than
+                ``n`` distinct trials within the repeats allowed (the message says how
+                many it found: the space may hold no more).
+        """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidSpaceError(f"n must be an int >= 1, got {n!r}")
         rng = random.Random(seed)
-        return [self.sample_one(rng) for _ in range(n)]
+        if not unique:
+            return [self.sample_one(rng) for _ in range(n)]
+        out: list[TrialSpec] = []
+        seen: set[TrialSpec] = set()
+        allowed = max(100, 10 * n)
+        repeats = 0
+        while len(out) < n:
+            trial = self.sample_one(rng)
+            if trial in seen:
+                repeats += 1
+                if repeats > allowed:
+                    raise InvalidSpaceError(
+                        f"the space gave only {len(out)} distinct trials in "
+                        f"{len(out) + repeats} draws, not the {n} asked for: it may hold no "
+                        f"more than {len(out)}; ask for at most {len(out)} trials, or widen "
+                        "the space (more choices, continuous ranges)"
+                    )
+                continue
+            seen.add(trial)
+            out.append(trial)
+        return out
 
     def trials(self, n: int | None = None, seed: int = 0) -> list[TrialSpec]:
         """Same as :meth:`sample`; ``n`` is required for a random space."""
