@@ -24,6 +24,7 @@ import json
 import math
 import random
 import runpy
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -648,12 +649,14 @@ def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
-def load_space_file(path: str | Path) -> SpaceFile:
+def load_space_file(path: str | Path, num_trials: int | None = None) -> SpaceFile:
     """Run a Python file and collect its ``space`` and ``steps``.
 
     The file must define ``space`` (a :class:`BaseSpace`) and ``steps`` (an int >= 1, or
     a callable ``steps(trial) -> int``); it may define ``num_trials`` (required for a
-    :class:`RandomSpace`), ``seed`` and ``name``. It runs with ``__name__`` set to
+    :class:`RandomSpace` unless ``num_trials`` is given here, which overrides it),
+    ``seed`` and ``name``. It runs like ``python FILE`` would (its folder first on
+    ``sys.path``, so it imports its neighbours), with ``__name__`` set to
     ``"__stagetree_space__"``, so a ``if __name__ == "__main__"`` block does not run.
 
     Raises:
@@ -661,9 +664,13 @@ def load_space_file(path: str | Path) -> SpaceFile:
             missing or invalid. A :class:`StagetreeError` raised by the file's own code
             (e.g. an invalid space) propagates unchanged.
     """
+    if num_trials is not None and not _positive_int(num_trials):  # before the file runs
+        raise InvalidSpaceError(f"num_trials must be an int >= 1, got {num_trials!r}")
     p = Path(path)
     if not p.is_file():
         raise InvalidSpaceError(f"space file {str(p)!r} does not exist")
+    saved_path = sys.path[:]
+    sys.path.insert(0, str(p.resolve().parent))
     try:
         ns = runpy.run_path(str(p), run_name="__stagetree_space__")
     except StagetreeError:
@@ -672,6 +679,8 @@ def load_space_file(path: str | Path) -> SpaceFile:
         raise InvalidSpaceError(f"{p}: exited with status {exc.code!r} while loading") from exc
     except Exception as exc:
         raise InvalidSpaceError(f"{p}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path[:] = saved_path
     if "space" not in ns:
         raise InvalidSpaceError(f"{p} defines no variable 'space' (a GridSpace or RandomSpace)")
     space = ns["space"]
@@ -688,11 +697,16 @@ def load_space_file(path: str | Path) -> SpaceFile:
         raise InvalidSpaceError(
             f"{p}: 'steps' must be an int >= 1 or a function steps(trial) -> int, got {steps!r}"
         )
-    num_trials = ns.get("num_trials")
-    if num_trials is not None and not _positive_int(num_trials):
-        raise InvalidSpaceError(f"{p}: 'num_trials' must be an int >= 1, got {num_trials!r}")
+    file_trials = ns.get("num_trials")
+    if file_trials is not None and not _positive_int(file_trials):
+        raise InvalidSpaceError(f"{p}: 'num_trials' must be an int >= 1, got {file_trials!r}")
+    if num_trials is None:
+        num_trials = file_trials
     if num_trials is None and isinstance(space, RandomSpace):
-        raise InvalidSpaceError(f"{p}: a RandomSpace needs 'num_trials' (an int >= 1)")
+        raise InvalidSpaceError(
+            f"{p}: a RandomSpace needs 'num_trials' (an int >= 1), in the file or given "
+            "with --num-trials"
+        )
     seed = ns.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InvalidSpaceError(f"{p}: 'seed' must be an int, got {seed!r}")
