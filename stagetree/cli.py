@@ -1032,6 +1032,9 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
             ]
         )
     rows.extend(_efficiency_rows(st.efficiency))  # its latest run's
+    if st.budget_stop is not None:
+        budget, reached = st.budget_stop
+        rows.append(("latest run", f"stopped by its budget ({budget}: {reached} reached)"))
     return rows
 
 

@@ -926,6 +926,8 @@ class StudyStatus:
         hidden: trials of other (older) trainer versions, not counted above.
         workers: where its workers ran, last seen (cluster executors): worker -> node.
         efficiency: :func:`efficiency` of its latest run (empty: none recorded).
+        budget_stop: ``(budget, limit reached)`` when its latest run was stopped by its
+            budget (``Study.tune(budget=...)``), else None.
     """
 
     name: str
@@ -949,6 +951,7 @@ class StudyStatus:
     pending: int = 0
     cancelled: int = 0
     efficiency: dict[str, float] = field(default_factory=dict)
+    budget_stop: tuple[str, str] | None = None
 
 
 @dataclass
@@ -1076,7 +1079,16 @@ def study_status(
         hidden=hidden,
         workers={str(k): str(v) for k, v in dict(meta.get("workers") or {}).items()},
         efficiency=efficiency(storage, name, rows=rows),
+        budget_stop=_budget_stop(meta),
     )
+
+
+def _budget_stop(meta: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What stopped the study's latest run, from its run record (``Study.tune``)."""
+    run = meta.get("run")
+    if isinstance(run, Mapping) and run.get("stopped_by"):
+        return str(run.get("budget", "")), str(run["stopped_by"])
+    return None
 
 
 @quiet_gc

@@ -225,7 +225,7 @@ def _script(tmp_path: Path) -> tuple[Path, Path, str]:
 
 
 def test_cli_run_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path, marker, _ = _script(tmp_path)
+    path, marker, url = _script(tmp_path)
     assert main(["run", str(path), "--budget", "0m", "--no-progress"]) == 2
     assert "budget" in capsys.readouterr().err
     assert main(["run", str(path), "--budget", "3 lightyears"]) == 2
@@ -236,8 +236,13 @@ def test_cli_run_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "budget:" in out and "2 trials: stopped the run (trials reached)" in out
     assert "this run:" in out and "2 trials; trained 8 steps" in out
+    assert main(["status", "--storage", url]) == 0
+    assert "latest run:" in (out := capsys.readouterr().out)
+    assert "stopped by its budget (2 trials: trials reached)" in out
 
     assert main(["run", str(path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "5 trials, 2 answered from the storage; trained 12 steps" in out
     assert "budget:" not in out
+    assert main(["status", "--storage", url]) == 0
+    assert "stopped by its budget" not in capsys.readouterr().out  # that run finished
