@@ -66,7 +66,7 @@ _SECONDS = {
     "days": 86400.0,
 }
 _COUNTS = {"trial": "trials", "trials": "trials", "step": "steps", "steps": "steps"}
-_ITEM = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([A-Za-z][A-Za-z -]*?)?\s*")
+_ITEM = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([A-Za-z][^,]*?)?\s*")
 _UNITS_HELP = (
     "a budget is a Budget(trials=, steps=, device_seconds=, wall_seconds=) or a string "
     "like '30m', '2h', '90s' (wall-clock), '500 steps', '20 trials', '1h device' or "
@@ -122,11 +122,12 @@ class Budget:
     def parse(cls, value: Any) -> Budget:
         """A :class:`Budget` from itself, a mapping of its fields, or its short form.
 
-        Short forms: ``"30m"`` / ``"2h"`` / ``"90s"`` / ``"1h30m"`` is not accepted, write
-        ``"90m"``; units ``s``, ``m``, ``h``, ``d`` (and their names) are wall-clock;
-        ``"N steps"``, ``"N trials"``; a duration followed by ``device`` (``"1h device"``)
-        or ``device-seconds`` / ``device-minutes`` / ``device-hours`` is device time.
-        Several limits are separated by commas.
+        Short forms: a number and a unit. Units ``s``, ``m``, ``h``, ``d`` (and their
+        names: ``"90 seconds"``, ``"1.5 hours"``) are wall-clock; ``"N steps"``,
+        ``"N trials"`` count; a duration followed by ``device`` (``"1h device"``) or
+        ``device-seconds`` / ``device-minutes`` / ``device-hours`` is device time.
+        Several limits are separated by commas (``"20 trials, 30m"``); one number with
+        two units (``"1h30m"``) is not a form: write ``"90m"``.
 
         Raises:
             InvalidBudgetError: an unknown unit, a number without a unit, a limit given

@@ -61,7 +61,8 @@ def test_budget_from_itself_and_a_mapping() -> None:
     ("value", "needle"),
     [
         ("0m", "must be > 0"),
-        ("-5 steps", "cannot read budget"),
+        ("-5 steps", "steps must be > 0, got -5"),
+        ("1h30m", "unknown unit 'h30m'"),
         ("30 parsecs", "unknown unit 'parsecs'"),
         ("30", "has no unit"),
         ("", "cannot read budget"),
