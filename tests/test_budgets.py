@@ -247,3 +247,21 @@ def test_cli_run_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "budget:" not in out
     assert main(["status", "--storage", url]) == 0
     assert "stopped by its budget" not in capsys.readouterr().out  # that run finished
+
+
+def test_a_remote_study_keeps_its_budget(tmp_path: Path) -> None:
+    """A client of a tuning server runs the tuner here: the budget applies the same way."""
+    from test_server import Server
+
+    server = Server(tmp_path)
+    server.start()
+    try:
+        tuner = RandomSearch(SPACE, "score", steps=3, num_trials=5, seed=2, max_concurrent=1)
+        with server.study("remote") as study:
+            best = study.tune(tuner, budget="2 trials")
+            run = study.last_run
+            trials = study.trials()
+    finally:
+        server.stop()
+    assert run is not None and run.stopped_by == "trials" and run.trials == 2
+    assert best is not None and len(trials) == 2
