@@ -291,7 +291,7 @@ def _port(text: str) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     explain(
-        load_space_file(args.space),
+        load_space_file(args.space, num_trials=args.num_trials),
         steps=args.steps,
         num_trials=args.num_trials,
         seed=args.seed,
@@ -370,7 +370,9 @@ def open_existing_storage(url: str) -> BasePlanStorage:
 
     path = _sqlite_file(url)
     if path is not None and not path.is_file():
-        raise StorageError(f"cannot open plan storage {url!r}: {path} does not exist")
+        raise StorageError(
+            f"cannot open plan storage {url!r}: {path} does not exist{_other_databases(path)}"
+        )
     try:
         storage = open_storage(url, readonly=True)  # reports never write
         storage.studies()  # a file that is not a plan fails here, not halfway through
@@ -379,6 +381,22 @@ def open_existing_storage(url: str) -> BasePlanStorage:
     except Exception as exc:  # driver errors of a file that is not a database, ...
         raise StorageError(f"cannot open plan storage {url!r}: {_one_line(exc)}") from exc
     return storage
+
+
+def _other_databases(missing: Path) -> str:
+    """A hint naming the SQLite files beside a missing one (say the demo's
+    ``stagetree-demo.db`` when ``stagetree.db`` was looked for); "" when none."""
+    folder = missing.parent if str(missing.parent) else Path(".")
+    try:
+        found = sorted(p.name for p in folder.glob("*.db") if p.is_file())
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    shown = folder if folder.is_absolute() else None
+    urls = [f"sqlite:///{shown / name if shown else name}" for name in found[:5]]
+    more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+    return f"; databases in {folder}: {', '.join(found[:5])}{more}: pass --storage {urls[0]}"
 
 
 def _num(value: float) -> str:
@@ -548,6 +566,9 @@ def report_study(
     numbers["failed"] = float(len(failures))
     best_rows.extend(_failure_rows([(tid, e.summary()) for tid, e in failures]))
     rows = [("trials", str(round(numbers["trials"]))), *_accounting_rows(numbers)]
+    run = getattr(study, "last_run", None)
+    if run is not None:  # this run's own figures; the rows above are the study's totals
+        rows = [*_run_rows(run, numbers), ("study totals", "over every run so far:"), *rows]
     if stats.get("workers_lost"):  # a cluster lost workers (or nodes): what it cost
         numbers["workers_lost"] = stats["workers_lost"]
         numbers["steps_lost"] = stats.get("steps_lost", 0.0)
@@ -580,6 +601,29 @@ def report_study(
         print("", file=stream)
         _print_rows(rows, stream)
     return numbers
+
+
+def _run_rows(run: Any, numbers: dict[str, float]) -> list[tuple[str, str]]:
+    """``this run`` (:class:`~stagetree.budget.RunReport`) rows; adds its numbers as
+    ``run_*`` to ``numbers``."""
+    numbers.update(
+        run_trials=float(run.trials),
+        run_trials_answered=float(run.trials_answered),
+        run_steps_executed=float(run.steps_executed),
+        run_device_seconds=float(run.device_seconds),
+    )
+    answered = f", {run.trials_answered} answered from the storage" if run.trials_answered else ""
+    rows = [
+        (
+            "this run",
+            f"{run.trials} trials{answered}; trained {run.steps_executed} steps in "
+            f"{run.device_seconds:.1f} device-seconds ({run.wall_seconds:.1f} s)",
+        )
+    ]
+    if run.budget is not None:
+        stop = f"stopped the run ({run.stopped_by} reached)" if run.stopped_by else "not reached"
+        rows.append(("budget", f"{run.budget.describe()}: {stop}"))
+    return rows
 
 
 # --------------------------------------------------------------------------- run
@@ -677,8 +721,13 @@ def run_script(
     url: str | None = None,
     token_file: str | None = None,
     dashboard: int | None = None,
+    budget: str | None = None,
 ) -> int:
     """``stagetree run``: run the study a script defines with its tuner.
+
+    ``budget`` limits the run (``"30m"``, ``"500 steps"``, ``"20 trials"``, ``"1h
+    device"``; see :class:`stagetree.budget.Budget`); it is checked before the script
+    runs.
 
     ``executor`` (a registered name: ``local``, ``ray``...), ``address`` (the cluster
     of a cluster executor) and ``checkpoints`` (the checkpoint location) override the
@@ -707,11 +756,13 @@ def run_script(
         CommandError: no such script, or it defines no study or no tuner.
     """
     from stagetree import study as study_module
+    from stagetree.budget import Budget
     from stagetree.progress import ProgressDisplay
     from stagetree.study import Study
     from stagetree.tuners.base import Tuner
 
     stream = sys.stdout if out is None else out
+    limits = None if budget is None else Budget.parse(budget)  # before anything runs
     path = Path(script)
     if not path.is_file():
         raise CommandError(f"no such script: {script}")
@@ -779,12 +830,13 @@ def run_script(
                 )
                 try:
                     with beside, display:
-                        best = study.tune(tuner)
+                        best = study.tune(tuner, budget=limits, progress=False)
                 except TrialFailedError as exc:  # no trial succeeded
                     print(f"{exc}", file=sys.stderr)
                     print(f"stagetree run: error: {_one_line(exc)}", file=sys.stderr)
                     return EXIT_FAILED
                 report_study(study, best, metric=tuner.metric, mode=tuner.mode, out=stream)
+                _print_follow_up(study, saved_env or DEFAULT_STORAGE, stream)
             except KeyboardInterrupt:
                 interrupted = True
             finally:
@@ -801,6 +853,22 @@ def run_script(
         print("interrupted; run again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _print_follow_up(study: Any, default: str, stream: TextIO) -> None:
+    """Name the study's storage in the follow-up commands when ``stagetree status``
+    (which reads ``default``) would not find it by itself."""
+    from stagetree.server.client import RemoteStudy
+
+    if isinstance(study, RemoteStudy):
+        return
+    url = study._engine_args[0]
+    if not isinstance(url, str) or url.startswith("memory") or url == default:
+        return
+    print(
+        f"\nsee it again: stagetree status --storage {url}  (or export --storage {url} ...)",
+        file=stream,
+    )
 
 
 @contextlib.contextmanager
@@ -848,6 +916,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         url=args.url,
         token_file=args.token_file,
         dashboard=args.dashboard_port if args.dashboard else None,
+        budget=args.budget,
     )
 
 
@@ -906,6 +975,13 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="N",
         help=f"port of --dashboard (default {DASHBOARD_PORT}; 0: any free port)",
     )
+    p.add_argument(
+        "--budget",
+        metavar="LIMITS",
+        help="stop the run after this much: 30m, 2h, 90s (wall-clock), '500 steps', "
+        "'20 trials', '1h device' (device time), several separated by commas; run again "
+        "with a larger budget to go on",
+    )
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
     p.add_argument(
         "--no-check",
@@ -957,6 +1033,9 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
             ]
         )
     rows.extend(_efficiency_rows(st.efficiency))  # its latest run's
+    if st.budget_stop is not None:
+        budget, reached = st.budget_stop
+        rows.append(("latest run", f"stopped by its budget ({budget}: {reached} reached)"))
     return rows
 
 

@@ -462,6 +462,14 @@ class Engine:
             except StagetreeError as exc:  # informative only
                 logger.warning("the end of study %s's run not recorded: %s", slot.name, exc)
 
+    def record_run(self, slot: StudySlot, fields: Mapping[str, Any]) -> None:
+        """Add ``fields`` (say, the budget that stopped it) to the record of the study's
+        current run (``meta["run"]``); :meth:`end_tuning` writes it with ``ended``."""
+        with self.lock:
+            run = slot.meta.get("run")
+            if isinstance(run, dict):
+                slot.meta = {**slot.meta, "run": {**run, **fields}}
+
     def _virtual(self) -> bool:
         return self.executor is not None and bool(self.executor.virtual_time)
 

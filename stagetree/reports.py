@@ -935,6 +935,8 @@ class StudyStatus:
         workers: where its workers ran, last seen (cluster executors): worker -> node.
         efficiency: :func:`efficiency` of its latest run (empty: none recorded).
         lineage: ``TrialRecord.lineage`` of each trial that a PBT exploit made, by id.
+        budget_stop: ``(budget, limit reached)`` when its latest run was stopped by its
+            budget (``Study.tune(budget=...)``), else None.
     """
 
     name: str
@@ -959,6 +961,7 @@ class StudyStatus:
     cancelled: int = 0
     efficiency: dict[str, float] = field(default_factory=dict)
     lineage: dict[int, list[dict[str, int]]] = field(default_factory=dict)
+    budget_stop: tuple[str, str] | None = None
 
 
 @dataclass
@@ -1087,6 +1090,7 @@ def study_status(
         workers={str(k): str(v) for k, v in dict(meta.get("workers") or {}).items()},
         efficiency=efficiency(storage, name, rows=rows),
         lineage=_lineage_of(storage, name, trials),
+        budget_stop=_budget_stop(meta),
     )
 
 
@@ -1096,6 +1100,14 @@ def _lineage_of(
     from stagetree.lineage import study_lineage
 
     return study_lineage(storage, name, trials) if trials else {}
+
+
+def _budget_stop(meta: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What stopped the study's latest run, from its run record (``Study.tune``)."""
+    run = meta.get("run")
+    if isinstance(run, Mapping) and run.get("stopped_by"):
+        return str(run.get("budget", "")), str(run["stopped_by"])
+    return None
 
 
 @quiet_gc

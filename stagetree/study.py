@@ -14,16 +14,19 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import math
 import os
 import re
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagetree import reports
+from stagetree.budget import Budget, BudgetGuard, RunReport
 from stagetree.checkpoints import CheckpointStore, check_location
 from stagetree.engine import Engine, StudySlot, default_checkpoint_dir
 from stagetree.exceptions import (
@@ -52,6 +55,8 @@ __all__ = ["Study", "TrialError", "TrialRecord", "trainer_fingerprint"]
 # before it runs a script, and every Study built by that script honours them.
 _OVERRIDES: dict[str, Any] = {}
 
+
+logger = logging.getLogger("stagetree")
 
 _ENGINES: dict[tuple[str, str], Engine] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -135,6 +140,9 @@ class Study:
     trainer, every stage they have in common while they run. Studies in other
     processes share everything that was stored (metrics, checkpoints).
     """
+
+    #: What the latest :meth:`tune` call did (None before one ended).
+    last_run: RunReport | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Study:
         # A study with a server URL is a client of that server (same API).
@@ -535,28 +543,124 @@ class Study:
 
     # -- tuners --------------------------------------------------------------------------
 
-    def tune(self, tuner: Tuner) -> TrialResult | None:
-        """Run ``tuner`` to completion and return the best trial's result.
+    def tune(
+        self, tuner: Tuner, budget: Budget | str | None = None, progress: bool | None = None
+    ) -> TrialResult | None:
+        """Run ``tuner`` to completion, or until ``budget`` is used up, and return the
+        best trial's result (so far).
 
         The tuner's decisions are logged in the storage: a study killed mid-run and
-        started again replays them and trains nothing twice.
+        started again replays them and trains nothing twice. A run stopped by its budget
+        is resumed the same way: run it again with a larger budget (or none) and the
+        tuner replays what it decided, answered from the storage, then goes on.
+
+        Args:
+            tuner: the search to run.
+            budget: limits of this run (:class:`~stagetree.budget.Budget`, or a string
+                such as ``"30m"``, ``"2h"``, ``"500 steps"``, ``"20 trials"``,
+                ``"1h device"``, ``"20 trials, 30m"``): the first limit reached stops
+                the run. A ``trials`` limit lets the trials in it finish; the others
+                cancel running work (its checkpoints stay reusable). The stop is logged
+                (logger ``stagetree``) and recorded in :attr:`last_run` and in the
+                study's run record in the storage.
+            progress: a live progress display on stderr; default: when stderr is a
+                terminal (never with a simulated executor). ``False`` turns it off.
+
+        After the call, :attr:`last_run` (:class:`~stagetree.budget.RunReport`) says
+        what this run did: trials, trials answered from the storage, steps trained,
+        device- and wall-seconds, and the limit that stopped it.
 
         With a virtual-time executor (``executor="simulated"`` or a factory of a
         :class:`~stagetree.executors.simulated.SimulatedExecutor`) no driver thread
         runs: the tuner's event loop delivers the executor's virtual instants itself
         (:func:`~stagetree.executors.simulated.drive`), so the same study simulated
         twice takes the same decisions at the same virtual times.
+
+        Raises:
+            InvalidBudgetError: a budget that is not positive or has an unknown unit
+                (before anything is opened or trained).
         """
+        limits = None if budget is None else Budget.parse(budget)
+        if progress is not None and not isinstance(progress, bool):
+            raise ValueError(f"progress must be True, False or None, got {progress!r}")
         check_space_names(self.trainer, getattr(tuner, "space", None))
         runner = _StudyRunner(self)
         self.begin_tuning(tuner.metric, tuner.mode, type(tuner).__name__, tuner.horizon)
+        guard: BudgetGuard | None = None
         try:
-            best = self._drive(tuner.run(runner))
+            self._ensure_started()
+            virtual = self._virtual_time()
+            show = progress if progress is not None else (_stderr_is_tty() and not virtual)
+            display: Any = contextlib.nullcontext()
+            if show and not virtual:
+                from stagetree.progress import ProgressDisplay
+
+                display = ProgressDisplay(self, out=sys.stderr)
+
+            async def guarded() -> TrialResult | None:
+                nonlocal guard
+                guard = BudgetGuard(
+                    limits, self.progress, self._run_clock(), self._answered, virtual
+                )
+                runner.guard = guard
+                return await guard.run(tuner, runner)
+
+            with display:
+                best = self._drive(guarded())
+            if guard is not None:
+                self.last_run = guard.report()
+                self._record_run(self.last_run)
         finally:
             self.end_tuning()
         if best is None:
             self._raise_if_all_failed()
         return best
+
+    def _local_engine(self) -> Engine | None:
+        """The engine in this process; None for a client of a tuning server."""
+        try:
+            return self._engine
+        except StagetreeError:
+            return None
+
+    def _ensure_started(self) -> None:
+        engine = self._local_engine()
+        if engine is not None:
+            engine.ensure_started()
+
+    def _virtual_time(self) -> bool:
+        engine = self._local_engine()
+        executor = engine.executor if engine is not None else None
+        return executor is not None and bool(executor.virtual_time)
+
+    def _run_clock(self) -> Callable[[], float]:
+        """The clock of a run's wall-seconds budget: virtual time when simulated."""
+        engine = self._local_engine()
+        if engine is not None and self._virtual_time():
+            return engine.clock
+        return time.monotonic
+
+    def _answered(self, config: Any, hp: Any, steps: int) -> bool:
+        """Whether the storage holds the trial's metrics at ``steps`` (no training)."""
+        try:
+            return self.eval(config, hp, steps) is not None
+        except StagetreeError:  # a trial the study refuses fails at submit, not here
+            return False
+
+    def _record_run(self, run: RunReport) -> None:
+        """Say what stopped the run: a log line, and the study's run record."""
+        if run.stopped_by is None or run.budget is None:
+            return
+        logger.warning(
+            "study %s: %s; run it again with a larger budget to go on from here",
+            self.name,
+            run.summary(),
+        )
+        engine = self._local_engine()
+        if engine is not None:
+            engine.record_run(
+                self._study_slot, {"budget": run.budget.describe(), "stopped_by": run.stopped_by}
+            )
 
     # -- front ends (tune(), and the server for its remote clients) ------------------------
 
@@ -826,11 +930,22 @@ class _StudyRunner:
 
     def __init__(self, study: Study) -> None:
         self.study = study
+        self.guard: BudgetGuard | None = None  # tune() sets it before the tuner runs
 
     async def submit(
         self, config: dict[str, Any], hp: dict[str, Sequence], steps: int
     ) -> TrialResult:
-        return await self.study.submit(config, hp, steps)
+        if self.guard is None:
+            return await self.study.submit(config, hp, steps)
+        from stagetree.tuners.base import Trial
+
+        fingerprint = Trial(0, config, hp).fingerprint
+
+        async def call() -> TrialResult:
+            return await self.study.submit(config, hp, steps)
+
+        result: TrialResult = await self.guard.submit(fingerprint, call, config, hp, steps)
+        return result
 
     def num_workers(self) -> int:
         return self.study.num_workers
@@ -846,6 +961,13 @@ class _StudyRunner:
 
     def read_log(self) -> list[dict[str, Any]]:
         return self.study.read_log()
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
 
 
 def _run_coro(coro: Any) -> Any:
