@@ -467,19 +467,47 @@ def read_trial_state(
         return _trial_state(opened, _url(storage), trial, checkpoints)
 
 
-def model_files(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The plain PyTorch ``state_dict`` s in a trainer state, by file stem.
+def _is_optimizer_state(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"state", "param_groups"}
 
-    A :class:`~stagetree.torch.TorchTrainer` state gives one entry per module attribute
-    (``{"model": model.state_dict()}`` for ``self.model``) and one per optimizer
-    (``"optimizer"``...); any other trainer's state is one entry, ``"state"`` (the whole
-    ``state_dict()``)."""
+
+def model_files(state: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """The plain PyTorch ``state_dict`` s in a trainer state: file stem -> ``(kind,
+    state_dict)``.
+
+    A :class:`~stagetree.torch.TorchTrainer` state gives one ``"module"`` entry per
+    module attribute (``"model"`` for ``self.model``) and one ``"optimizer"`` entry per
+    optimizer (its other objects, a loader's position, are stagetree's and left out);
+    any other trainer's state is one ``"state"`` entry (the whole ``state_dict()``,
+    numpy arrays as tensors)."""
     objects, modes = state.get("objects"), state.get("modes")
     if isinstance(objects, dict) and isinstance(modes, dict) and "rng_objects" in state:
-        modules = {k: v for k, v in objects.items() if k in modes}
-        others = {k: v for k, v in objects.items() if k not in modes}
-        return {**modules, **others}
-    return {"state": dict(state)}
+        out = {k: ("module", v) for k, v in objects.items() if k in modes}
+        out.update(
+            (k, ("optimizer", v))
+            for k, v in objects.items()
+            if k not in modes and _is_optimizer_state(v)
+        )
+        return out
+    return {"state": ("state", _tensors(dict(state)))}
+
+
+def _tensors(value: Any) -> Any:
+    """numpy arrays as tensors and numpy scalars as numbers, so that
+    ``torch.load(weights_only=True)`` reads a plain trainer's state."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors(v) for v in value)
+    return value
 
 
 def _check_empty(directory: str | os.PathLike[str]) -> Path:
@@ -493,8 +521,8 @@ def write_model_files(
     state: Mapping[str, Any], info: Mapping[str, Any], directory: str | os.PathLike[str]
 ) -> list[Path]:
     """Write each :func:`model_files` entry as ``DIR/<name>.pt`` (``torch.save``) and
-    ``DIR/trial.json`` (``info`` with ``"files"``: which file holds a module, which an
-    optimizer). Load a module with ``model.load_state_dict(torch.load(DIR/"model.pt"))``.
+    ``DIR/trial.json`` (``info`` with ``"files"``: file -> ``"module"``,
+    ``"optimizer"`` or ``"state"``), all or nothing. Load a module with ``model.load_state_dict(torch.load(DIR/"model.pt"))``.
 
     Raises:
         MissingExtraError: torch is not installed.
@@ -503,17 +531,14 @@ def write_model_files(
     torch = require("torch", "torch", "writing model weights")
     target = _check_empty(directory)
     files = model_files(state)
-    modes = state.get("modes") if isinstance(state.get("modes"), dict) else {}
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
     try:
         kinds = {}
-        for name, obj in files.items():
+        for name, (kind, obj) in files.items():
             torch.save(obj, tmp / f"{name}.pt")
-            kinds[f"{name}.pt"] = (
-                "module" if name in (modes or {}) else ("state" if name == "state" else "other")
-            )
+            kinds[f"{name}.pt"] = kind
         meta = {**info, "files": kinds}
         (tmp / "trial.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
         if target.exists():
@@ -676,6 +701,7 @@ class MlflowExport:
     replaced: int = 0
     skipped: int = 0
     no_checkpoint: list[int] = field(default_factory=list)
+    tracking_uri: str = ""
 
 
 def export_mlflow(
@@ -689,14 +715,17 @@ def export_mlflow(
     (``config.*``, ``hp.*``, ``hp.*.last``), every metric by step, tags
     ``stagetree.study``, ``stagetree.trial``, ``stagetree.state``, ``stagetree.lineage``
     and, with ``artifacts``, the trial's weights (:func:`export_checkpoint`'s files) under
-    the artifact path ``model``.
+    the artifact path ``model``. Runs end ``FINISHED`` (done), ``FAILED`` or ``KILLED``
+    (stopped early or not finished).
 
     Exporting again never duplicates a run: a trial whose run (found by its study and
     trial tags) was logged from the same results is skipped; one whose results changed
     (it trained further, failed, finished) has its old run deleted and is logged anew.
 
     Args:
-        tracking_uri: MLflow tracking URI (default: a local ``./mlruns`` file store).
+        tracking_uri: MLflow tracking URI (default: MLflow's own, ``$MLFLOW_TRACKING_URI``
+            or ``sqlite:///mlflow.db`` in the working directory). A file store
+            (``./mlruns``, ``file:///dir``) is allowed when named here.
         checkpoints: the checkpoint location for ``artifacts`` (default: beside a
             SQLite plan).
 
@@ -707,13 +736,54 @@ def export_mlflow(
     require("mlflow", "mlflow", "--format mlflow")
     if artifacts:
         require("torch", "torch", "--artifacts (model weights)")
-    from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri or Path("mlruns").resolve().as_uri()
-    client = MlflowClient(tracking_uri=uri)
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
     location = _checkpoint_location(_url(storage), checkpoints) if artifacts else None
     result = MlflowExport()
+    with _file_store_allowed(tracking_uri):
+        try:
+            client = MlflowClient(tracking_uri=tracking_uri)
+            result.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+            _log_runs(client, storage, study, artifacts, location, result)
+        except MlflowException as exc:
+            raise StagetreeError(f"MLflow ({tracking_uri or 'default'}): {exc}") from exc
+    return result
+
+
+@contextlib.contextmanager
+def _file_store_allowed(uri: str | None) -> Iterator[None]:
+    """MLflow 3 refuses a file store (``./mlruns``, ``file:...``) unless
+    ``MLFLOW_ALLOW_FILE_STORE`` is set: a URI naming one is the user's explicit choice."""
+    if uri is None or not (uri.startswith("file:") or "://" not in uri):
+        yield
+        return
+    old = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+        else:
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = old
+
+
+def _log_runs(
+    client: Any,
+    storage: str | BasePlanStorage | None,
+    study: str | None,
+    artifacts: bool,
+    location: Any,
+    result: MlflowExport,
+) -> None:
+    import time
+
+    from mlflow.entities import Metric, Param
+
+    now = int(time.time() * 1000)
     with _opened(storage) as opened:
         found = _records(opened, study)
         experiments: dict[str, str] = {}
@@ -725,10 +795,8 @@ def export_mlflow(
                 )
             exp_id = experiments[name]
             digest = _digest(rec, artifacts)
-            old = client.search_runs(
-                [exp_id],
-                filter_string=f"tags.`{TAG_STUDY}` = '{name}' and tags.`{TAG_TRIAL}` = '{rec.id}'",
-            )
+            found_runs = client.search_runs([exp_id], filter_string=f"tags.`{TAG_TRIAL}` = '{rec.id}'")
+            old = [r for r in found_runs if r.data.tags.get(TAG_STUDY) == name]
             if any(r.data.tags.get(TAG_DIGEST) == digest for r in old):
                 result.skipped += 1
                 continue
@@ -749,7 +817,7 @@ def export_mlflow(
             # MLflow caps a param value at 6000 characters and a batch at 100 params.
             params = [Param(k, str(v)[:6000]) for k, v in _params(rec).items()]
             points = [
-                Metric(metric, float(value), 0, int(step))
+                Metric(metric, float(value), now, int(step))
                 for step, metrics in sorted(rec.metrics.items())
                 for metric, value in sorted(metrics.items())
             ]
@@ -765,7 +833,6 @@ def export_mlflow(
                 result.replaced += 1
             else:
                 result.logged += 1
-    return result
 
 
 def _log_model(

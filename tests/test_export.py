@@ -251,3 +251,235 @@ def test_export_function_keeps_its_signature(plan: tuple[str, dict[str, int]]) -
     assert export(storage, "lin", "csv", io.StringIO(), history=True) > 3
     with pytest.raises(ValueError, match="format must be one of"):
         export(storage, "lin", "xml", out)
+
+
+# --------------------------------------------------------------------------- tensorboard
+
+
+def _event_runs(directory: Path) -> dict[str, Any]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for run in sorted(p for p in directory.glob("*/trial-*") if p.is_dir()):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        out[f"{run.parent.name}/{run.name}"] = acc
+    return out
+
+
+def _hparams(acc: Any) -> dict[str, Any]:
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = acc.PluginTagToContent("hparams")
+    data = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    values = data.session_start_info.hparams
+    return {k: v.string_value or v.number_value or v.bool_value for k, v in values.items()}
+
+
+def test_tensorboard_one_run_per_trial_with_metrics_and_hparams(
+    plan: tuple[str, dict[str, int]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("tensorboardX")
+    pytest.importorskip("tensorboard")
+    storage, ids = plan
+    logdir = tmp_path / "tb"
+    with Study("lin", LinearTrainer, storage=storage, executor="inline") as study:
+        records = {r.id: r for r in study.trials()}
+    for _ in range(2):  # a second export replaces the runs, never doubles their points
+        assert main(["export", "--storage", storage, "--format", "tensorboard", "-o", str(logdir)]) == 0
+        assert "wrote 3 TensorBoard runs" in capsys.readouterr().err
+    runs = _event_runs(logdir)
+    assert sorted(runs) == sorted(f"lin/trial-{i}" for i in ids.values())
+    for tid, rec in records.items():
+        acc = runs[f"lin/trial-{tid}"]
+        assert set(acc.Tags()["scalars"]) == {"loss", "score"}
+        for metric in ("loss", "score"):
+            got = [(e.step, e.value) for e in acc.Scalars(metric)]
+            want = [(s, m[metric]) for s, m in sorted(rec.metrics.items()) if metric in m]
+            assert [s for s, _ in got] == [s for s, _ in want]
+            assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)
+        hp = _hparams(acc)
+        assert hp["hp.lr"] == ("MultiStep(0.1, [3], 0.1)" if tid == ids["lr1"] else "0.05")
+        assert hp["state"] == rec.state and hp["config.seed"] == 0 or hp["config.seed"] == 0.0
+    assert _hparams(runs[f"lin/trial-{ids['lr1']}"])["hp.lr.last"] == pytest.approx(0.01)
+
+
+# --------------------------------------------------------------------------- mlflow
+
+
+def test_mlflow_one_run_per_trial_and_no_duplicates(
+    plan: tuple[str, dict[str, int]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for reading back here
+    from mlflow.tracking import MlflowClient
+
+    storage, ids = plan
+    uri = (tmp_path / "mlruns").as_uri()
+    argv = ["export", "--storage", storage, "--format", "mlflow", "--tracking-uri", uri]
+    assert main(argv) == 0
+    assert "3 runs logged, 0 replaced, 0 unchanged" in capsys.readouterr().err
+    assert main(argv) == 0  # again: nothing new, nothing duplicated
+    assert "0 runs logged, 0 replaced, 3 unchanged" in capsys.readouterr().err
+    mlflow.set_tracking_uri(uri)
+    try:
+        runs = mlflow.search_runs(experiment_names=["lin"], output_format="list")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert len(runs) == 3
+    by = {int(r.data.tags["stagetree.trial"]): r for r in runs}
+    assert sorted(by) == sorted(ids.values())
+    lr1 = by[ids["lr1"]]
+    assert lr1.data.params["hp.lr"] == "MultiStep(0.1, [3], 0.1)"
+    assert float(lr1.data.params["hp.lr.last"]) == pytest.approx(0.01)
+    assert lr1.data.params["config.seed"] == "0"
+    assert lr1.info.status == "FINISHED" and by[ids["failed"]].info.status == "FAILED"
+    assert by[ids["failed"]].data.tags["stagetree.error"].startswith("ValueError: boom")
+    with Study("lin", LinearTrainer, storage=storage, executor="inline") as study:
+        rec = next(r for r in study.trials() if r.id == ids["lr1"])
+    history = MlflowClient(uri).get_metric_history(lr1.info.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [
+        (s, m["loss"]) for s, m in sorted(rec.metrics.items())
+    ]
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    """A real (small) stagetree.torch study: two trials of DigitsTrainer."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    from stagetree.torch.examples import DigitsTrainer
+
+    tmp = tmp_path_factory.mktemp("digits")
+    config = {"hidden": 16, "batches_per_step": 2, "dropout": 0.0}
+    with Study("digits", DigitsTrainer, storage=url(tmp), executor="inline") as study:
+        for lr in (0.05, 0.2):
+            study.run(config, {"lr": lr}, 3)
+    return url(tmp), tmp, DigitsTrainer
+
+
+def _accuracy(trainer: Any, model: Any) -> float:
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        logits = model(trainer.x_test)
+    return float((logits.argmax(dim=1) == trainer.y_test).float().mean().item())
+
+
+def test_best_model_gives_the_trained_module(digits: tuple[str, Path, Any]) -> None:
+    storage, _, trainer_cls = digits
+    with Study("digits", trainer_cls, storage=storage, executor="inline") as study:
+        model = study.best_model("accuracy", "max")
+        best = study.best("accuracy", "max")
+    import torch
+
+    assert best is not None and isinstance(model, torch.nn.Module)
+    fresh = trainer_cls(best.config)  # untrained weights differ, its test data is the same
+    assert _accuracy(fresh, model) == best.metrics[best.steps]["accuracy"]
+    with (
+        Study("digits", trainer_cls, storage=storage, executor="inline") as study,
+        pytest.raises(ValueError, match="no trial of study 'digits' has a finite 'nope'"),
+    ):
+        study.best_model("nope")
+
+
+def test_cli_checkpoint_writes_plain_torch_weights(
+    digits: tuple[str, Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    storage, _, trainer_cls = digits
+    with Study("digits", trainer_cls, storage=storage, executor="inline") as study:
+        records = study.trials()
+    for rec in records:
+        out = tmp_path / f"w{rec.id}"
+        argv = ["export", "--storage", storage, "--checkpoint", str(rec.id), "-o", str(out)]
+        assert main(argv) == 0
+        assert f"wrote trial {rec.id}'s weights" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["model.pt", "optimizer.pt", "trial.json"]
+        info = json.loads((out / "trial.json").read_text())
+        assert info["trial"] == rec.id and info["config"] == rec.config
+        assert info["hp"] == {"lr": str(rec.hp["lr"](0))}
+        assert info["metrics"] == rec.metrics[rec.steps] and info["files"]["model.pt"] == "module"
+        fresh = trainer_cls(rec.config)
+        fresh.model.load_state_dict(torch.load(out / "model.pt"))  # weights_only by default
+        assert _accuracy(fresh, fresh.model) == rec.metrics[rec.steps]["accuracy"]
+        assert main(argv) == 2  # the directory is not empty any more: nothing overwritten
+        assert "not an empty directory" in capsys.readouterr().err
+
+
+def test_a_trial_without_its_checkpoint_says_so(
+    digits: tuple[str, Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    storage, plan_dir, trainer_cls = digits
+    with Study("digits", trainer_cls, storage=storage, executor="inline") as study:
+        tid = study.trials()[0].id
+    moved = tmp_path / "ckpts"
+    shutil.copytree(plan_dir / "plan.db.checkpoints", moved)
+    for ckpt in moved.iterdir():
+        ckpt.unlink()
+    out = tmp_path / "w"
+    argv = ["export", "--storage", storage, "--checkpoint", str(tid), "-o", str(out)]
+    assert main([*argv, "--checkpoints", str(moved)]) == 2
+    assert "is not in" in capsys.readouterr().err and not out.exists()
+
+
+def test_mlflow_artifacts_hold_the_weights(
+    digits: tuple[str, Path, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("mlflow")
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    storage, _, trainer_cls = digits
+    uri = (tmp_path / "mlruns").as_uri()
+    argv = ["export", "--storage", storage, "--format", "mlflow", "--tracking-uri", uri]
+    assert main(argv) == 0
+    assert main([*argv, "--artifacts"]) == 0  # asked for more: the runs are replaced
+    assert "0 runs logged, 2 replaced, 0 unchanged" in capsys.readouterr().err
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("digits")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 2
+    run = runs[0]
+    names = sorted(a.path for a in client.list_artifacts(run.info.run_id, "model"))
+    assert names == ["model/model.pt", "model/optimizer.pt", "model/trial.json"]
+    local = client.download_artifacts(run.info.run_id, "model/model.pt", str(tmp_path))
+    tid = int(run.data.tags["stagetree.trial"])
+    with Study("digits", trainer_cls, storage=storage, executor="inline") as study:
+        rec = next(r for r in study.trials() if r.id == tid)
+    fresh = trainer_cls(rec.config)
+    fresh.model.load_state_dict(torch.load(local))
+    assert _accuracy(fresh, fresh.model) == rec.metrics[rec.steps]["accuracy"]
+
+
+def test_checkpoint_of_a_plain_trainer_is_its_state(
+    plan: tuple[str, dict[str, int]], tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    storage, ids = plan
+    out = tmp_path / "w"
+    assert main(["export", "--storage", storage, "--checkpoint", str(ids["lr1"]), "-o", str(out)]) == 0
+    state = torch.load(out / "state.pt")  # numpy arrays became tensors: weights_only loads
+    trainer = LinearTrainer(OK)
+    trainer.load_state_dict({**state, "w": state["w"].numpy()})
+    with Study("lin", LinearTrainer, storage=storage, executor="inline") as study:
+        rec = next(r for r in study.trials() if r.id == ids["lr1"])
+    assert trainer.evaluate() == rec.metrics[6]
+    # a failed trial has no final checkpoint: said, nothing written
+    failed = ["export", "--storage", storage, "--checkpoint", str(ids["failed"]), "-o"]
+    assert main([*failed, str(tmp_path / "f")]) == 2
+    assert not (tmp_path / "f").exists()
