@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import json
 import math
 import os
 import runpy
@@ -1074,9 +1072,7 @@ def export(
     from stagetree import export as exporting
 
     if fmt not in exporting.TABLE_FORMATS:
-        raise ValueError(
-            f"format must be one of {', '.join(exporting.TABLE_FORMATS)}, got {fmt!r}"
-        )
+        raise ValueError(f"format must be one of {', '.join(exporting.TABLE_FORMATS)}, got {fmt!r}")
     if fmt == "parquet":
         exporting.require("pyarrow", "parquet", "--format parquet")
     url = default_storage() if url is None else url
@@ -1106,7 +1102,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote trial {args.checkpoint}'s weights to {output}: {names}", file=sys.stderr)
         return 0
     if args.format is None:
-        raise CommandError("give --format (csv, json, parquet, tensorboard, mlflow) or --checkpoint")
+        raise CommandError(
+            "give --format (csv, json, parquet, tensorboard, mlflow) or --checkpoint"
+        )
     if args.format == "tensorboard":
         exporting.require("tensorboardX", "tensorboard", "--format tensorboard")
         if output is None:
@@ -1114,8 +1112,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
         if Path(output).exists() and not Path(output).is_dir():
             raise CommandError(f"-o {output} exists and is not a directory")
         n = exporting.export_tensorboard(args.storage, output, args.study)
-        print(f"wrote {n} TensorBoard runs to {output} (tensorboard --logdir {output})",
-              file=sys.stderr)
+        print(
+            f"wrote {n} TensorBoard runs to {output} (tensorboard --logdir {output})",
+            file=sys.stderr,
+        )
         return 0
     if args.format == "mlflow":
         exporting.require("mlflow", "mlflow", "--format mlflow")

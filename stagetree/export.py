@@ -37,7 +37,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -101,7 +101,7 @@ class Table:
         return [dict(zip(self.columns, row)) for row in self.rows]
 
 
-def lineage_text(lineage: list[Mapping[str, Any]]) -> str:
+def lineage_text(lineage: Iterable[Mapping[str, Any]]) -> str:
     """``[{"donor": 3, "step": 10}, {"donor": 7, "step": 20}]`` as ``"3@10 > 7@20"``."""
     return " > ".join(f"{int(e['donor'])}@{int(e['step'])}" for e in lineage)
 
@@ -315,9 +315,7 @@ def _write_parquet(table: Table, path: str | os.PathLike[str]) -> None:
     import pyarrow.parquet as pq
 
     columns = list(zip(*table.rows)) if table.rows else [() for _ in table.columns]
-    arrow = pa.table(
-        {name: _arrow_column(list(col)) for name, col in zip(table.columns, columns)}
-    )
+    arrow = pa.table({name: _arrow_column(list(col)) for name, col in zip(table.columns, columns)})
     pq.write_table(arrow, str(path))
 
 
@@ -522,7 +520,8 @@ def write_model_files(
 ) -> list[Path]:
     """Write each :func:`model_files` entry as ``DIR/<name>.pt`` (``torch.save``) and
     ``DIR/trial.json`` (``info`` with ``"files"``: file -> ``"module"``,
-    ``"optimizer"`` or ``"state"``), all or nothing. Load a module with ``model.load_state_dict(torch.load(DIR/"model.pt"))``.
+    ``"optimizer"`` or ``"state"``), all or nothing. Load a module with
+    ``model.load_state_dict(torch.load(DIR / "model.pt"))``.
 
     Raises:
         MissingExtraError: torch is not installed.
@@ -736,10 +735,9 @@ def export_mlflow(
     require("mlflow", "mlflow", "--format mlflow")
     if artifacts:
         require("torch", "torch", "--artifacts (model weights)")
-    from mlflow.tracking import MlflowClient
-
     import mlflow
     from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
 
     location = _checkpoint_location(_url(storage), checkpoints) if artifacts else None
     result = MlflowExport()
@@ -795,7 +793,9 @@ def _log_runs(
                 )
             exp_id = experiments[name]
             digest = _digest(rec, artifacts)
-            found_runs = client.search_runs([exp_id], filter_string=f"tags.`{TAG_TRIAL}` = '{rec.id}'")
+            found_runs = client.search_runs(
+                [exp_id], filter_string=f"tags.`{TAG_TRIAL}` = '{rec.id}'"
+            )
             old = [r for r in found_runs if r.data.tags.get(TAG_STUDY) == name]
             if any(r.data.tags.get(TAG_DIGEST) == digest for r in old):
                 result.skipped += 1

@@ -23,7 +23,7 @@ import pytest
 
 from stagetree import study as study_module
 from stagetree.cli import accounting, main, report_study, short_sequence
-from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup, from_json
+from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.progress import ProgressDisplay, format_duration, progress_line
 from stagetree.tuners.base import TrialResult
@@ -376,7 +376,13 @@ def test_export_json_to_file(
     assert main([*argv, "-o", str(target)]) == 0
     assert capsys.readouterr().err == f"wrote 10 rows to {target}\n"
     long = json.loads(target.read_text())
-    assert long[7] == {"study": "a", "trial": ids["t2"], "step": 10, "metric": "loss", "value": "nan"}
+    assert long[7] == {
+        "study": "a",
+        "trial": ids["t2"],
+        "step": 10,
+        "metric": "loss",
+        "value": "nan",
+    }
 
 
 def test_export_csv_to_file_and_errors(

@@ -20,7 +20,7 @@ from stagetree.export import MissingExtraError, lineage_text, trials_dataframe, 
 from stagetree.hp import Constant, MultiStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_trainers import LinearTrainer  # noqa: E402
+from study_trainers import LinearTrainer
 
 LR1 = MultiStep(0.1, [3], 0.1)
 LR2 = Constant(0.05)
@@ -103,9 +103,7 @@ def test_dataframe_history_is_long_form(plan: tuple[str, dict[str, int]]) -> Non
         for step, metrics in rec.metrics.items()
         for metric, value in metrics.items()
     )
-    got = sorted(
-        (int(r.trial), int(r.step), r.metric, float(r.value)) for r in long.itertuples()
-    )
+    got = sorted((int(r.trial), int(r.step), r.metric, float(r.value)) for r in long.itertuples())
     assert got == expected
     assert {s for t, s, *_ in got if t == ids["lr1"]} == set(range(1, 7))
 
@@ -273,7 +271,7 @@ def _hparams(acc: Any) -> dict[str, Any]:
     content = acc.PluginTagToContent("hparams")
     data = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     values = data.session_start_info.hparams
-    return {k: v.string_value or v.number_value or v.bool_value for k, v in values.items()}
+    return {k: getattr(v, v.WhichOneof("kind")) for k, v in values.items()}
 
 
 def test_tensorboard_one_run_per_trial_with_metrics_and_hparams(
@@ -286,7 +284,10 @@ def test_tensorboard_one_run_per_trial_with_metrics_and_hparams(
     with Study("lin", LinearTrainer, storage=storage, executor="inline") as study:
         records = {r.id: r for r in study.trials()}
     for _ in range(2):  # a second export replaces the runs, never doubles their points
-        assert main(["export", "--storage", storage, "--format", "tensorboard", "-o", str(logdir)]) == 0
+        assert (
+            main(["export", "--storage", storage, "--format", "tensorboard", "-o", str(logdir)])
+            == 0
+        )
         assert "wrote 3 TensorBoard runs" in capsys.readouterr().err
     runs = _event_runs(logdir)
     assert sorted(runs) == sorted(f"lin/trial-{i}" for i in ids.values())
@@ -300,7 +301,8 @@ def test_tensorboard_one_run_per_trial_with_metrics_and_hparams(
             assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)
         hp = _hparams(acc)
         assert hp["hp.lr"] == ("MultiStep(0.1, [3], 0.1)" if tid == ids["lr1"] else "0.05")
-        assert hp["state"] == rec.state and hp["config.seed"] == 0 or hp["config.seed"] == 0.0
+        assert hp["state"] == rec.state and hp["steps"] == rec.steps and hp["config.seed"] == 0
+        assert hp["lineage"] == ""
     assert _hparams(runs[f"lin/trial-{ids['lr1']}"])["hp.lr.last"] == pytest.approx(0.01)
 
 
@@ -467,12 +469,13 @@ def test_mlflow_artifacts_hold_the_weights(
 
 
 def test_checkpoint_of_a_plain_trainer_is_its_state(
-    plan: tuple[str, dict[str, int]], tmp_path: Path
+    plan: tuple[str, dict[str, int]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     torch = pytest.importorskip("torch")
     storage, ids = plan
     out = tmp_path / "w"
-    assert main(["export", "--storage", storage, "--checkpoint", str(ids["lr1"]), "-o", str(out)]) == 0
+    argv = ["export", "--storage", storage, "--checkpoint", str(ids["lr1"]), "-o", str(out)]
+    assert main(argv) == 0
     state = torch.load(out / "state.pt")  # numpy arrays became tensors: weights_only loads
     trainer = LinearTrainer(OK)
     trainer.load_state_dict({**state, "w": state["w"].numpy()})
@@ -482,4 +485,5 @@ def test_checkpoint_of_a_plain_trainer_is_its_state(
     # a failed trial has no final checkpoint: said, nothing written
     failed = ["export", "--storage", storage, "--checkpoint", str(ids["failed"]), "-o"]
     assert main([*failed, str(tmp_path / "f")]) == 2
+    assert "has no checkpoint at its final step" in capsys.readouterr().err
     assert not (tmp_path / "f").exists()
