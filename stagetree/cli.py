@@ -9,7 +9,8 @@ Subcommands:
   progress, then print the best trial and what sharing saved (:func:`report_study`).
 * ``stagetree status``: the studies of a storage: trials, best metric, steps executed,
   requested and unique, device-seconds spent and saved.
-* ``stagetree export``: every trial's metric history as CSV or JSON.
+* ``stagetree export``: the trials as CSV, JSON, Parquet, TensorBoard or MLflow runs
+  (:mod:`stagetree.export`), or a trial's weights.
 
 ``status`` and ``export`` print what :mod:`stagetree.reports` (the read side, shared
 with :class:`~stagetree.Study`) computes; their data functions (:func:`study_status`,

@@ -357,6 +357,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(name)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
     try:
         yield tmp
         os.replace(tmp, target)
@@ -741,13 +744,15 @@ def export_mlflow(
 
     location = _checkpoint_location(_url(storage), checkpoints) if artifacts else None
     result = MlflowExport()
-    with _file_store_allowed(tracking_uri):
-        try:
-            client = MlflowClient(tracking_uri=tracking_uri)
-            result.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
-            _log_runs(client, storage, study, artifacts, location, result)
-        except MlflowException as exc:
-            raise StagetreeError(f"MLflow ({tracking_uri or 'default'}): {exc}") from exc
+    with _opened(storage) as opened:
+        found = _records(opened, study)  # a bad storage or study: nothing is logged
+        with _file_store_allowed(tracking_uri):
+            try:
+                client = MlflowClient(tracking_uri=tracking_uri)
+                result.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+                _log_runs(client, opened, found, artifacts, location, result)
+            except MlflowException as exc:
+                raise StagetreeError(f"MLflow ({tracking_uri or 'default'}): {exc}") from exc
     return result
 
 
@@ -771,8 +776,8 @@ def _file_store_allowed(uri: str | None) -> Iterator[None]:
 
 def _log_runs(
     client: Any,
-    storage: str | BasePlanStorage | None,
-    study: str | None,
+    opened: BasePlanStorage,
+    found: list[tuple[str, TrialRecord]],
     artifacts: bool,
     location: Any,
     result: MlflowExport,
@@ -782,57 +787,53 @@ def _log_runs(
     from mlflow.entities import Metric, Param
 
     now = int(time.time() * 1000)
-    with _opened(storage) as opened:
-        found = _records(opened, study)
-        experiments: dict[str, str] = {}
-        for name, rec in found:
-            if name not in experiments:
-                exp = client.get_experiment_by_name(name)
-                experiments[name] = (
-                    exp.experiment_id if exp is not None else client.create_experiment(name)
-                )
-            exp_id = experiments[name]
-            digest = _digest(rec, artifacts)
-            found_runs = client.search_runs(
-                [exp_id], filter_string=f"tags.`{TAG_TRIAL}` = '{rec.id}'"
+    experiments: dict[str, str] = {}
+    for name, rec in found:
+        if name not in experiments:
+            exp = client.get_experiment_by_name(name)
+            experiments[name] = (
+                exp.experiment_id if exp is not None else client.create_experiment(name)
             )
-            old = [r for r in found_runs if r.data.tags.get(TAG_STUDY) == name]
-            if any(r.data.tags.get(TAG_DIGEST) == digest for r in old):
-                result.skipped += 1
-                continue
-            for r in old:
-                client.delete_run(r.info.run_id)
-            tags = {
-                TAG_STUDY: name,
-                TAG_TRIAL: str(rec.id),
-                TAG_DIGEST: digest,
-                "stagetree.state": rec.state,
-                "stagetree.lineage": lineage_text(rec.lineage),
-                "mlflow.runName": f"{name}/trial-{rec.id}",
-            }
-            if rec.error is not None:
-                tags["stagetree.error"] = rec.error.summary()
-            run = client.create_run(exp_id, tags=tags, run_name=f"{name}/trial-{rec.id}")
-            run_id = run.info.run_id
-            # MLflow caps a param value at 6000 characters and a batch at 100 params.
-            params = [Param(k, str(v)[:6000]) for k, v in _params(rec).items()]
-            points = [
-                Metric(metric, float(value), now, int(step))
-                for step, metrics in sorted(rec.metrics.items())
-                for metric, value in sorted(metrics.items())
-            ]
-            for i in range(0, len(params), 100):
-                client.log_batch(run_id, params=params[i : i + 100])
-            for i in range(0, len(points), 1000):
-                client.log_batch(run_id, metrics=points[i : i + 1000])
-            if artifacts:
-                _log_model(client, run_id, opened, rec, location, result)
-            status = {"done": "FINISHED", "failed": "FAILED"}.get(rec.state, "KILLED")
-            client.set_terminated(run_id, status)
-            if old:
-                result.replaced += 1
-            else:
-                result.logged += 1
+        exp_id = experiments[name]
+        digest = _digest(rec, artifacts)
+        found_runs = client.search_runs([exp_id], filter_string=f"tags.`{TAG_TRIAL}` = '{rec.id}'")
+        old = [r for r in found_runs if r.data.tags.get(TAG_STUDY) == name]
+        if any(r.data.tags.get(TAG_DIGEST) == digest for r in old):
+            result.skipped += 1
+            continue
+        for r in old:
+            client.delete_run(r.info.run_id)
+        tags = {
+            TAG_STUDY: name,
+            TAG_TRIAL: str(rec.id),
+            TAG_DIGEST: digest,
+            "stagetree.state": rec.state,
+            "stagetree.lineage": lineage_text(rec.lineage),
+            "mlflow.runName": f"{name}/trial-{rec.id}",
+        }
+        if rec.error is not None:
+            tags["stagetree.error"] = rec.error.summary()
+        run = client.create_run(exp_id, tags=tags, run_name=f"{name}/trial-{rec.id}")
+        run_id = run.info.run_id
+        # MLflow caps a param value at 6000 characters and a batch at 100 params.
+        params = [Param(k, str(v)[:6000]) for k, v in _params(rec).items()]
+        points = [
+            Metric(metric, float(value), now, int(step))
+            for step, metrics in sorted(rec.metrics.items())
+            for metric, value in sorted(metrics.items())
+        ]
+        for i in range(0, len(params), 100):
+            client.log_batch(run_id, params=params[i : i + 100])
+        for i in range(0, len(points), 1000):
+            client.log_batch(run_id, metrics=points[i : i + 1000])
+        if artifacts:
+            _log_model(client, run_id, opened, rec, location, result)
+        status = {"done": "FINISHED", "failed": "FAILED"}.get(rec.state, "KILLED")
+        client.set_terminated(run_id, status)
+        if old:
+            result.replaced += 1
+        else:
+            result.logged += 1
 
 
 def _log_model(

@@ -5,6 +5,7 @@ export --format csv|json|parquet|tensorboard|mlflow``, ``--checkpoint`` and
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import sys
@@ -239,7 +240,12 @@ def test_export_usage_errors(
     afile.write_text("")
     assert main(["export", "--storage", storage, "--format", "tensorboard", "-o", str(afile)]) == 2
     assert "is not a directory" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    if importlib.util.find_spec("mlflow") is not None:
+        uri = (tmp_path / "mlruns").as_uri()
+        argv = ["--format", "mlflow", "--tracking-uri", uri, "--study", "zzz"]
+        assert main(["export", "--storage", storage, *argv]) == 2
+        assert "no study 'zzz'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
 
 
 def test_export_function_keeps_its_signature(plan: tuple[str, dict[str, int]]) -> None:
