@@ -493,3 +493,47 @@ def test_checkpoint_of_a_plain_trainer_is_its_state(
     assert main([*failed, str(tmp_path / "f")]) == 2
     assert "has no checkpoint at its final step" in capsys.readouterr().err
     assert not (tmp_path / "f").exists()
+
+
+def test_lineage_reaches_every_format(
+    plan: tuple[str, dict[str, int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What PBT records on ``TrialRecord.lineage`` is the ``lineage`` column, the
+    TensorBoard hparam and the MLflow tag."""
+    import stagetree.export as exporting
+
+    storage, ids = plan
+    real = exporting.trial_records
+
+    def with_lineage(*args: Any, **kwargs: Any) -> Any:
+        records = real(*args, **kwargs)
+        for rec in records:
+            if rec.id == ids["lr2"]:
+                rec.lineage = [{"donor": ids["lr1"], "step": 3}]
+        return records
+
+    monkeypatch.setattr(exporting, "trial_records", with_lineage)
+    want = f"{ids['lr1']}@3"
+    rows = _by_trial(trials_table(storage, "lin").records())
+    assert rows[ids["lr2"]]["lineage"] == want and rows[ids["lr1"]]["lineage"] == ""
+    if importlib.util.find_spec("tensorboardX") and importlib.util.find_spec("tensorboard"):
+        assert (
+            main(["export", "--storage", storage, "--format", "tensorboard", "-o", str(tmp_path)])
+            == 0
+        )
+        assert _hparams(_event_runs(tmp_path)[f"lin/trial-{ids['lr2']}"])["lineage"] == want
+    if importlib.util.find_spec("mlflow"):
+        from mlflow.tracking import MlflowClient
+
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        uri = (tmp_path / "mlruns").as_uri()
+        assert (
+            main(["export", "--storage", storage, "--format", "mlflow", "--tracking-uri", uri]) == 0
+        )
+        client = MlflowClient(uri)
+        runs = client.search_runs([client.get_experiment_by_name("lin").experiment_id])
+        tags = {int(r.data.tags["stagetree.trial"]): r.data.tags for r in runs}
+        assert tags[ids["lr2"]]["stagetree.lineage"] == want
