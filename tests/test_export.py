@@ -188,6 +188,7 @@ def test_a_failing_export_leaves_no_file(
         ("parquet", "pyarrow", "parquet"),
         ("tensorboard", "tensorboardX", "tensorboard"),
         ("mlflow", "mlflow", "mlflow"),
+        ("checkpoint", "torch", "torch"),
     ],
 )
 def test_a_missing_package_names_the_extra(
@@ -199,11 +200,14 @@ def test_a_missing_package_names_the_extra(
     module: str,
     extra: str,
 ) -> None:
-    storage, _ = plan
+    storage, ids = plan
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
     out = tmp_path / "out"
-    args = [] if fmt == "mlflow" else ["-o", str(out)]
-    assert main(["export", "--storage", storage, "--format", fmt, *args]) == 2
+    if fmt == "checkpoint":
+        args = ["--checkpoint", str(ids["lr1"]), "-o", str(out)]
+    else:
+        args = ["--format", fmt] + ([] if fmt == "mlflow" else ["-o", str(out)])
+    assert main(["export", "--storage", storage, *args]) == 2
     assert f"pip install 'stagetree[{extra}]'" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "mlruns").exists()
 
