@@ -1129,9 +1129,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
             artifacts=args.artifacts,
             checkpoints=args.checkpoints,
         )
-        where = args.tracking_uri or "./mlruns"
         print(
-            f"MLflow ({where}): {done.logged} runs logged, {done.replaced} replaced, "
+            f"MLflow ({done.tracking_uri}): {done.logged} runs logged, {done.replaced} replaced, "
             f"{done.skipped} unchanged",
             file=sys.stderr,
         )
@@ -1183,7 +1182,11 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="LOCATION",
         help="checkpoint directory or URL (default: beside a SQLite plan)",
     )
-    p.add_argument("--tracking-uri", metavar="URI", help="mlflow: tracking URI (default ./mlruns)")
+    p.add_argument(
+        "--tracking-uri",
+        metavar="URI",
+        help="mlflow: tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)",
+    )
     p.add_argument(
         "--artifacts", action="store_true", help="mlflow: log each trial's weights as artifacts"
     )
