@@ -49,17 +49,23 @@ if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage
 
 __all__ = [
+    "HISTORY_COLUMNS",
     "TABLE_FORMATS",
     "MissingExtraError",
+    "MlflowExport",
     "Table",
+    "dataframe",
     "export_checkpoint",
     "export_mlflow",
     "export_tensorboard",
     "lineage_text",
     "model_files",
     "read_trial_state",
+    "require",
+    "trial_info",
     "trials_dataframe",
     "trials_table",
+    "write_model_files",
     "write_table",
 ]
 
