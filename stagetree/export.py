@@ -441,15 +441,14 @@ def _trial_state(
     storage: BasePlanStorage, url: str | None, trial: int, checkpoints: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     row = _trial_row(storage, trial)
-    node, step = row.get("node"), row.get("step")
-    record = None
-    if node is not None and step is not None and int(step) == int(row["steps"]):
-        record = storage.checkpoint(int(node), int(step))
+    # Where the plan holds the trial's final step (as Study.state finds it).
+    where = storage.locate(str(row["root_key"]), row.get("hp") or {}, int(row["steps"]))
+    record = storage.checkpoint(*where) if where is not None else None
     if record is None:
         raise CheckpointError(
             f"trial {trial} ({row['state']}, {row['steps']} steps) has no checkpoint at its "
             "final step: it did not finish, or its checkpoint was evicted (a checkpoint "
-            "budget) or cleaned up; run the trial again to train one"
+            "budget) or cleaned up; the export does not train it again"
         )
     return row, _read_ref(_checkpoint_location(url, checkpoints), record.ref)
 
@@ -605,8 +604,7 @@ def export_checkpoint(
 
     Raises:
         PlanKeyError: no trial ``trial``.
-        CheckpointError: it has no checkpoint at its final step (not retrained: run the
-            trial again to get one).
+        CheckpointError: it has no checkpoint at its final step (it is not retrained).
         StagetreeError: ``directory`` is not empty; MissingExtraError without torch.
     """
     require("torch", "torch", "writing model weights")

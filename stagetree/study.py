@@ -714,7 +714,7 @@ class Study:
         Raises:
             ValueError: a bad ``mode``, or no trial has a finite ``metric`` at its end.
             CheckpointError: the best trial's final checkpoint is absent (evicted or
-                cleaned up); it is not retrained here: ``run`` the trial again.
+                cleaned up); it is not retrained.
         """
         best = self.best(metric, mode)
         if best is None:
@@ -725,7 +725,7 @@ class Study:
         if state is None:
             raise CheckpointError(
                 f"trial {best.id} has no checkpoint at its final step {best.steps} (evicted "
-                "or cleaned up): run it again to train one"
+                "or cleaned up); best_model does not train it again"
             )
         trainer = self.trainer(dict(best.config))
         trainer.load_state_dict(state)
