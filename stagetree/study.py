@@ -30,6 +30,7 @@ from stagetree.budget import Budget, BudgetGuard, RunReport
 from stagetree.checkpoints import CheckpointStore, check_location
 from stagetree.engine import Engine, StudySlot, default_checkpoint_dir
 from stagetree.exceptions import (
+    CheckpointError,
     InvalidTrialError,
     StagetreeError,
     StagetreeWarning,
@@ -798,6 +799,63 @@ class Study:
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
         return reports.best_trial(self.trials(), metric, mode)
+
+    def trials_dataframe(self, history: bool = False) -> Any:
+        """This study's trials (of this trainer version) as a :class:`pandas.DataFrame`
+        (extra ``pandas``), one row per trial: ``config.<name>``, ``hp.<name>`` (the
+        sequence in readable form) and ``hp.<name>.last`` (its value at the last step),
+        ``metric.<name>`` (final metrics, at step ``metrics_at``), ``state``, ``steps``,
+        ``error``, ``lineage``; with ``history``, every recorded metric in long form
+        (``study, trial, step, metric, value``). :func:`stagetree.export.trials_table`
+        has the exact columns; ``stagetree export`` writes the same table.
+
+        Raises:
+            MissingExtraError: pandas is not installed.
+        """
+        from stagetree import export
+
+        export.require("pandas", "pandas", "a DataFrame of trials")
+        with self._engine.reading() as storage:
+            table = export.trials_table(
+                storage, self.name, history=history, version=self.version, missing_ok=True
+            )
+        return export.dataframe(table)
+
+    def best_model(self, metric: str, mode: str = "max") -> Any:
+        """The trained model of the best trial by ``metric`` (:meth:`best`'s rule), in
+        plain PyTorch form: a fresh ``trainer(config)`` with the trial's final checkpoint
+        loaded, and of it the ``torch.nn.Module`` it trains (a dict attribute name ->
+        module when it holds several). A trainer that is not a
+        :class:`~stagetree.torch.TorchTrainer` is returned itself, its state loaded.
+        ``stagetree export --checkpoint TRIAL -o DIR`` writes the same weights as files.
+
+        Raises:
+            ValueError: a bad ``mode``, or no trial has a finite ``metric`` at its end.
+            CheckpointError: the best trial's final checkpoint is absent (evicted or
+                cleaned up); it is not retrained.
+        """
+        best = self.best(metric, mode)
+        if best is None:
+            raise ValueError(
+                f"no trial of study {self.name!r} has a finite {metric!r} at its final step"
+            )
+        state = self.state(best.config, best.hp, best.steps)
+        if state is None:
+            raise CheckpointError(
+                f"trial {best.id} has no checkpoint at its final step {best.steps} (evicted "
+                "or cleaned up); best_model does not train it again"
+            )
+        trainer = self.trainer(dict(best.config))
+        trainer.load_state_dict(state)
+        objects = getattr(trainer, "checkpointed_objects", None)
+        if not callable(objects):
+            return trainer
+        from torch import nn
+
+        modules = {k: v for k, v in objects().items() if isinstance(v, nn.Module)}
+        if len(modules) == 1:
+            return next(iter(modules.values()))
+        return modules or trainer
 
     def stats(self) -> dict[str, float]:
         """Accounting: ``steps_requested`` (total steps of this study's trials),
