@@ -216,6 +216,8 @@ class Engine:
         self.users = 0
         self.temporary_checkpoints = False  # remove the store's directory on close
         self._inflight: set[int] = set()
+        # Ended batches whose stage leases wait for their checkpoint writes.
+        self._unreleased: set[int] = set()
         self._queued: list[Any] = []
         self._start_refs: dict[int, str | None] = {}
         self._batch_roots: dict[int, str] = {}
@@ -803,7 +805,9 @@ class Engine:
             ended = ev.batch_id
             self._count_lost(ev)
         if ended is not None:
-            self.coord.batch_ended(ended)
+            # Its stage leases go once its checkpoints are durable (below): another
+            # engine waiting for the stage must find them in the plan.
+            self._unreleased.add(ended)
             self._inflight.discard(ended)
             self._positions.pop(ended, None)
             self._idle.notify_all()
@@ -862,6 +866,11 @@ class Engine:
         elif isinstance(ev, work.BatchDone) and ev.steps:
             self._rates[ev.batch_id] = ev.busy_seconds / ev.steps
         self._apply(self.scheduler.handle(ev))
+        if self._unreleased:
+            saving = self.scheduler.saving
+            for batch_id in [b for b in self._unreleased if b not in saving]:
+                self._unreleased.discard(batch_id)
+                self.coord.batch_ended(batch_id)
         self._count_studies(charged, getattr(ev, "batch_id", None))
         if ended is not None:
             self._rates.pop(ended, None)
