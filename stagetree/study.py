@@ -833,6 +833,21 @@ class _StudyRunner:
     def read_log(self) -> list[dict[str, Any]]:
         return self.study.read_log()
 
+    def sampler_storage(self) -> tuple[str | None, Any, str, str]:
+        """Where a tuner's Optuna sampler keeps its history
+        (:mod:`stagetree.tuners.optuna_bridge`): ``(SQLAlchemy URL of the plan, or None
+        when the plan is not SQL; the open plan storage; study name; trainer version)``."""
+        from stagetree.plan.sql import SQLPlanStorage
+
+        arg = self.study._engine_args[0]
+        plan = self.study._engine.storage
+        url: str | None = None
+        if isinstance(plan, SQLPlanStorage):
+            url = arg if isinstance(arg, str) else plan._engine.url.render_as_string(False)
+            if url.split(":", 1)[0] in ("postgresql", "postgres"):
+                url = "postgresql+psycopg:" + url.split(":", 1)[1]
+        return url, plan, self.study.name, self.study.version
+
 
 def _run_coro(coro: Any) -> Any:
     """Run a coroutine to completion from sync code, also inside a running event loop
