@@ -261,6 +261,7 @@ class SamplerBridge:
         )
         self._known = sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number)
         self._open: dict[int, Any] = {}  # tuner trial id -> optuna.Trial still running
+        self._reported: dict[int, set[int]] = {}  # steps already reported, by trial id
         if self._known:
             # A seeded sampler restarted on a study that holds trials would propose its
             # first run's configurations again (the trials it re-reads are not asked):
@@ -283,6 +284,7 @@ class SamplerBridge:
             if frozen.state.is_finished():
                 return suggest_trial(self.space, self._optuna.trial.FixedTrial(frozen.params))
             trial = self._optuna.trial.Trial(self.study, frozen._trial_id)
+            self._reported[tid] = set(frozen.intermediate_values)  # a replay reports again
         else:
             trial = self.study.ask()
             if trial.number != tid:
@@ -305,8 +307,10 @@ class SamplerBridge:
         if failed:
             self._tell(tid, state=state.FAIL)
             return
-        if value is not None:
+        reported = self._reported.setdefault(tid, set())
+        if value is not None and steps not in reported:
             trial.report(value, steps)
+            reported.add(steps)
         if steps >= self.horizon > 0:
             if value is None:
                 self._tell(tid, state=state.FAIL)
