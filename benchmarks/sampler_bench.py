@@ -29,13 +29,22 @@ at each result against the device-seconds spent until then. Steps executed: ``tr
 calls counted in every process; steps saved by sharing: the steps trials asked for
 (``stats()["steps_requested"]``) minus those executed.
 
+Trials: ``--trials`` (default 48, quick 16) for ``random`` and ``optuna``;
+``--asha-trials`` (default 4 x that) for ``asha`` and ``asha+tpe``. The question is how
+fast a runner *reaches* a target, so the ASHA runners must be able to go on after
+their first trials reach 16 steps: with equal trial counts ASHA (eta 4: 1/16 of its
+trials reach the top) stops after ~6x fewer steps than Optuna's pruner (which promotes
+every trial that is the best so far at a rung) and ends before Optuna's time is up.
+Pass ``--asha-trials`` equal to ``--trials`` for the equal-count comparison.
+
 Goal: ASHA + TPE reaches Optuna's best accuracy (of the same seed) in at most half of
 the device-seconds Optuna needed to reach it.
 
 Run::
 
-    .venv/bin/python benchmarks/sampler_bench.py --quick      # 16 trials a run
-    .venv/bin/python benchmarks/sampler_bench.py              # 48 trials a run
+    .venv/bin/python benchmarks/sampler_bench.py --quick      # 16 trials a run (ASHA 64)
+    .venv/bin/python benchmarks/sampler_bench.py              # 48 trials a run (ASHA 192)
+    .venv/bin/python benchmarks/sampler_bench.py --asha-trials 48   # equal trial counts
     .venv/bin/python benchmarks/sampler_bench.py --runners asha+tpe,optuna --seeds 0
 """
 
@@ -203,6 +212,10 @@ def run_optuna(seed: int, n: int, tmp: Path) -> dict[str, Any]:
     }
 
 
+def _acc(value: float | None) -> str | None:
+    return None if value is None else f"{value:.4f}"
+
+
 def reach(curve: list[tuple[float, float]], target: float) -> float | None:
     """Device-seconds at which ``curve`` first reaches ``target`` (None: never)."""
     for seconds, best in curve:
@@ -241,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 trials a run (default 48)")
     parser.add_argument("--trials", type=int, default=None, help="trials a run")
+    parser.add_argument(
+        "--asha-trials",
+        type=int,
+        default=None,
+        help="trials of the ASHA runners (default 4 x --trials: see the module doc)",
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument("--runners", default=",".join(RUNNERS), help=f"from {RUNNERS}")
     parser.add_argument("--workers", type=int, default=1, help="stagetree worker processes")
@@ -252,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown runners {unknown}; choose from {RUNNERS}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     n = args.trials or (16 if args.quick else 48)
+    n_asha = args.asha_trials or 4 * n
     try:
         import optuna
     except ImportError:
@@ -260,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
     print(" ".join(f"{k}={v}" for k, v in machine_info().items()))
-    print(f"{n} trials a run, seeds {seeds}, stagetree workers {args.workers}\n")
+    print(
+        f"{n} trials a run ({n_asha} for the ASHA runners), seeds {seeds}, "
+        f"stagetree workers {args.workers}\n"
+    )
     results: dict[str, dict[int, dict[str, Any]]] = {r: {} for r in runners}
     with tempfile.TemporaryDirectory(prefix="sampler-bench-") as tmpdir:
         tmp = Path(tmpdir)
@@ -270,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                 if runner == "optuna":
                     res = run_optuna(seed, n, tmp)
                 else:
-                    res = run_stagetree(runner, seed, n, tmp, args.workers)
+                    trials = n_asha if runner.startswith("asha") else n
+                    res = run_stagetree(runner, seed, trials, tmp, args.workers)
                 best = res["curve"][-1][1] if res["curve"] else None
                 print(
                     f"  seed {seed} {runner:9s} best {best if best is None else round(best, 4)} "
@@ -297,14 +321,15 @@ def main(argv: list[str] | None = None) -> int:
                     t_me = reach(r["curve"], target)
                     to_optuna.append(None if t_me is None or not t_opt else t_me / t_opt)
         reached = sum(x is not None for x in to_optuna)
+        worst = min((f for f in finals if f is not None), default=None)
         rows.append(
             [
                 runner,
-                median(finals),
-                min((f for f in finals if f is not None), default=None),
+                _acc(median(finals)),
+                _acc(worst),
                 median(r["device_seconds"] for r in by_seed.values()),
                 median(r["steps_executed"] for r in by_seed.values()),
-                median(r["steps_requested"] for r in by_seed.values()),
+                int(median(r["steps_requested"] for r in by_seed.values()) or 0),
                 None if not saved else f"{100 * median(saved):.0f}%",  # type: ignore[operator]
                 "-" if not to_optuna else f"{reached}/{len(to_optuna)}",
                 median(to_optuna) if to_optuna else None,

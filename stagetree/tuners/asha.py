@@ -57,9 +57,10 @@ class ASHA(Tuner):
     proposes each new configuration when a worker frees, after every result before it
     was told (ASHA + TPE works like BOHB; see :mod:`stagetree.tuners.optuna_bridge`).
     Optuna cannot resume a finished trial, so a trial is told ``PRUNED`` when it
-    pauses at a rung outside the top ``max(1, |rung| // eta)`` (Optuna's
-    SuccessiveHalvingPruner rule); should ASHA promote it later, its later results stay
-    in stagetree only. Trials still paused at the end are told ``PRUNED`` then.
+    pauses at a rung with a value below the ``max(1, |rung| // eta)``-th best there
+    (Optuna's SuccessiveHalvingPruner rule; ties are kept open); should ASHA promote it
+    later, its later results stay in stagetree only. Trials still paused at the end are
+    told ``PRUNED`` then.
     """
 
     def __init__(
@@ -141,8 +142,10 @@ class ASHA(Tuner):
             rung = self.rungs[b][level]
             rung[job.trial.id] = self._observe(job)
             if self._bridge is not None and level < top:
-                keep = max(1, len(rung) // eta)
-                if job.trial.id not in self._ranked(rung)[:keep]:
+                # Optuna's SuccessiveHalvingPruner rule, ties kept: trials sharing a
+                # prefix tie at early rungs, and one of them may well be promoted later
+                threshold = sorted(rung.values(), reverse=True)[max(1, len(rung) // eta) - 1]
+                if rung[job.trial.id] < threshold or rung[job.trial.id] == -math.inf:
                     self._prune(job.trial.id)
 
     @property

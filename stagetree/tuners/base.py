@@ -531,7 +531,6 @@ class Tuner(ABC):
       cancelled trials rank worst too.
     * Invalid arguments raise :class:`~stagetree.exceptions.TunerError` naming the
       argument, in the constructor.
-
     * Tuners that draw configurations take ``sampler=``, an Optuna sampler
       (:mod:`stagetree.tuners.optuna_bridge`): it proposes each new trial through
       Optuna's ask-and-tell API and is told every result :meth:`_observe` sees
