@@ -179,6 +179,9 @@ def test_a_seeded_sampler_makes_the_search_deterministic() -> None:
 
     a, b = once(), once()
     assert a == b
+    tuner = asha(20)  # the same tuner run twice starts from its sampler as given twice
+    runs = [run(tuner, FakeRunner(order_seed=5)) for _ in range(2)]
+    assert runs[0] == runs[1] == a[1]
     other = asha(20, sampler=tpe(seed=1))
     run(other, FakeRunner(order_seed=5))
     assert [t.fingerprint for t in other.trials.values()] != a[0]

@@ -29,6 +29,7 @@ Optuna is never told again.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import weakref
@@ -274,7 +275,10 @@ class SamplerBridge:
         running on ``runner``."""
         storage, name, version = _storage_for(runner)
         study_name = optuna_study_name(name, version, type(tuner).__name__, tuner.space)
-        return cls(tuner.sampler, tuner.space, tuner.mode, storage, study_name, tuner.horizon)
+        # Each run starts from the sampler as given (a seeded tuner run twice, as
+        # ``stagetree simulate`` does with and without sharing, proposes the same trials).
+        sampler = copy.deepcopy(tuner.sampler)
+        return cls(sampler, tuner.space, tuner.mode, storage, study_name, tuner.horizon)
 
     def ask(self, tid: int) -> TrialSpec:
         """Configuration of tuner trial ``tid`` (Optuna trial number ``tid``): the one
