@@ -1020,6 +1020,26 @@ class _StudyRunner:
     def read_log(self) -> list[dict[str, Any]]:
         return self.study.read_log()
 
+    def sampler_storage(self) -> tuple[str | None, Any, str, str]:
+        """Where a tuner's Optuna sampler keeps its history
+        (:mod:`stagetree.tuners.optuna_bridge`): ``(SQLAlchemy URL of the plan, or None
+        when the plan is not SQL; the object an in-memory history lives as long as: the
+        open plan storage, or this study when it runs on a server; study name; trainer
+        version)``."""
+        from stagetree.plan.sql import SQLPlanStorage
+
+        try:
+            plan = self.study._engine.storage
+        except StagetreeError:  # a remote study: its plan is on the server, out of reach
+            return None, self.study, self.study.name, str(getattr(self.study, "version", ""))
+        arg = self.study._engine_args[0]
+        url: str | None = None
+        if isinstance(plan, SQLPlanStorage):
+            url = arg if isinstance(arg, str) else plan._engine.url.render_as_string(False)
+            if url.split(":", 1)[0] in ("postgresql", "postgres"):
+                url = "postgresql+psycopg:" + url.split(":", 1)[1]
+        return url, plan, self.study.name, self.study.version
+
 
 def _stderr_is_tty() -> bool:
     try:
