@@ -22,6 +22,7 @@ from stagetree.hp import Constant, MultiStep
 from stagetree.space import GridSpace, RandomSpace
 from stagetree.tuners import (
     ASHA,
+    PBT,
     SHA,
     AsyncHyperband,
     GridSearch,
@@ -305,6 +306,23 @@ class Normal(Distribution):
 
     def __repr__(self) -> str:
         return "Normal()"
+
+
+def test_pbt_asks_its_population_and_tells_replaced_members_pruned(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/plan.db"
+    tuner = PBT(FAKE_SPACE, "acc", population=6, interval=4, steps=12, seed=0, sampler=tpe())
+    best = run(tuner, StoredRunner(url, object()))
+    assert best is not None
+    trials = optuna_trials(url, tuner)
+    # The initial population comes from the sampler, one Optuna trial each; exploited
+    # trials come from mutation and are not asked.
+    assert len(trials) == 6
+    replaced = {e["replaces"] for e in tuner.exploits}
+    assert replaced, "the search exploited nobody"
+    states = {t.number: t.state for t in trials}
+    for number, state in states.items():  # survivors trained to the end
+        assert state == (TrialState.PRUNED if number in replaced else TrialState.COMPLETE)
+    assert set(states) - replaced, "every member was replaced"
 
 
 def test_bad_samplers_and_spaces_are_refused_before_anything_is_written(tmp_path: Path) -> None:

@@ -76,6 +76,11 @@ class PBT(Tuner):
     ``TrialSpec`` as the space, ``mutations`` is the only source. ``hp_to_mutate``
     restricts mutation to those names (default: every sequence with a distribution).
 
+    ``sampler``: an Optuna sampler that proposes the initial population instead of
+    ``space.sample`` (:mod:`stagetree.tuners.optuna_bridge`); it is told each member's
+    result (``PRUNED`` when an exploit replaces it, ``COMPLETE`` at ``steps``).
+    Exploited trials come from mutation, not from the sampler.
+
     Members that failed are dropped when there is no donor. Generations are
     synchronous, so decisions do not depend on completion order. On a grid, the
     population is taken in an order shuffled by ``seed``. After ``run``,
@@ -106,9 +111,11 @@ class PBT(Tuner):
         seed: int = 0,
         hp_to_mutate: Iterable[str] | None = None,
         max_concurrent: int | None = None,
+        sampler: Any = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
         self.space = space
+        self._use_sampler(sampler, space)
         self.population = check_int("population", population, 2)
         self.interval = check_int("interval", interval, 1)
         self.steps = check_int("steps", steps, 1)
@@ -208,7 +215,9 @@ class PBT(Tuner):
 
     async def _search(self, ctx: ReplayingRunner) -> None:
         rng = random.Random(self.seed)
-        specs = draw_specs(self.space, self.population, self.seed, shuffle_grid=True)
+        specs = draw_specs(
+            self.space, self.population, self.seed, shuffle_grid=True, sampler=self._bridge
+        )
         if len(specs) < 2:
             raise TunerError(f"population needs at least 2 trials, the space gave {len(specs)}")
         missing = sorted(set(self.mutations) - set(specs[0].hp))
@@ -262,6 +271,7 @@ class PBT(Tuner):
             if not donors:
                 if i in failed:
                     out[i] = None
+                    self._prune(members[i].id)
                 continue
             donor = members[donors[rng.randrange(len(donors))]]
             hp, sources, how = self._explore(donor, t, rng)
@@ -270,5 +280,6 @@ class PBT(Tuner):
             info = {"trial": new.id, "donor": donor.id, "replaces": members[i].id, "step": t}
             ctx.record("exploit", **info)
             self.exploits.append({**info, "mutations": how})
+            self._prune(members[i].id)  # stopped before the end (the sampler is told)
             out[i] = new
         return [m for m in out if m is not None]
