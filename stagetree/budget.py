@@ -355,7 +355,9 @@ class BudgetGuard:
     async def _idle_check(self) -> None:
         """Stop when only held-back submissions are left once the tuner has reacted to
         everything that finished (the loop has nothing ready to run)."""
-        await _settle()
+        from stagetree.executors.simulated import settle_loop
+
+        await settle_loop()
         if self._active == 0 and self._held and self.stopped_by is None:
             self._stop("trials")
 
@@ -385,16 +387,3 @@ class BudgetGuard:
         while self.stopped_by is None:
             await asyncio.sleep(POLL_SECONDS)
             self.check()
-
-
-async def _settle(rounds: int = 10_000) -> None:
-    """Let every ready callback of the loop run (the tuner reacts to finished jobs)."""
-    loop = asyncio.get_running_loop()
-    ready = getattr(loop, "_ready", None)  # CPython's queue of ready callbacks
-    for i in range(rounds):
-        await asyncio.sleep(0)
-        if ready is not None:
-            if not ready and i >= 1:
-                return
-        elif i >= 200:
-            return
