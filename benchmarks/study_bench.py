@@ -12,8 +12,8 @@ trials of other seeds on the same engine, so the measured study starts with warm
 are reported apart as "start-up"). The measured study's counters are summed from the
 executor's events of that study alone (``BatchDone``, ``CheckpointSaved``) and checked
 against ``study.stats()``. Reported: wall-clock of ``study.tune``, device-seconds (the
-workers' busy time: trainer builds, checkpoint loads, training, evaluation, the
-synchronous part of checkpoint saves and the wait for the last save of each batch), steps
+workers' busy time: trainer builds, checkpoint loads, training, evaluation and the
+synchronous part of checkpoint saves; a batch no longer waits for its last save), steps
 executed, the CPU-seconds of the worker processes (from ``/proc``: unlike busy wall time
 they do not grow when other programs take the cores) and of this process (the engine:
 scheduler, storage, tuner) during ``study.tune``, merge rate, and the device-seconds
@@ -26,11 +26,11 @@ the workers are warm here), checkpoint loads and end-of-batch save waits, idle w
 and scheduling (the remainder).
 
 **(c) Checkpoint saves on the critical path.** A worker captures a checkpoint
-synchronously (``state_dict()`` and a clone of every tensor), writes it from a background
-thread while training goes on, and waits for outstanding writes before it reports a batch
-done. What training loses to saves is therefore the capture, any wait for the writer (at
-most two saves pending, and always at the end of a batch), and the CPU the writer thread
-takes from training. None of these can be read off one run, so the method is a paired
+synchronously (``state_dict()`` and a clone of every tensor) and writes it from a
+background thread while training goes on; a batch reports done when its training is done,
+and its last writes end after it. What training loses to saves is therefore the capture,
+any wait for the writer (at most two saves pending), and the CPU the writer thread takes
+from training. None of these can be read off one run, so the method is a paired
 replay: the ``RunBatch`` instructions that the scheduler issued in the (last)
 ``share=True`` run are recorded, then replayed on a fresh pair of warm worker processes,
 each batch on the worker that ran it in the study, three times back to back: A exactly as

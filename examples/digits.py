@@ -67,3 +67,5 @@ if __name__ == "__main__":
     shown = os.path.relpath(command) if command.exists() else "stagetree"
     shown = shown if not shown.startswith("..") else str(command)
     print(f"\nSee its stage tree, learning curves and workers: {shown} dashboard {STORAGE}")
+    print(f"Its trials and what sharing saved: {shown} status --storage {STORAGE}")
+    print(f"Every trial's metrics: {shown} export --storage {STORAGE} --format csv -o trials.csv")

@@ -6,8 +6,9 @@ The public API is re-exported here; sequences live in :mod:`stagetree.hp`, tuner
 
 from __future__ import annotations
 
+from stagetree.budget import Budget, InvalidBudgetError
 from stagetree.check import CheckReport, check_trainer
-from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
+from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Shared, Uniform
 from stagetree.exceptions import (
     AuthError,
     CheckpointError,
@@ -39,12 +40,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthError",
+    "Budget",
     "CheckReport",
     "CheckpointError",
     "Choice",
     "Distribution",
     "GridSpace",
     "IntUniform",
+    "InvalidBudgetError",
     "InvalidSequenceError",
     "InvalidSpaceError",
     "InvalidTrialError",
@@ -54,6 +57,7 @@ __all__ = [
     "SchemaVersionError",
     "ServerError",
     "ServerUnavailableError",
+    "Shared",
     "StagetreeError",
     "StagetreeWarning",
     "StorageError",

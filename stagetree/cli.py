@@ -9,7 +9,8 @@ Subcommands:
   progress, then print the best trial and what sharing saved (:func:`report_study`).
 * ``stagetree status``: the studies of a storage: trials, best metric, steps executed,
   requested and unique, device-seconds spent and saved.
-* ``stagetree export``: every trial's metric history as CSV or JSON.
+* ``stagetree export``: the trials as CSV, JSON, Parquet, TensorBoard or MLflow runs
+  (:mod:`stagetree.export`), or a trial's weights.
 
 ``status`` and ``export`` print what :mod:`stagetree.reports` (the read side, shared
 with :class:`~stagetree.Study`) computes; their data functions (:func:`study_status`,
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import json
 import math
 import os
 import runpy
@@ -291,7 +290,7 @@ def _port(text: str) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     explain(
-        load_space_file(args.space),
+        load_space_file(args.space, num_trials=args.num_trials),
         steps=args.steps,
         num_trials=args.num_trials,
         seed=args.seed,
@@ -370,7 +369,9 @@ def open_existing_storage(url: str) -> BasePlanStorage:
 
     path = _sqlite_file(url)
     if path is not None and not path.is_file():
-        raise StorageError(f"cannot open plan storage {url!r}: {path} does not exist")
+        raise StorageError(
+            f"cannot open plan storage {url!r}: {path} does not exist{_other_databases(path)}"
+        )
     try:
         storage = open_storage(url, readonly=True)  # reports never write
         storage.studies()  # a file that is not a plan fails here, not halfway through
@@ -379,6 +380,22 @@ def open_existing_storage(url: str) -> BasePlanStorage:
     except Exception as exc:  # driver errors of a file that is not a database, ...
         raise StorageError(f"cannot open plan storage {url!r}: {_one_line(exc)}") from exc
     return storage
+
+
+def _other_databases(missing: Path) -> str:
+    """A hint naming the SQLite files beside a missing one (say the demo's
+    ``stagetree-demo.db`` when ``stagetree.db`` was looked for); "" when none."""
+    folder = missing.parent if str(missing.parent) else Path(".")
+    try:
+        found = sorted(p.name for p in folder.glob("*.db") if p.is_file())
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    shown = folder if folder.is_absolute() else None
+    urls = [f"sqlite:///{shown / name if shown else name}" for name in found[:5]]
+    more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+    return f"; databases in {folder}: {', '.join(found[:5])}{more}: pass --storage {urls[0]}"
 
 
 def _num(value: float) -> str:
@@ -548,6 +565,9 @@ def report_study(
     numbers["failed"] = float(len(failures))
     best_rows.extend(_failure_rows([(tid, e.summary()) for tid, e in failures]))
     rows = [("trials", str(round(numbers["trials"]))), *_accounting_rows(numbers)]
+    run = getattr(study, "last_run", None)
+    if run is not None:  # this run's own figures; the rows above are the study's totals
+        rows = [*_run_rows(run, numbers), ("study totals", "over every run so far:"), *rows]
     if stats.get("workers_lost"):  # a cluster lost workers (or nodes): what it cost
         numbers["workers_lost"] = stats["workers_lost"]
         numbers["steps_lost"] = stats.get("steps_lost", 0.0)
@@ -580,6 +600,29 @@ def report_study(
         print("", file=stream)
         _print_rows(rows, stream)
     return numbers
+
+
+def _run_rows(run: Any, numbers: dict[str, float]) -> list[tuple[str, str]]:
+    """``this run`` (:class:`~stagetree.budget.RunReport`) rows; adds its numbers as
+    ``run_*`` to ``numbers``."""
+    numbers.update(
+        run_trials=float(run.trials),
+        run_trials_answered=float(run.trials_answered),
+        run_steps_executed=float(run.steps_executed),
+        run_device_seconds=float(run.device_seconds),
+    )
+    answered = f", {run.trials_answered} answered from the storage" if run.trials_answered else ""
+    rows = [
+        (
+            "this run",
+            f"{run.trials} trials{answered}; trained {run.steps_executed} steps in "
+            f"{run.device_seconds:.1f} device-seconds ({run.wall_seconds:.1f} s)",
+        )
+    ]
+    if run.budget is not None:
+        stop = f"stopped the run ({run.stopped_by} reached)" if run.stopped_by else "not reached"
+        rows.append(("budget", f"{run.budget.describe()}: {stop}"))
+    return rows
 
 
 # --------------------------------------------------------------------------- run
@@ -677,8 +720,13 @@ def run_script(
     url: str | None = None,
     token_file: str | None = None,
     dashboard: int | None = None,
+    budget: str | None = None,
 ) -> int:
     """``stagetree run``: run the study a script defines with its tuner.
+
+    ``budget`` limits the run (``"30m"``, ``"500 steps"``, ``"20 trials"``, ``"1h
+    device"``; see :class:`stagetree.budget.Budget`); it is checked before the script
+    runs.
 
     ``executor`` (a registered name: ``local``, ``ray``...), ``address`` (the cluster
     of a cluster executor) and ``checkpoints`` (the checkpoint location) override the
@@ -707,11 +755,13 @@ def run_script(
         CommandError: no such script, or it defines no study or no tuner.
     """
     from stagetree import study as study_module
+    from stagetree.budget import Budget
     from stagetree.progress import ProgressDisplay
     from stagetree.study import Study
     from stagetree.tuners.base import Tuner
 
     stream = sys.stdout if out is None else out
+    limits = None if budget is None else Budget.parse(budget)  # before anything runs
     path = Path(script)
     if not path.is_file():
         raise CommandError(f"no such script: {script}")
@@ -779,12 +829,13 @@ def run_script(
                 )
                 try:
                     with beside, display:
-                        best = study.tune(tuner)
+                        best = study.tune(tuner, budget=limits, progress=False)
                 except TrialFailedError as exc:  # no trial succeeded
                     print(f"{exc}", file=sys.stderr)
                     print(f"stagetree run: error: {_one_line(exc)}", file=sys.stderr)
                     return EXIT_FAILED
                 report_study(study, best, metric=tuner.metric, mode=tuner.mode, out=stream)
+                _print_follow_up(study, saved_env or DEFAULT_STORAGE, stream)
             except KeyboardInterrupt:
                 interrupted = True
             finally:
@@ -801,6 +852,22 @@ def run_script(
         print("interrupted; run again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _print_follow_up(study: Any, default: str, stream: TextIO) -> None:
+    """Name the study's storage in the follow-up commands when ``stagetree status``
+    (which reads ``default``) would not find it by itself."""
+    from stagetree.server.client import RemoteStudy
+
+    if isinstance(study, RemoteStudy):
+        return
+    url = study._engine_args[0]
+    if not isinstance(url, str) or url.startswith("memory") or url == default:
+        return
+    print(
+        f"\nsee it again: stagetree status --storage {url}  (or export --storage {url} ...)",
+        file=stream,
+    )
 
 
 @contextlib.contextmanager
@@ -848,6 +915,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         url=args.url,
         token_file=args.token_file,
         dashboard=args.dashboard_port if args.dashboard else None,
+        budget=args.budget,
     )
 
 
@@ -906,6 +974,13 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="N",
         help=f"port of --dashboard (default {DASHBOARD_PORT}; 0: any free port)",
     )
+    p.add_argument(
+        "--budget",
+        metavar="LIMITS",
+        help="stop the run after this much: 30m, 2h, 90s (wall-clock), '500 steps', "
+        "'20 trials', '1h device' (device time), several separated by commas; run again "
+        "with a larger budget to go on",
+    )
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
     p.add_argument(
         "--no-check",
@@ -940,6 +1015,7 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
             )
         )
     rows.extend(_failure_rows(st.failures))
+    rows.extend(_lineage_rows(st))
     if st.workers:
         where = ", ".join(f"{w} on {node}" for w, node in st.workers.items())
         rows.append(("workers", f"{where} (last seen)"))
@@ -956,7 +1032,22 @@ def _status_rows(st: StudyStatus) -> list[tuple[str, str]]:
             ]
         )
     rows.extend(_efficiency_rows(st.efficiency))  # its latest run's
+    if st.budget_stop is not None:
+        budget, reached = st.budget_stop
+        rows.append(("latest run", f"stopped by its budget ({budget}: {reached} reached)"))
     return rows
+
+
+def _lineage_rows(st: StudyStatus) -> list[tuple[str, str]]:
+    """PBT's exploits: how many trials they made, and the best trial's ancestry."""
+    if not st.lineage:
+        return []
+    text = f"{len(st.lineage)} trials made by PBT exploits"
+    chain = st.lineage.get(st.best_trial) if st.best_trial is not None else None
+    if chain:
+        steps = ", ".join(f"trial {e['donor']} to step {e['step']}" for e in chain)
+        text += f"; best trial {st.best_trial} follows {steps}"
+    return [("lineage", text)]
 
 
 def status(
@@ -1040,72 +1131,129 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 # --------------------------------------------------------------------------- export
 
 
+EXPORT_FORMATS = ("csv", "json", "parquet", "tensorboard", "mlflow")
+
+
 def export(
     url: str | None = None,
     study: str | None = None,
     fmt: str = "csv",
-    out: TextIO | None = None,
+    out: TextIO | str | os.PathLike[str] | None = None,
+    history: bool = False,
 ) -> int:
-    """Write every trial's metric history as CSV (:func:`export_table`) or JSON (a list
-    of :func:`export_records`).
+    """Write the trial table (:func:`stagetree.export.trials_table`: one row per trial,
+    the columns of ``Study.trials_dataframe()``) or, with ``history``, every recorded
+    metric in long form (``study, trial, step, metric, value``), as CSV, JSON (a list of
+    row objects) or Parquet.
 
     Args:
         url: storage URL (default: :func:`default_storage`).
         study: only this study.
-        fmt: ``"csv"`` or ``"json"``.
-        out: where to write (default: ``sys.stdout`` at call time).
+        fmt: ``"csv"``, ``"json"`` or ``"parquet"``.
+        out: a text stream (default ``sys.stdout`` at call time) or a file path (written
+            whole or not at all; parquet needs one).
+        history: the long-form metric history instead of one row per trial.
 
     Returns:
-        Rows written (CSV) or trials written (JSON).
+        Rows written.
 
     Raises:
         StorageError: the storage cannot be opened, or holds no study ``study``
             (:class:`~stagetree.plan.PlanKeyError`).
-        ValueError: an unknown format.
+        ValueError: an unknown format; MissingExtraError: parquet without pyarrow.
     """
-    if fmt not in ("csv", "json"):
-        raise ValueError(f"format must be 'csv' or 'json', got {fmt!r}")
-    stream = sys.stdout if out is None else out
-    storage = open_existing_storage(default_storage() if url is None else url)
+    from stagetree import export as exporting
+
+    if fmt not in exporting.TABLE_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(exporting.TABLE_FORMATS)}, got {fmt!r}")
+    if fmt == "parquet":
+        exporting.require("pyarrow", "parquet", "--format parquet")
+    url = default_storage() if url is None else url
+    storage = open_existing_storage(url)
     try:
-        records = export_records(storage, study)
+        table = exporting.trials_table(storage, study, history=history)
         hidden = hidden_trials(storage, study)
     finally:
         storage.close()
     if hidden:
         print(f"{hidden} trials of older trainer versions not exported", file=sys.stderr)
-    if fmt == "json":
-        json.dump(records, stream, indent=2, allow_nan=False)
-        stream.write("\n")
-        return len(records)
-    header, rows = export_table(records)
-    writer = csv.writer(stream, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(rows)
-    return len(rows)
+    exporting.write_table(table, fmt, out)
+    return len(table.rows)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    if args.output is None or args.output == "-":
-        export(args.storage, args.study, args.format)
+    from stagetree import export as exporting
+
+    output = None if args.output in (None, "-") else args.output
+    if args.checkpoint is not None:
+        if output is None:
+            raise CommandError("--checkpoint needs -o DIR: the directory to write the weights to")
+        files = exporting.export_checkpoint(
+            args.storage, args.checkpoint, output, checkpoints=args.checkpoints
+        )
+        names = ", ".join(f.name for f in files)
+        print(f"wrote trial {args.checkpoint}'s weights to {output}: {names}", file=sys.stderr)
         return 0
+    if args.format is None:
+        raise CommandError(
+            "give --format (csv, json, parquet, tensorboard, mlflow) or --checkpoint"
+        )
+    if args.format == "tensorboard":
+        exporting.require("tensorboardX", "tensorboard", "--format tensorboard")
+        if output is None:
+            raise CommandError("--format tensorboard needs -o DIR: the log directory")
+        if Path(output).exists() and not Path(output).is_dir():
+            raise CommandError(f"-o {output} exists and is not a directory")
+        n = exporting.export_tensorboard(args.storage, output, args.study)
+        print(
+            f"wrote {n} TensorBoard runs to {output} (tensorboard --logdir {output})",
+            file=sys.stderr,
+        )
+        return 0
+    if args.format == "mlflow":
+        exporting.require("mlflow", "mlflow", "--format mlflow")
+        if output is not None:
+            raise CommandError("--format mlflow writes to --tracking-uri, not -o")
+        done = exporting.export_mlflow(
+            args.storage,
+            args.study,
+            tracking_uri=args.tracking_uri,
+            artifacts=args.artifacts,
+            checkpoints=args.checkpoints,
+        )
+        print(
+            f"MLflow ({done.tracking_uri}): {done.logged} runs logged, {done.replaced} replaced, "
+            f"{done.skipped} unchanged",
+            file=sys.stderr,
+        )
+        if done.no_checkpoint:
+            ids = ", ".join(str(i) for i in done.no_checkpoint)
+            print(f"no final checkpoint to log for trials {ids}", file=sys.stderr)
+        return 0
+    if args.format == "parquet" and output is None:
+        raise CommandError("--format parquet needs -o FILE")
     try:
-        with open(args.output, "w", newline="", encoding="utf-8") as f:
-            n = export(args.storage, args.study, args.format, out=f)
+        n = export(args.storage, args.study, args.format, output, history=args.history)
     except OSError as exc:
-        raise CommandError(f"cannot write {args.output}: {_one_line(exc)}") from exc
-    what = "rows" if args.format == "csv" else "trials"
-    print(f"wrote {n} {what} to {args.output}", file=sys.stderr)
+        raise CommandError(f"cannot write {output}: {_one_line(exc)}") from exc
+    if output is not None:
+        what = "rows" if args.history else "trials"
+        print(f"wrote {n} {what} to {output}", file=sys.stderr)
     return 0
 
 
 def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "export",
-        help="write every trial's metric history as CSV or JSON",
-        description="CSV: one row per (trial, step with metrics): study, trial, "
-        "config.<name>, hp (JSON of the sequences), step, metric.<name>. JSON: a list of "
-        "trials with their metric history.",
+        help="write the trials as CSV, JSON, Parquet, TensorBoard runs or MLflow runs, "
+        "or a trial's weights",
+        description="csv/json/parquet: one row per trial: study, trial, state, steps, "
+        "config.<name>, hp.<name> (readable) and hp.<name>.last, metrics_at, "
+        "metric.<name>, error, lineage; --history: every metric by step in long form "
+        "(study, trial, step, metric, value). tensorboard: one run per trial under -o DIR "
+        "(metrics by step, hyper-parameters in HParams). mlflow: one run per trial "
+        "(params, metrics by step; --artifacts: the weights). --checkpoint TRIAL -o DIR: "
+        "the trial's trained weights as torch state_dicts (DIR/model.pt) and DIR/trial.json.",
     )
     p.add_argument(
         "--storage",
@@ -1113,8 +1261,27 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help=f"plan storage URL (default: ${STORAGE_ENV} or {DEFAULT_STORAGE})",
     )
     p.add_argument("--study", metavar="NAME", help="only this study")
-    p.add_argument("--format", choices=("csv", "json"), required=True, help="output format")
-    p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    p.add_argument("--format", choices=EXPORT_FORMATS, help="output format")
+    p.add_argument(
+        "--history", action="store_true", help="csv/json/parquet: metric history in long form"
+    )
+    p.add_argument(
+        "-o", "--output", metavar="PATH", help="file (csv/json/parquet) or directory to write"
+    )
+    p.add_argument("--checkpoint", metavar="TRIAL", type=int, help="write this trial's weights")
+    p.add_argument(
+        "--checkpoints",
+        metavar="LOCATION",
+        help="checkpoint directory or URL (default: beside a SQLite plan)",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        metavar="URI",
+        help="mlflow: tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)",
+    )
+    p.add_argument(
+        "--artifacts", action="store_true", help="mlflow: log each trial's weights as artifacts"
+    )
     p.set_defaults(handler=_cmd_export)
 
 
@@ -1323,6 +1490,78 @@ def _add_dashboard(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 _SUBCOMMANDS.append(_add_dashboard)
+
+
+def _grace(text: str) -> float:
+    from stagetree.checkpoints.gc import parse_duration
+
+    try:
+        return parse_duration(text, "--grace")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``stagetree gc``: remove checkpoints no live request and no kept trial needs
+    (:func:`stagetree.checkpoints.collect_garbage`)."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from stagetree.checkpoints.gc import DEFAULT_GRACE, collect_garbage
+
+        try:
+            report = collect_garbage(
+                args.storage or default_storage(),
+                args.checkpoints,
+                keep=args.keep,
+                study=args.study,
+                dry_run=args.dry_run,
+                grace=DEFAULT_GRACE if args.grace is None else args.grace,
+            )
+        except ValueError as exc:  # checked before anything is opened or written
+            print(f"stagetree gc: error: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_USAGE
+        for line in report.lines():
+            print(line)
+        return 0
+
+    p = sub.add_parser(
+        "gc",
+        help="remove checkpoints that no pending request and no kept trial needs",
+        description="Remove checkpoints of old trainer versions, files killed workers "
+        "left unreferenced (once older than --grace), and by --keep: 'all' nothing more; "
+        "'leaves' (default) all but every trial's final checkpoint; 'best' all but each "
+        "study's best trial's. A checkpoint that pending work starts from is never "
+        "removed; a running study's trials' final checkpoints neither (gc refuses). "
+        "Prints what it frees, by reason.",
+    )
+    p.add_argument(
+        "--storage",
+        metavar="URL",
+        help=f"plan storage URL (default: ${STORAGE_ENV} or {DEFAULT_STORAGE})",
+    )
+    p.add_argument(
+        "--checkpoints",
+        metavar="URL",
+        help="checkpoint location (default: beside a SQLite plan)",
+    )
+    p.add_argument("--study", metavar="NAME", help="only this study's checkpoints")
+    p.add_argument(
+        "--keep",
+        choices=("best", "leaves", "all"),
+        default="leaves",
+        help="what to keep besides what pending work needs (default: leaves)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="report what would go; remove nothing")
+    p.add_argument(
+        "--grace",
+        type=_grace,
+        metavar="DURATION",
+        help="age before an unreferenced file is removed: seconds, or 30m, 2h (default 1h)",
+    )
+    p.set_defaults(handler=handler)
+
+
+_SUBCOMMANDS.append(_add_gc)
 
 
 def build_parser() -> argparse.ArgumentParser:

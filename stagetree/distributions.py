@@ -8,16 +8,28 @@ which :mod:`stagetree.hp` turns into a template sampled per trial).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from collections.abc import Sequence as _Seq
 from dataclasses import dataclass
 from typing import Any
 
 from stagetree.exceptions import InvalidSpaceError
 
-__all__ = ["Choice", "Distribution", "IntUniform", "LogUniform", "Uniform", "sample_value"]
+__all__ = [
+    "Choice",
+    "Distribution",
+    "IntUniform",
+    "LogUniform",
+    "Shared",
+    "Uniform",
+    "sample_value",
+    "shared_draws",
+]
 
 
 class Distribution(ABC):
@@ -102,6 +114,69 @@ class IntUniform(Distribution):
 
     def sample(self, rng: random.Random) -> int:
         return rng.randint(self.low, self.high)
+
+
+# The values that Shared draws took in the trial being drawn (name -> (what, value)); None
+# outside a draw (RandomSpace sets it per trial with shared_draws()).
+_SHARED: contextvars.ContextVar[dict[str, tuple[Any, Any]] | None] = contextvars.ContextVar(
+    "stagetree_shared_draws", default=None
+)
+
+
+@contextlib.contextmanager
+def shared_draws() -> Iterator[None]:
+    """One trial's draws: every :class:`Shared` of a name drawn inside the block gives
+    the value its first draw took. :class:`~stagetree.space.RandomSpace` opens one per
+    trial; outside any block a Shared draws afresh each time."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+@dataclass(frozen=True)
+class Shared(Distribution):
+    """One draw used in several places of a trial: every ``Shared`` of the same ``name``
+    takes the same value within one trial (the first place drawn draws it from
+    ``dist``), a new one per trial. Links, say, a warm-up's peak to the start of the
+    decay that follows it::
+
+        peak = Shared("peak", LogUniform(0.01, 0.3))
+        lr = Warmup(5, peak).then(Cosine(peak, 95), at=5)
+
+    ``dist`` is a distribution, a sequence template or a plain value (then it is that
+    value). Two Shared of one name must wrap equal distributions.
+
+    Raises:
+        InvalidSpaceError: an empty name; when drawn, a name used with two different
+            distributions in one trial.
+    """
+
+    name: str
+    dist: Any
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidSpaceError(f"Shared needs a non-empty name, got {self.name!r}")
+        if isinstance(self.dist, Shared):
+            raise InvalidSpaceError(f"Shared({self.name!r}) wraps another Shared: use one name")
+
+    def sample(self, rng: random.Random) -> Any:
+        memo = _SHARED.get()
+        if memo is None:
+            return sample_value(self.dist, rng)
+        if self.name in memo:
+            dist, value = memo[self.name]
+            if dist != self.dist:
+                raise InvalidSpaceError(
+                    f"Shared({self.name!r}) is used with two distributions, {dist!r} and "
+                    f"{self.dist!r}: one name stands for one draw"
+                )
+            return value
+        value = sample_value(self.dist, rng)
+        memo[self.name] = (self.dist, value)
+        return value
 
 
 def sample_value(value: Any, rng: random.Random) -> Any:

@@ -464,6 +464,14 @@ class Engine:
             except StagetreeError as exc:  # informative only
                 logger.warning("the end of study %s's run not recorded: %s", slot.name, exc)
 
+    def record_run(self, slot: StudySlot, fields: Mapping[str, Any]) -> None:
+        """Add ``fields`` (say, the budget that stopped it) to the record of the study's
+        current run (``meta["run"]``); :meth:`end_tuning` writes it with ``ended``."""
+        with self.lock:
+            run = slot.meta.get("run")
+            if isinstance(run, dict):
+                slot.meta = {**slot.meta, "run": {**run, **fields}}
+
     def _virtual(self) -> bool:
         return self.executor is not None and bool(self.executor.virtual_time)
 
@@ -1082,49 +1090,16 @@ class Engine:
 
     def _evict(self) -> None:
         """Keep the checkpoint store within its budget (cost-benefit, see
-        :meth:`CheckpointStore.evict`); never drop a checkpoint a live request needs."""
-        from stagetree.checkpoints import EvictionInfo
+        :func:`stagetree.checkpoints.gc.evict_to_budget`: the rule ``stagetree gc``
+        follows); never drop a checkpoint live work needs."""
+        from stagetree.checkpoints.gc import evict_to_budget
         from stagetree.scheduler import CheckpointLost
 
         assert self.checkpoint_budget is not None
         try:
-            if self.store.total_bytes() <= self.checkpoint_budget:
-                return
+            removed = evict_to_budget(self.storage, self.store)
         except StagetreeError as exc:  # a remote store out of reach: evict next time
             logger.warning("checkpoint eviction skipped: %s", exc)
             return
-        records = self.storage.checkpoints()
-        live = self.storage.requests(states=[RequestState.PENDING, RequestState.SCHEDULED])
-        # A checkpoint is needed when it is the latest one on a live request's path.
-        by_node: dict[int, list[int]] = {}
-        for node, step in records:
-            by_node.setdefault(node, []).append(step)
-        needed: set[str] = set()
-        pending_refs: dict[str, int] = {}
-        for req in live:
-            path = self.storage.path(req.node)
-            best: tuple[int, int] | None = None
-            for i, n in enumerate(path):
-                hi = path[i + 1].branch_step if i + 1 < len(path) else req.step
-                for s in by_node.get(n.id, []):
-                    if s <= hi and s <= req.step and (best is None or s >= best[1]):
-                        best = (n.id, s)
-            if best is not None:
-                ref = records[best].ref
-                needed.add(ref)
-                pending_refs[ref] = pending_refs.get(ref, 0) + req.refcount
-        candidates = {
-            rec.ref: EvictionInfo(
-                recompute_cost=float(step), pending_refs=pending_refs.get(rec.ref, 0)
-            )
-            for (_node, step), rec in records.items()
-        }
-        try:
-            removed = set(self.store.evict(candidates, needed))
-        except StagetreeError as exc:  # what was deleted counts as missing when loaded
-            logger.warning("checkpoint eviction stopped: %s", exc)
-            return
-        for (node, step), rec in records.items():
-            if rec.ref in removed:
-                self.storage.remove_checkpoint(node, step)
-                self._apply(self.scheduler.handle(CheckpointLost(node, step)))
+        for node, step in removed:
+            self._apply(self.scheduler.handle(CheckpointLost(node, step)))

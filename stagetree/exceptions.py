@@ -9,6 +9,7 @@ Hierarchy::
     ├── StorageError               a storage URL that cannot be opened, or a failed transaction
     │   └── SchemaVersionError     database written by a newer (or unknown) schema version
     ├── CheckpointError            a checkpoint that is missing, corrupt or cannot be written
+    │   └── CheckpointsInUseError  ``stagetree gc`` would remove what a running study needs
     ├── TrainerError               user trainer code raised; carries the formatted traceback
     ├── SchedulerError             an event the scheduler cannot accept (a bug or bad input)
     ├── FusionError                (stagetree.fusion) members that cannot be trained fused
@@ -34,6 +35,7 @@ from __future__ import annotations
 __all__ = [
     "AuthError",
     "CheckpointError",
+    "CheckpointsInUseError",
     "ExecutorError",
     "InvalidSequenceError",
     "InvalidSpaceError",
@@ -122,6 +124,21 @@ class StudyBusyError(StagetreeError):
     Attributes:
         study: the study's name.
         holder: ``host:pid`` of the process tuning it.
+    """
+
+    def __init__(self, message: str, study: str = "", holder: str = "") -> None:
+        super().__init__(message)
+        self.study = study
+        self.holder = holder
+
+
+class CheckpointsInUseError(CheckpointError):
+    """``stagetree gc`` would remove checkpoints a running study may still need (its
+    trials' final checkpoints); nothing was removed.
+
+    Attributes:
+        study: the running study's name.
+        holder: ``host:pid`` of the process running it.
     """
 
     def __init__(self, message: str, study: str = "", holder: str = "") -> None:

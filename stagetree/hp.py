@@ -51,6 +51,7 @@ __all__ = [
     "Piecewise",
     "Sequence",
     "SequenceTemplate",
+    "Shifted",
     "Step",
     "Then",
     "Value",
@@ -484,6 +485,29 @@ class Then(Sequence):
         if stop > at:
             out.extend(self.second._values(max(start, at) - at, stop - at))
         return out
+
+
+@dataclass(frozen=True, eq=False)
+class Shifted(Sequence):
+    """``base(t + offset)``: ``base`` from its step ``offset`` on, counted from 0.
+
+    What a schedule continued mid-way is: ``Then(a, Shifted(b, at), at)`` follows ``a``
+    before step ``at`` and ``b`` from ``at`` on, in the same step numbering as ``a`` (a
+    ``MultiStep(0.1, [30, 60])`` continued at 40 still decays at 60). PBT builds these.
+    """
+
+    base: Sequence
+    offset: int
+
+    def __post_init__(self) -> None:
+        _set(self, "base", _as_sequence("Shifted.base", self.base))
+        _check_step("Shifted.offset", self.offset)
+
+    def _value(self, t: int) -> Value:
+        return self.base._value(t + self.offset)
+
+    def _values(self, start: int, stop: int) -> list[Value]:
+        return self.base._values(start + self.offset, stop + self.offset)
 
 
 @dataclass(frozen=True, eq=False)

@@ -449,7 +449,14 @@ def trial_records(storage: BasePlanStorage, study: str, version: Any = None) -> 
     """Every trial of ``study`` of trainer version ``version`` (default: the version of
     the study's latest run), in id order, with its metrics by step. A study the storage
     does not hold has none."""
-    return records_of(storage, _trials(storage, study, version)[0])
+    from stagetree.lineage import study_lineage
+
+    rows = _trials(storage, study, version)[0]
+    records = records_of(storage, rows)
+    lineage = study_lineage(storage, study, rows) if rows else {}
+    for record in records:
+        record.lineage = lineage.get(record.id, [])
+    return records
 
 
 def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
@@ -927,6 +934,9 @@ class StudyStatus:
         hidden: trials of other (older) trainer versions, not counted above.
         workers: where its workers ran, last seen (cluster executors): worker -> node.
         efficiency: :func:`efficiency` of its latest run (empty: none recorded).
+        lineage: ``TrialRecord.lineage`` of each trial that a PBT exploit made, by id.
+        budget_stop: ``(budget, limit reached)`` when its latest run was stopped by its
+            budget (``Study.tune(budget=...)``), else None.
     """
 
     name: str
@@ -950,6 +960,8 @@ class StudyStatus:
     pending: int = 0
     cancelled: int = 0
     efficiency: dict[str, float] = field(default_factory=dict)
+    lineage: dict[int, list[dict[str, int]]] = field(default_factory=dict)
+    budget_stop: tuple[str, str] | None = None
 
 
 @dataclass
@@ -1077,7 +1089,25 @@ def study_status(
         hidden=hidden,
         workers={str(k): str(v) for k, v in dict(meta.get("workers") or {}).items()},
         efficiency=efficiency(storage, name, rows=rows),
+        lineage=_lineage_of(storage, name, trials),
+        budget_stop=_budget_stop(meta),
     )
+
+
+def _lineage_of(
+    storage: BasePlanStorage, name: str, trials: list[dict[str, Any]]
+) -> dict[int, list[dict[str, int]]]:
+    from stagetree.lineage import study_lineage
+
+    return study_lineage(storage, name, trials) if trials else {}
+
+
+def _budget_stop(meta: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What stopped the study's latest run, from its run record (``Study.tune``)."""
+    run = meta.get("run")
+    if isinstance(run, Mapping) and run.get("stopped_by"):
+        return str(run.get("budget", "")), str(run["stopped_by"])
+    return None
 
 
 @quiet_gc
@@ -1161,13 +1191,17 @@ def short_sequence(seq: Any, offset: int = 0) -> str:
     """
     import dataclasses
 
-    from stagetree.hp import Constant, Sequence, Then
+    from stagetree.hp import Constant, Sequence, Shifted, Then
 
     if isinstance(seq, Constant):
         return format_value(seq.value)
     if isinstance(seq, Then):
         start = offset + seq.at
         first = short_sequence(seq.first, offset)
+        second = seq.second
+        if isinstance(second, Shifted) and second.offset == start:  # what PBT continues
+            base = short_sequence(second.base)
+            return f"{first} until step {start}, then {base} continued from step {start}"
         return f"{first} until step {start}, then {short_sequence(seq.second, start)}"
     if isinstance(seq, Sequence) and dataclasses.is_dataclass(seq):
         args = ", ".join(format_value(getattr(seq, f.name)) for f in dataclasses.fields(seq))

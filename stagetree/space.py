@@ -24,13 +24,14 @@ import json
 import math
 import random
 import runpy
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stagetree.distributions import Choice, Distribution
+from stagetree.distributions import Choice, Distribution, shared_draws
 from stagetree.exceptions import (
     InvalidSequenceError,
     InvalidSpaceError,
@@ -502,6 +503,10 @@ class RandomSpace(BaseSpace):
         return f"RandomSpace(hp={list(self._hp)}, fixed={list(self._fixed)})"
 
     def _draw(self, rng: random.Random) -> TrialSpec:
+        with shared_draws():  # each Shared name takes one value per trial
+            return self._draw_entries(rng)
+
+    def _draw_entries(self, rng: random.Random) -> TrialSpec:
         config: dict[str, Any] = {}
         for name, entry in self._fixed.items():
             value = _resolve(entry, rng)
@@ -534,13 +539,42 @@ class RandomSpace(BaseSpace):
             "the filter may reject (nearly) everything"
         )
 
-    def sample(self, n: int, seed: int = 0) -> list[TrialSpec]:
-        """Draw ``n`` trials from ``random.Random(seed)`` (duplicates are possible; the
-        plan merges identical trials)."""
+    def sample(self, n: int, seed: int = 0, unique: bool = True) -> list[TrialSpec]:
+        """Draw ``n`` distinct trials from ``random.Random(seed)``.
+
+        A draw that repeats an earlier trial is drawn again (identical trials would train
+        once and count as one), up to ``max(100, 10 * n)`` repeats in all.
+        ``unique=False`` keeps every draw, repeats included.
+
+        Raises:
+            InvalidSpaceError: ``n`` is not an int >= 1, or the space gave fewer than
+                ``n`` distinct trials within the repeats allowed (the message says how
+                many it found: the space may hold no more).
+        """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidSpaceError(f"n must be an int >= 1, got {n!r}")
         rng = random.Random(seed)
-        return [self.sample_one(rng) for _ in range(n)]
+        if not unique:
+            return [self.sample_one(rng) for _ in range(n)]
+        out: list[TrialSpec] = []
+        seen: set[TrialSpec] = set()
+        allowed = max(100, 10 * n)
+        repeats = 0
+        while len(out) < n:
+            trial = self.sample_one(rng)
+            if trial in seen:
+                repeats += 1
+                if repeats > allowed:
+                    raise InvalidSpaceError(
+                        f"the space gave only {len(out)} distinct trials in "
+                        f"{len(out) + repeats} draws, not the {n} asked for: it may hold no "
+                        f"more than {len(out)}; ask for at most {len(out)} trials, or widen "
+                        "the space (more choices, continuous ranges)"
+                    )
+                continue
+            seen.add(trial)
+            out.append(trial)
+        return out
 
     def trials(self, n: int | None = None, seed: int = 0) -> list[TrialSpec]:
         """Same as :meth:`sample`; ``n`` is required for a random space."""
@@ -615,12 +649,14 @@ def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
-def load_space_file(path: str | Path) -> SpaceFile:
+def load_space_file(path: str | Path, num_trials: int | None = None) -> SpaceFile:
     """Run a Python file and collect its ``space`` and ``steps``.
 
     The file must define ``space`` (a :class:`BaseSpace`) and ``steps`` (an int >= 1, or
     a callable ``steps(trial) -> int``); it may define ``num_trials`` (required for a
-    :class:`RandomSpace`), ``seed`` and ``name``. It runs with ``__name__`` set to
+    :class:`RandomSpace` unless ``num_trials`` is given here, which overrides it),
+    ``seed`` and ``name``. It runs like ``python FILE`` would (its folder first on
+    ``sys.path``, so it imports its neighbours), with ``__name__`` set to
     ``"__stagetree_space__"``, so a ``if __name__ == "__main__"`` block does not run.
 
     Raises:
@@ -628,9 +664,13 @@ def load_space_file(path: str | Path) -> SpaceFile:
             missing or invalid. A :class:`StagetreeError` raised by the file's own code
             (e.g. an invalid space) propagates unchanged.
     """
+    if num_trials is not None and not _positive_int(num_trials):  # before the file runs
+        raise InvalidSpaceError(f"num_trials must be an int >= 1, got {num_trials!r}")
     p = Path(path)
     if not p.is_file():
         raise InvalidSpaceError(f"space file {str(p)!r} does not exist")
+    saved_path = sys.path[:]
+    sys.path.insert(0, str(p.resolve().parent))
     try:
         ns = runpy.run_path(str(p), run_name="__stagetree_space__")
     except StagetreeError:
@@ -639,6 +679,8 @@ def load_space_file(path: str | Path) -> SpaceFile:
         raise InvalidSpaceError(f"{p}: exited with status {exc.code!r} while loading") from exc
     except Exception as exc:
         raise InvalidSpaceError(f"{p}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path[:] = saved_path
     if "space" not in ns:
         raise InvalidSpaceError(f"{p} defines no variable 'space' (a GridSpace or RandomSpace)")
     space = ns["space"]
@@ -655,11 +697,16 @@ def load_space_file(path: str | Path) -> SpaceFile:
         raise InvalidSpaceError(
             f"{p}: 'steps' must be an int >= 1 or a function steps(trial) -> int, got {steps!r}"
         )
-    num_trials = ns.get("num_trials")
-    if num_trials is not None and not _positive_int(num_trials):
-        raise InvalidSpaceError(f"{p}: 'num_trials' must be an int >= 1, got {num_trials!r}")
+    file_trials = ns.get("num_trials")
+    if file_trials is not None and not _positive_int(file_trials):
+        raise InvalidSpaceError(f"{p}: 'num_trials' must be an int >= 1, got {file_trials!r}")
+    if num_trials is None:
+        num_trials = file_trials
     if num_trials is None and isinstance(space, RandomSpace):
-        raise InvalidSpaceError(f"{p}: a RandomSpace needs 'num_trials' (an int >= 1)")
+        raise InvalidSpaceError(
+            f"{p}: a RandomSpace needs 'num_trials' (an int >= 1), in the file or given "
+            "with --num-trials"
+        )
     seed = ns.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InvalidSpaceError(f"{p}: 'seed' must be an int, got {seed!r}")

@@ -14,19 +14,23 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import math
 import os
 import re
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagetree import reports
+from stagetree.budget import Budget, BudgetGuard, RunReport
 from stagetree.checkpoints import CheckpointStore, check_location
 from stagetree.engine import Engine, StudySlot, default_checkpoint_dir
 from stagetree.exceptions import (
+    CheckpointError,
     InvalidTrialError,
     StagetreeError,
     StagetreeWarning,
@@ -52,6 +56,8 @@ __all__ = ["Study", "TrialError", "TrialRecord", "trainer_fingerprint"]
 # before it runs a script, and every Study built by that script honours them.
 _OVERRIDES: dict[str, Any] = {}
 
+
+logger = logging.getLogger("stagetree")
 
 _ENGINES: dict[tuple[str, str], Engine] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -135,6 +141,9 @@ class Study:
     trainer, every stage they have in common while they run. Studies in other
     processes share everything that was stored (metrics, checkpoints).
     """
+
+    #: What the latest :meth:`tune` call did (None before one ended).
+    last_run: RunReport | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Study:
         # A study with a server URL is a client of that server (same API).
@@ -535,28 +544,124 @@ class Study:
 
     # -- tuners --------------------------------------------------------------------------
 
-    def tune(self, tuner: Tuner) -> TrialResult | None:
-        """Run ``tuner`` to completion and return the best trial's result.
+    def tune(
+        self, tuner: Tuner, budget: Budget | str | None = None, progress: bool | None = None
+    ) -> TrialResult | None:
+        """Run ``tuner`` to completion, or until ``budget`` is used up, and return the
+        best trial's result (so far).
 
         The tuner's decisions are logged in the storage: a study killed mid-run and
-        started again replays them and trains nothing twice.
+        started again replays them and trains nothing twice. A run stopped by its budget
+        is resumed the same way: run it again with a larger budget (or none) and the
+        tuner replays what it decided, answered from the storage, then goes on.
+
+        Args:
+            tuner: the search to run.
+            budget: limits of this run (:class:`~stagetree.budget.Budget`, or a string
+                such as ``"30m"``, ``"2h"``, ``"500 steps"``, ``"20 trials"``,
+                ``"1h device"``, ``"20 trials, 30m"``): the first limit reached stops
+                the run. A ``trials`` limit lets the trials in it finish; the others
+                cancel running work (its checkpoints stay reusable). The stop is logged
+                (logger ``stagetree``) and recorded in :attr:`last_run` and in the
+                study's run record in the storage.
+            progress: a live progress display on stderr; default: when stderr is a
+                terminal (never with a simulated executor). ``False`` turns it off.
+
+        After the call, :attr:`last_run` (:class:`~stagetree.budget.RunReport`) says
+        what this run did: trials, trials answered from the storage, steps trained,
+        device- and wall-seconds, and the limit that stopped it.
 
         With a virtual-time executor (``executor="simulated"`` or a factory of a
         :class:`~stagetree.executors.simulated.SimulatedExecutor`) no driver thread
         runs: the tuner's event loop delivers the executor's virtual instants itself
         (:func:`~stagetree.executors.simulated.drive`), so the same study simulated
         twice takes the same decisions at the same virtual times.
+
+        Raises:
+            InvalidBudgetError: a budget that is not positive or has an unknown unit
+                (before anything is opened or trained).
         """
+        limits = None if budget is None else Budget.parse(budget)
+        if progress is not None and not isinstance(progress, bool):
+            raise ValueError(f"progress must be True, False or None, got {progress!r}")
         check_space_names(self.trainer, getattr(tuner, "space", None))
         runner = _StudyRunner(self)
         self.begin_tuning(tuner.metric, tuner.mode, type(tuner).__name__, tuner.horizon)
+        guard: BudgetGuard | None = None
         try:
-            best = self._drive(tuner.run(runner))
+            self._ensure_started()
+            virtual = self._virtual_time()
+            show = progress if progress is not None else (_stderr_is_tty() and not virtual)
+            display: Any = contextlib.nullcontext()
+            if show and not virtual:
+                from stagetree.progress import ProgressDisplay
+
+                display = ProgressDisplay(self, out=sys.stderr)
+
+            async def guarded() -> TrialResult | None:
+                nonlocal guard
+                guard = BudgetGuard(
+                    limits, self.progress, self._run_clock(), self._answered, virtual
+                )
+                runner.guard = guard
+                return await guard.run(tuner, runner)
+
+            with display:
+                best = self._drive(guarded())
+            if guard is not None:
+                self.last_run = guard.report()
+                self._record_run(self.last_run)
         finally:
             self.end_tuning()
         if best is None:
             self._raise_if_all_failed()
         return best
+
+    def _local_engine(self) -> Engine | None:
+        """The engine in this process; None for a client of a tuning server."""
+        try:
+            return self._engine
+        except StagetreeError:
+            return None
+
+    def _ensure_started(self) -> None:
+        engine = self._local_engine()
+        if engine is not None:
+            engine.ensure_started()
+
+    def _virtual_time(self) -> bool:
+        engine = self._local_engine()
+        executor = engine.executor if engine is not None else None
+        return executor is not None and bool(executor.virtual_time)
+
+    def _run_clock(self) -> Callable[[], float]:
+        """The clock of a run's wall-seconds budget: virtual time when simulated."""
+        engine = self._local_engine()
+        if engine is not None and self._virtual_time():
+            return engine.clock
+        return time.monotonic
+
+    def _answered(self, config: Any, hp: Any, steps: int) -> bool:
+        """Whether the storage holds the trial's metrics at ``steps`` (no training)."""
+        try:
+            return self.eval(config, hp, steps) is not None
+        except StagetreeError:  # a trial the study refuses fails at submit, not here
+            return False
+
+    def _record_run(self, run: RunReport) -> None:
+        """Say what stopped the run: a log line, and the study's run record."""
+        if run.stopped_by is None or run.budget is None:
+            return
+        logger.warning(
+            "study %s: %s; run it again with a larger budget to go on from here",
+            self.name,
+            run.summary(),
+        )
+        engine = self._local_engine()
+        if engine is not None:
+            engine.record_run(
+                self._study_slot, {"budget": run.budget.describe(), "stopped_by": run.stopped_by}
+            )
 
     # -- front ends (tune(), and the server for its remote clients) ------------------------
 
@@ -695,6 +800,63 @@ class Study:
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
         return reports.best_trial(self.trials(), metric, mode)
 
+    def trials_dataframe(self, history: bool = False) -> Any:
+        """This study's trials (of this trainer version) as a :class:`pandas.DataFrame`
+        (extra ``pandas``), one row per trial: ``config.<name>``, ``hp.<name>`` (the
+        sequence in readable form) and ``hp.<name>.last`` (its value at the last step),
+        ``metric.<name>`` (final metrics, at step ``metrics_at``), ``state``, ``steps``,
+        ``error``, ``lineage``; with ``history``, every recorded metric in long form
+        (``study, trial, step, metric, value``). :func:`stagetree.export.trials_table`
+        has the exact columns; ``stagetree export`` writes the same table.
+
+        Raises:
+            MissingExtraError: pandas is not installed.
+        """
+        from stagetree import export
+
+        export.require("pandas", "pandas", "a DataFrame of trials")
+        with self._engine.reading() as storage:
+            table = export.trials_table(
+                storage, self.name, history=history, version=self.version, missing_ok=True
+            )
+        return export.dataframe(table)
+
+    def best_model(self, metric: str, mode: str = "max") -> Any:
+        """The trained model of the best trial by ``metric`` (:meth:`best`'s rule), in
+        plain PyTorch form: a fresh ``trainer(config)`` with the trial's final checkpoint
+        loaded, and of it the ``torch.nn.Module`` it trains (a dict attribute name ->
+        module when it holds several). A trainer that is not a
+        :class:`~stagetree.torch.TorchTrainer` is returned itself, its state loaded.
+        ``stagetree export --checkpoint TRIAL -o DIR`` writes the same weights as files.
+
+        Raises:
+            ValueError: a bad ``mode``, or no trial has a finite ``metric`` at its end.
+            CheckpointError: the best trial's final checkpoint is absent (evicted or
+                cleaned up); it is not retrained.
+        """
+        best = self.best(metric, mode)
+        if best is None:
+            raise ValueError(
+                f"no trial of study {self.name!r} has a finite {metric!r} at its final step"
+            )
+        state = self.state(best.config, best.hp, best.steps)
+        if state is None:
+            raise CheckpointError(
+                f"trial {best.id} has no checkpoint at its final step {best.steps} (evicted "
+                "or cleaned up); best_model does not train it again"
+            )
+        trainer = self.trainer(dict(best.config))
+        trainer.load_state_dict(state)
+        objects = getattr(trainer, "checkpointed_objects", None)
+        if not callable(objects):
+            return trainer
+        from torch import nn
+
+        modules = {k: v for k, v in objects().items() if isinstance(v, nn.Module)}
+        if len(modules) == 1:
+            return next(iter(modules.values()))
+        return modules or trainer
+
     def stats(self) -> dict[str, float]:
         """Accounting: ``steps_requested`` (total steps of this study's trials),
         ``steps_unique`` (steps of the union of their paths), ``steps_executed`` and
@@ -826,11 +988,22 @@ class _StudyRunner:
 
     def __init__(self, study: Study) -> None:
         self.study = study
+        self.guard: BudgetGuard | None = None  # tune() sets it before the tuner runs
 
     async def submit(
         self, config: dict[str, Any], hp: dict[str, Sequence], steps: int
     ) -> TrialResult:
-        return await self.study.submit(config, hp, steps)
+        if self.guard is None:
+            return await self.study.submit(config, hp, steps)
+        from stagetree.tuners.base import Trial
+
+        fingerprint = Trial(0, config, hp).fingerprint
+
+        async def call() -> TrialResult:
+            return await self.study.submit(config, hp, steps)
+
+        result: TrialResult = await self.guard.submit(fingerprint, call, config, hp, steps)
+        return result
 
     def num_workers(self) -> int:
         return self.study.num_workers
@@ -846,6 +1019,33 @@ class _StudyRunner:
 
     def read_log(self) -> list[dict[str, Any]]:
         return self.study.read_log()
+
+    def sampler_storage(self) -> tuple[str | None, Any, str, str]:
+        """Where a tuner's Optuna sampler keeps its history
+        (:mod:`stagetree.tuners.optuna_bridge`): ``(SQLAlchemy URL of the plan, or None
+        when the plan is not SQL; the object an in-memory history lives as long as: the
+        open plan storage, or this study when it runs on a server; study name; trainer
+        version)``."""
+        from stagetree.plan.sql import SQLPlanStorage
+
+        try:
+            plan = self.study._engine.storage
+        except StagetreeError:  # a remote study: its plan is on the server, out of reach
+            return None, self.study, self.study.name, str(getattr(self.study, "version", ""))
+        arg = self.study._engine_args[0]
+        url: str | None = None
+        if isinstance(plan, SQLPlanStorage):
+            url = arg if isinstance(arg, str) else plan._engine.url.render_as_string(False)
+            if url.split(":", 1)[0] in ("postgresql", "postgres"):
+                url = "postgresql+psycopg:" + url.split(":", 1)[1]
+        return url, plan, self.study.name, self.study.version
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
 
 
 def _run_coro(coro: Any) -> Any:

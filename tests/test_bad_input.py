@@ -14,7 +14,7 @@ import pytest
 
 from stagetree import Choice, StagetreeWarning, Study, TunerError
 from stagetree.cli import main
-from stagetree.exceptions import InvalidTrialError, StorageError
+from stagetree.exceptions import InvalidSpaceError, InvalidTrialError, StorageError
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace, RandomSpace
 from stagetree.tuners import GridSearch, RandomSearch
@@ -139,14 +139,14 @@ def test_grid_search_given_a_dict_says_what_to_pass(tmp_path: Path) -> None:
     assert rows(tmp_path) == (0, 0, 0)
 
 
-def test_random_search_over_a_small_space_says_draws_repeat(tmp_path: Path) -> None:
+def test_random_search_over_a_small_space_says_it_holds_fewer(tmp_path: Path) -> None:
     space = RandomSpace(hp={"lr": Choice([0.1, 0.2])})
     with (
         Study("s", Counter, storage=url(tmp_path), executor="inline") as study,
-        pytest.warns(StagetreeWarning, match="5 trials were drawn but only 2 are distinct"),
+        pytest.raises(InvalidSpaceError, match=r"only 2 distinct trials .* ask for at most 2"),
     ):
         study.tune(RandomSearch(space, metric="w", num_trials=5, steps=2))
-        assert len({t.id for t in study.trials()}) == 2
+    assert rows(tmp_path) == (0, 0, 0)
 
 
 def test_a_script_with_a_syntax_or_import_error_gets_one_line(

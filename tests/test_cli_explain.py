@@ -95,17 +95,23 @@ def test_explain_random_space_with_overrides(
         "from stagetree.distributions import Choice\n"
         "from stagetree.hp import MultiStep\n"
         "from stagetree.space import RandomSpace\n"
-        "space = RandomSpace({'lr': MultiStep(0.1, Choice([[10], [20]]), 0.1)})\n"
+        "space = RandomSpace({'lr': MultiStep(0.1, Choice([[10], [20]]),\n"
+        "                                     Choice([0.1, 0.2, 0.3, 0.4]))})\n"
         "num_trials = 3\nsteps = 30\n"
     )
     path = _write(tmp_path, text)
     assert main(["explain", str(path), "--num-trials", "8", "--seed", "5"]) == 0
     out = capsys.readouterr().out
+    # 8 distinct trials: the whole space (a random space draws distinct trials).
     assert _field(out, "trials") == "8"
     assert _field(out, "total steps") == "240"
-    # Both sequences drawn; they share steps 0-9: 30 + 20 unique steps.
-    assert _field(out, "unique steps") == "50"
-    assert _field(out, "merge rate") == "4.80"
+    # All share steps 0-9, those with milestone 20 steps 10-19 too:
+    # 10 + 4 x 20 (milestone 10) + 10 + 4 x 10 (milestone 20).
+    assert _field(out, "unique steps") == "140"
+    assert _field(out, "merge rate") == "1.71"
+    # The space holds no 9th trial: said, not silently merged.
+    assert main(["explain", str(path), "--num-trials", "9"]) == 2
+    assert "only 8 distinct trials" in capsys.readouterr().err
 
 
 def test_explain_identical_trials_count_twice() -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from stagetree import study as study_module
 from stagetree.cli import accounting, main, report_study, short_sequence
-from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup, from_json
+from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.progress import ProgressDisplay, format_duration, progress_line
 from stagetree.tuners.base import TrialResult
@@ -296,34 +296,50 @@ def test_status_rich_output(one_study: tuple[str, dict[str, int]]) -> None:
 # --------------------------------------------------------------------------- export
 
 
-def test_export_csv_one_row_per_trial_step(
+def test_export_csv_one_row_per_trial(
     two_studies: tuple[str, dict[str, int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The trial table (sequences readable, not JSON); ``--history``: the curves in
+    long form."""
     url, ids = two_studies
     assert main(["export", "--storage", url, "--study", "a", "--format", "csv"]) == 0
     rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
     assert rows[0] == [
         "study",
         "trial",
+        "state",
+        "steps",
         "config.opt",
         "config.width",
-        "hp",
-        "step",
+        "hp.lr",
+        "hp.lr.last",
+        "metrics_at",
         "metric.accuracy",
         "metric.loss",
-        "state",
         "error",
+        "lineage",
     ]
-    hp1 = '{"lr":{"type":"Constant","value":0.1}}'
-    hp2 = '{"lr":{"gamma":0.1,"init":0.1,"milestones":[5],"type":"MultiStep"}}'
-    hp3 = '{"lr":{"type":"Constant","value":0.05}}'
     t1, t2, t3 = (str(ids[k]) for k in ("t1", "t2", "t3"))
+    assert rows[1] == ["a", t1, "done", "10", "sgd", "8", "0.1", "0.1", "10", "0.7", "0.6", "", ""]
+    assert rows[2][:7] == ["a", t2, "running", "10", "sgd", "8", "MultiStep(0.1, [5], 0.1)"]
+    assert float(rows[2][7]) == pytest.approx(0.01)  # the value at step 9
+    assert rows[2][8:] == ["10", "0.8", "nan", "", ""]
+    assert rows[3] == ["a", t3, "done", "4", "sgd", "8", "0.05", "0.05", "4", "0.99", "0.1", "", ""]
+
+    assert main(["export", "--storage", url, "--study", "a", "--format", "csv", "--history"]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert rows[0] == ["study", "trial", "step", "metric", "value"]
     assert rows[1:] == [
-        ["a", t1, "sgd", "8", hp1, "5", "0.5", "1.0", "done", ""],
-        ["a", t1, "sgd", "8", hp1, "10", "0.7", "0.6", "done", ""],
-        ["a", t2, "sgd", "8", hp2, "5", "0.5", "1.0", "running", ""],  # the shared step
-        ["a", t2, "sgd", "8", hp2, "10", "0.8", "nan", "running", ""],
-        ["a", t3, "sgd", "8", hp3, "4", "0.99", "0.1", "done", ""],
+        ["a", t1, "5", "accuracy", "0.5"],
+        ["a", t1, "5", "loss", "1.0"],
+        ["a", t1, "10", "accuracy", "0.7"],
+        ["a", t1, "10", "loss", "0.6"],
+        ["a", t2, "5", "accuracy", "0.5"],  # the shared step
+        ["a", t2, "5", "loss", "1.0"],
+        ["a", t2, "10", "accuracy", "0.8"],
+        ["a", t2, "10", "loss", "nan"],
+        ["a", t3, "4", "accuracy", "0.99"],
+        ["a", t3, "4", "loss", "0.1"],
     ]
 
 
@@ -347,14 +363,26 @@ def test_export_json_to_file(
         ("b", ids["u4"]),
     ]
     t2 = trials[1]
-    assert t2["config"] == CONFIG_A and t2["steps"] == 10 and t2["state"] == "running"
-    assert from_json(t2["hp"]["lr"]) == HP_T2["lr"]
-    assert t2["history"] == [
-        {"step": 5, "metrics": {"accuracy": 0.5, "loss": 1.0}},
-        {"step": 10, "metrics": {"accuracy": 0.8, "loss": "nan"}},
-    ]
-    assert trials[4]["history"] == trials[3]["history"]  # identical trials
-    assert trials[6]["history"] == [] and trials[6]["state"] == "failed"
+    assert (t2["config.opt"], t2["config.width"]) == ("sgd", 8)
+    assert t2["steps"] == 10 and t2["state"] == "running"
+    assert t2["hp.lr"] == "MultiStep(0.1, [5], 0.1)"
+    assert (t2["metrics_at"], t2["metric.accuracy"], t2["metric.loss"]) == (10, 0.8, "nan")
+    # identical trials; a failed one with no metrics has none
+    assert trials[4]["metric.loss"] == trials[3]["metric.loss"] == 0.3
+    assert trials[6]["metrics_at"] is None and trials[6]["state"] == "failed"
+
+    target = tmp_path / "history.json"
+    argv = ["export", "--storage", url, "--study", "a", "--format", "json", "--history"]
+    assert main([*argv, "-o", str(target)]) == 0
+    assert capsys.readouterr().err == f"wrote 10 rows to {target}\n"
+    long = json.loads(target.read_text())
+    assert long[7] == {
+        "study": "a",
+        "trial": ids["t2"],
+        "step": 10,
+        "metric": "loss",
+        "value": "nan",
+    }
 
 
 def test_export_csv_to_file_and_errors(
@@ -366,17 +394,18 @@ def test_export_csv_to_file_and_errors(
         main(["export", "--storage", url, "--study", "b", "--format", "csv", "-o", str(target)])
         == 0
     )
-    assert capsys.readouterr().err == f"wrote 3 rows to {target}\n"
+    assert capsys.readouterr().err == f"wrote 4 trials to {target}\n"
     rows = list(csv.DictReader(target.open()))
-    # u1 and u2 are identical trials: one row each; u4 failed with no metrics: none.
-    assert [(int(r["trial"]), r["step"], r["metric.loss"]) for r in rows] == [
+    # u1 and u2 are identical trials: one row each; u4 failed with no metrics.
+    assert [(int(r["trial"]), r["metrics_at"], r["metric.loss"]) for r in rows] == [
         (ids["u1"], "6", "0.3"),
         (ids["u2"], "6", "0.3"),
         (ids["u3"], "6", "0.25"),
+        (ids["u4"], "", ""),
     ]
     assert main(["export", "--storage", url, "--study", "zzz", "--format", "csv"]) == 2
     assert "no study 'zzz'" in capsys.readouterr().err
-    assert main(["export", "--storage", url]) == 2  # --format is required
+    assert main(["export", "--storage", url]) == 2  # --format (or --checkpoint) is required
     assert "--format" in capsys.readouterr().err
     assert (
         main(["export", "--storage", f"sqlite:///{tmp_path / 'nope.db'}", "--format", "json"]) == 2

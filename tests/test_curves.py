@@ -98,15 +98,17 @@ def test_grid_records_train_metrics_every_step_and_evaluates_every_eval_every(
     assert result.metrics == {"train_loss": 1.0 / steps, "score": 0.5, "t": 9.0}
     assert best.metrics == {"train_loss": 1.0 / steps, "score": 1.0, "t": 9.0}
 
-    # export: one CSV row per (trial, step).
+    # export --history: one CSV row per (trial, step, metric).
     out = io.StringIO()
-    export(f"sqlite:///{tmp_path}/plan-{eval_every}.db", "curves", "csv", out)
+    export(f"sqlite:///{tmp_path}/plan-{eval_every}.db", "curves", "csv", out, history=True)
     rows = list(csv.DictReader(io.StringIO(out.getvalue())))
-    assert len(rows) == 2 * steps
-    for row in rows:
-        s = int(row["step"])
-        assert float(row["metric.train_loss"]) == 1.0 / s
-        assert (row["metric.score"] != "") == (s in evaluated)
+    loss = [r for r in rows if r["metric"] == "train_loss"]
+    assert len(loss) == 2 * steps
+    for row in loss:
+        assert float(row["value"]) == 1.0 / int(row["step"])
+    for trial in {r["trial"] for r in rows}:
+        scored = {int(r["step"]) for r in rows if r["trial"] == trial and r["metric"] == "score"}
+        assert scored == evaluated
 
 
 def test_only_evaluated_steps_answer_requests(tmp_path: Path) -> None:

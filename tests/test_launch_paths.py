@@ -214,7 +214,7 @@ def test_a_changed_trainer_is_announced_once_and_never_mixed(tmp_path: Path) -> 
     export = launch.stagetree("export", "--storage", launch.url, "--format", "json")
     records = json.loads(export.stdout)
     assert len(records) == 3 and "3 trials of older trainer versions" in export.stderr
-    finals = sorted(r["history"][-1]["metrics"]["w"] for r in records)
+    finals = sorted(r["metric.w"] for r in records)
     assert finals == pytest.approx([4.0, 8.0, 12.0])
     # Pinning the old version by hand brings its results back, training nothing.
     old = re.search(r"pass version=('[0-9a-f]+')", changed.stderr)

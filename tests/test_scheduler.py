@@ -351,13 +351,21 @@ def test_work_from_a_checkpoint_still_being_written_waits_for_it_elsewhere() -> 
     assert h.sched.saving == {}
 
 
-def test_the_worker_holding_a_model_continues_it_before_its_write_ends() -> None:
-    h = Harness(workers=1)
+def _ended_unwritten(workers: int) -> Harness:
+    """A trial of 100 steps trained on worker 0, whose batch ended before the write of
+    its checkpoint at 100 did."""
+    h = Harness(workers=workers)
     (_, out) = h.trial(CONST, 100)
     (batch,) = only(out, RunBatch)
     h(Progress(batch.batch_id, 0, 1, 100, 0.1))
     h(MetricsReported(batch.batch_id, 0, 1, 100, {"loss": 0.0}))
     h(BatchDone(batch.batch_id, 0, 1.0, 100))
+    assert h.sched.saving == {batch.batch_id: frozenset({(1, 100)})}
+    return h
+
+
+def test_the_worker_holding_a_model_continues_it_before_its_write_ends() -> None:
+    h = _ended_unwritten(workers=1)
     (_, out) = h.trial(AT150, 200)  # continues the model at 100, not written yet
     (more,) = only(out, RunBatch)
     assert (more.worker, more.start_at, more.start_checkpoint) == (0, (1, 100), None)
@@ -365,12 +373,7 @@ def test_the_worker_holding_a_model_continues_it_before_its_write_ends() -> None
 
 
 def test_a_lost_worker_takes_its_pending_writes_with_it() -> None:
-    h = Harness(workers=2)
-    (_, out) = h.trial(CONST, 100)
-    (batch,) = only(out, RunBatch)
-    h(Progress(batch.batch_id, 0, 1, 100, 0.1))
-    h(MetricsReported(batch.batch_id, 0, 1, 100, {"loss": 0.0}))
-    h(BatchDone(batch.batch_id, 0, 1.0, 100))
+    h = _ended_unwritten(workers=2)
     out = h(WorkerLost(0, None, "killed"))
     # The trial's metrics stand; its model was not kept.
     assert [(d.node, d.step) for d in only(out, RequestDone)] == [(1, 100)]

@@ -408,10 +408,12 @@ def test_pbt_exploits_copy_the_donor_prefix_and_perturb_after() -> None:
         new, donor, t = tuner.trials[e["trial"]], tuner.trials[e["donor"]], e["step"]
         assert new.config == donor.config
         assert new.hp["x"].values(0, t) == donor.hp["x"].values(0, t)
-        factor = e["factors"]["x"]
-        assert factor in (0.8, 1.2)
-        assert new.hp["x"](t) == pytest.approx(donor.hp["x"](t) * factor)
-        assert new.hp["x"] == Then(donor.hp["x"], Constant(donor.hp["x"](t) * factor), t)
+        assert e["mutations"]["x"] in ("perturb", "resample")
+        assert new.hp["x"] == Then(donor.hp["x"], Constant(new.hp["x"](t)), t)
+        assert 0.0 <= new.hp["x"](t) <= 1.0  # within the space's Uniform(0, 1)
+        if e["mutations"]["x"] == "perturb":  # by 0.2 of the width, clipped
+            moved = abs(new.hp["x"](t) - donor.hp["x"](t))
+            assert moved == pytest.approx(0.2) or new.hp["x"](t) in (0.0, 1.0)
     # no checkpoint copying, yet every step is trained once: each generation trains
     # every member `interval` new steps, a new trial resuming from its donor's prefix
     assert runner.trained_steps == 8 * 30
@@ -449,30 +451,40 @@ def test_pbt_nan_members_are_replaced_and_never_donors() -> None:
     assert best is not None and math.isfinite(best.metrics["acc"])
 
 
-def test_pbt_non_numeric_sequences_are_copied_and_hp_to_mutate() -> None:
-    space = RandomSpace({"x": Uniform(0.0, 1.0), "opt": Choice(["sgd", "adam"])})
+def test_pbt_plain_sequences_are_copied_and_hp_to_mutate() -> None:
+    space = RandomSpace({"x": Uniform(0.0, 1.0), "opt": Choice(["sgd", "adam"]), "m": 0.9})
     tuner = PBT(space, "acc", population=4, interval=2, steps=6, seed=2)
     run(tuner, FakeRunner())
+    assert tuner.exploits
     for e in tuner.exploits:
-        new, donor = tuner.trials[e["trial"]], tuner.trials[e["donor"]]
-        assert new.hp["opt"] == donor.hp["opt"]
-        assert set(e["factors"]) == {"x"}
+        new, donor, t = tuner.trials[e["trial"]], tuner.trials[e["donor"]], e["step"]
+        assert new.hp["m"] == donor.hp["m"]  # fixed by the space: never mutated
+        assert set(e["mutations"]) == {"opt", "x"}
+        assert new.hp["opt"](t) in ("sgd", "adam")
+    only_x = PBT(space, "acc", population=4, interval=2, steps=6, seed=2, hp_to_mutate="x")
+    run(only_x, FakeRunner())
+    for e in only_x.exploits:
+        assert only_x.trials[e["trial"]].hp["opt"] == only_x.trials[e["donor"]].hp["opt"]
     with pytest.raises(TunerError, match="'lr'"):
-        run(PBT(space, "acc", population=4, interval=2, steps=6, hp_to_mutate=["lr"]), FakeRunner())
-    with pytest.raises(TunerError, match=r"'opt'.*not a number"):
-        run(PBT(space, "acc", population=4, interval=2, steps=6, hp_to_mutate="opt"), FakeRunner())
+        PBT(space, "acc", population=4, interval=2, steps=6, hp_to_mutate=["lr"])
+    with pytest.raises(TunerError, match=r"'m'.*no distribution"):
+        PBT(space, "acc", population=4, interval=2, steps=6, hp_to_mutate="m")
 
 
-def test_pbt_int_values_are_rounded() -> None:
-    space = GridSpace({"x": [0.5, 0.6, 0.7, 0.8], "bs": [32]})
+def test_pbt_grid_entries_move_to_a_neighbouring_option() -> None:
+    space = GridSpace({"x": [0.5, 0.6, 0.7, 0.8], "bs": [32, 64]})
     tuner = PBT(space, "acc", population=4, interval=2, steps=6, seed=0)
     run(tuner, FakeRunner())
     assert tuner.exploits
     for e in tuner.exploits:
         t = e["step"]
-        value = tuner.trials[e["trial"]].hp["bs"](t)
-        donor_value = tuner.trials[e["donor"]].hp["bs"](t)
-        assert isinstance(value, int) and value == round(donor_value * e["factors"]["bs"])
+        new, donor = tuner.trials[e["trial"]], tuner.trials[e["donor"]]
+        value = new.hp["bs"](t)
+        assert isinstance(value, int) and value in (32, 64)
+        x, dx = new.hp["x"](t), donor.hp["x"](t)
+        assert x in (0.5, 0.6, 0.7, 0.8)
+        if e["mutations"]["x"] == "perturb":  # a neighbour in the grid's order
+            assert abs(round(x * 10) - round(dx * 10)) == 1
 
 
 def test_pbt_is_reproducible() -> None:

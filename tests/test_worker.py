@@ -368,21 +368,28 @@ def test_checkpoint_is_captured_synchronously_and_written_in_background(tmp_path
     assert loaded["rng"] == expected["rng"]
 
 
-def test_batch_done_does_not_wait_for_its_last_checkpoint_write(tmp_path: Path) -> None:
-    done = threading.Event()
+class _DoneEvents(Collector):
+    """Collects events; ``done`` is set at the first ``BatchDone``."""
 
-    class Events(Collector):
-        def __call__(self, event: Any) -> None:
-            super().__call__(event)
-            if isinstance(event, BatchDone):
-                done.set()
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = threading.Event()
+
+    def __call__(self, event: Any) -> None:
+        super().__call__(event)
+        if isinstance(event, BatchDone):
+            self.done.set()
+
+
+def test_batch_done_does_not_wait_for_its_last_checkpoint_write(tmp_path: Path) -> None:
+    events = _DoneEvents()
+    done = events.done
 
     class WaitingStore(CheckpointStore):
         def save(self, name: str, state: Mapping[str, Any]) -> CheckpointInfo:
             assert done.wait(timeout=30), "BatchDone waited for the checkpoint write"
             return super().save(name, state)
 
-    events = Events()
     worker = _Worker(0, Noisy, WaitingStore(tmp_path), events)
     worker.run(_batch(1, [(1, 0, 6, HP)], checkpoint_at=((1, 6),), evaluate_at=((1, 6),)))
     assert done.is_set()
@@ -395,20 +402,14 @@ def test_batch_done_does_not_wait_for_its_last_checkpoint_write(tmp_path: Path) 
 
 
 def test_a_write_failing_after_the_batch_ended_is_reported(tmp_path: Path) -> None:
-    done = threading.Event()
-
-    class Events(Collector):
-        def __call__(self, event: Any) -> None:
-            super().__call__(event)
-            if isinstance(event, BatchDone):
-                done.set()
+    events = _DoneEvents()
+    done = events.done
 
     class FailingStore(CheckpointStore):
         def save(self, name: str, state: Mapping[str, Any]) -> CheckpointInfo:
             done.wait(timeout=30)
             raise OSError("disk full")
 
-    events = Events()
     worker = _Worker(0, Noisy, FailingStore(tmp_path), events)
     worker.run(_batch(1, [(1, 0, 6, HP)], checkpoint_at=((1, 6),)))
     worker.flush()

@@ -48,7 +48,7 @@ from stagetree.checkpoints.format import (
 from stagetree.checkpoints.stores import BaseByteStore, LocalByteStore, open_byte_store
 from stagetree.exceptions import CheckpointError
 
-__all__ = ["CheckpointInfo", "CheckpointStore", "EvictionInfo", "ReadCache"]
+__all__ = ["CheckpointInfo", "CheckpointStore", "EvictionInfo", "ReadCache", "eviction_order"]
 
 logger = logging.getLogger("stagetree")
 
@@ -83,6 +83,39 @@ class EvictionInfo:
 
     recompute_cost: float
     pending_refs: int
+
+
+def eviction_order(
+    candidates: Mapping[str, EvictionInfo],
+    sizes: Mapping[str, int],
+    needed: set[str],
+    budget_bytes: int,
+) -> list[str]:
+    """The checkpoints to delete so that ``sizes`` (every checkpoint of the store: ref
+    -> bytes) fits ``budget_bytes``, in deletion order: the cost-benefit rule of
+    :meth:`CheckpointStore.evict`, without I/O (``stagetree.checkpoints.gc`` applies it
+    to the plan and the store in a crash-safe order).
+
+    Only refs in ``candidates`` that the store holds and that are not ``needed`` may go,
+    lowest ``recompute_cost * pending_refs / size`` first (ties: larger first, then by
+    ref); the list stops as soon as the rest fits (it is empty when everything fits).
+    """
+    total = sum(sizes.values())
+    if total <= budget_bytes:
+        return []
+
+    def key(ref: str) -> tuple[float, int, str]:
+        info, size = candidates[ref], sizes[ref]
+        return (info.recompute_cost * info.pending_refs / max(size, 1), -size, ref)
+
+    order = sorted((r for r in candidates if r in sizes and r not in needed), key=key)
+    out: list[str] = []
+    for ref in order:
+        if total <= budget_bytes:
+            break
+        out.append(ref)
+        total -= sizes[ref]
+    return out
 
 
 def default_cache_dir() -> Path:
@@ -376,6 +409,10 @@ class CheckpointStore:
         except Exception as exc:
             raise CheckpointError(f"cannot reach checkpoint {ref}: {exc}") from exc
 
+    def sizes(self) -> dict[str, int]:
+        """Every complete checkpoint: ref -> size in bytes (one listing)."""
+        return self._sizes()
+
     def total_bytes(self) -> int:
         """Bytes held by complete checkpoints."""
         return sum(self._sizes().values())
@@ -409,23 +446,20 @@ class CheckpointStore:
         if self.budget_bytes is None:
             return []
         sizes = self._sizes()
-        total = sum(sizes.values())
-        if total <= self.budget_bytes:
-            return []
-
-        def key(ref: str) -> tuple[float, int, str]:
-            info, size = candidates[ref], sizes[ref]
-            return (info.recompute_cost * info.pending_refs / max(size, 1), -size, ref)
-
-        order = sorted((r for r in candidates if r in sizes and r not in needed), key=key)
         evicted: list[str] = []
-        for ref in order:
-            if total <= self.budget_bytes:
-                break
+        for ref in eviction_order(candidates, sizes, needed, self.budget_bytes):
             if self.delete(ref):
                 evicted.append(ref)
-            total -= sizes[ref]
         return evicted
+
+    def modified(self) -> dict[str, float]:
+        """Last write time (``time.time()``) of every complete checkpoint whose store
+        tells it (see :meth:`~stagetree.checkpoints.stores.BaseByteStore.modified`)."""
+        try:
+            times = self.bytes.modified()
+        except Exception as exc:
+            raise CheckpointError(f"cannot list checkpoints in {self.location}: {exc}") from exc
+        return {k: v for k, v in times.items() if REF_RE.fullmatch(k)}
 
     # ------------------------------------------------------------------ internals
 

@@ -101,6 +101,13 @@ class BaseByteStore(abc.ABC):
     def size(self, key: str) -> int:
         """Size of ``key`` in bytes (``FileNotFoundError`` when missing)."""
 
+    def modified(self) -> dict[str, float]:
+        """Every complete object whose last write time the store knows: key ->
+        ``time.time()`` of that write. The default knows none, and ``stagetree gc``
+        never removes an unreferenced object whose age it cannot tell (it may be a
+        checkpoint being recorded right now)."""
+        return {}
+
     def cleanup(self) -> builtins.list[str]:
         """Remove temporaries left by writers that died; returns their names."""
         return []
@@ -239,6 +246,19 @@ class LocalByteStore(BaseByteStore):
     def size(self, key: str) -> int:
         _check_key(key)
         return (self.directory / key).stat().st_size
+
+    def modified(self) -> dict[str, float]:
+        times: dict[str, float] = {}
+        try:
+            entries = builtins.list(os.scandir(self.directory))
+        except FileNotFoundError:
+            return times
+        for entry in entries:
+            if not entry.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.is_file():
+                        times[entry.name] = entry.stat().st_mtime
+        return times
 
     def cleanup(self) -> builtins.list[str]:
         removed: builtins.list[str] = []
@@ -380,6 +400,15 @@ class FsspecByteStore(BaseByteStore):
         path = self._path(key)
         self.fs.invalidate_cache(path)
         return int(self.fs.info(path)["size"])
+
+    def modified(self) -> dict[str, float]:
+        times: dict[str, float] = {}
+        for entry in self._entries():
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            mtime = _mtime(entry)
+            if entry.get("type") == "file" and not name.startswith(".") and mtime is not None:
+                times[name] = mtime
+        return times
 
     def cleanup(self) -> builtins.list[str]:
         if self.protocol in _ATOMIC_PUT:

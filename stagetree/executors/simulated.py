@@ -77,6 +77,7 @@ __all__ = [
     "SimulatedTrainer",
     "StepCost",
     "drive",
+    "settle_loop",
 ]
 
 Values = Mapping[str, Any]
@@ -773,7 +774,7 @@ def _column(seq: Any, start: int, stop: int) -> list[Any]:
 # --------------------------------------------------------------------------- driving
 
 
-async def _settle(max_rounds: int = 10_000) -> None:
+async def settle_loop(max_rounds: int = 10_000) -> None:
     """Let every ready callback of the running loop run (tuners react to results),
     until the loop has nothing ready but this task."""
     loop = asyncio.get_running_loop()
@@ -812,7 +813,7 @@ async def drive(
     idle = 0
     try:
         while not task.done():
-            await _settle()
+            await settle_loop()
             if task.done():
                 break
             if pump(0):
@@ -832,7 +833,7 @@ async def drive(
         executor.done_at = executor.now
     # Cancelled submissions release their requests (aborts follow); run what is left.
     while True:
-        await _settle()
+        await settle_loop()
         if not pump(0) and not pending():
             break
     return result

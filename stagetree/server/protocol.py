@@ -140,6 +140,7 @@ def record_to_json(record: Any) -> dict[str, Any]:
             "traceback": error.traceback,
             "where": error.where,
         },
+        "lineage": [dict(e) for e in record.lineage],
     }
 
 
@@ -156,6 +157,7 @@ def record_from_json(raw: Mapping[str, Any]) -> Any:
         state=str(raw["state"]),
         metrics=_steps_back(raw["metrics"]),
         error=None if not error else TrialError.from_attrs({"error": error}),
+        lineage=[{str(k): int(v) for k, v in e.items()} for e in raw.get("lineage") or []],
     )
 
 

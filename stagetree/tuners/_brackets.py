@@ -77,4 +77,8 @@ class SyncBracketTuner(Tuner):
             if b.outstanding == 0 and b.rung + 1 < len(b.spec.steps):
                 ranked = [t for t in self._ranked(b.values) if b.values[t] > -math.inf]
                 b.rung += 1
-                launch(b, [self.trials[t] for t in ranked[: b.spec.counts[b.rung]]])
+                survivors = ranked[: b.spec.counts[b.rung]]
+                for tid in b.values:
+                    if tid not in survivors:
+                        self._prune(tid)  # the rung stopped it: tell the sampler
+                launch(b, [self.trials[t] for t in survivors])

@@ -52,6 +52,15 @@ class ASHA(Tuner):
 
     After ``run``: :attr:`rungs` ``[bracket][level]`` maps trial id to its value at
     that level, :attr:`promotions` lists ``(trial id, bracket, from level)`` in order.
+
+    ``sampler``: an Optuna sampler (``optuna.samplers.TPESampler(seed=0)``, ...) that
+    proposes each new configuration when a worker frees, after every result before it
+    was told (ASHA + TPE works like BOHB; see :mod:`stagetree.tuners.optuna_bridge`).
+    Optuna cannot resume a finished trial, so a trial is told ``PRUNED`` when it
+    pauses at a rung with a value below the ``max(1, |rung| // eta)``-th best there
+    (Optuna's SuccessiveHalvingPruner rule; ties are kept open); should ASHA promote it
+    later, its later results stay in stagetree only. Trials still paused at the end are
+    told ``PRUNED`` then.
     """
 
     def __init__(
@@ -68,9 +77,11 @@ class ASHA(Tuner):
         max_rungs: int = 5,
         brackets: int = 1,
         max_concurrent: int | None = None,
+        sampler: Any = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
         self.space = space
+        self._use_sampler(sampler, space)
         self.min_steps, self.max_steps, self.eta, self.num_trials, self.levels = halving_settings(
             min_steps, max_steps, num_trials, eta, max_rungs
         )
@@ -85,8 +96,10 @@ class ASHA(Tuner):
         self.promotions: list[tuple[int, int, int]] = []
 
     async def _search(self, ctx: ReplayingRunner) -> None:
-        specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
-        ctx.declare(specs)
+        specs = draw_specs(
+            self.space, self.num_trials, self.seed, shuffle_grid=True, sampler=self._bridge
+        )
+        ctx.declare(specs)  # nothing for a sampler's lazy specs: declared one by one
         levels, eta = self.levels, self.eta
         top = len(levels) - 1
         self.rungs = [[{} for _ in levels] for _ in range(self.num_brackets)]
@@ -110,6 +123,8 @@ class ASHA(Tuner):
                             return job
             if len(self.trials) < len(specs):
                 spec = specs[len(self.trials)]
+                if self._bridge is not None:
+                    ctx.declare([spec])
                 trial = self._new_trial(spec.config, spec.hp)
                 b = trial.id % self.num_brackets
                 job = ctx.submit(trial, levels[b], "submit", bracket=b, rung=b)
@@ -124,7 +139,14 @@ class ASHA(Tuner):
                 return
             job = await ctx.wait_first(in_flight)
             b, level = in_flight.pop(job)
-            self.rungs[b][level][job.trial.id] = self._observe(job)
+            rung = self.rungs[b][level]
+            rung[job.trial.id] = self._observe(job)
+            if self._bridge is not None and level < top:
+                # Optuna's SuccessiveHalvingPruner rule, ties kept: trials sharing a
+                # prefix tie at early rungs, and one of them may well be promoted later
+                threshold = sorted(rung.values(), reverse=True)[max(1, len(rung) // eta) - 1]
+                if rung[job.trial.id] < threshold or rung[job.trial.id] == -math.inf:
+                    self._prune(job.trial.id)
 
     @property
     def horizon(self) -> int:
@@ -153,6 +175,7 @@ class AsyncHyperband(ASHA):
         max_rungs: int = 5,
         brackets: int | None = None,
         max_concurrent: int | None = None,
+        sampler: Any = None,
     ) -> None:
         if brackets is None:
             check_halving(min_steps, max_steps, eta)
@@ -170,4 +193,5 @@ class AsyncHyperband(ASHA):
             max_rungs=max_rungs,
             brackets=brackets,
             max_concurrent=max_concurrent,
+            sampler=sampler,
         )

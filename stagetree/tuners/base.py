@@ -236,7 +236,10 @@ class ReplayingRunner:
     def declare(self, specs: Iterable[Any]) -> None:
         """Tell the runner which trials (``TrialSpec``-like: ``config``, ``hp``) the tuner
         may submit later (a Study plans checkpoints where they will branch off).
-        Decisions never depend on it."""
+        Decisions never depend on it. Specs asked lazily from a sampler
+        (``lazy`` set) are not iterated here: declare them one by one as they come."""
+        if getattr(specs, "lazy", False):
+            return
         self._runner.declare([(dict(s.config), dict(s.hp)) for s in specs])
 
     def num_workers(self) -> int:
@@ -442,9 +445,15 @@ def rung_levels(
     return [*levels, max_steps]
 
 
-def draw_specs(space: Any, n: int | None, seed: int, shuffle_grid: bool = False) -> list[Any]:
+def draw_specs(
+    space: Any, n: int | None, seed: int, shuffle_grid: bool = False, sampler: Any = None
+) -> Any:
     """``n`` trial specs (objects with ``config`` and ``hp``) from ``space``.
 
+    With ``sampler`` (the tuner's :class:`~stagetree.tuners.optuna_bridge.SamplerBridge`,
+    ``Tuner._bridge`` during ``run``), a lazy sequence of ``n`` specs that asks the
+    Optuna sampler for spec ``i`` (tuner trial ``i``) when it is first read: read them
+    in order, as trials are created, so each proposal sees the results before it.
     A random space (it has ``sample``) gives ``space.sample(n, seed)``. Anything else
     is enumerated in order (a ``GridSpace``, or a plain list of specs); with
     ``shuffle_grid`` the enumeration is shuffled by ``seed`` first (adaptive tuners
@@ -459,6 +468,10 @@ def draw_specs(space: Any, n: int | None, seed: int, shuffle_grid: bool = False)
     if hasattr(space, "sample"):
         if n is None:
             raise TunerError("num_trials is required for a random search space")
+        if sampler is not None:
+            from stagetree.tuners.optuna_bridge import SampledSpecs
+
+            return SampledSpecs(sampler, n)
         drawn = list(space.sample(n, seed))
         distinct = {_spec_key(s) for s in drawn}
         if len(distinct) < len(drawn):
@@ -518,6 +531,11 @@ class Tuner(ABC):
       cancelled trials rank worst too.
     * Invalid arguments raise :class:`~stagetree.exceptions.TunerError` naming the
       argument, in the constructor.
+    * Tuners that draw configurations take ``sampler=``, an Optuna sampler
+      (:mod:`stagetree.tuners.optuna_bridge`): it proposes each new trial through
+      Optuna's ask-and-tell API and is told every result :meth:`_observe` sees
+      (``COMPLETE`` at :attr:`horizon`, ``FAIL`` on failure) and every stop
+      (:meth:`_prune`).
 
     After ``run``, :attr:`results` holds ``(trial id, result)`` for every result
     observed, in observation order, and :attr:`trials` every trial by id.
@@ -540,17 +558,41 @@ class Tuner(ABC):
         self.max_concurrent = max_concurrent
         self.results: list[tuple[int, TrialResult]] = []
         self.trials: dict[int, Trial] = {}
+        self.sampler: Any = None
+        self._bridge: Any = None  # the SamplerBridge of the current run
+
+    def _use_sampler(self, sampler: Any, space: Any) -> None:
+        """Validate ``sampler`` (None or an Optuna sampler) against ``space`` and keep it.
+
+        Raises:
+            TunerError: not an Optuna sampler, Optuna missing, or a space a sampler
+                cannot search (a grid, a ``where`` filter).
+            InvalidSpaceError: a distribution Optuna cannot represent (named).
+        """
+        if sampler is None:
+            return
+        from stagetree.tuners.optuna_bridge import check_sampler, check_sampler_space
+
+        self.sampler = check_sampler(sampler)
+        check_sampler_space(space)
 
     async def run(self, runner: TrialRunner) -> TrialResult | None:
         """Run the search to its end and return the best result (see the class doc)."""
         self.results = []
         self.trials = {}
         ctx = ReplayingRunner(runner)
+        if self.sampler is not None:
+            from stagetree.tuners.optuna_bridge import SamplerBridge
+
+            self._bridge = SamplerBridge.open(self, runner)
         finished = False
         try:
             await self._search(ctx)
             finished = True
+            if self._bridge is not None:
+                self._bridge.close()
         finally:
+            self._bridge = None
             await ctx.aclose(finished)
         return self.best()
 
@@ -601,11 +643,21 @@ class Tuner(ABC):
     def _observe(self, job: Job) -> float:
         """Record ``job``'s result; return its rank value (``-inf`` if it failed)."""
         result = job.result()
+        if self._bridge is not None and job.status != "cancelled":
+            value = None  # the raw metric when finite: Optuna's direction knows the mode
+            if result is not None and self.value(result) > -math.inf:
+                value = float(result.metrics[self.metric])
+            self._bridge.result(job.trial.id, job.steps, value, failed=result is None)
         if result is None:
             return -math.inf
         v = self.value(result)
         self.results.append((job.trial.id, result))
         return v
+
+    def _prune(self, tid: int) -> None:
+        """Tell the sampler (if any) that a rung stopped trial ``tid``."""
+        if self._bridge is not None:
+            self._bridge.prune(tid)
 
     @staticmethod
     def _ranked(values: Mapping[int, float]) -> list[int]:

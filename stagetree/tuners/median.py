@@ -35,6 +35,12 @@ class MedianStopping(Tuner):
     once; a stopped or finished trial frees its slot for the next configuration. On a
     grid, configurations are taken in an order shuffled by ``seed``. After ``run``,
     :attr:`stopped` lists ``(trial id, step)`` of every stopped trial.
+
+    ``sampler``: an Optuna sampler (``optuna.samplers.TPESampler(seed=0)``, ...) that
+    proposes the configurations instead of ``space.sample`` (see
+    :mod:`stagetree.tuners.optuna_bridge`). Each new configuration is asked
+    when a slot frees, after the results before it were told; stopped trials are told
+    ``PRUNED``.
     """
 
     def __init__(
@@ -50,9 +56,11 @@ class MedianStopping(Tuner):
         min_samples: int = 3,
         seed: int = 0,
         max_concurrent: int | None = None,
+        sampler: Any = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
         self.space = space
+        self._use_sampler(sampler, space)
         self.steps = check_int("steps", steps, 1)
         self.num_trials = check_int("num_trials", num_trials, 1)
         self.grace_steps = check_int("grace_steps", grace_steps, 0)
@@ -104,14 +112,18 @@ class MedianStopping(Tuner):
         return best < statistics.median(averages)
 
     async def _search(self, ctx: ReplayingRunner) -> None:
-        specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
-        ctx.declare(specs)
+        specs = draw_specs(
+            self.space, self.num_trials, self.seed, shuffle_grid=True, sampler=self._bridge
+        )
+        ctx.declare(specs)  # nothing for a sampler's lazy specs: declared one by one
         self.stopped = []
         self._history = {}
         in_flight: set[Job] = set()
         while True:
             while len(in_flight) < self._workers(ctx) and len(self.trials) < len(specs):
                 spec = specs[len(self.trials)]
+                if self._bridge is not None:
+                    ctx.declare([spec])
                 trial = self._new_trial(spec.config, spec.hp)
                 in_flight.add(ctx.submit(trial, min(self.eval_every, self.steps)))
             if not in_flight:
@@ -128,6 +140,7 @@ class MedianStopping(Tuner):
             if job.steps >= self.grace_steps and self.should_stop(tid, job.steps):
                 self.stopped.append((tid, job.steps))
                 ctx.record("stop", trial=tid, steps=job.steps)
+                self._prune(tid)
                 continue
             nxt = min(job.steps + self.eval_every, self.steps)
             in_flight.add(ctx.submit(job.trial, nxt, "continue"))

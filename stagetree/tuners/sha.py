@@ -67,6 +67,12 @@ class SHA(SyncBracketTuner):
     more steps: the study resumes it from its checkpoint. Failed trials and non-finite
     values are never promoted. On a grid, trials are taken in an order shuffled by
     ``seed``.
+
+    ``sampler``: an Optuna sampler (``optuna.samplers.TPESampler(seed=0)``, ...) that
+    proposes the configurations instead of ``space.sample`` (see
+    :mod:`stagetree.tuners.optuna_bridge`). Trials a rung drops are told
+    ``PRUNED``; all are asked at once, so the sampler learns across runs rather than
+    within one (use ASHA for that).
     """
 
     def __init__(
@@ -81,19 +87,23 @@ class SHA(SyncBracketTuner):
         eta: int = 3,
         seed: int = 0,
         max_concurrent: int | None = None,
+        sampler: Any = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
         self.space = space
         self.min_steps, self.max_steps, self.eta, self.num_trials, self.levels = halving_settings(
             min_steps, max_steps, num_trials, eta
         )
+        self._use_sampler(sampler, space)
 
     @property
     def horizon(self) -> int:
         return self.max_steps
 
     def _brackets(self) -> list[BracketSpec]:
-        specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
+        specs = draw_specs(
+            self.space, self.num_trials, self.seed, shuffle_grid=True, sampler=self._bridge
+        )
         trials = [self._new_trial(s.config, s.hp) for s in specs]
         return [
             BracketSpec(
@@ -111,6 +121,10 @@ class Hyperband(SyncBracketTuner):
     ``num_trials`` configurations are split over the brackets in Hyperband's
     proportions (:func:`hyperband_split`). Brackets run side by side, each
     synchronous within itself.
+
+    ``sampler``: an Optuna sampler (``optuna.samplers.TPESampler(seed=0)``, ...) that
+    proposes the configurations instead of ``space.sample`` (see
+    :mod:`stagetree.tuners.optuna_bridge`).
     """
 
     def __init__(
@@ -125,19 +139,23 @@ class Hyperband(SyncBracketTuner):
         eta: int = 3,
         seed: int = 0,
         max_concurrent: int | None = None,
+        sampler: Any = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
         self.space = space
         self.min_steps, self.max_steps, self.eta, self.num_trials, self.levels = halving_settings(
             min_steps, max_steps, num_trials, eta
         )
+        self._use_sampler(sampler, space)
 
     @property
     def horizon(self) -> int:
         return self.max_steps
 
     def _brackets(self) -> list[BracketSpec]:
-        specs = draw_specs(self.space, self.num_trials, self.seed, shuffle_grid=True)
+        specs = draw_specs(
+            self.space, self.num_trials, self.seed, shuffle_grid=True, sampler=self._bridge
+        )
         trials = [self._new_trial(s.config, s.hp) for s in specs]
         split = hyperband_split(len(trials), len(self.levels), self.eta)
         out: list[BracketSpec] = []
@@ -168,6 +186,7 @@ class EarlyStop(SyncBracketTuner):
         schedule: SequenceABC[tuple[int, int]] = ((5, 8), (10, 4)),
         seed: int = 0,
         max_concurrent: int | None = None,
+        sampler: Any = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
         if isinstance(schedule, (str, bytes)) or not schedule:
@@ -187,13 +206,16 @@ class EarlyStop(SyncBracketTuner):
             pairs.append((steps, n))
         self.space = space
         self.schedule = pairs
+        self._use_sampler(sampler, space)
 
     @property
     def horizon(self) -> int:
         return self.schedule[-1][0]
 
     def _brackets(self) -> list[BracketSpec]:
-        specs = draw_specs(self.space, self.schedule[0][1], self.seed, shuffle_grid=True)
+        specs = draw_specs(
+            self.space, self.schedule[0][1], self.seed, shuffle_grid=True, sampler=self._bridge
+        )
         trials = [self._new_trial(s.config, s.hp) for s in specs]
         counts = [len(trials)] + [n for _, n in self.schedule[1:]]
         return [BracketSpec([s for s, _ in self.schedule], counts, trials)]

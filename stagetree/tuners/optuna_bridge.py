@@ -1,0 +1,363 @@
+"""Optuna samplers as stagetree's proposal generators (``Tuner(..., sampler=...)``).
+
+A tuner given an ``optuna.samplers.BaseSampler`` asks Optuna for each new trial's
+configuration (ask-and-tell API) instead of drawing it from ``space.sample``, and tells
+Optuna what became of it:
+
+* every result the tuner observes is reported as an intermediate value at its step;
+* a trial trained to the tuner's horizon (its last rung) is told ``COMPLETE`` with the
+  metric there; a trial whose job failed is told ``FAIL``;
+* a trial a rung stops (SHA, Hyperband, ASHA, median stopping) is told ``PRUNED``, so
+  the sampler ranks it by how far it got and its last value (Optuna's TPE does), and
+  ASHA + TPE works like BOHB. Trials still open when the search ends are told
+  ``PRUNED`` too.
+
+The space's distributions map to Optuna's (:func:`suggest_trial`): ``Uniform`` and
+``LogUniform`` to ``FloatDistribution`` (``log=True``), ``IntUniform`` to
+``IntDistribution``, ``Choice`` to ``CategoricalDistribution``; those inside sequence
+templates get dotted names (``lr.init``, ``lr.milestones``), those inside option ``k``
+of a choice ``name.k.arg``.
+
+Resume: the Optuna study lives in the plan's database when the plan is SQL (Optuna's
+``RDBStorage`` on the same URL), else in an in-memory storage that lives as long as the
+plan. Its name is derived from the stagetree study, the trainer version, the tuner
+class and the space (:func:`optuna_study_name`). Tuner trial ``i`` is Optuna trial
+number ``i``: a resumed tuner (replaying its log) re-reads the configuration of the
+trials Optuna already holds instead of asking again, and a trial already finished in
+Optuna is never told again.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import weakref
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
+from typing import TYPE_CHECKING, Any
+
+from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
+from stagetree.exceptions import InvalidSpaceError, TunerError
+
+if TYPE_CHECKING:
+    from stagetree.space import TrialSpec
+
+__all__ = [
+    "SampledSpecs",
+    "SamplerBridge",
+    "check_sampler",
+    "check_sampler_space",
+    "optuna_study_name",
+    "suggest_trial",
+]
+
+_PLAIN = (str, int, float, bool, type(None))
+# In-memory Optuna storages by plan storage: a memory:// plan keeps its sampler history
+# as long as it lives (a second tune() in the same process resumes it).
+_MEMORY: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _optuna() -> Any:
+    try:
+        import optuna
+    except ImportError:
+        raise TunerError(
+            "sampler= needs Optuna: pip install 'stagetree[optuna]' (or pip install optuna)"
+        ) from None
+    return optuna
+
+
+def check_sampler(sampler: Any) -> Any:
+    """``sampler`` if it is None or an ``optuna.samplers.BaseSampler``.
+
+    Raises:
+        TunerError: anything else (naming its type), or Optuna is not installed.
+    """
+    if sampler is None:
+        return None
+    optuna = _optuna()
+    if not isinstance(sampler, optuna.samplers.BaseSampler):
+        raise TunerError(
+            f"sampler must be an optuna.samplers.BaseSampler (e.g. "
+            f"optuna.samplers.TPESampler(seed=0)), got {type(sampler).__name__} {sampler!r}"
+        )
+    return sampler
+
+
+# --------------------------------------------------------------------------- the space
+
+
+def _entries(space: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(fixed, hp)`` entries of a random space, in the order the space draws them."""
+    from stagetree.space import RandomSpace
+
+    if not isinstance(space, RandomSpace):
+        raise TunerError(
+            f"sampler= needs a stagetree.space.RandomSpace (its distributions become "
+            f"Optuna's), got {type(space).__name__}: a grid or a list of trials has "
+            "nothing to sample; drop sampler= or describe the space with distributions"
+        )
+    if space._where is not None:
+        raise TunerError(
+            "sampler= cannot honour RandomSpace(where=...): Optuna proposes each "
+            "configuration once and a rejected one cannot be redrawn; express the "
+            "constraint in the distributions (e.g. a Choice of valid combinations)"
+        )
+    return dict(space._fixed), dict(space._hp)
+
+
+def _template_args(template: Any) -> list[tuple[str, Any]]:
+    """``(argument name, value)`` of a sequence template, positional ones named."""
+    bound = inspect.signature(template.family.__init__).bind(
+        None, *template.args, **template.kwargs
+    )
+    return list(bound.arguments.items())[1:]  # without self
+
+
+def _option_label(option: Any) -> Any:
+    return option if isinstance(option, _PLAIN) else repr(option)
+
+
+def _walk(name: str, entry: Any, trial: Any) -> Any:
+    """Resolve ``entry`` like the space does, asking ``trial`` (an Optuna trial or
+    ``FixedTrial``) for every distribution, named ``name`` and dotted sub-names."""
+    if isinstance(entry, Uniform):
+        return trial.suggest_float(name, entry.low, entry.high)
+    if isinstance(entry, LogUniform):
+        return trial.suggest_float(name, entry.low, entry.high, log=True)
+    if isinstance(entry, IntUniform):
+        return trial.suggest_int(name, entry.low, entry.high)
+    if isinstance(entry, Choice):
+        labels = [_option_label(o) for o in entry.options]
+        label = trial.suggest_categorical(name, labels)
+        k = labels.index(label)
+        return _walk(f"{name}.{k}", entry.options[k], trial)
+    if isinstance(entry, Distribution):
+        raise InvalidSpaceError(_unsupported(name, entry))
+    if getattr(entry, "is_template", False):
+        kwargs = {arg: _walk(f"{name}.{arg}", v, trial) for arg, v in _template_args(entry)}
+        return entry.family(**kwargs)
+    if isinstance(entry, list):
+        return [_walk(f"{name}.{i}", v, trial) for i, v in enumerate(entry)]
+    if isinstance(entry, tuple):
+        return tuple(_walk(f"{name}.{i}", v, trial) for i, v in enumerate(entry))
+    return entry
+
+
+def _unsupported(name: str, entry: Any) -> str:
+    return (
+        f"hyper-parameter {name!r}: Optuna cannot represent the distribution "
+        f"{type(entry).__name__} {entry!r}; samplers support Uniform, LogUniform, "
+        "IntUniform and Choice (use one of those, or drop sampler=)"
+    )
+
+
+def _check_entry(name: str, entry: Any) -> None:
+    """Refuse what :func:`_walk` cannot map, before anything is asked or written."""
+    if isinstance(entry, Choice):
+        labels = [_option_label(o) for o in entry.options]
+        if len(set(map(repr, labels))) < len(labels):
+            raise InvalidSpaceError(
+                f"hyper-parameter {name!r}: Choice options {list(entry.options)!r} are not "
+                "distinct for Optuna (two options print the same)"
+            )
+        for k, option in enumerate(entry.options):
+            _check_entry(f"{name}.{k}", option)
+    elif isinstance(entry, (Uniform, LogUniform, IntUniform)):
+        return
+    elif isinstance(entry, Distribution):
+        raise InvalidSpaceError(_unsupported(name, entry))
+    elif getattr(entry, "is_template", False):
+        for arg, value in _template_args(entry):
+            _check_entry(f"{name}.{arg}", value)
+    elif isinstance(entry, (list, tuple)):
+        for i, value in enumerate(entry):
+            _check_entry(f"{name}.{i}", value)
+
+
+def check_sampler_space(space: Any) -> None:
+    """Raise when ``space`` cannot be searched by an Optuna sampler (not a random
+    space, a ``where`` filter, or a distribution Optuna cannot represent: named)."""
+    fixed, hp = _entries(space)
+    for name, entry in {**fixed, **hp}.items():
+        _check_entry(name, entry)
+
+
+def suggest_trial(space: Any, trial: Any) -> TrialSpec:
+    """The trial spec ``trial`` (an ``optuna.Trial`` or ``optuna.trial.FixedTrial``)
+    proposes in ``space``: fixed entries first, then hp, in sorted name order (the
+    order the space draws them)."""
+    from stagetree.exceptions import InvalidSequenceError
+    from stagetree.space import TrialSpec, _check_fixed_value, _to_sequence
+
+    fixed, hp = _entries(space)
+    config: dict[str, Any] = {}
+    for name, entry in fixed.items():
+        value = _walk(name, entry, trial)
+        if isinstance(value, list):
+            value = tuple(value)
+        _check_fixed_value(name, value)
+        config[name] = value
+    seqs = {}
+    for name, entry in hp.items():
+        try:
+            value = _walk(name, entry, trial)
+        except InvalidSequenceError as exc:
+            raise InvalidSpaceError(f"hyper-parameter {name!r}: {exc}") from exc
+        seqs[name] = _to_sequence(name, value)
+    return TrialSpec(config, seqs)
+
+
+def optuna_study_name(study: str, version: str, tuner: str, space: Any) -> str:
+    """``stagetree:<study>:<tuner>:<digest>``; the digest covers the trainer version and
+    the space, so a changed trainer or space starts a fresh sampler history."""
+    fixed, hp = _entries(space)
+    text = "\n".join([version, repr(sorted(fixed.items())), repr(sorted(hp.items()))])
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    return f"stagetree:{study}:{tuner}:{digest}"
+
+
+def _storage_for(runner: Any) -> tuple[Any, str, str]:
+    """``(Optuna storage, study name, version)`` for ``runner``: the plan's SQL database
+    when the runner says where it is (``sampler_storage()``), else in memory."""
+    optuna = _optuna()
+    where = getattr(runner, "sampler_storage", None)
+    if where is None:  # a runner that keeps nothing (test fakes, remote clients)
+        return optuna.storages.InMemoryStorage(), "study", ""
+    url, plan, name, version = where()
+    if url is None:
+        storage = _MEMORY.get(plan)
+        if storage is None:
+            storage = _MEMORY[plan] = optuna.storages.InMemoryStorage()
+        return storage, name, version
+    args = {"connect_args": {"timeout": 60.0}} if url.startswith("sqlite") else {}
+    return optuna.storages.RDBStorage(url, engine_kwargs=args), name, version
+
+
+# --------------------------------------------------------------------------- the bridge
+
+
+class SamplerBridge:
+    """One tuner run's Optuna study: asks configurations, tells results.
+
+    Tuner trial ``i`` is Optuna trial number ``i`` (see the module doc). All methods
+    are idempotent for trials Optuna already finished: a replayed run tells nothing
+    twice.
+    """
+
+    def __init__(
+        self, sampler: Any, space: Any, mode: str, storage: Any, study_name: str, horizon: int
+    ) -> None:
+        optuna = _optuna()
+        self._optuna = optuna
+        self.space = space
+        self.horizon = horizon
+        self.study = optuna.create_study(
+            storage=storage,
+            sampler=sampler,
+            study_name=study_name,
+            direction="maximize" if mode == "max" else "minimize",
+            load_if_exists=True,
+        )
+        self._known = sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number)
+        self._open: dict[int, Any] = {}  # tuner trial id -> optuna.Trial still running
+        self._reported: dict[int, set[int]] = {}  # steps already reported, by trial id
+        if self._known:
+            # A seeded sampler restarted on a study that holds trials would propose its
+            # first run's configurations again (the trials it re-reads are not asked):
+            # reseed it, as Optuna does for parallel workers.
+            sampler.reseed_rng()
+
+    @classmethod
+    def open(cls, tuner: Any, runner: Any) -> SamplerBridge:
+        """The bridge of ``tuner`` (with ``sampler``, ``space``, ``mode``, ``horizon``)
+        running on ``runner``."""
+        storage, name, version = _storage_for(runner)
+        study_name = optuna_study_name(name, version, type(tuner).__name__, tuner.space)
+        # Each run starts from the sampler as given (a seeded tuner run twice, as
+        # ``stagetree simulate`` does with and without sharing, proposes the same trials).
+        sampler = copy.deepcopy(tuner.sampler)
+        return cls(sampler, tuner.space, tuner.mode, storage, study_name, tuner.horizon)
+
+    def ask(self, tid: int) -> TrialSpec:
+        """Configuration of tuner trial ``tid`` (Optuna trial number ``tid``): the one
+        Optuna already holds, else a new proposal of the sampler."""
+        if tid < len(self._known):
+            frozen = self._known[tid]
+            if frozen.state.is_finished():
+                return suggest_trial(self.space, self._optuna.trial.FixedTrial(frozen.params))
+            trial = self._optuna.trial.Trial(self.study, frozen._trial_id)
+            self._reported[tid] = set(frozen.intermediate_values)  # a replay reports again
+        else:
+            trial = self.study.ask()
+            if trial.number != tid:
+                raise TunerError(
+                    f"Optuna study {self.study.study_name!r} numbered the new trial "
+                    f"{trial.number}, stagetree expected {tid}: another process adds "
+                    "trials to it; give this study its own name"
+                )
+            trial.set_user_attr("stagetree_trial", tid)
+        self._open[tid] = trial
+        return suggest_trial(self.space, trial)
+
+    def result(self, tid: int, steps: int, value: float | None, failed: bool) -> None:
+        """A result of trial ``tid`` at ``steps`` (``value``: the raw metric, None when
+        it is missing or not finite); ``failed``: its job failed."""
+        trial = self._open.get(tid)
+        if trial is None:
+            return
+        state = self._optuna.trial.TrialState
+        if failed:
+            self._tell(tid, state=state.FAIL)
+            return
+        reported = self._reported.setdefault(tid, set())
+        if value is not None and steps not in reported:
+            trial.report(value, steps)
+            reported.add(steps)
+        if steps >= self.horizon > 0:
+            if value is None:
+                self._tell(tid, state=state.FAIL)
+            else:
+                self._tell(tid, values=value, state=state.COMPLETE)
+
+    def prune(self, tid: int) -> None:
+        """Trial ``tid`` was stopped by a rung: ``PRUNED`` with its last reported value."""
+        if tid in self._open:
+            self._tell(tid, state=self._optuna.trial.TrialState.PRUNED)
+
+    def close(self) -> None:
+        """The search ended: every trial still open is ``PRUNED``."""
+        for tid in list(self._open):
+            self.prune(tid)
+
+    def _tell(self, tid: int, **kwargs: Any) -> None:
+        trial = self._open.pop(tid)
+        self.study.tell(trial, skip_if_finished=True, **kwargs)
+
+
+class SampledSpecs(SequenceABC[Any]):
+    """``n`` trial specs asked from a :class:`SamplerBridge` on first access, in index
+    order (so a sampler sees the results of the trials before each proposal)."""
+
+    lazy = True
+
+    def __init__(self, bridge: SamplerBridge, n: int) -> None:
+        self._bridge = bridge
+        self._n = n
+        self._specs: list[TrialSpec] = []
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        while len(self._specs) <= i:
+            self._specs.append(self._bridge.ask(len(self._specs)))
+        return self._specs[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(self._n))
