@@ -17,8 +17,8 @@ synchronous part of checkpoint saves; a batch no longer waits for its last save)
 executed, the CPU-seconds of the worker processes (from ``/proc``: unlike busy wall time
 they do not grow when other programs take the cores) and of this process (the engine:
 scheduler, storage, tuner) during ``study.tune``, merge rate, and the device-seconds
-ratio no-share / share against the goal 0.9 x merge rate (medians over repeats). And per
-run, the study's efficiency as ``study.stats()`` gives it
+ratio no-share / share against the goal 0.97 x merge rate (issue 13; 0.9 before;
+medians over repeats). And per run, the study's efficiency as ``study.stats()`` gives it
 (:func:`stagetree.reports.efficiency`: unique steps x the median seconds per step trained
 alone / workers / the wall-clock of the run, from the workers' own timings) and where the
 rest of the wall-clock went: start-up (from ``study.tune`` until its first step trained:
@@ -398,10 +398,10 @@ def checkpoint_critical_path(
 def _goal_line(ratio: float | None, merge: float | None) -> str:
     if ratio is None or merge is None:
         return "goal: not measured"
-    target = 0.9 * merge
+    target = 0.97 * merge
     verdict = "met" if ratio >= target else f"missed by {(1 - ratio / target) * 100:.0f}%"
     return (
-        f"device-seconds ratio no-share/share = {ratio:.2f}; goal >= 0.9 x merge rate "
+        f"device-seconds ratio no-share/share = {ratio:.2f}; goal >= 0.97 x merge rate "
         f"= {target:.2f}: {verdict}"
     )
 
