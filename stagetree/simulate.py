@@ -44,13 +44,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from stagetree.exceptions import StagetreeError
+from stagetree.executors.devices import check_devices_per_worker, check_parallel_efficiency
 from stagetree.executors.simulated import (
     LearningCurve,
     SimulatedExecutor,
     SimulatedTrainer,
     StepCost,
-    check_devices_per_worker,
-    check_parallel_efficiency,
     drive,
 )
 from stagetree.plan.memory import MemoryPlanStorage
