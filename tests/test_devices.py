@@ -173,6 +173,8 @@ def test_simulated_study_devices_per_worker() -> None:
         executor = study._engine.executor
         assert isinstance(executor, SimulatedExecutor) and executor.devices_per_worker == 4
         assert executor.device_seconds == pytest.approx(4 * sum(executor.busy_seconds))
+        # The study's accounting counts the four devices too.
+        assert study.stats()["device_seconds"] == pytest.approx(executor.device_seconds)
 
 
 def test_worker_devices_reads_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,4 +69,6 @@ def test_study_devices_per_worker_asks_ray_for_k_gpus(ray_gpus: Any, tmp_path: P
 
         results = asyncio.run(main())
         assert study.num_workers == 1  # one actor holds all four GPUs
+        # Device-seconds count the actor's four GPUs.
+        assert study._engine.executor.devices_per_worker == 4  # type: ignore[union-attr]
     assert [_mask(r.metrics) for r in results] == [(4.0, 0b1111, 1.0)] * 2

@@ -534,6 +534,19 @@ class RayExecutor(BaseExecutor):
             return len(self._slots)
         return self._requested or (len(self._resources) if self._resources else 1)
 
+    @property
+    def devices_per_worker(self) -> int:
+        """GPUs each actor owns when every worker asks for the same whole number of them
+        (``{"GPU": k}``), else 1: what a busy second of a worker counts in
+        device-seconds."""
+        resources = [s.resources for s in self._slots] or self._resources or []
+        gpus = {r.get("GPU", 0.0) for r in resources}
+        if len(gpus) == 1:
+            k = gpus.pop()
+            if k >= 1 and k == int(k):
+                return int(k)
+        return 1
+
     def worker_locations(self) -> dict[int, str]:
         """``worker -> "host (node abcdef12)"`` for the actors that are up."""
         return {
