@@ -92,7 +92,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-pool", action="store_true", help="STAGETREE_WORKER_IDLE=0")
     parser.add_argument(
-        "--start-method", choices=["spawn", "forkserver"], default="spawn", help="of the workers"
+        "--start-method",
+        choices=["spawn", "forkserver"],
+        default="forkserver",
+        help="of the workers",
     )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

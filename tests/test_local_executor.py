@@ -88,6 +88,7 @@ class Counter(Trainer):
             "pid": os.getpid(),
             "device": float(os.environ.get("CUDA_VISIBLE_DEVICES", "-1")),
             "omp": float(os.environ.get("OMP_NUM_THREADS", "-1")),
+            "mark": float(os.environ.get("STAGETREE_TEST_MARK", "-1")),
         }
 
     def state_dict(self) -> dict[str, Any]:

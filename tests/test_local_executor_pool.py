@@ -249,6 +249,24 @@ def test_forkserver_workers_train_like_spawned_ones(tmp_path: Path) -> None:
         LocalExecutor(Counter, 1, checkpoint_dir=tmp_path, start_method="fork")
 
 
+def test_forked_workers_see_the_environment_of_when_they_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def mark(name: str) -> float:
+        with LocalExecutor(
+            Counter, 1, checkpoint_dir=tmp_path / name, devices=[], start_method="forkserver"
+        ) as ex:
+            _ready(ex)
+            ex.submit(_batch(1, 0, 1, evaluate_at=((1, 1),)))
+            [metrics] = _of(_until(ex, _ended({1})), MetricsReported)
+            return float(metrics.metrics["mark"])
+
+    monkeypatch.delenv("STAGETREE_TEST_MARK", raising=False)
+    assert mark("before") == -1  # the fork server is running now, without the variable
+    monkeypatch.setenv("STAGETREE_TEST_MARK", "7")
+    assert mark("after") == 7  # not the server's environment: the parent's, now
+
+
 def test_a_process_older_than_an_edited_module_is_not_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -119,6 +119,9 @@ class _ChildConfig:
     lease: _Lease
     threads: int
     device: str | None
+    # The parent's environment when the worker started: a forked worker takes it over
+    # from the fork server's (which has the environment of when the server started).
+    env: dict[str, str] | None = None
 
 
 class _Release:
@@ -154,6 +157,9 @@ def _worker_main(cfg: _ChildConfig, inbox: Connection, outbox: Connection) -> No
     """Entry point of a worker process: serve leases until told to exit."""
     # The parent handles Ctrl-C and stops workers through close().
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cfg.env is not None:
+        os.environ.clear()
+        os.environ.update(cfg.env)
     os.environ.update(_child_env(cfg.device, cfg.threads))
     lock = threading.Lock()
 
@@ -317,6 +323,13 @@ def _visible_cuda_devices() -> list[str]:
 _FORKSERVER_LOCK = threading.Lock()
 
 
+# Forking from a server that imported torch once makes cold starts cheaper than a fresh
+# interpreter per worker (benchmarks/startup_bench.py); spawn where there is no fork.
+_DEFAULT_START = (
+    "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+)
+
+
 def _preload_modules(trainer: Any) -> list[str]:
     """What the fork server imports once for its children: torch (when this process has
     it) and stagetree's modules the trainer class is made of (``stagetree.torch``...).
@@ -369,12 +382,14 @@ class LocalExecutor(BaseExecutor):
         keep_workers: on :meth:`close`, put the idle worker processes in this process's
             pool for the next executor instead of stopping them (see
             :func:`shutdown_pool`); :meth:`start` takes processes from the pool first.
-        start_method: ``"spawn"`` (default; or ``$STAGETREE_START_METHOD``): each worker
-            is a fresh interpreter that imports torch and the trainer itself;
-            ``"forkserver"``: workers are forked from multiprocessing's fork server,
-            which imports torch and stagetree once (faster cold
-            starts with several workers; the server keeps the environment it started
-            with, and it is shared with the rest of the program's forkserver use).
+        start_method: ``"forkserver"`` (the default where the platform has it; or
+            ``$STAGETREE_START_METHOD``): workers are forked from multiprocessing's fork
+            server, which imports torch and stagetree once, so a cold start pays one
+            ``import torch`` however many workers start (each worker still sets its own
+            devices and threads, and imports the trainer's module and runs
+            ``Trainer.warmup`` itself; the server is shared with the rest of the
+            program's forkserver use). ``"spawn"``: each worker is a fresh interpreter
+            that imports torch and the trainer itself.
     """
 
     supports_fusion = True
@@ -415,7 +430,7 @@ class LocalExecutor(BaseExecutor):
         self.close_timeout = close_timeout
         self.keep_workers = keep_workers
         if start_method is None:
-            start_method = os.environ.get("STAGETREE_START_METHOD") or "spawn"
+            start_method = os.environ.get("STAGETREE_START_METHOD") or _DEFAULT_START
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         self._ctx: Any = multiprocessing.get_context(start_method)
@@ -595,8 +610,12 @@ class LocalExecutor(BaseExecutor):
     def _spawn(self, slot: _Slot) -> None:
         inbox_recv, inbox_send = self._ctx.Pipe(duplex=False)
         outbox_recv, outbox_send = self._ctx.Pipe(duplex=False)
+        forked = self._ctx.get_start_method() == "forkserver"
         cfg = _ChildConfig(
-            lease=self._lease(slot), threads=self.threads_per_worker, device=slot.device
+            lease=self._lease(slot),
+            threads=self.threads_per_worker,
+            device=slot.device,
+            env=dict(os.environ) if forked else None,
         )
         process = self._ctx.Process(
             target=_worker_main,
