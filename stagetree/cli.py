@@ -1313,9 +1313,23 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         from stagetree.simulate import simulate_script
 
         simulate_script(
-            args.script, args.workers, policy=args.policy, step_seconds=args.step_seconds
+            args.script,
+            args.workers,
+            policy=args.policy,
+            step_seconds=args.step_seconds,
+            devices_per_worker=args.devices_per_worker,
+            parallel_efficiency=args.parallel_efficiency,
         )
         return 0
+
+    def efficiency(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0.0 < value <= 1.0:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+        return value
 
     p = sub.add_parser(
         "simulate",
@@ -1334,6 +1348,20 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=seconds,
         default=1.0,
         help="seconds per step at batch size 128 (1.0; larger batches are faster per step)",
+    )
+    p.add_argument(
+        "--devices-per-worker",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="devices per worker: every trial trains data-parallel on K devices (1)",
+    )
+    p.add_argument(
+        "--parallel-efficiency",
+        type=efficiency,
+        default=1.0,
+        metavar="E",
+        help="a step on K devices is 1 + (K - 1) * E times as fast as on one (1.0)",
     )
     p.set_defaults(handler=handler)
 

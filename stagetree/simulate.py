@@ -14,6 +14,12 @@ training one trial's steps in sequence) and *unique work* the training time of t
 union of the trials' paths (what sharing leaves to train). With ``share=False`` every
 trial trains alone (the trial-based baseline), so unique work is all the work.
 
+Workers with several devices (``devices_per_worker=k``) train every batch
+data-parallel over their ``k`` devices: a step takes ``step_cost / (1 + (k - 1) * e)``
+seconds for a parallel efficiency ``e``, and device-hours count each busy worker ``k``
+times. Training seconds (longest path, unique work, the lower bound) are then seconds
+on one such worker.
+
 Several tuners at once (``simulate(None, [t1, t2, ...])``) run as several studies on
 one storage and one pool of workers: they share stages with each other, as studies of
 one model on one storage do.
@@ -43,6 +49,8 @@ from stagetree.executors.simulated import (
     SimulatedExecutor,
     SimulatedTrainer,
     StepCost,
+    check_devices_per_worker,
+    check_parallel_efficiency,
     drive,
 )
 from stagetree.plan.memory import MemoryPlanStorage
@@ -72,15 +80,17 @@ class SimResult:
 
     Attributes:
         makespan: virtual seconds from the start until the tuner(s) returned.
-        device_hours: busy hours of all workers (loads, training, evaluations and
-            background saves until each batch ended).
+        device_hours: busy hours of all devices: each worker's busy hours (loads,
+            training, evaluations and background saves until each batch ended) times
+            its ``devices_per_worker``.
         steps_executed: training steps the workers ran.
         steps_requested: total steps of the trials (each trained alone from 0).
         steps_unique: steps of the union of the trials' paths.
         merge_rate: ``steps_requested / steps_unique`` (over every study with several).
         best: the tuner's best result (of the first tuner with several).
         bests: the best result of each tuner.
-        longest_path: seconds of training of the longest trial.
+        longest_path: seconds of training of the longest trial (on one worker, its
+            ``devices_per_worker`` devices data-parallel, as every training second here).
         unique_work: seconds of training of the unique steps (all steps without
             sharing).
         requested_work: seconds of training of every trial alone from step 0.
@@ -89,6 +99,8 @@ class SimResult:
         workers, share, trials: the set-up; ``trials`` counts every study's trials.
         stats: executor and engine counters (``ckpt_loads``, ``ckpt_saves``,
             ``live_splits``, ``splits_missed``, ``batches``).
+        devices_per_worker: devices each worker owns (a batch trains on all of them).
+        parallel_efficiency: the data-parallel efficiency ``e`` of those devices.
     """
 
     makespan: float
@@ -108,6 +120,13 @@ class SimResult:
     share: bool = True
     trials: int = 0
     stats: Mapping[str, float] = field(default_factory=dict)
+    devices_per_worker: int = 1
+    parallel_efficiency: float = 1.0
+
+    @property
+    def devices(self) -> int:
+        """``workers * devices_per_worker``: the devices of the simulated cluster."""
+        return self.workers * self.devices_per_worker
 
     @property
     def makespan_hours(self) -> float:
@@ -244,6 +263,8 @@ def simulate(
     trainer: type[Trainer] | None = None,
     version: str | None = None,
     name: str = "simulated",
+    devices_per_worker: int = 1,
+    parallel_efficiency: float = 1.0,
     **executor_options: Any,
 ) -> SimResult:
     """Run ``tuner`` against a simulated study and report what it cost.
@@ -268,6 +289,11 @@ def simulate(
         version: the trainer version in the root keys (default: the trainer's
             fingerprint).
         name: study name (``name``, ``name-1``, ... with several tuners).
+        devices_per_worker: devices per worker; every batch trains data-parallel on
+            all of a worker's devices (``workers`` workers own ``workers *
+            devices_per_worker`` devices).
+        parallel_efficiency: ``e`` in (0, 1]: a step on ``k`` devices takes
+            ``step_cost / (1 + (k - 1) * e)`` seconds.
         **executor_options: more :class:`SimulatedExecutor` options
             (``checkpoint_bytes``, ``save_latency``, ``eval_seconds``, ...).
 
@@ -306,7 +332,12 @@ def simulate(
     trainer = trainer or SimulatedTrainer
     cost = step_cost if step_cost is not None else StepCost()
     executor = SimulatedExecutor(
-        workers, step_cost=cost, curve=_curve_for(tuners, curve), **executor_options
+        workers,
+        step_cost=cost,
+        curve=_curve_for(tuners, curve),
+        devices_per_worker=devices_per_worker,
+        parallel_efficiency=parallel_efficiency,
+        **executor_options,
     )
     return _run(tuners, executor, trainer, version, name, share, policy, cost)
 
@@ -380,7 +411,12 @@ def _account(
     ends = [(int(t["node"]), int(t["step"])) for t in trials if t["node"] is not None]
     nodes = {n.id: n for n in storage.nodes()}
     roots = {key: storage.root_config(key) for key in {n.root_key for n in nodes.values()}}
-    bounds = work(nodes, roots, ends, cost, executor.num_workers)
+    speedup = executor.speedup
+
+    def worker_cost(config: Mapping[str, Any], values: Mapping[str, Any]) -> float:
+        return cost(config, values) / speedup  # a step on one worker's devices
+
+    bounds = work(nodes, roots, ends, worker_cost, executor.num_workers)
     unique = build_stage_tree(nodes, list(dict.fromkeys(ends))).total_steps
     requested = sum(int(t["steps"]) for t in trials)
     engine = storage.stats("engine")
@@ -409,6 +445,8 @@ def _account(
             "live_splits": engine.get("live_splits", 0.0),
             "splits_missed": float(executor.splits_missed),
         },
+        devices_per_worker=executor.devices_per_worker,
+        parallel_efficiency=executor.parallel_efficiency,
     )
 
 
@@ -499,16 +537,22 @@ def simulate_script(
     policy: str = "critical_path",
     step_seconds: float = 1.0,
     out: TextIO | None = None,
+    devices_per_worker: int = 1,
+    parallel_efficiency: float = 1.0,
 ) -> tuple[SimResult, SimResult]:
     """``stagetree simulate``: estimate a script's study with and without sharing and
     print both rows (device-hours, makespan, steps, merge rate) and the savings.
 
-    Every step costs ``step_seconds`` at batch size 128 (:class:`StepCost`).
+    Every step costs ``step_seconds`` at batch size 128 (:class:`StepCost`) on one
+    device; with ``devices_per_worker`` devices per worker it is divided by ``1 +
+    (devices_per_worker - 1) * parallel_efficiency`` (see :func:`simulate`).
 
     Returns:
         ``(shared, trial-based)`` results.
     """
     stream = sys.stdout if out is None else out
+    check_devices_per_worker(devices_per_worker)  # before loading the script
+    check_parallel_efficiency(parallel_efficiency)
     loaded = load_script(script)
     cost = StepCost(base_seconds=step_seconds)
     results = []
@@ -524,6 +568,8 @@ def simulate_script(
                 trainer=loaded.trainer,
                 version=loaded.version,
                 name=loaded.name,
+                devices_per_worker=devices_per_worker,
+                parallel_efficiency=parallel_efficiency,
             )
         )
     shared, alone = results
@@ -538,8 +584,14 @@ def simulate_script(
         ]
         for label, r in (("stage-based (shared)", shared), ("trial-based (no sharing)", alone))
     ]
+    devices = ""
+    if devices_per_worker > 1:
+        devices = (
+            f" x {devices_per_worker} devices ({shared.devices} devices, data-parallel "
+            f"efficiency {parallel_efficiency:g})"
+        )
     print(
-        f"simulated {script}: {shared.trials} trials on {workers} workers, "
+        f"simulated {script}: {shared.trials} trials on {workers} workers{devices}, "
         f"{step_seconds:g} s per step at batch size 128, policy {policy}",
         file=stream,
     )

@@ -376,3 +376,101 @@ def test_progress_lets_the_scheduler_learn_costs() -> None:
     ex.submit(batch(stop=6, evaluate=((1, 6),)))
     progress = [e for _, e in drain(ex) if isinstance(e, Progress)]
     assert [(p.step, p.seconds_per_step) for p in progress] == [(6, 2.0)]
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_devices_per_worker_speeds_steps_and_counts_every_device() -> None:
+    """4 devices at efficiency 0.5: a step is 1 + 3 * 0.5 = 2.5 times as fast; the
+    worker's busy seconds count 4 times as device-seconds."""
+    one = executor(progress_interval=None)
+    four = executor(progress_interval=None, devices_per_worker=4, parallel_efficiency=0.5)
+    assert (one.speedup, four.speedup) == (1.0, 2.5)
+    for ex in (one, four):
+        drain(ex)
+        ex.submit(batch(stop=5, evaluate=((1, 5),)))
+    (t1, m1), (t4, m4) = [
+        next((t, e) for t, e in drain(ex) if isinstance(e, MetricsReported)) for ex in (one, four)
+    ]
+    assert t1 == 10.0 and t4 == pytest.approx(10.0 / 2.5)  # 5 steps of 2 s / 2.5
+    assert m1.metrics == m4.metrics  # the same model, trained faster
+    assert one.busy_seconds[0] == 10.0 and four.busy_seconds[0] == pytest.approx(4.0)
+    assert one.device_seconds == 10.0 and four.device_seconds == pytest.approx(16.0)
+
+
+def test_simulate_with_multi_device_workers() -> None:
+    """Same decisions and metrics; makespan and the lower bound shrink by the speedup,
+    device-hours grow by k / speedup (free checkpoints: only training takes time)."""
+
+    def run(**kw: Any) -> tuple[SimResult, list[Any]]:
+        tuner = asha()
+        free = {"checkpoint_bytes": 0, "save_latency": 0.0, "load_latency": 0.0}
+        result = simulate(None, tuner, workers=3, progress_interval=None, **free, **kw)
+        return result, [(tid, r.steps, r.metrics) for tid, r in tuner.results]
+
+    base, decisions = run()
+    for k, e in ((2, 1.0), (4, 0.5)):
+        speedup = 1 + (k - 1) * e
+        r, seen = run(devices_per_worker=k, parallel_efficiency=e)
+        assert (r.devices_per_worker, r.parallel_efficiency, r.devices) == (k, e, 3 * k)
+        assert seen == decisions and r.best == base.best
+        assert r.steps_executed == base.steps_executed
+        assert r.makespan == pytest.approx(base.makespan / speedup)
+        assert r.lower_bound == pytest.approx(base.lower_bound / speedup)
+        assert r.device_hours == pytest.approx(base.device_hours * k / speedup)
+        assert r.work_merge_rate == pytest.approx(base.work_merge_rate)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"devices_per_worker": 0}, "devices_per_worker must be a positive int"),
+        ({"devices_per_worker": 2.0}, "devices_per_worker must be a positive int"),
+        ({"devices_per_worker": True}, "devices_per_worker must be a positive int"),
+        ({"parallel_efficiency": 0.0}, r"parallel_efficiency must be a number in \(0, 1\]"),
+        ({"parallel_efficiency": 1.5}, r"parallel_efficiency must be a number in \(0, 1\]"),
+        ({"parallel_efficiency": float("nan")}, "parallel_efficiency"),
+        ({"parallel_efficiency": "1"}, "parallel_efficiency"),
+    ],
+)
+def test_devices_arguments_are_checked(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SimulatedExecutor(2, **kw)
+    with pytest.raises(ValueError, match=match):
+        simulate(space(), asha(), workers=2, **kw)
+
+
+def test_simulate_cli_devices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "tiny.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from stagetree import Study, Trainer
+            from stagetree.hp import Constant, MultiStep
+            from stagetree.space import GridSpace
+            from stagetree.tuners import GridSearch
+
+            class Tiny(Trainer):
+                pass
+
+            space = GridSpace(hp={"lr": [Constant(0.1), MultiStep(0.1, [4], 0.1)]})
+            tuner = GridSearch(space, "accuracy", steps=8)
+            study = Study("tiny", Tiny, storage="memory://")
+            """
+        )
+    )
+    args = ["simulate", str(script), "--workers", "2", "--step-seconds", "3600"]
+    assert main([*args, "--devices-per-worker", "4", "--parallel-efficiency", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "2 workers x 4 devices (8 devices, data-parallel efficiency 0.5)" in out
+    shared = next(line for line in out.splitlines() if "stage-based" in line)
+    # 12 unique steps of 1 h / 2.5 on 4 devices; 8 steps in a row on the longest path.
+    cells = [c.strip() for c in shared.split("|")]
+    assert float(cells[2]) == pytest.approx(12 / 2.5 * 4, rel=1e-2)
+    assert float(cells[3]) == pytest.approx(8 / 2.5, rel=1e-2)
+    for bad in (["--devices-per-worker", "0"], ["--parallel-efficiency", "1.2"]):
+        assert main([*args, *bad]) == 2
+    err = capsys.readouterr().err
+    assert "--devices-per-worker: expected an int >= 1" in err
+    assert "--parallel-efficiency: expected a number in (0, 1]" in err

@@ -25,6 +25,11 @@ Models (all deterministic; see :mod:`stagetree.simulate` for more):
   seconds before training, skipped when the worker still holds the model in memory
   (it just finished where the new batch starts, with the same trainer key), as the
   real worker does.
+* Devices: each worker owns ``devices_per_worker`` devices (``k``) and trains a batch
+  data-parallel over all of them (gang-scheduled by construction: a batch gets the
+  whole worker). A training step takes ``step_cost / (1 + (k - 1) * e)`` seconds for a
+  parallel efficiency ``e`` in (0, 1] (loads, saves and evaluations are not scaled);
+  :attr:`SimulatedExecutor.device_seconds` counts a worker's busy seconds ``k`` times.
 * Trainers: nothing is built, so :meth:`SimulatedExecutor.add_trainer` only records
   keys (the contract's checks hold: a key taken by another class is refused, a batch of
   an unknown key fails at its start); every key follows the same models.
@@ -343,10 +348,15 @@ class SimulatedExecutor(BaseExecutor):
         eval_seconds: seconds of one evaluation (blocking training).
         progress_interval: virtual seconds between ``Progress`` reports within a
             segment, as the real worker's (None: only at segment ends and points).
+        devices_per_worker: devices each worker owns and trains every batch on,
+            data-parallel (an int >= 1).
+        parallel_efficiency: ``e`` in (0, 1]: ``k`` devices train a step
+            ``1 + (k - 1) * e`` times as fast as one (1.0: linear scaling).
 
     After (or during) a run: :attr:`now` is the virtual time in seconds,
     :attr:`done_at` the virtual time the driven tuner returned (see :func:`drive`),
-    :attr:`busy_seconds` the busy time per worker, :attr:`steps_trained` the steps
+    :attr:`busy_seconds` the busy time per worker (wall seconds; :attr:`device_seconds`
+    multiplies them by the devices per worker), :attr:`steps_trained` the steps
     trained, :attr:`batches` the batches run. The executor never blocks:
     :meth:`events` with nothing scheduled returns ``[]`` at once.
     """
@@ -370,9 +380,13 @@ class SimulatedExecutor(BaseExecutor):
         load_bandwidth: float = 1e9,
         eval_seconds: float = 0.0,
         progress_interval: float | None = 0.2,
+        devices_per_worker: int = 1,
+        parallel_efficiency: float = 1.0,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+        self.devices_per_worker = check_devices_per_worker(devices_per_worker)
+        self.parallel_efficiency = check_parallel_efficiency(parallel_efficiency)
         for name, value in (
             ("save_latency", save_latency),
             ("load_latency", load_latency),
@@ -495,8 +509,15 @@ class SimulatedExecutor(BaseExecutor):
 
     @property
     def device_seconds(self) -> float:
-        """Busy seconds of all workers together."""
-        return sum(self.busy_seconds)
+        """Busy seconds of all devices together: the workers' busy seconds times
+        :attr:`devices_per_worker` (a worker's devices are busy together)."""
+        return sum(self.busy_seconds) * self.devices_per_worker
+
+    @property
+    def speedup(self) -> float:
+        """How many times faster a worker trains a step than one device:
+        ``1 + (devices_per_worker - 1) * parallel_efficiency``."""
+        return data_parallel_speedup(self.devices_per_worker, self.parallel_efficiency)
 
     def checkpoint_cost(self, config: Mapping[str, Any]) -> tuple[int, float, float]:
         """``(nbytes, save seconds, load seconds)`` of a checkpoint of ``config``."""
@@ -588,6 +609,7 @@ class SimulatedExecutor(BaseExecutor):
         cost = self.step_cost
         update = self.curve.update
         cost_cache: dict[tuple[Any, ...], float] = {}
+        speedup = self.speedup
         names = sorted({name for seg in segments for name in seg.hp})
         for seg in segments:
             columns = [_column(seg.hp.get(name), seg.start, seg.stop) for name in names]
@@ -597,9 +619,10 @@ class SimulatedExecutor(BaseExecutor):
                 key = tuple((type(v).__name__, v) for v in row)
                 c = cost_cache.get(key)
                 if c is None:
-                    c = cost_cache[key] = float(cost(config, values))
+                    c = float(cost(config, values))
                     if not (math.isfinite(c) and c > 0):
                         raise ValueError(f"step cost must be > 0, got {c!r} for {values}")
+                    c = cost_cache[key] = c / speedup  # data-parallel over the worker
                 cum.append(cum[-1] + c)
                 state = update(state, config, values)
                 states.append(state)
@@ -755,6 +778,39 @@ class SimulatedExecutor(BaseExecutor):
             run.stop_at = stop
         if run.stop_at < run.next_step or run.stop_at == run.anchor:
             self._schedule_next(run)
+
+
+def check_devices_per_worker(devices_per_worker: Any) -> int:
+    """``devices_per_worker`` if it is an int >= 1.
+
+    Raises:
+        ValueError: otherwise.
+    """
+    k = devices_per_worker
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"devices_per_worker must be a positive int, got {k!r}")
+    return k
+
+
+def check_parallel_efficiency(parallel_efficiency: Any) -> float:
+    """``parallel_efficiency`` as a float if it is a number in (0, 1].
+
+    Raises:
+        ValueError: otherwise.
+    """
+    e = _number(parallel_efficiency)
+    if e is None or not 0.0 < e <= 1.0:
+        raise ValueError(
+            f"parallel_efficiency must be a number in (0, 1], got {parallel_efficiency!r}"
+        )
+    return e
+
+
+def data_parallel_speedup(devices: int, efficiency: float) -> float:
+    """``1 + (devices - 1) * efficiency``: how many times faster ``devices`` devices
+    train a step data-parallel than one, each added device contributing ``efficiency``
+    of one."""
+    return 1.0 + (devices - 1) * efficiency
 
 
 def _point_done(point: _Point) -> bool:
