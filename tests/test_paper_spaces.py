@@ -41,6 +41,12 @@ def test_space_matches_table_1(study, make, steps):
     assert abs(rate - paper_rate) / paper_rate < 0.01, (study, rate, paper_rate)
 
 
+def test_treeml_space_matches_the_thesis():
+    space = ps.treeml_space()
+    rate = ps.whole_space_merge_rate(space, ps.EPOCHS)
+    assert abs(rate - ps.TREEML_MERGE_RATE) / ps.TREEML_MERGE_RATE < 0.01, rate
+
+
 def test_fixed_values_split_plan_trees():
     # Two roots with the same sequences share nothing: p is the one-root p.
     space = ps.bert_space()
