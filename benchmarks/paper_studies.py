@@ -397,9 +397,9 @@ def barrier_bound(
     ``max(longest segment, the rung's unique work / workers)``, the segment of a trial
     being its steps from the previous rung to this one (what the tuner actually
     promoted, read from ``tuner.rung_trials``). None for other tuners."""
-    rungs = getattr(tuner, "rung_trials", None)
-    if not rungs:
+    if not isinstance(tuner, SHA) or not tuner.rung_trials:
         return None
+    rungs = tuner.rung_trials
     total = 0.0
     for bracket in rungs:
         phases = 0.0
