@@ -91,7 +91,7 @@ from stagetree.simulate import (  # noqa: E402
     work,
 )
 from stagetree.space import TrialSpec, config_key  # noqa: E402
-from stagetree.stages import kwise_merge_rate  # noqa: E402
+from stagetree.stages import build_stage_tree, kwise_merge_rate  # noqa: E402
 from stagetree.tuners import ASHA, SHA, GridSearch, Tuner  # noqa: E402
 from stagetree.tuners.base import TrialResult  # noqa: E402
 
@@ -306,6 +306,7 @@ class Side:
     result: SimResult
     extra_seconds: float = 0.0  # end to end, on one worker
     barrier_bound: float | None = None
+    depth_bound: float | None = None  # grid studies, stage-based: see depth_bound()
 
     @property
     def barrier_ratio(self) -> float | None:
@@ -389,6 +390,54 @@ def _segment_seconds(trial: Any, start: int, stop: int, cost: Callable[..., floa
     )
 
 
+def depth_bound(
+    trials: Sequence[Any], steps: int, cost: Callable[..., float], workers: int, speedup: float
+) -> float:
+    """A lower bound on the makespan of training the union of ``trials``' paths to
+    ``steps`` on ``workers`` that sees the tree's shape: a step cannot start before the
+    steps above it on its path, ``s`` seconds after the start, so by time ``tau`` at most
+    ``A(tau) = sum(clip(tau - s, 0, c))`` of the work can be done (and at most
+    ``workers * tau``); the makespan is at least ``tau + (W - min(A, workers * tau)) /
+    workers`` for every ``tau``. It exceeds ``max(longest path, W / workers)`` when a
+    long shared trunk leaves workers without ready work early on."""
+    import numpy as np
+
+    storage = MemoryPlanStorage()
+    grouped: dict[str, list[tuple[Any, int]]] = {}
+    roots: dict[str, Mapping[str, Any]] = {}
+    for t in trials:
+        key = config_key(t.config)
+        grouped.setdefault(key, []).append((t.hp, steps))
+        roots[key] = t.config
+    ends = [
+        (ins.node, ins.step)
+        for key, items in grouped.items()
+        for ins in storage.insert_trials(key, items, request=False)
+    ]
+    nodes = {n.id: n for n in storage.nodes()}
+    tree = build_stage_tree(nodes, list(dict.fromkeys(ends)))
+    starts: list[float] = []
+    costs: list[float] = []
+    finish: dict[int, float] = {}
+    for stage in tree.stages:  # parents before children
+        node = nodes[stage.node]
+        config = roots[node.root_key]
+        done = finish[id(stage.parent)] if stage.parent is not None else 0.0
+        for t in range(stage.start, stage.stop):
+            c = cost(config, {n: q(t) for n, q in node.hp.items()}) / speedup
+            starts.append(done)
+            costs.append(c)
+            done += c
+        finish[id(stage)] = done
+    s, c = np.array(starts), np.array(costs)
+    total, longest = float(c.sum()), float((s + c).max())
+    best = max(longest, total / workers)
+    for tau in np.linspace(0.0, longest, 600):
+        done_by = min(float(np.clip(tau - s, 0.0, c).sum()), workers * tau)
+        best = max(best, float(tau) + (total - done_by) / workers)
+    return best
+
+
 def barrier_bound(
     tuner: Any, cost: Callable[..., float], workers: int, speedup: float, share: bool
 ) -> float | None:
@@ -444,7 +493,13 @@ def run_spec(spec: Spec, policy: str = "critical_path") -> Row:
         cost = spec.options["step_cost"]
         extra = extra_seconds(result.best, cost, spec.extra_steps, speedup)
         bound = barrier_bound(tuners[0], cost, spec.workers, speedup, share)
-        sides.append(Side(result, extra, bound if len(tuners) == 1 else None))
+        side = Side(result, extra, bound if len(tuners) == 1 else None)
+        grid = tuners[0]
+        if share and len(tuners) == 1 and isinstance(grid, GridSearch):
+            side.depth_bound = depth_bound(
+                list(grid.trials.values()), grid.steps, cost, spec.workers, speedup
+            )
+        sides.append(side)
     return Row(spec, sides[0], sides[1], time.perf_counter() - begin)
 
 
@@ -541,6 +596,11 @@ def side_by_side(row: Row) -> str:
             f"\n\nmakespan / rung-barrier bound (sum over rungs of max(longest segment, "
             f"rung's unique work / workers)): stage-based {s.barrier_ratio:.2f}, "
             f"trial-based {t.barrier_ratio:.2f}"
+        )
+    if s.depth_bound is not None:
+        text += (
+            f"\n\nmakespan / tree-depth bound (no step before the steps above it on its "
+            f"path: see depth_bound): stage-based {s.result.makespan / s.depth_bound:.2f}"
         )
     return text
 
