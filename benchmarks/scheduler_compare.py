@@ -17,8 +17,10 @@ Policies: ``critical_path`` (the product's: the longest remaining path, whole, a
 batch), ``critical_path_unbatched`` (its first stage only: the thesis's setting),
 ``bfs``, ``thr``.
 
-Columns: makespan (hours), device-hours, makespan / lower bound, executed / unique
-steps, batches and checkpoint loads; "vs thr": THR's makespan / the policy's.
+Columns: makespan (hours), device-hours, makespan / lower bound, makespan / tree-depth
+bound (grids: ``paper_studies.depth_bound``, which sees that no step starts before the
+steps above it), executed / unique steps, batches and checkpoint loads; "vs thr": THR's
+makespan / the policy's.
 
 Run: ``python benchmarks/scheduler_compare.py [--workers 40] [--large] [--plot PNG]`` (the plot
 goes to ``benchmarks/out/scheduler_compare.png`` by default; it needs matplotlib).
@@ -39,7 +41,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from paper_spaces import resnet56_space, treeml_space  # noqa: E402
-from paper_studies import OUT, WORKERS, _asha, _resnet20_options, _resnet_options  # noqa: E402
+from paper_studies import (  # noqa: E402
+    OUT,
+    WORKERS,
+    _asha,
+    _resnet20_options,
+    _resnet_options,
+    depth_bound,
+)
 
 from stagetree.scheduler.policies import BasePolicy, make_policy  # noqa: E402
 from stagetree.simulate import SimResult, format_table, simulate  # noqa: E402
@@ -78,9 +87,16 @@ def studies(large: bool = False) -> list[tuple[str, Callable[[], Tuner], dict[st
     return out
 
 
+DEPTH: dict[str, float] = {}  # study -> paper_studies.depth_bound of its grid
+
+
 def run(workers: int, large: bool = False) -> list[tuple[str, str, SimResult, float]]:
     rows = []
     for name, make, options in studies(large):
+        grid = make()
+        if isinstance(grid, GridSearch):  # the tree's shape bounds a grid's makespan
+            trials = list(grid.space)
+            DEPTH[name] = depth_bound(trials, grid.steps, options["step_cost"], workers, 1.0)
         for policy in POLICIES:
             begin = time.perf_counter()
             chosen: Any = _policy(policy)  # simulate() passes a policy instance through
@@ -98,6 +114,7 @@ def table(rows: Sequence[tuple[str, str, SimResult, float]]) -> str:
         "makespan h",
         "device-h",
         "makespan/LB",
+        "makespan/depth bound",
         "vs thr",
         "executed/unique",
         "batches",
@@ -114,6 +131,7 @@ def table(rows: Sequence[tuple[str, str, SimResult, float]]) -> str:
                 r.makespan_hours,
                 r.device_hours,
                 r.bound_ratio,
+                round(r.makespan / DEPTH[name], 2) if name in DEPTH else "-",
                 round(thr[name] / r.makespan, 2) if name in thr else "-",
                 f"{r.steps_executed}/{r.steps_unique}",
                 int(r.stats["batches"]),
