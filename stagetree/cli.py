@@ -1352,9 +1352,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--devices-per-worker",
         type=_positive,
-        default=1,
+        default=None,
         metavar="K",
-        help="devices per worker: every trial trains data-parallel on K devices (1)",
+        help="devices per worker: every trial trains data-parallel on K devices (default: "
+        "the study's devices_per_worker, 1)",
     )
     p.add_argument(
         "--parallel-efficiency",

@@ -225,6 +225,9 @@ class Engine:
         # version of each study name (the scheduler charges steps by name).
         self._rates: dict[int, float] = {}
         self._study_versions: dict[str, str] = {}
+        # Devices a worker's busy second occupies (``devices_per_worker``): device
+        # seconds count each of them.
+        self._devices_per_worker = 1
         self._first_queued = self._last_queued = 0.0
         # batch id -> [start step, last reported step]: steps trained by running batches.
         self._positions: dict[int, list[int]] = {}
@@ -261,6 +264,9 @@ class Engine:
             if self.executor is not None:
                 return
             self.executor = self._executor_factory()
+            k = getattr(self.executor, "devices_per_worker", 1)
+            ok = isinstance(k, int) and not isinstance(k, bool) and k >= 1
+            self._devices_per_worker = k if ok else 1
             if not self.executor.supports_fusion and self.scheduler.max_fused > 1:
                 if self._root_fusible:
                     logger.warning(
@@ -831,11 +837,12 @@ class Engine:
         elif isinstance(ev, work.WorkerLost) and ev.batch_id is not None:
             self._note_event("lost", ev, data={"reason": ev.reason})
         if isinstance(ev, work.BatchDone):
-            self.storage.add_stats(scope, device_seconds=ev.busy_seconds, steps_executed=ev.steps)
+            device = ev.busy_seconds * self._devices_per_worker
+            self.storage.add_stats(scope, device_seconds=device, steps_executed=ev.steps)
             root = self._batch_roots.get(ev.batch_id)
             if root is not None:  # per tree too, so each study can count its own
                 self.storage.add_stats(
-                    root_scope(root), device_seconds=ev.busy_seconds, steps_executed=ev.steps
+                    root_scope(root), device_seconds=device, steps_executed=ev.steps
                 )
             if ev.load_seconds:
                 self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
@@ -862,9 +869,10 @@ class Engine:
         charged = self.scheduler.usage
         if isinstance(ev, work.Progress) and ev.seconds_per_step > 0:
             # A member of a fused job costs its share of the job's step.
-            self._rates[ev.batch_id] = ev.seconds_per_step / max(ev.width, 1)
+            rate = ev.seconds_per_step / max(ev.width, 1)
+            self._rates[ev.batch_id] = rate * self._devices_per_worker
         elif isinstance(ev, work.BatchDone) and ev.steps:
-            self._rates[ev.batch_id] = ev.busy_seconds / ev.steps
+            self._rates[ev.batch_id] = ev.busy_seconds * self._devices_per_worker / ev.steps
         self._apply(self.scheduler.handle(ev))
         if self._unreleased:
             saving = self.scheduler.saving

@@ -44,13 +44,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from stagetree.exceptions import StagetreeError
+from stagetree.executors.devices import check_devices_per_worker, check_parallel_efficiency
 from stagetree.executors.simulated import (
     LearningCurve,
     SimulatedExecutor,
     SimulatedTrainer,
     StepCost,
-    check_devices_per_worker,
-    check_parallel_efficiency,
     drive,
 )
 from stagetree.plan.memory import MemoryPlanStorage
@@ -455,12 +454,14 @@ def _account(
 
 @dataclass
 class LoadedScript:
-    """What :func:`load_script` found: the tuner, the study's trainer, version and name."""
+    """What :func:`load_script` found: the tuner, the study's trainer, version, name and
+    devices per worker."""
 
     tuner: Tuner
     trainer: type[Trainer]
     version: str
     name: str
+    devices_per_worker: int = 1
 
 
 def _pick(namespace: Mapping[str, Any], key: str, cls: type, script: str) -> Any:
@@ -506,7 +507,8 @@ def load_script(path: str | os.PathLike[str]) -> LoadedScript:
         namespace = runpy.run_path(str(p), run_name="__stagetree_simulate__")
         study = _pick(namespace, "study", Study, str(path))
         tuner = _pick(namespace, "tuner", Tuner, str(path))
-        return LoadedScript(tuner, study.trainer, study.version, study.name)
+        devices = getattr(study, "devices_per_worker", 1)
+        return LoadedScript(tuner, study.trainer, study.version, study.name, devices)
     finally:
         for value in {id(v): v for v in namespace.values() if isinstance(v, Study)}.values():
             with contextlib.suppress(Exception):
@@ -537,7 +539,7 @@ def simulate_script(
     policy: str = "critical_path",
     step_seconds: float = 1.0,
     out: TextIO | None = None,
-    devices_per_worker: int = 1,
+    devices_per_worker: int | None = None,
     parallel_efficiency: float = 1.0,
 ) -> tuple[SimResult, SimResult]:
     """``stagetree simulate``: estimate a script's study with and without sharing and
@@ -545,15 +547,19 @@ def simulate_script(
 
     Every step costs ``step_seconds`` at batch size 128 (:class:`StepCost`) on one
     device; with ``devices_per_worker`` devices per worker it is divided by ``1 +
-    (devices_per_worker - 1) * parallel_efficiency`` (see :func:`simulate`).
+    (devices_per_worker - 1) * parallel_efficiency`` (see :func:`simulate`);
+    ``devices_per_worker`` None takes the script's study's (``Study(devices_per_worker=)``).
 
     Returns:
         ``(shared, trial-based)`` results.
     """
     stream = sys.stdout if out is None else out
-    check_devices_per_worker(devices_per_worker)  # before loading the script
+    if devices_per_worker is not None:
+        check_devices_per_worker(devices_per_worker)  # before loading the script
     check_parallel_efficiency(parallel_efficiency)
     loaded = load_script(script)
+    if devices_per_worker is None:
+        devices_per_worker = loaded.devices_per_worker
     cost = StepCost(base_seconds=step_seconds)
     results = []
     for share in (True, False):

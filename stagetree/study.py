@@ -134,6 +134,15 @@ class Study:
             than every 100 steps' time, so that saves cost at most about 1% of the
             training; none for cheap steps and short trials) or ``None`` (off). Saves
             are written in the background. An engine setting, like ``eval_every``.
+        devices_per_worker: devices each worker owns (default 1), for trials that
+            train data-parallel over several devices: a local worker process gets
+            ``k`` devices of its own as its ``CUDA_VISIBLE_DEVICES`` (its trainer sees
+            ``torch.cuda.device_count() == k``; :func:`stagetree.executors.worker_devices`
+            lists them), and ``workers`` defaults to the visible devices divided by
+            ``k``; a Ray worker asks for ``{"GPU": k}``; a simulated one trains ``k``
+            devices' worth faster and counts ``k`` devices busy. An engine setting, like
+            ``eval_every``. Raises ``ValueError`` (when the workers start) if
+            ``workers * k`` devices are not visible.
 
     Studies on the same storage in one process share one engine: one worker pool
     (the first study's ``workers``, ``executor``, ``policy`` and ``eval_every``), divided
@@ -174,6 +183,7 @@ class Study:
         fuse: bool | str = False,
         max_fused: int | None = None,
         checkpoint_every: int | str | None = "auto",
+        devices_per_worker: int = 1,
     ) -> None:
         # Every argument is checked here, before the storage is opened or anything written.
         from stagetree.executors.registry import check_executor
@@ -189,6 +199,8 @@ class Study:
         _check_count("workers", workers, 1)
         _check_count("threads_per_worker", threads_per_worker, 1)
         _check_count("max_retries", max_retries, 0, optional=False)
+        _check_count("devices_per_worker", devices_per_worker, 1, optional=False)
+        self.devices_per_worker = devices_per_worker
         checkpoint_budget = parse_size(checkpoint_budget, "checkpoint_budget")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, CheckpointStore):
             check_location(checkpoint_dir)  # scheme and package; reached at open
@@ -276,6 +288,7 @@ class Study:
             "eval_every": self.eval_every,
             "max_fused": self.max_fused,
             "checkpoint_every": self.checkpoint_every,
+            "devices_per_worker": self.devices_per_worker,
         }
 
     def _warn_shared(self, engine: Engine, url: str) -> None:
@@ -333,7 +346,13 @@ class Study:
             from stagetree.executors.registry import ExecutorOptions, make_executor
 
             options = ExecutorOptions(
-                trainer, workers, store, threads_per_worker, store, _OVERRIDES.get("address")
+                trainer,
+                workers,
+                store,
+                threads_per_worker,
+                store,
+                _OVERRIDES.get("address"),
+                devices_per_worker=self.devices_per_worker,
             )
             return make_executor(executor, options)
 
@@ -396,6 +415,7 @@ class Study:
             fuse=bool(self.fusible),
             max_fused=self.max_fused,
             checkpoint_every=self.checkpoint_every,
+            devices_per_worker=self.devices_per_worker,
         )
 
     # -- trials --------------------------------------------------------------------------

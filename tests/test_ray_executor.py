@@ -215,6 +215,7 @@ def test_core_imports_without_ray_and_exports_the_intended_names() -> None:
         "executor_names",
         "make_executor",
         "register_executor",
+        "worker_devices",
     ]
     code = (
         "import sys; sys.modules['ray'] = None\n"

@@ -444,6 +444,8 @@ def test_remote_study_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.warns(client_module.RemoteArgumentWarning, match="storage, workers"):
         study = Study("s", LinearTrainer, storage="sqlite:///x.db", workers=3, url="http://h:1")
     assert isinstance(study, RemoteStudy)
+    with pytest.warns(client_module.RemoteArgumentWarning, match="devices_per_worker ignored"):
+        Study("s", LinearTrainer, devices_per_worker=2, url="http://h:1")
     with pytest.raises(ValueError, match="url"):
         Study("s", LinearTrainer, url="ftp://h")
     monkeypatch.setenv("STAGETREE_TOKEN", "from-env-0123456789")

@@ -469,6 +469,14 @@ def test_simulate_cli_devices(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     cells = [c.strip() for c in shared.split("|")]
     assert float(cells[2]) == pytest.approx(12 / 2.5 * 4, rel=1e-2)
     assert float(cells[3]) == pytest.approx(8 / 2.5, rel=1e-2)
+    # Without the option, the study's own devices_per_worker counts.
+    script.write_text(
+        script.read_text().replace('"memory://"', '"memory://", devices_per_worker=2')
+    )
+    assert main(args) == 0
+    assert (
+        "2 workers x 2 devices (4 devices, data-parallel efficiency 1)" in capsys.readouterr().out
+    )
     for bad in (["--devices-per-worker", "0"], ["--parallel-efficiency", "1.2"]):
         assert main([*args, *bad]) == 2
     err = capsys.readouterr().err

@@ -8,6 +8,8 @@
 * :class:`SimulatedExecutor`: virtual time, a cost model and synthetic learning curves
   (``stagetree simulate``; no training at all).
 * :func:`register_executor`: executors by name (``Study(executor="local")``).
+* :func:`worker_devices`: the devices a worker owns (``devices_per_worker``; see
+  :mod:`stagetree.executors.devices`).
 
 Every executor serves several trainers with one pool of workers: its own trainer, and
 those added with :meth:`BaseExecutor.add_trainer`, chosen per batch by
@@ -17,6 +19,7 @@ those added with :meth:`BaseExecutor.add_trainer`, chosen per batch by
 from __future__ import annotations
 
 from stagetree.executors.base import BaseExecutor
+from stagetree.executors.devices import worker_devices
 from stagetree.executors.local import InlineExecutor, LocalExecutor, TrainerSpec
 from stagetree.executors.ray import RayExecutor
 from stagetree.executors.registry import (
@@ -38,4 +41,5 @@ __all__ = [
     "executor_names",
     "make_executor",
     "register_executor",
+    "worker_devices",
 ]

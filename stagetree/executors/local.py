@@ -12,8 +12,9 @@ spawned; a trainer registered with :meth:`LocalExecutor.add_trainer` is pickled 
 ``add_trainer``) and sent to a worker just before the first batch of its key that worker
 gets (again to a replacement process), so workers load only the trainers they train.
 
-Process layout: worker ``w`` is one process pinned to one device
-(``CUDA_VISIBLE_DEVICES``) and to a fixed number of threads (``OMP_NUM_THREADS``,
+Process layout: worker ``w`` is one process pinned to one device, or to
+``devices_per_worker`` devices of its own (``CUDA_VISIBLE_DEVICES``; see
+:mod:`stagetree.executors.devices`) and to a fixed number of threads (``OMP_NUM_THREADS``,
 ``MKL_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``torch.set_num_threads``).
 Instructions reach it on its own pipe, which the running batch polls between steps
 without blocking; events come back on a second pipe per worker (one writer per pipe, so a
@@ -70,6 +71,7 @@ from stagetree.executors._events import (
 )
 from stagetree.executors._spec import TrainerClasses, TrainerSpec, no_main_rerun
 from stagetree.executors.base import BaseExecutor
+from stagetree.executors.devices import check_devices_per_worker, device_groups
 from stagetree.trainer import Trainer
 from stagetree.work import (
     Abort,
@@ -350,12 +352,17 @@ class LocalExecutor(BaseExecutor):
     Args:
         trainer: the Trainer subclass, a ``"module:Class"`` / ``"file.py:Class"``
             string, or a :class:`TrainerSpec`.
-        num_workers: worker processes; default one per device (CUDA devices torch sees),
-            else one.
+        num_workers: worker processes; default one per device (CUDA devices torch sees;
+            one per ``devices_per_worker`` devices), else one.
         checkpoint_dir: checkpoint directory shared by the workers, or a store.
         threads_per_worker: CPU threads of each worker; default ``cpus // num_workers``.
         devices: device ids to pin workers to, round-robin (``CUDA_VISIBLE_DEVICES``
             values); default every visible CUDA device, ``[]`` for no pinning.
+        devices_per_worker: devices each worker owns (default 1): worker ``w`` gets
+            devices ``w*k .. w*k+k-1`` of ``devices`` alone, as its
+            ``CUDA_VISIBLE_DEVICES``, so its trainer sees ``k`` devices (``cuda:0`` ..
+            ``cuda:{k-1}``) and can train data-parallel over them; ``num_workers``
+            then defaults to ``len(devices) // k``.
         progress_interval: seconds between throttled ``Progress`` events.
         close_timeout: seconds :meth:`close` waits for workers to exit (or to be
             released to the pool) before terminating them.
@@ -384,7 +391,11 @@ class LocalExecutor(BaseExecutor):
         close_timeout: float = 10.0,
         keep_workers: bool = True,
         start_method: str | None = None,
+        devices_per_worker: int = 1,
     ) -> None:
+        check_devices_per_worker(devices_per_worker)
+        if num_workers is not None and num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.spec = TrainerSpec.of(trainer)
         self.spec.check()  # fail here, not in every worker
         if isinstance(checkpoint_dir, CheckpointStore):
@@ -392,10 +403,9 @@ class LocalExecutor(BaseExecutor):
         else:
             self.store = CheckpointStore(checkpoint_dir)
         device_ids = _visible_cuda_devices() if devices is None else [str(d) for d in devices]
-        if num_workers is None:
-            num_workers = max(1, len(device_ids))
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        groups = device_groups(device_ids, devices_per_worker, num_workers)
+        num_workers = len(groups)
+        self.devices_per_worker = devices_per_worker
         if threads_per_worker is None:
             threads_per_worker = max(1, _cpu_count() // num_workers)
         if threads_per_worker < 1:
@@ -410,10 +420,7 @@ class LocalExecutor(BaseExecutor):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         self._ctx: Any = multiprocessing.get_context(start_method)
         self._preload = _preload_modules(trainer) if start_method == "forkserver" else []
-        self._slots = [
-            _Slot(w, device_ids[w % len(device_ids)] if device_ids else None)
-            for w in range(num_workers)
-        ]
+        self._slots = [_Slot(w, group) for w, group in enumerate(groups)]
         self._local: list[WorkerEvent] = []
         self._started = False
         self._closed = False
@@ -436,7 +443,8 @@ class LocalExecutor(BaseExecutor):
 
     @property
     def devices(self) -> list[str | None]:
-        """Device each worker is pinned to (None: not pinned)."""
+        """Device each worker is pinned to, its ``CUDA_VISIBLE_DEVICES`` (``"0,1"`` with
+        two devices per worker; None: not pinned)."""
         return [slot.device for slot in self._slots]
 
     def pid(self, worker: int) -> int | None:

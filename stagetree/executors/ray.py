@@ -381,7 +381,11 @@ class RayExecutor(BaseExecutor):
             already.
         worker_resources: resources of each actor, a dict for every worker or a list
             with one dict per worker (pin workers to nodes with custom resources);
-            default ``{"GPU": 1}`` when the cluster has GPUs, else ``{"CPU": 1}``.
+            default ``{"GPU": 1}`` when the cluster has GPUs, else ``{"CPU": 1}``
+            (``{"GPU": k}`` for a study with ``devices_per_worker=k``). An actor with
+            ``{"GPU": k}`` owns ``k`` GPUs: Ray sets its ``CUDA_VISIBLE_DEVICES`` to
+            them, so the trainer sees ``torch.cuda.device_count() == k`` and
+            :func:`~stagetree.executors.worker_devices` lists them.
         checkpoint_dir: the checkpoint location (a directory every node reaches) or a
             store (None: given by the study).
         threads_per_worker: CPU threads of each worker (default: the actor's CPUs, at
@@ -476,6 +480,10 @@ class RayExecutor(BaseExecutor):
         resources: Any = self._resources
         if resources is not None and len(resources) == 1:
             resources = resources[0]
+        elif resources is None and options.devices_per_worker > 1:
+            # Study(devices_per_worker=k): k GPUs per actor (Ray sets its
+            # CUDA_VISIBLE_DEVICES to them).
+            resources = {"GPU": float(options.devices_per_worker)}
         bound = RayExecutor(
             self.spec if self.spec is not None else options.trainer,
             self._requested if self._requested is not None else options.workers,
@@ -525,6 +533,19 @@ class RayExecutor(BaseExecutor):
         if self._slots:
             return len(self._slots)
         return self._requested or (len(self._resources) if self._resources else 1)
+
+    @property
+    def devices_per_worker(self) -> int:
+        """GPUs each actor owns when every worker asks for the same whole number of them
+        (``{"GPU": k}``), else 1: what a busy second of a worker counts in
+        device-seconds."""
+        resources = [s.resources for s in self._slots] or self._resources or []
+        gpus = {r.get("GPU", 0.0) for r in resources}
+        if len(gpus) == 1:
+            k = gpus.pop()
+            if k >= 1 and k == int(k):
+                return int(k)
+        return 1
 
     def worker_locations(self) -> dict[int, str]:
         """``worker -> "host (node abcdef12)"`` for the actors that are up."""

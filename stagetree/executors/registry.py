@@ -34,6 +34,8 @@ class ExecutorOptions:
         store: the study's checkpoint store (None: open ``checkpoint_dir``).
         address: the cluster to run on, for cluster executors (``stagetree run
             --address``; None: the executor's default).
+        devices_per_worker: devices each worker owns and trains on (data-parallel;
+            see :mod:`stagetree.executors.devices`).
     """
 
     trainer: Any
@@ -42,6 +44,7 @@ class ExecutorOptions:
     threads_per_worker: int | None
     store: Any = None
     address: str | None = None
+    devices_per_worker: int = 1
 
 
 ExecutorFactory = Callable[[ExecutorOptions], "BaseExecutor"]
@@ -55,19 +58,25 @@ def _local(o: ExecutorOptions) -> BaseExecutor:
         num_workers=o.workers,
         checkpoint_dir=o.checkpoint_dir,
         threads_per_worker=o.threads_per_worker,
+        devices_per_worker=o.devices_per_worker,
     )
 
 
 def _inline(o: ExecutorOptions) -> BaseExecutor:
     from stagetree.executors.local import InlineExecutor
 
+    if o.devices_per_worker != 1:
+        raise ValueError(
+            f"the inline executor trains in this process, on its devices: "
+            f"devices_per_worker={o.devices_per_worker} needs executor='local' or 'ray'"
+        )
     return InlineExecutor(o.trainer, checkpoint_dir=o.checkpoint_dir)
 
 
 def _simulated(o: ExecutorOptions) -> BaseExecutor:
     from stagetree.executors.simulated import SimulatedExecutor
 
-    return SimulatedExecutor(num_workers=o.workers or 1)
+    return SimulatedExecutor(num_workers=o.workers or 1, devices_per_worker=o.devices_per_worker)
 
 
 def _ray(o: ExecutorOptions) -> BaseExecutor:

@@ -60,6 +60,11 @@ from typing import Any
 from stagetree.exceptions import StagetreeError
 from stagetree.executors._events import new_trainer
 from stagetree.executors.base import BaseExecutor
+from stagetree.executors.devices import (
+    check_devices_per_worker,
+    check_parallel_efficiency,
+    data_parallel_speedup,
+)
 from stagetree.trainer import Trainer
 from stagetree.work import (
     Abort,
@@ -778,39 +783,6 @@ class SimulatedExecutor(BaseExecutor):
             run.stop_at = stop
         if run.stop_at < run.next_step or run.stop_at == run.anchor:
             self._schedule_next(run)
-
-
-def check_devices_per_worker(devices_per_worker: Any) -> int:
-    """``devices_per_worker`` if it is an int >= 1.
-
-    Raises:
-        ValueError: otherwise.
-    """
-    k = devices_per_worker
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"devices_per_worker must be a positive int, got {k!r}")
-    return k
-
-
-def check_parallel_efficiency(parallel_efficiency: Any) -> float:
-    """``parallel_efficiency`` as a float if it is a number in (0, 1].
-
-    Raises:
-        ValueError: otherwise.
-    """
-    e = _number(parallel_efficiency)
-    if e is None or not 0.0 < e <= 1.0:
-        raise ValueError(
-            f"parallel_efficiency must be a number in (0, 1], got {parallel_efficiency!r}"
-        )
-    return e
-
-
-def data_parallel_speedup(devices: int, efficiency: float) -> float:
-    """``1 + (devices - 1) * efficiency``: how many times faster ``devices`` devices
-    train a step data-parallel than one, each added device contributing ``efficiency``
-    of one."""
-    return 1.0 + (devices - 1) * efficiency
 
 
 def _point_done(point: _Point) -> bool:

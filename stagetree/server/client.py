@@ -94,6 +94,7 @@ _SERVER_SIDE = {
     "threads_per_worker": None,
     "eval_every": 1,
     "max_fused": None,
+    "devices_per_worker": 1,
 }
 _WARNED: set[str] = set()
 _WARNED_LOCK = threading.Lock()
@@ -134,6 +135,7 @@ class RemoteStudy(Study):
         token: str | None = None,
         fuse: bool | str = False,
         max_fused: int | None = None,
+        devices_per_worker: int = 1,
     ) -> None:
         check_identity(name, trainer, version)
         if fuse is not True and fuse is not False and fuse != "auto":
@@ -158,6 +160,7 @@ class RemoteStudy(Study):
                 "threads_per_worker": threads_per_worker,
                 "eval_every": eval_every,
                 "max_fused": max_fused,
+                "devices_per_worker": devices_per_worker,
             }
         )
         self.name = name
