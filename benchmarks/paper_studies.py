@@ -53,7 +53,13 @@ trained to 120 epochs.
 Run: ``python benchmarks/paper_studies.py [--quick] [--only NAME] [--plot PNG]`` (the plot
 goes to ``benchmarks/out/paper_studies.png``; it needs matplotlib, a benchmark-only
 dependency; without it the tables are printed and the plot skipped). ``--quick`` runs
-the four single studies only.
+the four single studies only; ``--asha-concurrent N`` gives ASHA an explicit
+``max_concurrent`` (``40``: one job per worker, ASHA's behaviour before it counted
+distinct paths in sharing studies); ``--policy`` picks the scheduling policy.
+
+Bounds printed under the tables (measurements of where the makespan goes):
+:func:`barrier_bound` for SHA (rungs wait for each other) and :func:`depth_bound` for
+the grids (no step starts before the steps above it on its path).
 """
 
 from __future__ import annotations
