@@ -1028,6 +1028,9 @@ class _StudyRunner:
     def num_workers(self) -> int:
         return self.study.num_workers
 
+    def shares_work(self) -> bool:
+        return bool(self.study.share)
+
     def declare(self, trials: list[tuple[dict[str, Any], dict[str, Sequence]]]) -> None:
         self.study.declare(trials)
 

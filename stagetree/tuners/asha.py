@@ -11,6 +11,7 @@ stop-only variant).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -18,6 +19,7 @@ from stagetree.exceptions import TunerError
 from stagetree.tuners.base import (
     Job,
     ReplayingRunner,
+    Trial,
     Tuner,
     check_int,
     draw_specs,
@@ -34,9 +36,13 @@ class ASHA(Tuner):
     Rungs: ``levels = rung_levels(min_steps, max_steps, eta, max_rungs)``, i.e.
     ``min_steps * eta**k`` for at most ``max_rungs - 1`` lower rungs and ``max_steps`` as
     the top rung (defaults follow the paper's production setting: ``eta=4``, at most 5
-    rungs). At most ``max_concurrent`` (default: the runner's worker count) jobs are in
-    flight; each time one finishes, free slots are filled by ``get_job``. The search
-    ends when ``num_trials`` configurations have been started, every job has finished
+    rungs). At most ``max_concurrent`` jobs are in flight; each time one finishes, free
+    slots are filled by ``get_job``. By default (``max_concurrent=None``) the slots are
+    the runner's workers, counted per distinct piece of work in a study that shares
+    prefixes (``share=True``): jobs that would train the same steps from the same model
+    take one worker between them, so ASHA keeps every worker busy, as the paper's "get a
+    job whenever a worker frees" does. The search ends when ``num_trials``
+    configurations have been started, every job has finished
     and nothing is promotable.
 
     Brackets: bracket ``s = 0..brackets-1`` starts at rung ``s`` (the paper's minimum
@@ -106,6 +112,15 @@ class ASHA(Tuner):
         self.promotions = []
         promoted: list[list[set[int]]] = [[set() for _ in levels] for _ in self.rungs]
         in_flight: dict[Job, tuple[int, int]] = {}
+        # With the default concurrency in a study that shares prefixes, a worker is busy
+        # per distinct remaining path, not per job: jobs that train the same steps
+        # (trials drawn with the same prefix) take one worker between them, so ASHA
+        # counts distinct work and fills idle workers, as "whenever a worker frees".
+        distinct = self.max_concurrent is None and ctx.shares_work()
+        work: dict[Job, tuple[Any, ...]] = {}
+
+        def occupied() -> int:
+            return len(set(work.values())) if distinct else len(in_flight)
 
         def get_job() -> Job | None:
             for level in range(top - 1, -1, -1):
@@ -120,6 +135,8 @@ class ASHA(Tuner):
                                 rung=level + 1,
                             )  # fmt: skip
                             in_flight[job] = (b, level + 1)
+                            if distinct:
+                                work[job] = _work_key(job.trial, levels[level], levels[level + 1])
                             return job
             if len(self.trials) < len(specs):
                 spec = specs[len(self.trials)]
@@ -129,16 +146,19 @@ class ASHA(Tuner):
                 b = trial.id % self.num_brackets
                 job = ctx.submit(trial, levels[b], "submit", bracket=b, rung=b)
                 in_flight[job] = (b, b)
+                if distinct:
+                    work[job] = _work_key(trial, 0, levels[b])
                 return job
             return None
 
         while True:
-            while len(in_flight) < self._workers(ctx) and get_job() is not None:
+            while occupied() < self._workers(ctx) and get_job() is not None:
                 pass
             if not in_flight:
                 return
             job = await ctx.wait_first(in_flight)
             b, level = in_flight.pop(job)
+            work.pop(job, None)
             rung = self.rungs[b][level]
             rung[job.trial.id] = self._observe(job)
             if self._bridge is not None and level < top:
@@ -195,3 +215,16 @@ class AsyncHyperband(ASHA):
             max_concurrent=max_concurrent,
             sampler=sampler,
         )
+
+
+def _work_key(trial: Trial, start: int, stop: int) -> tuple[Any, ...]:
+    """What training ``trial`` from ``start`` to ``stop`` computes: its config and its
+    sequences' values up to ``stop`` (equal keys train the same steps from the same
+    model, which a sharing study does once)."""
+    path = tuple((name, tuple(_values(trial.hp[name], stop))) for name in sorted(trial.hp))
+    return (json.dumps(trial.config, sort_keys=True, default=repr), start, path)
+
+
+def _values(seq: Any, stop: int) -> list[Any]:
+    values = getattr(seq, "values", None)
+    return list(values(0, stop)) if callable(values) else [seq] * stop

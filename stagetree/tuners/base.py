@@ -264,6 +264,14 @@ class ReplayingRunner:
             self._workers = real
         return real
 
+    def shares_work(self) -> bool:
+        """Whether the runner trains a prefix shared by several submissions once (a
+        stage-based study): jobs whose remaining steps follow the same path then take
+        one worker between them. False for runners that do not say (``shares_work``
+        is optional on a :class:`TrialRunner`)."""
+        shares = getattr(self._runner, "shares_work", None)
+        return bool(shares()) if callable(shares) else False
+
     # -- logging
 
     def _append(self, record: dict[str, Any]) -> None:
