@@ -130,9 +130,10 @@ class Study:
         checkpoint_every: periodic checkpoints, which bound the steps a crash loses
             (checkpoints are otherwise taken where trials branch and where batches
             end): an int (every that many steps), ``"auto"`` (the default: once a step
-            and a save were measured, every 5% of a trial's steps, but no more often
-            than every 100 steps' time, so that saves cost at most about 1% of the
-            training; none for cheap steps and short trials) or ``None`` (off). Saves
+            and a save were measured, every 5% of a trial's steps or every minute of
+            training, whichever is longer, and no more often than every 100 steps'
+            time, so that saves cost at most about 1% of the training; none for short
+            trials) or ``None`` (off). Saves
             are written in the background. An engine setting, like ``eval_every``.
         devices_per_worker: devices each worker owns (default 1), for trials that
             train data-parallel over several devices: a local worker process gets

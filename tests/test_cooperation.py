@@ -285,7 +285,8 @@ def test_two_engines_in_one_process_share_through_leases(tmp_path: Path) -> None
 
 
 def test_plain_submissions_of_one_study_from_two_processes_join(url: str, tmp_path: Path) -> None:
-    common = {"url": url, "mode": "submit", "nap": 0.05, "study": "s"}
+    # 0.15 s steps: each engine learns the other's branch points before passing them.
+    common = {"url": url, "mode": "submit", "nap": 0.15, "study": "s"}
     results = run_together(
         tmp_path, {"a": {**common, "trials": TRIALS_A}, "b": {**common, "trials": TRIALS_B}}
     )

@@ -636,10 +636,18 @@ def test_checkpoint_every_auto_follows_the_measured_costs() -> None:
     (batch,) = only(out, RunBatch)
     assert batch.checkpoint_at == ((1, 100),)
     assert h.sched.periodic_interval("r", 100) is None
-    h(Progress(batch.batch_id, 0, 1, 100, 0.5))  # 0.5 s a step
-    h(CheckpointSaved(batch.batch_id, 0, 1, 100, "ck", 1, 0.1))  # 0.1 s a save
-    # 5% of a 400-step trial is 20 steps, and 100 steps' time pays 5 s for 0.1 s saves.
+    h(Progress(batch.batch_id, 0, 1, 100, 5.0))  # 5 s a step
+    h(CheckpointSaved(batch.batch_id, 0, 1, 100, "ck", 1, 1.0))  # 1 s a save
+    # 5% of a 400-step trial is 20 steps (100 s); saves every 20 steps cost 1% or less.
     assert h.sched.periodic_interval("r", 400) == 20
+    # 0.5 s steps: 20 steps are 10 s, and a crash may lose a minute (120 steps).
+    fast = Harness(workers=1)
+    (_, out) = fast.trial(CONST, 100)
+    (first,) = only(out, RunBatch)
+    fast(Progress(first.batch_id, 0, 1, 100, 0.5))
+    fast(CheckpointSaved(first.batch_id, 0, 1, 100, "ck", 1, 0.1))
+    assert fast.sched.periodic_interval("r", 400) == 120
+    assert fast.sched.periodic_interval("r", 100) is None  # a short trial: none
     cheap = Harness(workers=1)  # 1 ms steps: saves every 10000 steps, none in 400
     (_, out) = cheap.trial(CONST, 100)
     (batch,) = only(out, RunBatch)

@@ -177,6 +177,11 @@ def _by_step(keys: set[Key]) -> tuple[Key, ...]:
     return tuple(sorted(keys, key=lambda k: (k[1], k[0])))
 
 
+# Seconds of training a crash may lose in any case (periodic checkpoints are for trials
+# long enough that a few percent of them is more).
+_CRASH_LOSS = 60.0
+
+
 def check_checkpoint_every(value: Any) -> None:
     """Raises ValueError unless ``value`` is an int >= 1, ``"auto"`` or None."""
     if value is None or value == "auto":
@@ -1251,9 +1256,10 @@ class Scheduler:
 
         ``checkpoint_every`` an int: that. ``"auto"``: the cost model's choice, once a
         step of the tree and a checkpoint were measured: a crash loses at most 5% of
-        the trial (``end / 20`` steps), and the saves cost at most 1% of the training
-        time (at least 100 steps' time between saves); none where that interval is
-        not shorter than the batch. ``None``: off (branch points and batch ends only).
+        the trial (``end / 20`` steps) or a minute of training, whichever is more, and
+        the saves cost at most 1% of the training time (at least 100 steps' time
+        between saves); none where that interval is not shorter than the batch (short
+        trials lose little to a crash). ``None``: off (branch points and batch ends).
         """
         every = self.checkpoint_every
         if every is None:
@@ -1264,7 +1270,9 @@ class Scheduler:
         if not step or not self._save_count:
             return None
         save = self._save_total / self._save_count
-        interval = max(math.ceil(end / 20), math.ceil(100 * save / step))
+        interval = max(
+            math.ceil(end / 20), math.ceil(100 * save / step), math.ceil(_CRASH_LOSS / step)
+        )
         return interval if interval < end else None
 
     def _preempt(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
