@@ -222,9 +222,9 @@ class RunReport:
     stopped_by: str | None = None
 
     def summary(self) -> str:
-        """One line: ``this run: 16 trials (16 answered from the storage), 0 steps
+        """One line: ``this run: 16 trials (16 found already trained), 0 steps
         trained, 0.0 device-seconds, 1.2 s``, plus the budget that stopped it."""
-        answered = f" ({self.trials_answered} answered from the storage)"
+        answered = f" ({self.trials_answered} found already trained)"
         line = (
             f"this run: {self.trials} trials{answered if self.trials_answered else ''}, "
             f"{self.steps_executed} steps trained, {self.device_seconds:.1f} device-seconds, "

@@ -611,7 +611,7 @@ def _run_rows(run: Any, numbers: dict[str, float]) -> list[tuple[str, str]]:
         run_steps_executed=float(run.steps_executed),
         run_device_seconds=float(run.device_seconds),
     )
-    answered = f", {run.trials_answered} answered from the storage" if run.trials_answered else ""
+    answered = f", {run.trials_answered} found already trained" if run.trials_answered else ""
     rows = [
         (
             "this run",

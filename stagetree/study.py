@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -611,6 +612,7 @@ class Study:
         guard: BudgetGuard | None = None
         try:
             self._ensure_started()
+            spent = self._device_seconds()
             virtual = self._virtual_time()
             show = progress if progress is not None else (_stderr_is_tty() and not virtual)
             display: Any = contextlib.nullcontext()
@@ -630,13 +632,23 @@ class Study:
             with display:
                 best = self._drive(guarded())
             if guard is not None:
-                self.last_run = guard.report()
+                # The run's device-seconds as the study's totals count them (what was
+                # trained for this study), so that the report's two rows agree.
+                used = max(self._device_seconds() - spent, 0.0)
+                self.last_run = dataclasses.replace(guard.report(), device_seconds=used)
                 self._record_run(self.last_run)
         finally:
             self.end_tuning()
         if best is None:
             self._raise_if_all_failed()
         return best
+
+    def _device_seconds(self) -> float:
+        """Device-seconds trained for this study so far (``stats()``'s figure)."""
+        if self._local_engine() is None:
+            return float(self.stats().get("device_seconds", 0.0))
+        with self._engine.reading() as storage:
+            return reports.study_accounting(storage, self.name, self.version)["device_seconds"]
 
     def _local_engine(self) -> Engine | None:
         """The engine in this process; None for a client of a tuning server."""

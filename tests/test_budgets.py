@@ -243,7 +243,7 @@ def test_cli_run_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
     assert main(["run", str(path), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "5 trials, 2 answered from the storage; trained 12 steps" in out
+    assert "5 trials, 2 found already trained; trained 12 steps" in out
     assert "budget:" not in out
     assert main(["status", "--storage", url]) == 0
     assert "stopped by its budget" not in capsys.readouterr().out  # that run finished

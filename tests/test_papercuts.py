@@ -158,7 +158,7 @@ def test_last_run_tells_this_runs_work_from_the_totals() -> None:
     assert first.steps_executed == 6 and first.trials_answered == 0
     assert second.steps_executed == 0 and second.trials == second.trials_answered == 2
     assert total == 6
-    assert "2 trials (2 answered from the storage), 0 steps trained" in second.summary()
+    assert "2 trials (2 found already trained), 0 steps trained" in second.summary()
 
 
 # --------------------------------------------------------------------------- f: README
