@@ -368,12 +368,11 @@ def extra_seconds(
     return total / speedup
 
 
-def _unique_seconds(
-    trials: Sequence[Any], steps: int, cost: Callable[..., float], speedup: float
-) -> float:
-    """Training seconds of the union of ``trials``' paths to ``steps`` (shared steps once)."""
-    if steps <= 0 or not trials:
-        return 0.0
+def _plan_of(
+    trials: Sequence[Any], steps: int
+) -> tuple[dict[int, Any], dict[str, Mapping[str, Any]], list[tuple[int, int]]]:
+    """``trials`` to ``steps`` inserted in a fresh memory plan: its nodes by id, the fixed
+    config of each plan tree, and each trial's canonical end."""
     storage = MemoryPlanStorage()
     grouped: dict[str, list[tuple[Any, int]]] = {}
     roots: dict[str, Mapping[str, Any]] = {}
@@ -386,7 +385,16 @@ def _unique_seconds(
         for key, items in grouped.items()
         for ins in storage.insert_trials(key, items, request=False)
     ]
-    nodes = {n.id: n for n in storage.nodes()}
+    return {n.id: n for n in storage.nodes()}, roots, ends
+
+
+def _unique_seconds(
+    trials: Sequence[Any], steps: int, cost: Callable[..., float], speedup: float
+) -> float:
+    """Training seconds of the union of ``trials``' paths to ``steps`` (shared steps once)."""
+    if steps <= 0 or not trials:
+        return 0.0
+    nodes, roots, ends = _plan_of(trials, steps)
     return work(nodes, roots, ends, lambda c, v: cost(c, v) / speedup, 1).unique_work
 
 
@@ -408,19 +416,7 @@ def depth_bound(
     long shared trunk leaves workers without ready work early on."""
     import numpy as np
 
-    storage = MemoryPlanStorage()
-    grouped: dict[str, list[tuple[Any, int]]] = {}
-    roots: dict[str, Mapping[str, Any]] = {}
-    for t in trials:
-        key = config_key(t.config)
-        grouped.setdefault(key, []).append((t.hp, steps))
-        roots[key] = t.config
-    ends = [
-        (ins.node, ins.step)
-        for key, items in grouped.items()
-        for ins in storage.insert_trials(key, items, request=False)
-    ]
-    nodes = {n.id: n for n in storage.nodes()}
+    nodes, roots, ends = _plan_of(trials, steps)
     tree = build_stage_tree(nodes, list(dict.fromkeys(ends)))
     starts: list[float] = []
     costs: list[float] = []
