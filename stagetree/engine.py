@@ -829,7 +829,7 @@ class Engine:
                 data={
                     "steps": ev.steps,
                     "load_seconds": ev.load_seconds,
-                    "save_wait_seconds": getattr(ev, "save_wait_seconds", 0.0),
+                    "save_wait_seconds": ev.save_wait_seconds,
                 },
             )
         elif isinstance(ev, work.BatchFailed):

@@ -643,9 +643,13 @@ class Scheduler:
     def _on_checkpoint_failed(self, e: CheckpointFailed, out: list[Instruction | Notice]) -> None:
         batch = self._saving.get(e.batch_id)
         if batch is not None:
-            self._unpromise(batch, (e.node, e.step), out)
-            self._end_saving(out)
-            self._dirty = True
+            self._not_coming(batch, (e.node, e.step), out)
+
+    def _not_coming(self, batch: _Batch, key: Key, out: list[Instruction | Notice]) -> None:
+        """Saving ``batch``'s checkpoint at ``key`` will not be written: plan without it."""
+        self._unpromise(batch, key, out)
+        self._end_saving(out)
+        self._dirty = True
 
     def _unpromise(self, batch: _Batch, key: Key, out: list[Instruction | Notice]) -> None:
         """A saving batch's checkpoint at ``key`` will not come: a request parked on it
@@ -843,9 +847,7 @@ class Scheduler:
     def _on_split_missed(self, e: SplitMissed, out: list[Instruction | Notice]) -> None:
         saving = self._saving.get(e.batch_id)
         if saving is not None:  # asked for after its end: never captured
-            self._unpromise(saving, (e.node, e.step), out)
-            self._end_saving(out)
-            self._dirty = True
+            self._not_coming(saving, (e.node, e.step), out)
             return
         batch = self._batches.get(e.batch_id)
         if batch is None:
@@ -1216,6 +1218,8 @@ class Scheduler:
                 (n, t) for n, a, b in segments for t in range(a + 1, b) if t % every == 0
             }
         checkpoint -= self._checkpoints.keys()
+        # None from a fresh model, or from one in memory (see _tree): the worker has it.
+        start_ref = None if start is None else self._checkpoints.get(start)
         last = path[-1]
         batch_id = self._next_batch
         self._next_batch += 1
@@ -1230,7 +1234,7 @@ class Scheduler:
             set(checkpoint),
             frozenset(evaluate | checkpoint),
             start,
-            None if start is None else self._checkpoints.get(start),
+            start_ref,
             charged=root.start,
         )
         self._positions[batch_id] = root.start
@@ -1242,8 +1246,7 @@ class Scheduler:
             config=dict(self._roots[root_key]),
             start_step=root.start,
             start_at=start,
-            # None from an in-memory model (see _tree): the worker continues it.
-            start_checkpoint=None if start is None else self._checkpoints.get(start),
+            start_checkpoint=start_ref,
             segments=tuple(Segment(n, a, b, self._nodes[n].hp) for n, a, b in segments),
             evaluate_at=_by_step(evaluate),
             checkpoint_at=_by_step(checkpoint),
