@@ -32,17 +32,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from stagetree.exceptions import StagetreeError
+from stagetree.exceptions import InvalidBudgetError
 
 __all__ = ["POLL_SECONDS", "Budget", "BudgetGuard", "InvalidBudgetError", "RunReport"]
 
 # Seconds between budget checks while work runs (real time only; a simulated run is
 # checked at its events, so that its decisions stay deterministic).
 POLL_SECONDS = 0.25
-
-
-class InvalidBudgetError(StagetreeError, ValueError):
-    """A budget that is not positive, has an unknown unit, or is not a budget at all."""
 
 
 _SECONDS = {

@@ -932,7 +932,8 @@ def check_script(
     import runpy
     from pathlib import Path
 
-    from stagetree.cli import RUN_NAME, CommandError, _pick, _script_context
+    from stagetree.cli import RUN_NAME, _pick, _script_context
+    from stagetree.exceptions import CommandError
     from stagetree.study import Study
     from stagetree.tuners.base import Tuner
 

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from stagetree import __version__
 from stagetree.dashboard.serve import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from stagetree.exceptions import (
+    CommandError,
     InvalidSpaceError,
     StagetreeError,
     StorageError,
@@ -317,11 +318,6 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 # --------------------------------------------------------------------------- shared
-
-
-class CommandError(StagetreeError, ValueError):
-    """A command-line input stagetree cannot use: a missing script, a script without a
-    study or tuner. (An unknown study name is a :class:`~stagetree.plan.PlanKeyError`.)"""
 
 
 DEFAULT_STORAGE = "sqlite:///stagetree.db"

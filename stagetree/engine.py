@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import logging
 import shutil
-import tempfile
 import threading
 import time
 import traceback
@@ -29,7 +28,6 @@ import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stagetree import _versions
@@ -43,6 +41,7 @@ from stagetree.exceptions import (
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import BasePlanStorage, Insertion, RequestState
 from stagetree.plan.leases import host_pid
+from stagetree.plan.scopes import root_scope, study_scope
 from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
@@ -53,10 +52,7 @@ __all__ = [
     "Engine",
     "StudySlot",
     "Waiter",
-    "default_checkpoint_dir",
     "failure_record",
-    "root_scope",
-    "study_scope",
 ]
 
 logger = logging.getLogger("stagetree")
@@ -70,31 +66,6 @@ def failure_record(error: str, traceback: str, where: str = "") -> dict[str, str
     if not sep or not kind.replace(".", "").replace("_", "").isalnum():
         kind, message = "Error", error
     return {"type": kind, "message": message, "traceback": traceback, "where": where}
-
-
-def default_checkpoint_dir(url: str) -> tuple[Path, bool]:
-    """Where checkpoints go when the study does not say, and whether that directory is
-    temporary (removed when the engine closes): beside a SQLite file; a temporary
-    directory for an in-memory plan (nothing outlives it); ``./stagetree_checkpoints``
-    otherwise (a server database: pass a directory every process can reach)."""
-    if url.startswith("sqlite:///"):
-        db = Path(url[len("sqlite:///") :])
-        return db.with_name(db.name + ".checkpoints"), False
-    if url.startswith(("memory", ":memory:")):
-        return Path(tempfile.mkdtemp(prefix="stagetree-ckpt-")), True
-    return Path("stagetree_checkpoints"), False
-
-
-def root_scope(root_key: str) -> str:
-    """The accounting scope of one plan tree (see ``BasePlanStorage.add_stats``)."""
-    return f"root:{root_key}"
-
-
-def study_scope(name: str, version: str) -> str:
-    """The accounting scope of one study (at one trainer version): ``steps_executed``
-    and ``device_seconds`` trained for its requests, as fair share charges them (a step
-    several studies needed counts for each; see ``Scheduler.usage``)."""
-    return f"study:{name}@{version}"
 
 
 class Waiter:

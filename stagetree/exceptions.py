@@ -1,4 +1,4 @@
-"""Errors raised by stagetree.
+"""Every error and warning stagetree raises or gives on purpose (and nothing else).
 
 Hierarchy::
 
@@ -7,27 +7,36 @@ Hierarchy::
     ├── InvalidSpaceError          (also ValueError) bad search space or distribution
     ├── InvalidTrialError          (also ValueError) a trial that does not fit its study / plan
     ├── StorageError               a storage URL that cannot be opened, or a failed transaction
-    │   └── SchemaVersionError     database written by a newer (or unknown) schema version
+    │   ├── SchemaVersionError     database written by a newer (or unknown) schema version
+    │   ├── PlanKeyError           (also KeyError) a node, request, study or trial the plan
+    │   │                          does not hold
+    │   └── RequestError           (also ValueError) a request operation against the rules
     ├── CheckpointError            a checkpoint that is missing, corrupt or cannot be written
     │   └── CheckpointsInUseError  ``stagetree gc`` would remove what a running study needs
     ├── TrainerError               user trainer code raised; carries the formatted traceback
+    ├── FusionError                members that cannot be trained fused
     ├── SchedulerError             an event the scheduler cannot accept (a bug or bad input)
-    ├── FusionError                (stagetree.fusion) members that cannot be trained fused
     ├── ExecutorError              an executor that cannot run: Ray missing, no cluster,
     │                              resources no node has, unreachable checkpoints, versions
     ├── TrialFailedError           a request failed (its stage or an ancestor stage raised)
     ├── TrialCancelledError        a request was cancelled before it finished
     ├── StudyBusyError             the study is being tuned by another live process
     ├── TunerError                 (also ValueError) invalid tuner arguments or metric
+    ├── InvalidBudgetError         (also ValueError) a budget that is not a positive amount
+    ├── CommandError               (also ValueError) a command-line input that cannot be used
+    ├── MissingExtraError          (also ImportError) an optional extra is not installed
     └── ServerError                a tuning server (``stagetree serve``) refused a request
         ├── AuthError              no token, or the wrong one (HTTP 401 / 403)
         ├── VersionMismatchError   client and server speak different protocol versions
-        └── ServerUnavailableError the server could not be reached within the retry time
+        ├── ServerUnavailableError the server could not be reached within the retry time
+        └── RequestRefusedError    raised inside the server: the refusal it answers with
 
     StagetreeWarning               (a UserWarning) something the user should know about:
-    ├── TrainerChangedWarning      (stagetree.identity) the trainer's code changed
-    └── UnreadHyperparameterWarning (stagetree.names) a sequence setup() never read
-                                   (also: repeated draws of a random search)
+    ├── TrainerChangedWarning      the trainer's code changed since a study's trials ran
+    ├── UnreadHyperparameterWarning a sequence setup() never read (also: repeated draws
+    │                              of a random search)
+    ├── RemoteArgumentWarning      a remote study was given a server-side argument
+    └── ReplayDivergedWarning      (also RuntimeWarning) a resumed tuner left its log
 """
 
 from __future__ import annotations
@@ -36,10 +45,19 @@ __all__ = [
     "AuthError",
     "CheckpointError",
     "CheckpointsInUseError",
+    "CommandError",
     "ExecutorError",
+    "FusionError",
+    "InvalidBudgetError",
     "InvalidSequenceError",
     "InvalidSpaceError",
     "InvalidTrialError",
+    "MissingExtraError",
+    "PlanKeyError",
+    "RemoteArgumentWarning",
+    "ReplayDivergedWarning",
+    "RequestError",
+    "RequestRefusedError",
     "SchedulerError",
     "SchemaVersionError",
     "ServerError",
@@ -48,10 +66,12 @@ __all__ = [
     "StagetreeWarning",
     "StorageError",
     "StudyBusyError",
+    "TrainerChangedWarning",
     "TrainerError",
     "TrialCancelledError",
     "TrialFailedError",
     "TunerError",
+    "UnreadHyperparameterWarning",
     "VersionMismatchError",
 ]
 
@@ -74,6 +94,17 @@ class InvalidTrialError(StagetreeError, ValueError):
 
 class StorageError(StagetreeError):
     """A storage backend could not be opened or a transaction failed."""
+
+
+class PlanKeyError(StorageError, KeyError):
+    """A node, request, study or trial that the plan does not hold."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RequestError(StorageError, ValueError):
+    """A request operation that breaks the request rules (e.g. releasing more than held)."""
 
 
 class SchemaVersionError(StorageError):
@@ -99,6 +130,12 @@ class _WithTraceback(StagetreeError):
 
 class TrainerError(_WithTraceback):
     """User trainer code raised. ``traceback`` holds the formatted original traceback."""
+
+
+class FusionError(StagetreeError):
+    """Members cannot be trained fused (a model that cannot be vmapped, an optimizer
+    without a fused form, ``.item()`` inside the loss...). The worker reports it once per
+    trainer class and trains those members unfused instead."""
 
 
 class SchedulerError(StagetreeError):
@@ -151,6 +188,20 @@ class TunerError(StagetreeError, ValueError):
     """Invalid tuner arguments, or a metric the trainer never reports."""
 
 
+class InvalidBudgetError(StagetreeError, ValueError):
+    """A budget that is not positive, has an unknown unit, or is not a budget at all."""
+
+
+class CommandError(StagetreeError, ValueError):
+    """A command-line input stagetree cannot use: a missing script, a script without a
+    study or tuner. (An unknown study name is a :class:`~stagetree.plan.PlanKeyError`.)"""
+
+
+class MissingExtraError(StagetreeError, ImportError):
+    """An export format needs a package that is not installed; the message names the
+    ``pip install 'stagetree[extra]'`` that brings it."""
+
+
 class ServerError(StagetreeError):
     """A tuning server refused a request (a malformed request, a trainer it cannot load,
     a request too large) or failed; the message is the server's.
@@ -179,5 +230,33 @@ class ServerUnavailableError(ServerError):
     message names the URL and how long it tried)."""
 
 
+class RequestRefusedError(ServerError):
+    """Raised inside the server: a request it refuses, with the HTTP ``status``, an error
+    ``type`` and a ``message`` that names the problem (never a token). The server sends
+    it to the client, which raises it as a :class:`ServerError` (or a subclass)."""
+
+    def __init__(self, status: int, type: str, message: str) -> None:
+        super().__init__(message, status=status, type=type)
+        self.message = message
+
+
 class StagetreeWarning(UserWarning):
     """A warning stagetree gives on purpose (the run goes on)."""
+
+
+class TrainerChangedWarning(StagetreeWarning):
+    """The trainer's code differs from the version that trained a study's trials: they
+    train again (once per process and study)."""
+
+
+class UnreadHyperparameterWarning(StagetreeWarning):
+    """A sequential hyper-parameter was given to ``Trainer.setup`` and never read."""
+
+
+class RemoteArgumentWarning(StagetreeWarning):
+    """A remote study was given a server-side argument (storage, workers...): the
+    server's own setting is used instead."""
+
+
+class ReplayDivergedWarning(StagetreeWarning, RuntimeWarning):
+    """A resumed tuner did not take the logged decisions; it goes on live."""

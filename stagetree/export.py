@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from stagetree.exceptions import CheckpointError, StagetreeError
+from stagetree.exceptions import CheckpointError, MissingExtraError, StagetreeError
 from stagetree.reports import TrialRecord, short_sequence, study_record, trial_records
 
 if TYPE_CHECKING:
@@ -73,11 +73,6 @@ __all__ = [
 TABLE_FORMATS = ("csv", "json", "parquet")
 
 HISTORY_COLUMNS = ["study", "trial", "step", "metric", "value"]
-
-
-class MissingExtraError(StagetreeError, ImportError):
-    """An export format needs a package that is not installed; the message names the
-    ``pip install 'stagetree[extra]'`` that brings it."""
 
 
 def require(module: str, extra: str, what: str) -> Any:
@@ -251,7 +246,7 @@ def trials_table(
         StorageError: the storage cannot be opened.
         PlanKeyError: no study ``study`` in it.
     """
-    from stagetree.plan import PlanKeyError
+    from stagetree.exceptions import PlanKeyError
 
     with _opened(storage) as opened:
         try:
@@ -384,7 +379,7 @@ def _checkpoint_location(url: str | None, checkpoints: str | os.PathLike[str] | 
     if checkpoints is not None:
         return checkpoints
     if url is not None and url.startswith("sqlite:///"):
-        from stagetree.engine import default_checkpoint_dir
+        from stagetree.checkpoints.location import default_checkpoint_dir
 
         return default_checkpoint_dir(url)[0]
     raise CheckpointError(
@@ -420,7 +415,7 @@ def _read_ref(location: Any, ref: str) -> dict[str, Any]:
 
 
 def _trial_row(storage: BasePlanStorage, trial: int) -> dict[str, Any]:
-    from stagetree.plan import PlanKeyError
+    from stagetree.exceptions import PlanKeyError
 
     try:
         return storage.trial(int(trial))

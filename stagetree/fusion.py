@@ -31,12 +31,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from stagetree.exceptions import StagetreeError
-
 if TYPE_CHECKING:
     from stagetree.trainer import Trainer
 
-__all__ = ["DEFAULT_MAX_FUSED", "FusedGroup", "FusionError", "check_max_fused", "fusion_names"]
+__all__ = ["DEFAULT_MAX_FUSED", "FusedGroup", "check_max_fused", "fusion_names"]
 
 #: Default ``max_fused``. On a CPU (``benchmarks/fusion_bench.py``, one thread) the fused
 #: digits MLP trains 3.9x the samples of the same models one after another at 16 members,
@@ -44,12 +42,6 @@ __all__ = ["DEFAULT_MAX_FUSED", "FusedGroup", "FusionError", "check_max_fused", 
 #: job takes from the other workers. On an accelerator a trainer can lower it to what
 #: the device holds (``Trainer.fused_width_limit``).
 DEFAULT_MAX_FUSED = 32
-
-
-class FusionError(StagetreeError):
-    """Members cannot be trained fused (a model that cannot be vmapped, an optimizer
-    without a fused form, ``.item()`` inside the loss...). The worker reports it once per
-    trainer class and trains those members unfused instead."""
 
 
 class FusedGroup(ABC):

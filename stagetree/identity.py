@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from stagetree.exceptions import StagetreeWarning
+from stagetree.exceptions import TrainerChangedWarning
 
 __all__ = [
     "TrainerChangedWarning",
@@ -54,11 +54,6 @@ __all__ = [
     "trainer_fingerprint",
     "trial_version",
 ]
-
-
-class TrainerChangedWarning(StagetreeWarning):
-    """The trainer's code differs from the version that trained a study's trials: they
-    train again (once per process and study)."""
 
 
 _SKIP_ATTRS = frozenset(

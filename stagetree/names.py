@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from stagetree.exceptions import InvalidTrialError, StagetreeWarning
+from stagetree.exceptions import InvalidTrialError, UnreadHyperparameterWarning
 
 __all__ = [
     "HpReadWatch",
@@ -57,10 +57,6 @@ _SYNONYMS = {
     "beta_2": "beta2",
     "epsilon": "eps",
 }
-
-
-class UnreadHyperparameterWarning(StagetreeWarning):
-    """A sequential hyper-parameter was given to ``Trainer.setup`` and never read."""
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:

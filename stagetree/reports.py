@@ -197,7 +197,7 @@ def study_record(storage: BasePlanStorage, study: str) -> dict[str, Any]:
     Raises:
         PlanKeyError: no study ``study`` in the storage (naming the studies there).
     """
-    from stagetree.plan import PlanKeyError
+    from stagetree.exceptions import PlanKeyError
 
     by_name = _studies(storage)
     if study not in by_name:
@@ -595,7 +595,7 @@ def accounting(
 
 def _tree_stats(storage: BasePlanStorage, roots: Iterable[str]) -> dict[str, float]:
     """The counters of the plan trees ``roots``, summed."""
-    from stagetree.engine import root_scope
+    from stagetree.plan.scopes import root_scope
 
     out: dict[str, float] = {}
     for root in roots:
@@ -609,8 +609,8 @@ def _own_counters(
 ) -> dict[str, float]:
     """The study's own counters (``engine.study_scope``: what was trained for its
     requests) at the version of ``trials``; empty when none were kept."""
-    from stagetree.engine import study_scope
     from stagetree.identity import trial_version
+    from stagetree.plan.scopes import study_scope
 
     if not trials:
         return {}

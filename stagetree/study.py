@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from stagetree import reports
 from stagetree.budget import Budget, BudgetGuard, RunReport
 from stagetree.checkpoints import CheckpointStore, check_location
-from stagetree.engine import Engine, StudySlot, default_checkpoint_dir
+from stagetree.checkpoints.location import default_checkpoint_dir
+from stagetree.engine import Engine, StudySlot
 from stagetree.exceptions import (
     CheckpointError,
     InvalidTrialError,

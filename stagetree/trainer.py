@@ -80,7 +80,7 @@ class Trainer:
             FusionError: the members cannot be fused (always, unless a subclass
                 implements fusion).
         """
-        from stagetree.fusion import FusionError
+        from stagetree.exceptions import FusionError
 
         raise FusionError(f"{cls.__qualname__} does not implement fused training")
 

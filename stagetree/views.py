@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stagetree import reports
-from stagetree.plan.base import PlanKeyError
+from stagetree.exceptions import PlanKeyError
 from stagetree.plan.model import RequestState
 
 if TYPE_CHECKING:

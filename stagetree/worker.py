@@ -953,7 +953,7 @@ class _FusedRun:
                         self.group.setup(i, change)
                 metrics = self.group.step()
             except Exception as exc:
-                from stagetree.fusion import FusionError
+                from stagetree.exceptions import FusionError
 
                 if first and isinstance(exc, FusionError):
                     self.fall_back(exc)

@@ -128,7 +128,7 @@ class _LinearGroup:
 
     def step(self) -> list[dict[str, float]]:
         if self.first and self._members[0].config.get("fuse_fails"):
-            from stagetree.fusion import FusionError
+            from stagetree.exceptions import FusionError
 
             raise FusionError("this model cannot be vmapped (test)")
         self.first = False

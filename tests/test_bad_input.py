@@ -14,11 +14,15 @@ import pytest
 
 from stagetree import Choice, StagetreeWarning, Study, TunerError
 from stagetree.cli import main
-from stagetree.exceptions import InvalidSpaceError, InvalidTrialError, StorageError
+from stagetree.exceptions import (
+    InvalidSpaceError,
+    InvalidTrialError,
+    ReplayDivergedWarning,
+    StorageError,
+)
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace, RandomSpace
 from stagetree.tuners import GridSearch, RandomSearch
-from stagetree.tuners.base import ReplayDivergedWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from failing_trainers import Counter

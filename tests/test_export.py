@@ -16,8 +16,8 @@ import pytest
 
 from stagetree import Study
 from stagetree.cli import export, main
-from stagetree.exceptions import TrialFailedError
-from stagetree.export import MissingExtraError, lineage_text, trials_dataframe, trials_table
+from stagetree.exceptions import MissingExtraError, TrialFailedError
+from stagetree.export import lineage_text, trials_dataframe, trials_table
 from stagetree.hp import Constant, MultiStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -13,8 +13,8 @@ from typing import Any
 from study_trainers import SlowLinearTrainer
 
 from stagetree import Study, open_storage
-from stagetree.engine import study_scope
 from stagetree.hp import Constant, MultiStep
+from stagetree.plan.scopes import study_scope
 from stagetree.stages import unique_steps
 
 STEPS = 40

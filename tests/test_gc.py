@@ -20,9 +20,9 @@ from stagetree import Study
 from stagetree.checkpoints import CheckpointStore, collect_garbage, needed_checkpoints
 from stagetree.checkpoints.gc import evict_to_budget, parse_duration
 from stagetree.cli import main
-from stagetree.exceptions import CheckpointError, CheckpointsInUseError, StorageError
+from stagetree.exceptions import CheckpointError, CheckpointsInUseError, PlanKeyError, StorageError
 from stagetree.hp import Constant, MultiStep
-from stagetree.plan import PlanKeyError, RequestState, open_storage
+from stagetree.plan import RequestState, open_storage
 from stagetree.space import GridSpace
 from stagetree.tuners import GridSearch
 

@@ -10,13 +10,9 @@ from typing import Any
 import pytest
 
 from stagetree import InvalidTrialError, Study, Trainer, TrialFailedError
+from stagetree.exceptions import UnreadHyperparameterWarning
 from stagetree.hp import Constant
-from stagetree.names import (
-    UnreadHyperparameterWarning,
-    accepted_hyperparameters,
-    check_hp_names,
-    did_you_mean,
-)
+from stagetree.names import accepted_hyperparameters, check_hp_names, did_you_mean
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace
 from stagetree.tuners import GridSearch

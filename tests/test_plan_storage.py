@@ -15,14 +15,12 @@ from typing import Any
 import pytest
 from test_plan_helpers import check_tree, grid, same_values
 
-from stagetree.exceptions import InvalidTrialError, StorageError
+from stagetree.exceptions import InvalidTrialError, PlanKeyError, RequestError, StorageError
 from stagetree.hp import Constant, Linear, MultiStep, Piecewise, Sequence
 from stagetree.plan import (
     BasePlanStorage,
     CheckpointRecord,
     MemoryPlanStorage,
-    PlanKeyError,
-    RequestError,
     RequestState,
     SQLPlanStorage,
 )

@@ -15,8 +15,9 @@ import pytest
 import stagetree
 from stagetree import Study, cli, reports
 from stagetree import study as study_module
+from stagetree.exceptions import PlanKeyError
 from stagetree.hp import Constant, MultiStep
-from stagetree.plan import PlanKeyError, open_storage
+from stagetree.plan import open_storage
 from stagetree.reports import TrialRecord, best_key, best_trial
 from stagetree.space import GridSpace
 from stagetree.tuners import SHA, GridSearch

@@ -31,7 +31,7 @@ from server_client import STEPS, key, space
 from study_trainers import LinearTrainer
 
 from stagetree import Study, open_storage
-from stagetree.engine import study_scope
+from stagetree.plan.scopes import study_scope
 from stagetree.stages import unique_steps
 
 pytest.importorskip("starlette")

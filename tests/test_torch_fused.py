@@ -33,7 +33,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-from stagetree.fusion import FusionError  # noqa: E402
+from stagetree.exceptions import FusionError  # noqa: E402
 from stagetree.torch import FusibleTrainer, TorchFusedGroup, deterministic  # noqa: E402
 from stagetree.torch.examples import DigitsConvTrainer, DigitsTrainer  # noqa: E402
 from stagetree.torch.fused_optim import FusedSGD  # noqa: E402

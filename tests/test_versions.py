@@ -12,13 +12,12 @@ import pytest
 
 from stagetree import Study
 from stagetree.cli import export_records, hidden_trials, study_status
+from stagetree.exceptions import ReplayDivergedWarning, TrainerChangedWarning
 from stagetree.hp import Constant
-from stagetree.identity import TrainerChangedWarning
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace
 from stagetree.study import _StudyRunner
 from stagetree.tuners import ASHA, GridSearch
-from stagetree.tuners.base import ReplayDivergedWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from study_trainers import LinearTrainer

@@ -546,7 +546,7 @@ def _collect(
     grace: float,
     now: float | None,
 ) -> GcReport:
-    from stagetree.plan import PlanKeyError
+    from stagetree.exceptions import PlanKeyError
 
     plan = _snapshot(storage)
     if study is not None and study not in plan.current:

@@ -50,9 +50,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from stagetree import reports, views
-from stagetree.plan.base import PlanKeyError
+from stagetree.exceptions import PlanKeyError, RequestRefusedError
 from stagetree.server.auth import check_authorization
-from stagetree.server.protocol import RequestError
 
 if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
@@ -230,11 +229,11 @@ def _int_param(request: Request, name: str, default: int = 0) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise RequestError(
+        raise RequestRefusedError(
             400, "BadRequest", f"{name!r} must be an integer, got {raw!r:.40}"
         ) from None
     if value < 0:
-        raise RequestError(400, "BadRequest", f"{name!r} must be >= 0, got {value}")
+        raise RequestRefusedError(400, "BadRequest", f"{name!r} must be >= 0, got {value}")
     return value
 
 
@@ -247,7 +246,9 @@ def _wait_param(request: Request) -> float:
     except ValueError:
         value = -1.0
     if not math.isfinite(value) or value < 0:
-        raise RequestError(400, "BadRequest", f"'timeout' must be seconds >= 0, got {raw!r:.40}")
+        raise RequestRefusedError(
+            400, "BadRequest", f"'timeout' must be seconds >= 0, got {raw!r:.40}"
+        )
     return min(value, _MAX_WAIT)
 
 
@@ -331,7 +332,7 @@ def create_dashboard_app(
                 if paced:
                     pacer.record(time.monotonic() - began)
                 return response
-            except RequestError as exc:
+            except RequestRefusedError as exc:
                 return _error(exc.status, exc.message)
             except PlanKeyError as exc:
                 return await _not_found(request, exc)
@@ -485,7 +486,7 @@ def _check_token(request: Request, token: str) -> None:
     """Accept ``Authorization: Bearer``, ``?token=`` or the cookie.
 
     Raises:
-        RequestError: 401 without a token, 403 with a wrong one.
+        RequestRefusedError: 401 without a token, 403 with a wrong one.
     """
     header = request.headers.get("authorization")
     if header:
@@ -493,14 +494,14 @@ def _check_token(request: Request, token: str) -> None:
         return
     given = _given_token(request)
     if not given:
-        raise RequestError(
+        raise RequestRefusedError(
             401,
             "AuthError",
             "this dashboard needs its token: open it with ?token=<token> (the token is in "
             "the file given to --token-file) or send 'Authorization: Bearer <token>'",
         )
     if not hmac.compare_digest(given.encode(), token.encode()):
-        raise RequestError(403, "AuthError", "wrong token")
+        raise RequestRefusedError(403, "AuthError", "wrong token")
 
 
 def _set_cookie(response: Response, request: Request, token: str) -> None:
@@ -521,7 +522,7 @@ def _checkpoint_location(
     if checkpoints is not None:
         return checkpoints
     if url.startswith("sqlite:///"):
-        from stagetree.engine import default_checkpoint_dir
+        from stagetree.checkpoints.location import default_checkpoint_dir
 
         return default_checkpoint_dir(url)[0]
     return None

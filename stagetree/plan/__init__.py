@@ -8,8 +8,8 @@ that several processes may share.
 
 from __future__ import annotations
 
-from stagetree.exceptions import StorageError
-from stagetree.plan.base import BasePlanStorage, CheckpointRecord, PlanKeyError, RequestError
+from stagetree.exceptions import PlanKeyError, RequestError, StorageError
+from stagetree.plan.base import BasePlanStorage, CheckpointRecord
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.plan.model import ActivityRecord, Node, Request, RequestState
 from stagetree.plan.sql import SCHEMA_VERSION, SQLPlanStorage

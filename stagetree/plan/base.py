@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from stagetree.exceptions import StorageError
+from stagetree.exceptions import PlanKeyError, RequestError
 from stagetree.hp import Sequence
 from stagetree.plan.leases import ClaimResult, Lease
 from stagetree.plan.model import ACTIVITY_KINDS, ActivityRecord, Node, Request, RequestState
@@ -27,17 +27,6 @@ __all__ = [
     "after_release",
     "check_canonical",
 ]
-
-
-class PlanKeyError(StorageError, KeyError):
-    """A node, request, study or trial that the plan does not hold."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class RequestError(StorageError, ValueError):
-    """A request operation that breaks the request rules (e.g. releasing more than held)."""
 
 
 @dataclass(frozen=True)

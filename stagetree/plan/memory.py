@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import Any, TypeVar, cast
 
-from stagetree.exceptions import StorageError
+from stagetree.exceptions import PlanKeyError, StorageError
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import _codec
 from stagetree.plan._seqcache import SeqCache
@@ -20,7 +20,6 @@ from stagetree.plan.base import (
     BasePlanStorage,
     CheckpointRecord,
     MetricsItem,
-    PlanKeyError,
     activity_row,
     after_add,
     after_release,

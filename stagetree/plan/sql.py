@@ -51,7 +51,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
-from stagetree.exceptions import SchemaVersionError, StorageError
+from stagetree.exceptions import PlanKeyError, SchemaVersionError, StorageError
 from stagetree.hp import Sequence, dumps_hp, loads_hp
 from stagetree.plan import _codec
 from stagetree.plan._seqcache import SeqCache
@@ -61,7 +61,6 @@ from stagetree.plan.base import (
     BasePlanStorage,
     CheckpointRecord,
     MetricsItem,
-    PlanKeyError,
     activity_row,
     after_add,
     after_release,

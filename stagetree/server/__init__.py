@@ -17,7 +17,8 @@ extra): the client imports httpx when it first connects, ``serve`` the others.
 
 from __future__ import annotations
 
-from stagetree.server.client import RemoteArgumentWarning, RemoteStudy
+from stagetree.exceptions import RemoteArgumentWarning
+from stagetree.server.client import RemoteStudy
 from stagetree.server.protocol import DEFAULT_PORT, PROTOCOL_VERSION
 from stagetree.server.serve import serve
 

@@ -64,7 +64,7 @@ from starlette.routing import Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stagetree import __version__
-from stagetree.exceptions import InvalidTrialError
+from stagetree.exceptions import InvalidTrialError, RequestRefusedError
 from stagetree.server.auth import check_authorization
 from stagetree.server.hub import Hub, Session
 from stagetree.server.protocol import (
@@ -73,7 +73,6 @@ from stagetree.server.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
     STUDY_BODY_LIMIT,
-    RequestError,
     dumps,
     error_to_json,
     hp_from_json,
@@ -97,13 +96,13 @@ class JSON(Response):
 
 def _error(exc: BaseException) -> Response:
     status, body = error_to_json(exc)
-    if status >= 500 and not isinstance(exc, RequestError):
+    if status >= 500 and not isinstance(exc, RequestRefusedError):
         log.error("request failed", exc_info=exc)
     return JSON(body, status_code=status, headers={PROTOCOL_HEADER: str(PROTOCOL_VERSION)})
 
 
-def _mismatch(theirs: str) -> RequestError:
-    return RequestError(
+def _mismatch(theirs: str) -> RequestRefusedError:
+    return RequestRefusedError(
         400,
         "VersionMismatchError",
         f"the client speaks stagetree protocol {theirs}, this server (stagetree "
@@ -135,7 +134,7 @@ class _Guard:
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > limit):
                 raise _too_large(limit)
-        except RequestError as exc:
+        except RequestRefusedError as exc:
             await _error(exc)(scope, receive, send)
             return
         seen = 0
@@ -156,8 +155,8 @@ def _is_v1(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
-def _too_large(limit: int) -> RequestError:
-    return RequestError(
+def _too_large(limit: int) -> RequestRefusedError:
+    return RequestRefusedError(
         413, "PayloadTooLarge", f"request body larger than {limit // (1 << 20)} MiB"
     )
 
@@ -174,27 +173,29 @@ async def _body(
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(400, "BadRequest", f"request body is not JSON: {exc}") from None
+        raise RequestRefusedError(400, "BadRequest", f"request body is not JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise RequestError(
+        raise RequestRefusedError(
             400, "BadRequest", f"request body must be a JSON object, got {type(data).__name__}"
         )
     unknown = set(data) - required - optional
     if unknown:
         expected = sorted(required | optional)
-        raise RequestError(
+        raise RequestRefusedError(
             400, "BadRequest", f"unknown field(s) {sorted(unknown)}; expected {expected}"
         )
     missing = required - set(data)
     if missing:
-        raise RequestError(400, "BadRequest", f"missing field(s) {sorted(missing)}")
+        raise RequestRefusedError(400, "BadRequest", f"missing field(s) {sorted(missing)}")
     return data
 
 
 def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
     value = data[key]
     if not isinstance(value, dict):
-        raise RequestError(400, "BadRequest", f"{key!r} must be a JSON object, got {value!r:.100}")
+        raise RequestRefusedError(
+            400, "BadRequest", f"{key!r} must be a JSON object, got {value!r:.100}"
+        )
     return value
 
 
@@ -208,7 +209,7 @@ def _steps(data: dict[str, Any], key: str) -> int:
 def _string(data: dict[str, Any], key: str, default: str | None = None) -> str:
     value = data.get(key, default)
     if not isinstance(value, str) or not value:
-        raise RequestError(
+        raise RequestRefusedError(
             400, "BadRequest", f"{key!r} must be a non-empty string, got {value!r:.100}"
         )
     return value
@@ -294,25 +295,25 @@ def create_app(hub: Hub, token: str) -> Starlette:
         name = _string(data, "name")
         version = data.get("version")
         if version is not None and (not isinstance(version, str) or not version):
-            raise RequestError(
+            raise RequestRefusedError(
                 400,
                 "BadRequest",
                 f"'version' must be a non-empty string or null, got {version!r:.100}",
             )
         share = data.get("share", True)
         if not isinstance(share, bool):
-            raise RequestError(
+            raise RequestRefusedError(
                 400, "BadRequest", f"'share' must be true or false, got {share!r:.100}"
             )
         weight = data.get("weight", 1.0)
         fuse = data.get("fuse", False)
         if fuse is not True and fuse is not False and fuse != "auto":
-            raise RequestError(
+            raise RequestRefusedError(
                 400, "BadRequest", f"'fuse' must be true, false or \"auto\", got {fuse!r:.100}"
             )
         client = data.get("client", "")
         if not isinstance(client, str):
-            raise RequestError(400, "BadRequest", "'client' must be a string")
+            raise RequestRefusedError(400, "BadRequest", "'client' must be a string")
         host = request.client.host if request.client else "?"
         client = "".join(c for c in client if c.isprintable())[:100]  # it goes to the log
         label = f"{client or 'client'} from {host}"
@@ -341,7 +342,7 @@ def create_app(hub: Hub, token: str) -> Starlette:
         data = await _body(request, {"id", "config", "hp", "steps"})
         sub_id = data["id"]
         if not isinstance(sub_id, str) or not _ID.fullmatch(sub_id):
-            raise RequestError(
+            raise RequestRefusedError(
                 400, "BadRequest", f"'id' must match {_ID.pattern}, got {sub_id!r:.100}"
             )
         steps = _steps(data, "steps")
@@ -364,11 +365,11 @@ def create_app(hub: Hub, token: str) -> Starlette:
             after = int(request.query_params.get("after", "0"))
             timeout = float(request.query_params.get("timeout", "0"))
         except ValueError:
-            raise RequestError(
+            raise RequestRefusedError(
                 400, "BadRequest", "'after' must be an int and 'timeout' a number"
             ) from None
         if after < 0 or not math.isfinite(timeout) or timeout < 0:
-            raise RequestError(400, "BadRequest", "'after' and 'timeout' must be >= 0")
+            raise RequestRefusedError(400, "BadRequest", "'after' and 'timeout' must be >= 0")
         timeout = min(timeout, MAX_POLL, hub.ttl / 2)
         session = session_of(request, extra=timeout)
         events = await hub.events(session, after, timeout)
@@ -387,7 +388,9 @@ def create_app(hub: Hub, token: str) -> Starlette:
         session = session_of(request)
         raw = (await _body(request, {"trials"}))["trials"]
         if not isinstance(raw, list) or not all(isinstance(t, list) and len(t) == 2 for t in raw):
-            raise RequestError(400, "BadRequest", "'trials' must be a list of [config, hp] pairs")
+            raise RequestRefusedError(
+                400, "BadRequest", "'trials' must be a list of [config, hp] pairs"
+            )
         trials = [_trial({"config": c, "hp": h}) for c, h in raw]
         await blocking(session.study.declare, trials)
         return JSON({"ok": True})
@@ -402,7 +405,7 @@ def create_app(hub: Hub, token: str) -> Starlette:
         metric, tuner = _string(data, "metric"), _string(data, "tuner")
         mode = data["mode"]
         if mode not in ("max", "min"):
-            raise RequestError(
+            raise RequestRefusedError(
                 400, "BadRequest", f"'mode' must be 'max' or 'min', got {mode!r:.100}"
             )
         horizon = _steps({"horizon": data.get("horizon", 0)}, "horizon")
@@ -430,7 +433,7 @@ def create_app(hub: Hub, token: str) -> Starlette:
         metric = request.query_params.get("metric", "")
         mode = request.query_params.get("mode", "max")
         if not metric:
-            raise RequestError(400, "BadRequest", "query parameter 'metric' is required")
+            raise RequestRefusedError(400, "BadRequest", "query parameter 'metric' is required")
         record = await blocking(session.study.best, metric, mode)
         return JSON({"trial": None if record is None else record_to_json(record)})
 
@@ -509,7 +512,9 @@ def create_app(hub: Hub, token: str) -> Starlette:
         status = exc.status_code if isinstance(exc, HTTPException) else 404
         what = "no such endpoint" if status == 404 else "method not allowed"
         return _error(
-            RequestError(status, "BadRequest", f"{what}: {request.method} {request.url.path}")
+            RequestRefusedError(
+                status, "BadRequest", f"{what}: {request.method} {request.url.path}"
+            )
         )
 
     @asynccontextmanager

@@ -20,8 +20,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from stagetree.exceptions import StagetreeError
-from stagetree.server.protocol import RequestError
+from stagetree.exceptions import RequestRefusedError, StagetreeError
 
 __all__ = [
     "TOKEN_ENV",
@@ -148,11 +147,11 @@ def check_authorization(header: str | None, token: str) -> None:
     """Accept ``Authorization: Bearer <token>``.
 
     Raises:
-        RequestError: 401 when the header is missing or malformed, 403 when the token
+        RequestRefusedError: 401 when the header is missing or malformed, 403 when the token
             is wrong (messages never contain a token).
     """
     if not header:
-        raise RequestError(
+        raise RequestRefusedError(
             401,
             "AuthError",
             "missing Authorization header: send 'Authorization: Bearer <token>' (clients: "
@@ -161,8 +160,8 @@ def check_authorization(header: str | None, token: str) -> None:
     scheme, _, given = header.partition(" ")
     given = given.strip()
     if scheme.lower() != "bearer" or not given:
-        raise RequestError(
+        raise RequestRefusedError(
             401, "AuthError", "malformed Authorization header: expected 'Bearer <token>'"
         )
     if not hmac.compare_digest(given.encode(), token.encode()):
-        raise RequestError(403, "AuthError", "wrong token")
+        raise RequestRefusedError(403, "AuthError", "wrong token")

@@ -43,10 +43,10 @@ from typing import Any, NoReturn
 
 from stagetree.exceptions import (
     InvalidTrialError,
+    RemoteArgumentWarning,
     ServerError,
     ServerUnavailableError,
     StagetreeError,
-    StagetreeWarning,
     StudyBusyError,
     TrialCancelledError,
     VersionMismatchError,
@@ -76,11 +76,6 @@ from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult
 
 __all__ = ["RemoteArgumentWarning", "RemoteStudy"]
-
-
-class RemoteArgumentWarning(StagetreeWarning):
-    """A remote study was given a server-side argument (storage, workers...): the
-    server's own setting is used instead."""
 
 
 _SERVER_SIDE = {

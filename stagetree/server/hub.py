@@ -36,9 +36,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagetree.exceptions import StudyBusyError
+from stagetree.exceptions import RequestRefusedError, StudyBusyError
 from stagetree.plan import BasePlanStorage, MemoryPlanStorage, open_storage
-from stagetree.server.protocol import RequestError, error_to_json, result_to_json
+from stagetree.server.protocol import error_to_json, result_to_json
 from stagetree.server.trainers import TrainerRegistry
 from stagetree.study import Study, check_weight
 
@@ -138,7 +138,7 @@ class Hub:
         payload ``trainer``; blocking (opens the storage).
 
         Raises:
-            RequestError: a trainer the server cannot load, bad arguments.
+            RequestRefusedError: a trainer the server cannot load, bad arguments.
             StorageError: the storage cannot be opened.
         """
         cls = self.registry.resolve(trainer)
@@ -178,14 +178,14 @@ class Hub:
         """The live session ``sid``, renewed for the ttl (plus ``extra`` seconds).
 
         Raises:
-            RequestError: 404 for an unknown (expired, closed, or a previous server's)
+            RequestRefusedError: 404 for an unknown (expired, closed, or a previous server's)
                 session; 503 while the server shuts down.
         """
         with self._lock:
             self._check_open()
             session = self._sessions.get(sid)
             if session is None:
-                raise RequestError(
+                raise RequestRefusedError(
                     404,
                     "SessionNotFound",
                     f"unknown session {sid!r}: it was closed, expired ({self.ttl:g} s without "
@@ -276,14 +276,16 @@ class Hub:
         request needs goes on). False when it had already finished.
 
         Raises:
-            RequestError: 404 for an id the session never had.
+            RequestRefusedError: 404 for an id the session never had.
         """
         with session.lock:
             fut = session.pending.get(sub_id)
             if fut is None:
                 if sub_id in session.finished:
                     return False
-                raise RequestError(404, "SubmissionNotFound", f"unknown submission {sub_id!r}")
+                raise RequestRefusedError(
+                    404, "SubmissionNotFound", f"unknown submission {sub_id!r}"
+                )
         fut.cancel()
         session.push(sub_id, None)
         return True
@@ -293,7 +295,7 @@ class Hub:
         dropped), waiting at most ``timeout`` seconds for the first one.
 
         Raises:
-            RequestError: 503 when the server began to shut down meanwhile.
+            RequestRefusedError: 503 when the server began to shut down meanwhile.
         """
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
@@ -309,7 +311,7 @@ class Hub:
                 session.waiters.remove((loop, ready))
             out = list(session.events)
         if self.closing:
-            raise RequestError(503, "ServerClosing", "the server is shutting down")
+            raise RequestRefusedError(503, "ServerClosing", "the server is shutting down")
         return out
 
     # -- tuning --------------------------------------------------------------------------
@@ -357,7 +359,7 @@ class Hub:
 
     def _check_open(self) -> None:
         if self.closing:
-            raise RequestError(503, "ServerClosing", "the server is shutting down")
+            raise RequestRefusedError(503, "ServerClosing", "the server is shutting down")
 
     def close(self) -> None:
         """Shut down: no more events are delivered (clients reconnect to the next
@@ -395,7 +397,7 @@ class Hub:
         the storage, opened once.
 
         Raises:
-            RequestError: 503 while the server shuts down.
+            RequestRefusedError: 503 while the server shuts down.
         """
         with self._lock:
             self._check_open()

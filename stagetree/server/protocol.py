@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagetree import exceptions as _exc
+from stagetree.exceptions import RequestRefusedError
 from stagetree.hp import Sequence, as_sequence, from_json
 
 __all__ = [
@@ -27,7 +28,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "STUDY_BODY_LIMIT",
     "VERSION_HEADER",
-    "RequestError",
+    "RequestRefusedError",
     "dumps",
     "error_from_json",
     "error_to_json",
@@ -51,17 +52,6 @@ STUDY_BODY_LIMIT = 64 << 20
 MAX_POLL = 25.0
 """Longest wait of one long-poll for results (the server also keeps it under the
 session lease, so that a poll renews the session in time)."""
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP ``status``, an error ``type`` and a message
-    that names the problem (never a token)."""
-
-    def __init__(self, status: int, type: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.type = type
-        self.message = message
 
 
 def dumps(obj: Any) -> bytes:
@@ -190,8 +180,8 @@ _STATUS = {"StudyBusyError": 409, "TrialCancelledError": 409, "StorageError": 50
 
 def error_to_json(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """``(HTTP status, {"error": {...}})`` for an exception a study method raised (or a
-    :class:`RequestError`); unexpected exceptions are 500s named by type."""
-    if isinstance(exc, RequestError):
+    :class:`RequestRefusedError`); unexpected exceptions are 500s named by type."""
+    if isinstance(exc, RequestRefusedError):
         return exc.status, {"error": {"type": exc.type, "message": exc.message}}
     name = type(exc).__name__
     if isinstance(exc, _exc._WithTraceback):

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from stagetree.exceptions import RequestRefusedError
 from stagetree.identity import trainer_fingerprint
-from stagetree.server.protocol import RequestError
 from stagetree.trainer import Trainer
 
 __all__ = ["TrainerRegistry", "trainer_payload"]
@@ -62,29 +62,33 @@ class TrainerRegistry:
         imported one (same fingerprint), else the unpickled value; registered.
 
         Raises:
-            RequestError: 400 for a malformed payload, or a trainer that can be neither
+            RequestRefusedError: 400 for a malformed payload, or a trainer that can be neither
                 imported nor unpickled (the message says why for both).
         """
         if not isinstance(payload, Mapping):
-            raise RequestError(400, "BadRequest", "'trainer' must be an object")
+            raise RequestRefusedError(400, "BadRequest", "'trainer' must be an object")
         unknown = set(payload) - {"ref", "value", "value_error", "fingerprint"}
         if unknown:
-            raise RequestError(400, "BadRequest", f"unknown trainer field(s) {sorted(unknown)}")
+            raise RequestRefusedError(
+                400, "BadRequest", f"unknown trainer field(s) {sorted(unknown)}"
+            )
         ref, value, fingerprint = (
             payload.get("ref"),
             payload.get("value"),
             payload.get("fingerprint"),
         )
         if not isinstance(ref, str) or ":" not in ref:
-            raise RequestError(
+            raise RequestRefusedError(
                 400, "BadRequest", f"trainer 'ref' must be 'module:qualname', got {ref!r}"
             )
         if not isinstance(fingerprint, str) or not fingerprint:
-            raise RequestError(
+            raise RequestRefusedError(
                 400, "BadRequest", "trainer 'fingerprint' must be a non-empty string"
             )
         if value is not None and not isinstance(value, str):
-            raise RequestError(400, "BadRequest", "trainer 'value' must be base64 text or null")
+            raise RequestRefusedError(
+                400, "BadRequest", "trainer 'value' must be base64 text or null"
+            )
         with self._lock:
             known = self._classes.get(fingerprint)
             if known is not None:
@@ -94,7 +98,7 @@ class TrainerRegistry:
             if cls is None:
                 cls = self._unpickle(ref, value, str(payload.get("value_error") or ""), problems)
             if cls is None:
-                raise RequestError(
+                raise RequestRefusedError(
                     400,
                     "TrainerUnavailable",
                     f"the server cannot load trainer {ref}: " + "; ".join(problems),

@@ -73,7 +73,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from stagetree.fusion import FusedGroup, FusionError
+from stagetree.exceptions import FusionError
+from stagetree.fusion import FusedGroup
 from stagetree.torch.fused_optim import FusedAdam, FusedOptimizer, FusedSGD
 from stagetree.torch.rng import (
     GlobalRngState,

@@ -7,11 +7,11 @@ log that lets a resumed study take the same decisions.
 
 from __future__ import annotations
 
+from stagetree.exceptions import ReplayDivergedWarning
 from stagetree.tuners.asha import ASHA, AsyncHyperband
 from stagetree.tuners.base import (
     Job,
     JobQueue,
-    ReplayDivergedWarning,
     ReplayingRunner,
     Trial,
     TrialResult,

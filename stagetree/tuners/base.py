@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from stagetree.exceptions import (
+    ReplayDivergedWarning,
     StagetreeWarning,
     TrialCancelledError,
     TrialFailedError,
@@ -185,10 +186,6 @@ class Job:
     def result(self) -> TrialResult | None:
         """The result, or None when the trial failed or was cancelled."""
         return self.task.result() if self.status == "ok" else None
-
-
-class ReplayDivergedWarning(RuntimeWarning):
-    """A resumed tuner did not take the logged decisions; it goes on live."""
 
 
 def _json(record: Mapping[str, Any]) -> dict[str, Any]:
