@@ -1,84 +1,102 @@
 """stagetree: hyper-parameter optimization that never trains the same thing twice.
 
-The public API is re-exported here; sequences live in :mod:`stagetree.hp`, tuners in
-:mod:`stagetree.tuners`, PyTorch helpers in :mod:`stagetree.torch` (needs torch).
+The names below are the public API. Sequences live in :mod:`stagetree.hp`, tuners in
+:mod:`stagetree.tuners`, errors and warnings in :mod:`stagetree.exceptions`, PyTorch
+helpers in :mod:`stagetree.torch` (needs torch).
+
+The names load on first use (PEP 562): a worker process that imports
+``stagetree.trainer`` or ``stagetree.hp`` loads neither the study nor its storage
+(SQLAlchemy), and no module inside the package imports this one (a test checks both).
 """
 
 from __future__ import annotations
 
-from stagetree.budget import Budget
-from stagetree.check import CheckReport, check_trainer
-from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Shared, Uniform
-from stagetree.exceptions import (
-    AuthError,
-    CheckpointError,
-    InvalidBudgetError,
-    InvalidSequenceError,
-    InvalidSpaceError,
-    InvalidTrialError,
-    SchedulerError,
-    SchemaVersionError,
-    ServerError,
-    ServerUnavailableError,
-    StagetreeError,
-    StagetreeWarning,
-    StorageError,
-    StudyBusyError,
-    TrainerError,
-    TrialCancelledError,
-    TrialFailedError,
-    TunerError,
-    VersionMismatchError,
-)
-from stagetree.plan import open_storage
-from stagetree.space import GridSpace, RandomSpace, TrialSpec, load_space_file
-from stagetree.stages import kwise_merge_rate, merge_rate
-from stagetree.study import Study, TrialError, TrialRecord
-from stagetree.trainer import Trainer
-from stagetree.tuners.base import TrialResult
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# name -> the module that defines it (imported when the name is first used).
+_EXPORTS = {
+    "Budget": "stagetree.budget",
+    "CheckReport": "stagetree.check",
+    "Choice": "stagetree.distributions",
+    "Distribution": "stagetree.distributions",
+    "GridSpace": "stagetree.space",
+    "IntUniform": "stagetree.distributions",
+    "LogUniform": "stagetree.distributions",
+    "RandomSpace": "stagetree.space",
+    "Shared": "stagetree.distributions",
+    "Study": "stagetree.study",
+    "Trainer": "stagetree.trainer",
+    "TrialError": "stagetree.reports",
+    "TrialRecord": "stagetree.reports",
+    "TrialResult": "stagetree.tuners.base",
+    "TrialSpec": "stagetree.space",
+    "Uniform": "stagetree.distributions",
+    "check_trainer": "stagetree.check",
+    "kwise_merge_rate": "stagetree.stages",
+    "load_space_file": "stagetree.space",
+    "merge_rate": "stagetree.stages",
+    "open_storage": "stagetree.plan.registry",
+    "simulate": "stagetree.simulate",
+}
+
 __all__ = [
-    "AuthError",
     "Budget",
     "CheckReport",
-    "CheckpointError",
     "Choice",
     "Distribution",
     "GridSpace",
     "IntUniform",
-    "InvalidBudgetError",
-    "InvalidSequenceError",
-    "InvalidSpaceError",
-    "InvalidTrialError",
     "LogUniform",
     "RandomSpace",
-    "SchedulerError",
-    "SchemaVersionError",
-    "ServerError",
-    "ServerUnavailableError",
     "Shared",
-    "StagetreeError",
-    "StagetreeWarning",
-    "StorageError",
     "Study",
-    "StudyBusyError",
     "Trainer",
-    "TrainerError",
-    "TrialCancelledError",
     "TrialError",
-    "TrialFailedError",
     "TrialRecord",
     "TrialResult",
     "TrialSpec",
-    "TunerError",
     "Uniform",
-    "VersionMismatchError",
     "__version__",
     "check_trainer",
     "kwise_merge_rate",
     "load_space_file",
     "merge_rate",
     "open_storage",
+    "simulate",
 ]
+
+if TYPE_CHECKING:
+    from stagetree.budget import Budget
+    from stagetree.check import CheckReport, check_trainer
+    from stagetree.distributions import (
+        Choice,
+        Distribution,
+        IntUniform,
+        LogUniform,
+        Shared,
+        Uniform,
+    )
+    from stagetree.plan.registry import open_storage
+    from stagetree.reports import TrialError, TrialRecord
+    from stagetree.simulate import simulate
+    from stagetree.space import GridSpace, RandomSpace, TrialSpec, load_space_file
+    from stagetree.stages import kwise_merge_rate, merge_rate
+    from stagetree.study import Study
+    from stagetree.trainer import Trainer
+    from stagetree.tuners.base import TrialResult
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stagetree' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -20,7 +20,7 @@ from stagetree.identity import announce_change, current_version, trial_version
 from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
-    from stagetree.plan import BasePlanStorage
+    from stagetree.plan.base import BasePlanStorage
 
 
 class StudyLike(Protocol):

@@ -361,7 +361,7 @@ def open_existing_storage(url: str) -> BasePlanStorage:
     Raises:
         StorageError: the URL cannot be opened, naming it.
     """
-    from stagetree.plan import open_storage
+    from stagetree.plan.registry import open_storage
 
     path = _sqlite_file(url)
     if path is not None and not path.is_file():

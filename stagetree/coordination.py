@@ -39,8 +39,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stagetree.exceptions import StorageError
-from stagetree.plan import BasePlanStorage, RequestState, SQLPlanStorage
+from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.leases import Lease, overlaps
+from stagetree.plan.model import RequestState
+from stagetree.plan.sql import SQLPlanStorage
 
 if TYPE_CHECKING:
     from stagetree.engine import Engine

@@ -39,9 +39,11 @@ from stagetree.exceptions import (
     TrialFailedError,
 )
 from stagetree.hp import Sequence, dumps_hp
-from stagetree.plan import BasePlanStorage, Insertion, RequestState
+from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.leases import host_pid
+from stagetree.plan.model import RequestState
 from stagetree.plan.scopes import root_scope, study_scope
+from stagetree.plan.tree import Insertion
 from stagetree.space import canonical_json
 
 if TYPE_CHECKING:

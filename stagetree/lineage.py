@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stagetree.plan import BasePlanStorage
+    from stagetree.plan.base import BasePlanStorage
 
 __all__ = ["exploit_parents", "lineages", "study_lineage"]
 

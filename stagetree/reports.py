@@ -44,7 +44,8 @@ from stagetree.identity import split_trials
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
-    from stagetree.plan import BasePlanStorage, Node
+    from stagetree.plan.base import BasePlanStorage
+    from stagetree.plan.model import Node
 
 __all__ = [
     "EFFICIENCY_KEYS",
@@ -870,7 +871,7 @@ def _overlap(lo: float, hi: float, after: float) -> float:
 def _owner_lives(storage: BasePlanStorage, owner: Any) -> bool:
     """Whether engine ``owner`` still holds a lease (always, on a storage of this
     process alone, which has no leases)."""
-    from stagetree.plan import SQLPlanStorage
+    from stagetree.plan.sql import SQLPlanStorage
 
     if not isinstance(storage, SQLPlanStorage):
         return True

@@ -43,7 +43,8 @@ from stagetree.fusion import check_max_fused, fusion_names
 from stagetree.hp import Sequence, as_sequence
 from stagetree.identity import trainer_fingerprint
 from stagetree.names import check_hp_names, check_space_names, names_mismatch
-from stagetree.plan import BasePlanStorage, open_storage
+from stagetree.plan.base import BasePlanStorage
+from stagetree.plan.registry import open_storage
 from stagetree.reports import TrialError, TrialRecord
 from stagetree.scheduler.core import check_checkpoint_every
 from stagetree.trainer import Trainer

@@ -52,8 +52,8 @@ from stagetree.plan.model import RequestState
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
-    from stagetree.plan import BasePlanStorage, Node, Request
-    from stagetree.plan.base import CheckpointRecord
+    from stagetree.plan.base import BasePlanStorage, CheckpointRecord
+    from stagetree.plan.model import Node, Request
 
 __all__ = [
     "MAX_RUNS",
@@ -493,7 +493,7 @@ def _apply(batch: Batch, record: Any) -> None:
 def _live_owners(storage: BasePlanStorage) -> set[str] | None:
     """Owners holding a live lease; None for a storage of this process only (memory),
     where an unended batch is running by definition."""
-    from stagetree.plan import SQLPlanStorage
+    from stagetree.plan.sql import SQLPlanStorage
 
     if not isinstance(storage, SQLPlanStorage):
         return None

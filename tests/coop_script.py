@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from study_trainers import LinearTrainer
 
-from stagetree import Study, StudyBusyError
+from stagetree import Study
+from stagetree.exceptions import StudyBusyError
 from stagetree.hp import Constant, MultiStep, Sequence
 from stagetree.space import TrialSpec
 from stagetree.tuners import GridSearch

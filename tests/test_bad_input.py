@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 
-from stagetree import Choice, StagetreeWarning, Study, TunerError
+from stagetree import Choice, Study
 from stagetree.cli import main
 from stagetree.exceptions import (
     InvalidSpaceError,
     InvalidTrialError,
     ReplayDivergedWarning,
+    StagetreeWarning,
     StorageError,
+    TunerError,
 )
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace, RandomSpace

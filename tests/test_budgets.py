@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from study_trainers import LinearTrainer, SlowLinearTrainer
 
-from stagetree import Budget, InvalidBudgetError, Study
+from stagetree import Budget, Study
 from stagetree.cli import main
 from stagetree.distributions import Choice, LogUniform
+from stagetree.exceptions import InvalidBudgetError
 from stagetree.space import RandomSpace
 from stagetree.tuners import ASHA, RandomSearch, ReplayDivergedWarning
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import stagetree
-from stagetree import CheckReport, Trainer, TrainerError, check_trainer
+from stagetree import CheckReport, Trainer, check_trainer
 from stagetree.cli import main
+from stagetree.exceptions import TrainerError
 from stagetree.hp import Constant, MultiStep
 
 torch = pytest.importorskip("torch")

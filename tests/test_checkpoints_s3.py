@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from conftest import S3Service, free_port
 
-from stagetree import CheckpointError, Study
+from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
+from stagetree.exceptions import CheckpointError
 from stagetree.hp import Constant, MultiStep
 
 sys.path.insert(0, str(Path(__file__).parent))

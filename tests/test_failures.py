@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from stagetree import Study, TrialFailedError
+from stagetree import Study
 from stagetree.cli import main, run_script
+from stagetree.exceptions import TrialFailedError
 from stagetree.hp import Constant
 
 sys.path.insert(0, str(Path(__file__).parent))

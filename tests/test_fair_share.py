@@ -111,7 +111,7 @@ def test_a_study_joining_an_engine_is_told_which_arguments_it_ignores(tmp_path: 
 
     import pytest
 
-    from stagetree import StagetreeWarning
+    from stagetree.exceptions import StagetreeWarning
 
     url = f"sqlite:///{tmp_path}/plan.db"
     first = Study("a", SlowLinearTrainer, storage=url, executor="inline", eval_every=1)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from stagetree import InvalidTrialError, Study, Trainer, TrialFailedError
-from stagetree.exceptions import UnreadHyperparameterWarning
+from stagetree import Study, Trainer
+from stagetree.exceptions import InvalidTrialError, TrialFailedError, UnreadHyperparameterWarning
 from stagetree.hp import Constant
 from stagetree.names import accepted_hyperparameters, check_hp_names, did_you_mean
 from stagetree.plan import open_storage

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from tuner_fakes import FakeRunner, decisions
 
-from stagetree import Study, TunerError
+from stagetree import Study
 from stagetree.cli import status
 from stagetree.distributions import Choice, IntUniform, LogUniform, Uniform
+from stagetree.exceptions import TunerError
 from stagetree.hp import Constant, MultiStep, Shifted, Then, dumps_hp, loads_hp
 from stagetree.lineage import exploit_parents, lineages
 from stagetree.reports import short_sequence

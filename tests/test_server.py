@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from stagetree import ServerError, Study, TrialFailedError
+from stagetree import Study
+from stagetree.exceptions import ServerError, TrialFailedError
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import open_storage
 from stagetree.server import RemoteStudy

@@ -24,12 +24,12 @@ with warnings.catch_warnings():  # starlette >= 1 prefers httpx2 for its test cl
     warnings.simplefilter("ignore")
     from starlette.testclient import TestClient
 
-from stagetree import (
+from stagetree import Study
+from stagetree.exceptions import (
     AuthError,
     InvalidTrialError,
     ServerError,
     ServerUnavailableError,
-    Study,
     StudyBusyError,
     TrialFailedError,
     VersionMismatchError,

@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 
-from stagetree import InvalidTrialError, Study, TrialCancelledError, TrialFailedError, TunerError
+from stagetree import Study
+from stagetree.exceptions import (
+    InvalidTrialError,
+    TrialCancelledError,
+    TrialFailedError,
+    TunerError,
+)
 from stagetree.hp import Constant, MultiStep
 from stagetree.space import GridSpace
 from stagetree.study import trainer_fingerprint

@@ -455,7 +455,8 @@ def _open_plan(
     """``(plan, its URL or None, whether this call opened it)``. A SQLite file must
     exist and a URL must hold a plan: both are checked read-only, so a wrong URL gets
     nothing written to it (``gc`` never creates a file or stagetree's tables)."""
-    from stagetree.plan import BasePlanStorage, open_storage
+    from stagetree.plan.base import BasePlanStorage
+    from stagetree.plan.registry import open_storage
 
     if isinstance(storage, BasePlanStorage):
         return storage, None, False

@@ -55,7 +55,7 @@ from stagetree.server.auth import check_authorization
 
 if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
-    from stagetree.plan import BasePlanStorage
+    from stagetree.plan.base import BasePlanStorage
 
 __all__ = [
     "STATIC_DIR",

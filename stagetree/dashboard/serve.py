@@ -27,7 +27,7 @@ from stagetree.exceptions import StagetreeError
 
 if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
-    from stagetree.plan import BasePlanStorage
+    from stagetree.plan.base import BasePlanStorage
 
 __all__ = [
     "DEFAULT_PORT",

@@ -1,19 +1,37 @@
 """The search plan: one append-only tree of configurations per root key, with the
 requests, checkpoints and metrics keyed by its canonical ``(node, step)`` pairs.
 
-``open_storage(url)`` picks the backend: ``memory://`` (or ``:memory:``) keeps the plan
-in this process; ``sqlite:///path.db`` and ``postgresql://...`` keep it in a database
-that several processes may share.
+Modules: :mod:`~stagetree.plan.base` (the storage contract), :mod:`~.model` (nodes,
+requests, activity), :mod:`~.tree` (the walk that inserts trials), :mod:`~.leases`,
+:mod:`~.scopes` (accounting keys), :mod:`~.memory` and :mod:`~.sql` (the backends),
+:mod:`~.registry` (``open_storage(url)`` picks the backend by scheme).
+
+The names below load on first use, so that a worker process that needs only the plan's
+records (:mod:`stagetree.plan.model`) does not load SQLAlchemy. Modules inside stagetree
+import the defining module, never this facade (a test checks it).
 """
 
 from __future__ import annotations
 
-from stagetree.exceptions import PlanKeyError, RequestError, StorageError
-from stagetree.plan.base import BasePlanStorage, CheckpointRecord
-from stagetree.plan.memory import MemoryPlanStorage
-from stagetree.plan.model import ActivityRecord, Node, Request, RequestState
-from stagetree.plan.sql import SCHEMA_VERSION, SQLPlanStorage
-from stagetree.plan.tree import Insertion
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "SCHEMA_VERSION": "stagetree.plan.sql",
+    "ActivityRecord": "stagetree.plan.model",
+    "BasePlanStorage": "stagetree.plan.base",
+    "CheckpointRecord": "stagetree.plan.base",
+    "Insertion": "stagetree.plan.tree",
+    "MemoryPlanStorage": "stagetree.plan.memory",
+    "Node": "stagetree.plan.model",
+    "PlanKeyError": "stagetree.exceptions",
+    "Request": "stagetree.plan.model",
+    "RequestError": "stagetree.exceptions",
+    "RequestState": "stagetree.plan.model",
+    "SQLPlanStorage": "stagetree.plan.sql",
+    "open_storage": "stagetree.plan.registry",
+    "register_storage": "stagetree.plan.registry",
+}
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -29,37 +47,27 @@ __all__ = [
     "RequestState",
     "SQLPlanStorage",
     "open_storage",
+    "register_storage",
 ]
 
-_MEMORY_URLS = ("memory://", "memory:", ":memory:")
+if TYPE_CHECKING:
+    from stagetree.exceptions import PlanKeyError, RequestError
+    from stagetree.plan.base import BasePlanStorage, CheckpointRecord
+    from stagetree.plan.memory import MemoryPlanStorage
+    from stagetree.plan.model import ActivityRecord, Node, Request, RequestState
+    from stagetree.plan.registry import open_storage, register_storage
+    from stagetree.plan.sql import SCHEMA_VERSION, SQLPlanStorage
+    from stagetree.plan.tree import Insertion
 
 
-def open_storage(url: str, readonly: bool | None = None) -> BasePlanStorage:
-    """Open the plan storage at ``url``.
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stagetree.plan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-    Args:
-        url: ``memory://`` or ``:memory:`` (this process only); ``sqlite:///path.db``;
-            ``postgresql://user:pw@host/db`` (psycopg driver) or any SQLAlchemy
-            ``postgresql+driver://`` URL.
-        readonly: never write to the database (see :class:`SQLPlanStorage`); None:
-            read-only exactly when a SQLite file cannot be written here.
 
-    Returns:
-        A :class:`MemoryPlanStorage` or :class:`SQLPlanStorage`.
-
-    Raises:
-        StorageError: the URL has an unknown scheme or cannot be opened (missing
-            directory, unreachable server), naming the URL.
-        SchemaVersionError: the database was written by another schema version.
-    """
-    if not isinstance(url, str):
-        raise StorageError(f"a plan storage URL must be a str, got {url!r}")
-    if url.strip() in _MEMORY_URLS:
-        return MemoryPlanStorage()
-    scheme = url.split(":", 1)[0].split("+", 1)[0].lower() if ":" in url else ""
-    if scheme not in ("sqlite", "postgresql", "postgres"):
-        raise StorageError(
-            f"cannot open plan storage {url!r}: unknown scheme {scheme!r} "
-            "(use memory://, sqlite:///path.db or postgresql://...)"
-        )
-    return SQLPlanStorage(url, readonly=readonly)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -219,7 +219,22 @@ class BasePlanStorage(ABC):
       none, atomically with respect to other claims; live leases of other owners that
       overlap stop it. Time is the writer's ``time.time()``; expired leases count as gone.
     * Returned records are copies: mutating them does not change the plan.
+
+    Capabilities (class attributes or properties a backend overrides):
+
+    * :attr:`shared`: other processes (and machines) may open the same plan, so leases
+      and cooperation matter; False for a plan held in this process.
+    * :meth:`database_url`: a URL another library can open to keep its own tables in
+      the same database (the Optuna bridge), or None.
     """
+
+    #: Whether other processes can open this same plan (see the class docstring).
+    shared: bool = False
+
+    def database_url(self) -> str | None:
+        """The full database URL (password included) another library may connect to,
+        or None when the plan lives in this process only."""
+        return None
 
     # -- roots ---------------------------------------------------------------------------
 

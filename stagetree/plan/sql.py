@@ -346,10 +346,17 @@ class SQLPlanStorage(BasePlanStorage):
             self._engine.dispose()
             raise
 
+    shared = True
+
     @property
     def url(self) -> str:
         """The database URL (password hidden)."""
         return self._url
+
+    def database_url(self) -> str:
+        """The full database URL, password included (for a library that keeps its own
+        tables beside the plan: the Optuna bridge)."""
+        return self._engine.url.render_as_string(hide_password=False)
 
     def __repr__(self) -> str:
         return f"SQLPlanStorage({self._url!r})"

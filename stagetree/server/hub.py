@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagetree.exceptions import RequestRefusedError, StudyBusyError
-from stagetree.plan import BasePlanStorage, MemoryPlanStorage, open_storage
+from stagetree.plan.base import BasePlanStorage
+from stagetree.plan.memory import MemoryPlanStorage
+from stagetree.plan.registry import open_storage
 from stagetree.server.protocol import error_to_json, result_to_json
 from stagetree.server.trainers import TrainerRegistry
 from stagetree.study import Study, check_weight

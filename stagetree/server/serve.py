@@ -48,7 +48,7 @@ def serve(
 
     from stagetree.coordination import lease_ttl as default_ttl
     from stagetree.executors.registry import check_executor
-    from stagetree.plan import open_storage
+    from stagetree.plan.registry import open_storage
     from stagetree.server.app import create_app
     from stagetree.server.auth import server_token
     from stagetree.server.hub import Hub, HubConfig
