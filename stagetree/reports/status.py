@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from stagetree.coordination import running_trials
 from stagetree.identity import split_trials
 from stagetree.plan.model import RequestState
-from stagetree.records import RunRecord, TrialState
+from stagetree.records import RunRecord, StudyRow, TrialState
 from stagetree.reports.costs import _study_accounting, accounting, efficiency
 from stagetree.reports.lineage import study_lineage
 from stagetree.reports.trials import (
@@ -132,8 +132,8 @@ def study_status(
     Raises:
         PlanKeyError: no study ``name`` in the storage.
     """
-    record = study_record(storage, name)
-    meta = record.get("meta") or {}
+    record = StudyRow.from_row(study_record(storage, name))
+    meta = record.meta
     rows = storage.trials(name, light=True) if rows is None else rows
     trials, hidden = split_trials(rows, meta)
     records = final_records(storage, trials)  # the final points are all the ranking reads
@@ -152,7 +152,7 @@ def study_status(
     )
     return StudyStatus(
         name=name,
-        created=float(record.get("created") or 0.0),
+        created=record.created,
         trials=len(trials),
         finished=finished,
         running=running,
