@@ -48,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, markdown_table
 from _synthetic_plan import STUDY, synthetic_hp, write_study
 
-from stagetree import hp, views
+from stagetree import hp
 from stagetree.plan import BasePlanStorage, RequestState, open_storage
+from stagetree.reports import views
 
 with warnings.catch_warnings():  # starlette >= 1 prefers httpx2 for its test client
     warnings.simplefilter("ignore")

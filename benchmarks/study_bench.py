@@ -19,7 +19,7 @@ they do not grow when other programs take the cores) and of this process (the en
 scheduler, storage, tuner) during ``study.tune``, merge rate, and the device-seconds
 ratio no-share / share against the goal 0.97 x merge rate (issue 13; 0.9 before;
 medians over repeats). And per run, the study's efficiency as ``study.stats()`` gives it
-(:func:`stagetree.reports.efficiency`: unique steps x the median seconds per step trained
+(:func:`stagetree.reports.costs.efficiency`: unique steps x the median seconds per step trained
 alone / workers / the wall-clock of the run, from the workers' own timings) and where the
 rest of the wall-clock went: start-up (from ``study.tune`` until its first step trained:
 the workers are warm here), checkpoint loads and end-of-batch save waits, idle workers,
@@ -230,7 +230,7 @@ def run_study(
         "ckpt_save_seconds": sum(e.seconds for e in log["saves"]),
         "cpu_seconds": cpu,
         "engine_cpu": engine_cpu,
-        # stagetree.reports.efficiency of the run (None: none recorded)
+        # stagetree.reports.costs.efficiency of the run (None: none recorded)
         "efficiency": stats.get("efficiency"),
         "efficiency_line": efficiency_line(stats) or "not recorded",
     }

@@ -47,24 +47,23 @@ from stagetree.exceptions import (
     CommandError,
     InvalidSpaceError,
     StagetreeError,
-    StorageError,
     TrialFailedError,
 )
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
-from stagetree.reports import (
-    EFFICIENCY_KEYS,
-    StorageStatus,
-    StudyStatus,
-    accounting,
-    export_records,
-    export_table,
-    hidden_trials,
-    short_sequence,
-    storage_status,
-    study_status,
+from stagetree.reports.costs import EFFICIENCY_KEYS, accounting
+from stagetree.reports.export import export_records, export_table
+from stagetree.reports.format import format_value as _fmt_value
+from stagetree.reports.format import one_line as _one_line
+from stagetree.reports.format import short_sequence
+from stagetree.reports.open import (
+    DEFAULT_STORAGE,
+    STORAGE_ENV,
+    default_storage,
+    open_existing_storage,
 )
-from stagetree.reports import format_value as _fmt_value
+from stagetree.reports.status import StorageStatus, StudyStatus, storage_status, study_status
+from stagetree.reports.trials import hidden_trials
 from stagetree.space import SpaceFile, TrialSpec, canonical_json, config_key, load_space_file
 from stagetree.stages import Summary, build_stage_tree, render_tree, summarize
 
@@ -320,78 +319,9 @@ def _add_explain(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 # --------------------------------------------------------------------------- shared
 
 
-DEFAULT_STORAGE = "sqlite:///stagetree.db"
-STORAGE_ENV = "STAGETREE_STORAGE"
 RUN_NAME = "__stagetree_run__"
 EXIT_INTERRUPTED = 130
 DASHBOARD_PORT = DEFAULT_DASHBOARD_PORT
-
-
-def default_storage() -> str:
-    """The storage URL commands use without ``--storage``: ``$STAGETREE_STORAGE`` or
-    ``sqlite:///stagetree.db``."""
-    return os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split("\n", 1)[0].split())
-    return text or type(exc).__name__
-
-
-def _sqlite_file(url: str) -> Path | None:
-    """The database file of a SQLite URL; None for other URLs and in-memory SQLite."""
-    if not url.lower().startswith("sqlite"):
-        return None
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        database = make_url(url).database
-    except ArgumentError:
-        return None
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return None
-    return Path(database)
-
-
-def open_existing_storage(url: str) -> BasePlanStorage:
-    """Open a storage read-only (nothing is ever written to it, not even stagetree's
-    tables), without creating a SQLite file that is not there.
-
-    Raises:
-        StorageError: the URL cannot be opened, naming it.
-    """
-    from stagetree.plan.registry import open_storage
-
-    path = _sqlite_file(url)
-    if path is not None and not path.is_file():
-        raise StorageError(
-            f"cannot open plan storage {url!r}: {path} does not exist{_other_databases(path)}"
-        )
-    try:
-        storage = open_storage(url, readonly=True)  # reports never write
-        storage.studies()  # a file that is not a plan fails here, not halfway through
-    except StagetreeError:
-        raise
-    except Exception as exc:  # driver errors of a file that is not a database, ...
-        raise StorageError(f"cannot open plan storage {url!r}: {_one_line(exc)}") from exc
-    return storage
-
-
-def _other_databases(missing: Path) -> str:
-    """A hint naming the SQLite files beside a missing one (say the demo's
-    ``stagetree-demo.db`` when ``stagetree.db`` was looked for); "" when none."""
-    folder = missing.parent if str(missing.parent) else Path(".")
-    try:
-        found = sorted(p.name for p in folder.glob("*.db") if p.is_file())
-    except OSError:
-        return ""
-    if not found:
-        return ""
-    shown = folder if folder.is_absolute() else None
-    urls = [f"sqlite:///{shown / name if shown else name}" for name in found[:5]]
-    more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
-    return f"; databases in {folder}: {', '.join(found[:5])}{more}: pass --storage {urls[0]}"
 
 
 def _num(value: float) -> str:
@@ -1158,7 +1088,7 @@ def export(
             (:class:`~stagetree.plan.PlanKeyError`).
         ValueError: an unknown format; MissingExtraError: parquet without pyarrow.
     """
-    from stagetree import export as exporting
+    from stagetree.reports import export as exporting
 
     if fmt not in exporting.TABLE_FORMATS:
         raise ValueError(f"format must be one of {', '.join(exporting.TABLE_FORMATS)}, got {fmt!r}")
@@ -1178,7 +1108,7 @@ def export(
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from stagetree import export as exporting
+    from stagetree.reports import export as exporting
 
     output = None if args.output in (None, "-") else args.output
     if args.checkpoint is not None:
@@ -1518,7 +1448,7 @@ _SUBCOMMANDS.append(_add_dashboard)
 
 
 def _grace(text: str) -> float:
-    from stagetree.checkpoints.gc import parse_duration
+    from stagetree.tools.gc import parse_duration
 
     try:
         return parse_duration(text, "--grace")
@@ -1531,7 +1461,7 @@ def _add_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     (:func:`stagetree.checkpoints.collect_garbage`)."""
 
     def handler(args: argparse.Namespace) -> int:
-        from stagetree.checkpoints.gc import DEFAULT_GRACE, collect_garbage
+        from stagetree.tools.gc import DEFAULT_GRACE, collect_garbage
 
         try:
             report = collect_garbage(

@@ -44,6 +44,7 @@ from stagetree.plan.leases import host_pid
 from stagetree.plan.model import RequestState
 from stagetree.plan.scopes import root_scope, study_scope
 from stagetree.plan.tree import Insertion
+from stagetree.records import failure_record
 from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
@@ -58,16 +59,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("stagetree")
-
-
-def failure_record(error: str, traceback: str, where: str = "") -> dict[str, str]:
-    """How a failure is kept in a trial's ``attrs["error"]`` (see
-    :class:`~stagetree.study.TrialError`): the exception's type and message, its
-    traceback, and what it interrupted."""
-    kind, sep, message = error.partition(": ")
-    if not sep or not kind.replace(".", "").replace("_", "").isalnum():
-        kind, message = "Error", error
-    return {"type": kind, "message": message, "traceback": traceback, "where": where}
 
 
 class Waiter:
@@ -1071,9 +1062,9 @@ class Engine:
 
     def _evict(self) -> None:
         """Keep the checkpoint store within its budget (cost-benefit, see
-        :func:`stagetree.checkpoints.gc.evict_to_budget`: the rule ``stagetree gc``
+        :func:`stagetree.checkpoints.eviction.evict_to_budget`: the rule ``stagetree gc``
         follows); never drop a checkpoint live work needs."""
-        from stagetree.checkpoints.gc import evict_to_budget
+        from stagetree.checkpoints.eviction import evict_to_budget
         from stagetree.scheduler import CheckpointLost
 
         assert self.checkpoint_budget is not None

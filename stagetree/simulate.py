@@ -53,8 +53,7 @@ from stagetree.executors.simulated import (
     drive,
 )
 from stagetree.plan.memory import MemoryPlanStorage
-from stagetree.plan.model import Node
-from stagetree.stages import build_stage_tree
+from stagetree.stages import Work, build_stage_tree, work
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult, Tuner
 
@@ -145,79 +144,6 @@ class SimResult:
 
 
 # --------------------------------------------------------------------------- bounds
-
-
-@dataclass(frozen=True)
-class Work:
-    """Training seconds of a set of trials (see :func:`work`).
-
-    Attributes:
-        longest_path: the longest trial, trained alone.
-        unique_work: the union of the trials' paths (each shared step once).
-        requested_work: every trial trained alone from step 0.
-        lower_bound: ``max(longest_path, unique_work / workers)``.
-    """
-
-    longest_path: float
-    unique_work: float
-    requested_work: float
-    lower_bound: float
-
-
-def work(
-    nodes: Mapping[int, Node],
-    roots: Mapping[str, Mapping[str, Any]],
-    ends: Seq[tuple[int, int]],
-    step_cost: Callable[[Mapping[str, Any], Mapping[str, Any]], float],
-    workers: int,
-) -> Work:
-    """Training seconds of the trials ending at ``ends`` and the makespan lower bound.
-
-    Args:
-        nodes: plan nodes by id (every node on the ends' paths).
-        roots: fixed config of every root key.
-        ends: canonical ``(node, step)`` each trial reached (one entry per trial).
-        step_cost: seconds of one step, ``(config, values) -> float``.
-        workers: number of workers.
-    """
-    counts: dict[tuple[int, int], int] = {}
-    for end in ends:
-        counts[end] = counts.get(end, 0) + 1
-    tree = build_stage_tree(nodes, list(counts))
-    finish: dict[int, float] = {}
-    cache: dict[tuple[int, tuple[Any, ...]], float] = {}
-    unique = requested = longest = 0.0
-    for stage in tree.stages:  # parents before children
-        node = nodes[stage.node]
-        config = roots[node.root_key]
-        names = sorted(node.hp)
-        columns = [_values(node.hp[n], stage.start, stage.stop) for n in names]
-        parent = stage.parent
-        done = finish[id(parent)] if parent is not None else 0.0
-        at = {stage.start: done}
-        for i in range(stage.stop - stage.start):
-            row = tuple(col[i] for col in columns)
-            key = (id(config), tuple((type(v).__name__, v) for v in row))
-            c = cache.get(key)
-            if c is None:
-                c = cache[key] = float(step_cost(config, dict(zip(names, row))))
-            done += c
-            at[stage.start + i + 1] = done
-        for t in stage.evaluate_at:
-            requested += at[t] * counts.get((stage.node, t), 0)
-        finish[id(stage)] = done
-        unique += done - at[stage.start]
-        longest = max(longest, done)
-    return Work(longest, unique, requested, max(longest, unique / max(1, workers)))
-
-
-def _values(seq: Any, start: int, stop: int) -> list[Any]:
-    if callable(seq):
-        values = getattr(seq, "values", None)
-        if callable(values):
-            return list(values(start, stop))
-        return [seq(t) for t in range(start, stop)]
-    return [seq] * (stop - start)
 
 
 # --------------------------------------------------------------------------- simulate

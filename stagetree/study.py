@@ -26,7 +26,6 @@ import warnings
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from stagetree import reports
 from stagetree.budget import Budget, BudgetGuard, RunReport
 from stagetree.checkpoints import CheckpointStore, check_location
 from stagetree.checkpoints.location import default_checkpoint_dir
@@ -45,7 +44,9 @@ from stagetree.identity import trainer_fingerprint
 from stagetree.names import check_hp_names, check_space_names, names_mismatch
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.registry import open_storage
-from stagetree.reports import TrialError, TrialRecord
+from stagetree.records import TrialError, TrialRecord
+from stagetree.reports import costs as report_costs
+from stagetree.reports import trials as report_trials
 from stagetree.scheduler.core import check_checkpoint_every
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult, Tuner
@@ -650,7 +651,7 @@ class Study:
         if self._local_engine() is None:
             return float(self.stats().get("device_seconds", 0.0))
         with self._engine.reading() as storage:
-            return reports.study_accounting(storage, self.name, self.version)["device_seconds"]
+            return report_costs.study_accounting(storage, self.name, self.version)["device_seconds"]
 
     def _local_engine(self) -> Engine | None:
         """The engine in this process; None for a client of a tuning server."""
@@ -811,13 +812,13 @@ class Study:
         other versions are kept in the storage but never mixed in) with its metrics by
         step."""
         with self._engine.reading() as storage:
-            return reports.trial_records(storage, self.name, self.version)
+            return report_trials.trial_records(storage, self.name, self.version)
 
     def failures(self) -> list[tuple[int, TrialError]]:
         """``(trial id, error)`` of every failed trial of this study (of this trainer
         version), in id order (cheap: reads no metrics; progress displays poll it)."""
         with self._engine.reading() as storage:
-            return reports.failures(storage, self.name, self.version)
+            return report_trials.failures(storage, self.name, self.version)
 
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
         """The best trial by ``metric`` (``mode`` ``"max"`` or ``"min"``), by the rule
@@ -833,7 +834,7 @@ class Study:
         """
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
-        return reports.best_trial(self.trials(), metric, mode)
+        return report_trials.best_trial(self.trials(), metric, mode)
 
     def trials_dataframe(self, history: bool = False) -> Any:
         """This study's trials (of this trainer version) as a :class:`pandas.DataFrame`
@@ -847,7 +848,7 @@ class Study:
         Raises:
             MissingExtraError: pandas is not installed.
         """
-        from stagetree import export
+        from stagetree.reports import export
 
         export.require("pandas", "pandas", "a DataFrame of trials")
         with self._engine.reading() as storage:
@@ -916,9 +917,9 @@ class Study:
         engine.settle()
         workers = engine.num_workers if engine.executor is not None else None
         with engine.reading() as storage:
-            out = reports.study_accounting(storage, self.name, self.version)
+            out = report_costs.study_accounting(storage, self.name, self.version)
             out.update(
-                reports.efficiency(
+                report_costs.efficiency(
                     storage, self.name, self.version, now=engine.clock(), workers=workers
                 )
             )
@@ -930,7 +931,7 @@ class Study:
         submitted trials), ``steps_executed`` (by the engine so far), ``device_seconds``,
         ``elapsed`` (seconds since this Study object was made)."""
         with self._engine.reading() as storage:  # the engine's lock is held
-            out = reports.progress(storage, self.name, self.version)
+            out = report_trials.progress(storage, self.name, self.version)
             out["steps_executed"] += self._engine.running_steps()
         out["elapsed"] = time.monotonic() - self._started
         return out

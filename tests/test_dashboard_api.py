@@ -31,11 +31,12 @@ with warnings.catch_warnings():  # starlette >= 1 prefers httpx2 for its test cl
     warnings.simplefilter("ignore")
     from starlette.testclient import TestClient
 
-from stagetree import Study, reports, views
+from stagetree import Study, reports
 from stagetree.dashboard import start_dashboard
 from stagetree.dashboard.app import TOKEN_COOKIE, create_dashboard_app
 from stagetree.hp import Constant, Exponential, MultiStep
 from stagetree.plan import BasePlanStorage, SQLPlanStorage, open_storage
+from stagetree.reports import views
 from stagetree.server.app import create_app
 from stagetree.server.hub import Hub, HubConfig
 from stagetree.space import GridSpace

@@ -209,7 +209,7 @@ def test_a_node_turns_trained_while_the_study_runs_without_a_reload(page: Any, s
 
 def test_studies_list_shows_the_study_and_its_best_metric(page: Any, site: Site) -> None:
     site.finished()
-    from stagetree.reports import best_trial, trial_records
+    from stagetree.reports.trials import best_trial, trial_records
 
     storage = site.storage()
     try:

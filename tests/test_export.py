@@ -17,8 +17,8 @@ import pytest
 from stagetree import Study
 from stagetree.cli import export, main
 from stagetree.exceptions import MissingExtraError, TrialFailedError
-from stagetree.export import lineage_text, trials_dataframe, trials_table
 from stagetree.hp import Constant, MultiStep
+from stagetree.reports.export import lineage_text, trials_dataframe, trials_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_trainers import LinearTrainer
@@ -507,7 +507,7 @@ def test_lineage_reaches_every_format(
 ) -> None:
     """What PBT records on ``TrialRecord.lineage`` is the ``lineage`` column, the
     TensorBoard hparam and the MLflow tag."""
-    import stagetree.export as exporting
+    import stagetree.reports.export as exporting
 
     storage, ids = plan
     real = exporting.trial_records

@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 from study_trainers import FusedLinearTrainer, LinearTrainer, submit_together
 
-from stagetree import Study, views
+from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeWarning, TrialFailedError
 from stagetree.fusion import DEFAULT_MAX_FUSED, fusion_names
 from stagetree.hp import Constant, Piecewise
+from stagetree.reports import views
 from stagetree.work import (
     Abort,
     AddCheckpoint,

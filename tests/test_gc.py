@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 
 from stagetree import Study
-from stagetree.checkpoints import CheckpointStore, collect_garbage, needed_checkpoints
-from stagetree.checkpoints.gc import evict_to_budget, parse_duration
+from stagetree.checkpoints import CheckpointStore, needed_checkpoints
+from stagetree.checkpoints.eviction import evict_to_budget
 from stagetree.cli import main
 from stagetree.exceptions import CheckpointError, CheckpointsInUseError, PlanKeyError, StorageError
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import RequestState, open_storage
 from stagetree.space import GridSpace
+from stagetree.tools.gc import collect_garbage, parse_duration
 from stagetree.tuners import GridSearch
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -22,8 +22,8 @@ from stagetree.cli import status
 from stagetree.distributions import Choice, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import TunerError
 from stagetree.hp import Constant, MultiStep, Shifted, Then, dumps_hp, loads_hp
-from stagetree.lineage import exploit_parents, lineages
-from stagetree.reports import short_sequence
+from stagetree.reports.format import short_sequence
+from stagetree.reports.lineage import exploit_parents, lineages
 from stagetree.space import GridSpace, RandomSpace, TrialSpec
 from stagetree.tuners import PBT, ReplayDivergedWarning, Trial, TrialResult, Tuner
 
@@ -438,7 +438,7 @@ def test_a_choice_of_schedules_moves_to_a_neighbouring_schedule() -> None:
 
 
 def test_lineage_travels_to_a_remote_study() -> None:
-    from stagetree.reports import TrialRecord
+    from stagetree.records import TrialRecord
     from stagetree.server.protocol import record_from_json, record_to_json
 
     seq = Then(MultiStep(0.1, [30, 60]), Shifted(MultiStep(0.12, [30, 60]), 40), 40)

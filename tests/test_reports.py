@@ -18,7 +18,9 @@ from stagetree import study as study_module
 from stagetree.exceptions import PlanKeyError
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import open_storage
-from stagetree.reports import TrialRecord, best_key, best_trial
+from stagetree.ranking import best_key
+from stagetree.records import TrialRecord
+from stagetree.reports.trials import best_trial
 from stagetree.space import GridSpace
 from stagetree.tuners import SHA, GridSearch
 from stagetree.tuners import base as tuners_base

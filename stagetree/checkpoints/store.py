@@ -93,7 +93,7 @@ def eviction_order(
 ) -> list[str]:
     """The checkpoints to delete so that ``sizes`` (every checkpoint of the store: ref
     -> bytes) fits ``budget_bytes``, in deletion order: the cost-benefit rule of
-    :meth:`CheckpointStore.evict`, without I/O (``stagetree.checkpoints.gc`` applies it
+    :meth:`CheckpointStore.evict`, without I/O (``stagetree.checkpoints.eviction`` applies it
     to the plan and the store in a crash-safe order).
 
     Only refs in ``candidates`` that the store holds and that are not ``needed`` may go,

@@ -49,8 +49,9 @@ from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from stagetree import reports, views
 from stagetree.exceptions import PlanKeyError, RequestRefusedError
+from stagetree.reports import trials as reports
+from stagetree.reports import views
 from stagetree.server.auth import check_authorization
 
 if TYPE_CHECKING:

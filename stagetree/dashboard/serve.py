@@ -118,7 +118,7 @@ def _open(url: str) -> BasePlanStorage:
         StagetreeError: it cannot be opened, is of another schema version, or lives in
             another process's memory.
     """
-    from stagetree.cli import open_existing_storage
+    from stagetree.reports.open import open_existing_storage
 
     if url.strip().startswith(("memory", ":memory:")):
         raise StagetreeError(

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import json
 import math
 import random
@@ -47,7 +46,8 @@ from stagetree.exceptions import (
     TrialFailedError,
     TunerError,
 )
-from stagetree.reports import best_key
+from stagetree.ranking import MODES, best_key, ranked_ids, signed_value
+from stagetree.records import trial_fingerprint
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
@@ -64,8 +64,6 @@ __all__ = [
     "draw_specs",
     "rung_levels",
 ]
-
-_MODES = ("max", "min")
 
 
 @dataclass(frozen=True)
@@ -148,10 +146,7 @@ class Trial:
     @functools.cached_property
     def fingerprint(self) -> str:
         """Short stable hash of the config and the sequences' JSON, for the replay log."""
-        from stagetree.hp import dumps_hp
-
-        text = json.dumps(self.config, sort_keys=True, default=repr) + dumps_hp(self.hp)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return trial_fingerprint(self.config, self.hp)
 
 
 @dataclass(eq=False)
@@ -551,7 +546,7 @@ class Tuner(ABC):
     ) -> None:
         if not isinstance(metric, str) or not metric:
             raise TunerError(f"metric must be a non-empty str, got {metric!r}")
-        if mode not in _MODES:
+        if mode not in MODES:
             raise TunerError(f"mode must be 'max' or 'min', got {mode!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TunerError(f"seed must be an int, got {seed!r}")
@@ -637,13 +632,7 @@ class Tuner(ABC):
                 f"metric {self.metric!r} is not among the metrics the trainer returned: "
                 f"{sorted(result.metrics)}"
             )
-        try:
-            v = float(result.metrics[self.metric])
-        except (TypeError, ValueError):
-            return -math.inf
-        if not math.isfinite(v):
-            return -math.inf
-        return v if self.mode == "max" else -v
+        return signed_value(result.metrics[self.metric], self.mode)
 
     def _observe(self, job: Job) -> float:
         """Record ``job``'s result; return its rank value (``-inf`` if it failed)."""
@@ -667,7 +656,7 @@ class Tuner(ABC):
     @staticmethod
     def _ranked(values: Mapping[int, float]) -> list[int]:
         """Trial ids best first; ties go to the smaller id."""
-        return sorted(values, key=lambda tid: (-values[tid], tid))
+        return ranked_ids(values)
 
     def best(self) -> TrialResult | None:
         """Best observed result (see the class doc), None without a finite one: the

@@ -7,6 +7,7 @@ import statistics
 from typing import Any
 
 from stagetree.exceptions import TunerError
+from stagetree.ranking import signed_value
 from stagetree.tuners.base import Job, ReplayingRunner, Tuner, check_int, draw_specs
 
 __all__ = ["MedianStopping"]
@@ -88,13 +89,7 @@ class MedianStopping(Tuner):
         hist[result.steps] = self.value(result)
 
     def _rank_value(self, raw: Any) -> float:
-        try:
-            v = float(raw)
-        except (TypeError, ValueError):
-            return -math.inf
-        if not math.isfinite(v):
-            return -math.inf
-        return v if self.mode == "max" else -v
+        return signed_value(raw, self.mode)
 
     def should_stop(self, tid: int, step: int) -> bool:
         """The median rule for trial ``tid`` after ``step`` steps (see the class doc)."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from stagetree.records import trial_fingerprint
+
 if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage
 
@@ -69,9 +71,7 @@ def _int(value: Any) -> int:
 
 def fingerprint(config: Mapping[str, Any], hp: Mapping[str, Any]) -> str:
     """The fingerprint a tuner logs for the trial ``(config, hp)``."""
-    from stagetree.tuners.base import Trial
-
-    return Trial(0, dict(config), dict(hp)).fingerprint
+    return trial_fingerprint(dict(config), dict(hp))
 
 
 def lineages(

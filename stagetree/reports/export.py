@@ -24,12 +24,17 @@ The trial table (:func:`trials_table`), one row per trial:
 Lists and dicts (a config value ``[64, 64]``, betas ``(0.9, 0.999)``) are JSON text in a
 cell. With ``history=True`` the table is the full metric history in long form: ``study``,
 ``trial``, ``step``, ``metric``, ``value``, one row per recorded value.
+
+Also the records that ``stagetree export --format json`` writes
+(:func:`export_records`: every trial with its metric history) and their flat table
+(:func:`export_table`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import importlib
 import json
 import math
@@ -40,13 +45,17 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-from stagetree.exceptions import CheckpointError, MissingExtraError, StagetreeError
-from stagetree.reports import TrialRecord, short_sequence, study_record, trial_records
-
-if TYPE_CHECKING:
-    from stagetree.plan.base import BasePlanStorage
+from stagetree.checkpoints.format import REF_RE, decode
+from stagetree.checkpoints.location import default_checkpoint_dir
+from stagetree.checkpoints.stores import open_byte_store
+from stagetree.exceptions import CheckpointError, MissingExtraError, PlanKeyError, StagetreeError
+from stagetree.plan.base import BasePlanStorage
+from stagetree.records import TrialRecord, TrialState
+from stagetree.reports.format import short_sequence
+from stagetree.reports.open import default_storage, open_existing_storage
+from stagetree.reports.trials import study_record, trial_records
 
 __all__ = [
     "HISTORY_COLUMNS",
@@ -57,6 +66,8 @@ __all__ = [
     "dataframe",
     "export_checkpoint",
     "export_mlflow",
+    "export_records",
+    "export_table",
     "export_tensorboard",
     "lineage_text",
     "model_files",
@@ -210,13 +221,9 @@ def _history_table(found: list[tuple[str, TrialRecord]]) -> Table:
 def _opened(storage: str | BasePlanStorage | None) -> Iterator[BasePlanStorage]:
     """A storage given, or one opened read-only by URL (default: the command line's
     default storage) and closed after."""
-    from stagetree.plan.base import BasePlanStorage
-
     if isinstance(storage, BasePlanStorage):
         yield storage
         return
-    from stagetree.cli import default_storage, open_existing_storage
-
     opened = open_existing_storage(default_storage() if storage is None else storage)
     try:
         yield opened
@@ -246,8 +253,6 @@ def trials_table(
         StorageError: the storage cannot be opened.
         PlanKeyError: no study ``study`` in it.
     """
-    from stagetree.exceptions import PlanKeyError
-
     with _opened(storage) as opened:
         try:
             found = _records(opened, study, version)
@@ -379,8 +384,6 @@ def _checkpoint_location(url: str | None, checkpoints: str | os.PathLike[str] | 
     if checkpoints is not None:
         return checkpoints
     if url is not None and url.startswith("sqlite:///"):
-        from stagetree.checkpoints.location import default_checkpoint_dir
-
         return default_checkpoint_dir(url)[0]
     raise CheckpointError(
         "the checkpoint location is only known beside a SQLite plan: pass --checkpoints"
@@ -390,9 +393,6 @@ def _checkpoint_location(url: str | None, checkpoints: str | os.PathLike[str] | 
 def _read_ref(location: Any, ref: str) -> dict[str, Any]:
     """Decode checkpoint ``ref`` of ``location`` (a directory or a byte-store URL)
     without writing anything there."""
-    from stagetree.checkpoints.format import REF_RE, decode
-    from stagetree.checkpoints.stores import open_byte_store
-
     if not REF_RE.fullmatch(ref):
         raise CheckpointError(f"the plan's checkpoint reference {ref!r} is not a checkpoint name")
     text = str(location)
@@ -415,8 +415,6 @@ def _read_ref(location: Any, ref: str) -> dict[str, Any]:
 
 
 def _trial_row(storage: BasePlanStorage, trial: int) -> dict[str, Any]:
-    from stagetree.exceptions import PlanKeyError
-
     try:
         return storage.trial(int(trial))
     except PlanKeyError:
@@ -426,8 +424,6 @@ def _trial_row(storage: BasePlanStorage, trial: int) -> dict[str, Any]:
 def _url(storage: str | BasePlanStorage | None) -> str | None:
     """The URL of a storage given by URL (or None: the default); None for an open one."""
     if storage is None:
-        from stagetree.cli import default_storage
-
         return default_storage()
     return storage if isinstance(storage, str) else None
 
@@ -830,7 +826,8 @@ def _log_runs(
             client.log_batch(run_id, metrics=points[i : i + 1000])
         if artifacts:
             _log_model(client, run_id, opened, rec, location, result)
-        status = {"done": "FINISHED", "failed": "FAILED"}.get(rec.state, "KILLED")
+        ends: dict[str, str] = {TrialState.DONE: "FINISHED", TrialState.FAILED: "FAILED"}
+        status = ends.get(rec.state, "KILLED")
         client.set_terminated(run_id, status)
         if old:
             result.replaced += 1
@@ -856,3 +853,95 @@ def _log_model(
         out = Path(tmp) / "model"
         write_model_files(state, trial_info(rec, row), out)
         client.log_artifacts(run_id, str(out), "model")
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _json_number(value: float) -> float | str:
+    """Strict JSON has no NaN or infinities: they become ``"nan"``, ``"inf"``,
+    ``"-inf"`` (``float()`` reads them back)."""
+    return value if math.isfinite(value) else str(value)
+
+
+def export_records(storage: BasePlanStorage, study: str | None = None) -> list[dict[str, Any]]:
+    """Every trial with its metric history, as JSON-able dicts: per study, the trials
+    of its latest trainer version (:func:`hidden_trials` counts the others).
+
+    Each dict: ``study``, ``trial`` (id), ``config``, ``hp`` (sequences as JSON),
+    ``steps``, ``state``, ``error`` (None, or for a failed trial ``{"type", "message",
+    "traceback", "where"}``) and ``history``: ``[{"step": s, "metrics": {...}}, ...]``
+    in step order (only steps with metrics; NaN and infinities as strings).
+
+    Raises:
+        PlanKeyError: no study ``study`` in the storage.
+    """
+    names = [s["name"] for s in storage.studies()] if study is None else [study]
+    if study is not None:
+        study_record(storage, study)
+    out: list[dict[str, Any]] = []
+    for name in names:
+        for rec in trial_records(storage, name):
+            out.append(
+                {
+                    "study": name,
+                    "trial": rec.id,
+                    "config": dict(rec.config),
+                    "hp": {k: seq.to_json() for k, seq in rec.hp.items()},
+                    "steps": rec.steps,
+                    "state": rec.state,
+                    "error": dataclasses.asdict(rec.error) if rec.error is not None else None,
+                    "history": [
+                        {"step": step, "metrics": {k: _json_number(v) for k, v in m.items()}}
+                        for step, m in sorted(rec.metrics.items())
+                    ],
+                }
+            )
+    return out
+
+
+def _table_cell(value: Any) -> Any:
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def export_table(records: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """One row per (trial, step with metrics) of :func:`export_records`.
+
+    Columns: ``study``, ``trial``, ``config.<name>`` (in order of first appearance),
+    ``hp`` (JSON of the sequences), ``step``, ``metric.<name>`` (sorted), ``state`` and
+    ``error`` (the first line of a failed trial's error). Cells a row does not have are
+    empty. A failed trial without metrics still gets one row (with an empty step), so
+    that every failure is in the table.
+    """
+    records = list(records)
+    config_names: dict[str, None] = {}
+    metric_names: set[str] = set()
+    for rec in records:
+        config_names.update(dict.fromkeys(rec["config"]))
+        for h in rec["history"]:
+            metric_names.update(h["metrics"])
+    metrics = sorted(metric_names)
+    header = [
+        "study",
+        "trial",
+        *(f"config.{k}" for k in config_names),
+        "hp",
+        "step",
+        *(f"metric.{k}" for k in metrics),
+        "state",
+        "error",
+    ]
+    rows: list[list[Any]] = []
+    for rec in records:
+        config = [_table_cell(rec["config"].get(k, "")) for k in config_names]
+        hp = json.dumps(rec["hp"], sort_keys=True, separators=(",", ":"))
+        error = rec.get("error") or {}
+        line = f"{error.get('type', 'Error')}: {error.get('message', '')}" if error else ""
+        tail = [rec.get("state", ""), line.splitlines()[0] if line else ""]
+        history = rec["history"] or ([{"step": "", "metrics": {}}] if error else [])
+        for h in history:
+            values = [h["metrics"].get(k, "") for k in metrics]
+            rows.append([rec["study"], rec["trial"], *config, hp, h["step"], *values, *tail])
+    return header, rows

@@ -1,7 +1,7 @@
 """The dashboard's queries: JSON-ready views of a plan storage (``docs/dashboard-api.md``).
 
 Every function here is a pure, read-only function of a
-:class:`~stagetree.plan.BasePlanStorage` built on :mod:`stagetree.reports` (one answer
+:class:`~stagetree.plan.BasePlanStorage` built on the rest of :mod:`stagetree.reports` (one answer
 per question: the status, the best trial, the accounting), and returns plain dicts
 and lists that :func:`json.dumps` takes as they are: numbers that are not finite
 become None, times are ``time.time()`` seconds. Each answer carries ``revision``, the
@@ -13,9 +13,9 @@ Everything is read in bulk (every node, request, checkpoint and metric step of a
 in one read each), never node by node, and only what a view shows: trial rows without
 their config and sequences where those are not shown (``trials(light=True)``), each
 trial's final point rather than its learning curve where only the ranking needs it
-(:func:`stagetree.reports.final_records`, one
+(:func:`stagetree.reports.trials.final_records`, one
 :meth:`~stagetree.plan.BasePlanStorage.metrics_at` read). Views pause the generational
-garbage collector while they build (:func:`stagetree.reports.quiet_gc`). A study of
+garbage collector while they build (:func:`stagetree.reports.trials.quiet_gc`). A study of
 10,000 trials gives its status and its tree in a fraction of a second.
 :func:`read_tree` does the reading and :func:`build_tree` the computing, so that a
 caller holding a lock for the reads (a server's engine) releases it before the
@@ -23,32 +23,47 @@ computation; a tree built from the previous one (``previous``) shares its unchan
 nodes, which :func:`tree_delta` then skips by identity.
 
 Batches (the workers timeline, "training" nodes) come from the storage's activity
-records (:meth:`~stagetree.plan.BasePlanStorage.activity`): a batch is running while
-it has a ``start`` record and no end record and its owner (an engine) still holds a
-live lease; an unended batch whose owner is gone is reported ``lost`` once it is older
-than the lease time-to-live. A long-lived reader (the web layer) keeps an
-:class:`ActivityLog`, which reads only the records written since its last read.
+records (:mod:`stagetree.reports.activity`); a long-lived reader (the web layer) keeps
+an :class:`~stagetree.reports.activity.ActivityLog`, which reads only the records
+written since its last read.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import math
 import statistics
-import threading
 import time
 import urllib.parse
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from stagetree import reports
 from stagetree.exceptions import PlanKeyError
+from stagetree.executors.simulated import StepCost
+from stagetree.hp import Constant
+from stagetree.identity import split_trials
 from stagetree.plan.model import RequestState
+from stagetree.ranking import metric_mode
+from stagetree.records import TrialState
+from stagetree.reports.activity import ActivityLog, Batch, batches
+from stagetree.reports.format import format_value
+from stagetree.reports.status import StudyStatus, storage_status, study_status
+from stagetree.reports.trials import (
+    TreeCurves,
+    best_trial,
+    final_records,
+    last_points,
+    path_segments,
+    quiet_gc,
+    ranked_metric,
+    study_record,
+    trial_rows,
+)
+from stagetree.stages import work
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
@@ -58,9 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_RUNS",
     "ActivityLog",
-    "Batch",
     "TreeData",
-    "batches",
     "build_tree",
     "checkpoint_of",
     "compact",
@@ -85,8 +98,6 @@ MAX_RUNS = 200
 
 # A compact label lists at most this many values of a sequence, else first … last.
 _LABEL_VALUES = 4
-
-_ENDS = ("done", "failed", "lost")
 
 
 # --------------------------------------------------------------------------- values
@@ -130,8 +141,6 @@ def _same(a: list[Any], b: list[Any]) -> bool:
 def _runs(seq: Sequence, start: int, stop: int) -> list[tuple[int, int, Any]]:
     """Every run ``(from, to, value)`` of equal values of ``seq`` on ``[start, stop)``
     (values of different types differ: ``1`` is not ``1.0``)."""
-    from stagetree.hp import Constant
-
     if stop <= start:
         return []
     if isinstance(seq, Constant):
@@ -167,7 +176,7 @@ def compact(seq: Sequence, start: int, stop: int) -> str:
     ``0.1 → 0.01@20`` (the value from step 20 on), ``0.1 → … → 0.001@29 (30 values)``
     for a sequence with many. An empty range gives the value at ``start``."""
     runs = _runs(seq, start, stop) if stop > start else [(start, start + 1, seq(start))]
-    fmt = reports.format_value
+    fmt = format_value
     if len(runs) <= _LABEL_VALUES:
         return " → ".join(fmt(v) if i == 0 else f"{fmt(v)}@{a}" for i, (a, _, v) in enumerate(runs))
     (_, _, first), (a, _, last) = runs[0], runs[-1]
@@ -204,7 +213,7 @@ def _hp_key(node: Node) -> tuple[tuple[str, Sequence], ...]:
 # --------------------------------------------------------------------------- studies
 
 
-def _study_state(storage: BasePlanStorage, st: reports.StudyStatus) -> str:
+def _study_state(storage: BasePlanStorage, st: StudyStatus) -> str:
     """``running`` (trials train, or a tuner holds the study's lease), ``idle`` (no
     trials, or some wait with nothing running), ``failed`` (every trial that ended
     failed), else ``finished``."""
@@ -222,7 +231,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _summary(storage: BasePlanStorage, st: reports.StudyStatus) -> dict[str, Any]:
+def _summary(storage: BasePlanStorage, st: StudyStatus) -> dict[str, Any]:
     numbers = st.numbers
     executed = round(numbers["steps_executed"]) if numbers is not None else None
     seconds = numbers["device_seconds"] if numbers is not None else None
@@ -253,21 +262,21 @@ def _summary(storage: BasePlanStorage, st: reports.StudyStatus) -> dict[str, Any
 
 def study_summary(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     """The ``StudySummary`` of study ``name`` (the numbers of
-    :func:`stagetree.reports.study_status`). ``steps_executed`` and ``device_seconds``
+    :func:`stagetree.reports.status.study_status`). ``steps_executed`` and ``device_seconds``
     are None on a storage that never counted them.
 
     Raises:
         PlanKeyError: no study ``name``.
     """
-    return _summary(storage, reports.study_status(storage, name))
+    return _summary(storage, study_status(storage, name))
 
 
-@reports.quiet_gc
+@quiet_gc
 def study_summaries(storage: BasePlanStorage, url: str = "") -> dict[str, Any]:
     """``GET /api/studies``: every study's summary and the storage-wide totals
-    (:func:`stagetree.reports.storage_status`) of the storage at ``url``."""
+    (:func:`stagetree.reports.status.storage_status`) of the storage at ``url``."""
     revision = storage.revision()
-    status = reports.storage_status(storage, url)
+    status = storage_status(storage, url)
     totals = status.totals
     return {
         "revision": revision,
@@ -282,7 +291,7 @@ def study_summaries(storage: BasePlanStorage, url: str = "") -> dict[str, Any]:
     }
 
 
-@reports.quiet_gc
+@quiet_gc
 def study_detail(
     storage: BasePlanStorage, name: str, log: ActivityLog | None = None
 ) -> dict[str, Any]:
@@ -292,12 +301,10 @@ def study_detail(
     Raises:
         PlanKeyError: no study ``name``.
     """
-    from stagetree.identity import split_trials
-
     revision = storage.revision()
-    meta = reports.study_record(storage, name).get("meta") or {}
+    meta = study_record(storage, name).get("meta") or {}
     rows = storage.trials(name, light=True)  # read once, for the status and the savings
-    st = reports.study_status(storage, name, rows)
+    st = study_status(storage, name, rows)
     return {
         "revision": revision,
         "study": _summary(storage, st),
@@ -318,28 +325,28 @@ def _seconds_per_step(
 def savings(
     storage: BasePlanStorage,
     name: str,
-    status: reports.StudyStatus | None = None,
+    status: StudyStatus | None = None,
     log: ActivityLog | None = None,
     rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The ``Savings`` of study ``name``: what training each trial alone would cost
     (its requested steps, at the device-seconds per step its own executed steps cost,
     or the batches' median rate before it has any) against what was trained for it
-    (:func:`stagetree.reports.study_accounting`); with :func:`_estimate` when it has
+    (:func:`stagetree.reports.costs.study_accounting`); with :func:`_estimate` when it has
     requested steps and executed none yet.
 
     Args:
-        status: the study's :func:`~stagetree.reports.study_status`, when the caller
+        status: the study's :func:`~stagetree.reports.status.study_status`, when the caller
             has it.
         log: see :func:`batches`.
-        rows: the study's :func:`~stagetree.reports.trial_rows`, when the caller has
+        rows: the study's :func:`~stagetree.reports.trials.trial_rows`, when the caller has
             them.
 
     Raises:
         PlanKeyError: no study ``name``.
     """
-    st = status if status is not None else reports.study_status(storage, name)
-    rows = rows if rows is not None else reports.trial_rows(storage, name, light=True)
+    st = status if status is not None else study_status(storage, name)
+    rows = rows if rows is not None else trial_rows(storage, name, light=True)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
     numbers = st.numbers
     executed = round(numbers["steps_executed"]) if numbers is not None else None
@@ -365,14 +372,12 @@ def savings(
 
 
 def _estimate(
-    storage: BasePlanStorage, st: reports.StudyStatus, rows: list[dict[str, Any]]
+    storage: BasePlanStorage, st: StudyStatus, rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """What the simulator expects of the study's plan before anything ran: its unique
-    steps, and the makespan bound of :func:`stagetree.simulate.work` (longest path,
+    steps, and the makespan bound of :func:`stagetree.stages.work` (longest path,
     or unique work shared by the workers) with the simulator's step-cost model, at
     the storage's recorded worker count (1 when none was recorded)."""
-    from stagetree.simulate import StepCost, work
-
     roots = {str(t["root_key"]) for t in rows}
     nodes = {n.id: n for root in roots for n in storage.nodes(root)}
     configs: dict[str, Mapping[str, Any]] = {}
@@ -400,180 +405,6 @@ def _estimate(
 
 
 # --------------------------------------------------------------------------- batches
-
-
-@dataclass
-class Batch:
-    """One batch of the activity records: ``(owner, batch)`` from its ``start`` to its
-    end record.
-
-    Attributes:
-        owner, batch: its identity (the engine's owner id, the engine's batch id).
-        root_key: its plan tree.
-        worker: the worker that ran it.
-        location: where that worker ran (``host:pid``).
-        segments: ``[node, from, to)`` it trains.
-        start_step, stop_step: its first and end step.
-        started: when it started (None when its start record is missing).
-        ended: when it ended (None while it runs, or lost without a record).
-        state: ``running``, ``done``, ``failed`` or ``lost``.
-        busy_seconds: what it spent (its ``done`` record), or the time since it started.
-        load_seconds: loading its start checkpoint.
-        save_wait_seconds: waiting at its end for its background checkpoint writes
-            (its ``done`` record; 0 from a stagetree that did not record it).
-        steps: steps it trained (its ``done`` record).
-        saves: ``(time, step, seconds)`` of each checkpoint it saved.
-        last_seq: its latest activity record.
-        detail: the error of a failed batch, the reason of a lost one.
-        fused: the batches of the fused job it started in (1: unfused); a member's
-            ``busy_seconds`` is its share of the job's time.
-    """
-
-    owner: str
-    batch: int
-    root_key: str
-    worker: int = 0
-    location: str = ""
-    segments: list[tuple[int, int, int]] = field(default_factory=list)
-    start_step: int = 0
-    stop_step: int = 0
-    started: float | None = None
-    ended: float | None = None
-    state: str = "running"
-    busy_seconds: float = 0.0
-    load_seconds: float = 0.0
-    save_wait_seconds: float = 0.0
-    steps: int = 0
-    saves: list[tuple[float, int, float]] = field(default_factory=list)
-    last_seq: int = 0
-    detail: str = ""
-    fused: int = 1
-
-    @property
-    def key(self) -> str:
-        """``owner/batch``: unique in the storage."""
-        return f"{self.owner}/{self.batch}"
-
-    @property
-    def rate(self) -> float | None:
-        """Measured seconds per trained step, None without steps."""
-        if self.steps <= 0:
-            return None
-        return max(self.busy_seconds - self.load_seconds, 0.0) / self.steps
-
-
-def _apply(batch: Batch, record: Any) -> None:
-    """Fold one activity record into its batch."""
-    data = record.data or {}
-    batch.last_seq = max(batch.last_seq, int(record.seq))
-    batch.worker = int(record.worker)
-    if record.kind == "start":
-        batch.started = float(record.time)
-        batch.segments = [(int(n), int(a), int(b)) for n, a, b in data.get("segments", [])]
-        batch.start_step = int(data.get("start_step", 0))
-        batch.stop_step = int(data.get("stop_step", 0))
-        batch.location = str(data.get("location", ""))
-        batch.fused = int(data.get("fused", 1))
-    elif record.kind == "save":
-        batch.saves.append((float(record.time), int(record.step or 0), float(record.seconds)))
-    elif record.kind in _ENDS:
-        batch.state = record.kind
-        batch.ended = float(record.time)
-        batch.busy_seconds = float(record.seconds)
-        if record.kind == "done":
-            batch.steps = int(data.get("steps", 0))
-            batch.load_seconds = float(data.get("load_seconds", 0.0))
-            batch.save_wait_seconds = float(data.get("save_wait_seconds", 0.0))
-        else:
-            batch.detail = str(data.get("error", data.get("reason", "")))
-            if not batch.busy_seconds and batch.started is not None:
-                batch.busy_seconds = max(batch.ended - batch.started, 0.0)
-
-
-def _live_owners(storage: BasePlanStorage) -> set[str] | None:
-    """Owners holding a live lease; None for a storage of this process only (memory),
-    where an unended batch is running by definition."""
-    from stagetree.plan.sql import SQLPlanStorage
-
-    if not isinstance(storage, SQLPlanStorage):
-        return None
-    return {lease.owner for lease in storage.leases()}
-
-
-class ActivityLog:
-    """A storage's batches folded from its activity records, read incrementally: each
-    :meth:`update` reads only the records after the last one it saw (the log is
-    append-only), so that a dashboard following a long study does not read its whole
-    history at every change. One log per storage; thread-safe."""
-
-    def __init__(self) -> None:
-        self.seq = 0  # the last record folded in
-        self._batches: dict[str, Batch] = {}
-        self._lock = threading.Lock()
-
-    @reports.quiet_gc
-    def update(self, storage: BasePlanStorage, root_keys: Collection[str] | None = None) -> None:
-        """Fold in the records written since the last update (of every tree, or only
-        of ``root_keys`` for a log of those trees alone)."""
-        with self._lock:
-            for record in storage.activity(self.seq, root_keys):
-                key = f"{record.owner}/{record.batch}"
-                batch = self._batches.get(key)
-                if batch is None:
-                    batch = Batch(str(record.owner), int(record.batch), str(record.root_key))
-                    self._batches[key] = batch
-                _apply(batch, record)
-                self.seq = max(self.seq, int(record.seq))
-
-    def of(self, root_keys: Collection[str]) -> dict[str, Batch]:
-        """The batches of these trees, in the order they started: copies of those still
-        running (:func:`batches` sets their state), the ended ones as they are (they
-        change no more; callers do not modify them)."""
-        wanted = set(root_keys)
-        with self._lock:
-            return {
-                k: b if b.state in _ENDS else dataclasses.replace(b, saves=list(b.saves))
-                for k, b in self._batches.items()
-                if b.root_key in wanted
-            }
-
-
-def batches(
-    storage: BasePlanStorage,
-    root_keys: Collection[str],
-    now: float | None = None,
-    log: ActivityLog | None = None,
-) -> dict[str, Batch]:
-    """Every batch that trained the trees ``root_keys``, by :attr:`Batch.key`, in the
-    order they started. An unended batch is running while its owner holds a live lease
-    (on a SQL storage), else ``lost`` once older than the lease time-to-live.
-
-    Args:
-        log: the storage's :class:`ActivityLog`, brought up to date (else the whole
-            activity of those trees is read).
-    """
-    from stagetree.coordination import lease_ttl
-
-    if not root_keys:
-        return {}
-    now = time.time() if now is None else now
-    if log is None:
-        log = ActivityLog()
-        log.update(storage, list(root_keys))
-    else:
-        log.update(storage)
-    out = log.of(root_keys)
-    running = [b for b in out.values() if b.state == "running"]
-    live = _live_owners(storage) if running else None
-    ttl = lease_ttl()
-    for batch in running:
-        started = batch.started if batch.started is not None else now
-        if live is not None and batch.owner not in live and now - started > ttl:
-            batch.state = "lost"
-            batch.detail = "its engine stopped renewing its leases"
-        else:
-            batch.busy_seconds = max(now - started, 0.0)
-    return out
 
 
 def _worker_names(found: Iterable[Batch]) -> dict[tuple[str, int], str]:
@@ -618,7 +449,7 @@ class TreeData:
     batches: dict[str, Batch]
 
 
-@reports.quiet_gc
+@quiet_gc
 def read_tree(storage: BasePlanStorage, name: str, log: ActivityLog | None = None) -> TreeData:
     """Read what study ``name``'s stage tree is made of: a few bulk reads per tree
     (the batches through ``log`` when given, see :func:`batches`).
@@ -626,10 +457,8 @@ def read_tree(storage: BasePlanStorage, name: str, log: ActivityLog | None = Non
     Raises:
         PlanKeyError: no study ``name``.
     """
-    from stagetree.identity import split_trials
-
     revision = storage.revision()
-    record = reports.study_record(storage, name)
+    record = study_record(storage, name)
     mine = storage.trials(name, light=True)
     own, _ = split_trials(mine, record.get("meta") or {})
     roots = list(dict.fromkeys(str(t["root_key"]) for t in own))
@@ -805,7 +634,7 @@ def _state(i: int, progress: _Progress, training: Mapping[int, str], start: int)
     return "trained"
 
 
-@reports.quiet_gc
+@quiet_gc
 def build_tree(data: TreeData, previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The stage tree of :class:`TreeData` (``GET /api/studies/{name}/tree``, full):
     one ``Node`` per plan node of the study's trees (``docs/dashboard-api.md`` gives
@@ -897,7 +726,7 @@ def tree_delta(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]
     }
 
 
-@reports.quiet_gc
+@quiet_gc
 def node_detail(
     storage: BasePlanStorage, name: str, node_id: int, tree: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -918,7 +747,7 @@ def node_detail(
     node = storage.node(node_id)
     start, stop = found["start"], max(found["end"], found["start"] + 1)
     metrics = storage.metrics(node.root_key, [node_id]).get(node_id, {})
-    rows = {t["id"]: t for t in reports.trial_rows(storage, name, light=True)}
+    rows = {t["id"]: t for t in trial_rows(storage, name, light=True)}
     return {
         "revision": tree["revision"],
         "node": found,
@@ -949,7 +778,7 @@ def _series(points: Mapping[int, Mapping[str, float]], metric: str | None) -> li
 
 
 def _trial_paths(
-    curves: reports.TreeCurves, rows: Iterable[Mapping[str, Any]]
+    curves: TreeCurves, rows: Iterable[Mapping[str, Any]]
 ) -> dict[int, list[tuple[int, int, int]]]:
     """``(node, first, last)`` of each trial's path, by trial id (trials not in a tree
     yet have none)."""
@@ -960,17 +789,17 @@ def _trial_paths(
             continue
         nodes = curves.nodes(str(t["root_key"]))
         try:
-            out[int(t["id"])] = reports.path_segments(nodes, int(t["node"]), int(t["steps"]))
+            out[int(t["id"])] = path_segments(nodes, int(t["node"]), int(t["steps"]))
         except KeyError:  # committed after the tree was read
             out[int(t["id"])] = []
     return out
 
 
-@reports.quiet_gc
+@quiet_gc
 def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> dict[str, Any]:
     """``GET /api/studies/{name}/curves``: the learning curves of the study's trials as
     shared segments: the points of ``metric`` (default: the study's ranked metric,
-    :func:`stagetree.reports.ranked_metric`) per plan node, and per trial the nodes of
+    :func:`stagetree.reports.trials.ranked_metric`) per plan node, and per trial the nodes of
     its path with ``ends``, the last step of each node on that path (a trial's curve is
     each node's points after the previous node's end up to its own).
 
@@ -978,14 +807,14 @@ def curves(storage: BasePlanStorage, name: str, metric: str | None = None) -> di
         PlanKeyError: no study ``name``.
     """
     revision = storage.revision()
-    meta = reports.study_record(storage, name).get("meta") or {}
-    rows = reports.trial_rows(storage, name, light=True)
-    tree_curves = reports.TreeCurves(storage)
-    records = reports.final_records(storage, rows, tree_curves)  # what the ranking reads
-    ranked, ranked_mode, _ = reports.ranked_metric(meta, records)
+    meta = study_record(storage, name).get("meta") or {}
+    rows = trial_rows(storage, name, light=True)
+    tree_curves = TreeCurves(storage)
+    records = final_records(storage, rows, tree_curves)  # what the ranking reads
+    ranked, ranked_mode, _ = ranked_metric(meta, records)
     metric = metric or ranked
-    mode = ranked_mode if metric == ranked else reports.metric_mode(metric or "", meta)
-    best = reports.best_trial(records, metric, mode) if metric else None
+    mode = ranked_mode if metric == ranked else metric_mode(metric or "", meta)
+    best = best_trial(records, metric, mode) if metric else None
     paths = _trial_paths(tree_curves, rows)
     names: set[str] = set()
     segments: dict[str, list[list[Any]]] = {}
@@ -1026,7 +855,7 @@ def _checkpoint_url(name: str, trial_id: int) -> str:
     return f"/api/studies/{urllib.parse.quote(name, safe='')}/trials/{trial_id}/checkpoint"
 
 
-@reports.quiet_gc
+@quiet_gc
 def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
     """``GET /api/studies/{name}/trials``: one row per trial of the study's latest
     trainer version: config, sequences in compact form over its steps
@@ -1037,20 +866,20 @@ def trials_table(storage: BasePlanStorage, name: str) -> dict[str, Any]:
         PlanKeyError: no study ``name``.
     """
     revision = storage.revision()
-    meta = reports.study_record(storage, name).get("meta") or {}
-    rows = reports.trial_rows(storage, name)
-    records = reports.final_records(storage, rows)  # what the ranking reads
-    metric = reports.ranked_metric(meta, records)[0]
+    meta = study_record(storage, name).get("meta") or {}
+    rows = trial_rows(storage, name)
+    records = final_records(storage, rows)  # what the ranking reads
+    metric = ranked_metric(meta, records)[0]
     ckpts: dict[tuple[int, int], CheckpointRecord] = {}
     for root in dict.fromkeys(str(t["root_key"]) for t in rows):
         ckpts.update(storage.checkpoints(root))
     finals = {r.id: r.metrics[r.steps] for r in records if r.metrics}
-    lasts = reports.last_points(storage, rows, finals)
+    lasts = last_points(storage, rows, finals)
     out = []
     for t, rec in zip(rows, records):
         last = lasts.get(rec.id)
         end = (t.get("node"), t.get("step"))
-        has_ckpt = t["state"] == "done" and end in ckpts
+        has_ckpt = t["state"] == TrialState.DONE and end in ckpts
         out.append(
             {
                 "id": rec.id,
@@ -1075,7 +904,7 @@ def checkpoint_of(
     Raises:
         PlanKeyError: no study ``name``, or no trial ``trial_id`` of it.
     """
-    reports.study_record(storage, name)
+    study_record(storage, name)
     try:
         trial = storage.trial(trial_id)
     except PlanKeyError:
@@ -1122,7 +951,7 @@ def _batch_trials(
     return sorted(out)
 
 
-@reports.quiet_gc
+@quiet_gc
 def timeline(
     storage: BasePlanStorage, name: str, after: int = 0, log: ActivityLog | None = None
 ) -> dict[str, Any]:
@@ -1137,11 +966,11 @@ def timeline(
     """
     revision = storage.revision()
     now = time.time()
-    reports.study_record(storage, name)
-    rows = reports.trial_rows(storage, name, light=True)
+    study_record(storage, name)
+    rows = trial_rows(storage, name, light=True)
     roots = list(dict.fromkeys(str(t["root_key"]) for t in rows))
     found = batches(storage, roots, now, log)
-    tree_curves = reports.TreeCurves(storage)
+    tree_curves = TreeCurves(storage)
     paths = {k: v for k, v in _trial_paths(tree_curves, rows).items() if v}
     nodes = {i: n for root in roots for i, n in tree_curves.nodes(root).items()}
     by_node = _trials_by_node(paths, nodes)

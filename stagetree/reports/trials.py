@@ -1,0 +1,454 @@
+"""The trials of a study as the read side gives them: records, learning curves,
+final metrics, failures, progress and the best trial.
+
+Every reader of results (:class:`~stagetree.Study`, ``stagetree status`` and
+``stagetree export``, a server or a dashboard) asks this package
+(:mod:`stagetree.reports`), so that each question has one answer:
+
+* **Which trials.** A study's trials of one trainer version (:mod:`stagetree.identity`):
+  a Study asks for its own version, the commands for the version of the study's latest
+  run; the trials of other versions stay in the storage, hidden.
+* **The best trial** (:func:`best_trial`, and :meth:`Tuner.best
+  <stagetree.tuners.base.Tuner.best>` through :func:`stagetree.ranking.best_key`).
+  Trials are compared at the largest step at which any trial has a finite value of the
+  metric at its final step: a trial stopped early (by ASHA, say) never beats one
+  trained further, however good its early metric. Among the trials at that step the
+  best value wins, ties go to the lowest trial id, and NaN or infinite values are
+  never best.
+
+Everything here is a pure function of a :class:`~stagetree.plan.BasePlanStorage`: it
+takes no engine and no lock (callers hold what they need) and never writes, so it
+works on a storage opened read-only (``open_storage(url, readonly=True)``) while other
+processes write to it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import gc
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+from stagetree.exceptions import PlanKeyError
+from stagetree.identity import split_trials
+from stagetree.ranking import MODES, best_key, check_mode, finite, guess_mode
+from stagetree.records import NO_ERROR, TrialError, TrialRecord, TrialState
+from stagetree.reports.lineage import study_lineage
+
+if TYPE_CHECKING:
+    from stagetree.plan.base import BasePlanStorage
+    from stagetree.plan.model import Node
+
+__all__ = [
+    "TreeCurves",
+    "best_trial",
+    "failures",
+    "final_metrics",
+    "final_records",
+    "final_value",
+    "hidden_trials",
+    "last_points",
+    "path_segments",
+    "progress",
+    "quiet_gc",
+    "ranked_metric",
+    "records_of",
+    "study_record",
+    "trial_records",
+    "trial_rows",
+]
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def quiet_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` with the generational garbage collector paused (as the stage tree's
+    build does, :func:`stagetree.stages.build_stage_tree`): a reader of a large study
+    allocates tens of thousands of rows and points at once, and collections triggered
+    halfway would walk them and everything the process holds for nothing (a third of
+    the time of a view). Cycles are collected once it is enabled again; nested and
+    concurrent calls leave it enabled as they found it."""
+
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return paused
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _studies(storage: BasePlanStorage) -> dict[str, dict[str, Any]]:
+    return {s["name"]: s for s in storage.studies()}
+
+
+def study_record(storage: BasePlanStorage, study: str) -> dict[str, Any]:
+    """The storage's record of ``study`` (``name``, ``created``, ``meta``).
+
+    Raises:
+        PlanKeyError: no study ``study`` in the storage (naming the studies there).
+    """
+    by_name = _studies(storage)
+    if study not in by_name:
+        known = ", ".join(sorted(by_name)) or "none"
+        raise PlanKeyError(f"no study {study!r} in the storage (studies: {known})")
+    return by_name[study]
+
+
+def _trials(
+    storage: BasePlanStorage, study: str, version: Any = None, light: bool = False
+) -> tuple[list[dict[str, Any]], int]:
+    """``(trial rows of version, number of rows of other versions)``; ``version``
+    defaults to that of the study's latest run. A study without a record has none."""
+    record = _studies(storage).get(study)
+    if record is None:
+        return [], 0
+    return split_trials(storage.trials(study, light=light), record.get("meta") or {}, version)
+
+
+def trial_rows(
+    storage: BasePlanStorage, study: str, version: Any = None, *, light: bool = False
+) -> list[dict[str, Any]]:
+    """The storage's rows (:meth:`~stagetree.plan.BasePlanStorage.trials`) of the trials
+    :func:`trial_records` returns: ``study``'s trials of ``version`` (default: the
+    version of its latest run), in id order, without their metrics (and with
+    ``light``, without their config and sequences)."""
+    return _trials(storage, study, version, light)[0]
+
+
+def _along(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
+    """:meth:`BasePlanStorage.metrics_along` the trial's sequences up to its steps (a
+    light row, without them, reads its own row for them)."""
+    hp = trial.get("hp")
+    if hp is None:
+        hp = storage.trial(int(trial["id"]))["hp"]
+    return storage.metrics_along(trial["root_key"], hp, trial["steps"])
+
+
+def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple[int, int, int]]:
+    """``(node, first, last)`` per node of the path that ends at the canonical
+    ``(node, step)``, root first: the steps ``first..last`` (inclusive) whose model is
+    keyed by that node (what :func:`stagetree.plan.tree.walk` returns for the trial).
+
+    Raises:
+        KeyError: a node of the path is not in ``nodes``.
+    """
+    chain = [nodes[node]]
+    while chain[-1].parent is not None:
+        chain.append(nodes[chain[-1].parent])
+    chain.reverse()
+    out: list[tuple[int, int, int]] = []
+    for i, n in enumerate(chain):
+        first = 0 if n.parent is None else n.branch_step + 1
+        last = chain[i + 1].branch_step if i + 1 < len(chain) else step
+        if last >= first:
+            out.append((n.id, first, last))
+    return out
+
+
+class TreeCurves:
+    """The metrics of plan trees read once (one bulk read per tree), cut into each
+    trial's learning curve: what :meth:`BasePlanStorage.metrics_along` gives, without
+    one query per trial.
+
+    Attributes:
+        storage: the plan read.
+    """
+
+    def __init__(self, storage: BasePlanStorage) -> None:
+        self.storage = storage
+        self._nodes: dict[str, dict[int, Node]] = {}
+        self._metrics: dict[str, dict[int, dict[int, dict[str, float]]]] = {}
+        self._steps: dict[int, list[int]] = {}  # node -> its metric steps, sorted
+
+    def nodes(self, root_key: str) -> dict[int, Node]:
+        """The nodes of ``root_key``'s tree by id, read once."""
+        nodes = self._nodes.get(root_key)
+        if nodes is None:
+            nodes = self._nodes[root_key] = {n.id: n for n in self.storage.nodes(root_key)}
+        return nodes
+
+    def metrics(self, root_key: str) -> dict[int, dict[int, dict[str, float]]]:
+        """``{node: {step: metrics}}`` of ``root_key``'s tree, read once."""
+        metrics = self._metrics.get(root_key)
+        if metrics is None:
+            metrics = self._metrics[root_key] = self.storage.metrics(root_key)
+        return metrics
+
+    def tree(self, root_key: str) -> tuple[dict[int, Node], dict[int, dict[int, dict[str, float]]]]:
+        """``(nodes by id, {node: {step: metrics}})`` of ``root_key``'s tree, read once."""
+        return self.nodes(root_key), self.metrics(root_key)
+
+    def of(self, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
+        """Every known metric on ``trial``'s path up to its steps, by step."""
+        if trial.get("node") is None:
+            return {}
+        if trial.get("step") != trial["steps"]:  # the row's end lags: walk its values
+            return _along(self.storage, trial)
+        nodes, metrics = self.tree(str(trial["root_key"]))
+        try:
+            segments = path_segments(nodes, int(trial["node"]), int(trial["steps"]))
+        except KeyError:  # a node committed after the tree was read
+            return _along(self.storage, trial)
+        out: dict[int, dict[str, float]] = {}
+        for node, first, last in segments:
+            points = metrics.get(node)
+            if not points:
+                continue
+            steps = self._steps.get(node)
+            if steps is None:
+                steps = self._steps[node] = sorted(points)
+            lo, hi = bisect.bisect_left(steps, first), bisect.bisect_right(steps, last)
+            for step in steps[lo:hi]:
+                out[step] = dict(points[step])
+        return out
+
+
+@quiet_gc
+def records_of(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    curves: TreeCurves | None = None,
+) -> list[TrialRecord]:
+    """:class:`TrialRecord` of each trial row (:func:`trial_rows`), with its learning
+    curve cut from one bulk read of each plan tree (``curves``, made when None)."""
+    curves = curves if curves is not None else TreeCurves(storage)
+    out = []
+    for trial in trials:
+        error = (
+            TrialError.from_attrs(trial.get("attrs"))
+            if trial["state"] == TrialState.FAILED
+            else None
+        )
+        out.append(
+            TrialRecord(
+                int(trial["id"]),
+                dict(trial.get("config") or {}),
+                dict(trial.get("hp") or {}),
+                int(trial["steps"]),
+                str(trial["state"]),
+                curves.of(trial),
+                error,
+            )
+        )
+    return out
+
+
+def final_metrics(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    curves: TreeCurves | None = None,
+) -> dict[int, dict[str, float]]:
+    """The metrics of each trial row at its final step (``steps``), by trial id (trials
+    without any there are left out): what :func:`records_of` would hold at that step,
+    without reading the learning curves. One :meth:`BasePlanStorage.metrics_at` read,
+    or taken from ``curves`` when its trees are read already; a row whose end lags its
+    steps walks its path (:meth:`BasePlanStorage.metrics_along`)."""
+    out: dict[int, dict[str, float]] = {}
+    keys: dict[int, tuple[int, int]] = {}
+    for t in trials:
+        if t.get("node") is None:
+            continue
+        steps = int(t["steps"])
+        if t.get("step") != steps:  # the row's end lags: walk its values
+            found = _along(storage, t).get(steps)
+            if found is not None:
+                out[int(t["id"])] = found
+        elif curves is not None:
+            root, node = str(t["root_key"]), int(t["node"])
+            if node not in curves.nodes(root):  # committed after the tree was read
+                found = _along(storage, t).get(steps)
+            else:
+                point = curves.metrics(root).get(node, {}).get(steps)
+                found = None if point is None else dict(point)
+            if found is not None:
+                out[int(t["id"])] = found
+        else:
+            keys[int(t["id"])] = (int(t["node"]), steps)
+    if keys:
+        points = storage.metrics_at(keys.values())
+        out.update((tid, points[key]) for tid, key in keys.items() if key in points)
+    return out
+
+
+def last_points(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    finals: Mapping[int, dict[str, float]] | None = None,
+) -> dict[int, tuple[int, dict[str, float]]]:
+    """The last step with metrics on each trial's path up to its steps, and its metrics,
+    by trial id (trials without any are left out): the last point of the learning curve
+    that :func:`records_of` gives it. The final points first (``finals``, else
+    :func:`final_metrics`); only for the trials short of their end the metrics of the
+    nodes on their paths."""
+    rows = list(trials)
+    finals = final_metrics(storage, rows) if finals is None else finals
+    out: dict[int, tuple[int, dict[str, float]]] = {}
+    short: dict[str, list[Mapping[str, Any]]] = {}
+    for t in rows:
+        tid = int(t["id"])
+        if tid in finals:
+            out[tid] = (int(t["steps"]), finals[tid])
+        elif t.get("node") is not None:
+            short.setdefault(str(t["root_key"]), []).append(t)
+    for root, found in short.items():
+        nodes = {n.id: n for n in storage.nodes(root)}
+        paths: dict[int, list[tuple[int, int, int]]] = {}
+        for t in found:
+            try:
+                if t.get("step") == t["steps"]:
+                    paths[int(t["id"])] = path_segments(nodes, int(t["node"]), int(t["steps"]))
+                    continue
+            except KeyError:  # a node committed after the tree was read
+                pass
+            curve = _along(storage, t)  # walk it
+            if curve:
+                out[int(t["id"])] = max(curve.items())
+        metrics = storage.metrics(root, {n for path in paths.values() for n, _, _ in path})
+        steps = {node: list(points) for node, points in metrics.items()}  # sorted
+        for tid, path in paths.items():
+            for node, first, last in reversed(path):
+                along = steps.get(node)
+                i = bisect.bisect_right(along, last) if along else 0
+                if i and along is not None and along[i - 1] >= first:
+                    out[tid] = (along[i - 1], metrics[node][along[i - 1]])
+                    break
+    return out
+
+
+def final_records(
+    storage: BasePlanStorage,
+    trials: Iterable[Mapping[str, Any]],
+    curves: TreeCurves | None = None,
+) -> list[TrialRecord]:
+    """:class:`TrialRecord` of each trial row whose ``metrics`` hold only its final
+    step's (:func:`final_metrics`): all that :func:`ranked_metric`, :func:`best_trial`
+    and :func:`final_value` read, at the cost of one point per trial. ``config`` and
+    ``hp`` are the rows' own (not copied; empty for light rows)."""
+    rows = list(trials)
+    finals = final_metrics(storage, rows, curves)
+    out = []
+    for t in rows:
+        tid, steps = int(t["id"]), int(t["steps"])
+        error = TrialError.from_attrs(t.get("attrs")) if t["state"] == TrialState.FAILED else None
+        final = finals.get(tid)
+        metrics = {steps: final} if final is not None else {}
+        config, hp = t.get("config", {}), t.get("hp", {})
+        out.append(TrialRecord(tid, config, hp, steps, str(t["state"]), metrics, error))
+    return out
+
+
+def trial_records(storage: BasePlanStorage, study: str, version: Any = None) -> list[TrialRecord]:
+    """Every trial of ``study`` of trainer version ``version`` (default: the version of
+    the study's latest run), in id order, with its metrics by step. A study the storage
+    does not hold has none."""
+    rows = _trials(storage, study, version)[0]
+    records = records_of(storage, rows)
+    lineage = study_lineage(storage, study, rows) if rows else {}
+    for record in records:
+        record.lineage = lineage.get(record.id, [])
+    return records
+
+
+def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
+    """Trials of other trainer versions than the latest run's (of ``study``, or of
+    every study), which status and export leave out."""
+    return sum(
+        split_trials(storage.trials(s["name"], light=True), s.get("meta"))[1]
+        for s in storage.studies()
+        if study is None or s["name"] == study
+    )
+
+
+def failures(
+    storage: BasePlanStorage, study: str, version: Any = None
+) -> list[tuple[int, TrialError]]:
+    """``(trial id, error)`` of every failed trial of ``study`` (of ``version``, as in
+    :func:`trial_records`), in id order. Cheap: reads no metrics."""
+    return _failed(_trials(storage, study, version, light=True)[0])
+
+
+def _failed(trials: Iterable[Mapping[str, Any]]) -> list[tuple[int, TrialError]]:
+    return [
+        (int(t["id"]), TrialError.from_attrs(t.get("attrs")) or NO_ERROR)
+        for t in trials
+        if t["state"] == TrialState.FAILED
+    ]
+
+
+def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:
+    """A cheap snapshot for progress displays (reads no metrics, builds no tree):
+    ``trials``, ``finished``, ``running``, ``pending``, ``failed`` (trial rows of
+    ``version`` by state), ``steps_requested`` (their total steps), and the storage-wide
+    ``steps_executed`` and ``device_seconds`` of the batches that ended so far."""
+    trials = _trials(storage, study, version, light=True)[0]
+    states = [t["state"] for t in trials]
+    engine = storage.stats("engine")
+    return {
+        "trials": float(len(trials)),
+        "finished": float(states.count(TrialState.DONE)),
+        "running": float(states.count(TrialState.RUNNING)),
+        "pending": float(states.count(TrialState.PENDING)),
+        "failed": float(states.count(TrialState.FAILED)),
+        "steps_requested": float(sum(int(t["steps"]) for t in trials)),
+        "steps_executed": engine.get("steps_executed", 0.0),
+        "device_seconds": engine.get("device_seconds", 0.0),
+    }
+
+
+# --------------------------------------------------------------------------- best
+
+
+def final_value(record: TrialRecord, metric: str) -> Any:
+    """``metric`` of ``record`` at its final step (``record.steps``), or None."""
+    return record.metrics.get(record.steps, {}).get(metric)
+
+
+def best_trial(
+    records: Iterable[TrialRecord], metric: str, mode: str = "max"
+) -> TrialRecord | None:
+    """The best trial: compared at the largest step at which any trial has a finite
+    value of ``metric`` at its final step, then by that value (``mode``), ties to the
+    lowest trial id; NaN and infinite values are never best (see
+    :func:`~stagetree.ranking.best_key`). None when no trial has a finite value at its final step.
+
+    Raises:
+        ValueError: ``mode`` is not ``"max"`` or ``"min"``.
+    """
+    check_mode(mode)
+    best: tuple[tuple[int, float, int], TrialRecord] | None = None
+    for record in records:
+        key = best_key(record.steps, final_value(record, metric), mode, record.id)
+        if key is not None and (best is None or key > best[0]):
+            best = (key, record)
+    return best[1] if best is not None else None
+
+
+def ranked_metric(
+    meta: Mapping[str, Any], records: list[TrialRecord]
+) -> tuple[str | None, str, str]:
+    """``(metric, mode, where they come from)`` for a study's status: the metric its
+    meta records, else the first (alphabetically) with a finite value at some trial's
+    final step (see :func:`stagetree.reports.status.study_status`); ``(None, "max",
+    "")`` when there is none."""
+    metric = meta.get("metric") if isinstance(meta.get("metric"), str) else None
+    if metric is not None:
+        recorded = meta.get("mode")
+        mode = recorded if recorded in MODES else guess_mode(metric)
+        return metric, mode, "recorded in the study"
+    names = sorted(
+        {k for r in records for k, v in r.metrics.get(r.steps, {}).items() if finite(v) is not None}
+    )
+    if not names:
+        return None, "max", ""
+    return names[0], guess_mode(names[0]), f"first of {', '.join(names)}; mode guessed"

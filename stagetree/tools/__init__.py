@@ -1,0 +1,1 @@
+"""Tools on top of the package: what the commands run besides studies (``stagetree gc``)."""
