@@ -7,7 +7,7 @@ The public API is re-exported here; sequences live in :mod:`stagetree.hp`, tuner
 from __future__ import annotations
 
 from stagetree.budget import Budget
-from stagetree.check import CheckReport, check_trainer
+from stagetree.tools.check import CheckReport, check_trainer
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Shared, Uniform
 from stagetree.exceptions import (
     AuthError,

@@ -812,7 +812,7 @@ def run_script(
                 from stagetree.server.client import RemoteStudy
 
                 if check and not isinstance(study, RemoteStudy):
-                    from stagetree.check import first_contact_check
+                    from stagetree.tools.check import first_contact_check
 
                     first_contact_check(study, tuner, sys.stderr)
                 display = (
@@ -1306,7 +1306,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         return value
 
     def handler(args: argparse.Namespace) -> int:
-        from stagetree.simulate import simulate_script
+        from stagetree.tools.simulate import simulate_script
 
         simulate_script(
             args.script,
@@ -1371,7 +1371,7 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     (:func:`stagetree.check.check_script`)? Exit 0 when it is, 1 when not."""
 
     def handler(args: argparse.Namespace) -> int:
-        from stagetree.check import check_script
+        from stagetree.tools.check import check_script
 
         report = check_script(args.script, steps=args.steps, splits=args.splits)
         return 0 if report.exact else 1

@@ -371,7 +371,7 @@ def _estimate(
     steps, and the makespan bound of :func:`stagetree.simulate.work` (longest path,
     or unique work shared by the workers) with the simulator's step-cost model, at
     the storage's recorded worker count (1 when none was recorded)."""
-    from stagetree.simulate import StepCost, work
+    from stagetree.tools.simulate import StepCost, work
 
     roots = {str(t["root_key"]) for t in rows}
     nodes = {n.id: n for root in roots for n in storage.nodes(root)}

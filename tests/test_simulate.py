@@ -20,7 +20,7 @@ from stagetree.executors.simulated import (
 )
 from stagetree.hp import Constant, MultiStep, Piecewise
 from stagetree.plan import MemoryPlanStorage
-from stagetree.simulate import SimResult, simulate
+from stagetree.tools.simulate import SimResult, simulate
 from stagetree.space import GridSpace
 from stagetree.study import Study
 from stagetree.tuners import ASHA, GridSearch
