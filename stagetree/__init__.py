@@ -7,7 +7,6 @@ The public API is re-exported here; sequences live in :mod:`stagetree.hp`, tuner
 from __future__ import annotations
 
 from stagetree.budget import Budget
-from stagetree.tools.check import CheckReport, check_trainer
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Shared, Uniform
 from stagetree.exceptions import (
     AuthError,
@@ -34,6 +33,7 @@ from stagetree.plan import open_storage
 from stagetree.space import GridSpace, RandomSpace, TrialSpec, load_space_file
 from stagetree.stages import kwise_merge_rate, merge_rate
 from stagetree.study import Study, TrialError, TrialRecord
+from stagetree.tools.check import CheckReport, check_trainer
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult
 

@@ -215,7 +215,7 @@ def _opened(storage: str | BasePlanStorage | None) -> Iterator[BasePlanStorage]:
     if isinstance(storage, BasePlanStorage):
         yield storage
         return
-    from stagetree.cli import default_storage, open_existing_storage
+    from stagetree.cli.storage import default_storage, open_existing_storage
 
     opened = open_existing_storage(default_storage() if storage is None else storage)
     try:
@@ -426,7 +426,7 @@ def _trial_row(storage: BasePlanStorage, trial: int) -> dict[str, Any]:
 def _url(storage: str | BasePlanStorage | None) -> str | None:
     """The URL of a storage given by URL (or None: the default); None for an open one."""
     if storage is None:
-        from stagetree.cli import default_storage
+        from stagetree.cli.storage import default_storage
 
         return default_storage()
     return storage if isinstance(storage, str) else None

@@ -13,7 +13,7 @@ import pytest
 from study_trainers import LinearTrainer, SlowLinearTrainer
 
 from stagetree import Budget, InvalidBudgetError, Study
-from stagetree.cli import main
+from stagetree.cli.main import main
 from stagetree.distributions import Choice, LogUniform
 from stagetree.space import RandomSpace
 from stagetree.tuners import ASHA, RandomSearch, ReplayDivergedWarning

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from stagetree import Study, TrialFailedError
-from stagetree.cli import main, run_script
+from stagetree.cli.main import main
+from stagetree.cli.run import run_script
 from stagetree.hp import Constant
 
 sys.path.insert(0, str(Path(__file__).parent))

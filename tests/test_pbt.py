@@ -18,7 +18,7 @@ import pytest
 from tuner_fakes import FakeRunner, decisions
 
 from stagetree import Study, TunerError
-from stagetree.cli import status
+from stagetree.cli.status import status
 from stagetree.distributions import Choice, IntUniform, LogUniform, Uniform
 from stagetree.hp import Constant, MultiStep, Shifted, Then, dumps_hp, loads_hp
 from stagetree.lineage import exploit_parents, lineages

@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from typing import Any, TextIO
 
+from stagetree.coordination import lease_ttl as default_ttl
 from stagetree.exceptions import StagetreeError
+from stagetree.executors.registry import check_executor
+from stagetree.plan import open_storage
+from stagetree.server.hub import Hub, HubConfig
 from stagetree.server.protocol import DEFAULT_PORT
+from stagetree.web.auth import server_token
+from stagetree.web.listen import listen, shown_host
 
-__all__ = ["listen", "serve"]
+try:  # the routes need starlette (the server extra): serve() says what to install
+    from stagetree.server.app import create_app
+except ImportError:  # pragma: no cover - without the extra
+    create_app = None  # type: ignore[assignment]
+
+__all__ = ["serve"]
 
 
 def serve(
@@ -46,13 +56,6 @@ def serve(
     except ImportError:
         raise StagetreeError("stagetree serve needs pip install 'stagetree[server]'") from None
 
-    from stagetree.coordination import lease_ttl as default_ttl
-    from stagetree.executors.registry import check_executor
-    from stagetree.plan import open_storage
-    from stagetree.server.app import create_app
-    from stagetree.server.auth import server_token
-    from stagetree.server.hub import Hub, HubConfig
-
     stream = out if out is not None else sys.stdout
     if (ssl_certfile is None) != (ssl_keyfile is None):
         raise StagetreeError("TLS needs both --ssl-certfile and --ssl-keyfile")
@@ -80,7 +83,7 @@ def serve(
     hub = Hub(HubConfig(storage, executor, workers, checkpoints, ttl))
     app = create_app(hub, token)
     scheme = "https" if ssl_certfile else "http"
-    shown = f"[{host}]" if ":" in host else host
+    shown = shown_host(host)
     print(
         f"stagetree serve: {scheme}://{shown}:{port} (storage {storage}, executor {executor}, "
         f"session lease {ttl:g} s); token in {token_path}",
@@ -124,25 +127,3 @@ def serve(
         flush=True,
     )
     return 0
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``.
-
-    Raises:
-        StagetreeError: the address cannot be resolved or bound (e.g. the port is in use).
-    """
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise StagetreeError(f"cannot listen on {host}:{port}: {exc}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise StagetreeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock

@@ -1,0 +1,4 @@
+"""What the tuning server (:mod:`stagetree.server`) and the dashboard
+(:mod:`stagetree.dashboard`) share: tokens and their checks (:mod:`.auth`), listening
+sockets and how addresses are shown (:mod:`.listen`). Neither module imports starlette
+or uvicorn."""
