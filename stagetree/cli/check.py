@@ -13,7 +13,7 @@ __all__ = ["add_parser"]
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``stagetree check SCRIPT.py``: is the script's trainer exact
-    (:func:`stagetree.check.check_script`)? Exit 0 when it is, 1 when not."""
+    (:func:`stagetree.tools.check.check_script`)? Exit 0 when it is, 1 when not."""
 
     def handler(args: argparse.Namespace) -> int:
         report = check_script(args.script, steps=args.steps, splits=args.splits)

@@ -77,7 +77,7 @@ def run_script(
     the only one), the tuner the ``Tuner`` named ``tuner`` (or the only one). The study
     is tuned with live progress, the report printed (:func:`report_study`) and every
     study of the script closed, also on Ctrl-C. With ``check``, a trainer version the
-    storage has not seen is checked first (:func:`stagetree.check.first_contact_check`)
+    storage has not seen is checked first (:func:`stagetree.tools.check.first_contact_check`)
     and a warning printed to stderr when it is not exact. With ``dashboard`` (a port; 0:
     any free one), the dashboard of the study's storage is served on loopback from this
     process while it runs (:func:`stagetree.dashboard.start_dashboard`), its address
@@ -91,7 +91,7 @@ def run_script(
     """
     stream = sys.stdout if out is None else out
     limits = None if budget is None else Budget.parse(budget)  # before anything runs
-    path = script_path(script)
+    script_path(script)  # before the token file or any override is read
     token = None
     if token_file is not None:  # read before any override is set
         token = read_token_file(token_file)
@@ -101,7 +101,6 @@ def run_script(
         except ValueError as exc:
             raise CommandError(str(exc)) from None
     default = os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE  # before --storage sets it
-    studies: list[Any] = []
     try:
         with (
             command_line_overrides(
@@ -113,7 +112,7 @@ def run_script(
                 workers=workers,
                 storage=storage,
             ),
-            loaded_script(path) as namespace,
+            loaded_script(script) as namespace,
         ):
             studies = values_of(namespace, Study)
             try:

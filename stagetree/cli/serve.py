@@ -12,7 +12,7 @@ __all__ = ["add_parser"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``stagetree serve``: a shared tuning server (:func:`stagetree.server.serve`)."""
+    """``stagetree serve``: a shared tuning server (:func:`stagetree.server.serve.serve`)."""
 
     def handler(args: argparse.Namespace) -> int:
         return serve(

@@ -14,7 +14,7 @@ __all__ = ["add_parser"]
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``stagetree simulate SCRIPT.py``: the script's study in virtual time, with and
-    without sharing (:func:`stagetree.simulate.simulate_script`)."""
+    without sharing (:func:`stagetree.tools.simulate.simulate_script`)."""
 
     def seconds(text: str) -> float:
         try:

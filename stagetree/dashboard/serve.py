@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from stagetree.cli.storage import open_existing_storage
 from stagetree.exceptions import StagetreeError
 from stagetree.web.auth import is_loopback, read_token_file
-from stagetree.web.listen import listen, shown_host, shown_url
+from stagetree.web.listen import listen, quiet_server, shown_host, shown_url
 
 try:  # the routes need starlette (the dashboard extra): check_web() says what to install
     from stagetree.dashboard.app import create_dashboard_app
@@ -188,8 +188,6 @@ def _prepare(
 ) -> _Prepared:
     """Check everything, open the storage and bind the socket; nothing serves yet."""
     check_web()
-    import uvicorn
-
     token = _token(token_file, host)
     owned = _open(url) if reader is None else None
     read = reader if reader is not None else _fixed(owned)
@@ -211,14 +209,7 @@ def _prepare(
         checkpoints=checkpoints,
         stopping=lambda: bool(holder["server"].should_exit),
     )
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=2,
-    )
-    server = holder["server"] = uvicorn.Server(config)
+    server = holder["server"] = quiet_server(app, lifespan="off")
     return _Prepared(app, server, sock, token, close)
 
 

@@ -15,7 +15,7 @@ from stagetree.plan import open_storage
 from stagetree.server.hub import Hub, HubConfig
 from stagetree.server.protocol import DEFAULT_PORT
 from stagetree.web.auth import server_token
-from stagetree.web.listen import listen, shown_host
+from stagetree.web.listen import listen, quiet_server, shown_host
 
 try:  # the routes need starlette (the server extra): serve() says what to install
     from stagetree.server.app import create_app
@@ -52,7 +52,7 @@ def serve(
     """
     try:
         import starlette  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise StagetreeError("stagetree serve needs pip install 'stagetree[server]'") from None
 
@@ -104,17 +104,8 @@ def serve(
     options: dict[str, Any] = {}
     if ssl_certfile is not None:
         options.update(ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=2,
-        **options,
-    )
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        quiet_server(app, host=host, port=port, **options).run(sockets=[sock])
     except SystemExit as exc:  # uvicorn exits when its start-up fails
         return exc.code if isinstance(exc.code, int) else 1
     finally:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from stagetree.exceptions import StagetreeError
 
-__all__ = ["listen", "shown_host", "shown_url"]
+__all__ = ["listen", "quiet_server", "shown_host", "shown_url"]
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -48,3 +49,19 @@ def shown_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except ArgumentError:
         return url
+
+
+def quiet_server(app: Any, **options: Any) -> Any:
+    """A ``uvicorn.Server`` of ``app`` that logs warnings only (no access log) and
+    gives open requests 2 s when it stops; run it with ``sockets=[listen(...)]``.
+
+    Args:
+        app: the ASGI application.
+        **options: more ``uvicorn.Config`` options (TLS files, ``lifespan``...).
+    """
+    import uvicorn  # the server or dashboard extra; callers check it is installed
+
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, **options
+    )
+    return uvicorn.Server(config)
