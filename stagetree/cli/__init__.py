@@ -5,3 +5,7 @@ per subcommand (:mod:`.explain`, :mod:`.run`, :mod:`.status`, :mod:`.export`,
 command reads. Each command module has ``add_parser(sub)``, which adds its subparser and
 sets ``handler`` to a function ``(args) -> int``.
 """
+
+from __future__ import annotations
+
+__all__: list[str] = []
