@@ -5,7 +5,7 @@ Every study runs twice with the same tuner and seed on the paper's cluster, 40 d
 scheduling) and trial-based (``share=False``: every trial trains alone, promotions
 resume it from its checkpoint; the paper's "Hippo-trial" column). The real plan,
 scheduler and tuners take every decision; training is replaced by a step-cost model and
-a synthetic learning curve (``stagetree.simulate``).
+a synthetic learning curve (``stagetree.tools.simulate``).
 
 Spaces: ``benchmarks/paper_spaces.py`` (the paper's Tables 2-4 completed so that the
 trial counts and whole-space merge rates match its Table 1 within 1 %; every choice is
@@ -88,7 +88,9 @@ from paper_spaces import (  # noqa: E402
 )
 
 from stagetree.plan.memory import MemoryPlanStorage  # noqa: E402
-from stagetree.simulate import (  # noqa: E402
+from stagetree.space import TrialSpec, config_key  # noqa: E402
+from stagetree.stages import build_stage_tree, kwise_merge_rate  # noqa: E402
+from stagetree.tools.simulate import (  # noqa: E402
     LearningCurve,
     SimResult,
     StepCost,
@@ -96,8 +98,6 @@ from stagetree.simulate import (  # noqa: E402
     simulate,
     work,
 )
-from stagetree.space import TrialSpec, config_key  # noqa: E402
-from stagetree.stages import build_stage_tree, kwise_merge_rate  # noqa: E402
 from stagetree.tuners import ASHA, SHA, GridSearch, Tuner  # noqa: E402
 from stagetree.tuners.base import TrialResult  # noqa: E402
 

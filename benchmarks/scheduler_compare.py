@@ -51,8 +51,8 @@ from paper_studies import (  # noqa: E402
 )
 
 from stagetree.scheduler.policies import BasePolicy, make_policy  # noqa: E402
-from stagetree.simulate import SimResult, format_table, simulate  # noqa: E402
 from stagetree.stages import Stage, StageTree, critical_path  # noqa: E402
+from stagetree.tools.simulate import SimResult, format_table, simulate  # noqa: E402
 from stagetree.tuners import GridSearch, Tuner  # noqa: E402
 
 

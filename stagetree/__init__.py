@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 # name -> the module that defines it (imported when the name is first used).
 _EXPORTS = {
     "Budget": "stagetree.budget",
-    "CheckReport": "stagetree.check",
+    "CheckReport": "stagetree.tools.check",
     "Choice": "stagetree.distributions",
     "Distribution": "stagetree.distributions",
     "GridSpace": "stagetree.space",
@@ -29,17 +29,17 @@ _EXPORTS = {
     "Shared": "stagetree.distributions",
     "Study": "stagetree.study",
     "Trainer": "stagetree.trainer",
-    "TrialError": "stagetree.reports",
-    "TrialRecord": "stagetree.reports",
+    "TrialError": "stagetree.records",
+    "TrialRecord": "stagetree.records",
     "TrialResult": "stagetree.tuners.base",
     "TrialSpec": "stagetree.space",
     "Uniform": "stagetree.distributions",
-    "check_trainer": "stagetree.check",
+    "check_trainer": "stagetree.tools.check",
     "kwise_merge_rate": "stagetree.stages",
     "load_space_file": "stagetree.space",
     "merge_rate": "stagetree.stages",
     "open_storage": "stagetree.plan.registry",
-    "simulate": "stagetree.simulate",
+    "simulate": "stagetree.tools.simulate",
 }
 
 __all__ = [
@@ -70,7 +70,6 @@ __all__ = [
 
 if TYPE_CHECKING:
     from stagetree.budget import Budget
-    from stagetree.check import CheckReport, check_trainer
     from stagetree.distributions import (
         Choice,
         Distribution,
@@ -80,11 +79,12 @@ if TYPE_CHECKING:
         Uniform,
     )
     from stagetree.plan.registry import open_storage
-    from stagetree.reports import TrialError, TrialRecord
-    from stagetree.simulate import simulate
+    from stagetree.records import TrialError, TrialRecord
     from stagetree.space import GridSpace, RandomSpace, TrialSpec, load_space_file
     from stagetree.stages import kwise_merge_rate, merge_rate
     from stagetree.study import Study
+    from stagetree.tools.check import CheckReport, check_trainer
+    from stagetree.tools.simulate import simulate
     from stagetree.trainer import Trainer
     from stagetree.tuners.base import TrialResult
 

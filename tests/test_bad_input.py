@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from stagetree import Choice, Study
-from stagetree.cli import main
+from stagetree.cli.main import main
 from stagetree.exceptions import (
     InvalidSpaceError,
     InvalidTrialError,

@@ -1,4 +1,4 @@
-"""Tests of ``stagetree run | status | export``, :func:`stagetree.cli.report_study` and
+"""Tests of ``stagetree run | status | export``, :func:`stagetree.cli.format.report_study` and
 :mod:`stagetree.progress`."""
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from typing import Any
 import pytest
 
 from stagetree import study as study_module
-from stagetree.cli import accounting, main, report_study, short_sequence
+from stagetree.cli.format import report_study
+from stagetree.cli.main import main
 from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.progress import ProgressDisplay, format_duration, progress_line
+from stagetree.reports import accounting, short_sequence
 from stagetree.tuners.base import TrialResult
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,7 +285,7 @@ def test_status_errors_are_one_line_exit_2(
 
 
 def test_status_rich_output(one_study: tuple[str, dict[str, int]]) -> None:
-    from stagetree.cli import status
+    from stagetree.cli.status import status
 
     buf = io.StringIO()
     result = status(one_study[0], out=buf, rich_output=True)

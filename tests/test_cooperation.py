@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from stagetree.cli import study_status
 from stagetree.plan import SQLPlanStorage
+from stagetree.reports import study_status
 
 SCRIPT = Path(__file__).with_name("coop_script.py")
 PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")

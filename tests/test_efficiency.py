@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from stagetree import Study, reports
-from stagetree.cli import efficiency_line, report_study, status
+from stagetree.cli.format import efficiency_line, report_study
+from stagetree.cli.status import status
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import MemoryPlanStorage, open_storage
 from stagetree.space import GridSpace

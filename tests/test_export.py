@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from stagetree import Study
-from stagetree.cli import export, main
+from stagetree.cli.export import export
+from stagetree.cli.main import main
 from stagetree.exceptions import MissingExtraError, TrialFailedError
 from stagetree.hp import Constant, MultiStep
 from stagetree.reports.export import lineage_text, trials_dataframe, trials_table

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from stagetree import Study
-from stagetree.cli import main, run_script
+from stagetree.cli.main import main
+from stagetree.cli.run import run_script
 from stagetree.exceptions import TrialFailedError
 from stagetree.hp import Constant
 

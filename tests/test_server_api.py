@@ -503,7 +503,7 @@ def test_run_and_serve_refuse_bad_token_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from stagetree import study as study_module
-    from stagetree.cli import main
+    from stagetree.cli.main import main
 
     script = tmp_path / "s.py"
     script.write_text("x = 1\n")

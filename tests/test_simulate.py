@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from stagetree.cli import main
+from stagetree.cli.main import main
 from stagetree.exceptions import StagetreeError
 from stagetree.executors.simulated import (
     LearningCurve,
@@ -20,9 +20,9 @@ from stagetree.executors.simulated import (
 )
 from stagetree.hp import Constant, MultiStep, Piecewise
 from stagetree.plan import MemoryPlanStorage
-from stagetree.simulate import SimResult, simulate
 from stagetree.space import GridSpace
 from stagetree.study import Study
+from stagetree.tools.simulate import SimResult, simulate
 from stagetree.tuners import ASHA, GridSearch
 from stagetree.work import (
     Abort,

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from stagetree import Study
-from stagetree.cli import export_records, hidden_trials, study_status
 from stagetree.exceptions import ReplayDivergedWarning, TrainerChangedWarning
 from stagetree.hp import Constant
 from stagetree.plan import open_storage
+from stagetree.reports import export_records, hidden_trials, study_status
 from stagetree.space import GridSpace
 from stagetree.study import _StudyRunner
 from stagetree.tuners import ASHA, GridSearch

@@ -10,18 +10,14 @@ serve`` at ``/``. Its queries are :mod:`stagetree.views`; :mod:`.app` is the web
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from stagetree.dashboard.serve import (
     DEFAULT_PORT,
     DashboardServer,
     check_web,
+    create_dashboard_app,
     serve_dashboard,
     start_dashboard,
 )
-
-if TYPE_CHECKING:
-    from stagetree.dashboard.app import create_dashboard_app
 
 __all__ = [
     "DEFAULT_PORT",
@@ -31,13 +27,3 @@ __all__ = [
     "serve_dashboard",
     "start_dashboard",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # The web layer imports starlette: only when asked for, with a clear error without it.
-    if name == "create_dashboard_app":
-        check_web()
-        from stagetree.dashboard.app import create_dashboard_app
-
-        return create_dashboard_app
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,13 +49,15 @@ from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from stagetree.checkpoints import CheckpointStore, LocalByteStore, open_byte_store
+from stagetree.checkpoints.format import REF_RE
+from stagetree.checkpoints.location import default_checkpoint_dir
 from stagetree.exceptions import PlanKeyError, RequestRefusedError
 from stagetree.reports import trials as reports
 from stagetree.reports import views
-from stagetree.server.auth import check_authorization
+from stagetree.web.auth import check_authorization
 
 if TYPE_CHECKING:
-    from stagetree.checkpoints import CheckpointStore
     from stagetree.plan.base import BasePlanStorage
 
 __all__ = [
@@ -523,8 +525,6 @@ def _checkpoint_location(
     if checkpoints is not None:
         return checkpoints
     if url.startswith("sqlite:///"):
-        from stagetree.checkpoints.location import default_checkpoint_dir
-
         return default_checkpoint_dir(url)[0]
     return None
 
@@ -533,9 +533,6 @@ async def _download(location: Any, ref: str, headers: dict[str, str]) -> Respons
     """The checkpoint ``ref`` of ``location`` as an octet stream (404 JSON when the
     store does not hold it). A local directory is streamed from disk and never
     created; any other store is read through its byte store."""
-    from stagetree.checkpoints import CheckpointStore, LocalByteStore, open_byte_store
-    from stagetree.checkpoints.format import REF_RE
-
     if not REF_RE.fullmatch(ref):
         return _error(404, f"the plan's checkpoint reference {ref!r} is not a checkpoint name")
     if location is None:

@@ -24,6 +24,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree.exceptions import StagetreeError
+from stagetree.reports.open import open_existing_storage
+from stagetree.web.auth import is_loopback, read_token_file
+from stagetree.web.listen import listen, quiet_server, shown_host, shown_url
+
+try:  # the routes need starlette (the dashboard extra): check_web() says what to install
+    from stagetree.dashboard.app import create_dashboard_app
+except ImportError:  # pragma: no cover - without the extra: calling it says what to install
+
+    def create_dashboard_app(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        """Raise :func:`check_web`'s error (starlette or uvicorn is missing)."""
+        check_web()
+        raise StagetreeError(f"the dashboard needs starlette: {_INSTALL}")
+
 
 if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
@@ -33,8 +46,8 @@ __all__ = [
     "DEFAULT_PORT",
     "DashboardServer",
     "check_web",
+    "create_dashboard_app",
     "serve_dashboard",
-    "shown_url",
     "start_dashboard",
 ]
 
@@ -59,19 +72,6 @@ def check_web() -> None:
         ) from None
 
 
-def shown_url(url: str) -> str:
-    """The storage URL without its password."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    if "://" not in url or url.startswith("memory"):
-        return url
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return url
-
-
 def _token(token_file: str | os.PathLike[str] | None, host: str) -> str | None:
     """The token from ``token_file``; None on loopback without one.
 
@@ -79,8 +79,6 @@ def _token(token_file: str | os.PathLike[str] | None, host: str) -> str | None:
         StagetreeError: no token file for a host other than loopback, or an unreadable
             token file.
     """
-    from stagetree.server.auth import is_loopback, read_token_file
-
     if token_file is not None:
         return read_token_file(token_file)
     if not is_loopback(host):
@@ -101,8 +99,6 @@ def _listen(host: str, port: int) -> socket.socket:
         StagetreeError: the address cannot be bound, naming it (and ``--port`` when the
             port is taken).
     """
-    from stagetree.server.serve import listen
-
     try:
         return listen(host, port)
     except StagetreeError as exc:
@@ -118,8 +114,6 @@ def _open(url: str) -> BasePlanStorage:
         StagetreeError: it cannot be opened, is of another schema version, or lives in
             another process's memory.
     """
-    from stagetree.reports.open import open_existing_storage
-
     if url.strip().startswith(("memory", ":memory:")):
         raise StagetreeError(
             f"{url} lives in the memory of the process that runs the study: the dashboard "
@@ -168,7 +162,7 @@ class _Prepared:
     @property
     def url(self) -> str:
         host, port = self.sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in str(host) else host
+        shown = shown_host(str(host))
         return f"http://{shown}:{port}/"
 
 
@@ -194,10 +188,6 @@ def _prepare(
 ) -> _Prepared:
     """Check everything, open the storage and bind the socket; nothing serves yet."""
     check_web()
-    import uvicorn
-
-    from stagetree.dashboard.app import create_dashboard_app
-
     token = _token(token_file, host)
     owned = _open(url) if reader is None else None
     read = reader if reader is not None else _fixed(owned)
@@ -219,14 +209,7 @@ def _prepare(
         checkpoints=checkpoints,
         stopping=lambda: bool(holder["server"].should_exit),
     )
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=2,
-    )
-    server = holder["server"] = uvicorn.Server(config)
+    server = holder["server"] = quiet_server(app, lifespan="off")
     return _Prepared(app, server, sock, token, close)
 
 

@@ -64,8 +64,9 @@ from starlette.routing import Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stagetree import __version__
+from stagetree.checkpoints.format import encode
+from stagetree.dashboard.app import create_dashboard_app
 from stagetree.exceptions import InvalidTrialError, RequestRefusedError
-from stagetree.server.auth import check_authorization
 from stagetree.server.hub import Hub, Session
 from stagetree.server.protocol import (
     BODY_LIMIT,
@@ -78,6 +79,8 @@ from stagetree.server.protocol import (
     hp_from_json,
     record_to_json,
 )
+from stagetree.web.auth import check_authorization
+from stagetree.web.listen import shown_url
 
 __all__ = ["create_app"]
 
@@ -238,9 +241,6 @@ class _Dashboard(Mount):
 def _dashboard(hub: Hub, token: str) -> ASGIApp:
     """The dashboard (:mod:`stagetree.dashboard`) of the hub's storage, read through its
     engine, behind the server's token."""
-    from stagetree.dashboard.app import create_dashboard_app
-    from stagetree.dashboard.serve import shown_url
-
     return create_dashboard_app(
         hub.reading,
         url=shown_url(hub.config.storage),
@@ -495,8 +495,6 @@ def create_app(hub: Hub, token: str) -> Starlette:
 
     @endpoint
     async def state(request: Request) -> Response:
-        from stagetree.checkpoints.format import encode
-
         session, config, hp, step = await _point(request)
 
         def read() -> bytes | None:

@@ -53,7 +53,6 @@ from stagetree.exceptions import (
 )
 from stagetree.identity import trainer_fingerprint
 from stagetree.server._http import Connection, SessionLost, Unreachable
-from stagetree.server.auth import client_token
 from stagetree.server.protocol import (
     MAX_POLL,
     PROTOCOL_VERSION,
@@ -74,6 +73,7 @@ from stagetree.study import (
 )
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult
+from stagetree.web.auth import client_token
 
 __all__ = ["RemoteArgumentWarning", "RemoteStudy"]
 

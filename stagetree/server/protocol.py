@@ -19,6 +19,8 @@ from typing import Any
 from stagetree import exceptions as _exc
 from stagetree.exceptions import RequestRefusedError
 from stagetree.hp import Sequence, as_sequence, from_json
+from stagetree.records import TrialError, TrialRecord
+from stagetree.tuners.base import TrialResult
 
 __all__ = [
     "BODY_LIMIT",
@@ -101,8 +103,6 @@ def result_to_json(result: Any) -> dict[str, Any]:
 
 def result_from_json(raw: Mapping[str, Any]) -> Any:
     """Inverse of :func:`result_to_json`."""
-    from stagetree.tuners.base import TrialResult
-
     return TrialResult(
         config=dict(raw["config"]),
         hp=hp_from_json(raw["hp"]),
@@ -136,8 +136,6 @@ def record_to_json(record: Any) -> dict[str, Any]:
 
 def record_from_json(raw: Mapping[str, Any]) -> Any:
     """Inverse of :func:`record_to_json`."""
-    from stagetree.study import TrialError, TrialRecord
-
     error = raw.get("error")
     return TrialRecord(
         id=int(raw["id"]),

@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from typing import Any, TextIO
 
+from stagetree.coordination import lease_ttl as default_ttl
 from stagetree.exceptions import StagetreeError
+from stagetree.executors.registry import check_executor
+from stagetree.plan.registry import open_storage
+from stagetree.server.hub import Hub, HubConfig
 from stagetree.server.protocol import DEFAULT_PORT
+from stagetree.web.auth import server_token
+from stagetree.web.listen import listen, quiet_server, shown_host
 
-__all__ = ["listen", "serve"]
+try:  # the routes need starlette (the server extra): serve() says what to install
+    from stagetree.server.app import create_app
+except ImportError:  # pragma: no cover - without the extra
+    create_app = None  # type: ignore[assignment]
+
+__all__ = ["serve"]
 
 
 def serve(
@@ -42,16 +52,9 @@ def serve(
     """
     try:
         import starlette  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise StagetreeError("stagetree serve needs pip install 'stagetree[server]'") from None
-
-    from stagetree.coordination import lease_ttl as default_ttl
-    from stagetree.executors.registry import check_executor
-    from stagetree.plan.registry import open_storage
-    from stagetree.server.app import create_app
-    from stagetree.server.auth import server_token
-    from stagetree.server.hub import Hub, HubConfig
 
     stream = out if out is not None else sys.stdout
     if (ssl_certfile is None) != (ssl_keyfile is None):
@@ -80,7 +83,7 @@ def serve(
     hub = Hub(HubConfig(storage, executor, workers, checkpoints, ttl))
     app = create_app(hub, token)
     scheme = "https" if ssl_certfile else "http"
-    shown = f"[{host}]" if ":" in host else host
+    shown = shown_host(host)
     print(
         f"stagetree serve: {scheme}://{shown}:{port} (storage {storage}, executor {executor}, "
         f"session lease {ttl:g} s); token in {token_path}",
@@ -101,17 +104,8 @@ def serve(
     options: dict[str, Any] = {}
     if ssl_certfile is not None:
         options.update(ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=2,
-        **options,
-    )
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        quiet_server(app, host=host, port=port, **options).run(sockets=[sock])
     except SystemExit as exc:  # uvicorn exits when its start-up fails
         return exc.code if isinstance(exc.code, int) else 1
     finally:
@@ -124,25 +118,3 @@ def serve(
         flush=True,
     )
     return 0
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``.
-
-    Raises:
-        StagetreeError: the address cannot be resolved or bound (e.g. the port is in use).
-    """
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise StagetreeError(f"cannot listen on {host}:{port}: {exc}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise StagetreeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock

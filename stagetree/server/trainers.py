@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stagetree.exceptions import RequestRefusedError
+from stagetree.executors._spec import TrainerSpec, _dumps_by_value, _loads
 from stagetree.identity import trainer_fingerprint
 from stagetree.trainer import Trainer
 
@@ -34,8 +35,6 @@ def trainer_payload(trainer: type[Trainer]) -> dict[str, Any]:
     """The JSON form of ``trainer`` a study-opening request carries: ``ref``
     (``module:qualname``), ``value`` (base64 cloudpickle, or None with ``value_error``
     when it cannot be pickled) and ``fingerprint``."""
-    from stagetree.executors._spec import _dumps_by_value
-
     value: str | None = None
     value_error = ""
     try:
@@ -108,8 +107,6 @@ class TrainerRegistry:
 
     @staticmethod
     def _import(ref: str, fingerprint: str, problems: list[str]) -> type[Trainer] | None:
-        from stagetree.executors._spec import TrainerSpec
-
         module, _, qualname = ref.rpartition(":")
         if module in ("__main__", "__mp_main__") or "<locals>" in qualname:
             problems.append(f"{ref} cannot be imported by name")
@@ -131,8 +128,6 @@ class TrainerRegistry:
     def _unpickle(
         ref: str, value: str | None, value_error: str, problems: list[str]
     ) -> type[Trainer] | None:
-        from stagetree.executors._spec import _loads
-
         if value is None:
             problems.append(
                 f"the client could not pickle it ({value_error})"

@@ -58,7 +58,10 @@ from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import CheckpointError, InvalidTrialError, TrainerError
 from stagetree.hp import as_sequence
 from stagetree.names import _ObservedHp, accepted_hyperparameters, check_hp_names
+from stagetree.study import Study
+from stagetree.tools.scripts import loaded_script, pick, values_of
 from stagetree.trainer import Trainer
+from stagetree.tuners.base import Tuner
 from stagetree.worker import _same, evaluate_metrics, snapshot_state
 
 __all__ = ["CheckReport", "StepComparison", "check_trainer"]
@@ -929,30 +932,17 @@ def check_script(
     Raises:
         CommandError: no such script, or it defines no study.
     """
-    import runpy
-    from pathlib import Path
-
-    from stagetree.cli import RUN_NAME, _pick, _script_context
-    from stagetree.exceptions import CommandError
-    from stagetree.study import Study
-    from stagetree.tuners.base import Tuner
-
     stream = sys.stdout if out is None else out
-    path = Path(script)
-    if not path.is_file():
-        raise CommandError(f"no such script: {script}")
     studies: list[Any] = []
-    with _script_context(path) as keep:
+    with loaded_script(script) as namespace:
         try:
-            namespace = runpy.run_path(str(path), run_name=RUN_NAME)
-            keep(namespace)
-            studies = [v for v in namespace.values() if isinstance(v, Study)]
-            study = _pick(namespace, "study", Study, "study", str(script))
-            tuners = {id(v): v for v in namespace.values() if isinstance(v, Tuner)}
+            studies = values_of(namespace, Study)
+            study = pick(namespace, "study", Study, "study", str(script))
+            tuners = values_of(namespace, Tuner)
             if "tuner" in namespace and isinstance(namespace["tuner"], Tuner):
                 space = getattr(namespace["tuner"], "space", None)
             elif len(tuners) == 1:
-                space = getattr(next(iter(tuners.values())), "space", None)
+                space = getattr(tuners[0], "space", None)
             else:
                 space = namespace.get("space")
             config, hp = first_trial(space)

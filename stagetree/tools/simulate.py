@@ -34,16 +34,14 @@ import asyncio
 import contextlib
 import math
 import os
-import runpy
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TextIO
 
-from stagetree.exceptions import StagetreeError
+from stagetree import study as study_module
 from stagetree.executors.devices import check_devices_per_worker, check_parallel_efficiency
 from stagetree.executors.simulated import (
     LearningCurve,
@@ -54,8 +52,13 @@ from stagetree.executors.simulated import (
 )
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.stages import Work, build_stage_tree, work
+from stagetree.study import Study, _run_coro, _StudyRunner, trainer_fingerprint
+from stagetree.tools.scripts import loaded_script, pick, values_of
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult, Tuner
+
+#: The ``__name__`` a script loaded for simulation runs under.
+RUN_NAME = "__stagetree_simulate__"
 
 __all__ = [
     "LearningCurve",
@@ -165,8 +168,6 @@ def _curve_for(tuners: Seq[Tuner], curve: LearningCurve | None) -> LearningCurve
 def _no_overrides() -> Iterator[None]:
     """Command-line overrides (``stagetree run --storage``) must not redirect the
     simulated studies to a real storage."""
-    from stagetree import study as study_module
-
     saved = dict(study_module._OVERRIDES)
     study_module._OVERRIDES.clear()
     try:
@@ -277,8 +278,6 @@ def _run(
     policy: str,
     cost: Callable[[Mapping[str, Any], Mapping[str, Any]], float],
 ) -> SimResult:
-    from stagetree.study import Study, _run_coro, _StudyRunner, trainer_fingerprint
-
     base_version = version if version is not None else trainer_fingerprint(trainer)
     storage = MemoryPlanStorage()
     names = [name] if len(tuners) == 1 else [f"{name}-{i}" for i in range(len(tuners))]
@@ -390,59 +389,35 @@ class LoadedScript:
     devices_per_worker: int = 1
 
 
-def _pick(namespace: Mapping[str, Any], key: str, cls: type, script: str) -> Any:
-    value = namespace.get(key)
-    if isinstance(value, cls):
-        return value
-    found = {
-        id(v): v for k, v in namespace.items() if isinstance(v, cls) and not k.startswith("__")
-    }
-    if len(found) == 1:
-        return next(iter(found.values()))
-    what = "none" if not found else f"{len(found)} and none is named `{key}`"
-    raise StagetreeError(f"{script} must define one {cls.__name__} named `{key}` ({what} found)")
-
-
 def load_script(path: str | os.PathLike[str]) -> LoadedScript:
     """Run a study script (the ``stagetree run`` convention: module globals ``study`` and
     ``tuner``) without running its study: every ``Study`` it builds gets a throw-away
     in-memory storage and a simulated executor, so no worker is started and nothing is
     trained, also when a script without a main guard tunes its study.
 
-    The script runs as module ``__stagetree_simulate__`` (its ``if __name__ ==
-    "__main__":`` block does not run) with its folder first on ``sys.path``.
+    The script is loaded by :func:`stagetree.tools.scripts.loaded_script`, as module
+    ``__stagetree_simulate__`` (its ``if __name__ == "__main__":`` block does not run).
 
     Raises:
-        StagetreeError: no such file, or it defines no study or no tuner.
+        CommandError: no such file, an error in it, or it defines no study or no tuner.
     """
-    from stagetree import study as study_module
-    from stagetree.study import Study
-
-    p = Path(path)
-    if not p.is_file():
-        raise StagetreeError(f"no such script: {path}")
     saved_overrides = dict(study_module._OVERRIDES)
-    saved_path, saved_argv = sys.path[:], sys.argv[:]
     study_module._OVERRIDES["storage"] = "memory://"
     # A script without a main guard tunes its study while it loads: in virtual time.
     study_module._OVERRIDES["executor"] = "simulated"
-    sys.path.insert(0, str(p.resolve().parent))
-    sys.argv = [str(p)]
     namespace: dict[str, Any] = {}
     try:
-        namespace = runpy.run_path(str(p), run_name="__stagetree_simulate__")
-        study = _pick(namespace, "study", Study, str(path))
-        tuner = _pick(namespace, "tuner", Tuner, str(path))
-        devices = getattr(study, "devices_per_worker", 1)
-        return LoadedScript(tuner, study.trainer, study.version, study.name, devices)
+        with loaded_script(path, run_name=RUN_NAME) as namespace:
+            study = pick(namespace, "study", Study, "study", str(path))
+            tuner = pick(namespace, "tuner", Tuner, "tuner", str(path))
+            devices = getattr(study, "devices_per_worker", 1)
+            return LoadedScript(tuner, study.trainer, study.version, study.name, devices)
     finally:
-        for value in {id(v): v for v in namespace.values() if isinstance(v, Study)}.values():
+        for value in values_of(namespace, Study):
             with contextlib.suppress(Exception):
                 value.close()
         study_module._OVERRIDES.clear()
         study_module._OVERRIDES.update(saved_overrides)
-        sys.path[:] = saved_path
-        sys.argv = saved_argv
 
 
 def format_table(headers: Seq[str], rows: Seq[Seq[Any]]) -> str:

@@ -1,0 +1,9 @@
+"""``python -m stagetree.cli``: the ``stagetree`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from stagetree.cli.main import main
+
+sys.exit(main())
