@@ -1,7 +1,7 @@
 """The :class:`Study`: a synchronous facade over the asynchronous engine.
 
 A study owns nothing but a name, a trainer and a view of a shared engine. The engine
-(:mod:`stagetree.engine`, one per storage and trainer in a process) owns the plan
+(:mod:`stagetree.engine.core`, one per storage and trainer in a process) owns the plan
 storage, the checkpoint store, the I/O-free scheduler and an executor, and runs a
 driver thread that feeds executor events to the scheduler and carries out its
 instructions. Everything the engine learns (metrics, checkpoints, accounting) is
@@ -30,7 +30,7 @@ from stagetree import reports
 from stagetree.budget import Budget, BudgetGuard, RunReport
 from stagetree.checkpoints import CheckpointStore, check_location
 from stagetree.checkpoints.location import default_checkpoint_dir
-from stagetree.engine import Engine, StudySlot
+from stagetree.engine.core import Engine, StudySlot
 from stagetree.exceptions import (
     CheckpointError,
     InvalidTrialError,

@@ -43,7 +43,7 @@ from stagetree.plan import BasePlanStorage, RequestState, SQLPlanStorage
 from stagetree.plan.leases import Lease, overlaps
 
 if TYPE_CHECKING:
-    from stagetree.engine import Engine
+    from stagetree.engine.core import Engine
     from stagetree.work import RunBatch
 
 __all__ = ["DEFAULT_TTL", "Coordinator", "lease_ttl", "running_trials"]
@@ -65,7 +65,7 @@ def lease_ttl() -> float:
 
 
 class Coordinator:
-    """Leases, parked requests and plan polling of one :class:`~stagetree.engine.Engine`
+    """Leases, parked requests and plan polling of one :class:`~stagetree.engine.core.Engine`
     (see the module docstring). Every method is called with the engine's lock held."""
 
     def __init__(self, engine: Engine, ttl: float | None = None) -> None:
