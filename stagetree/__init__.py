@@ -6,6 +6,9 @@ The public API is re-exported here; sequences live in :mod:`stagetree.hp`, tuner
 
 from __future__ import annotations
 
+# Before the imports: modules below read it while this package is being imported.
+__version__ = "0.1.0"
+
 from stagetree.budget import Budget
 from stagetree.check import CheckReport, check_trainer
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Shared, Uniform
@@ -36,8 +39,6 @@ from stagetree.stages import kwise_merge_rate, merge_rate
 from stagetree.study import Study, TrialError, TrialRecord
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AuthError",

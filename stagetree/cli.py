@@ -750,8 +750,8 @@ def run_script(
     Raises:
         CommandError: no such script, or it defines no study or no tuner.
     """
-    from stagetree import study as study_module
     from stagetree.budget import Budget
+    from stagetree.engine.settings import overriding
     from stagetree.progress import ProgressDisplay
     from stagetree.study import Study
     from stagetree.tuners.base import Tuner
@@ -766,8 +766,7 @@ def run_script(
         from stagetree.server.auth import read_token_file
 
         token = read_token_file(token_file)
-    overrides = study_module._OVERRIDES
-    saved_overrides = dict(overrides)
+    overrides: dict[str, Any] = {}
     saved_env = os.environ.get(STORAGE_ENV)
     if executor is not None:
         from stagetree.executors.registry import check_executor
@@ -793,7 +792,7 @@ def run_script(
     studies: list[Any] = []
     interrupted = False
     try:
-        with _script_context(path) as keep:
+        with overriding(**overrides), _script_context(path) as keep:
             try:
                 namespace = _run_user_script(path, str(script))
                 keep(namespace)
@@ -837,8 +836,6 @@ def run_script(
             finally:
                 _close_all(studies)
     finally:
-        overrides.clear()
-        overrides.update(saved_overrides)
         if storage is not None:
             if saved_env is None:
                 os.environ.pop(STORAGE_ENV, None)
@@ -857,7 +854,7 @@ def _print_follow_up(study: Any, default: str, stream: TextIO) -> None:
 
     if isinstance(study, RemoteStudy):
         return
-    url = study._engine_args[0]
+    url = study.placement.storage
     if not isinstance(url, str) or url.startswith("memory") or url == default:
         return
     print(
@@ -878,7 +875,7 @@ def _dashboard_beside(study: Any, port: int, stream: TextIO) -> Iterator[None]:
         yield
         return
     study.open()  # the database exists (and is of this schema) before it is read
-    storage = study._engine_args[0]
+    storage = study.placement.storage
     store = study._engine.store
     database = isinstance(storage, str) and not storage.strip().startswith(("memory", ":memory:"))
     if database:

@@ -239,15 +239,10 @@ def _curve_for(tuners: Seq[Tuner], curve: LearningCurve | None) -> LearningCurve
 def _no_overrides() -> Iterator[None]:
     """Command-line overrides (``stagetree run --storage``) must not redirect the
     simulated studies to a real storage."""
-    from stagetree import study as study_module
+    from stagetree.engine.settings import Overrides, overriding
 
-    saved = dict(study_module._OVERRIDES)
-    study_module._OVERRIDES.clear()
-    try:
+    with overriding(Overrides()):
         yield
-    finally:
-        study_module._OVERRIDES.clear()
-        study_module._OVERRIDES.update(saved)
 
 
 def simulate(
@@ -351,7 +346,9 @@ def _run(
     policy: str,
     cost: Callable[[Mapping[str, Any], Mapping[str, Any]], float],
 ) -> SimResult:
-    from stagetree.study import Study, _run_coro, _StudyRunner, trainer_fingerprint
+    from stagetree.study import Study, trainer_fingerprint
+    from stagetree.study_api import StudyRunner as _StudyRunner
+    from stagetree.study_api import run_coro as _run_coro
 
     base_version = version if version is not None else trainer_fingerprint(trainer)
     storage = MemoryPlanStorage()
@@ -489,32 +486,32 @@ def load_script(path: str | os.PathLike[str]) -> LoadedScript:
     Raises:
         StagetreeError: no such file, or it defines no study or no tuner.
     """
-    from stagetree import study as study_module
+    from stagetree.engine.settings import overriding
     from stagetree.study import Study
 
     p = Path(path)
     if not p.is_file():
         raise StagetreeError(f"no such script: {path}")
-    saved_overrides = dict(study_module._OVERRIDES)
     saved_path, saved_argv = sys.path[:], sys.argv[:]
-    study_module._OVERRIDES["storage"] = "memory://"
-    # A script without a main guard tunes its study while it loads: in virtual time.
-    study_module._OVERRIDES["executor"] = "simulated"
     sys.path.insert(0, str(p.resolve().parent))
     sys.argv = [str(p)]
     namespace: dict[str, Any] = {}
     try:
-        namespace = runpy.run_path(str(p), run_name="__stagetree_simulate__")
-        study = _pick(namespace, "study", Study, str(path))
-        tuner = _pick(namespace, "tuner", Tuner, str(path))
-        devices = getattr(study, "devices_per_worker", 1)
-        return LoadedScript(tuner, study.trainer, study.version, study.name, devices)
+        # A script without a main guard tunes its study while it loads: in virtual time.
+        with overriding(storage="memory://", executor="simulated"):
+            try:
+                namespace = runpy.run_path(str(p), run_name="__stagetree_simulate__")
+                study = _pick(namespace, "study", Study, str(path))
+                tuner = _pick(namespace, "tuner", Tuner, str(path))
+                devices = getattr(study, "devices_per_worker", 1)
+                return LoadedScript(tuner, study.trainer, study.version, study.name, devices)
+            finally:
+                for value in {
+                    id(v): v for v in namespace.values() if isinstance(v, Study)
+                }.values():
+                    with contextlib.suppress(Exception):
+                        value.close()
     finally:
-        for value in {id(v): v for v in namespace.values() if isinstance(v, Study)}.values():
-            with contextlib.suppress(Exception):
-                value.close()
-        study_module._OVERRIDES.clear()
-        study_module._OVERRIDES.update(saved_overrides)
         sys.path[:] = saved_path
         sys.argv = saved_argv
 

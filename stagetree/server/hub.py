@@ -40,7 +40,8 @@ from stagetree.exceptions import RequestRefusedError, StudyBusyError
 from stagetree.plan import BasePlanStorage, MemoryPlanStorage, open_storage
 from stagetree.server.protocol import error_to_json, result_to_json
 from stagetree.server.trainers import TrainerRegistry
-from stagetree.study import Study, check_weight
+from stagetree.study import Study
+from stagetree.study_api import check_weight
 
 __all__ = ["Hub", "HubConfig", "Session"]
 
