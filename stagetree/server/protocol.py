@@ -136,7 +136,7 @@ def record_to_json(record: Any) -> dict[str, Any]:
 
 def record_from_json(raw: Mapping[str, Any]) -> Any:
     """Inverse of :func:`record_to_json`."""
-    from stagetree.study import TrialError, TrialRecord
+    from stagetree.reports import TrialError, TrialRecord
 
     error = raw.get("error")
     return TrialRecord(

@@ -384,3 +384,40 @@ def test_context_manager_and_close(make: Make) -> None:
     study.close()  # twice: harmless
     with pytest.raises(StagetreeError):
         study.run(CONFIG, HP, 2)
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_engine_settings_are_frozen_checked_and_normalised() -> None:
+    from stagetree.engine.settings import EngineSettings
+
+    settings = EngineSettings(workers=2, eval_every=None, max_fused=None)
+    assert settings == EngineSettings(workers=2, eval_every=0, max_fused=32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.workers = 3  # type: ignore[misc]
+    with pytest.raises(ValueError, match="workers"):
+        EngineSettings(workers=0)
+    other = EngineSettings(workers=2, eval_every=0, policy="bfs")
+    assert settings.differences(other) == [("policy", "critical_path", "bfs")]
+
+
+def test_overrides_apply_in_their_block_only(tmp_path: Path) -> None:
+    from stagetree.engine.settings import Overrides, current_overrides, overriding
+
+    own = f"sqlite:///{tmp_path / 'own.db'}"
+    with overriding(storage="memory://", workers=2) as given:
+        assert current_overrides() is given
+        study = Study("o", LinearTrainer, storage=own, url="")
+        assert isinstance(study, Study)
+        assert study.placement.storage == "memory://" and study.settings.workers == 2
+
+        async def in_a_task() -> Any:
+            return Study("t", LinearTrainer, storage=own, url="")
+
+        assert asyncio.run(in_a_task()).placement.storage == "memory://"
+        with overriding(Overrides()):  # cleared for a block
+            assert Study("c", LinearTrainer, storage=own, url="").placement.storage == own
+        assert study._reopened().placement.storage == "memory://"  # type: ignore[attr-defined]
+    assert current_overrides() == Overrides()
+    assert Study("after", LinearTrainer, storage=own, url="").placement.storage == own
