@@ -159,18 +159,20 @@ class Study(StudyAPI):
         if self._closed:
             raise StagetreeError(f"study {self.name!r} is closed")
         url = self.placement.key
-        lease = pool.acquire(url, self.settings, self._make_engine)
-        if lease.settings != self.settings:
-            self._warn_shared(lease.settings, url)
+        lease = pool.acquire(url, self.settings, self.placement, self._make_engine)
+        differ = self.settings.differences(lease.settings)
+        differ += self.placement.differences(lease.placement)
+        if differ:
+            self._warn_shared(differ, url)
         self._lease = lease
         self._engine_obj = engine = lease.engine
         self._slot = engine.open_study(
             self.name, self.version, self.share, self.weight, self.trainer, url, self.fusible
         )
 
-    def _warn_shared(self, first: EngineSettings, url: str) -> None:
+    def _warn_shared(self, differences: list[tuple[str, Any, Any]], url: str) -> None:
         """Say which of this study's settings the shared engine does not follow."""
-        differ = [f"{k}={v!r} (it uses {w!r})" for k, v, w in self.settings.differences(first)]
+        differ = [f"{k}={v!r} (it uses {w!r})" for k, v, w in differences]
         warnings.warn(
             f"study {self.name!r} joins the engine of storage {url} in this process "
             f"(one worker pool for every study there), whose settings come from the "
@@ -289,17 +291,6 @@ class Study(StudyAPI):
     async def submit(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int
     ) -> TrialResult:
-        """Train the trial ``(config, hp)`` to ``steps`` steps and return its result.
-
-        A trial that reached fewer steps before resumes from there; one whose metrics at
-        ``steps`` are known (from this or an earlier run) answers without training. May
-        be awaited from any event loop.
-
-        Raises:
-            InvalidTrialError: bad steps, or names that differ from the study's trials.
-            TrialFailedError: the trainer raised in a stage this trial needs.
-            TrialCancelledError: the study was closed or the request cancelled.
-        """
         if self._closed:
             raise StagetreeError(f"study {self.name!r} is closed")
         cfg, seqs = self._normalise(config, hp, steps)
@@ -316,14 +307,6 @@ class Study(StudyAPI):
         return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=metrics, history=history)
 
     def declare(self, trials: Iterable[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> None:
-        """Announce trials ``(config, hp)`` that will be submitted later (tuners that draw
-        their configurations up front do this): their paths go into the plan up to the
-        tuner's horizon, without requests, so that running batches checkpoint where they
-        will branch off and nothing is recomputed when they arrive.
-
-        Raises:
-            InvalidTrialError: a trial with names the trainer does not apply.
-        """
         trials = list(trials)
         for _config, hp in trials:
             check_hp_names(self.trainer, hp)
@@ -335,25 +318,12 @@ class Study(StudyAPI):
     def eval(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
     ) -> dict[str, float] | None:
-        """Known metrics of the trial after ``step`` steps, without training; else None.
-
-        Raises:
-            InvalidTrialError: names the trainer or the study's trials do not have.
-        """
         cfg, seqs = self._normalise(config, hp, step, define=False)
         return self._engine.known(self._study_slot, cfg, seqs, step)[0]
 
     def state(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
     ) -> dict[str, Any] | None:
-        """The trainer state (``Trainer.state_dict()``) of the trial after ``step``
-        steps, loaded from its checkpoint; None when no checkpoint of that point exists
-        (it was never reached, or evicted). Load it into ``trainer_cls(config)`` with
-        ``load_state_dict`` to get the trained model.
-
-        Raises:
-            InvalidTrialError: names the trainer or the study's trials do not have.
-        """
         cfg, seqs = self._normalise(config, hp, step, define=False)
         ref = self._engine.known(self._study_slot, cfg, seqs, step)[1]
         return None if ref is None else self._engine.store.load(ref)
@@ -397,14 +367,6 @@ class Study(StudyAPI):
     # -- front ends (tune(), and the server for its remote clients) ------------------------
 
     def begin_tuning(self, metric: str, mode: str, tuner: str, horizon: int = 0) -> None:
-        """Start a tuner's run: take the study's tuning lease (one tuner per study at a
-        time, across processes), record the tuner's metric and mode with the next write,
-        and plan trials up to ``horizon`` steps (0: unknown). :meth:`tune` calls it;
-        front ends that run the tuner elsewhere (the server, for a remote client) too.
-
-        Raises:
-            StudyBusyError: another process is tuning this study.
-        """
         engine = self._engine
         meta = {"metric": metric, "mode": mode, "tuner": tuner}
         holder = engine.begin_tuning(self._study_slot, meta)
@@ -423,25 +385,16 @@ class Study(StudyAPI):
         self._horizon = int(horizon)
 
     def end_tuning(self) -> None:
-        """End the run :meth:`begin_tuning` started: release the tuning lease."""
         self._horizon = 0
         self._engine.end_tuning(self._study_slot)
 
     def check(self, config: Mapping[str, Any], hp: Mapping[str, Any]) -> None:
-        """Refuse a trial that does not fit the study (names, values), writing nothing.
-
-        Raises:
-            InvalidTrialError: names or values that differ from the study's trials.
-        """
         self._normalise(config, hp, 0)
 
     def read_log(self) -> list[dict[str, Any]]:
-        """The tuner decisions logged by this study's latest run, when that run used
-        this trainer version (decisions on another version's results are not replayed)."""
         return self._engine.read_log(self._study_slot)
 
     def append_log(self, record: Mapping[str, Any]) -> None:
-        """Append one JSON-serialisable tuner decision to the study's log (durably)."""
         self._engine.append_log(self._study_slot, record)
 
     def _drive(self, coro: Any) -> Any:
@@ -487,46 +440,19 @@ class Study(StudyAPI):
             yield storage
 
     def trials(self) -> list[TrialRecord]:
-        """Every trial of this study trained by this version of the trainer (trials of
-        other versions are kept in the storage but never mixed in) with its metrics by
-        step."""
         with self._engine.reading() as storage:
             return reports.trial_records(storage, self.name, self.version)
 
     def failures(self) -> list[tuple[int, TrialError]]:
-        """``(trial id, error)`` of every failed trial of this study (of this trainer
-        version), in id order (cheap: reads no metrics; progress displays poll it)."""
         with self._engine.reading() as storage:
             return reports.failures(storage, self.name, self.version)
 
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
-        """The best trial by ``metric`` (``mode`` ``"max"`` or ``"min"``), by the rule
-        that :meth:`tune`'s result and ``stagetree status`` follow too
-        (:func:`stagetree.reports.best_trial`): trials are compared at the largest step
-        at which any trial has a finite value of ``metric`` at its final step (a trial
-        stopped early never beats one trained further, however good its early metric),
-        then by that value; ties go to the lowest trial id; NaN and infinite values are
-        never best. None when no trial has a finite value at its final step.
-
-        Raises:
-            ValueError: ``mode`` is not ``"max"`` or ``"min"``.
-        """
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
         return reports.best_trial(self.trials(), metric, mode)
 
     def trials_dataframe(self, history: bool = False) -> Any:
-        """This study's trials (of this trainer version) as a :class:`pandas.DataFrame`
-        (extra ``pandas``), one row per trial: ``config.<name>``, ``hp.<name>`` (the
-        sequence in readable form) and ``hp.<name>.last`` (its value at the last step),
-        ``metric.<name>`` (final metrics, at step ``metrics_at``), ``state``, ``steps``,
-        ``error``, ``lineage``; with ``history``, every recorded metric in long form
-        (``study, trial, step, metric, value``). :func:`stagetree.export.trials_table`
-        has the exact columns; ``stagetree export`` writes the same table.
-
-        Raises:
-            MissingExtraError: pandas is not installed.
-        """
         export.require("pandas", "pandas", "a DataFrame of trials")
         with self._engine.reading() as storage:
             table = export.trials_table(
@@ -535,25 +461,6 @@ class Study(StudyAPI):
         return export.dataframe(table)
 
     def stats(self) -> dict[str, float]:
-        """Accounting: ``steps_requested`` (total steps of this study's trials),
-        ``steps_unique`` (steps of the union of their paths), ``steps_executed`` and
-        ``device_seconds`` (trained for this study's requests, over every run on this
-        storage: a step two studies needed counts for both, a step another study had
-        trained before costs this one nothing), ``merge_rate``, storage-wide checkpoint
-        seconds/bytes and live-split counts, and lost workers on this study's trees:
-        ``workers_lost``, and ``steps_lost``: steps a lost worker had trained past its
-        last durable checkpoint, which are trained again (they count in
-        ``steps_executed`` both times). See :func:`stagetree.reports.study_accounting`;
-        ``stagetree status`` shows the same numbers.
-
-        And the efficiency of the study's latest run (:meth:`tune`) of this trainer
-        version, with where its wall-clock went (:func:`stagetree.reports.efficiency`:
-        ``efficiency``, ``wall_seconds``, ``limit_seconds``, ``startup_seconds``,
-        ``ckpt_load_wait_seconds``, ``ckpt_save_wait_seconds``, ``idle_seconds``,
-        ``scheduling_seconds``, ``workers``, ``steps_unique_trained``,
-        ``seconds_per_step``); measured until now while the run goes on. Absent when
-        no run was recorded (trials submitted without a tuner, a storage written before
-        runs were recorded) or the run trained nothing."""
         engine = self._engine
         engine.settle()
         workers = engine.num_workers if engine.executor is not None else None
@@ -567,10 +474,6 @@ class Study(StudyAPI):
             return out
 
     def progress(self) -> dict[str, float]:
-        """A cheap snapshot for progress displays: ``trials`` (submitted),
-        ``finished``, ``running``, ``failed``, ``steps_requested`` (total steps of the
-        submitted trials), ``steps_executed`` (by the engine so far), ``device_seconds``,
-        ``elapsed`` (seconds since this Study object was made)."""
         with self._engine.reading() as storage:  # the engine's lock is held
             out = reports.progress(storage, self.name, self.version)
             out["steps_executed"] += self._engine.running_steps()

@@ -2,9 +2,10 @@
 
 Studies on one storage in one process share one engine (one worker pool, divided by
 their weights, and every stage they have in common). The first study to open it
-chooses its :class:`~stagetree.engine.settings.EngineSettings`; a later study that
-asks for others joins it all the same and is told which of its settings are not
-followed (:class:`~stagetree.exceptions.SharedEngineWarning`).
+chooses its :class:`~stagetree.engine.settings.EngineSettings` and checkpoint
+location and budget; a later study that asks for others joins it all the same and is
+told which of its settings are not followed
+(:class:`~stagetree.exceptions.SharedEngineWarning`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stagetree.engine.core import Engine
-from stagetree.engine.settings import EngineSettings
+from stagetree.engine.settings import EngineSettings, Placement
 
 __all__ = ["EngineLease", "acquire", "open_storages", "release"]
 
@@ -23,6 +24,7 @@ __all__ = ["EngineLease", "acquire", "open_storages", "release"]
 class _Entry:
     engine: Engine
     settings: EngineSettings
+    placement: Placement
     users: int = 0
 
 
@@ -34,28 +36,32 @@ class EngineLease:
         key: the storage's name in this process (:attr:`Placement.key`).
         engine: the engine.
         settings: the settings the engine was made with (the first study's).
+        placement: the placement it was made with (the first study's).
     """
 
     key: str
     engine: Engine
     settings: EngineSettings
+    placement: Placement
 
 
 _ENGINES: dict[str, _Entry] = {}
 _LOCK = threading.Lock()
 
 
-def acquire(key: str, settings: EngineSettings, make: Callable[[], Engine]) -> EngineLease:
+def acquire(
+    key: str, settings: EngineSettings, placement: Placement, make: Callable[[], Engine]
+) -> EngineLease:
     """The engine of storage ``key``, made by ``make`` when none is open; the lease's
-    ``settings`` are the engine's, which differ from ``settings`` when another study
-    made it with others."""
+    ``settings`` and ``placement`` are the engine's, which differ from those given when
+    another study made it with others."""
     with _LOCK:
         entry = _ENGINES.get(key)
         if entry is None:
-            entry = _Entry(make(), settings)
+            entry = _Entry(make(), settings, placement)
             _ENGINES[key] = entry
         entry.users += 1
-        return EngineLease(key, entry.engine, entry.settings)
+        return EngineLease(key, entry.engine, entry.settings, entry.placement)
 
 
 def release(lease: EngineLease) -> bool:

@@ -124,6 +124,15 @@ class Placement:
                 f"or an open plan storage, got {self.storage!r}"
             )
 
+    def differences(self, other: Placement) -> list[tuple[str, Any, Any]]:
+        """``(name, this value, other's value)`` of the checkpoint location and budget
+        where this placement asks for one (is not None) that differs from ``other``'s."""
+        return [
+            (name, getattr(self, name), getattr(other, name))
+            for name in ("checkpoint_dir", "checkpoint_budget")
+            if getattr(self, name) is not None and getattr(self, name) != getattr(other, name)
+        ]
+
     @property
     def budget(self) -> int | None:
         """The checkpoint budget in bytes (None: unlimited)."""

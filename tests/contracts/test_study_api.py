@@ -421,3 +421,34 @@ def test_overrides_apply_in_their_block_only(tmp_path: Path) -> None:
         assert study._reopened().placement.storage == "memory://"  # type: ignore[attr-defined]
     assert current_overrides() == Overrides()
     assert Study("after", LinearTrainer, storage=own, url="").placement.storage == own
+
+
+def test_a_study_joining_an_engine_made_otherwise_is_told(tmp_path: Path) -> None:
+    from stagetree.engine import pool
+    from stagetree.exceptions import SharedEngineWarning
+
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    first = Study("a", LinearTrainer, storage=url, executor="inline", url="", workers=1)
+    plain = Study("b", LinearTrainer, storage=url, executor="inline", url="", workers=1)
+    other = Study(
+        "c",
+        LinearTrainer,
+        storage=url,
+        executor="inline",
+        url="",
+        workers=1,
+        checkpoint_budget="1MB",
+    )
+    try:
+        first.open()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plain.open()  # the same settings, the default location: shared, nothing to say
+        with pytest.warns(SharedEngineWarning, match="checkpoint_budget=1000000"):
+            other.open()
+        assert first._engine is plain._engine is other._engine  # type: ignore[attr-defined]
+        assert url in pool.open_storages()
+    finally:
+        for study in (first, plain, other):
+            study.close()
+    assert url not in pool.open_storages()
