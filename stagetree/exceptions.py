@@ -36,6 +36,7 @@ Hierarchy::
     ├── UnreadHyperparameterWarning a sequence setup() never read (also: repeated draws
     │                              of a random search)
     ├── RemoteArgumentWarning      a remote study was given a server-side argument
+    ├── SharedEngineWarning        a study joins an engine made with other settings
     └── ReplayDivergedWarning      (also RuntimeWarning) a resumed tuner left its log
 """
 
@@ -62,6 +63,7 @@ __all__ = [
     "SchemaVersionError",
     "ServerError",
     "ServerUnavailableError",
+    "SharedEngineWarning",
     "StagetreeError",
     "StagetreeWarning",
     "StorageError",
@@ -256,6 +258,12 @@ class UnreadHyperparameterWarning(StagetreeWarning):
 class RemoteArgumentWarning(StagetreeWarning):
     """A remote study was given a server-side argument (storage, workers...): the
     server's own setting is used instead."""
+
+
+class SharedEngineWarning(StagetreeWarning):
+    """A study joins the engine of its storage in this process (one worker pool for
+    every study there), which another study made with other engine settings: the
+    engine's settings are used, the study's differing ones are not."""
 
 
 class ReplayDivergedWarning(StagetreeWarning, RuntimeWarning):

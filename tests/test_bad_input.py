@@ -72,7 +72,7 @@ def test_study_arguments_are_checked_before_anything_is_opened(
 def test_checkpoint_budget_accepts_sizes(tmp_path: Path) -> None:
     for given, expected in (("10MB", 10**7), ("2GiB", 2 * 2**30), ("1.5 kB", 1500), (512, 512)):
         study = Study("s", Counter, storage="memory://", checkpoint_budget=given)
-        assert study._engine_args[3] == expected
+        assert study.placement.checkpoint_budget == expected
 
 
 @pytest.mark.parametrize(

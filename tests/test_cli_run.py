@@ -24,6 +24,8 @@ import pytest
 from stagetree import study as study_module
 from stagetree.cli.format import report_study
 from stagetree.cli.main import main
+from stagetree.engine import pool
+from stagetree.engine.settings import Overrides, current_overrides
 from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup
 from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.progress import ProgressDisplay, format_duration, progress_line
@@ -705,7 +707,7 @@ def _script(tmp_path: Path, body: str, name: str = "tiny_study.py") -> Path:
 
 def _no_engine_on(url: str) -> bool:
     # Every Study a run made is closed: the engines of the url are gone.
-    return not any(key[0] == url for key in getattr(study_module, "_ENGINES", {}))
+    return url not in pool.open_storages()
 
 
 def test_run_missing_script_or_no_study(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -764,7 +766,7 @@ def test_run_tiny_study_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert err == ""
     assert not marker.exists()  # the script's main block did not run
     assert not own_db.exists()  # --storage overrode the script's storage
-    assert study_module._OVERRIDES == {}  # overrides are restored after the run
+    assert current_overrides() == Overrides()  # overrides are restored after the run
     assert "STAGETREE_STORAGE" not in os.environ
     assert _no_engine_on(url)
     # Progress in a non-terminal: plain lines only (at least the final one).

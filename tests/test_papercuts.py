@@ -13,7 +13,7 @@ import pytest
 from study_trainers import LinearTrainer
 
 from stagetree import Shared, Study
-from stagetree import study as study_module
+from stagetree import study_api as study_module
 from stagetree.cli.main import main
 from stagetree.distributions import Choice, LogUniform, Uniform, shared_draws
 from stagetree.exceptions import InvalidSpaceError

@@ -174,8 +174,8 @@ def test_cli_run_on_ray_and_status_shows_the_nodes(
 ) -> None:
     from test_cli_run import _script
 
-    from stagetree import study as study_module
     from stagetree.cli.main import main
+    from stagetree.engine.settings import Overrides, current_overrides
 
     url = f"sqlite:///{tmp_path / 'plan.db'}"
     path = _script(
@@ -191,7 +191,7 @@ def test_cli_run_on_ray_and_status_shows_the_nodes(
     out = capsys.readouterr().out
     assert "best score" in out and "workers lost" not in out
     assert list(ckpt.iterdir()), "checkpoints went elsewhere"
-    assert study_module._OVERRIDES == {}
+    assert current_overrides() == Overrides()
     assert main(["status", "--storage", url]) == 0
     status = capsys.readouterr().out
     assert "workers" in status and "(node " in status and "(last seen)" in status

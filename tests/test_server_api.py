@@ -502,8 +502,8 @@ def test_importing_stagetree_imports_no_web_framework() -> None:
 def test_run_and_serve_refuse_bad_token_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from stagetree import study as study_module
     from stagetree.cli.main import main
+    from stagetree.engine.settings import current_overrides
 
     script = tmp_path / "s.py"
     script.write_text("x = 1\n")
@@ -514,7 +514,7 @@ def test_run_and_serve_refuse_bad_token_files(
         assert main(args) == 2
         err = capsys.readouterr().err
         assert str(token_file) in err and "abc" not in err
-        assert "url" not in study_module._OVERRIDES
+        assert current_overrides().url is None
         serve = [
             "serve",
             "--storage",

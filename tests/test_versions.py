@@ -16,7 +16,7 @@ from stagetree.hp import Constant
 from stagetree.plan import open_storage
 from stagetree.reports import export_records, hidden_trials, study_status
 from stagetree.space import GridSpace
-from stagetree.study import _StudyRunner
+from stagetree.study_api import StudyRunner as _StudyRunner
 from stagetree.tuners import ASHA, GridSearch
 
 sys.path.insert(0, str(Path(__file__).parent))

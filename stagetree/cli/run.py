@@ -12,12 +12,12 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
-from stagetree import study as study_module
 from stagetree.budget import Budget
 from stagetree.cli.format import one_line, report_study
 from stagetree.cli.options import EXIT_FAILED, EXIT_INTERRUPTED, port_number, positive
 from stagetree.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from stagetree.dashboard import start_dashboard
+from stagetree.engine.settings import overriding
 from stagetree.exceptions import CommandError, TrialFailedError
 from stagetree.executors.registry import check_executor
 from stagetree.names import check_space_names
@@ -164,8 +164,6 @@ def command_line_overrides(
     """While the block runs, every ``Study(...)`` honours the options given (None: the
     script's own), and ``storage`` is also ``$STAGETREE_STORAGE``; both are restored
     when it ends."""
-    overrides = study_module._OVERRIDES
-    saved_overrides = dict(overrides)
     saved_env = os.environ.get(STORAGE_ENV)
     given = {
         "executor": executor,
@@ -176,14 +174,13 @@ def command_line_overrides(
         "workers": workers,
         "storage": storage,
     }
-    overrides.update({key: value for key, value in given.items() if value is not None})
+    chosen = {key: value for key, value in given.items() if value is not None}
     if storage is not None:
         os.environ[STORAGE_ENV] = storage
     try:
-        yield
+        with overriding(**chosen):
+            yield
     finally:
-        overrides.clear()
-        overrides.update(saved_overrides)
         if storage is not None:
             if saved_env is None:
                 os.environ.pop(STORAGE_ENV, None)
@@ -196,7 +193,7 @@ def _print_follow_up(study: Any, default: str, stream: TextIO) -> None:
     (which reads ``default``) would not find it by itself."""
     if isinstance(study, RemoteStudy):
         return
-    url = study._engine_args[0]
+    url = study.placement.storage
     if not isinstance(url, str) or url.startswith("memory") or url == default:
         return
     print(
@@ -214,7 +211,7 @@ def _dashboard_beside(study: Any, port: int, stream: TextIO) -> Iterator[None]:
         yield
         return
     study.open()  # the database exists (and is of this schema) before it is read
-    storage = study._engine_args[0]
+    storage = study.placement.storage
     store = study._engine.store
     database = isinstance(storage, str) and not storage.strip().startswith(("memory", ":memory:"))
     if database:

@@ -18,7 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stagetree.coordination import lease_ttl
+from stagetree.engine.coordination import lease_ttl
 from stagetree.reports.trials import quiet_gc
 
 if TYPE_CHECKING:

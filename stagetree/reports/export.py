@@ -72,6 +72,7 @@ __all__ = [
     "lineage_text",
     "model_files",
     "read_trial_state",
+    "records_table",
     "require",
     "trial_info",
     "trials_dataframe",
@@ -215,6 +216,13 @@ def _history_table(found: list[tuple[str, TrialRecord]]) -> Table:
             for metric in sorted(metrics):
                 table.rows.append([name, rec.id, step, metric, metrics[metric]])
     return table
+
+
+def records_table(found: list[tuple[str, TrialRecord]], history: bool = False) -> Table:
+    """The trial table of ``(study name, record)`` pairs (or, with ``history``, their
+    metric history in long form): what :func:`trials_table` builds from a storage, for
+    records that came from elsewhere (a remote study's server)."""
+    return _history_table(found) if history else _summary_table(found)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from stagetree.engine.settings import DEFAULT_STORAGE
 from stagetree.exceptions import StagetreeError, StorageError
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.registry import open_storage
@@ -14,9 +15,6 @@ from stagetree.reports.format import one_line
 
 __all__ = ["DEFAULT_STORAGE", "STORAGE_ENV", "default_storage", "open_existing_storage"]
 
-#: The storage URL commands use when neither ``--storage`` nor ``$STAGETREE_STORAGE``
-#: names one.
-DEFAULT_STORAGE = "sqlite:///stagetree.db"
 #: The environment variable naming the default storage.
 STORAGE_ENV = "STAGETREE_STORAGE"
 

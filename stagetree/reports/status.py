@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stagetree.coordination import running_trials
+from stagetree.engine.coordination import running_trials
 from stagetree.identity import split_trials
 from stagetree.plan.model import RequestState
 from stagetree.records import RunRecord, StudyRow, TrialState

@@ -17,10 +17,12 @@ calling the public methods below over HTTP), the engine, workers and plan there.
   dead server's lease in the plan is still live), and every pending submission is
   submitted again (idempotent: the plan has the trial; known metrics answer at once).
   The tuner notices nothing but the delay.
-* **Server-side arguments.** ``storage``, ``workers``, ``executor``, ``checkpoint_dir``,
-  ``checkpoint_budget``, ``policy``, ``max_retries``, ``threads_per_worker`` and
-  ``eval_every`` are the server's business: ignored (a warning, once, when one is not
-  the default). ``share``, ``version`` and ``weight`` are sent.
+* **Server-side arguments.** The placement (``storage``, ``checkpoint_dir``,
+  ``checkpoint_budget``) and the engine settings (``workers``, ``executor``, ``policy``,
+  ``max_retries``, ``threads_per_worker``, ``eval_every``, ``max_fused``,
+  ``checkpoint_every``, ``devices_per_worker``) are the server's business: accepted,
+  as by a local study, and ignored (a warning, once, when one is not the default).
+  ``share``, ``version``, ``weight`` and ``fuse`` are sent.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -39,8 +42,10 @@ import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
+from stagetree.checkpoints.format import decode
+from stagetree.engine.settings import EngineSettings, Placement, current_overrides
 from stagetree.exceptions import (
     InvalidTrialError,
     RemoteArgumentWarning,
@@ -52,6 +57,8 @@ from stagetree.exceptions import (
     VersionMismatchError,
 )
 from stagetree.identity import trainer_fingerprint
+from stagetree.records import TrialError, TrialRecord
+from stagetree.reports.export import dataframe, records_table, require
 from stagetree.server._http import Connection, SessionLost, Unreachable
 from stagetree.server.protocol import (
     MAX_POLL,
@@ -61,35 +68,21 @@ from stagetree.server.protocol import (
     record_from_json,
     result_from_json,
 )
-from stagetree.study import (
-    _OVERRIDES,
-    Study,
-    TrialError,
-    TrialRecord,
-    _run_coro,
-    check_identity,
-    check_weight,
-    remote_url,
-)
-from stagetree.trainer import Trainer
+from stagetree.server.trainers import trainer_payload
+from stagetree.study_api import StudyAPI, StudyArguments, check_weight, remote_url
 from stagetree.tuners.base import TrialResult
 from stagetree.web.auth import client_token
 
 __all__ = ["RemoteArgumentWarning", "RemoteStudy"]
 
 
+# The arguments that are the server's (its placement and engine settings), in the
+# order a study takes them, with their defaults: a remote study warns about the others.
+_SERVER_NAMES = {
+    f.name for f in (*dataclasses.fields(Placement), *dataclasses.fields(EngineSettings))
+}
 _SERVER_SIDE = {
-    "storage": "sqlite:///stagetree.db",
-    "workers": None,
-    "checkpoint_dir": None,
-    "checkpoint_budget": None,
-    "executor": "local",
-    "policy": "critical_path",
-    "max_retries": 0,
-    "threads_per_worker": None,
-    "eval_every": 1,
-    "max_fused": None,
-    "devices_per_worker": 1,
+    f.name: f.default for f in dataclasses.fields(StudyArguments) if f.name in _SERVER_NAMES
 }
 _WARNED: set[str] = set()
 _WARNED_LOCK = threading.Lock()
@@ -106,33 +99,13 @@ class _Pending:
     cancelled: bool = False
 
 
-class RemoteStudy(Study):
+class RemoteStudy(StudyAPI):
     """A study run by a tuning server (see the module docstring); built by
-    ``Study(..., url=...)`` with the same arguments as a local study."""
+    ``Study(..., url=...)``, it takes the same arguments as a local study
+    (:class:`~stagetree.study_api.StudyAPI`)."""
 
-    def __init__(
-        self,
-        name: str,
-        trainer: type[Trainer],
-        storage: Any = "sqlite:///stagetree.db",
-        workers: int | None = None,
-        share: bool = True,
-        checkpoint_dir: Any = None,
-        checkpoint_budget: Any = None,
-        version: str | None = None,
-        executor: Any = "local",
-        policy: str = "critical_path",
-        max_retries: int = 0,
-        threads_per_worker: int | None = None,
-        eval_every: int | None = 1,
-        weight: float = 1.0,
-        url: str | None = None,
-        token: str | None = None,
-        fuse: bool | str = False,
-        max_fused: int | None = None,
-        devices_per_worker: int = 1,
-    ) -> None:
-        check_identity(name, trainer, version)
+    def _configure(self, args: StudyArguments) -> None:
+        fuse, share, trainer = args.fuse, args.share, args.trainer
         if fuse is not True and fuse is not False and fuse != "auto":
             raise ValueError(f'fuse must be True, False or "auto", got {fuse!r}')
         self.fuse = fuse
@@ -140,31 +113,20 @@ class RemoteStudy(Study):
         self.fusible = frozenset(getattr(trainer, "fusible", ())) if fuse is True else frozenset()
         if not isinstance(share, bool):
             raise ValueError(f"share must be True or False, got {share!r}")
-        self.url = remote_url(url)
+        self.url = remote_url(args.url)
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must be like 'http://host:8642', got {self.url!r}")
-        _warn_ignored(
-            {
-                "storage": storage,
-                "workers": workers,
-                "checkpoint_dir": checkpoint_dir,
-                "checkpoint_budget": checkpoint_budget,
-                "executor": executor,
-                "policy": policy,
-                "max_retries": max_retries,
-                "threads_per_worker": threads_per_worker,
-                "eval_every": eval_every,
-                "max_fused": max_fused,
-                "devices_per_worker": devices_per_worker,
-            }
-        )
-        self.name = name
+        _warn_ignored({name: getattr(args, name) for name in _SERVER_SIDE})
+        self.name = args.name
         self.trainer = trainer
         self.share = share
-        self.weight = check_weight(weight)
-        self.eval_every = eval_every or 0
-        self.version = version if version is not None else trainer_fingerprint(trainer)
-        self._token = client_token(token, _OVERRIDES.get("token"))
+        self.weight = check_weight(args.weight)
+        self.eval_every = args.eval_every or 0
+        self.version = args.version if args.version is not None else trainer_fingerprint(trainer)
+        self._token = client_token(args.token, current_overrides().token)
+        self._arguments = dataclasses.replace(
+            args, url=self.url, token=self._token, version=self.version, weight=self.weight
+        )
         self._closed = False
         self._started = time.monotonic()
         self._conn: Connection | None = None
@@ -182,28 +144,7 @@ class RemoteStudy(Study):
         self._poller: threading.Thread | None = None
         self._cancels: concurrent.futures.ThreadPoolExecutor | None = None
 
-    # -- what a local study has and a remote one does not ----------------------------------
-
-    @property
-    def _engine(self) -> NoReturn:
-        raise StagetreeError(
-            f"study {self.name!r} runs on the server at {self.url}: it has no engine here"
-        )
-
-    def _drive(self, coro: Any) -> Any:
-        return _run_coro(coro)
-
-    def _reopened(self) -> Study:
-        return RemoteStudy(
-            self.name,
-            self.trainer,
-            share=self.share,
-            version=self.version,
-            weight=self.weight,
-            url=self.url,
-            token=self._token,
-            fuse=self.fuse,
-        )
+    # -- life cycle --------------------------------------------------------------------
 
     def open(self) -> RemoteStudy:
         """Open the session now (it is otherwise opened on first use); returns self.
@@ -212,9 +153,6 @@ class RemoteStudy(Study):
             ServerUnavailableError, AuthError, VersionMismatchError, ServerError.
         """
         self._ensure_session()
-        return self
-
-    def __enter__(self) -> RemoteStudy:
         return self
 
     # -- session -------------------------------------------------------------------------
@@ -243,8 +181,6 @@ class RemoteStudy(Study):
     def _open_session(self) -> None:
         """Open a session (lock held): the study, then the tuning lease again if a tuner
         runs, then every pending submission again."""
-        from stagetree.server.trainers import trainer_payload
-
         conn = self._connection()
         if self._payload is None:
             self._payload = trainer_payload(self.trainer)
@@ -543,6 +479,16 @@ class RemoteStudy(Study):
             out.append((int(tid), parsed or TrialError("Error", "no error was recorded")))
         return out
 
+    def trials_dataframe(self, history: bool = False) -> Any:
+        """As :meth:`Study.trials_dataframe`, from the server's trial records.
+
+        Raises:
+            MissingExtraError: pandas is not installed.
+        """
+        require("pandas", "pandas", "a DataFrame of trials")  # before asking the server
+        found = [(self.name, record) for record in self.trials()]
+        return dataframe(records_table(found, history))
+
     def eval(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
     ) -> dict[str, float] | None:
@@ -553,8 +499,6 @@ class RemoteStudy(Study):
     def state(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
     ) -> dict[str, Any] | None:
-        from stagetree.checkpoints.format import decode
-
         body = {"config": _config(config, hp), "hp": hp_to_json(hp), "step": step}
         raw = self._call("POST", "/state", json=body, raw=True)
         return None if raw is None else decode(raw, "cpu")

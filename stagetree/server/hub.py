@@ -42,7 +42,8 @@ from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.plan.registry import open_storage
 from stagetree.server.protocol import error_to_json, result_to_json
 from stagetree.server.trainers import TrainerRegistry
-from stagetree.study import Study, check_weight
+from stagetree.study import Study
+from stagetree.study_api import check_weight
 
 __all__ = ["Hub", "HubConfig", "Session"]
 

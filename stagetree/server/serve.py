@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, TextIO
 
-from stagetree.coordination import lease_ttl as default_ttl
+from stagetree.engine.coordination import lease_ttl as default_ttl
 from stagetree.exceptions import StagetreeError
 from stagetree.executors.registry import check_executor
 from stagetree.plan.registry import open_storage

@@ -887,7 +887,7 @@ def first_contact_check(study: Any, tuner: Any, out: Any) -> CheckReport | None:
     storage (remembered in the storage's counters), :data:`QUICK_STEPS` steps of the
     tuner's first trial with one split; a report that is not exact is printed to
     ``out`` as a warning. Returns the report, None when nothing was checked."""
-    if study._engine_args[4] == "simulated":
+    if study.settings.executor == "simulated":
         return None
     engine = study._engine
     scope = _check_scope(study)

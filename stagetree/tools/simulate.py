@@ -41,7 +41,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from stagetree import study as study_module
+from stagetree.engine.settings import Overrides, overriding
 from stagetree.executors.devices import check_devices_per_worker, check_parallel_efficiency
 from stagetree.executors.simulated import (
     LearningCurve,
@@ -52,7 +52,8 @@ from stagetree.executors.simulated import (
 )
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.stages import Work, build_stage_tree, work
-from stagetree.study import Study, _run_coro, _StudyRunner, trainer_fingerprint
+from stagetree.study import Study, trainer_fingerprint
+from stagetree.study_api import StudyRunner, run_coro
 from stagetree.tools.scripts import loaded_script, pick, values_of
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import TrialResult, Tuner
@@ -168,13 +169,8 @@ def _curve_for(tuners: Seq[Tuner], curve: LearningCurve | None) -> LearningCurve
 def _no_overrides() -> Iterator[None]:
     """Command-line overrides (``stagetree run --storage``) must not redirect the
     simulated studies to a real storage."""
-    saved = dict(study_module._OVERRIDES)
-    study_module._OVERRIDES.clear()
-    try:
+    with overriding(Overrides()):
         yield
-    finally:
-        study_module._OVERRIDES.clear()
-        study_module._OVERRIDES.update(saved)
 
 
 def simulate(
@@ -313,10 +309,10 @@ def _run(
                 engine.ensure_started()
 
                 async def main() -> list[TrialResult | None]:
-                    runs = [t.run(_StudyRunner(s)) for t, s in zip(tuners, studies)]
+                    runs = [t.run(StudyRunner(s)) for t, s in zip(tuners, studies)]
                     return list(await asyncio.gather(*runs))
 
-                bests = _run_coro(drive(main(), engine.pump, executor))
+                bests = run_coro(drive(main(), engine.pump, executor))
             return _account(studies, storage, executor, bests, share, cost)
         finally:
             for st in studies:
@@ -401,23 +397,19 @@ def load_script(path: str | os.PathLike[str]) -> LoadedScript:
     Raises:
         CommandError: no such file, an error in it, or it defines no study or no tuner.
     """
-    saved_overrides = dict(study_module._OVERRIDES)
-    study_module._OVERRIDES["storage"] = "memory://"
-    # A script without a main guard tunes its study while it loads: in virtual time.
-    study_module._OVERRIDES["executor"] = "simulated"
     namespace: dict[str, Any] = {}
-    try:
-        with loaded_script(path, run_name=RUN_NAME) as namespace:
-            study = pick(namespace, "study", Study, "study", str(path))
-            tuner = pick(namespace, "tuner", Tuner, "tuner", str(path))
-            devices = getattr(study, "devices_per_worker", 1)
-            return LoadedScript(tuner, study.trainer, study.version, study.name, devices)
-    finally:
-        for value in values_of(namespace, Study):
-            with contextlib.suppress(Exception):
-                value.close()
-        study_module._OVERRIDES.clear()
-        study_module._OVERRIDES.update(saved_overrides)
+    # A script without a main guard tunes its study while it loads: in virtual time.
+    with overriding(storage="memory://", executor="simulated"):
+        try:
+            with loaded_script(path, run_name=RUN_NAME) as namespace:
+                study = pick(namespace, "study", Study, "study", str(path))
+                tuner = pick(namespace, "tuner", Tuner, "tuner", str(path))
+                devices = getattr(study, "devices_per_worker", 1)
+                return LoadedScript(tuner, study.trainer, study.version, study.name, devices)
+        finally:
+            for value in values_of(namespace, Study):
+                with contextlib.suppress(Exception):
+                    value.close()
 
 
 def format_table(headers: Seq[str], rows: Seq[Seq[Any]]) -> str:

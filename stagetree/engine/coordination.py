@@ -45,7 +45,7 @@ from stagetree.plan.model import RequestState
 from stagetree.plan.sql import SQLPlanStorage
 
 if TYPE_CHECKING:
-    from stagetree.engine import Engine
+    from stagetree.engine.core import Engine
     from stagetree.work import RunBatch
 
 __all__ = ["DEFAULT_TTL", "Coordinator", "lease_ttl", "running_trials"]
@@ -67,7 +67,7 @@ def lease_ttl() -> float:
 
 
 class Coordinator:
-    """Leases, parked requests and plan polling of one :class:`~stagetree.engine.Engine`
+    """Leases, parked requests and plan polling of one :class:`~stagetree.engine.core.Engine`
     (see the module docstring). Every method is called with the engine's lock held."""
 
     def __init__(self, engine: Engine, ttl: float | None = None) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stagetree import _versions
-from stagetree.coordination import Coordinator
+from stagetree.engine.coordination import Coordinator
 from stagetree.exceptions import (
     StagetreeError,
     StagetreeWarning,
@@ -583,7 +583,7 @@ class Engine:
     @property
     def lease_ttl(self) -> float:
         """Seconds a lease of this engine outlives its last renewal (see
-        :mod:`stagetree.coordination`)."""
+        :mod:`stagetree.engine.coordination`)."""
         return self.coord.ttl
 
     def add_stats(self, scope: str, **deltas: float) -> None:
@@ -945,7 +945,7 @@ class Engine:
                 started = []
                 for member in members:
                     # Another engine holds a lease on some of its stages: the batch is
-                    # undone and its requests wait for that engine (stagetree.coordination).
+                    # undone and its requests wait for that engine (stagetree.engine.coordination).
                     undo = self.coord.claim(member)
                     if undo:
                         refused.add(member.batch_id)

@@ -1,0 +1,83 @@
+"""The engines open in this process: one per storage, shared by the studies on it.
+
+Studies on one storage in one process share one engine (one worker pool, divided by
+their weights, and every stage they have in common). The first study to open it
+chooses its :class:`~stagetree.engine.settings.EngineSettings` and checkpoint
+location and budget; a later study that asks for others joins it all the same and is
+told which of its settings are not followed
+(:class:`~stagetree.exceptions.SharedEngineWarning`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from stagetree.engine.core import Engine
+from stagetree.engine.settings import EngineSettings, Placement
+
+__all__ = ["EngineLease", "acquire", "open_storages", "release"]
+
+
+@dataclass
+class _Entry:
+    engine: Engine
+    settings: EngineSettings
+    placement: Placement
+    users: int = 0
+
+
+@dataclass(frozen=True)
+class EngineLease:
+    """A study's use of a shared engine, given back with :func:`release`.
+
+    Attributes:
+        key: the storage's name in this process (:attr:`Placement.key`).
+        engine: the engine.
+        settings: the settings the engine was made with (the first study's).
+        placement: the placement it was made with (the first study's).
+    """
+
+    key: str
+    engine: Engine
+    settings: EngineSettings
+    placement: Placement
+
+
+_ENGINES: dict[str, _Entry] = {}
+_LOCK = threading.Lock()
+
+
+def acquire(
+    key: str, settings: EngineSettings, placement: Placement, make: Callable[[], Engine]
+) -> EngineLease:
+    """The engine of storage ``key``, made by ``make`` when none is open; the lease's
+    ``settings`` and ``placement`` are the engine's, which differ from those given when
+    another study made it with others."""
+    with _LOCK:
+        entry = _ENGINES.get(key)
+        if entry is None:
+            entry = _Entry(make(), settings, placement)
+            _ENGINES[key] = entry
+        entry.users += 1
+        return EngineLease(key, entry.engine, entry.settings, entry.placement)
+
+
+def release(lease: EngineLease) -> bool:
+    """Give a lease back; True when it was the engine's last (the caller closes it)."""
+    with _LOCK:
+        entry = _ENGINES.get(lease.key)
+        if entry is None or entry.engine is not lease.engine:
+            return False
+        entry.users -= 1
+        if entry.users > 0:
+            return False
+        del _ENGINES[lease.key]
+        return True
+
+
+def open_storages() -> list[str]:
+    """The keys (URLs) of the storages whose engine is open in this process."""
+    with _LOCK:
+        return list(_ENGINES)
