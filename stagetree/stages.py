@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from itertools import chain, pairwise
 from typing import TYPE_CHECKING, Any
 
+from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.plan.model import Node, Request, RequestState
 
 if TYPE_CHECKING:
@@ -550,7 +551,6 @@ def unique_steps(nodes: Mapping[int, Node], requests: Iterable[tuple[int, int]])
 def _trial_requests(
     trials: Iterable[tuple[str, Mapping[str, Any], int]],
 ) -> tuple[dict[int, Node], list[tuple[int, int]]]:
-    from stagetree.plan.memory import MemoryPlanStorage
 
     storage = MemoryPlanStorage()
     grouped: dict[str, list[tuple[Mapping[str, Any], int]]] = defaultdict(list)

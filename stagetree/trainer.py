@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from stagetree.exceptions import FusionError
+
 if TYPE_CHECKING:
     from stagetree.fusion import FusedGroup
 
@@ -80,7 +82,6 @@ class Trainer:
             FusionError: the members cannot be fused (always, unless a subclass
                 implements fusion).
         """
-        from stagetree.exceptions import FusionError
 
         raise FusionError(f"{cls.__qualname__} does not implement fused training")
 

@@ -26,8 +26,17 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
+from stagetree.distributions import (
+    Choice,
+    Distribution,
+    IntUniform,
+    LogUniform,
+    Uniform,
+    sample_value,
+)
 from stagetree.exceptions import TunerError
+from stagetree.hp import Constant, Sequence, as_sequence
+from stagetree.space import GridSpace, RandomSpace
 
 __all__ = ["Mutation", "as_distribution", "check_within", "mutation_of", "space_entries"]
 
@@ -41,7 +50,6 @@ def _is_template(value: Any) -> bool:
 def _same(a: Any, b: Any) -> bool:
     """Equal values: numbers by value (not bools), lists and tuples item by item,
     anything else by ``==`` and type (sequences compare typed themselves)."""
-    from stagetree.hp import Constant, Sequence
 
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
@@ -82,7 +90,6 @@ def _clip(x: float, lo: float, hi: float) -> float:
 
 def _perturb_value(dist: Any, value: Any, perturb: float, rng: random.Random) -> Any:
     """``value`` (a draw of ``dist``) moved a little within ``dist`` (see the module doc)."""
-    from stagetree.distributions import sample_value
 
     if isinstance(dist, Distribution) and not isinstance(dist, Choice):
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -232,7 +239,6 @@ def _contained(inner: Any, outer: Any) -> str | None:
 def check_within(name: str, mutation: Any, entry: Any) -> None:
     """Raise :class:`TunerError` when ``mutation`` can draw what space entry ``entry``
     cannot (for sequence ``name``)."""
-    from stagetree.hp import Sequence
 
     if isinstance(entry, Sequence):
         raise TunerError(
@@ -269,7 +275,6 @@ class Mutation:
     def current(self, source: Any, t: int) -> Any:
         """What the trial drew: its value at ``t`` (a constant), the sequence it follows
         (a choice of sequences, a template)."""
-        from stagetree.hp import Constant
 
         if isinstance(source, Constant):
             return source.value
@@ -280,8 +285,6 @@ class Mutation:
     def move(self, source: Any, t: int, resample: bool, perturb: float, rng: random.Random) -> Any:
         """The new schedule (in the trial's step numbering) for a trial that followed
         ``source`` and is exploited at ``t``."""
-        from stagetree.distributions import sample_value
-        from stagetree.hp import Constant, as_sequence
 
         if resample:
             drawn = sample_value(self.dist, rng)
@@ -296,7 +299,6 @@ class Mutation:
 
 
 def _choice_of_sequences(dist: Any) -> bool:
-    from stagetree.hp import Sequence
 
     return isinstance(dist, Choice) and any(
         isinstance(o, Sequence) or _is_template(o) for o in dist.options
@@ -320,7 +322,6 @@ def space_entries(space: Any) -> tuple[dict[str, Any] | None, set[str]]:
     """``(sequence entries by name, fixed names)`` of a search space: a RandomSpace's
     entries as written, a GridSpace's option lists; ``(None, set())`` for a list of
     trial specs (no distributions to follow)."""
-    from stagetree.space import GridSpace, RandomSpace
 
     # The spaces keep their entries private; PBT is the one reader that needs them.
     if isinstance(space, RandomSpace):

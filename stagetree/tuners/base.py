@@ -46,8 +46,15 @@ from stagetree.exceptions import (
     TrialFailedError,
     TunerError,
 )
+from stagetree.hp import dumps_hp
 from stagetree.ranking import MODES, best_key, ranked_ids, signed_value
 from stagetree.records import trial_fingerprint
+from stagetree.tuners.optuna_bridge import (
+    SampledSpecs,
+    SamplerBridge,
+    check_sampler,
+    check_sampler_space,
+)
 
 if TYPE_CHECKING:
     from stagetree.hp import Sequence
@@ -469,8 +476,6 @@ def draw_specs(
         if n is None:
             raise TunerError("num_trials is required for a random search space")
         if sampler is not None:
-            from stagetree.tuners.optuna_bridge import SampledSpecs
-
             return SampledSpecs(sampler, n)
         drawn = list(space.sample(n, seed))
         distinct = {_spec_key(s) for s in drawn}
@@ -501,7 +506,6 @@ def draw_specs(
 
 
 def _spec_key(spec: Any) -> str:
-    from stagetree.hp import dumps_hp
 
     return json.dumps(spec.config, sort_keys=True, default=repr) + dumps_hp(spec.hp)
 
@@ -571,7 +575,6 @@ class Tuner(ABC):
         """
         if sampler is None:
             return
-        from stagetree.tuners.optuna_bridge import check_sampler, check_sampler_space
 
         self.sampler = check_sampler(sampler)
         check_sampler_space(space)
@@ -582,8 +585,6 @@ class Tuner(ABC):
         self.trials = {}
         ctx = ReplayingRunner(runner)
         if self.sampler is not None:
-            from stagetree.tuners.optuna_bridge import SamplerBridge
-
             self._bridge = SamplerBridge.open(self, runner)
         finished = False
         try:

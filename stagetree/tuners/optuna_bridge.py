@@ -38,7 +38,8 @@ from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING, Any
 
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
-from stagetree.exceptions import InvalidSpaceError, TunerError
+from stagetree.exceptions import InvalidSequenceError, InvalidSpaceError, TunerError
+from stagetree.space import RandomSpace, TrialSpec, _check_fixed_value, _to_sequence
 
 if TYPE_CHECKING:
     from stagetree.space import TrialSpec
@@ -90,7 +91,6 @@ def check_sampler(sampler: Any) -> Any:
 
 def _entries(space: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(fixed, hp)`` entries of a random space, in the order the space draws them."""
-    from stagetree.space import RandomSpace
 
     if not isinstance(space, RandomSpace):
         raise TunerError(
@@ -188,8 +188,6 @@ def suggest_trial(space: Any, trial: Any) -> TrialSpec:
     """The trial spec ``trial`` (an ``optuna.Trial`` or ``optuna.trial.FixedTrial``)
     proposes in ``space``: fixed entries first, then hp, in sorted name order (the
     order the space draws them)."""
-    from stagetree.exceptions import InvalidSequenceError
-    from stagetree.space import TrialSpec, _check_fixed_value, _to_sequence
 
     fixed, hp = _entries(space)
     config: dict[str, Any] = {}

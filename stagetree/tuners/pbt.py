@@ -17,6 +17,7 @@ from typing import Any
 
 from stagetree.distributions import Choice
 from stagetree.exceptions import TunerError
+from stagetree.hp import Constant, Shifted, Then
 from stagetree.tuners._mutations import (
     Mutation,
     as_distribution,
@@ -194,7 +195,6 @@ class PBT(Tuner):
         """The donor's sequences continued from step ``t`` with mutated schedules; also
         the schedules the new trial follows from ``t`` (by name) and how each was
         mutated (``"perturb"`` or ``"resample"``)."""
-        from stagetree.hp import Constant, Shifted, Then
 
         for _ in range(_REDRAWS):
             hp = dict(donor.hp)
