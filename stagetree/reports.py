@@ -1040,7 +1040,7 @@ def study_status(
     Raises:
         PlanKeyError: no study ``name`` in the storage.
     """
-    from stagetree.coordination import running_trials
+    from stagetree.engine.coordination import running_trials
 
     record = study_record(storage, name)
     meta = record.get("meta") or {}

@@ -30,7 +30,7 @@ from stagetree import reports
 from stagetree.budget import Budget, BudgetGuard, RunReport
 from stagetree.checkpoints import CheckpointStore, check_location
 from stagetree.checkpoints.location import default_checkpoint_dir
-from stagetree.engine import Engine, StudySlot
+from stagetree.engine.core import Engine, StudySlot
 from stagetree.exceptions import (
     CheckpointError,
     InvalidTrialError,

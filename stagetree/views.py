@@ -552,7 +552,7 @@ def batches(
         log: the storage's :class:`ActivityLog`, brought up to date (else the whole
             activity of those trees is read).
     """
-    from stagetree.coordination import lease_ttl
+    from stagetree.engine.coordination import lease_ttl
 
     if not root_keys:
         return {}

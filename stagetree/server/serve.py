@@ -46,7 +46,7 @@ def serve(
     except ImportError:
         raise StagetreeError("stagetree serve needs pip install 'stagetree[server]'") from None
 
-    from stagetree.coordination import lease_ttl as default_ttl
+    from stagetree.engine.coordination import lease_ttl as default_ttl
     from stagetree.executors.registry import check_executor
     from stagetree.plan import open_storage
     from stagetree.server.app import create_app

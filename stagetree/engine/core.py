@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stagetree import _versions
-from stagetree.coordination import Coordinator
+from stagetree.engine.coordination import Coordinator
 from stagetree.exceptions import (
     StagetreeError,
     StagetreeWarning,

@@ -43,7 +43,7 @@ from stagetree.plan import BasePlanStorage, RequestState, SQLPlanStorage
 from stagetree.plan.leases import Lease, overlaps
 
 if TYPE_CHECKING:
-    from stagetree.engine import Engine
+    from stagetree.engine.core import Engine
     from stagetree.work import RunBatch
 
 __all__ = ["DEFAULT_TTL", "Coordinator", "lease_ttl", "running_trials"]

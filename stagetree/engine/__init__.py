@@ -1,0 +1,1 @@
+"""The engine behind every study: modules core, coordination, settings, pool, ledger."""
