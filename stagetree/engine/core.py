@@ -26,11 +26,12 @@ import time
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stagetree import _versions
+from stagetree import _versions, work
+from stagetree.checkpoints.gc import evict_to_budget
 from stagetree.engine.coordination import Coordinator
 from stagetree.exceptions import (
     StagetreeError,
@@ -42,7 +43,20 @@ from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import BasePlanStorage, Insertion, RequestState
 from stagetree.plan.leases import host_pid
 from stagetree.plan.scopes import root_scope, study_scope
+from stagetree.scheduler import (
+    CheckpointAvailable,
+    CheckpointLost,
+    NodeAdded,
+    RequestAdded,
+    RequestCancelled,
+    RequestDone,
+    RequestFailed,
+    RootAdded,
+    Scheduler,
+    StudyWeight,
+)
 from stagetree.space import canonical_json
+from stagetree.work import WorkerEvent
 
 if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
@@ -50,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Engine",
+    "RunningBatch",
     "StudySlot",
     "Waiter",
     "failure_record",
@@ -133,6 +148,28 @@ class StudySlot:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+@dataclass(eq=False)
+class RunningBatch:
+    """What the engine keeps of a batch it handed to the executor, from its start to its
+    terminal event (``BatchDone``, ``BatchFailed`` or ``WorkerLost``).
+
+    Attributes:
+        root_key: its plan tree.
+        start_step: the step it starts training from.
+        last_step: the last step it reported training (``Progress``).
+        start_ref: the checkpoint it starts from (None: from scratch).
+        durable: the last step it checkpointed durably (None: none yet).
+        rate: device-seconds per step, for the studies' accounting (0.0: not measured).
+    """
+
+    root_key: str
+    start_step: int
+    last_step: int
+    start_ref: str | None
+    durable: int | None = None
+    rate: float = 0.0
+
+
 # Submissions closer together than _QUIET seconds are planned together (waiting at most
 # _MAX_DELAY seconds): cheap next to a training step, and it spares the workers from
 # racing past branch points of trials that were submitted at the same moment.
@@ -162,8 +199,6 @@ class Engine:
         max_fused: int = 1,
         checkpoint_every: int | str | None = "auto",
     ) -> None:
-        from stagetree.scheduler import Scheduler
-
         self.storage = storage
         self.store = store
         self.lock = threading.RLock()
@@ -186,27 +221,22 @@ class Engine:
         self.error: BaseException | None = None
         self.users = 0
         self.temporary_checkpoints = False  # remove the store's directory on close
-        self._inflight: set[int] = set()
-        # Ended batches whose stage leases wait for their checkpoint writes.
+        # The batches handed to the executor that have not ended yet, by batch id.
+        self._batches: dict[int, RunningBatch] = {}
+        # Ended batches whose stage leases wait for their checkpoint writes (a batch's
+        # checkpoints may be written after its end: this outlives its record).
         self._unreleased: set[int] = set()
         self._queued: list[Any] = []
-        self._start_refs: dict[int, str | None] = {}
-        self._batch_roots: dict[int, str] = {}
-        # Per-study accounting: seconds per step of each running batch, and the trainer
-        # version of each study name (the scheduler charges steps by name).
-        self._rates: dict[int, float] = {}
+        # The trainer version of each study name (the scheduler charges steps by name).
         self._study_versions: dict[str, str] = {}
         # Devices a worker's busy second occupies (``devices_per_worker``): device
         # seconds count each of them.
         self._devices_per_worker = 1
         self._first_queued = self._last_queued = 0.0
-        # batch id -> [start step, last reported step]: steps trained by running batches.
-        self._positions: dict[int, list[int]] = {}
         self._idle = threading.Condition(self.lock)
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
         self._reported_corrupt: set[str] = set()  # start checkpoints reported unreadable
-        self._durable: dict[int, int] = {}  # batch id -> last step it checkpointed
         self._studies: set[str] = set()  # studies served (their meta records the workers)
         self._slots: dict[tuple[str, str], StudySlot] = {}
         # One worker pool for every trainer: the executor's default trainer (key "") and
@@ -225,6 +255,7 @@ class Engine:
         self._activity: list[dict[str, Any]] = []
         self._curves: list[Any] = []  # learning-curve points not written yet
         self._here = "{}:{}".format(*host_pid())
+        self._handlers = self._event_handlers()
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -259,7 +290,7 @@ class Engine:
 
     def running_steps(self) -> int:
         """Steps trained so far by batches that have not ended yet."""
-        return sum(last - start for start, last in self._positions.values())
+        return sum(b.last_step - b.start_step for b in self._batches.values())
 
     def settle(self, timeout: float = 30.0) -> None:
         """When no submission is waiting any more, wait (at most ``timeout`` s) for the
@@ -269,7 +300,7 @@ class Engine:
         deadline = time.monotonic() + timeout
         with self._idle:
             while (
-                (self._inflight or self.scheduler.saving)
+                (self._batches or self.scheduler.saving)
                 and not self._waiters
                 and self.error is None
             ):
@@ -346,8 +377,6 @@ class Engine:
                 self._slots[(name, version)] = slot
             slot.share, slot.weight = share, weight
             self._study_versions[name] = version
-            from stagetree.scheduler import StudyWeight
-
             self._enqueue([StudyWeight(name, weight)])
             return slot
 
@@ -507,8 +536,6 @@ class Engine:
                 return waiter
         self.ensure_started()
         with self.lock:
-            from stagetree.scheduler import RequestAdded
-
             storage.add_request(node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
             events = self._path_events(root_key, leaf)
@@ -601,8 +628,6 @@ class Engine:
     def _path_events(self, root_key: str, leaf: int) -> list[Any]:
         """Scheduler events for the root, the nodes and the durable checkpoints of the
         path to ``leaf`` that the scheduler has not seen yet."""
-        from stagetree.scheduler import CheckpointAvailable, NodeAdded, RootAdded
-
         events: list[Any] = []
         if root_key not in self._known_roots:
             self._known_roots.add(root_key)
@@ -642,8 +667,6 @@ class Engine:
     def cancel(self, waiter: Waiter) -> None:
         """Withdraw a submission: its reference to the request is released (work another
         live request still needs goes on) and its trial is marked cancelled."""
-        from stagetree.scheduler import RequestCancelled
-
         node, step = waiter.node, waiter.step
         with self.lock:
             waiters = self._waiters.get((node, step), [])
@@ -738,132 +761,82 @@ class Engine:
         except StagetreeError as exc:  # informative only: training goes on
             logger.warning("worker activity not recorded: %s", exc)
 
-    def _on_event(self, ev: Any) -> None:
-        from stagetree import work
-
-        scope = "engine"
-        if isinstance(ev, work.CurveReported):
-            # Written together with the round's other curves (a fused job sends one per
-            # member), before anything that could read them.
-            self._curves.extend(ev.points)
-        elif not isinstance(ev, (work.Progress, work.CheckpointSaved)):
+    def _on_event(self, ev: WorkerEvent) -> None:
+        """Apply one executor event: the engine's own bookkeeping (its kind's handler in
+        :attr:`_handlers`), then the scheduler's decisions, then the studies' accounting
+        of the steps the scheduler charged for it."""
+        if not isinstance(ev, (work.CurveReported, work.Progress, work.CheckpointSaved)):
+            # Curves are written before anything that could read them.
             self._write_curves()
-        if isinstance(ev, work.MetricsReported):
-            self.storage.put_metrics(ev.node, ev.step, ev.metrics)
-        elif isinstance(ev, work.CheckpointSaved):
-            self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
-            self._note_event(
-                "save",
-                ev,
-                node=ev.node,
-                step=ev.step,
-                seconds=ev.seconds,
-                data={"nbytes": ev.nbytes},
-            )
-            self._durable[ev.batch_id] = max(self._durable.get(ev.batch_id, 0), ev.step)
-            self.storage.add_stats(
-                scope, ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
-            )
-        if isinstance(ev, work.CheckpointFailed):
-            logger.warning(
-                "checkpoint of node %s at step %s not stored (%s); work that needs it "
-                "recomputes it",
-                ev.node,
-                ev.step,
-                ev.error,
-            )
-            self.storage.add_stats(scope, ckpt_failures=1)
-        if isinstance(ev, (work.CheckpointSaved, work.CheckpointFailed)):
-            self._idle.notify_all()  # settle() also waits for the writes of ended batches
-        if isinstance(ev, work.FusionFailed):
-            self._fusion_failed(ev)
-        ended = ev.batch_id if isinstance(ev, (work.BatchDone, work.BatchFailed)) else None
-        if isinstance(ev, work.WorkerLost):
-            ended = ev.batch_id
-            self._count_lost(ev)
-        if ended is not None:
-            # Its stage leases go once its checkpoints are durable (below): another
-            # engine waiting for the stage must find them in the plan.
-            self._unreleased.add(ended)
-            self._inflight.discard(ended)
-            self._positions.pop(ended, None)
-            self._idle.notify_all()
-        elif isinstance(ev, work.Progress) and ev.batch_id in self._positions:
-            self._positions[ev.batch_id][1] = ev.step
-        elif isinstance(ev, work.SplitMissed):
-            self.storage.add_stats(scope, splits_missed=1)
-        if isinstance(ev, work.BatchDone):
-            self._note_event(
-                "done",
-                ev,
-                seconds=ev.busy_seconds,
-                data={
-                    "steps": ev.steps,
-                    "load_seconds": ev.load_seconds,
-                    "save_wait_seconds": ev.save_wait_seconds,
-                },
-            )
-        elif isinstance(ev, work.BatchFailed):
-            self._note_event("failed", ev, node=ev.node, step=ev.step, data={"error": ev.error})
-        elif isinstance(ev, work.WorkerLost) and ev.batch_id is not None:
-            self._note_event("lost", ev, data={"reason": ev.reason})
-        if isinstance(ev, work.BatchDone):
-            device = ev.busy_seconds * self._devices_per_worker
-            self.storage.add_stats(scope, device_seconds=device, steps_executed=ev.steps)
-            root = self._batch_roots.get(ev.batch_id)
-            if root is not None:  # per tree too, so each study can count its own
-                self.storage.add_stats(
-                    root_scope(root), device_seconds=device, steps_executed=ev.steps
-                )
-            if ev.load_seconds:
-                self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
-        if isinstance(ev, work.BatchFailed) and ev.kind == "checkpoint":
-            # The start checkpoint is unreadable: forget it; the scheduler replans the
-            # work from an earlier checkpoint.
-            ref = self._start_refs.get(ev.batch_id)
-            for (node, step), rec in self.storage.checkpoints().items():
-                if rec.ref == ref:
-                    self.storage.remove_checkpoint(node, step)
-            if ref is not None and ref not in self._reported_corrupt:
-                self._reported_corrupt.add(ref)  # said once, not at every retry
-                logger.warning(
-                    "checkpoint %s (step %s) cannot be loaded (%s); its steps are "
-                    "recomputed from an earlier checkpoint",
-                    ref,
-                    ev.step,
-                    ev.error,
-                )
-        if ended is not None:
-            self._durable.pop(ended, None)
-            self._start_refs.pop(ended, None)
-            self._batch_roots.pop(ended, None)
+        batch_id = getattr(ev, "batch_id", None)
+        batch = self._batches.get(batch_id) if batch_id is not None else None
+        handler = self._handlers.get(type(ev))
+        if handler is not None:
+            handler(ev, batch)
         charged = self.scheduler.usage
-        if isinstance(ev, work.Progress) and ev.seconds_per_step > 0:
-            # A member of a fused job costs its share of the job's step.
-            rate = ev.seconds_per_step / max(ev.width, 1)
-            self._rates[ev.batch_id] = rate * self._devices_per_worker
-        elif isinstance(ev, work.BatchDone) and ev.steps:
-            self._rates[ev.batch_id] = ev.busy_seconds * self._devices_per_worker / ev.steps
         self._apply(self.scheduler.handle(ev))
         if self._unreleased:
             saving = self.scheduler.saving
-            for batch_id in [b for b in self._unreleased if b not in saving]:
-                self._unreleased.discard(batch_id)
-                self.coord.batch_ended(batch_id)
-        self._count_studies(charged, getattr(ev, "batch_id", None))
-        if ended is not None:
-            self._rates.pop(ended, None)
+            for ended in [b for b in self._unreleased if b not in saving]:
+                self._unreleased.discard(ended)
+                self.coord.batch_ended(ended)
+        self._count_studies(charged, batch.rate if batch is not None else 0.0)
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
 
-    def _write_curves(self) -> None:
-        """Store the learning-curve points received since the last write (one
-        transaction)."""
-        if self._curves:
-            points, self._curves = self._curves, []
-            self.storage.put_metrics_many(points)
+    def _event_handlers(self) -> dict[type[Any], Callable[[Any, RunningBatch | None], None]]:
+        """The engine's handler of each kind of executor event; each gets the event and
+        the record of the running batch it names (None: none)."""
+        return {
+            work.CurveReported: self._on_curve,
+            work.MetricsReported: self._on_metrics,
+            work.CheckpointSaved: self._on_checkpoint_saved,
+            work.CheckpointFailed: self._on_checkpoint_failed,
+            work.FusionFailed: self._on_fusion_failed,
+            work.Progress: self._on_progress,
+            work.SplitMissed: self._on_split_missed,
+            work.BatchDone: self._on_batch_done,
+            work.BatchFailed: self._on_batch_failed,
+            work.WorkerLost: self._on_worker_lost,
+        }
 
-    def _fusion_failed(self, ev: Any) -> None:
+    def _on_curve(self, ev: work.CurveReported, batch: RunningBatch | None) -> None:
+        # Written together with the round's other curves (a fused job sends one per
+        # member), before anything that could read them.
+        self._curves.extend(ev.points)
+
+    def _on_metrics(self, ev: work.MetricsReported, batch: RunningBatch | None) -> None:
+        self.storage.put_metrics(ev.node, ev.step, ev.metrics)
+
+    def _on_checkpoint_saved(self, ev: work.CheckpointSaved, batch: RunningBatch | None) -> None:
+        self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
+        self._note_event(
+            "save",
+            ev,
+            batch,
+            node=ev.node,
+            step=ev.step,
+            seconds=ev.seconds,
+            data={"nbytes": ev.nbytes},
+        )
+        if batch is not None:
+            batch.durable = max(batch.durable or 0, ev.step)
+        self.storage.add_stats(
+            "engine", ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
+        )
+        self._idle.notify_all()  # settle() also waits for the writes of ended batches
+
+    def _on_checkpoint_failed(self, ev: work.CheckpointFailed, batch: RunningBatch | None) -> None:
+        logger.warning(
+            "checkpoint of node %s at step %s not stored (%s); work that needs it recomputes it",
+            ev.node,
+            ev.step,
+            ev.error,
+        )
+        self.storage.add_stats("engine", ckpt_failures=1)
+        self._idle.notify_all()  # settle() also waits for the writes of ended batches
+
+    def _on_fusion_failed(self, ev: work.FusionFailed, batch: RunningBatch | None) -> None:
         """A worker could not fuse the trainer's jobs: say it once, and fuse no tree of
         that trainer again (the worker trains the members one by one)."""
         if ev.trainer in self._unfusible:
@@ -883,16 +856,105 @@ class Engine:
         )
         self.storage.add_stats("engine", fusion_failures=1)
 
-    def _note_event(self, kind: str, ev: Any, **fields: Any) -> None:
-        root = self._batch_roots.get(ev.batch_id)
-        if root is not None:  # a batch this engine started (not an undone one)
-            self._note(kind, ev.batch_id, ev.worker, root, **fields)
+    def _on_progress(self, ev: work.Progress, batch: RunningBatch | None) -> None:
+        if batch is None:
+            return
+        batch.last_step = ev.step
+        if ev.seconds_per_step > 0:
+            # A member of a fused job costs its share of the job's step.
+            rate = ev.seconds_per_step / max(ev.width, 1)
+            batch.rate = rate * self._devices_per_worker
 
-    def _count_studies(self, before: Mapping[str, float], batch_id: int | None) -> None:
+    def _on_split_missed(self, ev: work.SplitMissed, batch: RunningBatch | None) -> None:
+        self.storage.add_stats("engine", splits_missed=1)
+
+    def _on_batch_done(self, ev: work.BatchDone, batch: RunningBatch | None) -> None:
+        self._end(ev.batch_id)
+        self._note_event(
+            "done",
+            ev,
+            batch,
+            seconds=ev.busy_seconds,
+            data={
+                "steps": ev.steps,
+                "load_seconds": ev.load_seconds,
+                "save_wait_seconds": ev.save_wait_seconds,
+            },
+        )
+        device = ev.busy_seconds * self._devices_per_worker
+        self.storage.add_stats("engine", device_seconds=device, steps_executed=ev.steps)
+        if batch is not None:  # per tree too, so each study can count its own
+            self.storage.add_stats(
+                root_scope(batch.root_key), device_seconds=device, steps_executed=ev.steps
+            )
+        if ev.load_seconds:
+            self.storage.add_stats("engine", ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
+        if batch is not None and ev.steps:
+            batch.rate = ev.busy_seconds * self._devices_per_worker / ev.steps
+
+    def _on_batch_failed(self, ev: work.BatchFailed, batch: RunningBatch | None) -> None:
+        self._end(ev.batch_id)
+        self._note_event("failed", ev, batch, node=ev.node, step=ev.step, data={"error": ev.error})
+        if ev.kind != "checkpoint":
+            return
+        # The start checkpoint is unreadable: forget it; the scheduler replans the work
+        # from an earlier checkpoint.
+        ref = batch.start_ref if batch is not None else None
+        for (node, step), rec in self.storage.checkpoints().items():
+            if rec.ref == ref:
+                self.storage.remove_checkpoint(node, step)
+        if ref is not None and ref not in self._reported_corrupt:
+            self._reported_corrupt.add(ref)  # said once, not at every retry
+            logger.warning(
+                "checkpoint %s (step %s) cannot be loaded (%s); its steps are "
+                "recomputed from an earlier checkpoint",
+                ref,
+                ev.step,
+                ev.error,
+            )
+
+    def _on_worker_lost(self, ev: work.WorkerLost, batch: RunningBatch | None) -> None:
+        """Accounting of a lost worker: ``workers_lost``; the steps its batch had
+        reported training count as executed (they were), and those past its last
+        durable checkpoint as ``steps_lost`` (they are trained again: recomputed)."""
+        trained = lost = 0
+        if batch is not None:
+            start, last = batch.start_step, batch.last_step
+            trained = last - start
+            durable = batch.durable if batch.durable is not None else start
+            lost = last - max(start, durable)
+        deltas = {"workers_lost": 1, "steps_lost": lost, "steps_executed": trained}
+        self.storage.add_stats("engine", **deltas)
+        if batch is not None:
+            self.storage.add_stats(root_scope(batch.root_key), **deltas)
+        if ev.batch_id is not None:
+            self._end(ev.batch_id)
+            self._note_event("lost", ev, batch, data={"reason": ev.reason})
+
+    def _end(self, batch_id: int) -> None:
+        """A batch ended: drop its record. Its stage leases go once its checkpoints are
+        durable (:meth:`_on_event`): another engine waiting for the stage must find them
+        in the plan."""
+        self._unreleased.add(batch_id)
+        self._batches.pop(batch_id, None)
+        self._idle.notify_all()
+
+    def _write_curves(self) -> None:
+        """Store the learning-curve points received since the last write (one
+        transaction)."""
+        if self._curves:
+            points, self._curves = self._curves, []
+            self.storage.put_metrics_many(points)
+
+    def _note_event(self, kind: str, ev: Any, batch: RunningBatch | None, **fields: Any) -> None:
+        if batch is not None:  # a batch this engine started (not an undone one)
+            self._note(kind, ev.batch_id, ev.worker, batch.root_key, **fields)
+
+    def _count_studies(self, before: Mapping[str, float], rate: float) -> None:
         """Per-study accounting (:func:`study_scope`): the steps the scheduler charged to
         each study for the event just handled (fair share's usage: a step every study
-        needed counts for each), and their device-seconds at the batch's rate."""
-        rate = self._rates.get(batch_id, 0.0) if batch_id is not None else 0.0
+        needed counts for each), and their device-seconds at ``rate``, the rate of the
+        batch the event is about."""
         for name, steps in self.scheduler.usage.items():
             delta = steps - before.get(name, 0.0)
             version = self._study_versions.get(name)
@@ -904,8 +966,6 @@ class Engine:
     def _record_workers(self, events: list[Any]) -> None:
         """Keep where the workers run (cluster executors) in the meta of the studies this
         engine serves, for ``stagetree status``; written when workers come and go."""
-        from stagetree import work
-
         if any(isinstance(e, (work.WorkerReady, work.WorkerLost)) for e in events):
             self._workers_changed = True
         names = {w.study for ws in self._waiters.values() for w in ws} | self._studies
@@ -924,26 +984,7 @@ class Engine:
             except StagetreeError:
                 self._workers_changed = True  # its row is written with its first trial
 
-    def _count_lost(self, ev: Any) -> None:
-        """Accounting of a lost worker: ``workers_lost``; the steps its batch had
-        reported training count as executed (they were), and those past its last
-        durable checkpoint as ``steps_lost`` (they are trained again: recomputed)."""
-        position = self._positions.get(ev.batch_id) if ev.batch_id is not None else None
-        trained = lost = 0
-        if position is not None:
-            start, last = position
-            trained = last - start
-            lost = last - max(start, self._durable.get(ev.batch_id, start))
-        deltas = {"workers_lost": 1, "steps_lost": lost, "steps_executed": trained}
-        self.storage.add_stats("engine", **deltas)
-        root = self._batch_roots.get(ev.batch_id) if ev.batch_id is not None else None
-        if root is not None:
-            self.storage.add_stats(root_scope(root), **deltas)
-
     def _apply(self, out: Iterable[Any]) -> None:
-        from stagetree import work
-        from stagetree.scheduler import RequestDone, RequestFailed
-
         todo, refused = deque(out), set()
         while todo:
             item = todo.popleft()
@@ -989,10 +1030,9 @@ class Engine:
         key = self._root_trainers.get(item.root_key, "")
         if key != item.trainer:  # the trainer of the tree's study trains it
             item = dataclasses.replace(item, trainer=key)
-        self._inflight.add(item.batch_id)
-        self._positions[item.batch_id] = [item.start_step, item.start_step]
-        self._start_refs[item.batch_id] = item.start_checkpoint
-        self._batch_roots[item.batch_id] = item.root_key
+        self._batches[item.batch_id] = RunningBatch(
+            item.root_key, item.start_step, item.start_step, item.start_checkpoint
+        )
         where = self.executor.worker_locations().get(item.worker, self._here)
         data = {
             "segments": [[g.node, g.start, g.stop] for g in item.segments],
@@ -1071,9 +1111,6 @@ class Engine:
         """Keep the checkpoint store within its budget (cost-benefit, see
         :func:`stagetree.checkpoints.gc.evict_to_budget`: the rule ``stagetree gc``
         follows); never drop a checkpoint live work needs."""
-        from stagetree.checkpoints.gc import evict_to_budget
-        from stagetree.scheduler import CheckpointLost
-
         assert self.checkpoint_budget is not None
         try:
             removed = evict_to_budget(self.storage, self.store)
