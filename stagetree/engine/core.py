@@ -1018,10 +1018,10 @@ class Engine:
                     self.storage.add_stats("engine", live_splits=1)
                 self.executor.submit(item)
             elif isinstance(item, RequestDone):
-                self._resolve(item.node, item.step, metrics=dict(item.metrics))
+                self.resolve(item.node, item.step, metrics=dict(item.metrics))
             elif isinstance(item, RequestFailed):
                 where = getattr(item, "where", "")
-                self._resolve(item.node, item.step, error=(item.error, item.traceback, where))
+                self.resolve(item.node, item.step, error=(item.error, item.traceback, where))
 
     def _started(self, item: Any, width: int = 1) -> Any:
         """Book a batch that goes to the executor (lock held); returns it, trained by
@@ -1047,13 +1047,46 @@ class Engine:
             self._mark_running(seg.node)
         return item
 
+    # -- the coordinator's port (stagetree.engine.coordination.CoordinationPort) ---------
+
+    def apply_events(self, events: list[Any]) -> None:
+        """Feed scheduler events to the scheduler and carry out its instructions."""
+        self._apply(self.scheduler.handle_all(events))
+
+    def has_queued_events(self) -> bool:
+        """Whether submissions wait to be planned."""
+        return bool(self._queued)
+
+    def known_roots(self) -> list[str]:
+        """The plan trees the scheduler knows, sorted."""
+        return sorted(self._known_roots)
+
+    def knows_node(self, node: int) -> bool:
+        """Whether the scheduler knows plan node ``node``."""
+        return node in self._known_nodes
+
+    def learn_node(self, node: int) -> bool:
+        """Mark ``node`` known to the scheduler; False when it already was."""
+        if node in self._known_nodes:
+            return False
+        self._known_nodes.add(node)
+        return True
+
+    def has_waiters(self, node: int, step: int) -> bool:
+        """Whether this process has submissions of request ``(node, step)``."""
+        return (node, step) in self._waiters
+
+    def waiting_studies(self, node: int, step: int) -> list[str]:
+        """The study of each unanswered submission of request ``(node, step)``."""
+        return [w.study for w in self._waiters.get((node, step), []) if not w.future.done()]
+
     def _mark_running(self, node: int) -> None:
         for (n, _step), waiters in self._waiters.items():
             if n == node:
                 for w in waiters:
                     self._set_trial_state(w, "running", only_from="pending")
 
-    def _resolve(
+    def resolve(
         self,
         node: int,
         step: int,
