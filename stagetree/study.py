@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagetree import reports
@@ -39,6 +39,7 @@ from stagetree.exceptions import (
     StudyBusyError,
     TrialFailedError,
 )
+from stagetree.executors.base import WALL_CLOCK, Clock
 from stagetree.fusion import check_max_fused, fusion_names
 from stagetree.hp import Sequence, as_sequence
 from stagetree.identity import trainer_fingerprint
@@ -346,7 +347,8 @@ class Study:
         trainer = self.trainer
 
         def factory() -> BaseExecutor:
-            from stagetree.executors.registry import ExecutorOptions, make_executor
+            from stagetree.executors.base import ExecutorOptions
+            from stagetree.executors.registry import make_executor
 
             options = ExecutorOptions(
                 trainer,
@@ -624,9 +626,7 @@ class Study:
 
             async def guarded() -> TrialResult | None:
                 nonlocal guard
-                guard = BudgetGuard(
-                    limits, self.progress, self._run_clock(), self._answered, virtual
-                )
+                guard = BudgetGuard(limits, self.progress, self._run_clock(), self._answered)
                 runner.guard = guard
                 return await guard.run(tuner, runner)
 
@@ -666,14 +666,13 @@ class Study:
     def _virtual_time(self) -> bool:
         engine = self._local_engine()
         executor = engine.executor if engine is not None else None
-        return executor is not None and bool(executor.virtual_time)
+        return executor is not None and executor.clock.virtual
 
-    def _run_clock(self) -> Callable[[], float]:
+    def _run_clock(self) -> Clock:
         """The clock of a run's wall-seconds budget: virtual time when simulated."""
         engine = self._local_engine()
-        if engine is not None and self._virtual_time():
-            return engine.clock
-        return time.monotonic
+        executor = engine.executor if engine is not None else None
+        return executor.clock if executor is not None else WALL_CLOCK
 
     def _answered(self, config: Any, hp: Any, steps: int) -> bool:
         """Whether the storage holds the trial's metrics at ``steps`` (no training)."""
@@ -771,7 +770,7 @@ class Study:
         except BaseException:
             coro.close()  # never started: no "never awaited" warning
             raise
-        if engine.executor is None or not engine.executor.virtual_time:
+        if engine.executor is None or not engine.executor.clock.virtual:
             return _run_coro(coro)
         from stagetree.executors.simulated import drive
 

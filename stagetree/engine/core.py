@@ -39,6 +39,7 @@ from stagetree.exceptions import (
     TrialCancelledError,
     TrialFailedError,
 )
+from stagetree.executors.base import WALL_CLOCK, BaseExecutor
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan import BasePlanStorage, Insertion, RequestState
 from stagetree.plan.leases import host_pid
@@ -60,7 +61,6 @@ from stagetree.work import WorkerEvent
 
 if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
-    from stagetree.executors.base import BaseExecutor
 
 __all__ = [
     "Engine",
@@ -203,7 +203,8 @@ class Engine:
         self.store = store
         self.lock = threading.RLock()
         self._executor_factory = executor_factory
-        self.executor: BaseExecutor | None = None
+        self.executor: BaseExecutor | None = None  # once started
+        self._unstarted: BaseExecutor | None = None
         self.scheduler = Scheduler(
             policy=policy,
             max_retries=max_retries,
@@ -265,7 +266,7 @@ class Engine:
                 raise StagetreeError(f"the study engine stopped: {self.error!r}") from self.error
             if self.executor is not None:
                 return
-            self.executor = self._executor_factory()
+            self.executor, self._unstarted = self._make_executor(), None
             k = getattr(self.executor, "devices_per_worker", 1)
             ok = isinstance(k, int) and not isinstance(k, bool) and k >= 1
             self._devices_per_worker = k if ok else 1
@@ -279,10 +280,20 @@ class Engine:
             self.executor.start()
             for key, trainer in self._trainers.items():
                 self._add_trainer(key, trainer)
-            if self.executor.virtual_time:
+            if self.executor.clock.virtual:
                 return  # virtual time: Study.tune pumps it from the tuner's loop, no thread
             self._thread = threading.Thread(target=self._run, name="stagetree-engine", daemon=True)
             self._thread.start()
+
+    def _make_executor(self) -> BaseExecutor:
+        """The executor: the started one, else one made (not started) the first time
+        (:meth:`begin_tuning` reads its clock before the workers start)."""
+        with self.lock:
+            if self.executor is not None:
+                return self.executor
+            if self._unstarted is None:
+                self._unstarted = self._executor_factory()
+            return self._unstarted
 
     @property
     def num_workers(self) -> int:
@@ -431,19 +442,18 @@ class Engine:
         lease owner, which the activity records of its batches carry) and ``version``.
         :meth:`end_tuning` adds ``ended``; :func:`stagetree.reports.efficiency` reads
         them."""
-        wall = time.time()
         with self.lock:
             holder = self.coord.claim_study(slot.name)
             if holder is not None:
                 return holder
         try:
+            started = self._make_executor().clock.now()
             self.ensure_started()
         except BaseException:
             with self.lock:
                 self.coord.release_study(slot.name)
             raise
         with self.lock:
-            started = self.clock() if self._virtual() else wall
             run = {
                 "started": started,
                 "workers": self.num_workers,
@@ -478,14 +488,11 @@ class Engine:
             if isinstance(run, dict):
                 slot.meta = {**slot.meta, "run": {**run, **fields}}
 
-    def _virtual(self) -> bool:
-        return self.executor is not None and bool(self.executor.virtual_time)
-
     def clock(self) -> float:
-        """Now, on the clock of the activity records: the executor's virtual time, else
-        ``time.time()``."""
-        executor: Any = self.executor
-        return float(executor.now) if self._virtual() else time.time()
+        """Now, on the clock of the activity records: the executor's
+        (:attr:`BaseExecutor.clock <stagetree.executors.base.BaseExecutor.clock>`; the
+        wall clock before it exists)."""
+        return (self.executor.clock if self.executor is not None else WALL_CLOCK).now()
 
     def read_log(self, slot: StudySlot) -> list[dict[str, Any]]:
         """The tuner decisions of the study's latest run, when it used this version."""

@@ -18,16 +18,11 @@ those added with :meth:`BaseExecutor.add_trainer`, chosen per batch by
 
 from __future__ import annotations
 
-from stagetree.executors.base import BaseExecutor
+from stagetree.executors.base import BaseExecutor, ExecutorOptions
 from stagetree.executors.devices import worker_devices
 from stagetree.executors.local import InlineExecutor, LocalExecutor, TrainerSpec
 from stagetree.executors.ray import RayExecutor
-from stagetree.executors.registry import (
-    ExecutorOptions,
-    executor_names,
-    make_executor,
-    register_executor,
-)
+from stagetree.executors.registry import executor_names, make_executor, register_executor
 from stagetree.executors.simulated import SimulatedExecutor
 
 __all__ = [

@@ -81,7 +81,7 @@ from stagetree.work import (
 )
 
 if TYPE_CHECKING:
-    from stagetree.executors.registry import ExecutorOptions
+    from stagetree.executors.base import ExecutorOptions
     from stagetree.trainer import Trainer
 
 __all__ = ["RayExecutor", "default_resources", "import_ray"]
