@@ -12,6 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from stagetree.executors.base import BaseExecutor, ExecutorOptions
+from stagetree.executors.inline import InlineExecutor
+from stagetree.executors.local import LocalExecutor
+from stagetree.executors.ray import RayExecutor
+from stagetree.executors.simulated import SimulatedExecutor
 
 __all__ = ["check_executor", "executor_names", "make_executor", "register_executor"]
 
@@ -20,8 +24,6 @@ ExecutorFactory = Callable[[ExecutorOptions], BaseExecutor]
 
 
 def _local(o: ExecutorOptions) -> BaseExecutor:
-    from stagetree.executors.local import LocalExecutor
-
     return LocalExecutor(
         o.trainer,
         num_workers=o.workers,
@@ -32,8 +34,6 @@ def _local(o: ExecutorOptions) -> BaseExecutor:
 
 
 def _inline(o: ExecutorOptions) -> BaseExecutor:
-    from stagetree.executors.local import InlineExecutor
-
     if o.devices_per_worker != 1:
         raise ValueError(
             f"the inline executor trains in this process, on its devices: "
@@ -43,14 +43,10 @@ def _inline(o: ExecutorOptions) -> BaseExecutor:
 
 
 def _simulated(o: ExecutorOptions) -> BaseExecutor:
-    from stagetree.executors.simulated import SimulatedExecutor
-
     return SimulatedExecutor(num_workers=o.workers or 1, devices_per_worker=o.devices_per_worker)
 
 
 def _ray(o: ExecutorOptions) -> BaseExecutor:
-    from stagetree.executors.ray import RayExecutor
-
     return RayExecutor(address=o.address).bind(o)
 
 
