@@ -624,7 +624,7 @@ class Engine:
     @property
     def lease_ttl(self) -> float:
         """Seconds a lease of this engine outlives its last renewal (see
-        :mod:`stagetree.coordination`)."""
+        :mod:`stagetree.engine.coordination`)."""
         return self.coord.ttl
 
     def add_stats(self, scope: str, **deltas: float) -> None:
@@ -1000,7 +1000,7 @@ class Engine:
                 started = []
                 for member in members:
                     # Another engine holds a lease on some of its stages: the batch is
-                    # undone and its requests wait for that engine (stagetree.coordination).
+                    # undone and its requests wait for that engine (engine.coordination).
                     undo = self.coord.claim(member)
                     if undo:
                         refused.add(member.batch_id)
