@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from stagetree import _versions, work
 from stagetree.checkpoints.gc import evict_to_budget
 from stagetree.engine.coordination import Coordinator
+from stagetree.engine.ledger import Ledger
 from stagetree.exceptions import (
     StagetreeError,
     StagetreeWarning,
@@ -228,8 +229,6 @@ class Engine:
         # checkpoints may be written after its end: this outlives its record).
         self._unreleased: set[int] = set()
         self._queued: list[Any] = []
-        # The trainer version of each study name (the scheduler charges steps by name).
-        self._study_versions: dict[str, str] = {}
         # Devices a worker's busy second occupies (``devices_per_worker``): device
         # seconds count each of them.
         self._devices_per_worker = 1
@@ -237,6 +236,8 @@ class Engine:
         self._idle = threading.Condition(self.lock)
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
+        # Activity records, curve points and per-study accounting, written once per round.
+        self.ledger = Ledger(storage, self.coord.owner, self.clock)
         self._reported_corrupt: set[str] = set()  # start checkpoints reported unreadable
         self._studies: set[str] = set()  # studies served (their meta records the workers)
         self._slots: dict[tuple[str, str], StudySlot] = {}
@@ -251,10 +252,7 @@ class Engine:
         self._root_fusible: dict[str, frozenset[str]] = {}
         self._unfusible: set[str] = set()
         self._workers_changed = False
-        # Activity records (the dashboard's timeline) waiting to be written, once per
-        # round of the driver; the location of this process's workers.
-        self._activity: list[dict[str, Any]] = []
-        self._curves: list[Any] = []  # learning-curve points not written yet
+        # The location of this process's workers (in its activity records).
         self._here = "{}:{}".format(*host_pid())
         self._handlers = self._event_handlers()
 
@@ -319,7 +317,7 @@ class Engine:
                 if left <= 0:
                     break
                 self._idle.wait(left)
-            self._write_activity()  # the ends just learnt of, not at the next round
+            self.ledger.write_activity()  # the ends just learnt of, not at the next round
 
     def close(self) -> None:
         if self._thread is not None and self.error is None:
@@ -333,7 +331,7 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
         with self.lock:
-            self._write_activity()
+            self.ledger.write_activity()
             self.coord.close()
             for (node, step), waiters in self._waiters.items():
                 held = 0
@@ -387,7 +385,7 @@ class Engine:
                         slot.names = (frozenset(t["config"]), frozenset(t["hp"]))
                 self._slots[(name, version)] = slot
             slot.share, slot.weight = share, weight
-            self._study_versions[name] = version
+            self.ledger.study_versions[name] = version
             self._enqueue([StudyWeight(name, weight)])
             return slot
 
@@ -736,37 +734,12 @@ class Engine:
                     for ev in events:
                         self._on_event(ev)
                 finally:
-                    self._write_curves()
+                    self.ledger.write_curves()
                 self._record_workers(events)
         with self.lock:
-            self._write_activity()
+            self.ledger.write_activity()
             self.coord.tick()
         return len(events)
-
-    def _note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
-        """Keep one activity record for the storage (:class:`~stagetree.plan.ActivityRecord`),
-        written with the others of this round by :meth:`_write_activity`."""
-        now = self.clock()
-        self._activity.append(
-            {
-                "owner": self.coord.owner,
-                "batch": batch,
-                "kind": kind,
-                "worker": worker,
-                "root_key": root_key,
-                "time": now,
-                **fields,
-            }
-        )
-
-    def _write_activity(self) -> None:
-        if not self._activity:
-            return
-        items, self._activity = self._activity, []
-        try:
-            self.storage.record_activity(items)
-        except StagetreeError as exc:  # informative only: training goes on
-            logger.warning("worker activity not recorded: %s", exc)
 
     def _on_event(self, ev: WorkerEvent) -> None:
         """Apply one executor event: the engine's own bookkeeping (its kind's handler in
@@ -774,7 +747,7 @@ class Engine:
         of the steps the scheduler charged for it."""
         if not isinstance(ev, (work.CurveReported, work.Progress, work.CheckpointSaved)):
             # Curves are written before anything that could read them.
-            self._write_curves()
+            self.ledger.write_curves()
         batch_id = getattr(ev, "batch_id", None)
         batch = self._batches.get(batch_id) if batch_id is not None else None
         handler = self._handlers.get(type(ev))
@@ -787,7 +760,8 @@ class Engine:
             for ended in [b for b in self._unreleased if b not in saving]:
                 self._unreleased.discard(ended)
                 self.coord.batch_ended(ended)
-        self._count_studies(charged, batch.rate if batch is not None else 0.0)
+        rate = batch.rate if batch is not None else 0.0
+        self.ledger.count_studies(charged, self.scheduler.usage, rate)
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
 
@@ -810,7 +784,7 @@ class Engine:
     def _on_curve(self, ev: work.CurveReported, batch: RunningBatch | None) -> None:
         # Written together with the round's other curves (a fused job sends one per
         # member), before anything that could read them.
-        self._curves.extend(ev.points)
+        self.ledger.add_curves(ev.points)
 
     def _on_metrics(self, ev: work.MetricsReported, batch: RunningBatch | None) -> None:
         self.storage.put_metrics(ev.node, ev.step, ev.metrics)
@@ -946,29 +920,9 @@ class Engine:
         self._batches.pop(batch_id, None)
         self._idle.notify_all()
 
-    def _write_curves(self) -> None:
-        """Store the learning-curve points received since the last write (one
-        transaction)."""
-        if self._curves:
-            points, self._curves = self._curves, []
-            self.storage.put_metrics_many(points)
-
     def _note_event(self, kind: str, ev: Any, batch: RunningBatch | None, **fields: Any) -> None:
         if batch is not None:  # a batch this engine started (not an undone one)
-            self._note(kind, ev.batch_id, ev.worker, batch.root_key, **fields)
-
-    def _count_studies(self, before: Mapping[str, float], rate: float) -> None:
-        """Per-study accounting (:func:`study_scope`): the steps the scheduler charged to
-        each study for the event just handled (fair share's usage: a step every study
-        needed counts for each), and their device-seconds at ``rate``, the rate of the
-        batch the event is about."""
-        for name, steps in self.scheduler.usage.items():
-            delta = steps - before.get(name, 0.0)
-            version = self._study_versions.get(name)
-            if delta > 0 and version is not None:
-                self.storage.add_stats(
-                    study_scope(name, version), steps_executed=delta, device_seconds=delta * rate
-                )
+            self.ledger.note(kind, ev.batch_id, ev.worker, batch.root_key, **fields)
 
     def _record_workers(self, events: list[Any]) -> None:
         """Keep where the workers run (cluster executors) in the meta of the studies this
@@ -1049,7 +1003,7 @@ class Engine:
         }
         if width > 1:
             data["fused"] = width
-        self._note("start", item.batch_id, item.worker, item.root_key, data=data)
+        self.ledger.note("start", item.batch_id, item.worker, item.root_key, data=data)
         for seg in item.segments:
             self._mark_running(seg.node)
         return item
