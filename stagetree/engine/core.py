@@ -192,7 +192,7 @@ class Engine:
         self,
         storage: BasePlanStorage,
         store: CheckpointStore,
-        executor_factory: Any,
+        executor_factory: Callable[[], BaseExecutor],
         policy: str,
         max_retries: int,
         checkpoint_budget: int | None,
