@@ -30,10 +30,10 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.executors import LocalExecutor
+from stagetree.executors.worker import Worker
 from stagetree.hp import Constant, Cosine, MultiStep
 from stagetree.trainer import Trainer
 from stagetree.work import BatchDone, MetricsReported, RunBatch, Segment
-from stagetree.worker import Worker
 
 _perf = time.perf_counter
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from stagetree.exceptions import InvalidBudgetError
+from stagetree.executors.base import Clock, settle_loop
 
 __all__ = ["POLL_SECONDS", "Budget", "BudgetGuard", "InvalidBudgetError", "RunReport"]
 
@@ -236,27 +237,26 @@ class BudgetGuard:
 
     ``progress`` is the study's ``progress()`` (its ``steps_executed`` and
     ``device_seconds`` are study totals: the run's figures are their growth since the
-    guard was made); ``clock`` the run's clock; ``answered(config, hp, steps)`` whether
-    the storage already holds that result. The tuner runs in :meth:`run`.
+    guard was made); ``clock`` the run's clock (the executor's: virtual when
+    simulated); ``answered(config, hp, steps)`` whether the storage already holds that
+    result. The tuner runs in :meth:`run`.
     """
 
     def __init__(
         self,
         budget: Budget | None,
         progress: Callable[[], Mapping[str, float]],
-        clock: Callable[[], float],
+        clock: Clock,
         answered: Callable[[Any, Any, int], bool],
-        virtual: bool = False,
     ) -> None:
         self.budget = budget
         self._progress = progress
         self._clock = clock
         self._answered = answered
-        self._virtual = virtual
         base = progress()
         self._base_steps = float(base.get("steps_executed", 0.0))
         self._base_device = float(base.get("device_seconds", 0.0))
-        self._started = clock()
+        self._started = clock.monotonic()
         self._trials: dict[str, bool] = {}  # fingerprint -> answered from the storage
         self._active = 0  # submissions under way that are not held back
         self._held = 0
@@ -275,7 +275,7 @@ class BudgetGuard:
             trials_answered=sum(self._trials.values()),
             steps_executed=max(round(float(snap.get("steps_executed", 0)) - self._base_steps), 0),
             device_seconds=max(float(snap.get("device_seconds", 0.0)) - self._base_device, 0.0),
-            wall_seconds=max(self._clock() - self._started, 0.0),
+            wall_seconds=max(self._clock.monotonic() - self._started, 0.0),
             budget=self.budget,
             stopped_by=self.stopped_by,
         )
@@ -285,7 +285,10 @@ class BudgetGuard:
         budget = self.budget
         if budget is None:
             return None
-        if budget.wall_seconds is not None and self._clock() - self._started >= budget.wall_seconds:
+        if (
+            budget.wall_seconds is not None
+            and self._clock.monotonic() - self._started >= budget.wall_seconds
+        ):
             return "wall_seconds"
         if budget.steps is None and budget.device_seconds is None:
             return None
@@ -351,8 +354,6 @@ class BudgetGuard:
     async def _idle_check(self) -> None:
         """Stop when only held-back submissions are left once the tuner has reacted to
         everything that finished (the loop has nothing ready to run)."""
-        from stagetree.executors.simulated import settle_loop
-
         await settle_loop()
         if self._active == 0 and self._held and self.stopped_by is None:
             self._stop("trials")
@@ -364,7 +365,7 @@ class BudgetGuard:
         tuner's best result (so far, when stopped)."""
         self._task = asyncio.ensure_future(tuner.run(runner))
         poller = None
-        if not self._virtual and self.budget is not None:  # a simulated run: at events only
+        if not self._clock.virtual and self.budget is not None:  # virtual: at events only
             poller = asyncio.ensure_future(self._poll())
         try:
             return await asyncio.shield(self._task)

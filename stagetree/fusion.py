@@ -9,7 +9,7 @@ builds a :class:`FusedGroup` from B member trainers with ``cls.fuse(members)``.
 (``torch.func.stack_module_state`` + ``vmap(functional_call)`` and the fused optimizers
 of :mod:`stagetree.torch.fused_optim`).
 
-The worker (:mod:`stagetree.worker`) owns the loop: it gives every member its sequence
+The worker (:mod:`stagetree.executors.worker`) owns the loop: it gives every member its sequence
 values with :meth:`FusedGroup.setup`, calls :meth:`FusedGroup.step` once per training
 step for all members, and before evaluating or checkpointing member ``i`` it calls
 :meth:`FusedGroup.sync` so that the member's own trainer object holds member ``i``'s

@@ -21,7 +21,7 @@ import inspect
 import json
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagetree.budget import RunReport
@@ -36,7 +36,8 @@ from stagetree.exceptions import (
     StagetreeError,
     StudyBusyError,
 )
-from stagetree.executors.registry import ExecutorOptions, make_executor
+from stagetree.executors.base import WALL_CLOCK, Clock, ExecutorOptions
+from stagetree.executors.registry import make_executor
 from stagetree.executors.simulated import drive
 from stagetree.fusion import fusion_names
 from stagetree.hp import Sequence, as_sequence
@@ -340,12 +341,13 @@ class Study(StudyAPI):
         self._engine.ensure_started()
 
     def _virtual_time(self) -> bool:
-        executor = self._engine.executor
-        return executor is not None and bool(executor.virtual_time)
+        return self._run_clock().virtual
 
-    def _run_clock(self) -> Callable[[], float]:
-        """The clock of a run's wall-seconds budget: virtual time when simulated."""
-        return self._engine.clock if self._virtual_time() else time.monotonic
+    def _run_clock(self) -> Clock:
+        """The clock of a run's wall-seconds budget: the executor's (virtual time when
+        simulated)."""
+        executor = self._engine.executor
+        return executor.clock if executor is not None else WALL_CLOCK
 
     def _record_run(self, run: RunReport) -> None:
         """Say what stopped the run: a log line, and the study's run record."""
@@ -408,7 +410,7 @@ class Study(StudyAPI):
         except BaseException:
             coro.close()  # never started: no "never awaited" warning
             raise
-        if engine.executor is None or not engine.executor.virtual_time:
+        if engine.executor is None or not engine.executor.clock.virtual:
             return run_coro(coro)
 
         def pump(timeout: float) -> int:

@@ -20,8 +20,7 @@ import logging
 import math
 import os
 import sys
-import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,6 +29,7 @@ from stagetree.checkpoints import CheckpointStore
 from stagetree.engine.core import StudySlot
 from stagetree.engine.settings import DEFAULT_STORAGE, current_overrides
 from stagetree.exceptions import CheckpointError, StagetreeError, TrialFailedError
+from stagetree.executors.base import WALL_CLOCK, Clock
 from stagetree.hp import Sequence
 from stagetree.names import check_space_names
 from stagetree.plan.base import BasePlanStorage
@@ -458,9 +458,7 @@ class StudyAPI(abc.ABC):
 
             async def guarded() -> TrialResult | None:
                 nonlocal guard
-                guard = BudgetGuard(
-                    limits, self.progress, self._run_clock(), self._answered, virtual
-                )
+                guard = BudgetGuard(limits, self.progress, self._run_clock(), self._answered)
                 runner.guard = guard
                 return await guard.run(tuner, runner)
 
@@ -520,9 +518,9 @@ class StudyAPI(abc.ABC):
         """Whether the study runs in virtual time (a simulated executor)."""
         return False
 
-    def _run_clock(self) -> Callable[[], float]:
+    def _run_clock(self) -> Clock:
         """The clock of a run's wall-seconds budget."""
-        return time.monotonic
+        return WALL_CLOCK
 
     def _record_run(self, run: RunReport) -> None:
         """Say what stopped the run (a log line)."""

@@ -258,7 +258,7 @@ def test_evaluating_every_step_changes_nothing_bit_for_bit(tmp_path: Path) -> No
 
 def _worker_events(tmp_path: Path, batch: Any, trainer: type[Trainer] = CurveTrainer) -> list[Any]:
     from stagetree.checkpoints import CheckpointStore
-    from stagetree.worker import Worker
+    from stagetree.executors.worker import Worker
 
     events: list[Any] = []
     worker = Worker(0, trainer, CheckpointStore(tmp_path / trainer.__name__), events.append)

@@ -19,6 +19,7 @@ from study_trainers import FusedLinearTrainer, LinearTrainer, submit_together
 from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeWarning, TrialFailedError
+from stagetree.executors.worker import Worker
 from stagetree.fusion import DEFAULT_MAX_FUSED, fusion_names
 from stagetree.hp import Constant, Piecewise
 from stagetree.reports import views
@@ -36,7 +37,6 @@ from stagetree.work import (
     Segment,
     SplitMissed,
 )
-from stagetree.worker import Worker
 
 LRS = (0.01, 0.02, 0.03, 0.05)
 

@@ -137,7 +137,7 @@ def extend(study: Study, steps: int) -> dict[str, dict[str, float]]:
 
 def _orphan_name(tmp_path: Path, node: int, step: int) -> str:
     """A checkpoint name as a worker makes it, of this plan's tree."""
-    from stagetree.worker import _checkpoint_name
+    from stagetree.executors.worker import _checkpoint_name
 
     with open_storage(url_of(tmp_path)) as plan:
         root = plan.node(node).root_key

@@ -168,8 +168,9 @@ def test_node_removed_mid_study(cluster: Any, references: Any, tmp_path: Path) -
             batch = min(running, default=None)
             if batch is not None and study.progress()["steps_executed"] >= 6:
                 with engine.lock:
-                    start, last = engine._positions.get(batch, (0, 0))
-                    durable = engine._durable.get(batch, start)
+                    rec = engine._batches.get(batch)
+                    start, last = (rec.start_step, rec.last_step) if rec else (0, 0)
+                    durable = rec.durable if rec and rec.durable is not None else start
                 if last - max(start, durable) >= 2:  # steps that will be lost
                     break
             await asyncio.sleep(0.05)

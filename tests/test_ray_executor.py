@@ -16,8 +16,8 @@ from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import ExecutorError
 from stagetree.executors import executor_names, make_executor
+from stagetree.executors.base import ExecutorOptions
 from stagetree.executors.ray import RayExecutor
-from stagetree.executors.registry import ExecutorOptions
 from stagetree.hp import Constant
 from stagetree.trainer import Trainer
 

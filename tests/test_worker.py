@@ -15,6 +15,8 @@ import pytest
 
 from stagetree.checkpoints import CheckpointInfo, CheckpointStore
 from stagetree.executors._spec import TrainerClasses, TrainerSpec
+from stagetree.executors.worker import Worker as _Worker
+from stagetree.executors.worker import snapshot_state
 from stagetree.hp import Constant, MultiStep, Step
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -30,8 +32,6 @@ from stagetree.work import (
     Segment,
     SplitMissed,
 )
-from stagetree.worker import Worker as _Worker
-from stagetree.worker import snapshot_state
 
 
 class Worker(_Worker):

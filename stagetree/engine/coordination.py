@@ -25,6 +25,9 @@ engine's lock:
 * **Heartbeat**: every lease of the engine is renewed every ``ttl / 5`` seconds;
   batch leases are released when the batch ends, all leases when the engine closes.
 
+The coordinator sees its engine through :class:`CoordinationPort` only: the few engine
+methods it needs, which :class:`~stagetree.engine.core.Engine` implements.
+
 The lease time-to-live comes from ``STAGETREE_LEASE_TTL`` (seconds, default 15).
 """
 
@@ -36,19 +39,21 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stagetree.exceptions import StorageError
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.leases import Lease, overlaps
 from stagetree.plan.model import RequestState
-from stagetree.plan.sql import SQLPlanStorage
+from stagetree.scheduler import CheckpointAvailable, NodeAdded, RequestAdded, RequestCancelled
+from stagetree.work import BatchDone
 
 if TYPE_CHECKING:
-    from stagetree.engine.core import Engine
+    from stagetree.checkpoints import CheckpointStore
+    from stagetree.scheduler import Scheduler
     from stagetree.work import RunBatch
 
-__all__ = ["DEFAULT_TTL", "Coordinator", "lease_ttl", "running_trials"]
+__all__ = ["DEFAULT_TTL", "CoordinationPort", "Coordinator", "lease_ttl", "running_trials"]
 
 _log = logging.getLogger(__name__)
 
@@ -66,16 +71,57 @@ def lease_ttl() -> float:
     return ttl if ttl > 0 else DEFAULT_TTL
 
 
-class Coordinator:
-    """Leases, parked requests and plan polling of one :class:`~stagetree.engine.core.Engine`
-    (see the module docstring). Every method is called with the engine's lock held."""
+class CoordinationPort(Protocol):
+    """What a :class:`Coordinator` uses of its engine (implemented by
+    :class:`~stagetree.engine.core.Engine`); called with the engine's lock held.
 
-    def __init__(self, engine: Engine, ttl: float | None = None) -> None:
+    Attributes:
+        storage: the plan storage the engines share.
+        store: the checkpoint store (whether a checkpoint is durable there).
+        scheduler: the engine's scheduler, read only: its live requests and claims, and
+            the checkpoints it knows.
+    """
+
+    storage: BasePlanStorage
+    store: CheckpointStore
+    scheduler: Scheduler
+
+    def resolve(self, node: int, step: int, metrics: dict[str, float] | None = None) -> None:
+        """Request ``(node, step)`` is done with ``metrics``: answer its waiters."""
+
+    def apply_events(self, events: list[Any]) -> None:
+        """Feed scheduler events to the scheduler and carry out its instructions."""
+
+    def has_queued_events(self) -> bool:
+        """Whether submissions wait to be planned (the coordinator polls after them)."""
+
+    def known_roots(self) -> list[str]:
+        """The plan trees the scheduler knows, sorted."""
+
+    def knows_node(self, node: int) -> bool:
+        """Whether the scheduler knows plan node ``node``."""
+
+    def learn_node(self, node: int) -> bool:
+        """Mark ``node`` known to the scheduler; False when it already was."""
+
+    def has_waiters(self, node: int, step: int) -> bool:
+        """Whether this process has submissions of request ``(node, step)``."""
+
+    def waiting_studies(self, node: int, step: int) -> list[str]:
+        """The study of each unanswered submission of request ``(node, step)``."""
+
+
+class Coordinator:
+    """Leases, parked requests and plan polling of one engine, seen through its
+    :class:`CoordinationPort` (see the module docstring). Every method is called with
+    the engine's lock held."""
+
+    def __init__(self, engine: CoordinationPort, ttl: float | None = None) -> None:
         self.engine = engine
         self.owner = uuid.uuid4().hex
         self.ttl = ttl if ttl is not None else lease_ttl()
         self.poll = min(0.2, self.ttl / 10)
-        self.shared = isinstance(engine.storage, SQLPlanStorage)
+        self.shared = engine.storage.shared
         self._batch_leases: dict[int, tuple[Lease, ...]] = {}
         self._studies: set[str] = set()
         # request -> references taken off the scheduler, by study
@@ -99,9 +145,6 @@ class Coordinator:
     def claim(self, batch: RunBatch) -> list[Any]:
         """Lease the segments of ``batch``. Returns [] when granted (run it); otherwise
         the scheduler events that undo the batch and park its requests."""
-        from stagetree.scheduler import RequestCancelled
-        from stagetree.work import BatchDone
-
         live = self.engine.scheduler.live_requests
         known = {}
         for key in batch.evaluate_at:  # another engine may have answered them meanwhile
@@ -110,7 +153,7 @@ class Coordinator:
                 known[key] = metrics
         if known:
             for key, metrics in known.items():
-                self.engine._resolve(key[0], key[1], metrics=metrics)
+                self.engine.resolve(key[0], key[1], metrics=metrics)
             claims = self.engine.scheduler.live_claims
             undo: list[Any] = [
                 RequestCancelled(k[0], k[1], n, study=study)
@@ -144,8 +187,6 @@ class Coordinator:
     def _checkpoints_on(self, root_key: str, segments: list[tuple[int, int, int]]) -> list[Any]:
         """``CheckpointAvailable`` for durable checkpoints the scheduler does not know
         inside the ``segments`` about to be trained (saved by another engine)."""
-        from stagetree.scheduler import CheckpointAvailable
-
         if not self.shared:
             return []
         known = self.engine.scheduler.checkpoints
@@ -197,7 +238,7 @@ class Coordinator:
         if (self._batch_leases or self._studies) and now - self._last_beat >= self.ttl / 5:
             self._last_beat = now
             self.storage.renew(self.owner, self.ttl)
-        if now - self._last_poll < self.poll or self.engine._queued:
+        if now - self._last_poll < self.poll or self.engine.has_queued_events():
             return  # submissions are applied first: the scheduler knows their roots then
         self._last_poll = now
         events: list[Any] = []
@@ -208,8 +249,7 @@ class Coordinator:
         if self.shared and (self._batch_leases or self._adopted):
             events.extend(self._adopt())
         if events:
-            engine = self.engine
-            engine._apply(engine.scheduler.handle_all(events))
+            self.engine.apply_events(events)
 
     def foreign_nodes(self, queued: list[Any]) -> list[Any]:
         """Nodes other processes added to the trees of ``queued`` submission events, to
@@ -219,22 +259,17 @@ class Coordinator:
 
     def _new_nodes(self) -> list[Any]:
         """``NodeAdded`` for nodes other processes appended to trees this engine knows."""
-        from stagetree.scheduler import NodeAdded
-
         engine = self.engine
         events: list[Any] = []
-        for root in sorted(engine._known_roots):
+        for root in engine.known_roots():
             for node in self.storage.nodes(root):
-                if node.id not in engine._known_nodes:
-                    engine._known_nodes.add(node.id)
+                if engine.learn_node(node.id):
                     events.append(NodeAdded(node))
         return events
 
     def _new_checkpoints(self) -> list[Any]:
         """``CheckpointAvailable`` for durable checkpoints on the parked requests' trees
         that the scheduler does not know (saved by other engines)."""
-        from stagetree.scheduler import CheckpointAvailable
-
         engine = self.engine
         known = engine.scheduler.checkpoints
         events: list[Any] = []
@@ -242,7 +277,7 @@ class Coordinator:
             for (node, step), rec in self.storage.checkpoints(root).items():
                 if (
                     known.get((node, step)) != rec.ref
-                    and node in engine._known_nodes
+                    and engine.knows_node(node)
                     and engine.store.exists(rec.ref)
                 ):
                     events.append(CheckpointAvailable(node, step, rec.ref))
@@ -257,8 +292,6 @@ class Coordinator:
         return not any(overlaps(lease, key[0], key[1] - 1, key[1]) for lease in foreign)
 
     def _unpark(self) -> list[Any]:
-        from stagetree.scheduler import RequestAdded
-
         engine = self.engine
         foreign = [
             lease
@@ -271,7 +304,7 @@ class Coordinator:
             req = self.storage.request(*key)
             if metrics is not None and self._settled(key, foreign):
                 del self._parked[key]
-                engine._resolve(key[0], key[1], metrics=metrics)
+                engine.resolve(key[0], key[1], metrics=metrics)
             elif req is None or req.state == RequestState.CANCELLED:
                 del self._parked[key]  # nobody wants it any more
         if not self._parked:
@@ -284,9 +317,9 @@ class Coordinator:
             return []  # nothing changed: keep waiting
         _log.debug("unpark %s", sorted(self._parked))
         for (node, step), by_study in sorted(self._parked.items()):
-            waiters = [w for w in engine._waiters.get((node, step), []) if not w.future.done()]
+            waiters = engine.waiting_studies(node, step)
             for study, count in sorted(by_study.items()):
-                waiting = sum(w.study == study for w in waiters)
+                waiting = sum(w == study for w in waiters)
                 n = min(count, waiting) if waiting else count
                 events.append(RequestAdded(node, step, n, study=study))
         self._parked.clear()
@@ -297,15 +330,15 @@ class Coordinator:
     def _adopt(self) -> list[Any]:
         """Pending requests of other engines on stages this engine holds (see the module
         docstring); and adopted requests nobody wants any more are dropped."""
-        from stagetree.scheduler import RequestAdded, RequestCancelled
-
         engine = self.engine
         live = engine.scheduler.live_requests
         self._adopted &= set(live)
         events: list[Any] = []
         for key in sorted(self._adopted):
             req = self.storage.request(*key)
-            if (req is None or req.state == RequestState.CANCELLED) and key not in engine._waiters:
+            if (req is None or req.state == RequestState.CANCELLED) and not engine.has_waiters(
+                *key
+            ):
                 self._adopted.discard(key)
                 claims = engine.scheduler.live_claims.get(key, {})
                 events.extend(
@@ -317,7 +350,7 @@ class Coordinator:
         for root in sorted({lease.scope for lease in leases}):
             for req in self.storage.requests(root, states=states):
                 key = (req.node, req.step)
-                if key in live or key in engine._waiters or key[0] not in engine._known_nodes:
+                if key in live or engine.has_waiters(*key) or not engine.knows_node(key[0]):
                     continue
                 if any(overlaps(lease, req.node, req.step - 1, req.step) for lease in leases):
                     self._adopted.add(key)

@@ -26,18 +26,21 @@ import time
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stagetree import _versions
+from stagetree import _versions, work
+from stagetree.checkpoints.eviction import evict_to_budget
 from stagetree.engine.coordination import Coordinator
+from stagetree.engine.ledger import Ledger
 from stagetree.exceptions import (
     StagetreeError,
     StagetreeWarning,
     TrialCancelledError,
     TrialFailedError,
 )
+from stagetree.executors.base import WALL_CLOCK, BaseExecutor
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.leases import host_pid
@@ -45,14 +48,27 @@ from stagetree.plan.model import RequestState
 from stagetree.plan.scopes import root_scope, study_scope
 from stagetree.plan.tree import Insertion
 from stagetree.records import failure_record
+from stagetree.scheduler import (
+    CheckpointAvailable,
+    CheckpointLost,
+    NodeAdded,
+    RequestAdded,
+    RequestCancelled,
+    RequestDone,
+    RequestFailed,
+    RootAdded,
+    Scheduler,
+    StudyWeight,
+)
 from stagetree.space import canonical_json
+from stagetree.work import WorkerEvent
 
 if TYPE_CHECKING:
     from stagetree.checkpoints import CheckpointStore
-    from stagetree.executors.base import BaseExecutor
 
 __all__ = [
     "Engine",
+    "RunningBatch",
     "StudySlot",
     "Waiter",
     "failure_record",
@@ -126,6 +142,28 @@ class StudySlot:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+@dataclass(eq=False)
+class RunningBatch:
+    """What the engine keeps of a batch it handed to the executor, from its start to its
+    terminal event (``BatchDone``, ``BatchFailed`` or ``WorkerLost``).
+
+    Attributes:
+        root_key: its plan tree.
+        start_step: the step it starts training from.
+        last_step: the last step it reported training (``Progress``).
+        start_ref: the checkpoint it starts from (None: from scratch).
+        durable: the last step it checkpointed durably (None: none yet).
+        rate: device-seconds per step, for the studies' accounting (0.0: not measured).
+    """
+
+    root_key: str
+    start_step: int
+    last_step: int
+    start_ref: str | None
+    durable: int | None = None
+    rate: float = 0.0
+
+
 # Submissions closer together than _QUIET seconds are planned together (waiting at most
 # _MAX_DELAY seconds): cheap next to a training step, and it spares the workers from
 # racing past branch points of trials that were submitted at the same moment.
@@ -147,7 +185,7 @@ class Engine:
         self,
         storage: BasePlanStorage,
         store: CheckpointStore,
-        executor_factory: Any,
+        executor_factory: Callable[[], BaseExecutor],
         policy: str,
         max_retries: int,
         checkpoint_budget: int | None,
@@ -155,13 +193,12 @@ class Engine:
         max_fused: int = 1,
         checkpoint_every: int | str | None = "auto",
     ) -> None:
-        from stagetree.scheduler import Scheduler
-
         self.storage = storage
         self.store = store
         self.lock = threading.RLock()
         self._executor_factory = executor_factory
-        self.executor: BaseExecutor | None = None
+        self.executor: BaseExecutor | None = None  # once started
+        self._unstarted: BaseExecutor | None = None
         self.scheduler = Scheduler(
             policy=policy,
             max_retries=max_retries,
@@ -179,27 +216,22 @@ class Engine:
         self.error: BaseException | None = None
         self.users = 0
         self.temporary_checkpoints = False  # remove the store's directory on close
-        self._inflight: set[int] = set()
-        # Ended batches whose stage leases wait for their checkpoint writes.
+        # The batches handed to the executor that have not ended yet, by batch id.
+        self._batches: dict[int, RunningBatch] = {}
+        # Ended batches whose stage leases wait for their checkpoint writes (a batch's
+        # checkpoints may be written after its end: this outlives its record).
         self._unreleased: set[int] = set()
         self._queued: list[Any] = []
-        self._start_refs: dict[int, str | None] = {}
-        self._batch_roots: dict[int, str] = {}
-        # Per-study accounting: seconds per step of each running batch, and the trainer
-        # version of each study name (the scheduler charges steps by name).
-        self._rates: dict[int, float] = {}
-        self._study_versions: dict[str, str] = {}
         # Devices a worker's busy second occupies (``devices_per_worker``): device
         # seconds count each of them.
         self._devices_per_worker = 1
         self._first_queued = self._last_queued = 0.0
-        # batch id -> [start step, last reported step]: steps trained by running batches.
-        self._positions: dict[int, list[int]] = {}
         self._idle = threading.Condition(self.lock)
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
+        # Activity records, curve points and per-study accounting, written once per round.
+        self.ledger = Ledger(storage, self.coord.owner, self.clock)
         self._reported_corrupt: set[str] = set()  # start checkpoints reported unreadable
-        self._durable: dict[int, int] = {}  # batch id -> last step it checkpointed
         self._studies: set[str] = set()  # studies served (their meta records the workers)
         self._slots: dict[tuple[str, str], StudySlot] = {}
         # One worker pool for every trainer: the executor's default trainer (key "") and
@@ -213,11 +245,9 @@ class Engine:
         self._root_fusible: dict[str, frozenset[str]] = {}
         self._unfusible: set[str] = set()
         self._workers_changed = False
-        # Activity records (the dashboard's timeline) waiting to be written, once per
-        # round of the driver; the location of this process's workers.
-        self._activity: list[dict[str, Any]] = []
-        self._curves: list[Any] = []  # learning-curve points not written yet
+        # The location of this process's workers (in its activity records).
         self._here = "{}:{}".format(*host_pid())
+        self._handlers = self._event_handlers()
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -227,7 +257,7 @@ class Engine:
                 raise StagetreeError(f"the study engine stopped: {self.error!r}") from self.error
             if self.executor is not None:
                 return
-            self.executor = self._executor_factory()
+            self.executor, self._unstarted = self._make_executor(), None
             k = getattr(self.executor, "devices_per_worker", 1)
             ok = isinstance(k, int) and not isinstance(k, bool) and k >= 1
             self._devices_per_worker = k if ok else 1
@@ -241,10 +271,20 @@ class Engine:
             self.executor.start()
             for key, trainer in self._trainers.items():
                 self._add_trainer(key, trainer)
-            if self.executor.virtual_time:
+            if self.executor.clock.virtual:
                 return  # virtual time: Study.tune pumps it from the tuner's loop, no thread
             self._thread = threading.Thread(target=self._run, name="stagetree-engine", daemon=True)
             self._thread.start()
+
+    def _make_executor(self) -> BaseExecutor:
+        """The executor: the started one, else one made (not started) the first time
+        (:meth:`begin_tuning` reads its clock before the workers start)."""
+        with self.lock:
+            if self.executor is not None:
+                return self.executor
+            if self._unstarted is None:
+                self._unstarted = self._executor_factory()
+            return self._unstarted
 
     @property
     def num_workers(self) -> int:
@@ -252,7 +292,7 @@ class Engine:
 
     def running_steps(self) -> int:
         """Steps trained so far by batches that have not ended yet."""
-        return sum(last - start for start, last in self._positions.values())
+        return sum(b.last_step - b.start_step for b in self._batches.values())
 
     def settle(self, timeout: float = 30.0) -> None:
         """When no submission is waiting any more, wait (at most ``timeout`` s) for the
@@ -262,7 +302,7 @@ class Engine:
         deadline = time.monotonic() + timeout
         with self._idle:
             while (
-                (self._inflight or self.scheduler.saving)
+                (self._batches or self.scheduler.saving)
                 and not self._waiters
                 and self.error is None
             ):
@@ -270,7 +310,7 @@ class Engine:
                 if left <= 0:
                     break
                 self._idle.wait(left)
-            self._write_activity()  # the ends just learnt of, not at the next round
+            self.ledger.write_activity()  # the ends just learnt of, not at the next round
 
     def close(self) -> None:
         if self._thread is not None and self.error is None:
@@ -284,7 +324,7 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
         with self.lock:
-            self._write_activity()
+            self.ledger.write_activity()
             self.coord.close()
             for (node, step), waiters in self._waiters.items():
                 held = 0
@@ -338,9 +378,7 @@ class Engine:
                         slot.names = (frozenset(t["config"]), frozenset(t["hp"]))
                 self._slots[(name, version)] = slot
             slot.share, slot.weight = share, weight
-            self._study_versions[name] = version
-            from stagetree.scheduler import StudyWeight
-
+            self.ledger.study_versions[name] = version
             self._enqueue([StudyWeight(name, weight)])
             return slot
 
@@ -395,19 +433,18 @@ class Engine:
         lease owner, which the activity records of its batches carry) and ``version``.
         :meth:`end_tuning` adds ``ended``; :func:`stagetree.reports.efficiency` reads
         them."""
-        wall = time.time()
         with self.lock:
             holder = self.coord.claim_study(slot.name)
             if holder is not None:
                 return holder
         try:
+            started = self._make_executor().clock.now()
             self.ensure_started()
         except BaseException:
             with self.lock:
                 self.coord.release_study(slot.name)
             raise
         with self.lock:
-            started = self.clock() if self._virtual() else wall
             run = {
                 "started": started,
                 "workers": self.num_workers,
@@ -442,14 +479,11 @@ class Engine:
             if isinstance(run, dict):
                 slot.meta = {**slot.meta, "run": {**run, **fields}}
 
-    def _virtual(self) -> bool:
-        return self.executor is not None and bool(self.executor.virtual_time)
-
     def clock(self) -> float:
-        """Now, on the clock of the activity records: the executor's virtual time, else
-        ``time.time()``."""
-        executor: Any = self.executor
-        return float(executor.now) if self._virtual() else time.time()
+        """Now, on the clock of the activity records: the executor's
+        (:attr:`BaseExecutor.clock <stagetree.executors.base.BaseExecutor.clock>`; the
+        wall clock before it exists)."""
+        return (self.executor.clock if self.executor is not None else WALL_CLOCK).now()
 
     def read_log(self, slot: StudySlot) -> list[dict[str, Any]]:
         """The tuner decisions of the study's latest run, when it used this version."""
@@ -500,8 +534,6 @@ class Engine:
                 return waiter
         self.ensure_started()
         with self.lock:
-            from stagetree.scheduler import RequestAdded
-
             storage.add_request(node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
             events = self._path_events(root_key, leaf)
@@ -594,8 +626,6 @@ class Engine:
     def _path_events(self, root_key: str, leaf: int) -> list[Any]:
         """Scheduler events for the root, the nodes and the durable checkpoints of the
         path to ``leaf`` that the scheduler has not seen yet."""
-        from stagetree.scheduler import CheckpointAvailable, NodeAdded, RootAdded
-
         events: list[Any] = []
         if root_key not in self._known_roots:
             self._known_roots.add(root_key)
@@ -635,8 +665,6 @@ class Engine:
     def cancel(self, waiter: Waiter) -> None:
         """Withdraw a submission: its reference to the request is released (work another
         live request still needs goes on) and its trial is marked cancelled."""
-        from stagetree.scheduler import RequestCancelled
-
         node, step = waiter.node, waiter.step
         with self.lock:
             waiters = self._waiters.get((node, step), [])
@@ -699,164 +727,90 @@ class Engine:
                     for ev in events:
                         self._on_event(ev)
                 finally:
-                    self._write_curves()
+                    self.ledger.write_curves()
                 self._record_workers(events)
         with self.lock:
-            self._write_activity()
+            self.ledger.write_activity()
             self.coord.tick()
         return len(events)
 
-    def _note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
-        """Keep one activity record for the storage (:class:`~stagetree.plan.ActivityRecord`),
-        written with the others of this round by :meth:`_write_activity`."""
-        now = self.clock()
-        self._activity.append(
-            {
-                "owner": self.coord.owner,
-                "batch": batch,
-                "kind": kind,
-                "worker": worker,
-                "root_key": root_key,
-                "time": now,
-                **fields,
-            }
-        )
-
-    def _write_activity(self) -> None:
-        if not self._activity:
-            return
-        items, self._activity = self._activity, []
-        try:
-            self.storage.record_activity(items)
-        except StagetreeError as exc:  # informative only: training goes on
-            logger.warning("worker activity not recorded: %s", exc)
-
-    def _on_event(self, ev: Any) -> None:
-        from stagetree import work
-
-        scope = "engine"
-        if isinstance(ev, work.CurveReported):
-            # Written together with the round's other curves (a fused job sends one per
-            # member), before anything that could read them.
-            self._curves.extend(ev.points)
-        elif not isinstance(ev, (work.Progress, work.CheckpointSaved)):
-            self._write_curves()
-        if isinstance(ev, work.MetricsReported):
-            self.storage.put_metrics(ev.node, ev.step, ev.metrics)
-        elif isinstance(ev, work.CheckpointSaved):
-            self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
-            self._note_event(
-                "save",
-                ev,
-                node=ev.node,
-                step=ev.step,
-                seconds=ev.seconds,
-                data={"nbytes": ev.nbytes},
-            )
-            self._durable[ev.batch_id] = max(self._durable.get(ev.batch_id, 0), ev.step)
-            self.storage.add_stats(
-                scope, ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
-            )
-        if isinstance(ev, work.CheckpointFailed):
-            logger.warning(
-                "checkpoint of node %s at step %s not stored (%s); work that needs it "
-                "recomputes it",
-                ev.node,
-                ev.step,
-                ev.error,
-            )
-            self.storage.add_stats(scope, ckpt_failures=1)
-        if isinstance(ev, (work.CheckpointSaved, work.CheckpointFailed)):
-            self._idle.notify_all()  # settle() also waits for the writes of ended batches
-        if isinstance(ev, work.FusionFailed):
-            self._fusion_failed(ev)
-        ended = ev.batch_id if isinstance(ev, (work.BatchDone, work.BatchFailed)) else None
-        if isinstance(ev, work.WorkerLost):
-            ended = ev.batch_id
-            self._count_lost(ev)
-        if ended is not None:
-            # Its stage leases go once its checkpoints are durable (below): another
-            # engine waiting for the stage must find them in the plan.
-            self._unreleased.add(ended)
-            self._inflight.discard(ended)
-            self._positions.pop(ended, None)
-            self._idle.notify_all()
-        elif isinstance(ev, work.Progress) and ev.batch_id in self._positions:
-            self._positions[ev.batch_id][1] = ev.step
-        elif isinstance(ev, work.SplitMissed):
-            self.storage.add_stats(scope, splits_missed=1)
-        if isinstance(ev, work.BatchDone):
-            self._note_event(
-                "done",
-                ev,
-                seconds=ev.busy_seconds,
-                data={
-                    "steps": ev.steps,
-                    "load_seconds": ev.load_seconds,
-                    "save_wait_seconds": ev.save_wait_seconds,
-                },
-            )
-        elif isinstance(ev, work.BatchFailed):
-            self._note_event("failed", ev, node=ev.node, step=ev.step, data={"error": ev.error})
-        elif isinstance(ev, work.WorkerLost) and ev.batch_id is not None:
-            self._note_event("lost", ev, data={"reason": ev.reason})
-        if isinstance(ev, work.BatchDone):
-            device = ev.busy_seconds * self._devices_per_worker
-            self.storage.add_stats(scope, device_seconds=device, steps_executed=ev.steps)
-            root = self._batch_roots.get(ev.batch_id)
-            if root is not None:  # per tree too, so each study can count its own
-                self.storage.add_stats(
-                    root_scope(root), device_seconds=device, steps_executed=ev.steps
-                )
-            if ev.load_seconds:
-                self.storage.add_stats(scope, ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
-        if isinstance(ev, work.BatchFailed) and ev.kind == "checkpoint":
-            # The start checkpoint is unreadable: forget it; the scheduler replans the
-            # work from an earlier checkpoint.
-            ref = self._start_refs.get(ev.batch_id)
-            for (node, step), rec in self.storage.checkpoints().items():
-                if rec.ref == ref:
-                    self.storage.remove_checkpoint(node, step)
-            if ref is not None and ref not in self._reported_corrupt:
-                self._reported_corrupt.add(ref)  # said once, not at every retry
-                logger.warning(
-                    "checkpoint %s (step %s) cannot be loaded (%s); its steps are "
-                    "recomputed from an earlier checkpoint",
-                    ref,
-                    ev.step,
-                    ev.error,
-                )
-        if ended is not None:
-            self._durable.pop(ended, None)
-            self._start_refs.pop(ended, None)
-            self._batch_roots.pop(ended, None)
+    def _on_event(self, ev: WorkerEvent) -> None:
+        """Apply one executor event: the engine's own bookkeeping (its kind's handler in
+        :attr:`_handlers`), then the scheduler's decisions, then the studies' accounting
+        of the steps the scheduler charged for it."""
+        if not isinstance(ev, (work.CurveReported, work.Progress, work.CheckpointSaved)):
+            # Curves are written before anything that could read them.
+            self.ledger.write_curves()
+        batch_id = getattr(ev, "batch_id", None)
+        batch = self._batches.get(batch_id) if batch_id is not None else None
+        handler = self._handlers.get(type(ev))
+        if handler is not None:
+            handler(ev, batch)
         charged = self.scheduler.usage
-        if isinstance(ev, work.Progress) and ev.seconds_per_step > 0:
-            # A member of a fused job costs its share of the job's step.
-            rate = ev.seconds_per_step / max(ev.width, 1)
-            self._rates[ev.batch_id] = rate * self._devices_per_worker
-        elif isinstance(ev, work.BatchDone) and ev.steps:
-            self._rates[ev.batch_id] = ev.busy_seconds * self._devices_per_worker / ev.steps
         self._apply(self.scheduler.handle(ev))
         if self._unreleased:
             saving = self.scheduler.saving
-            for batch_id in [b for b in self._unreleased if b not in saving]:
-                self._unreleased.discard(batch_id)
-                self.coord.batch_ended(batch_id)
-        self._count_studies(charged, getattr(ev, "batch_id", None))
-        if ended is not None:
-            self._rates.pop(ended, None)
+            for ended in [b for b in self._unreleased if b not in saving]:
+                self._unreleased.discard(ended)
+                self.coord.batch_ended(ended)
+        rate = batch.rate if batch is not None else 0.0
+        self.ledger.count_studies(charged, self.scheduler.usage, rate)
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
 
-    def _write_curves(self) -> None:
-        """Store the learning-curve points received since the last write (one
-        transaction)."""
-        if self._curves:
-            points, self._curves = self._curves, []
-            self.storage.put_metrics_many(points)
+    def _event_handlers(self) -> dict[type[Any], Callable[[Any, RunningBatch | None], None]]:
+        """The engine's handler of each kind of executor event; each gets the event and
+        the record of the running batch it names (None: none)."""
+        return {
+            work.CurveReported: self._on_curve,
+            work.MetricsReported: self._on_metrics,
+            work.CheckpointSaved: self._on_checkpoint_saved,
+            work.CheckpointFailed: self._on_checkpoint_failed,
+            work.FusionFailed: self._on_fusion_failed,
+            work.Progress: self._on_progress,
+            work.SplitMissed: self._on_split_missed,
+            work.BatchDone: self._on_batch_done,
+            work.BatchFailed: self._on_batch_failed,
+            work.WorkerLost: self._on_worker_lost,
+        }
 
-    def _fusion_failed(self, ev: Any) -> None:
+    def _on_curve(self, ev: work.CurveReported, batch: RunningBatch | None) -> None:
+        # Written together with the round's other curves (a fused job sends one per
+        # member), before anything that could read them.
+        self.ledger.add_curves(ev.points)
+
+    def _on_metrics(self, ev: work.MetricsReported, batch: RunningBatch | None) -> None:
+        self.storage.put_metrics(ev.node, ev.step, ev.metrics)
+
+    def _on_checkpoint_saved(self, ev: work.CheckpointSaved, batch: RunningBatch | None) -> None:
+        self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
+        self._note_event(
+            "save",
+            ev,
+            batch,
+            node=ev.node,
+            step=ev.step,
+            seconds=ev.seconds,
+            data={"nbytes": ev.nbytes},
+        )
+        if batch is not None:
+            batch.durable = max(batch.durable or 0, ev.step)
+        self.storage.add_stats(
+            "engine", ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
+        )
+        self._idle.notify_all()  # settle() also waits for the writes of ended batches
+
+    def _on_checkpoint_failed(self, ev: work.CheckpointFailed, batch: RunningBatch | None) -> None:
+        logger.warning(
+            "checkpoint of node %s at step %s not stored (%s); work that needs it recomputes it",
+            ev.node,
+            ev.step,
+            ev.error,
+        )
+        self.storage.add_stats("engine", ckpt_failures=1)
+        self._idle.notify_all()  # settle() also waits for the writes of ended batches
+
+    def _on_fusion_failed(self, ev: work.FusionFailed, batch: RunningBatch | None) -> None:
         """A worker could not fuse the trainer's jobs: say it once, and fuse no tree of
         that trainer again (the worker trains the members one by one)."""
         if ev.trainer in self._unfusible:
@@ -876,29 +830,96 @@ class Engine:
         )
         self.storage.add_stats("engine", fusion_failures=1)
 
-    def _note_event(self, kind: str, ev: Any, **fields: Any) -> None:
-        root = self._batch_roots.get(ev.batch_id)
-        if root is not None:  # a batch this engine started (not an undone one)
-            self._note(kind, ev.batch_id, ev.worker, root, **fields)
+    def _on_progress(self, ev: work.Progress, batch: RunningBatch | None) -> None:
+        if batch is None:
+            return
+        batch.last_step = ev.step
+        if ev.seconds_per_step > 0:
+            # A member of a fused job costs its share of the job's step.
+            rate = ev.seconds_per_step / max(ev.width, 1)
+            batch.rate = rate * self._devices_per_worker
 
-    def _count_studies(self, before: Mapping[str, float], batch_id: int | None) -> None:
-        """Per-study accounting (:func:`study_scope`): the steps the scheduler charged to
-        each study for the event just handled (fair share's usage: a step every study
-        needed counts for each), and their device-seconds at the batch's rate."""
-        rate = self._rates.get(batch_id, 0.0) if batch_id is not None else 0.0
-        for name, steps in self.scheduler.usage.items():
-            delta = steps - before.get(name, 0.0)
-            version = self._study_versions.get(name)
-            if delta > 0 and version is not None:
-                self.storage.add_stats(
-                    study_scope(name, version), steps_executed=delta, device_seconds=delta * rate
-                )
+    def _on_split_missed(self, ev: work.SplitMissed, batch: RunningBatch | None) -> None:
+        self.storage.add_stats("engine", splits_missed=1)
+
+    def _on_batch_done(self, ev: work.BatchDone, batch: RunningBatch | None) -> None:
+        self._end(ev.batch_id)
+        self._note_event(
+            "done",
+            ev,
+            batch,
+            seconds=ev.busy_seconds,
+            data={
+                "steps": ev.steps,
+                "load_seconds": ev.load_seconds,
+                "save_wait_seconds": ev.save_wait_seconds,
+            },
+        )
+        device = ev.busy_seconds * self._devices_per_worker
+        self.storage.add_stats("engine", device_seconds=device, steps_executed=ev.steps)
+        if batch is not None:  # per tree too, so each study can count its own
+            self.storage.add_stats(
+                root_scope(batch.root_key), device_seconds=device, steps_executed=ev.steps
+            )
+        if ev.load_seconds:
+            self.storage.add_stats("engine", ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
+        if batch is not None and ev.steps:
+            batch.rate = ev.busy_seconds * self._devices_per_worker / ev.steps
+
+    def _on_batch_failed(self, ev: work.BatchFailed, batch: RunningBatch | None) -> None:
+        self._end(ev.batch_id)
+        self._note_event("failed", ev, batch, node=ev.node, step=ev.step, data={"error": ev.error})
+        if ev.kind != "checkpoint":
+            return
+        # The start checkpoint is unreadable: forget it; the scheduler replans the work
+        # from an earlier checkpoint.
+        ref = batch.start_ref if batch is not None else None
+        for (node, step), rec in self.storage.checkpoints().items():
+            if rec.ref == ref:
+                self.storage.remove_checkpoint(node, step)
+        if ref is not None and ref not in self._reported_corrupt:
+            self._reported_corrupt.add(ref)  # said once, not at every retry
+            logger.warning(
+                "checkpoint %s (step %s) cannot be loaded (%s); its steps are "
+                "recomputed from an earlier checkpoint",
+                ref,
+                ev.step,
+                ev.error,
+            )
+
+    def _on_worker_lost(self, ev: work.WorkerLost, batch: RunningBatch | None) -> None:
+        """Accounting of a lost worker: ``workers_lost``; the steps its batch had
+        reported training count as executed (they were), and those past its last
+        durable checkpoint as ``steps_lost`` (they are trained again: recomputed)."""
+        trained = lost = 0
+        if batch is not None:
+            start, last = batch.start_step, batch.last_step
+            trained = last - start
+            durable = batch.durable if batch.durable is not None else start
+            lost = last - max(start, durable)
+        deltas = {"workers_lost": 1, "steps_lost": lost, "steps_executed": trained}
+        self.storage.add_stats("engine", **deltas)
+        if batch is not None:
+            self.storage.add_stats(root_scope(batch.root_key), **deltas)
+        if ev.batch_id is not None:
+            self._end(ev.batch_id)
+            self._note_event("lost", ev, batch, data={"reason": ev.reason})
+
+    def _end(self, batch_id: int) -> None:
+        """A batch ended: drop its record. Its stage leases go once its checkpoints are
+        durable (:meth:`_on_event`): another engine waiting for the stage must find them
+        in the plan."""
+        self._unreleased.add(batch_id)
+        self._batches.pop(batch_id, None)
+        self._idle.notify_all()
+
+    def _note_event(self, kind: str, ev: Any, batch: RunningBatch | None, **fields: Any) -> None:
+        if batch is not None:  # a batch this engine started (not an undone one)
+            self.ledger.note(kind, ev.batch_id, ev.worker, batch.root_key, **fields)
 
     def _record_workers(self, events: list[Any]) -> None:
         """Keep where the workers run (cluster executors) in the meta of the studies this
         engine serves, for ``stagetree status``; written when workers come and go."""
-        from stagetree import work
-
         if any(isinstance(e, (work.WorkerReady, work.WorkerLost)) for e in events):
             self._workers_changed = True
         names = {w.study for ws in self._waiters.values() for w in ws} | self._studies
@@ -917,26 +938,7 @@ class Engine:
             except StagetreeError:
                 self._workers_changed = True  # its row is written with its first trial
 
-    def _count_lost(self, ev: Any) -> None:
-        """Accounting of a lost worker: ``workers_lost``; the steps its batch had
-        reported training count as executed (they were), and those past its last
-        durable checkpoint as ``steps_lost`` (they are trained again: recomputed)."""
-        position = self._positions.get(ev.batch_id) if ev.batch_id is not None else None
-        trained = lost = 0
-        if position is not None:
-            start, last = position
-            trained = last - start
-            lost = last - max(start, self._durable.get(ev.batch_id, start))
-        deltas = {"workers_lost": 1, "steps_lost": lost, "steps_executed": trained}
-        self.storage.add_stats("engine", **deltas)
-        root = self._batch_roots.get(ev.batch_id) if ev.batch_id is not None else None
-        if root is not None:
-            self.storage.add_stats(root_scope(root), **deltas)
-
     def _apply(self, out: Iterable[Any]) -> None:
-        from stagetree import work
-        from stagetree.scheduler import RequestDone, RequestFailed
-
         todo, refused = deque(out), set()
         while todo:
             item = todo.popleft()
@@ -970,10 +972,10 @@ class Engine:
                     self.storage.add_stats("engine", live_splits=1)
                 self.executor.submit(item)
             elif isinstance(item, RequestDone):
-                self._resolve(item.node, item.step, metrics=dict(item.metrics))
+                self.resolve(item.node, item.step, metrics=dict(item.metrics))
             elif isinstance(item, RequestFailed):
                 where = getattr(item, "where", "")
-                self._resolve(item.node, item.step, error=(item.error, item.traceback, where))
+                self.resolve(item.node, item.step, error=(item.error, item.traceback, where))
 
     def _started(self, item: Any, width: int = 1) -> Any:
         """Book a batch that goes to the executor (lock held); returns it, trained by
@@ -982,10 +984,9 @@ class Engine:
         key = self._root_trainers.get(item.root_key, "")
         if key != item.trainer:  # the trainer of the tree's study trains it
             item = dataclasses.replace(item, trainer=key)
-        self._inflight.add(item.batch_id)
-        self._positions[item.batch_id] = [item.start_step, item.start_step]
-        self._start_refs[item.batch_id] = item.start_checkpoint
-        self._batch_roots[item.batch_id] = item.root_key
+        self._batches[item.batch_id] = RunningBatch(
+            item.root_key, item.start_step, item.start_step, item.start_checkpoint
+        )
         where = self.executor.worker_locations().get(item.worker, self._here)
         data = {
             "segments": [[g.node, g.start, g.stop] for g in item.segments],
@@ -995,10 +996,43 @@ class Engine:
         }
         if width > 1:
             data["fused"] = width
-        self._note("start", item.batch_id, item.worker, item.root_key, data=data)
+        self.ledger.note("start", item.batch_id, item.worker, item.root_key, data=data)
         for seg in item.segments:
             self._mark_running(seg.node)
         return item
+
+    # -- the coordinator's port (stagetree.engine.coordination.CoordinationPort) ---------
+
+    def apply_events(self, events: list[Any]) -> None:
+        """Feed scheduler events to the scheduler and carry out its instructions."""
+        self._apply(self.scheduler.handle_all(events))
+
+    def has_queued_events(self) -> bool:
+        """Whether submissions wait to be planned."""
+        return bool(self._queued)
+
+    def known_roots(self) -> list[str]:
+        """The plan trees the scheduler knows, sorted."""
+        return sorted(self._known_roots)
+
+    def knows_node(self, node: int) -> bool:
+        """Whether the scheduler knows plan node ``node``."""
+        return node in self._known_nodes
+
+    def learn_node(self, node: int) -> bool:
+        """Mark ``node`` known to the scheduler; False when it already was."""
+        if node in self._known_nodes:
+            return False
+        self._known_nodes.add(node)
+        return True
+
+    def has_waiters(self, node: int, step: int) -> bool:
+        """Whether this process has submissions of request ``(node, step)``."""
+        return (node, step) in self._waiters
+
+    def waiting_studies(self, node: int, step: int) -> list[str]:
+        """The study of each unanswered submission of request ``(node, step)``."""
+        return [w.study for w in self._waiters.get((node, step), []) if not w.future.done()]
 
     def _mark_running(self, node: int) -> None:
         for (n, _step), waiters in self._waiters.items():
@@ -1006,7 +1040,7 @@ class Engine:
                 for w in waiters:
                     self._set_trial_state(w, "running", only_from="pending")
 
-    def _resolve(
+    def resolve(
         self,
         node: int,
         step: int,
@@ -1064,9 +1098,6 @@ class Engine:
         """Keep the checkpoint store within its budget (cost-benefit, see
         :func:`stagetree.checkpoints.eviction.evict_to_budget`: the rule ``stagetree gc``
         follows); never drop a checkpoint live work needs."""
-        from stagetree.checkpoints.eviction import evict_to_budget
-        from stagetree.scheduler import CheckpointLost
-
         assert self.checkpoint_budget is not None
         try:
             removed = evict_to_budget(self.storage, self.store)

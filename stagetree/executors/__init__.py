@@ -18,17 +18,33 @@ those added with :meth:`BaseExecutor.add_trainer`, chosen per batch by
 
 from __future__ import annotations
 
-from stagetree.executors.base import BaseExecutor
-from stagetree.executors.devices import worker_devices
-from stagetree.executors.local import InlineExecutor, LocalExecutor, TrainerSpec
-from stagetree.executors.ray import RayExecutor
-from stagetree.executors.registry import (
-    ExecutorOptions,
-    executor_names,
-    make_executor,
-    register_executor,
-)
-from stagetree.executors.simulated import SimulatedExecutor
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stagetree.executors.base import BaseExecutor, ExecutorOptions
+    from stagetree.executors.devices import worker_devices
+    from stagetree.executors.inline import InlineExecutor
+    from stagetree.executors.local import LocalExecutor, TrainerSpec
+    from stagetree.executors.ray import RayExecutor
+    from stagetree.executors.registry import executor_names, make_executor, register_executor
+    from stagetree.executors.simulated import SimulatedExecutor
+
+# Loaded on first use: a worker process imports only the modules it runs
+# (stagetree.executors._process and the worker), not every executor.
+_WHERE = {
+    "BaseExecutor": "base",
+    "ExecutorOptions": "base",
+    "InlineExecutor": "inline",
+    "LocalExecutor": "local",
+    "RayExecutor": "ray",
+    "SimulatedExecutor": "simulated",
+    "TrainerSpec": "local",
+    "executor_names": "registry",
+    "make_executor": "registry",
+    "register_executor": "registry",
+    "worker_devices": "devices",
+}
 
 __all__ = [
     "BaseExecutor",
@@ -43,3 +59,16 @@ __all__ = [
     "register_executor",
     "worker_devices",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -140,7 +140,7 @@ class TrainerSpec:
 
 class TrainerClasses(Mapping[str, "type[Trainer]"]):
     """Trainer classes by key, as a worker process or actor holds them (a
-    :class:`~stagetree.worker.Worker`'s factories).
+    :class:`~stagetree.executors.worker.Worker`'s factories).
 
     The default trainer (key ``""``) is loaded when the worker starts; the spec of any
     other key arrives with the first batch of that key (:meth:`add`) and is loaded (and

@@ -1,20 +1,143 @@
-"""The executor contract: carry out instructions on workers, report what happens."""
+"""The executor contract: carry out instructions on workers, report what happens.
+
+* :class:`BaseExecutor`: the contract every executor follows.
+* :class:`ExecutorOptions`: what a study passes to an executor factory.
+* :class:`Clock`: the time an executor keeps (:attr:`BaseExecutor.clock`): the wall
+  clock (:data:`WALL_CLOCK`), or the simulator's :class:`VirtualClock`.
+* :func:`settle_loop`: let an event loop run everything that is ready (the tuner's
+  reactions to the current instant).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stagetree.work import Instruction, WorkerEvent
 
 if TYPE_CHECKING:
-    from stagetree.executors.registry import ExecutorOptions
+    from stagetree.checkpoints import CheckpointStore
     from stagetree.trainer import Trainer
 
-__all__ = ["BaseExecutor"]
+__all__ = [
+    "WALL_CLOCK",
+    "BaseExecutor",
+    "Clock",
+    "ExecutorOptions",
+    "VirtualClock",
+    "WallClock",
+    "settle_loop",
+]
 
 _E = TypeVar("_E", bound="BaseExecutor")
+
+
+class Clock(ABC):
+    """The time an executor keeps; what the engine, the study and budgets ask for the
+    time instead of probing the executor.
+
+    :attr:`virtual` is False for real time: the engine drives the executor from a
+    thread, and budgets poll. A virtual clock (the simulator's) only moves when its
+    executor delivers an instant: it never sleeps, the study's event loop pumps the
+    executor, and budgets are checked at events only.
+    """
+
+    #: Whether the time is virtual (advanced by its executor, not by the world).
+    virtual: bool = False
+
+    @abstractmethod
+    def now(self) -> float:
+        """The time in seconds, for records: ``time.time()`` on the wall clock, the
+        virtual time on a virtual one."""
+
+    @abstractmethod
+    def monotonic(self) -> float:
+        """Seconds for measuring durations (never goes back)."""
+
+
+class WallClock(Clock):
+    """Real time: :func:`time.time` and :func:`time.monotonic`."""
+
+    virtual = False
+
+    def now(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class VirtualClock(Clock):
+    """Virtual time in seconds from 0, moved forward by its executor (:meth:`advance`).
+
+    Attributes:
+        time: the current virtual time.
+    """
+
+    virtual = True
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.time = float(start)
+
+    def now(self) -> float:
+        return self.time
+
+    def monotonic(self) -> float:
+        return self.time
+
+    def advance(self, instant: float) -> None:
+        """Move to ``instant`` (a clock never goes back: an earlier one is ignored)."""
+        self.time = max(self.time, instant)
+
+
+#: The wall clock every real-time executor shares.
+WALL_CLOCK: Clock = WallClock()
+
+
+async def settle_loop(max_rounds: int = 10_000) -> None:
+    """Let every ready callback of the running loop run (tuners react to results),
+    until the loop has nothing ready but this task."""
+    loop = asyncio.get_running_loop()
+    ready = getattr(loop, "_ready", None)  # CPython's queue of ready callbacks
+    for i in range(max_rounds):
+        await asyncio.sleep(0)
+        if ready is not None:
+            if not ready and i >= 1:
+                return
+        elif i >= 200:
+            return
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """What a study passes to an executor factory.
+
+    Attributes:
+        trainer: the Trainer subclass: the executor's default trainer, which trains
+            batches whose ``RunBatch.trainer`` is ``""``; more trainers share the same
+            workers through :meth:`BaseExecutor.add_trainer`.
+        workers: worker count asked for (None: the executor's default).
+        checkpoint_dir: the checkpoint store (or its directory).
+        threads_per_worker: CPU threads per worker (None: the executor's default).
+        store: the study's checkpoint store (None: open ``checkpoint_dir``).
+        address: the cluster to run on, for cluster executors (``stagetree run
+            --address``; None: the executor's default).
+        devices_per_worker: devices each worker owns and trains on (data-parallel;
+            see :mod:`stagetree.executors.devices`).
+    """
+
+    trainer: Any
+    workers: int | None
+    checkpoint_dir: Path | CheckpointStore
+    threads_per_worker: int | None
+    store: Any = None
+    address: str | None = None
+    devices_per_worker: int = 1
 
 
 class BaseExecutor(ABC):
@@ -45,11 +168,13 @@ class BaseExecutor(ABC):
       checked there: a dead worker is reported as ``WorkerLost`` (after the events it
       sent before dying) and replaced.
     * :meth:`close` stops every worker, waiting a bounded time; it is idempotent.
-    * The clock: :attr:`virtual_time` is False for executors that run in real time (the
-      study engine drives them from a thread, waiting in :meth:`events`). An executor
-      whose time is virtual (the simulator) returns True: it never blocks, and the
-      study's event loop pumps it (:func:`stagetree.executors.simulated.drive`), so that
-      runs are reproducible instant by instant.
+    * The clock (:attr:`clock`, a :class:`Clock`): the wall clock for executors that
+      run in real time (the study engine drives them from a thread, waiting in
+      :meth:`events`). An executor whose time is virtual (the simulator) returns its
+      :class:`VirtualClock`: it never blocks, and the study's event loop pumps it
+      (:func:`stagetree.executors.simulated.drive`), so that runs are reproducible
+      instant by instant. Every time the engine records (activity, a run's start and
+      end) and a run's wall-seconds budget are read from this clock.
     * :meth:`bind` receives what the study knows (trainer, checkpoint store, worker
       count) when the executor was given as an object before the study existed; it
       returns the executor to use (the default: ``self``, unchanged).
@@ -82,9 +207,15 @@ class BaseExecutor(ABC):
         """Number of worker slots."""
 
     @property
+    def clock(self) -> Clock:
+        """The time this executor keeps (see the contract above; default: the wall
+        clock)."""
+        return WALL_CLOCK
+
+    @property
     def virtual_time(self) -> bool:
-        """Whether this executor keeps virtual time (see the contract above)."""
-        return False
+        """Whether this executor keeps virtual time: ``clock.virtual``."""
+        return self.clock.virtual
 
     def bind(self, options: ExecutorOptions) -> BaseExecutor:
         """The executor a study uses, given its options (default: ``self``)."""

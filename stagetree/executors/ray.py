@@ -2,7 +2,7 @@
 
 One actor per worker slot, placed with the resources the user names (``{"GPU": 1}``
 by default when the cluster has GPUs, else ``{"CPU": 1}``). Each actor runs the same
-:class:`~stagetree.worker.Worker` as a local worker process, in a thread of its own,
+:class:`~stagetree.executors.worker.Worker` as a local worker process, in a thread of its own,
 so everything a local worker does holds on Ray: the trainer stays warm between
 batches, checkpoints are written in the background and are durable before the batch's
 terminal event, live splits (``AddCheckpoint``) and ``Abort`` reach the running batch
@@ -66,6 +66,7 @@ from stagetree.executors._events import (
 )
 from stagetree.executors._spec import TrainerClasses, TrainerSpec
 from stagetree.executors.base import BaseExecutor
+from stagetree.executors.worker import Worker
 from stagetree.work import (
     Abort,
     AddCheckpoint,
@@ -81,7 +82,7 @@ from stagetree.work import (
 )
 
 if TYPE_CHECKING:
-    from stagetree.executors.registry import ExecutorOptions
+    from stagetree.executors.base import ExecutorOptions
     from stagetree.trainer import Trainer
 
 __all__ = ["RayExecutor", "default_resources", "import_ray"]
@@ -137,8 +138,6 @@ class _WorkerActor:
         threads: int,
         progress_interval: float,
     ) -> None:
-        from stagetree.worker import Worker
-
         self._id = worker_id
         self._cond = threading.Condition()
         self._events: deque[Any] = deque()

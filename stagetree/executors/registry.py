@@ -9,50 +9,21 @@ anything is written.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from stagetree.checkpoints import CheckpointStore
-    from stagetree.executors.base import BaseExecutor
+from stagetree.executors.base import BaseExecutor, ExecutorOptions
+from stagetree.executors.inline import InlineExecutor
+from stagetree.executors.local import LocalExecutor
+from stagetree.executors.ray import RayExecutor
+from stagetree.executors.simulated import SimulatedExecutor
 
-__all__ = ["ExecutorOptions", "executor_names", "make_executor", "register_executor"]
-
-
-@dataclass(frozen=True)
-class ExecutorOptions:
-    """What a study passes to an executor factory.
-
-    Attributes:
-        trainer: the Trainer subclass: the executor's default trainer, which trains
-            batches whose ``RunBatch.trainer`` is ``""``; more trainers share the same
-            workers through :meth:`BaseExecutor.add_trainer`.
-        workers: worker count asked for (None: the executor's default).
-        checkpoint_dir: the checkpoint store (or its directory).
-        threads_per_worker: CPU threads per worker (None: the executor's default).
-        store: the study's checkpoint store (None: open ``checkpoint_dir``).
-        address: the cluster to run on, for cluster executors (``stagetree run
-            --address``; None: the executor's default).
-        devices_per_worker: devices each worker owns and trains on (data-parallel;
-            see :mod:`stagetree.executors.devices`).
-    """
-
-    trainer: Any
-    workers: int | None
-    checkpoint_dir: Path | CheckpointStore
-    threads_per_worker: int | None
-    store: Any = None
-    address: str | None = None
-    devices_per_worker: int = 1
+__all__ = ["check_executor", "executor_names", "make_executor", "register_executor"]
 
 
-ExecutorFactory = Callable[[ExecutorOptions], "BaseExecutor"]
+ExecutorFactory = Callable[[ExecutorOptions], BaseExecutor]
 
 
 def _local(o: ExecutorOptions) -> BaseExecutor:
-    from stagetree.executors.local import LocalExecutor
-
     return LocalExecutor(
         o.trainer,
         num_workers=o.workers,
@@ -63,8 +34,6 @@ def _local(o: ExecutorOptions) -> BaseExecutor:
 
 
 def _inline(o: ExecutorOptions) -> BaseExecutor:
-    from stagetree.executors.local import InlineExecutor
-
     if o.devices_per_worker != 1:
         raise ValueError(
             f"the inline executor trains in this process, on its devices: "
@@ -74,14 +43,10 @@ def _inline(o: ExecutorOptions) -> BaseExecutor:
 
 
 def _simulated(o: ExecutorOptions) -> BaseExecutor:
-    from stagetree.executors.simulated import SimulatedExecutor
-
     return SimulatedExecutor(num_workers=o.workers or 1, devices_per_worker=o.devices_per_worker)
 
 
 def _ray(o: ExecutorOptions) -> BaseExecutor:
-    from stagetree.executors.ray import RayExecutor
-
     return RayExecutor(address=o.address).bind(o)
 
 
@@ -114,8 +79,6 @@ def executor_names() -> list[str]:
 def check_executor(executor: Any) -> None:
     """Raise ``ValueError`` unless ``executor`` is a registered name, an executor object
     or a factory."""
-    from stagetree.executors.base import BaseExecutor
-
     if isinstance(executor, BaseExecutor):
         return
     if isinstance(executor, str):
@@ -132,8 +95,6 @@ def check_executor(executor: Any) -> None:
 def make_executor(executor: Any, options: ExecutorOptions) -> BaseExecutor:
     """Build the executor named ``executor``, bind an executor object to the study's
     options (:meth:`BaseExecutor.bind`), or call a factory taking no argument."""
-    from stagetree.executors.base import BaseExecutor
-
     check_executor(executor)
     if isinstance(executor, BaseExecutor):
         return executor.bind(options)

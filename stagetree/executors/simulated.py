@@ -59,7 +59,7 @@ from typing import Any
 
 from stagetree.exceptions import StagetreeError
 from stagetree.executors._events import new_trainer
-from stagetree.executors.base import BaseExecutor
+from stagetree.executors.base import BaseExecutor, VirtualClock, settle_loop
 from stagetree.executors.devices import (
     check_devices_per_worker,
     check_parallel_efficiency,
@@ -87,7 +87,6 @@ __all__ = [
     "SimulatedTrainer",
     "StepCost",
     "drive",
-    "settle_loop",
 ]
 
 Values = Mapping[str, Any]
@@ -367,10 +366,15 @@ class SimulatedExecutor(BaseExecutor):
     """
 
     @property
-    def virtual_time(self) -> bool:
-        """True: the study engine pumps this executor itself instead of running a driver
-        thread (see :func:`drive`)."""
-        return True
+    def clock(self) -> VirtualClock:
+        """Its virtual clock: the study engine pumps this executor itself instead of
+        running a driver thread (see :func:`drive`)."""
+        return self._clock
+
+    @property
+    def now(self) -> float:
+        """The virtual time in seconds (:attr:`clock`'s)."""
+        return self._clock.time
 
     def __init__(
         self,
@@ -412,7 +416,7 @@ class SimulatedExecutor(BaseExecutor):
         if progress_interval is not None and not progress_interval >= 0:
             raise ValueError(f"progress_interval must be >= 0 or None, got {progress_interval!r}")
         self.progress_interval = progress_interval
-        self.now = 0.0
+        self._clock = VirtualClock()
         self.done_at: float | None = None
         self.busy_seconds = [0.0] * num_workers
         self.steps_trained = 0
@@ -477,7 +481,7 @@ class SimulatedExecutor(BaseExecutor):
         if not heap:
             return out
         instant = heap[0].time
-        self.now = max(self.now, instant)
+        self._clock.advance(instant)
         while heap and heap[0].time <= instant:
             item = heapq.heappop(heap)
             if item.kind == "event":
@@ -800,20 +804,6 @@ def _column(seq: Any, start: int, stop: int) -> list[Any]:
 
 
 # --------------------------------------------------------------------------- driving
-
-
-async def settle_loop(max_rounds: int = 10_000) -> None:
-    """Let every ready callback of the running loop run (tuners react to results),
-    until the loop has nothing ready but this task."""
-    loop = asyncio.get_running_loop()
-    ready = getattr(loop, "_ready", None)  # CPython's queue of ready callbacks
-    for i in range(max_rounds):
-        await asyncio.sleep(0)
-        if ready is not None:
-            if not ready and i >= 1:
-                return
-        elif i >= 200:
-            return
 
 
 async def drive(

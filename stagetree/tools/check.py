@@ -56,13 +56,13 @@ import numpy as np
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import CheckpointError, InvalidTrialError, TrainerError
+from stagetree.executors.worker import _same, evaluate_metrics, snapshot_state
 from stagetree.hp import as_sequence
 from stagetree.names import _ObservedHp, accepted_hyperparameters, check_hp_names
 from stagetree.study import Study
 from stagetree.tools.scripts import loaded_script, pick, values_of
 from stagetree.trainer import Trainer
 from stagetree.tuners.base import Tuner
-from stagetree.worker import _same, evaluate_metrics, snapshot_state
 
 __all__ = ["CheckReport", "StepComparison", "check_trainer"]
 

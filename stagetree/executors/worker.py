@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagetree.checkpoints import CheckpointStore, check_state
-from stagetree.exceptions import CheckpointError, StagetreeError, TrainerError
+from stagetree.exceptions import CheckpointError, FusionError, StagetreeError, TrainerError
 from stagetree.names import HpReadWatch
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -953,8 +953,6 @@ class _FusedRun:
                         self.group.setup(i, change)
                 metrics = self.group.step()
             except Exception as exc:
-                from stagetree.exceptions import FusionError
-
                 if first and isinstance(exc, FusionError):
                     self.fall_back(exc)
                 else:

@@ -1,0 +1,97 @@
+"""What an engine writes down besides results: the activity records of its batches (the
+dashboard's timeline), learning-curve points, and each study's share of the work.
+
+The :class:`Ledger` buffers records and writes them once per round of the engine's
+driver (one transaction each); it is called with the engine's lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from stagetree.exceptions import StagetreeError
+from stagetree.plan.base import BasePlanStorage
+from stagetree.plan.scopes import study_scope
+
+__all__ = ["Ledger"]
+
+logger = logging.getLogger("stagetree")
+
+
+class Ledger:
+    """Activity records, curve points and per-study accounting of one engine.
+
+    Args:
+        storage: the plan storage they go to.
+        owner: the engine's lease owner, which its activity records carry.
+        clock: the time of an activity record (the executor's clock: virtual when
+            simulated).
+
+    Attributes:
+        study_versions: the trainer version of each study name the engine serves (the
+            scheduler charges steps by name; the counters are kept per version).
+    """
+
+    def __init__(self, storage: BasePlanStorage, owner: str, clock: Callable[[], float]) -> None:
+        self.storage = storage
+        self.owner = owner
+        self._clock = clock
+        self.study_versions: dict[str, str] = {}
+        self._activity: list[dict[str, Any]] = []  # activity records not written yet
+        self._curves: list[Any] = []  # learning-curve points not written yet
+
+    def note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
+        """Keep one activity record for the storage (:class:`~stagetree.plan.ActivityRecord`),
+        written with the others of this round by :meth:`write_activity`."""
+        now = self._clock()
+        self._activity.append(
+            {
+                "owner": self.owner,
+                "batch": batch,
+                "kind": kind,
+                "worker": worker,
+                "root_key": root_key,
+                "time": now,
+                **fields,
+            }
+        )
+
+    def write_activity(self) -> None:
+        """Store the activity records kept since the last write (informative only: a
+        storage error is logged, and training goes on)."""
+        if not self._activity:
+            return
+        items, self._activity = self._activity, []
+        try:
+            self.storage.record_activity(items)
+        except StagetreeError as exc:
+            logger.warning("worker activity not recorded: %s", exc)
+
+    def add_curves(self, points: Iterable[Any]) -> None:
+        """Keep learning-curve points for :meth:`write_curves`."""
+        self._curves.extend(points)
+
+    def write_curves(self) -> None:
+        """Store the learning-curve points received since the last write (one
+        transaction)."""
+        if self._curves:
+            points, self._curves = self._curves, []
+            self.storage.put_metrics_many(points)
+
+    def count_studies(
+        self, before: Mapping[str, float], after: Mapping[str, float], rate: float
+    ) -> None:
+        """Per-study accounting (:func:`~stagetree.plan.scopes.study_scope`): the steps
+        the scheduler charged to each study for the event just handled (its usage
+        ``after`` minus ``before``; fair share's usage: a step every study needed counts
+        for each), and their device-seconds at ``rate``, the rate of the batch the event
+        is about."""
+        for name, steps in after.items():
+            delta = steps - before.get(name, 0.0)
+            version = self.study_versions.get(name)
+            if delta > 0 and version is not None:
+                self.storage.add_stats(
+                    study_scope(name, version), steps_executed=delta, device_seconds=delta * rate
+                )
