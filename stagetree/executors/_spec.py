@@ -278,6 +278,8 @@ def _pickler(cloudpickle: Any) -> Any:
 
     class Pickler(cloudpickle.CloudPickler):
         def reducer_override(self, obj: Any) -> Any:
+            if type(obj) is types.CodeType:
+                return _code_reduce(cloudpickle, obj)
             if type(obj) is functools.cached_property:
                 return _cached_property, (obj.func, obj.attrname)
             if isinstance(obj, _LRU_WRAPPER) and isinstance(obj.__wrapped__, types.FunctionType):
@@ -289,6 +291,19 @@ def _pickler(cloudpickle: Any) -> Any:
 
 
 _LRU_WRAPPER = type(functools.lru_cache(maxsize=None)(lambda: None))
+_DYNAMIC_FILENAME = "<dynamic-code>"
+
+
+def _code_reduce(cloudpickle: Any, code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, with its real file name kept: since
+    cloudpickle 3.1.3 it writes ``<dynamic-code>`` instead, and a trainer's traceback
+    from a worker would no longer say which file of the user's failed."""
+    reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+    if reduce is None:
+        return NotImplemented
+    constructor, args = reduce(code)
+    args = tuple(code.co_filename if arg == _DYNAMIC_FILENAME else arg for arg in args)
+    return constructor, args
 
 
 def _cached_property(func: Any, attrname: str | None) -> Any:
