@@ -61,6 +61,7 @@ __all__ = [
     "first_difference",
     "from_json",
     "loads_hp",
+    "step_values",
 ]
 
 Value = Union[int, float, str, bool]
@@ -843,3 +844,22 @@ def loads_hp(s: str) -> dict[str, Sequence]:
     if not isinstance(data, dict):
         raise InvalidSequenceError(f"expected a JSON object of sequences, got {s[:80]!r}")
     return {name: from_json(d) for name, d in data.items()}
+
+
+def step_values(seq: Any, start: int, stop: int) -> list[Any]:
+    """Values of a sequence (or any callable of the step, or a constant) at steps
+    ``start .. stop - 1``: the one reading of "a sequence on ``[start, stop)``" that the
+    stage trees, the simulator and the workers share.
+
+    Raises:
+        ValueError: a ``values()`` method that returned the wrong number of values.
+    """
+    if callable(seq):
+        values = getattr(seq, "values", None)
+        if callable(values):
+            out = list(values(start, stop))
+            if len(out) != stop - start:
+                raise ValueError(f"{seq!r}.values({start}, {stop}) returned {len(out)} values")
+            return out
+        return [seq(t) for t in range(start, stop)]
+    return [seq] * (stop - start)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from itertools import chain, pairwise
 from typing import TYPE_CHECKING, Any
 
+from stagetree.hp import step_values
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.plan.model import Node, Request, RequestState
 
@@ -869,7 +870,7 @@ def work(
         node = nodes[stage.node]
         config = roots[node.root_key]
         names = sorted(node.hp)
-        columns = [_step_values(node.hp[n], stage.start, stage.stop) for n in names]
+        columns = [step_values(node.hp[n], stage.start, stage.stop) for n in names]
         parent = stage.parent
         done = finish[id(parent)] if parent is not None else 0.0
         at = {stage.start: done}
@@ -887,12 +888,3 @@ def work(
         unique += done - at[stage.start]
         longest = max(longest, done)
     return Work(longest, unique, requested, max(longest, unique / max(1, workers)))
-
-
-def _step_values(seq: Any, start: int, stop: int) -> list[Any]:
-    if callable(seq):
-        values = getattr(seq, "values", None)
-        if callable(values):
-            return list(values(start, stop))
-        return [seq(t) for t in range(start, stop)]
-    return [seq] * (stop - start)

@@ -65,6 +65,7 @@ from stagetree.executors.devices import (
     check_parallel_efficiency,
     data_parallel_speedup,
 )
+from stagetree.hp import step_values
 from stagetree.trainer import Trainer
 from stagetree.work import (
     Abort,
@@ -621,7 +622,7 @@ class SimulatedExecutor(BaseExecutor):
         speedup = self.speedup
         names = sorted({name for seg in segments for name in seg.hp})
         for seg in segments:
-            columns = [_column(seg.hp.get(name), seg.start, seg.stop) for name in names]
+            columns = [step_values(seg.hp.get(name), seg.start, seg.stop) for name in names]
             for i in range(seg.stop - seg.start):
                 row = tuple(col[i] for col in columns)
                 values = dict(zip(names, row))
@@ -791,16 +792,6 @@ class SimulatedExecutor(BaseExecutor):
 
 def _point_done(point: _Point) -> bool:
     return (point.ckpt is None or point.ckpt_done) and (point.eval is None or point.eval_done)
-
-
-def _column(seq: Any, start: int, stop: int) -> list[Any]:
-    """Values of a sequence (or a constant) at steps ``start .. stop-1``."""
-    if callable(seq):
-        values = getattr(seq, "values", None)
-        if callable(values):
-            return list(values(start, stop))
-        return [seq(t) for t in range(start, stop)]
-    return [seq] * (stop - start)
 
 
 # --------------------------------------------------------------------------- driving

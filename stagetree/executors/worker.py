@@ -69,6 +69,7 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore, check_state
 from stagetree.exceptions import CheckpointError, FusionError, StagetreeError, TrainerError
+from stagetree.hp import step_values
 from stagetree.names import HpReadWatch
 from stagetree.trainer import Trainer
 from stagetree.work import (
@@ -589,7 +590,7 @@ class Worker:
         given = self._given if given is None else given
         out: dict[int, dict[str, Any]] = {}
         for name, seq in seg.hp.items():
-            column = _values(seq, lo, hi)
+            column = step_values(seq, lo, hi)
             last = given.get(name, _MISSING)
             first = column[0]
             # Constant over the chunk (the common case), checked at C speed.
@@ -1135,19 +1136,6 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return False
-
-
-def _values(seq: Any, lo: int, hi: int) -> list[Any]:
-    """Values of a sequence (or a callable of the step, or a constant) at ``[lo, hi)``."""
-    if callable(seq):
-        values = getattr(seq, "values", None)
-        if callable(values):
-            out = list(values(lo, hi))
-            if len(out) != hi - lo:
-                raise ValueError(f"{seq!r}.values({lo}, {hi}) returned {len(out)} values")
-            return out
-        return [seq(t) for t in range(lo, hi)]
-    return [seq] * (hi - lo)
 
 
 def _checkpoint_name(root_key: str, node: int, step: int) -> str:
