@@ -661,7 +661,7 @@ class Tuner(ABC):
 
     def best(self) -> TrialResult | None:
         """Best observed result (see the class doc), None without a finite one: the
-        rule of :func:`stagetree.reports.best_key`, with trials in creation order as the
+        rule of :func:`stagetree.ranking.best_key`, with trials in creation order as the
         tie-break (what ``Study.best`` and ``stagetree status`` rank by too)."""
         best: tuple[tuple[int, float, int], TrialResult] | None = None
         for tid, result in self.results:
