@@ -20,7 +20,7 @@ executor). How the run stops:
   running work is cancelled (its checkpoints stay in the plan: a later run resumes from
   them, as after any cancellation).
 
-:class:`BudgetGuard` carries this out for :meth:`stagetree.study.Study.tune`.
+:class:`BudgetGuard` carries this out for :meth:`stagetree.study_api.StudyAPI.tune`.
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ class InvalidBudgetError(StagetreeError, ValueError):
 
 class CommandError(StagetreeError, ValueError):
     """A command-line input stagetree cannot use: a missing script, a script without a
-    study or tuner. (An unknown study name is a :class:`~stagetree.plan.PlanKeyError`.)"""
+    study or tuner. (An unknown study name is a :class:`PlanKeyError`.)"""
 
 
 class MissingExtraError(StagetreeError, ImportError):

@@ -438,7 +438,7 @@ class Study(StudyAPI):
     @contextlib.contextmanager
     def reading(self) -> Iterator[BasePlanStorage]:
         """The plan storage for read-only queries (:mod:`stagetree.reports`,
-        :mod:`stagetree.views`), with the engine's lock held: the engine waits while it
+        :mod:`stagetree.reports.views`), with the engine's lock held: the engine waits while it
         is held, so keep each read short and never write."""
         with self._engine.reading() as storage:
             yield storage

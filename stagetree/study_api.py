@@ -589,7 +589,7 @@ class StudyAPI(abc.ABC):
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
         """The best trial by ``metric`` (``mode`` ``"max"`` or ``"min"``), by the rule
         that :meth:`tune`'s result and ``stagetree status`` follow too
-        (:func:`stagetree.reports.best_trial`): trials are compared at the largest step
+        (:func:`stagetree.reports.trials.best_trial`): trials are compared at the largest step
         at which any trial has a finite value of ``metric`` at its final step (a trial
         stopped early never beats one trained further, however good its early metric),
         then by that value; ties go to the lowest trial id; NaN and infinite values are
@@ -606,7 +606,7 @@ class StudyAPI(abc.ABC):
         sequence in readable form) and ``hp.<name>.last`` (its value at the last step),
         ``metric.<name>`` (final metrics, at step ``metrics_at``), ``state``, ``steps``,
         ``error``, ``lineage``; with ``history``, every recorded metric in long form
-        (``study, trial, step, metric, value``). :func:`stagetree.export.trials_table`
+        (``study, trial, step, metric, value``). :func:`stagetree.reports.export.trials_table`
         has the exact columns; ``stagetree export`` writes the same table.
 
         Raises:
@@ -659,11 +659,11 @@ class StudyAPI(abc.ABC):
         seconds/bytes and live-split counts, and lost workers on this study's trees:
         ``workers_lost``, and ``steps_lost``: steps a lost worker had trained past its
         last durable checkpoint, which are trained again (they count in
-        ``steps_executed`` both times). See :func:`stagetree.reports.study_accounting`;
+        ``steps_executed`` both times). See :func:`stagetree.reports.costs.study_accounting`;
         ``stagetree status`` shows the same numbers.
 
         And the efficiency of the study's latest run (:meth:`tune`) of this trainer
-        version, with where its wall-clock went (:func:`stagetree.reports.efficiency`:
+        version, with where its wall-clock went (:func:`stagetree.reports.costs.efficiency`:
         ``efficiency``, ``wall_seconds``, ``limit_seconds``, ``startup_seconds``,
         ``ckpt_load_wait_seconds``, ``ckpt_save_wait_seconds``, ``idle_seconds``,
         ``scheduling_seconds``, ``workers``, ``steps_unique_trained``,

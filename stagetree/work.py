@@ -227,7 +227,7 @@ class BatchDone:
     ``save_wait_seconds`` to waiting, at its end, for its background checkpoint writes.
     Workers no longer wait (0): a batch ends when its training does, and the writes of
     its last checkpoints follow as ``CheckpointSaved``/``CheckpointFailed`` (see
-    :func:`stagetree.reports.efficiency`)."""
+    :func:`stagetree.reports.costs.efficiency`)."""
 
     batch_id: int
     worker: int

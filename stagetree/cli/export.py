@@ -1,5 +1,5 @@
 """``stagetree export``: the trials as CSV, JSON, Parquet, TensorBoard or MLflow runs
-(:mod:`stagetree.export`), or a trial's weights."""
+(:mod:`stagetree.reports.export`), or a trial's weights."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def export(
     out: TextIO | str | os.PathLike[str] | None = None,
     history: bool = False,
 ) -> int:
-    """Write the trial table (:func:`stagetree.export.trials_table`: one row per trial,
+    """Write the trial table (:func:`stagetree.reports.export.trials_table`: one row per trial,
     the columns of ``Study.trials_dataframe()``) or, with ``history``, every recorded
     metric in long form (``study, trial, step, metric, value``), as CSV, JSON (a list of
     row objects) or Parquet.
@@ -50,7 +50,7 @@ def export(
 
     Raises:
         StorageError: the storage cannot be opened, or holds no study ``study``
-            (:class:`~stagetree.plan.PlanKeyError`).
+            (:class:`~stagetree.exceptions.PlanKeyError`).
         ValueError: an unknown format; MissingExtraError: parquet without pyarrow.
     """
 

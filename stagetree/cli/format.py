@@ -57,7 +57,7 @@ def _seconds(value: float) -> str:
 
 
 def efficiency_line(numbers: Mapping[str, float]) -> str:
-    """:func:`stagetree.reports.efficiency` in one line: ``0.82 (limit 12.3 s of
+    """:func:`stagetree.reports.costs.efficiency` in one line: ``0.82 (limit 12.3 s of
     15.0 s on 2 workers; start-up 2.10 s, checkpoint load 0.30 s + save 0.10 s, idle
     0.20 s, scheduling 0.10 s)``; "" without an efficiency."""
     if "efficiency" not in numbers:

@@ -23,7 +23,7 @@ def _grace(text: str) -> float:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``stagetree gc``: remove checkpoints no live request and no kept trial needs
-    (:func:`stagetree.checkpoints.collect_garbage`)."""
+    (:func:`stagetree.tools.gc.collect_garbage`)."""
 
     def handler(args: argparse.Namespace) -> int:
         try:

@@ -92,7 +92,7 @@ def status(
     out: TextIO | None = None,
     rich_output: bool | None = None,
 ) -> StorageStatus:
-    """Print the studies of a storage (:func:`stagetree.reports.study_status`: each
+    """Print the studies of a storage (:func:`stagetree.reports.status.study_status`: each
     study's own steps executed, device-seconds and saving, counted on the plan trees its
     trials use), and the totals of all studies when the storage holds more than one
     (where a stage that several studies share counts once).
@@ -105,7 +105,7 @@ def status(
 
     Raises:
         StorageError: the storage cannot be opened, or holds no study ``study``
-            (:class:`~stagetree.plan.PlanKeyError`).
+            (:class:`~stagetree.exceptions.PlanKeyError`).
     """
     stream = sys.stdout if out is None else out
     url = default_storage() if url is None else url

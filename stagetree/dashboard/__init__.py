@@ -3,7 +3,7 @@ live, learning curves, the trials, the workers timeline, what sharing saved).
 
 ``stagetree dashboard STORAGE_URL`` serves it (:func:`serve_dashboard`), ``stagetree
 run --dashboard`` beside a running study (:func:`start_dashboard`), and ``stagetree
-serve`` at ``/``. Its queries are :mod:`stagetree.views`; :mod:`.app` is the web layer
+serve`` at ``/``. Its queries are :mod:`stagetree.reports.views`; :mod:`.app` is the web layer
 (:func:`create_dashboard_app`), ``static/`` the pages. Needs ``pip install
 'stagetree[dashboard]'`` (starlette, uvicorn).
 """

@@ -1,12 +1,12 @@
 """The dashboard's web layer (Starlette): the JSON API of ``docs/dashboard-api.md`` over
-:mod:`stagetree.views`, and the static pages.
+:mod:`stagetree.reports.views`, and the static pages.
 
 * **Reads.** Every query runs in Starlette's thread pool (the event loop never waits on
   the storage) inside ``reader()``: a context manager that yields the storage. Standalone
   (``stagetree dashboard``) that is a read-only handle; in a tuning server it is the
-  engine's :meth:`~stagetree.engine.Engine.reading`, which holds the engine's lock, so
+  engine's :meth:`~stagetree.engine.core.Engine.reading`, which holds the engine's lock, so
   reads are short and never span an ``await``: the stage tree is read under the lock
-  (:func:`~stagetree.views.read_tree`) and computed after it is released.
+  (:func:`~stagetree.reports.views.read_tree`) and computed after it is released.
 * **Live updates.** ``GET /api/changes?after=REV`` polls the storage's revision (every
   0.2 s, a short read each) until it exceeds ``REV``, the timeout passes, the client
   goes away or the server stops; a change is answered at the pace of :class:`Pacer`
@@ -88,7 +88,7 @@ _T = TypeVar("_T")
 
 
 def render(content: Any) -> bytes:
-    """Strict JSON (no NaN: :mod:`stagetree.views` sends None for them)."""
+    """Strict JSON (no NaN: :mod:`stagetree.reports.views` sends None for them)."""
     try:
         text = json.dumps(content, allow_nan=False, separators=(",", ":"))
     except ValueError:  # a non-finite number slipped through: null, as promised
@@ -309,7 +309,7 @@ def create_dashboard_app(
     def rendered(fn: Callable[..., dict[str, Any]], *args: Any) -> Awaitable[tuple[int, bytes]]:
         """``(revision, JSON body)`` of a view: read under the reader, rendered after it
         in the same worker thread (not on the event loop), with the collector paused
-        until the answer's objects are freed (:func:`stagetree.reports.quiet_gc`)."""
+        until the answer's objects are freed (:func:`stagetree.reports.trials.quiet_gc`)."""
 
         @reports.quiet_gc
         def run() -> tuple[int, bytes]:

@@ -431,7 +431,7 @@ class Engine:
         (this call's time, on the clock of the activity records: before the workers
         start, so that their start-up counts), ``workers``, ``owner`` (this engine's
         lease owner, which the activity records of its batches carry) and ``version``.
-        :meth:`end_tuning` adds ``ended``; :func:`stagetree.reports.efficiency` reads
+        :meth:`end_tuning` adds ``ended``; :func:`stagetree.reports.costs.efficiency` reads
         them."""
         with self.lock:
             holder = self.coord.claim_study(slot.name)

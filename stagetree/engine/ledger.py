@@ -43,7 +43,7 @@ class Ledger:
         self._curves: list[Any] = []  # learning-curve points not written yet
 
     def note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
-        """Keep one activity record for the storage (:class:`~stagetree.plan.ActivityRecord`),
+        """Keep one activity record for the storage (:class:`~stagetree.plan.model.ActivityRecord`),
         written with the others of this round by :meth:`write_activity`."""
         now = self._clock()
         self._activity.append(

@@ -10,7 +10,7 @@ events to the real scheduler and the real tuners react (see :func:`drive`), so a
 448-trial, 40-worker study runs in seconds and its decisions are those the real
 system would take given the same durations and metrics.
 
-Models (all deterministic; see :mod:`stagetree.simulate` for more):
+Models (all deterministic; see :mod:`stagetree.tools.simulate` for more):
 
 * :class:`StepCost`: seconds of one training step as a function of the fixed config
   and the sequence values at that step (batch size by default).

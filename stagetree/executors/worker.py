@@ -383,7 +383,7 @@ class Worker:
         """Run the members of ``job`` as one fused job (see :mod:`stagetree.fusion`):
         every member emits the events of an ordinary batch, and a member leaves when
         its segments end (or it is aborted or fails). Members that cannot be fused (the
-        trainer class is not fusible, or :class:`~stagetree.fusion.FusionError` on
+        trainer class is not fusible, or :class:`~stagetree.exceptions.FusionError` on
         building the group or on its first step) run one after another instead, after a
         ``FusionFailed`` event.
 

@@ -54,7 +54,7 @@ but vmap's BatchNorm applies the affine part as separate broadcast passes. On a 
 small model's step is mostly kernel launches, which fusion shares among the members
 (not measured yet: run the benchmark with ``--device cuda``).
 
-**What cannot be fused** (:class:`~stagetree.fusion.FusionError`): a subclass that
+**What cannot be fused** (:class:`~stagetree.exceptions.FusionError`): a subclass that
 overrides ``train()`` (its ``fusible`` is then empty, unless it sets it); another
 optimizer than ``SGD``/``Adam``/``AdamW``, several optimizers or param groups,
 ``amsgrad``/``maximize``/``differentiable``; an optimized parameter outside the

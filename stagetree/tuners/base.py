@@ -523,7 +523,7 @@ class Tuner(ABC):
       produced a finite value of ``metric``. "Best" compares results at the largest
       number of steps any finite result reached (a 1-step metric never beats a
       64-step one), then by value; ties go to the trial created first. This is the
-      one rule of :mod:`stagetree.reports` (``Study.best``, ``stagetree status``).
+      one rule of :mod:`stagetree.ranking` (``Study.best``, ``stagetree status``).
     * Every tuner takes ``metric`` (a name the trainer reports) and ``mode``
       (``"max"`` or ``"min"``), and a ``seed``: given the seed and the order in which
       results arrive, decisions are identical. Subclasses implement :meth:`_search`
@@ -661,7 +661,7 @@ class Tuner(ABC):
 
     def best(self) -> TrialResult | None:
         """Best observed result (see the class doc), None without a finite one: the
-        rule of :func:`stagetree.reports.best_key`, with trials in creation order as the
+        rule of :func:`stagetree.ranking.best_key`, with trials in creation order as the
         tie-break (what ``Study.best`` and ``stagetree status`` rank by too)."""
         best: tuple[tuple[int, float, int], TrialResult] | None = None
         for tid, result in self.results:
