@@ -133,7 +133,8 @@ def test_a_missing_fsspec_package_says_what_to_install(tmp_path: Path) -> None:
         sys.modules["s3fs"] = None  # as if s3fs were not installed
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from study_trainers import LinearTrainer
-        from stagetree import CheckpointError, Study
+        from stagetree import Study
+        from stagetree.exceptions import CheckpointError
         try:
             Study("s", LinearTrainer, storage="sqlite:///{tmp_path}/plan.db",
                   checkpoint_dir="s3://bucket/run")

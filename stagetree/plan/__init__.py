@@ -4,7 +4,8 @@ requests, checkpoints and metrics keyed by its canonical ``(node, step)`` pairs.
 Modules: :mod:`~stagetree.plan.base` (the storage contract), :mod:`~.model` (nodes,
 requests, activity), :mod:`~.tree` (the walk that inserts trials), :mod:`~.leases`,
 :mod:`~.scopes` (accounting keys), :mod:`~.memory` and :mod:`~.sql` (the backends),
-:mod:`~.registry` (``open_storage(url)`` picks the backend by scheme).
+:mod:`~.registry` (``open_storage(url)`` picks the backend by scheme; a new backend
+registers its scheme with :func:`stagetree.plan.registry.register_storage`).
 
 The names below load on first use, so that a worker process that needs only the plan's
 records (:mod:`stagetree.plan.model`) does not load SQLAlchemy. Modules inside stagetree
@@ -30,7 +31,6 @@ _EXPORTS = {
     "RequestState": "stagetree.plan.model",
     "SQLPlanStorage": "stagetree.plan.sql",
     "open_storage": "stagetree.plan.registry",
-    "register_storage": "stagetree.plan.registry",
 }
 
 __all__ = [
@@ -47,7 +47,6 @@ __all__ = [
     "RequestState",
     "SQLPlanStorage",
     "open_storage",
-    "register_storage",
 ]
 
 if TYPE_CHECKING:
@@ -55,7 +54,7 @@ if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage, CheckpointRecord
     from stagetree.plan.memory import MemoryPlanStorage
     from stagetree.plan.model import ActivityRecord, Node, Request, RequestState
-    from stagetree.plan.registry import open_storage, register_storage
+    from stagetree.plan.registry import open_storage
     from stagetree.plan.sql import SCHEMA_VERSION, SQLPlanStorage
     from stagetree.plan.tree import Insertion
 
