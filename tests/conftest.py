@@ -1,15 +1,24 @@
 """Shared fixtures: an S3 service on 127.0.0.1 (moto in server mode) for the checkpoint
-store suite and the end-to-end S3 study."""
+store suite and the end-to-end S3 study.
+
+Also puts ``tests/fakes`` (the shared trainers and fakes) on ``sys.path``, so that every
+test folder imports them by bare name (``from study_trainers import LinearTrainer``)."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+
+FAKES = Path(__file__).resolve().parent / "fakes"
+if str(FAKES) not in sys.path:
+    sys.path.insert(0, str(FAKES))
 
 
 @dataclass(frozen=True)

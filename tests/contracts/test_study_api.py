@@ -26,9 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from conftest import free_port
 from failing_trainers import Raises
 from study_trainers import LinearTrainer
@@ -56,8 +53,8 @@ from stagetree.tuners import (
     Tuner,
 )
 
-TESTS = Path(__file__).resolve().parents[1]
-ROOT = TESTS.parent
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+ROOT = Path(__file__).resolve().parents[2]
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
@@ -78,7 +75,7 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.token_file = directory / "plan.db.token"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STAGETREE_")}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(FAKES)])
         self.log = open(directory / "server.txt", "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [
