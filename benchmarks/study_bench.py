@@ -73,7 +73,7 @@ from _common import bar_plot, fmt, load_average, machine_info, markdown_table, m
 
 from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
-from stagetree.cli.format import efficiency_line
+from stagetree.cli import efficiency_line
 from stagetree.executors import LocalExecutor
 from stagetree.hp import Piecewise
 from stagetree.space import GridSpace

@@ -60,7 +60,7 @@ study = Study(
 )
 
 if __name__ == "__main__":
-    from stagetree.cli.format import report_study
+    from stagetree.cli import report_study
 
     with study:
         best = study.tune(tuner)

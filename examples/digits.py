@@ -58,7 +58,7 @@ STORAGE = os.environ.get("STAGETREE_STORAGE", "sqlite:///stagetree-demo.db")
 study = Study("digits-asha", DigitsTrainer, storage=STORAGE, workers=2)
 
 if __name__ == "__main__":
-    from stagetree.cli.format import report_study
+    from stagetree.cli import report_study
 
     with study:
         best = study.tune(tuner)

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from stagetree.cli.main import main
+from stagetree.cli import main
 
 sys.exit(main())

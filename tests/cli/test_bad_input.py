@@ -13,7 +13,7 @@ import pytest
 from failing_trainers import Counter
 
 from stagetree import Choice, Study
-from stagetree.cli.main import main
+from stagetree.cli import main
 from stagetree.exceptions import (
     InvalidSpaceError,
     InvalidTrialError,

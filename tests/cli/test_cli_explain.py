@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stagetree.cli.explain import explain, plan_trials
-from stagetree.cli.main import build_parser, main
+from stagetree.cli import build_parser, explain, main, plan_trials
 from stagetree.hp import Constant, MultiStep
 from stagetree.space import GridSpace, TrialSpec, config_key, load_space_file
 

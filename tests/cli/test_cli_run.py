@@ -1,4 +1,4 @@
-"""Tests of ``stagetree run | status | export``, :func:`stagetree.cli.format.report_study` and
+"""Tests of ``stagetree run | status | export``, :func:`stagetree.cli.report_study` and
 :mod:`stagetree.progress`."""
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 
 from stagetree import study as study_module
-from stagetree.cli.format import report_study
-from stagetree.cli.main import main
+from stagetree.cli import main, report_study
 from stagetree.engine import pool
 from stagetree.engine.settings import Overrides, current_overrides
 from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup
@@ -287,7 +286,7 @@ def test_status_errors_are_one_line_exit_2(
 
 
 def test_status_rich_output(one_study: tuple[str, dict[str, int]]) -> None:
-    from stagetree.cli.status import status
+    from stagetree.cli import status
 
     buf = io.StringIO()
     result = status(one_study[0], out=buf, rich_output=True)

@@ -14,7 +14,7 @@ from study_trainers import LinearTrainer
 
 from stagetree import Shared, Study
 from stagetree import study_api as study_module
-from stagetree.cli.main import main
+from stagetree.cli import main
 from stagetree.distributions import Choice, LogUniform, Uniform, shared_draws
 from stagetree.exceptions import InvalidSpaceError
 from stagetree.hp import Constant, Cosine, Warmup

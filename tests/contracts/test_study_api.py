@@ -63,7 +63,7 @@ CONFIG = {"seed": 0}
 HP = {"lr": MultiStep(0.05, [2], 0.5)}
 # `stagetree serve` of this checkout (the tests' directory on its path: it imports the
 # trainers by reference, as a user's server imports a user's).
-SERVE = "import sys; from stagetree.cli.main import main; sys.exit(main(sys.argv[1:]))"
+SERVE = "import sys; from stagetree.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 class _Server:

@@ -22,9 +22,7 @@ pytest.importorskip("uvicorn")
 
 from conftest import free_port
 
-from stagetree.cli.main import build_parser, main
-from stagetree.cli.options import EXIT_USAGE
-from stagetree.cli.run import run_script
+from stagetree.cli import EXIT_USAGE, build_parser, main, run_script
 from stagetree.dashboard import check_web, start_dashboard
 from stagetree.exceptions import StagetreeError
 from stagetree.plan import SQLPlanStorage

@@ -13,7 +13,7 @@ import pytest
 from study_trainers import LinearTrainer, SlowLinearTrainer
 
 from stagetree import Budget, Study
-from stagetree.cli.main import main
+from stagetree.cli import main
 from stagetree.distributions import Choice, LogUniform
 from stagetree.exceptions import InvalidBudgetError
 from stagetree.space import RandomSpace

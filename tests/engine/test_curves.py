@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from stagetree import Study, Trainer
-from stagetree.cli.export import export
+from stagetree.cli import export
 from stagetree.exceptions import TrialFailedError
 from stagetree.hp import Constant, MultiStep, Piecewise
 from stagetree.space import GridSpace

@@ -12,8 +12,7 @@ import pytest
 from study_trainers import LinearTrainer, SlowLinearTrainer
 
 from stagetree import Study, reports
-from stagetree.cli.format import efficiency_line, report_study
-from stagetree.cli.status import status
+from stagetree.cli import efficiency_line, report_study, status
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import MemoryPlanStorage, open_storage
 from stagetree.space import GridSpace

@@ -20,8 +20,7 @@ import pytest
 from failing_trainers import BadState, Counter, Dies, FailsSome, NoState, Raises, attempts
 
 from stagetree import Study
-from stagetree.cli.main import main
-from stagetree.cli.run import run_script
+from stagetree.cli import main, run_script
 from stagetree.exceptions import TrialFailedError
 from stagetree.hp import Constant
 

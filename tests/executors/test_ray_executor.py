@@ -176,7 +176,7 @@ def test_cli_run_on_ray_and_status_shows_the_nodes(
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
     from test_cli_run import _script
 
-    from stagetree.cli.main import main
+    from stagetree.cli import main
     from stagetree.engine.settings import Overrides, current_overrides
 
     url = f"sqlite:///{tmp_path / 'plan.db'}"
@@ -221,7 +221,7 @@ def test_core_imports_without_ray_and_exports_the_intended_names() -> None:
     ]
     code = (
         "import sys; sys.modules['ray'] = None\n"
-        "import stagetree, stagetree.cli.main, stagetree.executors\n"
+        "import stagetree, stagetree.cli, stagetree.executors\n"
         "from stagetree.executors import RayExecutor\n"
         "RayExecutor(worker_resources={'CPU': 1})\n"
         "assert 'ray' in stagetree.executors.executor_names()\n"

@@ -16,8 +16,7 @@ import pytest
 from study_trainers import LinearTrainer
 
 from stagetree import Study
-from stagetree.cli.export import export
-from stagetree.cli.main import main
+from stagetree.cli import export, main
 from stagetree.exceptions import MissingExtraError, TrialFailedError
 from stagetree.hp import Constant, MultiStep
 from stagetree.reports.export import lineage_text, trials_dataframe, trials_table

@@ -19,7 +19,7 @@ from study_trainers import LinearTrainer
 from stagetree import Study
 from stagetree.checkpoints import CheckpointStore, needed_checkpoints
 from stagetree.checkpoints.eviction import evict_to_budget
-from stagetree.cli.main import main
+from stagetree.cli import main
 from stagetree.exceptions import CheckpointError, CheckpointsInUseError, PlanKeyError, StorageError
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import RequestState, open_storage

@@ -501,7 +501,7 @@ def test_importing_stagetree_imports_no_web_framework() -> None:
 def test_run_and_serve_refuse_bad_token_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from stagetree.cli.main import main
+    from stagetree.cli import main
     from stagetree.engine.settings import current_overrides
 
     script = tmp_path / "s.py"

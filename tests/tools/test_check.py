@@ -13,7 +13,7 @@ import pytest
 
 import stagetree
 from stagetree import CheckReport, Trainer, check_trainer
-from stagetree.cli.main import main
+from stagetree.cli import main
 from stagetree.exceptions import TrainerError
 from stagetree.hp import Constant, MultiStep
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from stagetree.cli.main import main
+from stagetree.cli import main
 from stagetree.exceptions import StagetreeError
 from stagetree.executors.simulated import (
     LearningCurve,

@@ -18,7 +18,7 @@ from study_trainers import LinearTrainer
 from tuner_fakes import FakeRunner, decisions
 
 from stagetree import Study
-from stagetree.cli.status import status
+from stagetree.cli import status
 from stagetree.distributions import Choice, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import TunerError
 from stagetree.hp import Constant, MultiStep, Shifted, Then, dumps_hp, loads_hp

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from stagetree.cli.format import one_line
+from stagetree.cli._format import one_line
 from stagetree.exceptions import CommandError
 from stagetree.reports import export as exporting
 from stagetree.reports.open import (

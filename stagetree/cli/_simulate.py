@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from stagetree.cli.options import positive
+from stagetree.cli._options import positive
 from stagetree.tools.simulate import simulate_script
 
 __all__ = ["add_parser"]

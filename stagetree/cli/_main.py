@@ -14,8 +14,16 @@ import sys
 from collections.abc import Callable
 
 from stagetree import __version__
-from stagetree.cli import check, dashboard, explain, export, gc, run, serve, simulate, status
-from stagetree.cli.options import EXIT_USAGE
+from stagetree.cli import _check as check
+from stagetree.cli import _dashboard as dashboard
+from stagetree.cli import _explain as explain
+from stagetree.cli import _export as export
+from stagetree.cli import _gc as gc
+from stagetree.cli import _run as run
+from stagetree.cli import _serve as serve
+from stagetree.cli import _simulate as simulate
+from stagetree.cli import _status as status
+from stagetree.cli._options import EXIT_USAGE
 from stagetree.exceptions import StagetreeError
 
 __all__ = ["COMMANDS", "build_parser", "main"]

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import TextIO
 
-from stagetree.cli.format import (
+from stagetree.cli._format import (
     accounting_rows,
     efficiency_rows,
     failure_rows,

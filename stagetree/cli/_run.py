@@ -1,6 +1,6 @@
 """``stagetree run SCRIPT.py``: run the study a script defines with its tuner, with live
 progress, then print the best trial and what sharing saved
-(:func:`stagetree.cli.format.report_study`). Ctrl-C closes the study (workers stop,
+(:func:`stagetree.cli._format.report_study`). Ctrl-C closes the study (workers stop,
 the storage stays consistent) and exits with status 130."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 from stagetree.budget import Budget
-from stagetree.cli.format import one_line, report_study
-from stagetree.cli.options import EXIT_FAILED, EXIT_INTERRUPTED, port_number, positive
+from stagetree.cli._format import one_line, report_study
+from stagetree.cli._options import EXIT_FAILED, EXIT_INTERRUPTED, port_number, positive
 from stagetree.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from stagetree.dashboard import start_dashboard
 from stagetree.engine.settings import overriding

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stagetree.cli.format import one_line
-from stagetree.cli.options import EXIT_USAGE
+from stagetree.cli._format import one_line
+from stagetree.cli._options import EXIT_USAGE
 from stagetree.reports.open import DEFAULT_STORAGE, STORAGE_ENV, default_storage
 from stagetree.tools.gc import DEFAULT_GRACE, collect_garbage, parse_duration
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from stagetree.cli.options import positive
+from stagetree.cli._options import positive
 from stagetree.tools.check import check_script
 
 __all__ = ["add_parser"]

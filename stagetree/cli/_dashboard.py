@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from stagetree.cli.options import port_number
+from stagetree.cli._options import port_number
 from stagetree.dashboard import DEFAULT_PORT, serve_dashboard
 from stagetree.reports.open import DEFAULT_STORAGE, STORAGE_ENV, default_storage
 

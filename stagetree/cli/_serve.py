@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stagetree.cli.options import positive
+from stagetree.cli._options import positive
 from stagetree.reports.open import default_storage
 from stagetree.server.serve import serve
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from stagetree.cli.options import positive
+from stagetree.cli._options import positive
 from stagetree.exceptions import InvalidSpaceError
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
