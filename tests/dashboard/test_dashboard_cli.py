@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 
 from conftest import free_port
 
-from stagetree.cli import EXIT_USAGE, build_parser, main, run_script
+from stagetree import cli
 from stagetree.dashboard import check_web, start_dashboard
 from stagetree.exceptions import StagetreeError
 from stagetree.plan import SQLPlanStorage
@@ -39,7 +39,7 @@ def _plan(tmp_path: Path) -> str:
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    assert main(argv) == EXIT_USAGE
+    assert cli.main(argv) == cli.EXIT_USAGE
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith(f"stagetree {argv[0]}: error: ") and err.count("\n") == 1
@@ -74,7 +74,7 @@ def test_a_port_in_use(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         port = taken.getsockname()[1]
         err = _fails(["dashboard", url, "--port", str(port)], capsys)
     assert f"127.0.0.1:{port}" in err and "in use" in err and "--port" in err
-    assert main(["dashboard", url, "--port", "70000"]) == EXIT_USAGE
+    assert cli.main(["dashboard", url, "--port", "70000"]) == cli.EXIT_USAGE
     assert "expected a port number 0-65535" in capsys.readouterr().err
 
 
@@ -198,7 +198,7 @@ def test_run_with_the_dashboard(tmp_path: Path, storage: str) -> None:
     code = TRAINER.format(tests=tests, url=url, port=port, seen=str(seen), peek=peek)
     script.write_text(textwrap.dedent(code))
     out = io.StringIO()
-    assert run_script(script, progress=False, check=False, out=out, dashboard=port) == 0
+    assert cli.run_script(script, progress=False, check=False, out=out, dashboard=port) == 0
     text = out.getvalue()
     first = text.splitlines()[0]
     address = f"http://127.0.0.1:{port}/"
@@ -214,7 +214,7 @@ def test_run_with_the_dashboard(tmp_path: Path, storage: str) -> None:
 
 
 def test_run_dashboard_options() -> None:
-    args = build_parser().parse_args(["run", "x.py", "--dashboard"])
+    args = cli.build_parser().parse_args(["run", "x.py", "--dashboard"])
     assert args.dashboard and args.dashboard_port == 8643
-    args = build_parser().parse_args(["run", "x.py", "--dashboard-port", "0"])
+    args = cli.build_parser().parse_args(["run", "x.py", "--dashboard-port", "0"])
     assert args.dashboard_port == 0 and not args.dashboard
