@@ -4,6 +4,7 @@ study a budget stopped."""
 from __future__ import annotations
 
 import logging
+import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -252,6 +253,8 @@ def test_cli_run_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_a_remote_study_keeps_its_budget(tmp_path: Path) -> None:
     """A client of a tuning server runs the tuner here: the budget applies the same way."""
+    # The server harness, from its own test folder.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
     from test_server import Server
 
     server = Server(tmp_path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,9 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("torch")
 
 from ray.cluster_utils import Cluster  # noqa: E402
+
+# The exactness harness, from its own test folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from test_exactness import CONFIG, STEPS, TRIALS, assert_same_state, train_alone  # noqa: E402
 
 from stagetree import Study  # noqa: E402
