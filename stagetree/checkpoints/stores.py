@@ -36,6 +36,7 @@ __all__ = [
     "LocalByteStore",
     "byte_store_schemes",
     "check_location",
+    "is_local_location",
     "open_byte_store",
     "register_byte_store",
 ]
@@ -527,6 +528,14 @@ def check_location(location: str | os.PathLike[str]) -> None:
         )
     if scheme not in _REGISTRY:
         _fsspec_class(scheme, location)
+
+
+def is_local_location(location: str | os.PathLike[str]) -> bool:
+    """Whether a checkpoint location is a directory of this machine (a path or a
+    ``file:///`` URL), which opening its store creates."""
+    if isinstance(location, os.PathLike):
+        return True
+    return _scheme(location) in ("", "file", "local")
 
 
 def open_byte_store(
