@@ -119,6 +119,9 @@ class StudyAPI(abc.ABC):
     """
 
     last_run: RunReport | None = None
+    # The latest tune()'s tuner and result: ``stagetree run`` reports a tuning that a
+    # script without a main guard ran while it loaded instead of tuning again.
+    _last_tune: tuple[Tuner, TrialResult | None] | None = None
     name: str
     trainer: type[Trainer]
     version: str
@@ -421,7 +424,8 @@ class StudyAPI(abc.ABC):
                 the run. A ``trials`` limit lets the trials in it finish; the others
                 cancel running work (its checkpoints stay reusable). The stop is logged
                 (logger ``stagetree``) and recorded in :attr:`last_run` and in the
-                study's run record in the storage.
+                study's run record in the storage. None: ``stagetree run --budget``'s
+                limits when the command runs this, else none.
             progress: a live progress display on stderr; default: when stderr is a
                 terminal (never with a simulated executor). ``False`` turns it off.
 
@@ -440,6 +444,8 @@ class StudyAPI(abc.ABC):
                 (before anything is opened or trained).
             TrialFailedError: every trial failed (with the first failure's traceback).
         """
+        if budget is None:  # the command line's, when a command runs the script
+            budget = current_overrides().budget
         limits = None if budget is None else Budget.parse(budget)
         if progress is not None and not isinstance(progress, bool):
             raise ValueError(f"progress must be True, False or None, got {progress!r}")
@@ -472,6 +478,7 @@ class StudyAPI(abc.ABC):
                 self._record_run(self.last_run)
         finally:
             self.end_tuning()
+        self._last_tune = (tuner, best)
         if best is None:
             self._raise_if_all_failed()
         return best
