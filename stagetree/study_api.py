@@ -39,6 +39,7 @@ from stagetree.trainer import Trainer
 from stagetree.tuners.base import Trial, TrialResult, Tuner
 
 __all__ = [
+    "INTERRUPTED_MESSAGE",
     "STUDY_PARAMETERS",
     "StudyAPI",
     "StudyArguments",
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("stagetree")
+
+#: What a run stopped by Ctrl-C says (``tune()`` and ``stagetree run``).
+INTERRUPTED_MESSAGE = "interrupted; run again to resume"
 
 _S = TypeVar("_S", bound="StudyAPI")
 
@@ -443,6 +447,8 @@ class StudyAPI(abc.ABC):
             InvalidBudgetError: a budget that is not positive or has an unknown unit
                 (before anything is opened or trained).
             TrialFailedError: every trial failed (with the first failure's traceback).
+            KeyboardInterrupt: Ctrl-C, with a one-line message (``interrupted; run
+                again to resume``) and without the internals it interrupted.
         """
         if budget is None:  # the command line's, when a command runs the script
             budget = current_overrides().budget
@@ -450,6 +456,17 @@ class StudyAPI(abc.ABC):
         if progress is not None and not isinstance(progress, bool):
             raise ValueError(f"progress must be True, False or None, got {progress!r}")
         check_space_names(self.trainer, getattr(tuner, "space", None))
+        try:
+            return self._tune(tuner, limits, progress)
+        except KeyboardInterrupt:
+            # Ctrl-C: the event loop's cancellation chained under it tells a user
+            # nothing; what was trained is stored and a new run resumes from it.
+            raise KeyboardInterrupt(f"study {self.name!r}: {INTERRUPTED_MESSAGE}") from None
+
+    def _tune(
+        self, tuner: Tuner, limits: Budget | None, progress: bool | None
+    ) -> TrialResult | None:
+        """:meth:`tune`, its arguments checked."""
         runner = StudyRunner(self)
         self.begin_tuning(tuner.metric, tuner.mode, type(tuner).__name__, tuner.horizon)
         guard: BudgetGuard | None = None

@@ -25,6 +25,7 @@ from stagetree.progress import ProgressDisplay
 from stagetree.reports.open import DEFAULT_STORAGE, STORAGE_ENV
 from stagetree.server.client import RemoteStudy
 from stagetree.study import Study
+from stagetree.study_api import INTERRUPTED_MESSAGE
 from stagetree.tools.check import first_contact_check
 from stagetree.tools.scripts import loaded_script, pick, script_path, values_of
 from stagetree.tuners.base import Tuner
@@ -158,7 +159,7 @@ def run_script(
             finally:
                 _close_all(studies)
     except KeyboardInterrupt:
-        print("interrupted; run again to resume", file=sys.stderr)
+        print(INTERRUPTED_MESSAGE, file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
 
