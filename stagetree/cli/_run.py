@@ -310,7 +310,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--dashboard",
         action="store_true",
         help="serve the dashboard of the study's storage on 127.0.0.1 while it runs "
-        "(pip install 'stagetree[dashboard]')",
+        "(needs starlette and uvicorn: the dashboard extra)",
     )
     p.add_argument(
         "--dashboard-port",
