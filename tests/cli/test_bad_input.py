@@ -86,6 +86,11 @@ def test_a_bad_storage_url_creates_nothing(
     if "nonexistent" in storage:
         assert "does not exist" in str(info.value)
     study.close()
+    # Nor a checkpoint directory the study names.
+    named = Study("s", Counter, storage=storage.format(tmp=tmp_path), checkpoint_dir="ckpts")
+    with pytest.raises(StorageError):
+        named.open()
+    named.close()
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["work"]
 
 
