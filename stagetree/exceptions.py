@@ -200,8 +200,8 @@ class CommandError(StagetreeError, ValueError):
 
 
 class MissingExtraError(StagetreeError, ImportError):
-    """An export format needs a package that is not installed; the message names the
-    ``pip install 'stagetree[extra]'`` that brings it."""
+    """An export format needs a package that is not installed; the message says what
+    installs it here (:func:`stagetree.extras.install_hint`)."""
 
 
 class ServerError(StagetreeError):

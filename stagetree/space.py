@@ -649,23 +649,36 @@ def _positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
-def load_space_file(path: str | Path, num_trials: int | None = None) -> SpaceFile:
+def load_space_file(
+    path: str | Path,
+    num_trials: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+) -> SpaceFile:
     """Run a Python file and collect its ``space`` and ``steps``.
 
-    The file must define ``space`` (a :class:`BaseSpace`) and ``steps`` (an int >= 1, or
-    a callable ``steps(trial) -> int``); it may define ``num_trials`` (required for a
-    :class:`RandomSpace` unless ``num_trials`` is given here, which overrides it),
-    ``seed`` and ``name``. It runs like ``python FILE`` would (its folder first on
-    ``sys.path``, so it imports its neighbours), with ``__name__`` set to
-    ``"__stagetree_space__"``, so a ``if __name__ == "__main__"`` block does not run.
+    The file must define ``space`` (a :class:`BaseSpace`); it may define ``steps`` (an
+    int >= 1, or a callable ``steps(trial) -> int``), ``num_trials`` (for a
+    :class:`RandomSpace`), ``seed`` and ``name``. ``steps``, ``num_trials`` and ``seed``
+    given here override the file's and need not be defined there, so a training script
+    that defines only ``space`` can be planned; without them, the file must define
+    ``steps``, and ``num_trials`` for a random space. It runs like ``python FILE`` would
+    (its folder first on ``sys.path``, so it imports its neighbours), with ``__name__``
+    set to ``"__stagetree_space__"``, so a ``if __name__ == "__main__"`` block does not
+    run.
 
     Raises:
         InvalidSpaceError: the file does not exist, fails to run, or its variables are
             missing or invalid. A :class:`StagetreeError` raised by the file's own code
             (e.g. an invalid space) propagates unchanged.
     """
-    if num_trials is not None and not _positive_int(num_trials):  # before the file runs
+    # The overrides are checked before the file runs.
+    if num_trials is not None and not _positive_int(num_trials):
         raise InvalidSpaceError(f"num_trials must be an int >= 1, got {num_trials!r}")
+    if steps is not None and not _positive_int(steps):
+        raise InvalidSpaceError(f"steps must be an int >= 1, got {steps!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidSpaceError(f"seed must be an int, got {seed!r}")
     p = Path(path)
     if not p.is_file():
         raise InvalidSpaceError(f"space file {str(p)!r} does not exist")
@@ -688,29 +701,35 @@ def load_space_file(path: str | Path, num_trials: int | None = None) -> SpaceFil
         raise InvalidSpaceError(
             f"{p}: 'space' must be a stagetree.space.BaseSpace, got {type(space).__name__}"
         )
-    if "steps" not in ns:
+    trial_steps: int | Callable[[TrialSpec], int]
+    if steps is not None:
+        trial_steps = steps
+    elif "steps" not in ns:
         raise InvalidSpaceError(
-            f"{p} defines no variable 'steps' (an int, or a function steps(trial) -> int)"
+            f"{p} defines no variable 'steps' (an int, or a function steps(trial) -> int);"
+            " define it or give --steps"
         )
-    steps = ns["steps"]
-    if not callable(steps) and not _positive_int(steps):
-        raise InvalidSpaceError(
-            f"{p}: 'steps' must be an int >= 1 or a function steps(trial) -> int, got {steps!r}"
-        )
-    file_trials = ns.get("num_trials")
-    if file_trials is not None and not _positive_int(file_trials):
-        raise InvalidSpaceError(f"{p}: 'num_trials' must be an int >= 1, got {file_trials!r}")
+    else:
+        trial_steps = ns["steps"]
+        if not callable(trial_steps) and not _positive_int(trial_steps):
+            raise InvalidSpaceError(
+                f"{p}: 'steps' must be an int >= 1 or a function steps(trial) -> int,"
+                f" got {trial_steps!r}"
+            )
     if num_trials is None:
-        num_trials = file_trials
+        num_trials = ns.get("num_trials")
+        if num_trials is not None and not _positive_int(num_trials):
+            raise InvalidSpaceError(f"{p}: 'num_trials' must be an int >= 1, got {num_trials!r}")
     if num_trials is None and isinstance(space, RandomSpace):
         raise InvalidSpaceError(
             f"{p}: a RandomSpace needs 'num_trials' (an int >= 1), in the file or given "
             "with --num-trials"
         )
-    seed = ns.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidSpaceError(f"{p}: 'seed' must be an int, got {seed!r}")
+    if seed is None:
+        seed = ns.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidSpaceError(f"{p}: 'seed' must be an int, got {seed!r}")
     name = ns.get("name", p.stem)
     if not isinstance(name, str):
         raise InvalidSpaceError(f"{p}: 'name' must be a str, got {name!r}")
-    return SpaceFile(space, steps, name, num_trials, seed, p)
+    return SpaceFile(space, trial_steps, name, num_trials, seed, p)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from stagetree.budget import RunReport
 from stagetree.checkpoints import CheckpointStore
 from stagetree.checkpoints.location import default_checkpoint_dir
+from stagetree.checkpoints.stores import is_local_location
 from stagetree.engine import pool
 from stagetree.engine.core import Engine, StudySlot
 from stagetree.engine.settings import EngineSettings, Placement, current_overrides
@@ -199,16 +200,30 @@ class Study(StudyAPI):
         budget = placement.budget
         url = storage if isinstance(storage, str) else "memory://"
         temporary = False
+        # Nothing is created for a storage that does not open: a store that creates
+        # nothing here (given, or remote: an unreachable bucket fails before the plan
+        # is opened) is checked first, a local directory only once the plan is open.
+        store: CheckpointStore | None = None
         if isinstance(checkpoint_dir, CheckpointStore):
             store = checkpoint_dir
             if budget is not None:
                 store.budget_bytes = budget
-        else:
-            if checkpoint_dir is None:
-                checkpoint_dir, temporary = default_checkpoint_dir(url)
+            store.check()
+        elif checkpoint_dir is not None and not is_local_location(checkpoint_dir):
             store = CheckpointStore(checkpoint_dir, budget_bytes=budget)
-        store.check()  # an unreachable bucket fails here, before the plan is opened
+            store.check()
         plan = open_storage(storage) if isinstance(storage, str) else storage
+        if store is None:
+            assert not isinstance(checkpoint_dir, CheckpointStore)
+            try:
+                if checkpoint_dir is None:
+                    checkpoint_dir, temporary = default_checkpoint_dir(url)
+                store = CheckpointStore(checkpoint_dir, budget_bytes=budget)
+                store.check()
+            except BaseException:
+                if isinstance(storage, str):  # opened here: closed here
+                    plan.close()
+                raise
         trainer = self.trainer
         address = self._address
 

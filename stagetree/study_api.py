@@ -39,6 +39,7 @@ from stagetree.trainer import Trainer
 from stagetree.tuners.base import Trial, TrialResult, Tuner
 
 __all__ = [
+    "INTERRUPTED_MESSAGE",
     "STUDY_PARAMETERS",
     "StudyAPI",
     "StudyArguments",
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("stagetree")
+
+#: What a run stopped by Ctrl-C says (``tune()`` and ``stagetree run``).
+INTERRUPTED_MESSAGE = "interrupted; run again to resume"
 
 _S = TypeVar("_S", bound="StudyAPI")
 
@@ -119,6 +123,9 @@ class StudyAPI(abc.ABC):
     """
 
     last_run: RunReport | None = None
+    # The latest tune()'s tuner and result: ``stagetree run`` reports a tuning that a
+    # script without a main guard ran while it loaded instead of tuning again.
+    _last_tune: tuple[Tuner, TrialResult | None] | None = None
     name: str
     trainer: type[Trainer]
     version: str
@@ -421,7 +428,8 @@ class StudyAPI(abc.ABC):
                 the run. A ``trials`` limit lets the trials in it finish; the others
                 cancel running work (its checkpoints stay reusable). The stop is logged
                 (logger ``stagetree``) and recorded in :attr:`last_run` and in the
-                study's run record in the storage.
+                study's run record in the storage. None: ``stagetree run --budget``'s
+                limits when the command runs this, else none.
             progress: a live progress display on stderr; default: when stderr is a
                 terminal (never with a simulated executor). ``False`` turns it off.
 
@@ -439,11 +447,26 @@ class StudyAPI(abc.ABC):
             InvalidBudgetError: a budget that is not positive or has an unknown unit
                 (before anything is opened or trained).
             TrialFailedError: every trial failed (with the first failure's traceback).
+            KeyboardInterrupt: Ctrl-C, with a one-line message (``interrupted; run
+                again to resume``) and without the internals it interrupted.
         """
+        if budget is None:  # the command line's, when a command runs the script
+            budget = current_overrides().budget
         limits = None if budget is None else Budget.parse(budget)
         if progress is not None and not isinstance(progress, bool):
             raise ValueError(f"progress must be True, False or None, got {progress!r}")
         check_space_names(self.trainer, getattr(tuner, "space", None))
+        try:
+            return self._tune(tuner, limits, progress)
+        except KeyboardInterrupt:
+            # Ctrl-C: the event loop's cancellation chained under it tells a user
+            # nothing; what was trained is stored and a new run resumes from it.
+            raise KeyboardInterrupt(f"study {self.name!r}: {INTERRUPTED_MESSAGE}") from None
+
+    def _tune(
+        self, tuner: Tuner, limits: Budget | None, progress: bool | None
+    ) -> TrialResult | None:
+        """:meth:`tune`, its arguments checked."""
         runner = StudyRunner(self)
         self.begin_tuning(tuner.metric, tuner.mode, type(tuner).__name__, tuner.horizon)
         guard: BudgetGuard | None = None
@@ -472,6 +495,7 @@ class StudyAPI(abc.ABC):
                 self._record_run(self.last_run)
         finally:
             self.end_tuning()
+        self._last_tune = (tuner, best)
         if best is None:
             self._raise_if_all_failed()
         return best

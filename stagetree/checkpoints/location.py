@@ -14,7 +14,7 @@ def default_checkpoint_dir(url: str) -> tuple[Path, bool]:
     directory for an in-memory plan (nothing outlives it); ``./stagetree_checkpoints``
     otherwise (a server database: pass a directory every process can reach)."""
     if url.startswith("sqlite:///"):
-        db = Path(url[len("sqlite:///") :])
+        db = Path(url[len("sqlite:///") :].split("?", 1)[0])  # without the URL's options
         return db.with_name(db.name + ".checkpoints"), False
     if url.startswith(("memory", ":memory:")):
         return Path(tempfile.mkdtemp(prefix="stagetree-ckpt-")), True

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from stagetree.exceptions import CheckpointError
+from stagetree.extras import install_hint
 
 __all__ = [
     "BaseByteStore",
@@ -36,6 +37,7 @@ __all__ = [
     "LocalByteStore",
     "byte_store_schemes",
     "check_location",
+    "is_local_location",
     "open_byte_store",
     "register_byte_store",
 ]
@@ -290,7 +292,7 @@ _ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl",
 # pip packages for fsspec protocols whose implementation is not in fsspec itself, where
 # the package is not named after the module.
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
-_EXTRAS = {"s3": "s3", "s3a": "s3"}
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
 
 
 class FsspecByteStore(BaseByteStore):
@@ -501,10 +503,9 @@ def _fsspec_class(protocol: str, url: str) -> Any:
         module = known_implementations.get(protocol, {}).get("class", "").split(".")[0]
         package = _PACKAGES.get(protocol) or module or protocol
         extra = _EXTRAS.get(protocol)
-        hint = f" (or pip install 'stagetree[{extra}]')" if extra else ""
+        hint = install_hint(extra) if extra else f"pip install {package}"
         raise CheckpointError(
-            f"checkpoint URL {url!r} needs the package {package!r}, which is not installed: "
-            f"pip install {package}{hint}"
+            f"checkpoint URL {url!r} needs the package {package!r}, which is not installed: {hint}"
         ) from exc
 
 
@@ -527,6 +528,14 @@ def check_location(location: str | os.PathLike[str]) -> None:
         )
     if scheme not in _REGISTRY:
         _fsspec_class(scheme, location)
+
+
+def is_local_location(location: str | os.PathLike[str]) -> bool:
+    """Whether a checkpoint location is a directory of this machine (a path or a
+    ``file:///`` URL), which opening its store creates."""
+    if isinstance(location, os.PathLike):
+        return True
+    return _scheme(location) in ("", "file", "local")
 
 
 def open_byte_store(

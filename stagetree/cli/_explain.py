@@ -188,7 +188,7 @@ def explain(
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     explain(
-        load_space_file(args.space, num_trials=args.num_trials),
+        load_space_file(args.space, num_trials=args.num_trials, steps=args.steps, seed=args.seed),
         steps=args.steps,
         num_trials=args.num_trials,
         seed=args.seed,
@@ -204,7 +204,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Plan every trial of SPACE.py in memory and print trials, root keys, "
         "total and unique steps, the merge rate and the stage tree.",
     )
-    p.add_argument("space", metavar="SPACE.py", help="file defining `space` and `steps`")
+    p.add_argument(
+        "space",
+        metavar="SPACE.py",
+        help="file defining `space`, and `steps` unless --steps is given",
+    )
     p.add_argument("--steps", type=positive, help="steps per trial (overrides the file)")
     p.add_argument("--num-trials", type=positive, help="trials of a random space")
     p.add_argument("--seed", type=int, help="seed of a random space (overrides the file)")

@@ -25,6 +25,7 @@ from stagetree.progress import ProgressDisplay
 from stagetree.reports.open import DEFAULT_STORAGE, STORAGE_ENV
 from stagetree.server.client import RemoteStudy
 from stagetree.study import Study
+from stagetree.study_api import INTERRUPTED_MESSAGE
 from stagetree.tools.check import first_contact_check
 from stagetree.tools.scripts import loaded_script, pick, script_path, values_of
 from stagetree.tuners.base import Tuner
@@ -73,7 +74,9 @@ def run_script(
     The script runs under ``__name__ == "__stagetree_run__"`` (its ``if __name__ ==
     "__main__":`` block does not run) with ``workers`` and ``storage`` as overrides
     that every ``Study(...)`` it builds honours (``storage`` is also exported as
-    ``$STAGETREE_STORAGE`` for the run). The study is the ``Study`` named ``study`` (or
+    ``$STAGETREE_STORAGE`` for the run). A script without a main guard that tunes its
+    study while it loads (with ``budget`` unless it gives its own) is not tuned again:
+    that tuning is reported. The study is the ``Study`` named ``study`` (or
     the only one), the tuner the ``Tuner`` named ``tuner`` (or the only one). The study
     is tuned with live progress, the report printed (:func:`report_study`) and every
     study of the script closed, also on Ctrl-C. With ``check``, a trainer version the
@@ -111,15 +114,26 @@ def run_script(
                 token=token,
                 workers=workers,
                 storage=storage,
+                budget=limits,
             ),
             loaded_script(script) as namespace,
         ):
             studies = values_of(namespace, Study)
             try:
                 study = pick(namespace, "study", Study, "study", str(script))
-                if study._closed:  # a script without a main guard tuned and closed it
+                # A script without a main guard tuned its study while it loaded (under
+                # the command's overrides and budget): that was the run; report it.
+                tuned = study._last_tune
+                if study._closed:  # ... and closed it: reopened to read its figures
+                    run = study.last_run
                     study = study._reopened()
+                    study.last_run = run
                     studies.append(study)
+                if tuned is not None:
+                    tuner, best = tuned
+                    report_study(study, best, metric=tuner.metric, mode=tuner.mode, out=stream)
+                    _print_follow_up(study, default, stream)
+                    return 0
                 tuner = pick(namespace, "tuner", Tuner, "tuner", str(script))
                 # Names first: a typo is refused before the storage is even opened.
                 check_space_names(study.trainer, getattr(tuner, "space", None))
@@ -145,7 +159,7 @@ def run_script(
             finally:
                 _close_all(studies)
     except KeyboardInterrupt:
-        print("interrupted; run again to resume", file=sys.stderr)
+        print(INTERRUPTED_MESSAGE, file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
 
@@ -160,10 +174,11 @@ def command_line_overrides(
     token: str | None = None,
     workers: int | None = None,
     storage: str | None = None,
+    budget: Budget | None = None,
 ) -> Iterator[None]:
     """While the block runs, every ``Study(...)`` honours the options given (None: the
-    script's own), and ``storage`` is also ``$STAGETREE_STORAGE``; both are restored
-    when it ends."""
+    script's own), every ``tune()`` without a budget of its own ``budget``, and
+    ``storage`` is also ``$STAGETREE_STORAGE``; both are restored when it ends."""
     saved_env = os.environ.get(STORAGE_ENV)
     given = {
         "executor": executor,
@@ -173,6 +188,7 @@ def command_line_overrides(
         "token": token,
         "workers": workers,
         "storage": storage,
+        "budget": budget,
     }
     chosen = {key: value for key, value in given.items() if value is not None}
     if storage is not None:
@@ -294,7 +310,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--dashboard",
         action="store_true",
         help="serve the dashboard of the study's storage on 127.0.0.1 while it runs "
-        "(pip install 'stagetree[dashboard]')",
+        "(needs starlette and uvicorn: the dashboard extra)",
     )
     p.add_argument(
         "--dashboard-port",

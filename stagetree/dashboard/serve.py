@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from stagetree.exceptions import StagetreeError
+from stagetree.extras import install_hint
 from stagetree.reports.open import open_existing_storage
 from stagetree.web.auth import is_loopback, read_token_file
 from stagetree.web.listen import listen, quiet_server, shown_host, shown_url
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover - without the extra: calling it says wha
     def create_dashboard_app(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         """Raise :func:`check_web`'s error (starlette or uvicorn is missing)."""
         check_web()
-        raise StagetreeError(f"the dashboard needs starlette: {_INSTALL}")
+        raise StagetreeError(f"the dashboard needs starlette: {install_hint('dashboard')}")
 
 
 if TYPE_CHECKING:
@@ -54,8 +55,6 @@ __all__ = [
 #: ``stagetree dashboard``'s port (``stagetree serve`` has 8642).
 DEFAULT_PORT = 8643
 
-_INSTALL = "pip install 'stagetree[dashboard]'"
-
 
 def check_web() -> None:
     """Raise a clear error when the web packages are missing.
@@ -68,7 +67,8 @@ def check_web() -> None:
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise StagetreeError(
-            f"the dashboard needs starlette and uvicorn ({exc.name} is missing): {_INSTALL}"
+            f"the dashboard needs starlette and uvicorn ({exc.name} is missing): "
+            f"{install_hint('dashboard')}"
         ) from None
 
 

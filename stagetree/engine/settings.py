@@ -160,6 +160,9 @@ class Overrides:
         address: ``--address`` (a Ray cluster).
         url: ``--url`` (a tuning server).
         token: the token of ``--token-file``.
+        budget: ``--budget`` (a :class:`~stagetree.budget.Budget` or its text): the
+            limits of a ``tune()`` called without a budget of its own (a script
+            without a main guard that tunes while ``stagetree run`` loads it).
     """
 
     workers: int | None = None
@@ -169,6 +172,7 @@ class Overrides:
     address: str | None = None
     url: str | None = None
     token: str | None = None
+    budget: Any = None
 
 
 # Overrides is frozen, so one shared default is safe.

@@ -67,6 +67,7 @@ from stagetree.executors._events import (
 from stagetree.executors._spec import TrainerClasses, TrainerSpec
 from stagetree.executors.base import BaseExecutor
 from stagetree.executors.worker import Worker
+from stagetree.extras import install_hint
 from stagetree.work import (
     Abort,
     AddCheckpoint,
@@ -87,7 +88,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RayExecutor", "default_resources", "import_ray"]
 
-INSTALL_HINT = "pip install 'stagetree[ray]'"
 # A slot whose actor dies this many times in a row before it is ready is not restarted.
 _MAX_START_FAILURES = 3
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -103,7 +103,8 @@ def import_ray() -> Any:
         import ray
     except ImportError as exc:
         raise ExecutorError(
-            f"the Ray executor needs Ray, which is not installed here ({exc}): {INSTALL_HINT}"
+            f"the Ray executor needs Ray, which is not installed here ({exc}): "
+            f"{install_hint('ray')}"
         ) from exc
     return ray
 

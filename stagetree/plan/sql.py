@@ -232,6 +232,19 @@ def _sqlite_readonly(url: URL) -> bool:
     return not (os.access(path, os.W_OK) and os.access(os.path.dirname(path), os.W_OK))
 
 
+def _check_sqlite_directory(shown: str, url: URL) -> None:
+    """Fail with the cause when a SQLite file's directory does not exist (SQLite only
+    says "unable to open database file"); nothing is created for it."""
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return
+    directory = os.path.dirname(os.path.abspath(database))
+    if not os.path.isdir(directory):
+        raise StorageError(
+            f"cannot open plan storage {shown!r}: directory {directory} does not exist"
+        )
+
+
 def _use_wal(cur: Any, wait: float = 60.0) -> None:
     """Put the database in WAL mode (persistent: once set, every later connection finds
     it so). Switching needs the database to itself, and SQLite answers "database is
@@ -326,6 +339,8 @@ class SQLPlanStorage(BasePlanStorage):
         if readonly is None:
             readonly = backend == "sqlite" and _sqlite_readonly(parsed)
         self.readonly = readonly
+        if backend == "sqlite":
+            _check_sqlite_directory(self._url, parsed)
         try:
             if backend == "sqlite":
                 self._engine = _sqlite_engine(parsed, readonly)

@@ -51,6 +51,7 @@ from stagetree.checkpoints.format import REF_RE, decode
 from stagetree.checkpoints.location import default_checkpoint_dir
 from stagetree.checkpoints.stores import open_byte_store
 from stagetree.exceptions import CheckpointError, MissingExtraError, PlanKeyError, StagetreeError
+from stagetree.extras import install_hint
 from stagetree.plan.base import BasePlanStorage
 from stagetree.records import TrialRecord, TrialState
 from stagetree.reports.format import short_sequence
@@ -95,7 +96,7 @@ def require(module: str, extra: str, what: str) -> Any:
     except ImportError as exc:
         raise MissingExtraError(
             f"{what} needs the package {module.split('.')[0]!r}, which is not installed: "
-            f"pip install 'stagetree[{extra}]'"
+            f"{install_hint(extra)}"
         ) from exc
 
 

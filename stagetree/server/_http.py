@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from stagetree import __version__
 from stagetree.exceptions import ServerError, ServerUnavailableError, StagetreeError
+from stagetree.extras import install_hint
 from stagetree.server.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
@@ -67,9 +68,7 @@ class Connection:
         try:
             import httpx
         except ImportError:
-            raise StagetreeError(
-                "a remote study needs httpx: pip install 'stagetree[server]'"
-            ) from None
+            raise StagetreeError(f"a remote study needs httpx: {install_hint('server')}") from None
 
         self.url = url.rstrip("/")
         self.give_up = reconnect_timeout() if give_up is None else give_up

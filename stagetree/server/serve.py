@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from stagetree.engine.coordination import lease_ttl as default_ttl
 from stagetree.exceptions import StagetreeError
 from stagetree.executors.registry import check_executor
+from stagetree.extras import install_hint
 from stagetree.plan.registry import open_storage
 from stagetree.server.hub import Hub, HubConfig
 from stagetree.server.protocol import DEFAULT_PORT
@@ -54,7 +55,7 @@ def serve(
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise StagetreeError("stagetree serve needs pip install 'stagetree[server]'") from None
+        raise StagetreeError(f"stagetree serve needs {install_hint('server')}") from None
 
     stream = out if out is not None else sys.stdout
     if (ssl_certfile is None) != (ssl_keyfile is None):

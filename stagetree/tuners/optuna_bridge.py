@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import InvalidSequenceError, InvalidSpaceError, TunerError
+from stagetree.extras import install_hint
 from stagetree.space import RandomSpace, TrialSpec, _check_fixed_value, _to_sequence
 
 if TYPE_CHECKING:
@@ -63,9 +64,7 @@ def _optuna() -> Any:
     try:
         import optuna
     except ImportError:
-        raise TunerError(
-            "sampler= needs Optuna: pip install 'stagetree[optuna]' (or pip install optuna)"
-        ) from None
+        raise TunerError(f"sampler= needs Optuna: {install_hint('optuna')}") from None
     return optuna
 
 

@@ -66,6 +66,43 @@ def test_study_arguments_are_checked_before_anything_is_opened(
     assert not (tmp_path / "plan.db").exists()
 
 
+@pytest.mark.parametrize(
+    "storage",
+    [
+        "sqlite:///{tmp}/nonexistent/dir/x.db",  # a directory that does not exist
+        "bogus://x",  # an unknown scheme
+        "postgresql://u:p@127.0.0.1:1/db",  # nobody listens there
+    ],
+)
+def test_a_bad_storage_url_creates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, storage: str
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # where ./stagetree_checkpoints would go
+    study = Study("s", Counter, storage=storage.format(tmp=tmp_path), executor="inline")
+    with pytest.raises(StorageError, match="plan storage") as info:
+        study.open()
+    if "nonexistent" in storage:
+        assert "does not exist" in str(info.value)
+    study.close()
+    # Nor a checkpoint directory the study names.
+    named = Study("s", Counter, storage=storage.format(tmp=tmp_path), checkpoint_dir="ckpts")
+    with pytest.raises(StorageError):
+        named.open()
+    named.close()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["work"]
+
+
+def test_checkpoints_beside_a_sqlite_file_ignore_the_url_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with Study("s", Counter, storage="sqlite:///plan.db?timeout=5", executor="inline") as s:
+        s.open()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.db", "plan.db.checkpoints"]
+
+
 def test_checkpoint_budget_accepts_sizes(tmp_path: Path) -> None:
     for given, expected in (("10MB", 10**7), ("2GiB", 2 * 2**30), ("1.5 kB", 1500), (512, 512)):
         study = Study("s", Counter, storage="memory://", checkpoint_budget=given)

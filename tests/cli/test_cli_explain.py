@@ -114,6 +114,46 @@ def test_explain_random_space_with_overrides(
     assert "only 8 distinct trials" in capsys.readouterr().err
 
 
+def test_explain_overrides_what_the_file_does_not_define(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A file with neither steps nor num_trials nor an int seed: the options stand in.
+    text = (
+        "from stagetree.distributions import Choice\n"
+        "from stagetree.hp import MultiStep\n"
+        "from stagetree.space import RandomSpace\n"
+        "space = RandomSpace({'lr': MultiStep(0.1, Choice([[10], [20]]),\n"
+        "                                     Choice([0.1, 0.2, 0.3, 0.4]))})\n"
+        "seed = 'not a seed'\n"
+    )
+    path = _write(tmp_path, text)
+    args = ["explain", str(path), "--steps", "30", "--num-trials", "8", "--seed", "5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert _field(out, "trials") == "8"
+    assert _field(out, "total steps") == "240"
+    assert _field(out, "unique steps") == "140"
+    # Without --steps the error says what to do.
+    assert main(["explain", str(path), "--num-trials", "8", "--seed", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "defines no variable 'steps'" in err and "--steps" in err
+
+
+def test_explain_training_script_with_steps_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # examples/digits.py is a training script: it defines `space` but not `steps`.
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STAGETREE_STORAGE", f"sqlite:///{tmp_path / 'digits.db'}")
+    assert main(["explain", str(ROOT / "examples" / "digits.py"), "--steps", "24"]) == 0
+    out = capsys.readouterr().out
+    assert _field(out, "trials") == "16"
+    assert _field(out, "root keys") == "1"
+    assert _field(out, "total steps") == str(16 * 24)
+    assert 24 <= int(_field(out, "unique steps")) < 16 * 24
+
+
 def test_explain_identical_trials_count_twice() -> None:
     trial = TrialSpec({}, {"lr": Constant(0.1)})
     result = plan_trials([trial, trial], 10)

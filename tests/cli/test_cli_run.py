@@ -792,6 +792,71 @@ def test_run_tiny_study_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert 15 <= stats["steps_executed"] <= 20
 
 
+UNGUARDED = """
+from study_trainers import LinearTrainer
+
+from stagetree.hp import Constant, MultiStep
+from stagetree.space import GridSpace
+from stagetree.study import Study
+from stagetree.tuners import GridSearch
+
+# Two trials of 6 steps that agree on steps 0-2: 12 requested, 9 unique.
+space = GridSpace({"lr": [Constant(0.05), MultiStep(0.05, [3], 0.5)]})
+tuner = GridSearch(space, metric="score", mode="max", steps=6)
+study = Study("unguarded", LinearTrainer, executor="inline")
+"""
+
+
+@pytest.mark.parametrize(
+    "tune",
+    ["best = study.tune(tuner)\n", "with study:\n    best = study.tune(tuner)\n"],
+    ids=["open", "closed"],
+)
+def test_run_a_script_without_main_guard_tunes_once(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tune: str,
+) -> None:
+    # The script tunes while it loads; the command reports that run, tuning no more.
+    path = tmp_path / "unguarded.py"
+    path.write_text(UNGUARDED + tune)
+    url = f"sqlite:///{tmp_path / 'unguarded.db'}"
+    runs: list[str] = []
+    begin = study_module.Study.begin_tuning
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        runs.append(self.name)
+        begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(study_module.Study, "begin_tuning", counting)
+    assert main(["run", str(path), "--storage", url, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert runs == ["unguarded"]
+    assert _line(out, "this run").startswith("2 trials; trained 9 steps")
+    assert _line(out, "best score").endswith("(max, after 6 steps)")
+    assert _field(out, "trials") == "2"
+    assert _field(out, "steps executed") == "9"
+    assert _no_engine_on(url)
+    with open_storage(url) as s:
+        assert len(s.trials("unguarded")) == 2
+        assert s.stats("engine")["steps_executed"] == 9
+
+
+def test_run_budget_limits_the_tuning_of_a_script_without_main_guard(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "unguarded.py"
+    path.write_text(UNGUARDED + "best = study.tune(tuner)\n")
+    url = f"sqlite:///{tmp_path / 'unguarded.db'}"
+    args = ["run", str(path), "--storage", url, "--no-progress", "--budget", "1 trials"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert _line(out, "this run").startswith("1 trial")
+    with open_storage(url) as s:
+        assert len(s.trials("unguarded")) == 1
+
+
 def test_report_matches_study_stats_in_process(tmp_path: Path) -> None:
     from stagetree.space import GridSpace
     from stagetree.study import Study

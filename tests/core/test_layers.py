@@ -27,6 +27,7 @@ FACADES = ("stagetree", "stagetree.plan", "stagetree.reports", "stagetree.execut
 LAYERS: list[tuple[str, ...]] = [
     (
         "stagetree.exceptions",
+        "stagetree.extras",
         "stagetree.hp",
         "stagetree.distributions",
         "stagetree.space",

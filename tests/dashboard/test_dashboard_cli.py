@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 
 from conftest import free_port
 
-from stagetree import cli
+from stagetree import cli, extras
 from stagetree.dashboard import check_web, start_dashboard
 from stagetree.exceptions import StagetreeError
 from stagetree.plan import SQLPlanStorage
@@ -90,6 +90,8 @@ def test_other_hosts_need_a_token(tmp_path: Path, capsys: pytest.CaptureFixture)
 
 def test_missing_web_packages_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "uvicorn", None)
+    # Installed from an index: the extra's name is what installs it.
+    monkeypatch.setattr(extras, "installation", lambda: extras.Installation("index"))
     with pytest.raises(StagetreeError, match=r"pip install 'stagetree\[dashboard\]'"):
         check_web()
     with pytest.raises(StagetreeError, match="uvicorn is missing"):

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +223,67 @@ def test_rerunning_a_finished_study_in_a_new_process_trains_nothing(tmp_path: Pa
     best2, (executed2, _, _) = _run_script(script)
     assert best2 == best1
     assert executed2 == executed1  # cumulative: the second run trained nothing
+
+
+INTERRUPTED = textwrap.dedent(
+    """
+    import pathlib
+    import sys
+    import time
+    sys.path.insert(0, {fakes!r})
+    from study_trainers import LinearTrainer
+    from stagetree import Study
+    from stagetree.hp import Constant
+    from stagetree.space import GridSpace
+    from stagetree.tuners import GridSearch
+
+    class Slow(LinearTrainer):
+        def train(self):
+            pathlib.Path({marker!r}).touch()  # training has started: Ctrl-C may come
+            time.sleep(0.05)
+            return super().train()
+
+    # About 3 s of training, in one batch that closing the study waits for (inline).
+    tuner = GridSearch(GridSpace({{"lr": [Constant(0.05)]}}), "score", steps=60)
+    with Study("ctrl-c", Slow, storage={url!r}, executor="inline") as study:
+        study.tune(tuner)
+    """
+)
+
+
+def test_ctrl_c_in_tune_says_interrupted_in_one_line(tmp_path: Path) -> None:
+    marker = tmp_path / "training"
+    script = tmp_path / "interrupted.py"
+    fakes = str(Path(__file__).parents[1] / "fakes")
+    url = f"sqlite:///{tmp_path}/plan.db"
+    script.write_text(INTERRUPTED.format(fakes=fakes, marker=str(marker), url=url))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        # A shell that starts jobs in the background leaves SIGINT ignored, and a child
+        # inherits that: give the script the default handler.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), proc.communicate()[1]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGINT  # ended by an uncaught KeyboardInterrupt
+    assert err.rstrip().endswith(
+        "KeyboardInterrupt: study 'ctrl-c': interrupted; run again to resume"
+    ), err
+    assert "During handling" not in err and "CancelledError" not in err, err
+    assert len(err.splitlines()) <= 8, err
 
 
 def test_tuners_run_real_studies(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from stagetree import Study
+from stagetree import Study, extras
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import ExecutorError
 from stagetree.executors import executor_names, make_executor
@@ -67,6 +67,8 @@ def test_unknown_executor_name_lists_the_known_ones(tmp_path: Path) -> None:
 
 def test_ray_not_installed_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    # Installed from an index: the extra's name is what installs it.
+    monkeypatch.setattr(extras, "installation", lambda: extras.Installation("index"))
     ex = RayExecutor(Adder, 1, checkpoint_dir=tmp_path)
     with pytest.raises(ExecutorError, match=r"pip install 'stagetree\[ray\]'"):
         ex.start()

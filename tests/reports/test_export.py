@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from study_trainers import LinearTrainer
 
-from stagetree import Study
+from stagetree import Study, extras
 from stagetree.cli import export, main
 from stagetree.exceptions import MissingExtraError, TrialFailedError
 from stagetree.hp import Constant, MultiStep
@@ -200,6 +200,8 @@ def test_a_missing_package_names_the_extra(
 ) -> None:
     storage, ids = plan
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    # Installed from an index: the extra's name is what installs it.
+    monkeypatch.setattr(extras, "installation", lambda: extras.Installation("index"))
     out = tmp_path / "out"
     if fmt == "checkpoint":
         args = ["--checkpoint", str(ids["lr1"]), "-o", str(out)]
@@ -208,6 +210,26 @@ def test_a_missing_package_names_the_extra(
     assert main(["export", "--storage", storage, *args]) == 2
     assert f"pip install 'stagetree[{extra}]'" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_a_missing_package_from_a_checkout_says_what_works_there(
+    plan: tuple[str, dict[str, int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # From a checkout, pip install 'stagetree[parquet]' asks an index for another
+    # package: the hint gives the plain package and the extra from the project.
+    storage, _ = plan
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    project = tmp_path / "stagetree-src"
+    monkeypatch.setattr(extras, "installation", lambda: extras.Installation("checkout", project))
+    out = tmp_path / "out"
+    assert main(["export", "--storage", storage, "--format", "parquet", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install pyarrow (" in err
+    assert f"in {project}: pip install -e '.[parquet]'" in err
+    assert "pip install 'stagetree[" not in err
 
 
 def test_dataframe_without_pandas_names_the_extra(
