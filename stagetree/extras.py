@@ -59,6 +59,11 @@ class Installation:
 def installation() -> Installation:
     """How the running stagetree was installed (from its distribution's metadata and
     where this module's file lies; cached)."""
+    project = _PACKAGE.parent
+    if (project / "pyproject.toml").is_file() and "site-packages" not in _PACKAGE.parts:
+        # The code runs from a source tree (editable install, or on the path); whatever
+        # metadata is found (a build's stagetree.egg-info beside it) says nothing more.
+        return Installation("checkout", project)
     try:
         dist: importlib.metadata.Distribution | None = importlib.metadata.distribution("stagetree")
     except importlib.metadata.PackageNotFoundError:
