@@ -210,7 +210,11 @@ class Scheduler:
     checkpoints where known nodes branch off its path even when they have no request
     yet (the study inserts trials up to the tuner's horizon), and a running batch is
     asked for such a checkpoint when a node that branches off ahead of its worker is
-    added. A later promotion then starts at its branch point instead of recomputing.
+    added. A later promotion then starts at its branch point instead of recomputing,
+    also where the batch itself goes on in the branching node. In a tree that gets
+    nodes while it trains (configurations proposed from results, e.g. by a sampler),
+    batches also checkpoint at the steps where the tree already branches elsewhere,
+    where later trials are likely to branch off (see ``_branch_points``).
 
     Events accepted by :meth:`handle`: the plan events of
     :mod:`stagetree.scheduler.events` and the worker events of :mod:`stagetree.work`.
@@ -283,6 +287,11 @@ class Scheduler:
         self.max_retries = max_retries
         self.branch_checkpoints = branch_checkpoints
         self._children: dict[int, list[Node]] = {}
+        # Steps at which nodes of each plan tree branch, the trees a batch was planned
+        # for, and those that got a node after that (see _branch_points).
+        self._branch_steps: dict[str, set[int]] = {}
+        self._trained: set[str] = set()
+        self._growing: set[str] = set()
         self._roots: dict[str, dict[str, Any]] = {}
         self._nodes: dict[int, Node] = {}
         self._requests: dict[Key, int] = {}
@@ -492,6 +501,9 @@ class Scheduler:
         self._nodes[node.id] = node
         if node.parent is not None:
             self._children.setdefault(node.parent, []).append(node)
+            self._branch_steps.setdefault(node.root_key, set()).add(node.branch_step)
+            if node.root_key in self._trained:
+                self._growing.add(node.root_key)
             if self.branch_checkpoints:
                 self._checkpoint_new_branch(node, out)
 
@@ -501,15 +513,27 @@ class Scheduler:
         Nodes without requests come from trials inserted up to the tuner's horizon (a
         trial at rung 1 of ASHA is inserted to its last rung): a checkpoint where they
         branch lets a later promotion start there instead of recomputing the prefix.
+        That holds also where the path itself continues in the child: the parent goes
+        on past its branch point (the trial that made it was inserted to its horizon),
+        and its promotion resumes there.
+
+        In a tree that grows while it trains (it got a node after a batch was planned
+        for it: a model-based sampler proposes each configuration from the results so
+        far, so its trials cannot be inserted in advance), also at every step where
+        some node of the tree branches: later trials branch off paths trained before
+        they existed, where the space's sequences change value (milestones, switches),
+        which are the steps where the tree already branches elsewhere. A checkpoint
+        there lets them start from it instead of training the prefix again.
         """
         out: set[Key] = set()
-        segs = list(segments)
-        for i, (node, start, stop) in enumerate(segs):
-            follow = segs[i + 1][0] if i + 1 < len(segs) else None
+        for node, start, stop in segments:
             for child in self._children.get(node, ()):
                 d = child.branch_step
-                if start < d <= stop and not (child.id == follow and d == stop):
+                if start < d <= stop:
                     out.add((node, d))
+            root_key = self._nodes[node].root_key
+            if root_key in self._growing:
+                out.update((node, d) for d in self._branch_steps[root_key] if start < d < stop)
         return out
 
     def _checkpoint_new_branch(self, node: Node, out: list[Instruction | Notice]) -> None:
@@ -1224,6 +1248,7 @@ class Scheduler:
         batch_id = self._next_batch
         self._next_batch += 1
         root_key = self._nodes[root.node].root_key
+        self._trained.add(root_key)
         self._batches[batch_id] = _Batch(
             batch_id,
             worker,

@@ -42,3 +42,24 @@ def test_node_added_ahead_of_a_running_batch_asks_for_a_checkpoint() -> None:
     (node,) = c.new_nodes
     added = sched.handle(NodeAdded(node))
     assert AddCheckpoint(batch.batch_id, 0, node.parent, 15, False) in added  # type: ignore[arg-type]
+
+
+def test_path_into_a_child_checkpoints_where_its_parent_goes_on() -> None:
+    # A trial on the root (inserted to 20: its path goes on past 12) and a trial that
+    # branches off it at 12 and is requested first: its batch trains the root to 12 and
+    # follows the child. The root's model at 12 is where the first trial resumes later
+    # (a promotion), so the batch checkpoints it although it continues in the child.
+    plan = MemoryPlanStorage()
+    plan.insert_trial("r", {"lr": Constant(0.1)}, 20, request=False)
+    b = plan.insert_trial("r", {"lr": MultiStep(0.1, [12], 0.1)}, 20, request=False)
+    (child,) = b.new_nodes
+    sched = Scheduler()
+    sched.handle(RootAdded("r", {}))
+    for n in plan.nodes("r"):
+        sched.handle(NodeAdded(n))
+    sched.handle(WorkerReady(0))
+    (batch,) = [o for o in sched.handle(RequestAdded(child.id, 20)) if isinstance(o, RunBatch)]
+    root = child.parent
+    segments = [(s.node, s.start, s.stop) for s in batch.segments]
+    assert segments == [(root, 0, 12), (child.id, 12, 20)]
+    assert (root, 12) in batch.checkpoint_at
