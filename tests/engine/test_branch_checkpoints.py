@@ -6,7 +6,14 @@ from __future__ import annotations
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import MemoryPlanStorage
 from stagetree.scheduler import NodeAdded, RequestAdded, RootAdded, Scheduler
-from stagetree.work import AddCheckpoint, RunBatch, WorkerReady
+from stagetree.work import (
+    AddCheckpoint,
+    BatchDone,
+    CheckpointSaved,
+    MetricsReported,
+    RunBatch,
+    WorkerReady,
+)
 
 
 def _setup(branch_checkpoints: bool) -> tuple[Scheduler, MemoryPlanStorage, list[object]]:
@@ -63,3 +70,50 @@ def test_path_into_a_child_checkpoints_where_its_parent_goes_on() -> None:
     segments = [(s.node, s.start, s.stop) for s in batch.segments]
     assert segments == [(root, 0, 12), (child.id, 12, 20)]
     assert (root, 12) in batch.checkpoint_at
+
+
+def _grown_tree(grow_while_training: bool) -> tuple[RunBatch, int]:
+    """A root trial, one branching off it at 8, and one branching off that at 12 (added
+    before any batch, or after one trained the tree); then the root trial is requested
+    from its step-1 checkpoint to 16. Returns that batch and the root node."""
+    plan = MemoryPlanStorage()
+    a = plan.insert_trial("r", {"lr": Constant(0.1)}, 20, request=False)
+    plan.insert_trial("r", {"lr": MultiStep(0.1, [8], 0.5)}, 20, request=False)
+    late = {"lr": MultiStep(0.1, [8, 12], 0.5)}  # follows the 8-node, branches at 12
+    if not grow_while_training:
+        plan.insert_trial("r", late, 20, request=False)
+    sched = Scheduler()
+    sched.handle(RootAdded("r", {}))
+    known: set[int] = set()
+
+    def add_nodes() -> None:
+        for n in plan.nodes("r"):
+            if n.id not in known:
+                known.add(n.id)
+                sched.handle(NodeAdded(n))
+
+    add_nodes()
+    sched.handle(WorkerReady(0))
+    (first,) = [o for o in sched.handle(RequestAdded(a.node, 1)) if isinstance(o, RunBatch)]
+    sched.handle(MetricsReported(first.batch_id, 0, a.node, 1, {"score": 1.0}))
+    sched.handle(CheckpointSaved(first.batch_id, 0, a.node, 1, "ck-1", 1, 0.0))
+    sched.handle(BatchDone(first.batch_id, 0, 1.0, 1))
+    if grow_while_training:  # a configuration proposed from the first result
+        plan.insert_trial("r", late, 20, request=False)
+        add_nodes()
+    out = sched.handle(RequestAdded(a.node, 16))
+    (batch,) = [o for o in out if isinstance(o, RunBatch)]
+    assert [(s.node, s.start, s.stop) for s in batch.segments] == [(a.node, 1, 16)]
+    return batch, a.node
+
+
+def test_a_tree_that_grows_while_training_checkpoints_where_it_branches_elsewhere() -> None:
+    # Trials proposed from results (a model-based sampler) cannot be inserted ahead:
+    # once the tree got a node after training started, a batch also checkpoints at the
+    # steps where the tree branches elsewhere (12, off the 8-node), where later trials
+    # are likely to branch off its own path.
+    batch, root = _grown_tree(True)
+    assert (root, 8) in batch.checkpoint_at and (root, 12) in batch.checkpoint_at
+    # A tree known in advance keeps to its own branch points.
+    batch, root = _grown_tree(False)
+    assert (root, 8) in batch.checkpoint_at and (root, 12) not in batch.checkpoint_at
