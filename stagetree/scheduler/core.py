@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,6 +182,12 @@ def _by_step(keys: set[Key]) -> tuple[Key, ...]:
 # long enough that a few percent of them is more).
 _CRASH_LOSS = 60.0
 
+# Checkpoints a batch saves where no known node branches off its path yet (a tree that
+# grows while it trains, see Scheduler._branch_points): this many, or more while they
+# cost at most this share of its training time.
+_SPECULATIVE_MIN = 4
+_SPECULATIVE_SHARE = 0.1
+
 
 def check_checkpoint_every(value: Any) -> None:
     """Raises ValueError unless ``value`` is an int >= 1, ``"auto"`` or None."""
@@ -289,7 +296,7 @@ class Scheduler:
         self._children: dict[int, list[Node]] = {}
         # Steps at which nodes of each plan tree branch, the trees a batch was planned
         # for, and those that got a node after that (see _branch_points).
-        self._branch_steps: dict[str, set[int]] = {}
+        self._branch_steps: dict[str, Counter[int]] = {}
         self._trained: set[str] = set()
         self._growing: set[str] = set()
         self._roots: dict[str, dict[str, Any]] = {}
@@ -501,7 +508,7 @@ class Scheduler:
         self._nodes[node.id] = node
         if node.parent is not None:
             self._children.setdefault(node.parent, []).append(node)
-            self._branch_steps.setdefault(node.root_key, set()).add(node.branch_step)
+            self._branch_steps.setdefault(node.root_key, Counter())[node.branch_step] += 1
             if node.root_key in self._trained:
                 self._growing.add(node.root_key)
             if self.branch_checkpoints:
@@ -523,18 +530,43 @@ class Scheduler:
         some node of the tree branches: later trials branch off paths trained before
         they existed, where the space's sequences change value (milestones, switches),
         which are the steps where the tree already branches elsewhere. A checkpoint
-        there lets them start from it instead of training the prefix again.
+        there lets them start from it instead of training the prefix again. A path
+        saves at most :data:`_SPECULATIVE_MIN` of those, or more while they cost at
+        most :data:`_SPECULATIVE_SHARE` of its training time (as measured), at the
+        steps where most nodes branch: a space whose sequences change at a few steps
+        (milestones drawn from a list) gets them all, one whose change points are
+        drawn from a range does not save at every step.
         """
         out: set[Key] = set()
+        guesses: list[tuple[int, Key]] = []
+        steps, root_key = 0, ""
         for node, start, stop in segments:
             for child in self._children.get(node, ()):
                 d = child.branch_step
                 if start < d <= stop:
                     out.add((node, d))
+            steps += stop - start
             root_key = self._nodes[node].root_key
             if root_key in self._growing:
-                out.update((node, d) for d in self._branch_steps[root_key] if start < d < stop)
+                counts = self._branch_steps[root_key]
+                guesses += [(-n, (node, d)) for d, n in counts.items() if start < d < stop]
+        guesses = sorted(g for g in guesses if g[1] not in out and g[1] not in self._checkpoints)
+        if guesses:  # one path: one tree
+            limit = self._speculative_limit(root_key, steps)
+            out.update(key for _, key in guesses[:limit])
         return out
+
+    def _speculative_limit(self, root_key: str, steps: int) -> int | None:
+        """Most checkpoints a path of ``steps`` steps of tree ``root_key`` may save where
+        no known node branches off it (see :meth:`_branch_points`); None: no limit
+        before a step and a save of the tree were measured."""
+        step = self.estimator.widths(root_key).get(1)
+        if not step or not self._save_count:
+            return None
+        save = self._save_total / self._save_count
+        if save <= 0:
+            return None
+        return max(_SPECULATIVE_MIN, int(_SPECULATIVE_SHARE * steps * step / save))
 
     def _checkpoint_new_branch(self, node: Node, out: list[Instruction | Notice]) -> None:
         """A node that branches off a running batch's path ahead of its worker: ask for a

@@ -3,7 +3,7 @@ path, even before they have a request, so that later promotions never recompute.
 
 from __future__ import annotations
 
-from stagetree.hp import Constant, MultiStep
+from stagetree.hp import Constant, MultiStep, Piecewise
 from stagetree.plan import MemoryPlanStorage
 from stagetree.scheduler import NodeAdded, RequestAdded, RootAdded, Scheduler
 from stagetree.work import (
@@ -11,6 +11,7 @@ from stagetree.work import (
     BatchDone,
     CheckpointSaved,
     MetricsReported,
+    Progress,
     RunBatch,
     WorkerReady,
 )
@@ -117,3 +118,42 @@ def test_a_tree_that_grows_while_training_checkpoints_where_it_branches_elsewher
     # A tree known in advance keeps to its own branch points.
     batch, root = _grown_tree(False)
     assert (root, 8) in batch.checkpoint_at and (root, 12) not in batch.checkpoint_at
+
+
+def _speculative(save_seconds: float) -> set[tuple[int, int]]:
+    """Checkpoints of a batch of the root trial (1 ms a step measured) where nothing
+    branches off its path, in a tree where trials proposed while it trains branch off
+    another path at steps 3..18, several of them at 8 and 12."""
+    plan = MemoryPlanStorage()
+    a = plan.insert_trial("r", {"lr": Constant(0.1)}, 20, request=False)
+    b = plan.insert_trial("r", {"lr": Piecewise([0.1, 0.05], [1])}, 20, request=False)
+    sched = Scheduler()
+    sched.handle(RootAdded("r", {}))
+    for n in plan.nodes("r"):
+        sched.handle(NodeAdded(n))
+    sched.handle(WorkerReady(0))
+    (first,) = [o for o in sched.handle(RequestAdded(b.node, 2)) if isinstance(o, RunBatch)]
+    for seg in first.segments:
+        sched.handle(Progress(first.batch_id, 0, seg.node, seg.stop, 0.001))
+    sched.handle(MetricsReported(first.batch_id, 0, b.node, 2, {"score": 1.0}))
+    for node, step in first.checkpoint_at:
+        sched.handle(CheckpointSaved(first.batch_id, 0, node, step, f"ck{step}", 1, save_seconds))
+    sched.handle(BatchDone(first.batch_id, 0, 1.0, 2))
+    known = {n.id for n in plan.nodes("r")}
+    for i, d in enumerate([*range(3, 19), 8, 12, 12]):  # off b's path, at d
+        hp = {"lr": Piecewise([0.1, 0.05, 0.001 * (i + 1)], [1, d])}
+        (node,) = plan.insert_trial("r", hp, 20, request=False).new_nodes
+        assert node.parent == b.node and node.id not in known
+        sched.handle(NodeAdded(node))
+    out = sched.handle(RequestAdded(a.node, 20))
+    (batch,) = [o for o in out if isinstance(o, RunBatch)]
+    assert [(s.node, s.start, s.stop) for s in batch.segments] == [(a.node, 1, 20)]
+    return set(batch.checkpoint_at) - {(a.node, 20)}
+
+
+def test_a_growing_tree_saves_few_guesses_where_steps_are_cheap() -> None:
+    # Saves cost 1000 steps: a batch saves only a few checkpoints at guessed branch
+    # points, where most nodes branch first (12, then 8, then the earliest).
+    assert {step for _, step in _speculative(1.0)} == {12, 8, 3, 4}
+    # Saves cost next to nothing: every step where the tree branches elsewhere.
+    assert {step for _, step in _speculative(1e-9)} == set(range(3, 19))
