@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,6 +182,12 @@ def _by_step(keys: set[Key]) -> tuple[Key, ...]:
 # long enough that a few percent of them is more).
 _CRASH_LOSS = 60.0
 
+# Checkpoints a batch saves where no known node branches off its path yet (a tree that
+# grows while it trains, see Scheduler._branch_points): this many, or more while they
+# cost at most this share of its training time.
+_SPECULATIVE_MIN = 4
+_SPECULATIVE_SHARE = 0.1
+
 
 def check_checkpoint_every(value: Any) -> None:
     """Raises ValueError unless ``value`` is an int >= 1, ``"auto"`` or None."""
@@ -210,7 +217,11 @@ class Scheduler:
     checkpoints where known nodes branch off its path even when they have no request
     yet (the study inserts trials up to the tuner's horizon), and a running batch is
     asked for such a checkpoint when a node that branches off ahead of its worker is
-    added. A later promotion then starts at its branch point instead of recomputing.
+    added. A later promotion then starts at its branch point instead of recomputing,
+    also where the batch itself goes on in the branching node. In a tree that gets
+    nodes while it trains (configurations proposed from results, e.g. by a sampler),
+    batches also checkpoint at the steps where the tree already branches elsewhere,
+    where later trials are likely to branch off (see ``_branch_points``).
 
     Events accepted by :meth:`handle`: the plan events of
     :mod:`stagetree.scheduler.events` and the worker events of :mod:`stagetree.work`.
@@ -283,6 +294,11 @@ class Scheduler:
         self.max_retries = max_retries
         self.branch_checkpoints = branch_checkpoints
         self._children: dict[int, list[Node]] = {}
+        # Steps at which nodes of each plan tree branch, the trees a batch was planned
+        # for, and those that got a node after that (see _branch_points).
+        self._branch_steps: dict[str, Counter[int]] = {}
+        self._trained: set[str] = set()
+        self._growing: set[str] = set()
         self._roots: dict[str, dict[str, Any]] = {}
         self._nodes: dict[int, Node] = {}
         self._requests: dict[Key, int] = {}
@@ -492,6 +508,9 @@ class Scheduler:
         self._nodes[node.id] = node
         if node.parent is not None:
             self._children.setdefault(node.parent, []).append(node)
+            self._branch_steps.setdefault(node.root_key, Counter())[node.branch_step] += 1
+            if node.root_key in self._trained:
+                self._growing.add(node.root_key)
             if self.branch_checkpoints:
                 self._checkpoint_new_branch(node, out)
 
@@ -501,16 +520,53 @@ class Scheduler:
         Nodes without requests come from trials inserted up to the tuner's horizon (a
         trial at rung 1 of ASHA is inserted to its last rung): a checkpoint where they
         branch lets a later promotion start there instead of recomputing the prefix.
+        That holds also where the path itself continues in the child: the parent goes
+        on past its branch point (the trial that made it was inserted to its horizon),
+        and its promotion resumes there.
+
+        In a tree that grows while it trains (it got a node after a batch was planned
+        for it: a model-based sampler proposes each configuration from the results so
+        far, so its trials cannot be inserted in advance), also at every step where
+        some node of the tree branches: later trials branch off paths trained before
+        they existed, where the space's sequences change value (milestones, switches),
+        which are the steps where the tree already branches elsewhere. A checkpoint
+        there lets them start from it instead of training the prefix again. A path
+        saves at most :data:`_SPECULATIVE_MIN` of those, or more while they cost at
+        most :data:`_SPECULATIVE_SHARE` of its training time (as measured), at the
+        steps where most nodes branch: a space whose sequences change at a few steps
+        (milestones drawn from a list) gets them all, one whose change points are
+        drawn from a range does not save at every step.
         """
         out: set[Key] = set()
-        segs = list(segments)
-        for i, (node, start, stop) in enumerate(segs):
-            follow = segs[i + 1][0] if i + 1 < len(segs) else None
+        guesses: list[tuple[int, Key]] = []
+        steps, root_key = 0, ""
+        for node, start, stop in segments:
             for child in self._children.get(node, ()):
                 d = child.branch_step
-                if start < d <= stop and not (child.id == follow and d == stop):
+                if start < d <= stop:
                     out.add((node, d))
+            steps += stop - start
+            root_key = self._nodes[node].root_key
+            if root_key in self._growing:
+                counts = self._branch_steps[root_key]
+                guesses += [(-n, (node, d)) for d, n in counts.items() if start < d < stop]
+        guesses = sorted(g for g in guesses if g[1] not in out and g[1] not in self._checkpoints)
+        if guesses:  # one path: one tree
+            limit = self._speculative_limit(root_key, steps)
+            out.update(key for _, key in guesses[:limit])
         return out
+
+    def _speculative_limit(self, root_key: str, steps: int) -> int | None:
+        """Most checkpoints a path of ``steps`` steps of tree ``root_key`` may save where
+        no known node branches off it (see :meth:`_branch_points`); None: no limit
+        before a step and a save of the tree were measured."""
+        step = self.estimator.widths(root_key).get(1)
+        if not step or not self._save_count:
+            return None
+        save = self._save_total / self._save_count
+        if save <= 0:
+            return None
+        return max(_SPECULATIVE_MIN, int(_SPECULATIVE_SHARE * steps * step / save))
 
     def _checkpoint_new_branch(self, node: Node, out: list[Instruction | Notice]) -> None:
         """A node that branches off a running batch's path ahead of its worker: ask for a
@@ -1224,6 +1280,7 @@ class Scheduler:
         batch_id = self._next_batch
         self._next_batch += 1
         root_key = self._nodes[root.node].root_key
+        self._trained.add(root_key)
         self._batches[batch_id] = _Batch(
             batch_id,
             worker,
