@@ -459,13 +459,13 @@ class Engine:
         """Take the study's tuning lease (one tuner per study at a time, across
         processes). Returns the holder's lease when another process holds it, else None:
         then the driver is started (the workers start with the first request the plan
-        cannot answer, see :meth:`ensure_started`), and ``meta``, the tuner's metric and mode, is
-        recorded with the next write, with the run's record ``meta["run"]``: ``started``
-        (this call's time, on the clock of the activity records: before the workers
-        start, so that their start-up counts), ``workers``, ``owner`` (this engine's
-        lease owner, which the activity records of its batches carry) and ``version``.
-        :meth:`end_tuning` adds ``ended``; :func:`stagetree.reports.costs.efficiency` reads
-        them."""
+        cannot answer, see :meth:`ensure_started`), and ``meta``, the tuner's metric and
+        mode, is recorded with the next write, with the run's record ``meta["run"]``:
+        ``started`` (this call's time, on the clock of the activity records: before the
+        workers start, so that their start-up counts), ``workers``, ``owner`` (this
+        engine's lease owner, which the activity records of its batches carry) and
+        ``version``. :meth:`end_tuning` adds ``ended``;
+        :func:`stagetree.reports.costs.efficiency` reads them."""
         with self.lock:
             holder = self.coord.claim_study(slot.name)
             if holder is not None:
