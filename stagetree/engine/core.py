@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -216,6 +217,7 @@ class Engine:
         self._wake = threading.Event()
         self.error: BaseException | None = None
         self._closed = False
+        self._pid = os.getpid()  # the process whose exit closes this engine
         self.users = 0
         self.temporary_checkpoints = False  # remove the store's directory on close
         # The batches handed to the executor that have not ended yet, by batch id.
@@ -295,6 +297,8 @@ class Engine:
     def _close_at_exit(self) -> None:
         """Close the engine at interpreter exit when no study closed it (atexit runs the
         hooks registered last first: this one runs before the executor's)."""
+        if os.getpid() != self._pid:
+            return  # a forked child's exit: the workers and the storage are the parent's
         with contextlib.suppress(Exception):
             self.close()
 

@@ -189,7 +189,7 @@ def _start_forkserver(preload: list[str]) -> None:
 
 
 def _stop_workers(
-    lock: threading.Lock, closing: threading.Event, slots: list[Slot], timeout: float
+    lock: threading.Lock, closing: threading.Event, slots: list[Slot], timeout: float, pid: int
 ) -> None:
     """An executor's exit finalizer (it must not hold the executor): stop its workers.
 
@@ -198,6 +198,8 @@ def _stop_workers(
     here) must not be reaped twice, nor replaced by a fresh process that nothing would
     stop (multiprocessing's exit handler would then wait for it forever).
     """
+    if os.getpid() != pid:
+        return  # a forked child's exit: the workers are its parent's
     with lock:
         closing.set()
         shutdown_slots(slots, timeout)
@@ -293,7 +295,7 @@ class LocalExecutor(BaseExecutor):
         # multiprocessing's own exit handler, so it runs first: that handler would
         # otherwise wait forever for (non-daemonic) workers that wait for instructions.
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self._lock, self._closing, self._slots, close_timeout
+            self, _stop_workers, self._lock, self._closing, self._slots, close_timeout, os.getpid()
         )
         self._finalizer.atexit = False
         atexit.register(self._finalizer)

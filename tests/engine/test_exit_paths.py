@@ -6,6 +6,7 @@ replaced by a fresh process that multiprocessing's exit handler then waits for f
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -42,6 +43,29 @@ SCRIPT = textwrap.dedent(
     assert best is not None
     if how == "error":
         raise RuntimeError("the script fails after tuning")
+    if how == "fork":
+        import multiprocessing, os, time
+        workers = {{p.pid for p in multiprocessing.active_children()}}
+        assert workers
+        child = os.fork()
+        if child == 0:
+            # The exit hooks inherited from the parent run (multiprocessing's own one
+            # complains that it cannot join its parent's children: not shown).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            sys.exit(0)
+        assert os.waitpid(child, 0)[1] == 0
+        time.sleep(0.5)
+        alive = {{p.pid for p in multiprocessing.active_children()}}
+        assert workers <= alive, f"the child stopped the parent's workers {{workers - alive}}"
+        # The parent's workers are still its own: another study of this engine trains
+        # with them.
+        more = GridSpace({{"lr": [Constant(0.07)]}}, fixed={{"seed": [0]}})
+        more_tuner = ASHA(more, "score", mode="max", min_steps=1, max_steps=4, eta=2,
+                          num_trials=1, seed=0)
+        other = Study("s2", trainer, storage=f"sqlite:///plan-{{run}}.db", workers=2)
+        other.tune(more_tuner, progress=False)
+        assert other.last_run.steps_executed > 0
+        print("FORK OK", flush=True)
     """
 )
 
@@ -65,6 +89,21 @@ def test_a_script_that_fails_after_tune_exits_promptly(script: Path) -> None:
     bad = [e for e in exits if e.returncode != 1 or "Exception ignored" in e.stderr]
     assert not bad, "\n".join(f"run {e.run}: rc={e.returncode}\n{e.stderr}" for e in bad)
     assert all("the script fails after tuning" in e.stderr for e in exits)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_leaves_the_parents_workers_alone(script: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(script), "0", "fork"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=script.parent,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "FORK OK" in done.stdout
+    assert "Exception ignored" not in done.stderr, done.stderr
 
 
 def test_ctrl_c_in_tune_without_close_exits_promptly(script: Path) -> None:
