@@ -37,7 +37,7 @@ from stagetree.exceptions import (
     StagetreeError,
     StudyBusyError,
 )
-from stagetree.executors.base import WALL_CLOCK, Clock, ExecutorOptions
+from stagetree.executors.base import Clock, ExecutorOptions
 from stagetree.executors.registry import make_executor
 from stagetree.executors.simulated import drive
 from stagetree.fusion import fusion_names
@@ -353,7 +353,8 @@ class Study(StudyAPI):
             return report_costs.study_accounting(storage, self.name, self.version)["device_seconds"]
 
     def _ensure_started(self) -> None:
-        self._engine.ensure_started()
+        # The workers start with the first trial the storage cannot answer.
+        self._engine.ensure_started(workers=False)
 
     def _virtual_time(self) -> bool:
         return self._run_clock().virtual
@@ -361,8 +362,7 @@ class Study(StudyAPI):
     def _run_clock(self) -> Clock:
         """The clock of a run's wall-seconds budget: the executor's (virtual time when
         simulated)."""
-        executor = self._engine.executor
-        return executor.clock if executor is not None else WALL_CLOCK
+        return self._engine.run_clock
 
     def _record_run(self, run: RunReport) -> None:
         """Say what stopped the run: a log line, and the study's run record."""
@@ -421,7 +421,7 @@ class Study(StudyAPI):
         event loop also delivers the executor's instants (no driver thread runs)."""
         engine = self._engine
         try:
-            engine.ensure_started()
+            engine.ensure_started(workers=False)
         except BaseException:
             coro.close()  # never started: no "never awaited" warning
             raise
@@ -445,7 +445,8 @@ class Study(StudyAPI):
 
     @property
     def num_workers(self) -> int:
-        self._engine.ensure_started()
+        # Its executor's count; asking starts no worker (a run that trains nothing
+        # never starts one).
         return self._engine.num_workers
 
     # -- reports (stagetree.reports: one definition each, shared with the commands) ---------

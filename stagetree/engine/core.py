@@ -15,11 +15,13 @@ events: the driver thread plans a burst of submissions at once.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -40,7 +42,7 @@ from stagetree.exceptions import (
     TrialCancelledError,
     TrialFailedError,
 )
-from stagetree.executors.base import WALL_CLOCK, BaseExecutor
+from stagetree.executors.base import WALL_CLOCK, BaseExecutor, Clock
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.leases import host_pid
@@ -214,6 +216,8 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.error: BaseException | None = None
+        self._closed = False
+        self._pid = os.getpid()  # the process whose exit closes this engine
         self.users = 0
         self.temporary_checkpoints = False  # remove the store's directory on close
         # The batches handed to the executor that have not ended yet, by batch id.
@@ -251,30 +255,52 @@ class Engine:
 
     # -- life cycle ----------------------------------------------------------------------
 
-    def ensure_started(self) -> None:
+    def ensure_started(self, workers: bool = True) -> None:
+        """Start the driver thread and, with ``workers``, the executor's workers.
+
+        A run answered from the storage needs no worker: :meth:`begin_tuning` starts the
+        driver only (its heartbeat keeps the study's lease), and :meth:`submit` starts
+        the workers for the first request the plan cannot answer. A virtual-time
+        executor starts with the driver (it costs nothing, and its caller pumps it).
+        """
         with self.lock:
             if self.error is not None:
                 raise StagetreeError(f"the study engine stopped: {self.error!r}") from self.error
-            if self.executor is not None:
-                return
-            self.executor, self._unstarted = self._make_executor(), None
-            k = getattr(self.executor, "devices_per_worker", 1)
-            ok = isinstance(k, int) and not isinstance(k, bool) and k >= 1
-            self._devices_per_worker = k if ok else 1
-            if not self.executor.supports_fusion and self.scheduler.max_fused > 1:
-                if self._root_fusible:
-                    logger.warning(
-                        "executor %s cannot fuse jobs: fusing studies train unfused",
-                        type(self.executor).__name__,
-                    )
-                self.scheduler.max_fused = 1
-            self.executor.start()
-            for key, trainer in self._trainers.items():
-                self._add_trainer(key, trainer)
-            if self.executor.clock.virtual:
+            virtual = self._make_executor().clock.virtual
+            if (workers or virtual) and self.executor is None:
+                self._start_executor()
+            if virtual or self._thread is not None:
                 return  # virtual time: Study.tune pumps it from the tuner's loop, no thread
             self._thread = threading.Thread(target=self._run, name="stagetree-engine", daemon=True)
             self._thread.start()
+            # At interpreter exit (a study never closed), stop this engine before its
+            # executor's own exit hook stops the workers under the running driver.
+            atexit.register(self._close_at_exit)
+
+    def _start_executor(self) -> None:
+        """Start the executor's workers (lock held)."""
+        self.executor, self._unstarted = self._make_executor(), None
+        k = getattr(self.executor, "devices_per_worker", 1)
+        ok = isinstance(k, int) and not isinstance(k, bool) and k >= 1
+        self._devices_per_worker = k if ok else 1
+        if not self.executor.supports_fusion and self.scheduler.max_fused > 1:
+            if self._root_fusible:
+                logger.warning(
+                    "executor %s cannot fuse jobs: fusing studies train unfused",
+                    type(self.executor).__name__,
+                )
+            self.scheduler.max_fused = 1
+        self.executor.start()
+        for key, trainer in self._trainers.items():
+            self._add_trainer(key, trainer)
+
+    def _close_at_exit(self) -> None:
+        """Close the engine at interpreter exit when no study closed it (atexit runs the
+        hooks registered last first: this one runs before the executor's)."""
+        if os.getpid() != self._pid:
+            return  # a forked child's exit: the workers and the storage are the parent's
+        with contextlib.suppress(Exception):
+            self.close()
 
     def _make_executor(self) -> BaseExecutor:
         """The executor: the started one, else one made (not started) the first time
@@ -288,7 +314,13 @@ class Engine:
 
     @property
     def num_workers(self) -> int:
-        return self.executor.num_workers if self.executor is not None else 1
+        """The executor's workers (made if need be, not started)."""
+        return self._make_executor().num_workers
+
+    @property
+    def run_clock(self) -> Clock:
+        """The executor's clock (virtual when simulated), made if need be, not started."""
+        return self._make_executor().clock
 
     def running_steps(self) -> int:
         """Steps trained so far by batches that have not ended yet."""
@@ -313,6 +345,10 @@ class Engine:
             self.ledger.write_activity()  # the ends just learnt of, not at the next round
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
         if self._thread is not None and self.error is None:
             # Every result was delivered: let the batches still in flight report their
             # end (aborted ones stop within a step), so that their activity and counters
@@ -426,20 +462,21 @@ class Engine:
     def begin_tuning(self, slot: StudySlot, meta: Mapping[str, Any]) -> Any:
         """Take the study's tuning lease (one tuner per study at a time, across
         processes). Returns the holder's lease when another process holds it, else None:
-        then the workers are started, and ``meta``, the tuner's metric and mode, is
-        recorded with the next write, with the run's record ``meta["run"]``: ``started``
-        (this call's time, on the clock of the activity records: before the workers
-        start, so that their start-up counts), ``workers``, ``owner`` (this engine's
-        lease owner, which the activity records of its batches carry) and ``version``.
-        :meth:`end_tuning` adds ``ended``; :func:`stagetree.reports.costs.efficiency` reads
-        them."""
+        then the driver is started (the workers start with the first request the plan
+        cannot answer, see :meth:`ensure_started`), and ``meta``, the tuner's metric and
+        mode, is recorded with the next write, with the run's record ``meta["run"]``:
+        ``started`` (this call's time, on the clock of the activity records: before the
+        workers start, so that their start-up counts), ``workers``, ``owner`` (this
+        engine's lease owner, which the activity records of its batches carry) and
+        ``version``. :meth:`end_tuning` adds ``ended``;
+        :func:`stagetree.reports.costs.efficiency` reads them."""
         with self.lock:
             holder = self.coord.claim_study(slot.name)
             if holder is not None:
                 return holder
         try:
             started = self._make_executor().clock.now()
-            self.ensure_started()
+            self.ensure_started(workers=False)
         except BaseException:
             with self.lock:
                 self.coord.release_study(slot.name)
@@ -483,7 +520,8 @@ class Engine:
         """Now, on the clock of the activity records: the executor's
         (:attr:`BaseExecutor.clock <stagetree.executors.base.BaseExecutor.clock>`; the
         wall clock before it exists)."""
-        return (self.executor.clock if self.executor is not None else WALL_CLOCK).now()
+        executor = self.executor if self.executor is not None else self._unstarted
+        return (executor.clock if executor is not None else WALL_CLOCK).now()
 
     def read_log(self, slot: StudySlot) -> list[dict[str, Any]]:
         """The tuner decisions of the study's latest run, when it used this version."""
@@ -684,7 +722,6 @@ class Engine:
     # -- driver thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        assert self.executor is not None
         try:
             while not self._stop.is_set():
                 self._coalesce()
@@ -718,9 +755,11 @@ class Engine:
         once a burst of them has settled), take the executor's next events (waiting at
         most ``timeout`` s) and apply them. Returns how many events were applied. The driver
         thread calls it in a loop; a virtual-time executor may be pumped by its caller."""
-        assert self.executor is not None
         self._flush(coalesce)
-        events = self.executor.events(timeout=0 if self._queued else timeout)
+        executor = self.executor
+        # No workers yet (nothing needed training): the scheduler has no worker to assign
+        # work to, so nothing reaches the executor; the driver only renews its leases.
+        events = [] if executor is None else executor.events(0 if self._queued else timeout)
         if events:
             with self.lock:
                 try:

@@ -219,10 +219,15 @@ class WorkerPool:
             excess = [slot for _, slot in self._idle[: max(0, len(self._idle) - cap)]]
             del self._idle[: len(excess)]
             if self._reaper is None or not self._reaper.is_alive():
-                self._reaper = threading.Thread(
+                reaper = threading.Thread(
                     target=self._reap, name="stagetree-worker-pool", daemon=True
                 )
-                self._reaper.start()
+                try:
+                    reaper.start()
+                    self._reaper = reaper
+                except RuntimeError:  # interpreter shutdown: no thread, keep nothing
+                    excess = [slot for _, slot in self._idle]
+                    self._idle = []
             self._wake.notify_all()
         shutdown_slots(excess, 2.0)
 

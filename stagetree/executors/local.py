@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
 import importlib.util
 import multiprocessing
 import os
@@ -121,6 +122,8 @@ def _cpu_count() -> int:
 
 def _visible_cuda_devices() -> list[str]:
     """Physical ids of the CUDA devices torch sees; empty without torch or CUDA."""
+    if "torch" not in sys.modules and not _may_have_gpus():
+        return []  # no import of torch (seconds) to learn that there is no device
     if importlib.util.find_spec("torch") is None:
         return []
     import torch
@@ -134,6 +137,16 @@ def _visible_cuda_devices() -> list[str]:
         if len(ids) >= count:
             return ids[:count]
     return [str(i) for i in range(count)]
+
+
+def _may_have_gpus() -> bool:
+    """False when this machine surely has no device torch.cuda could use: on Linux, no
+    NVIDIA device (``/dev/nvidia0``..., ``/proc/driver/nvidia/gpus``) and no ROCm one
+    (``/dev/kfd``); True elsewhere (ask torch)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    found = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/proc/driver/nvidia/gpus/*")
+    return bool(found) or os.path.exists("/dev/kfd")
 
 
 _FORKSERVER_LOCK = threading.Lock()
@@ -173,6 +186,23 @@ def _start_forkserver(preload: list[str]) -> None:
     with _FORKSERVER_LOCK, no_main_rerun():
         multiprocessing.set_forkserver_preload(preload)
         forkserver.ensure_running()
+
+
+def _stop_workers(
+    lock: threading.Lock, closing: threading.Event, slots: list[Slot], timeout: float, pid: int
+) -> None:
+    """An executor's exit finalizer (it must not hold the executor): stop its workers.
+
+    Under the executor's lock, and marking it closed first: at interpreter exit the
+    engine's thread may still be reading events, and a worker it saw exit (stopped
+    here) must not be reaped twice, nor replaced by a fresh process that nothing would
+    stop (multiprocessing's exit handler would then wait for it forever).
+    """
+    if os.getpid() != pid:
+        return  # a forked child's exit: the workers are its parent's
+    with lock:
+        closing.set()
+        shutdown_slots(slots, timeout)
 
 
 class LocalExecutor(BaseExecutor):
@@ -254,7 +284,9 @@ class LocalExecutor(BaseExecutor):
         self._slots = [Slot(w, group) for w, group in enumerate(groups)]
         self._local: list[WorkerEvent] = []
         self._started = False
-        self._closed = False
+        # Set once, under the lock, by close() or the exit finalizer: from then on no
+        # thread reads, replaces or restarts a worker (see _stop_workers).
+        self._closing = threading.Event()
         self._lock = threading.Lock()
         # Trainers added with add_trainer: as given (to compare), and as they travel.
         self._trainers: dict[str, Any] = {}
@@ -262,11 +294,17 @@ class LocalExecutor(BaseExecutor):
         # Stop children even when close() is forgotten. Registered with atexit after
         # multiprocessing's own exit handler, so it runs first: that handler would
         # otherwise wait forever for (non-daemonic) workers that wait for instructions.
-        self._finalizer = weakref.finalize(self, shutdown_slots, self._slots, close_timeout)
+        self._finalizer = weakref.finalize(
+            self, _stop_workers, self._lock, self._closing, self._slots, close_timeout, os.getpid()
+        )
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
 
     # ------------------------------------------------------------------ contract
+
+    @property
+    def _closed(self) -> bool:
+        return self._closing.is_set()
 
     @property
     def num_workers(self) -> int:
@@ -358,29 +396,35 @@ class LocalExecutor(BaseExecutor):
                 self._local.clear()
                 if not self._closed:
                     self._collect(out)
-            if out or self._closed:
-                return out
+                if out or self._closed:
+                    return out
+                waitables: list[Any] = []
+                for slot in self._slots:
+                    if slot.outbox is not None:
+                        waitables.append(slot.outbox)
+                    if slot.process is not None:
+                        waitables.append(slot.process.sentinel)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return out
-            waitables: list[Any] = []
-            for slot in self._slots:
-                if slot.outbox is not None:
-                    waitables.append(slot.outbox)
-                if slot.process is not None:
-                    waitables.append(slot.process.sentinel)
-            multiprocessing.connection.wait(waitables, remaining)
+            # close() (or the exit finalizer) may close a pipe while this waits: the next
+            # round sees the executor closed.
+            with contextlib.suppress(OSError, ValueError):
+                multiprocessing.connection.wait(waitables, remaining)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self._finalizer)
-        if self.keep_workers and POOL.enabled():
+        # Under the lock: no other thread (the engine's, reading events) may be reading,
+        # reaping or restarting a worker while they are stopped.
+        with self._lock:
+            if self._closing.is_set():
+                return
+            self._closing.set()
+            atexit.unregister(self._finalizer)
             self._finalizer.detach()
-            release_slots(self._slots, self.close_timeout)
-        else:
-            self._finalizer()
+            if self.keep_workers and POOL.enabled():
+                release_slots(self._slots, self.close_timeout)
+            else:
+                shutdown_slots(self._slots, self.close_timeout)
 
     # ------------------------------------------------------------------ internals
 

@@ -1,0 +1,59 @@
+"""Running a finished study again answers every trial from the storage: it starts no
+worker process, and closing it waits on none."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+from study_trainers import LinearTrainer
+
+from stagetree import Study
+from stagetree.executors.local import shutdown_pool
+from stagetree.hp import Constant
+from stagetree.space import GridSpace
+from stagetree.tuners import ASHA
+
+
+def _tuner() -> ASHA:
+    space = GridSpace({"lr": [Constant(0.01), Constant(0.03)]}, fixed={"seed": [0, 1]})
+    return ASHA(space, "score", mode="max", min_steps=1, max_steps=4, eta=2, num_trials=4, seed=0)
+
+
+def test_a_rerun_that_trains_nothing_starts_no_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAGETREE_WORKER_IDLE", "0")  # no pool: a started worker shows
+    shutdown_pool()
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    with Study("s", LinearTrainer, storage=url, workers=2) as study:
+        first = study.tune(_tuner(), progress=False)
+        assert study.last_run is not None and study.last_run.steps_executed > 0
+    assert multiprocessing.active_children() == []
+
+    with Study("s", LinearTrainer, storage=url, workers=2) as again:
+        best = again.tune(_tuner(), progress=False)
+        assert again.last_run is not None
+        assert again.last_run.steps_executed == 0
+        assert again.last_run.trials_answered == again.last_run.trials > 0
+        assert multiprocessing.active_children() == []  # no worker was started
+        assert again.num_workers == 2  # the count, without starting them
+        assert multiprocessing.active_children() == []
+    assert first is not None and best is not None
+    assert best.metrics == first.metrics
+
+
+def test_workers_start_for_the_first_trial_the_storage_cannot_answer(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    with Study("s", LinearTrainer, storage=url, workers=2) as study:
+        study.tune(_tuner(), progress=False)
+    # Another study on the same plan: half of its trials are known, half are new.
+    space = GridSpace({"lr": [Constant(0.01), Constant(0.07)]}, fixed={"seed": [0, 1]})
+    tuner = ASHA(space, "score", mode="max", min_steps=1, max_steps=4, eta=2, num_trials=4)
+    with Study("t", LinearTrainer, storage=url, workers=2) as other:
+        best = other.tune(tuner, progress=False)
+        assert other.last_run is not None
+        assert other.last_run.steps_executed > 0
+        assert 0 < other.last_run.trials_answered < other.last_run.trials
+    assert best is not None
