@@ -27,12 +27,9 @@ exact, unfused training.
 from __future__ import annotations
 
 import sys
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from stagetree.trainer import Trainer
+from stagetree.trainer import FusedGroup
 
 __all__ = ["DEFAULT_MAX_FUSED", "FusedGroup", "check_max_fused", "fusion_names"]
 
@@ -42,54 +39,6 @@ __all__ = ["DEFAULT_MAX_FUSED", "FusedGroup", "check_max_fused", "fusion_names"]
 #: job takes from the other workers. On an accelerator a trainer can lower it to what
 #: the device holds (``Trainer.fused_width_limit``).
 DEFAULT_MAX_FUSED = 32
-
-
-class FusedGroup(ABC):
-    """B member trainers trained as one job.
-
-    Built by ``TrainerClass.fuse(members)`` from trainers that all hold the same state
-    (built from the same config and restored from the same checkpoint, or fresh), before
-    any of them was given sequence values. Contract:
-
-    * :meth:`setup` ``(i, hp)`` gives member ``i`` its sequence values, exactly as
-      ``Trainer.setup`` would (all of them before the first step, only changes after).
-      Names outside the class's fusible set have the same value for every member.
-    * :meth:`step` trains one step (one ``train()``) of every member at once and returns
-      each member's training metrics, in member order. The first call is where a model
-      that cannot be fused is found: it raises :class:`FusionError` then, and the group
-      must be dropped (its members' state is undefined).
-    * :meth:`sync` ``(i)`` writes member ``i``'s current state into its trainer object
-      (model, optimizer, data position, RNG streams), so that ``members[i].evaluate()``
-      and ``members[i].state_dict()`` are exactly those of member ``i``. Training steps
-      after it do not change the trainer object until the next ``sync``. With
-      ``optimizer=False`` it may leave the optimizer state out (what ``evaluate()`` sees
-      is enough: the cheap sync the worker uses to evaluate, not to checkpoint).
-    * :meth:`remove` ``(i)`` takes member ``i`` out (synced first) and returns its
-      trainer, which continues as an ordinary trainer; the indices of later members
-      shift down by one.
-    """
-
-    @property
-    @abstractmethod
-    def members(self) -> Sequence[Trainer]:
-        """The member trainers, in member order."""
-
-    @abstractmethod
-    def setup(self, i: int, hp: Mapping[str, Any]) -> None:
-        """Give member ``i`` sequence values (see the class contract)."""
-
-    @abstractmethod
-    def step(self) -> list[dict[str, float]]:
-        """One training step of every member; their training metrics."""
-
-    @abstractmethod
-    def sync(self, i: int, optimizer: bool = True) -> None:
-        """Make member ``i``'s trainer object hold its current state (without the
-        optimizer's when ``optimizer`` is False)."""
-
-    @abstractmethod
-    def remove(self, i: int) -> Trainer:
-        """Member ``i`` leaves the job (synced); returns its trainer."""
 
 
 def _has_accelerator() -> bool:
