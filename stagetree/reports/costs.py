@@ -31,7 +31,32 @@ from stagetree.stages import unique_steps
 if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage
 
-__all__ = ["EFFICIENCY_KEYS", "accounting", "efficiency", "study_accounting"]
+__all__ = ["COUNT_KEYS", "EFFICIENCY_KEYS", "accounting", "efficiency", "study_accounting"]
+
+#: The figures of :func:`study_accounting` and :func:`efficiency` that count things
+#: (trials, steps, bytes, workers): ints; every other figure is seconds or a ratio (float).
+COUNT_KEYS = frozenset(
+    {
+        "trials",
+        "steps_requested",
+        "steps_unique",
+        "steps_executed",
+        "ckpt_bytes",
+        "live_splits",
+        "splits_missed",
+        "workers_lost",
+        "steps_lost",
+        "fused_jobs",
+        "fused_members",
+        "workers",
+        "steps_unique_trained",
+    }
+)
+
+
+def _typed(numbers: dict[str, float]) -> dict[str, float]:
+    """``numbers`` with the counts (:data:`COUNT_KEYS`) as ints, the rest as floats."""
+    return {k: round(v) if k in COUNT_KEYS else float(v) for k, v in numbers.items()}
 
 
 def accounting(
@@ -97,8 +122,8 @@ def _study_accounting(
     # counts for every study that needed it); else all that its trees cost.
     trained = own if "steps_executed" in own else trees
     everything = storage.stats("engine")
-    numbers = {
-        "trials": float(len(trials)),
+    numbers: dict[str, float] = {
+        "trials": len(trials),
         "steps_requested": requested,
         "steps_unique": unique,
         "merge_rate": requested / unique if unique else 1.0,
@@ -114,7 +139,7 @@ def _study_accounting(
         "fused_jobs": trees.get("fused_jobs", 0.0),
         "fused_members": trees.get("fused_members", 0.0),
     }
-    return numbers, "steps_executed" in trained
+    return _typed(numbers), "steps_executed" in trained
 
 
 def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:
@@ -294,19 +319,21 @@ def efficiency(
     unique = _trained_steps(done)
     limit = unique * rate
     scheduling = count * wall - count * startup - idle - load - save_wait - limit
-    return {
-        "efficiency": limit / count / wall if wall > 0 else 0.0,
-        "wall_seconds": wall,
-        "limit_seconds": limit / count,
-        "startup_seconds": startup,
-        "ckpt_load_wait_seconds": load / count,
-        "ckpt_save_wait_seconds": save_wait / count,
-        "idle_seconds": idle / count,
-        "scheduling_seconds": scheduling / count,
-        "workers": float(count),
-        "steps_unique_trained": float(unique),
-        "seconds_per_step": rate,
-    }
+    return _typed(
+        {
+            "efficiency": limit / count / wall if wall > 0 else 0.0,
+            "wall_seconds": wall,
+            "limit_seconds": limit / count,
+            "startup_seconds": startup,
+            "ckpt_load_wait_seconds": load / count,
+            "ckpt_save_wait_seconds": save_wait / count,
+            "idle_seconds": idle / count,
+            "scheduling_seconds": scheduling / count,
+            "workers": float(count),
+            "steps_unique_trained": float(unique),
+            "seconds_per_step": rate,
+        }
+    )
 
 
 def _began(batch: Any, default: float) -> float:

@@ -395,14 +395,14 @@ def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[
     states = [t["state"] for t in trials]
     engine = storage.stats("engine")
     return {
-        "trials": float(len(trials)),
-        "finished": float(states.count(TrialState.DONE)),
-        "running": float(states.count(TrialState.RUNNING)),
-        "pending": float(states.count(TrialState.PENDING)),
-        "failed": float(states.count(TrialState.FAILED)),
-        "steps_requested": float(sum(int(t["steps"]) for t in trials)),
-        "steps_executed": engine.get("steps_executed", 0.0),
-        "device_seconds": engine.get("device_seconds", 0.0),
+        "trials": len(trials),
+        "finished": states.count(TrialState.DONE),
+        "running": states.count(TrialState.RUNNING),
+        "pending": states.count(TrialState.PENDING),
+        "failed": states.count(TrialState.FAILED),
+        "steps_requested": sum(int(t["steps"]) for t in trials),
+        "steps_executed": round(engine.get("steps_executed", 0.0)),
+        "device_seconds": float(engine.get("device_seconds", 0.0)),
     }
 
 

