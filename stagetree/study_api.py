@@ -693,7 +693,13 @@ class StudyAPI(abc.ABC):
         ``scheduling_seconds``, ``workers``, ``steps_unique_trained``,
         ``seconds_per_step``); measured until now while the run goes on. Absent when
         no run was recorded (trials submitted without a tuner, a storage written before
-        runs were recorded) or the run trained nothing."""
+        runs were recorded) or the run trained nothing.
+
+        Counts (``trials``, steps, bytes, ``workers``...) are ints, seconds and ratios
+        floats. After the study closed (``with study:``), :meth:`stats`,
+        :meth:`progress`, :meth:`trials` and :meth:`best` read the stored figures
+        (a database storage, opened read-only for the call); those of a ``memory://``
+        storage are gone with it (:class:`~stagetree.exceptions.StagetreeError`)."""
 
     @abc.abstractmethod
     def progress(self) -> dict[str, float]:

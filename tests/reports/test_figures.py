@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from study_trainers import LinearTrainer
 
 from stagetree import Study
+from stagetree.exceptions import StagetreeError, StorageError
 from stagetree.hp import Constant
 from stagetree.space import GridSpace
 from stagetree.tuners import GridSearch
@@ -54,3 +56,28 @@ def test_stats_counts_are_ints_and_seconds_floats(tmp_path: Path) -> None:
     for key in ("steps_requested", "steps_executed"):
         assert type(progress[key]) is int, (key, progress[key])
     assert type(progress["elapsed"]) is float
+
+
+def test_figures_read_from_the_storage_after_the_study_closed(tmp_path: Path) -> None:
+    with Study("s", LinearTrainer, storage=_url(tmp_path), executor="inline") as study:
+        study.tune(_grid(0.01, 0.02))
+        stats, progress = study.stats(), study.progress()
+        trials, best = study.trials(), study.best("score")
+    after = study.stats()
+    assert after == stats  # the run ended: nothing moves any more
+    again = study.progress()
+    assert {k: v for k, v in again.items() if k != "elapsed"} == {
+        k: v for k, v in progress.items() if k != "elapsed"
+    }
+    assert study.trials() == trials
+    assert study.best("score") == best
+    assert study.failures() == []
+
+
+def test_figures_of_a_closed_memory_study_say_they_are_gone() -> None:
+    with Study("s", LinearTrainer, storage="memory://", executor="inline") as study:
+        study.tune(_grid(0.01))
+    for read in (study.stats, study.progress, study.trials, lambda: study.best("score")):
+        with pytest.raises(StagetreeError, match=r"closed.*memory://.*gone") as raised:
+            read()
+        assert not isinstance(raised.value, StorageError)
