@@ -527,10 +527,9 @@ class Study(StudyAPI):
             return out
 
     def progress(self) -> dict[str, float]:
+        # The study's own steps: running batches are charged as they report steps.
         with self.reading() as storage:  # the engine's lock is held while it runs
             out = report_trials.progress(storage, self.name, self.version)
-            if not self._closed:
-                out["steps_executed"] += self._engine.running_steps()
         out["elapsed"] = time.monotonic() - self._started
         return out
 

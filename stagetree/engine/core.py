@@ -322,10 +322,6 @@ class Engine:
         """The executor's clock (virtual when simulated), made if need be, not started."""
         return self._make_executor().clock
 
-    def running_steps(self) -> int:
-        """Steps trained so far by batches that have not ended yet."""
-        return sum(b.last_step - b.start_step for b in self._batches.values())
-
     def settle(self, timeout: float = 30.0) -> None:
         """When no submission is waiting any more, wait (at most ``timeout`` s) for the
         batches still in flight to report their end (background checkpoint writes,

@@ -21,11 +21,10 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from stagetree.identity import split_trials, trial_version
-from stagetree.plan.scopes import root_scope, study_scope
+from stagetree.identity import split_trials
 from stagetree.records import RunRecord
 from stagetree.reports.activity import batches
-from stagetree.reports.trials import _studies, _trials, quiet_gc
+from stagetree.reports.trials import _studies, _trials, quiet_gc, trained_counters, tree_counters
 from stagetree.stages import unique_steps
 
 if TYPE_CHECKING:
@@ -85,27 +84,6 @@ def accounting(
     }
 
 
-def _tree_stats(storage: BasePlanStorage, roots: Iterable[str]) -> dict[str, float]:
-    """The counters of the plan trees ``roots``, summed."""
-    out: dict[str, float] = {}
-    for root in roots:
-        for k, v in storage.stats(root_scope(root)).items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def _own_counters(
-    storage: BasePlanStorage, study: str, trials: list[dict[str, Any]]
-) -> dict[str, float]:
-    """The study's own counters (``engine.study_scope``: what was trained for its
-    requests) at the version of ``trials``; empty when none were kept."""
-    if not trials:
-        return {}
-    meta = (_studies(storage).get(study) or {}).get("meta") or {}
-    version = trial_version(trials[0], meta)
-    return storage.stats(study_scope(study, str(version))) if version is not None else {}
-
-
 def _study_accounting(
     storage: BasePlanStorage, trials: list[dict[str, Any]], study: str | None = None
 ) -> tuple[dict[str, float], bool]:
@@ -116,11 +94,10 @@ def _study_accounting(
     nodes = {n.id: n for root in roots for n in storage.nodes(root)}
     ends = [(int(t["node"]), int(t["step"])) for t in trials if t.get("node") is not None]
     unique = float(unique_steps(nodes, [e for e in ends if e[0] in nodes]))
-    trees = _tree_stats(storage, roots)
-    own = _own_counters(storage, study, trials) if study is not None else {}
+    trees = tree_counters(storage, roots)
     # What was trained for this study's requests when the engine kept it (shared work
     # counts for every study that needed it); else all that its trees cost.
-    trained = own if "steps_executed" in own else trees
+    trained, counted = trained_counters(storage, study, trials, trees)
     everything = storage.stats("engine")
     numbers: dict[str, float] = {
         "trials": len(trials),
@@ -139,7 +116,7 @@ def _study_accounting(
         "fused_jobs": trees.get("fused_jobs", 0.0),
         "fused_members": trees.get("fused_members", 0.0),
     }
-    return _typed(numbers), "steps_executed" in trained
+    return _typed(numbers), counted
 
 
 def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:

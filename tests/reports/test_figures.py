@@ -4,6 +4,7 @@ for each study of a storage, and the storage's totals add up."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from study_trainers import LinearTrainer
 from stagetree import Study
 from stagetree.exceptions import StagetreeError, StorageError
 from stagetree.hp import Constant
+from stagetree.progress import ProgressDisplay, progress_line
 from stagetree.space import GridSpace
 from stagetree.tuners import GridSearch
 
@@ -81,3 +83,19 @@ def test_figures_of_a_closed_memory_study_say_they_are_gone() -> None:
         with pytest.raises(StagetreeError, match=r"closed.*memory://.*gone") as raised:
             read()
         assert not isinstance(raised.value, StorageError)
+
+
+def test_progress_counts_the_steps_of_its_own_study(tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    with Study("a", LinearTrainer, storage=url, executor="inline") as a:
+        a.tune(_grid(0.01, 0.02, steps=8))
+    with Study("b", LinearTrainer, storage=url, executor="inline") as b:
+        b.tune(_grid(0.03, 0.04, 0.05))
+        stats, progress = b.stats(), b.progress()
+        display = ProgressDisplay(b, out=io.StringIO(), rich_output=False)
+        state = display.poll()
+    assert stats["steps_executed"] == 18  # its own trials only
+    assert progress["steps_executed"] == stats["steps_executed"]
+    assert progress["device_seconds"] == pytest.approx(stats["device_seconds"])
+    assert state is not None
+    assert "steps 18 executed / 18 requested" in progress_line(state)
