@@ -62,6 +62,7 @@ class ProgressState:
             rate has been measured yet.
         workers: where each worker runs (``"0 on host (node ab12cd34)"``), for cluster
             executors; empty on one machine.
+        steps_finished: steps requested by the trials that finished, when known.
     """
 
     trials: int
@@ -75,13 +76,19 @@ class ProgressState:
     elapsed: float
     eta: float | None
     workers: tuple[str, ...] = ()
+    steps_finished: int | None = None
 
     @property
     def saved(self) -> int:
-        """Steps that sharing saves: requested minus executed, where steps not executed
-        yet count as executed up to the unique steps (when known), so that the saving
-        never includes work still to do. Equals requested minus executed once every
-        unique step ran; never negative."""
+        """Steps that sharing saves. With ``steps_finished`` (the steps requested by
+        the trials that finished, as ``Study.progress()`` gives them), the definition
+        of :func:`stagetree.reports.costs.steps_saved` that the run report and
+        ``stagetree status`` show: those minus the steps executed, never negative (a
+        failed trial saves nothing). Without it: requested minus executed, where steps
+        not executed yet count as executed up to the unique steps (when known), so that
+        the saving never includes work still to do; never negative."""
+        if self.steps_finished is not None:
+            return max(self.steps_finished - self.steps_executed, 0)
         done = self.steps_executed
         if self.steps_unique is not None:
             done = max(done, self.steps_unique)
@@ -256,6 +263,11 @@ class ProgressDisplay:
             elapsed=float(elapsed) if elapsed is not None else now - self._started,
             eta=eta,
             workers=tuple(f"{w} on {node}" for w, node in sorted(where.items())),
+            steps_finished=(
+                _int(snap, "steps_requested_finished")
+                if "steps_requested_finished" in snap
+                else None
+            ),
         )
         self.state = state
         return state

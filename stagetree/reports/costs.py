@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from stagetree.identity import split_trials
-from stagetree.records import RunRecord
+from stagetree.records import RunRecord, TrialState
 from stagetree.reports.activity import batches
 from stagetree.reports.trials import _studies, _trials, quiet_gc, trained_counters, tree_counters
 from stagetree.stages import unique_steps
@@ -30,7 +30,14 @@ from stagetree.stages import unique_steps
 if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage
 
-__all__ = ["COUNT_KEYS", "EFFICIENCY_KEYS", "accounting", "efficiency", "study_accounting"]
+__all__ = [
+    "COUNT_KEYS",
+    "EFFICIENCY_KEYS",
+    "accounting",
+    "efficiency",
+    "steps_saved",
+    "study_accounting",
+]
 
 #: The figures of :func:`study_accounting` and :func:`efficiency` that count things
 #: (trials, steps, bytes, workers): ints; every other figure is seconds or a ratio (float).
@@ -38,6 +45,7 @@ COUNT_KEYS = frozenset(
     {
         "trials",
         "steps_requested",
+        "steps_requested_finished",
         "steps_unique",
         "steps_executed",
         "ckpt_bytes",
@@ -59,10 +67,19 @@ def _typed(numbers: dict[str, float]) -> dict[str, float]:
 
 
 def accounting(
-    steps_requested: float, steps_unique: float, steps_executed: float, device_seconds: float
+    steps_requested: float,
+    steps_unique: float,
+    steps_executed: float,
+    device_seconds: float,
+    steps_finished: float | None = None,
 ) -> dict[str, float]:
-    """What sharing saved: requested minus executed steps, and device-seconds saved
-    estimated as saved steps times the measured device-seconds per executed step.
+    """What sharing saved: the steps requested by the trials that finished
+    (``steps_finished``; all of ``steps_requested`` when not given) minus the steps
+    executed, never negative, and device-seconds saved estimated as saved steps times
+    the measured device-seconds per executed step. The steps of a failed or cancelled
+    trial are not saved: nothing was trained for it that sharing spared. The one
+    definition of the saving: the run report, ``stagetree status``, the dashboard and
+    the progress line (:func:`steps_saved`) show it.
 
     Returns:
         ``steps_requested``, ``steps_unique``, ``steps_executed``, ``merge_rate``
@@ -70,7 +87,8 @@ def accounting(
         ``seconds_per_step`` (0.0 before any step ran), ``steps_saved``,
         ``device_seconds_saved``.
     """
-    saved = steps_requested - steps_executed
+    finished = steps_requested if steps_finished is None else steps_finished
+    saved = steps_saved(finished, steps_executed)
     per_step = device_seconds / steps_executed if steps_executed > 0 else 0.0
     return {
         "steps_requested": float(steps_requested),
@@ -82,6 +100,13 @@ def accounting(
         "steps_saved": float(saved),
         "device_seconds_saved": saved * per_step,
     }
+
+
+def steps_saved(steps_finished: float, steps_executed: float) -> float:
+    """Steps sharing saved: those requested by the trials that finished minus those
+    executed, never negative (while trials run, their steps executed so far count and
+    theirs requested do not yet: the saving never includes work still to do)."""
+    return max(float(steps_finished) - float(steps_executed), 0.0)
 
 
 def _study_accounting(
@@ -102,6 +127,9 @@ def _study_accounting(
     numbers: dict[str, float] = {
         "trials": len(trials),
         "steps_requested": requested,
+        "steps_requested_finished": sum(
+            int(t["steps"]) for t in trials if t["state"] == TrialState.DONE
+        ),
         "steps_unique": unique,
         "merge_rate": requested / unique if unique else 1.0,
         "steps_executed": trained.get("steps_executed", 0.0),
@@ -124,7 +152,9 @@ def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) 
     for and cost, as :meth:`Study.stats <stagetree.Study.stats>` returns it.
 
     Returns:
-        ``trials``; ``steps_requested`` (total steps of the trials), ``steps_unique``
+        ``trials``; ``steps_requested`` (total steps of the trials),
+        ``steps_requested_finished`` (those of the trials that finished: what the
+        saving is counted against, see :func:`accounting`), ``steps_unique``
         (steps of the union of their paths) and ``merge_rate`` (requested / unique);
         ``steps_executed`` and ``device_seconds``: what was trained for this study's
         requests, over every run on this storage (``engine.study_scope``: a step that

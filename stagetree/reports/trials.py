@@ -428,7 +428,8 @@ def trained_counters(
 def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:
     """A cheap snapshot for progress displays (reads no metrics, builds no tree):
     ``trials``, ``finished``, ``running``, ``pending``, ``failed`` (trial rows of
-    ``version`` by state), ``steps_requested`` (their total steps), and the study's
+    ``version`` by state), ``steps_requested`` (their total steps),
+    ``steps_requested_finished`` (those of the finished trials), and the study's
     ``steps_executed`` and ``device_seconds`` so far (:func:`trained_counters`, as
     :func:`stagetree.reports.costs.study_accounting` counts them)."""
     trials = _trials(storage, study, version, light=True)[0]
@@ -441,6 +442,9 @@ def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[
         "pending": states.count(TrialState.PENDING),
         "failed": states.count(TrialState.FAILED),
         "steps_requested": sum(int(t["steps"]) for t in trials),
+        "steps_requested_finished": sum(
+            int(t["steps"]) for t, state in zip(trials, states) if state == TrialState.DONE
+        ),
         "steps_executed": round(trained.get("steps_executed", 0.0)),
         "device_seconds": float(trained.get("device_seconds", 0.0)),
     }

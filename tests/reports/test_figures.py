@@ -5,13 +5,15 @@ for each study of a storage, and the storage's totals add up."""
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from study_trainers import LinearTrainer
 
-from stagetree import Study
-from stagetree.exceptions import StagetreeError, StorageError
+from stagetree import Study, cli
+from stagetree.exceptions import StagetreeError, StorageError, TrialFailedError
 from stagetree.hp import Constant
 from stagetree.progress import ProgressDisplay, progress_line
 from stagetree.space import GridSpace
@@ -21,6 +23,7 @@ from stagetree.tuners import GridSearch
 COUNTS = (
     "trials",
     "steps_requested",
+    "steps_requested_finished",
     "steps_unique",
     "steps_executed",
     "ckpt_bytes",
@@ -99,3 +102,36 @@ def test_progress_counts_the_steps_of_its_own_study(tmp_path: Path) -> None:
     assert progress["device_seconds"] == pytest.approx(stats["device_seconds"])
     assert state is not None
     assert "steps 18 executed / 18 requested" in progress_line(state)
+
+
+def _status(url: str, study: str) -> tuple[Any, str]:
+    buf = io.StringIO()
+    result = cli.status(url, study, out=buf, rich_output=False)
+    return result, buf.getvalue()
+
+
+def _report(study: Study) -> tuple[dict[str, float], str]:
+    buf = io.StringIO()
+    numbers = cli.report_study(study, study.best("score"), "score", out=buf, rich_output=False)
+    return numbers, buf.getvalue()
+
+
+def test_failed_trials_save_nothing(tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    with Study("f", LinearTrainer, storage=url, executor="inline") as study:
+        with pytest.raises(TrialFailedError):
+            study.tune(_grid(2.0, 3.0))  # lr > 1 fails at the first step
+        stats = study.stats()
+        numbers, text = _report(study)
+        display = ProgressDisplay(study, out=io.StringIO(), rich_output=False)
+        state = display.poll()
+    assert stats["steps_requested"] == 12 and stats["steps_executed"] == 0
+    assert stats["steps_requested_finished"] == 0
+    assert numbers["steps_saved"] == 0 and numbers["device_seconds_saved"] == 0
+    assert re.search(r"steps saved: +0 \(0% of requested\)", text), text
+    status, shown = _status(url, "f")
+    assert re.search(r"steps saved: +0\b", shown), shown
+    assert status.studies[0].numbers["steps_saved"] == 0
+    assert status.totals["steps_saved"] == 0
+    assert state is not None and state.saved == 0
+    assert "saved 0 steps" in progress_line(state)
