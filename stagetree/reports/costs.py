@@ -211,6 +211,9 @@ def efficiency(
 
         efficiency = (unique steps x median seconds per step trained alone / W) / T
 
+    (the limit capped at what the other parts leave of ``T``: see
+    ``scheduling_seconds``)
+
     * *unique steps*: the ``(node, step)`` pairs the run's finished batches trained,
       each counted once (a step trained twice, e.g. after a lost worker, counts once;
       steps earlier runs trained are not this run's work).
@@ -241,8 +244,10 @@ def efficiency(
     * ``scheduling_seconds``: the remainder: dispatching batches and reporting their
       end, steps trained more than once or by batches that failed, were lost or still
       run (a running batch counts only once it ends), evaluation beyond the median's,
-      and steps slower than the median (it can be slightly negative when steps
-      trained faster than the median).
+      and steps slower than the median. Never negative: when steps trained faster
+      than the median, so that the limit would exceed what the other parts leave of
+      ``W x T``, the limit is that rest (the parts still add up to ``T``) and
+      ``scheduling_seconds`` is 0.
 
     Also ``workers`` (``W``), ``steps_unique_trained`` and ``seconds_per_step`` (the
     median). Empty when there is no such run (a storage written before runs were
@@ -325,7 +330,11 @@ def efficiency(
             break
     unique = _trained_steps(done)
     limit = unique * rate
-    scheduling = count * wall - count * startup - idle - load - save_wait - limit
+    # The limit is at most the worker-time the other parts leave: steps that trained
+    # faster than the median would otherwise make the remainder negative.
+    rest = max(count * wall - count * startup - idle - load - save_wait, 0.0)
+    limit = min(limit, rest)
+    scheduling = rest - limit
     return _typed(
         {
             "efficiency": limit / count / wall if wall > 0 else 0.0,
