@@ -135,3 +135,85 @@ def test_failed_trials_save_nothing(tmp_path: Path) -> None:
     assert status.totals["steps_saved"] == 0
     assert state is not None and state.saved == 0
     assert "saved 0 steps" in progress_line(state)
+
+
+def _figures(study: Study, url: str) -> dict[str, dict[str, float]]:
+    """The figures of ``study`` as each reader shows them (the study is open)."""
+    stats, progress = study.stats(), study.progress()
+    numbers, _ = _report(study)
+    shown, _ = _status(url, study.name)
+    (st,) = shown.studies
+    assert st.numbers is not None
+    state = ProgressDisplay(study, out=io.StringIO(), rich_output=False).poll()
+    assert state is not None
+    return {
+        "stats": stats,
+        "progress": progress,
+        "report": numbers,
+        "status": {
+            "trials": st.trials,
+            "failed": st.failed,
+            "steps_requested": st.steps_requested,
+            "steps_unique": st.steps_unique,
+            **st.numbers,
+        },
+        "line": {
+            "trials": state.trials,
+            "failed": state.failed,
+            "steps_requested": state.steps_requested,
+            "steps_executed": state.steps_executed,
+            "steps_saved": state.saved,
+            "device_seconds": state.device_seconds,
+        },
+    }
+
+
+def _agree(figures: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Every reader that shows a figure shows the same value; returns them."""
+    agreed: dict[str, float] = {}
+    for key in (
+        "trials",
+        "failed",
+        "steps_requested",
+        "steps_unique",
+        "steps_executed",
+        "steps_saved",
+        "device_seconds",
+    ):
+        values = {reader: got[key] for reader, got in figures.items() if key in got}
+        first = next(iter(values.values()))
+        for value in values.values():
+            assert value == pytest.approx(first, rel=1e-9, abs=1e-9), (key, values)
+        agreed[key] = first
+    return agreed
+
+
+def test_two_studies_on_one_storage_agree_everywhere_and_add_up(tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    with Study("f", LinearTrainer, storage=url, executor="inline") as failing:
+        failing.tune(_grid(0.01, 0.02, 2.0))  # lr 2.0 fails at its first step
+        f = _agree(_figures(failing, url))
+    with Study("r", LinearTrainer, storage=url, executor="inline") as resumed:
+        resumed.tune(_grid(0.03, 0.04, 0.05, 0.06), budget="10 steps")
+        assert resumed.last_run is not None and resumed.last_run.stopped_by is not None
+        stopped = _agree(_figures(resumed, url))
+        resumed.tune(_grid(0.03, 0.04, 0.05, 0.06))  # resumed: goes on where it stopped
+        r = _agree(_figures(resumed, url))
+    assert (f["trials"], f["failed"], f["steps_requested"]) == (3, 1, 18)
+    assert f["steps_executed"] == f["steps_unique"] - 6 == 12  # the failed trial: none
+    assert f["steps_saved"] == 0  # 12 finished - 12 executed: nothing shared
+    assert stopped["steps_executed"] <= stopped["steps_unique"]
+    assert (r["trials"], r["failed"], r["steps_requested"]) == (4, 0, 24)
+    assert r["steps_executed"] == r["steps_unique"] == 24  # never a step twice
+    assert r["steps_saved"] == 0
+    # After the studies closed: the stored figures, the same.
+    for study, want in ((failing, f), (resumed, r)):
+        stats = study.stats()
+        for key in ("trials", "steps_requested", "steps_unique", "steps_executed"):
+            assert stats[key] == want[key], key
+    # The storage's totals: the sums of the studies (nothing shared between them).
+    shown, _ = _status(url, None)
+    totals = shown.totals
+    assert shown.trials == f["trials"] + r["trials"]
+    for key in ("steps_requested", "steps_unique", "steps_executed", "steps_saved"):
+        assert totals[key] == f[key] + r[key], key
