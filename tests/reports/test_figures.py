@@ -217,3 +217,6 @@ def test_two_studies_on_one_storage_agree_everywhere_and_add_up(tmp_path: Path) 
     assert shown.trials == f["trials"] + r["trials"]
     for key in ("steps_requested", "steps_unique", "steps_executed", "steps_saved"):
         assert totals[key] == f[key] + r[key], key
+    # Device-seconds: the workers' busy time, each batch's charged to the studies whose
+    # steps it trained.
+    assert totals["device_seconds"] == pytest.approx(f["device_seconds"] + r["device_seconds"])
