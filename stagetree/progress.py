@@ -13,9 +13,11 @@ trials are added, because it walks the plan; steps requested since the last refr
 count as unique meanwhile), else the requested steps minus the executed ones, which
 overestimates when trials share. Trials a tuner has not submitted yet are not counted.
 
-The saving shown is requested minus executed steps, counting the unique steps still to
-run as executed (:attr:`ProgressState.saved`): it never counts work still to do as
-saved, and it is requested minus executed at the end.
+The saving shown is the one ``stagetree run``'s report and ``stagetree status`` show
+(:func:`stagetree.reports.costs.steps_saved`): the steps requested by the trials that
+finished minus the steps executed, never negative (a failed trial saves nothing, and
+work still to do is never counted as saved; :attr:`ProgressState.saved`). The steps
+executed are the study's own (``study.progress()``), as ``study.stats()`` counts them.
 
 A trial that fails is announced once, as it happens, with its error on one line
 (``trial 3 failed: ValueError: boom (training step 4)``), above the live panel or

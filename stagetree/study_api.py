@@ -705,8 +705,10 @@ class StudyAPI(abc.ABC):
     def progress(self) -> dict[str, float]:
         """A cheap snapshot for progress displays: ``trials`` (submitted),
         ``finished``, ``running``, ``failed``, ``steps_requested`` (total steps of the
-        submitted trials), ``steps_executed`` (by the engine so far), ``device_seconds``,
-        ``elapsed`` (seconds since this Study object was made)."""
+        submitted trials), ``steps_requested_finished`` (those of the finished trials),
+        ``steps_executed`` and ``device_seconds`` (trained for this study so far, as
+        :meth:`stats` counts them: running batches count as they report steps),
+        ``elapsed`` (seconds since this Study object was made). Counts are ints."""
 
 
 #: The parameters every study takes, in order (``name`` and ``trainer`` first).

@@ -5,7 +5,10 @@
 **What a study cost** (:func:`study_accounting`). Executed steps and device-seconds
 are what was trained for the study's requests (the engine's ``study:<name>@<version>``
 scope, as fair share charges it): a step two studies needed while it trained counts
-for both, a step another study had trained before costs this one nothing. On a
+for both, a step another study had trained before costs this one nothing. Its
+device-seconds are the busy time of the batches that trained for it (settled when
+each batch ends; the training time of its steps while it runs), as the storage-wide
+counters count them: studies that share nothing add up to the storage. On a
 storage written before studies were counted, the sums over the plan trees its trials
 use (``root:<key>`` scopes). The storage-wide counters (scope ``engine``) count every
 stage once.
