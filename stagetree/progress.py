@@ -13,9 +13,11 @@ trials are added, because it walks the plan; steps requested since the last refr
 count as unique meanwhile), else the requested steps minus the executed ones, which
 overestimates when trials share. Trials a tuner has not submitted yet are not counted.
 
-The saving shown is requested minus executed steps, counting the unique steps still to
-run as executed (:attr:`ProgressState.saved`): it never counts work still to do as
-saved, and it is requested minus executed at the end.
+The saving shown is the one ``stagetree run``'s report and ``stagetree status`` show
+(:func:`stagetree.reports.costs.steps_saved`): the steps requested by the trials that
+finished minus the steps executed, never negative (a failed trial saves nothing, and
+work still to do is never counted as saved; :attr:`ProgressState.saved`). The steps
+executed are the study's own (``study.progress()``), as ``study.stats()`` counts them.
 
 A trial that fails is announced once, as it happens, with its error on one line
 (``trial 3 failed: ValueError: boom (training step 4)``), above the live panel or
@@ -62,6 +64,7 @@ class ProgressState:
             rate has been measured yet.
         workers: where each worker runs (``"0 on host (node ab12cd34)"``), for cluster
             executors; empty on one machine.
+        steps_finished: steps requested by the trials that finished, when known.
     """
 
     trials: int
@@ -75,13 +78,19 @@ class ProgressState:
     elapsed: float
     eta: float | None
     workers: tuple[str, ...] = ()
+    steps_finished: int | None = None
 
     @property
     def saved(self) -> int:
-        """Steps that sharing saves: requested minus executed, where steps not executed
-        yet count as executed up to the unique steps (when known), so that the saving
-        never includes work still to do. Equals requested minus executed once every
-        unique step ran; never negative."""
+        """Steps that sharing saves. With ``steps_finished`` (the steps requested by
+        the trials that finished, as ``Study.progress()`` gives them), the definition
+        of :func:`stagetree.reports.costs.steps_saved` that the run report and
+        ``stagetree status`` show: those minus the steps executed, never negative (a
+        failed trial saves nothing). Without it: requested minus executed, where steps
+        not executed yet count as executed up to the unique steps (when known), so that
+        the saving never includes work still to do; never negative."""
+        if self.steps_finished is not None:
+            return max(self.steps_finished - self.steps_executed, 0)
         done = self.steps_executed
         if self.steps_unique is not None:
             done = max(done, self.steps_unique)
@@ -256,6 +265,11 @@ class ProgressDisplay:
             elapsed=float(elapsed) if elapsed is not None else now - self._started,
             eta=eta,
             workers=tuple(f"{w} on {node}" for w, node in sorted(where.items())),
+            steps_finished=(
+                _int(snap, "steps_requested_finished")
+                if "steps_requested_finished" in snap
+                else None
+            ),
         )
         self.state = state
         return state

@@ -50,6 +50,7 @@ from stagetree.records import TrialError, TrialRecord
 from stagetree.reports import costs as report_costs
 from stagetree.reports import export
 from stagetree.reports import trials as report_trials
+from stagetree.reports.open import open_existing_storage
 from stagetree.server.client import RemoteStudy
 from stagetree.study_api import StudyAPI, StudyArguments, check_weight, remote_url, run_coro
 from stagetree.tuners.base import TrialResult
@@ -455,16 +456,43 @@ class Study(StudyAPI):
     def reading(self) -> Iterator[BasePlanStorage]:
         """The plan storage for read-only queries (:mod:`stagetree.reports`,
         :mod:`stagetree.reports.views`), with the engine's lock held: the engine waits while it
-        is held, so keep each read short and never write."""
-        with self._engine.reading() as storage:
+        is held, so keep each read short and never write.
+
+        Once the study is closed, its storage opened read-only for the call (the
+        stored figures stay readable after ``with study:``).
+
+        Raises:
+            StagetreeError: the study is closed and its storage was in memory (its
+                figures went with it) or an object it was given.
+        """
+        if not self._closed:
+            with self._engine.reading() as storage:
+                yield storage
+            return
+        storage = self._closed_storage()
+        try:
             yield storage
+        finally:
+            storage.close()
+
+    def _closed_storage(self) -> BasePlanStorage:
+        """The storage of a closed study, opened read-only."""
+        url = self.placement.storage
+        if not isinstance(url, str) or url.startswith("memory:"):
+            where = url if isinstance(url, str) else "a storage object"
+            raise StagetreeError(
+                f"study {self.name!r} is closed and its storage ({where}) closed with it: "
+                "its figures are gone; read them (stats(), progress(), trials(), best()) "
+                "before the study closes, or use a database storage (sqlite:///...)"
+            )
+        return open_existing_storage(url)
 
     def trials(self) -> list[TrialRecord]:
-        with self._engine.reading() as storage:
+        with self.reading() as storage:
             return report_trials.trial_records(storage, self.name, self.version)
 
     def failures(self) -> list[tuple[int, TrialError]]:
-        with self._engine.reading() as storage:
+        with self.reading() as storage:
             return report_trials.failures(storage, self.name, self.version)
 
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
@@ -474,13 +502,18 @@ class Study(StudyAPI):
 
     def trials_dataframe(self, history: bool = False) -> Any:
         export.require("pandas", "pandas", "a DataFrame of trials")
-        with self._engine.reading() as storage:
+        with self.reading() as storage:
             table = export.trials_table(
                 storage, self.name, history=history, version=self.version, missing_ok=True
             )
         return export.dataframe(table)
 
     def stats(self) -> dict[str, float]:
+        if self._closed:  # the stored figures: the run ended
+            with self.reading() as storage:
+                out = report_costs.study_accounting(storage, self.name, self.version)
+                out.update(report_costs.efficiency(storage, self.name, self.version))
+                return out
         engine = self._engine
         engine.settle()
         workers = engine.num_workers if engine.executor is not None else None
@@ -494,9 +527,9 @@ class Study(StudyAPI):
             return out
 
     def progress(self) -> dict[str, float]:
-        with self._engine.reading() as storage:  # the engine's lock is held
+        # The study's own steps: running batches are charged as they report steps.
+        with self.reading() as storage:  # the engine's lock is held while it runs
             out = report_trials.progress(storage, self.name, self.version)
-            out["steps_executed"] += self._engine.running_steps()
         out["elapsed"] = time.monotonic() - self._started
         return out
 

@@ -693,14 +693,22 @@ class StudyAPI(abc.ABC):
         ``scheduling_seconds``, ``workers``, ``steps_unique_trained``,
         ``seconds_per_step``); measured until now while the run goes on. Absent when
         no run was recorded (trials submitted without a tuner, a storage written before
-        runs were recorded) or the run trained nothing."""
+        runs were recorded) or the run trained nothing.
+
+        Counts (``trials``, steps, bytes, ``workers``...) are ints, seconds and ratios
+        floats. After the study closed (``with study:``), :meth:`stats`,
+        :meth:`progress`, :meth:`trials` and :meth:`best` read the stored figures
+        (a database storage, opened read-only for the call); those of a ``memory://``
+        storage are gone with it (:class:`~stagetree.exceptions.StagetreeError`)."""
 
     @abc.abstractmethod
     def progress(self) -> dict[str, float]:
         """A cheap snapshot for progress displays: ``trials`` (submitted),
         ``finished``, ``running``, ``failed``, ``steps_requested`` (total steps of the
-        submitted trials), ``steps_executed`` (by the engine so far), ``device_seconds``,
-        ``elapsed`` (seconds since this Study object was made)."""
+        submitted trials), ``steps_requested_finished`` (those of the finished trials),
+        ``steps_executed`` and ``device_seconds`` (trained for this study so far, as
+        :meth:`stats` counts them: running batches count as they report steps),
+        ``elapsed`` (seconds since this Study object was made). Counts are ints."""
 
 
 #: The parameters every study takes, in order (``name`` and ``trainer`` first).

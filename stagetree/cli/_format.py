@@ -159,8 +159,9 @@ def report_study(
 
     Prints the best trial (its metric, config and sequences in short form), then
     trials, steps requested, unique steps, steps executed, merge rate, device-seconds,
-    and the saving: steps requested minus executed, and device-seconds saved
-    estimated as saved steps times the measured device-seconds per executed step.
+    and the saving (:func:`~stagetree.reports.costs.accounting`): steps requested by
+    the trials that finished minus steps executed, and device-seconds saved estimated
+    as saved steps times the measured device-seconds per executed step.
 
     Args:
         study: an open study (its :meth:`~stagetree.study.Study.stats` are read).
@@ -185,6 +186,7 @@ def report_study(
             stats.get("steps_unique", 0.0),
             stats.get("steps_executed", 0.0),
             stats.get("device_seconds", 0.0),
+            stats.get("steps_requested_finished"),
         ),
     }
     value = _final_metrics(best).get(metric) if best is not None else None

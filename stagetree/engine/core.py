@@ -156,6 +156,9 @@ class RunningBatch:
         start_ref: the checkpoint it starts from (None: from scratch).
         durable: the last step it checkpointed durably (None: none yet).
         rate: device-seconds per step, for the studies' accounting (0.0: not measured).
+        charged: ``study -> [steps, device-seconds]`` charged to each study for this
+            batch so far (settled at its end, see :meth:`Engine._settle_charges`).
+        serving: the studies with a live request it served when it started.
     """
 
     root_key: str
@@ -164,6 +167,8 @@ class RunningBatch:
     start_ref: str | None
     durable: int | None = None
     rate: float = 0.0
+    charged: dict[str, list[float]] = field(default_factory=dict)
+    serving: list[str] = field(default_factory=list)
 
 
 # Submissions closer together than _QUIET seconds are planned together (waiting at most
@@ -321,10 +326,6 @@ class Engine:
     def run_clock(self) -> Clock:
         """The executor's clock (virtual when simulated), made if need be, not started."""
         return self._make_executor().clock
-
-    def running_steps(self) -> int:
-        """Steps trained so far by batches that have not ended yet."""
-        return sum(b.last_step - b.start_step for b in self._batches.values())
 
     def settle(self, timeout: float = 30.0) -> None:
         """When no submission is waiting any more, wait (at most ``timeout`` s) for the
@@ -793,7 +794,14 @@ class Engine:
                 self._unreleased.discard(ended)
                 self.coord.batch_ended(ended)
         rate = batch.rate if batch is not None else 0.0
-        self.ledger.count_studies(charged, self.scheduler.usage, rate)
+        steps = self.ledger.count_studies(charged, self.scheduler.usage, rate)
+        if batch is not None:
+            for name, delta in steps.items():
+                mine = batch.charged.setdefault(name, [0.0, 0.0])
+                mine[0] += delta
+                mine[1] += delta * rate
+            if isinstance(ev, work.BatchDone):
+                self._settle_charges(batch, ev.busy_seconds * self._devices_per_worker)
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
 
@@ -904,6 +912,26 @@ class Engine:
             self.storage.add_stats("engine", ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
         if batch is not None and ev.steps:
             batch.rate = ev.busy_seconds * self._devices_per_worker / ev.steps
+
+    def _settle_charges(self, batch: RunningBatch, device: float) -> None:
+        """A batch ended after ``device`` device-seconds of work (what the storage-wide
+        counters count): charge them to the studies it trained for, less what was
+        charged as its steps were reported (at the training-only rate of ``Progress``),
+        so that a study's device-seconds and the storage's add up. The study that
+        needed the most of its steps pays all of it, another its share of the steps
+        (a step several studies needed counts for each, as in ``steps_executed``); a
+        batch that trained no step for anyone (an evaluation, a load, work cancelled
+        before it began) is paid by the studies it served when it started."""
+        most = max((steps for steps, _ in batch.charged.values()), default=0.0)
+        if most > 0:
+            owed = {n: steps / most * device - paid for n, (steps, paid) in batch.charged.items()}
+        else:
+            owed = {n: device for n in batch.serving}
+        for name, delta in owed.items():
+            version = self.ledger.study_versions.get(name)
+            if version is not None and delta:
+                self.storage.add_stats(study_scope(name, version), device_seconds=delta)
+        batch.charged.clear()
 
     def _on_batch_failed(self, ev: work.BatchFailed, batch: RunningBatch | None) -> None:
         self._end(ev.batch_id)
@@ -1024,7 +1052,11 @@ class Engine:
         if key != item.trainer:  # the trainer of the tree's study trains it
             item = dataclasses.replace(item, trainer=key)
         self._batches[item.batch_id] = RunningBatch(
-            item.root_key, item.start_step, item.start_step, item.start_checkpoint
+            item.root_key,
+            item.start_step,
+            item.start_step,
+            item.start_checkpoint,
+            serving=self.scheduler.serving(item.batch_id),
         )
         where = self.executor.worker_locations().get(item.worker, self._here)
         data = {

@@ -82,12 +82,13 @@ class Ledger:
 
     def count_studies(
         self, before: Mapping[str, float], after: Mapping[str, float], rate: float
-    ) -> None:
+    ) -> dict[str, float]:
         """Per-study accounting (:func:`~stagetree.plan.scopes.study_scope`): the steps
         the scheduler charged to each study for the event just handled (its usage
         ``after`` minus ``before``; fair share's usage: a step every study needed counts
         for each), and their device-seconds at ``rate``, the rate of the batch the event
-        is about."""
+        is about. Returns the steps charged to each study."""
+        charged: dict[str, float] = {}
         for name, steps in after.items():
             delta = steps - before.get(name, 0.0)
             version = self.study_versions.get(name)
@@ -95,3 +96,5 @@ class Ledger:
                 self.storage.add_stats(
                     study_scope(name, version), steps_executed=delta, device_seconds=delta * rate
                 )
+                charged[name] = delta
+        return charged

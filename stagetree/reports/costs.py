@@ -5,7 +5,10 @@
 **What a study cost** (:func:`study_accounting`). Executed steps and device-seconds
 are what was trained for the study's requests (the engine's ``study:<name>@<version>``
 scope, as fair share charges it): a step two studies needed while it trained counts
-for both, a step another study had trained before costs this one nothing. On a
+for both, a step another study had trained before costs this one nothing. Its
+device-seconds are the busy time of the batches that trained for it (settled when
+each batch ends; the training time of its steps while it runs), as the storage-wide
+counters count them: studies that share nothing add up to the storage. On a
 storage written before studies were counted, the sums over the plan trees its trials
 use (``root:<key>`` scopes). The storage-wide counters (scope ``engine``) count every
 stage once.
@@ -21,24 +24,65 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from stagetree.identity import split_trials, trial_version
-from stagetree.plan.scopes import root_scope, study_scope
-from stagetree.records import RunRecord
+from stagetree.identity import split_trials
+from stagetree.records import RunRecord, TrialState
 from stagetree.reports.activity import batches
-from stagetree.reports.trials import _studies, _trials, quiet_gc
+from stagetree.reports.trials import _studies, _trials, quiet_gc, trained_counters, tree_counters
 from stagetree.stages import unique_steps
 
 if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage
 
-__all__ = ["EFFICIENCY_KEYS", "accounting", "efficiency", "study_accounting"]
+__all__ = [
+    "COUNT_KEYS",
+    "EFFICIENCY_KEYS",
+    "accounting",
+    "efficiency",
+    "steps_saved",
+    "study_accounting",
+]
+
+#: The figures of :func:`study_accounting` and :func:`efficiency` that count things
+#: (trials, steps, bytes, workers): ints; every other figure is seconds or a ratio (float).
+COUNT_KEYS = frozenset(
+    {
+        "trials",
+        "steps_requested",
+        "steps_requested_finished",
+        "steps_unique",
+        "steps_executed",
+        "ckpt_bytes",
+        "live_splits",
+        "splits_missed",
+        "workers_lost",
+        "steps_lost",
+        "fused_jobs",
+        "fused_members",
+        "workers",
+        "steps_unique_trained",
+    }
+)
+
+
+def _typed(numbers: dict[str, float]) -> dict[str, float]:
+    """``numbers`` with the counts (:data:`COUNT_KEYS`) as ints, the rest as floats."""
+    return {k: round(v) if k in COUNT_KEYS else float(v) for k, v in numbers.items()}
 
 
 def accounting(
-    steps_requested: float, steps_unique: float, steps_executed: float, device_seconds: float
+    steps_requested: float,
+    steps_unique: float,
+    steps_executed: float,
+    device_seconds: float,
+    steps_finished: float | None = None,
 ) -> dict[str, float]:
-    """What sharing saved: requested minus executed steps, and device-seconds saved
-    estimated as saved steps times the measured device-seconds per executed step.
+    """What sharing saved: the steps requested by the trials that finished
+    (``steps_finished``; all of ``steps_requested`` when not given) minus the steps
+    executed, never negative, and device-seconds saved estimated as saved steps times
+    the measured device-seconds per executed step. The steps of a failed or cancelled
+    trial are not saved: nothing was trained for it that sharing spared. The one
+    definition of the saving: the run report, ``stagetree status``, the dashboard and
+    the progress line (:func:`steps_saved`) show it.
 
     Returns:
         ``steps_requested``, ``steps_unique``, ``steps_executed``, ``merge_rate``
@@ -46,7 +90,8 @@ def accounting(
         ``seconds_per_step`` (0.0 before any step ran), ``steps_saved``,
         ``device_seconds_saved``.
     """
-    saved = steps_requested - steps_executed
+    finished = steps_requested if steps_finished is None else steps_finished
+    saved = steps_saved(finished, steps_executed)
     per_step = device_seconds / steps_executed if steps_executed > 0 else 0.0
     return {
         "steps_requested": float(steps_requested),
@@ -60,25 +105,11 @@ def accounting(
     }
 
 
-def _tree_stats(storage: BasePlanStorage, roots: Iterable[str]) -> dict[str, float]:
-    """The counters of the plan trees ``roots``, summed."""
-    out: dict[str, float] = {}
-    for root in roots:
-        for k, v in storage.stats(root_scope(root)).items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def _own_counters(
-    storage: BasePlanStorage, study: str, trials: list[dict[str, Any]]
-) -> dict[str, float]:
-    """The study's own counters (``engine.study_scope``: what was trained for its
-    requests) at the version of ``trials``; empty when none were kept."""
-    if not trials:
-        return {}
-    meta = (_studies(storage).get(study) or {}).get("meta") or {}
-    version = trial_version(trials[0], meta)
-    return storage.stats(study_scope(study, str(version))) if version is not None else {}
+def steps_saved(steps_finished: float, steps_executed: float) -> float:
+    """Steps sharing saved: those requested by the trials that finished minus those
+    executed, never negative (while trials run, their steps executed so far count and
+    theirs requested do not yet: the saving never includes work still to do)."""
+    return max(float(steps_finished) - float(steps_executed), 0.0)
 
 
 def _study_accounting(
@@ -91,15 +122,17 @@ def _study_accounting(
     nodes = {n.id: n for root in roots for n in storage.nodes(root)}
     ends = [(int(t["node"]), int(t["step"])) for t in trials if t.get("node") is not None]
     unique = float(unique_steps(nodes, [e for e in ends if e[0] in nodes]))
-    trees = _tree_stats(storage, roots)
-    own = _own_counters(storage, study, trials) if study is not None else {}
+    trees = tree_counters(storage, roots)
     # What was trained for this study's requests when the engine kept it (shared work
     # counts for every study that needed it); else all that its trees cost.
-    trained = own if "steps_executed" in own else trees
+    trained, counted = trained_counters(storage, study, trials, trees)
     everything = storage.stats("engine")
-    numbers = {
-        "trials": float(len(trials)),
+    numbers: dict[str, float] = {
+        "trials": len(trials),
         "steps_requested": requested,
+        "steps_requested_finished": sum(
+            int(t["steps"]) for t in trials if t["state"] == TrialState.DONE
+        ),
         "steps_unique": unique,
         "merge_rate": requested / unique if unique else 1.0,
         "steps_executed": trained.get("steps_executed", 0.0),
@@ -114,7 +147,7 @@ def _study_accounting(
         "fused_jobs": trees.get("fused_jobs", 0.0),
         "fused_members": trees.get("fused_members", 0.0),
     }
-    return numbers, "steps_executed" in trained
+    return _typed(numbers), counted
 
 
 def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:
@@ -122,7 +155,9 @@ def study_accounting(storage: BasePlanStorage, study: str, version: Any = None) 
     for and cost, as :meth:`Study.stats <stagetree.Study.stats>` returns it.
 
     Returns:
-        ``trials``; ``steps_requested`` (total steps of the trials), ``steps_unique``
+        ``trials``; ``steps_requested`` (total steps of the trials),
+        ``steps_requested_finished`` (those of the trials that finished: what the
+        saving is counted against, see :func:`accounting`), ``steps_unique``
         (steps of the union of their paths) and ``merge_rate`` (requested / unique);
         ``steps_executed`` and ``device_seconds``: what was trained for this study's
         requests, over every run on this storage (``engine.study_scope``: a step that
@@ -179,6 +214,9 @@ def efficiency(
 
         efficiency = (unique steps x median seconds per step trained alone / W) / T
 
+    (the limit capped at what the other parts leave of ``T``: see
+    ``scheduling_seconds``)
+
     * *unique steps*: the ``(node, step)`` pairs the run's finished batches trained,
       each counted once (a step trained twice, e.g. after a lost worker, counts once;
       steps earlier runs trained are not this run's work).
@@ -209,8 +247,10 @@ def efficiency(
     * ``scheduling_seconds``: the remainder: dispatching batches and reporting their
       end, steps trained more than once or by batches that failed, were lost or still
       run (a running batch counts only once it ends), evaluation beyond the median's,
-      and steps slower than the median (it can be slightly negative when steps
-      trained faster than the median).
+      and steps slower than the median. Never negative: when steps trained faster
+      than the median, so that the limit would exceed what the other parts leave of
+      ``W x T``, the limit is that rest (the parts still add up to ``T``) and
+      ``scheduling_seconds`` is 0.
 
     Also ``workers`` (``W``), ``steps_unique_trained`` and ``seconds_per_step`` (the
     median). Empty when there is no such run (a storage written before runs were
@@ -293,20 +333,26 @@ def efficiency(
             break
     unique = _trained_steps(done)
     limit = unique * rate
-    scheduling = count * wall - count * startup - idle - load - save_wait - limit
-    return {
-        "efficiency": limit / count / wall if wall > 0 else 0.0,
-        "wall_seconds": wall,
-        "limit_seconds": limit / count,
-        "startup_seconds": startup,
-        "ckpt_load_wait_seconds": load / count,
-        "ckpt_save_wait_seconds": save_wait / count,
-        "idle_seconds": idle / count,
-        "scheduling_seconds": scheduling / count,
-        "workers": float(count),
-        "steps_unique_trained": float(unique),
-        "seconds_per_step": rate,
-    }
+    # The limit is at most the worker-time the other parts leave: steps that trained
+    # faster than the median would otherwise make the remainder negative.
+    rest = max(count * wall - count * startup - idle - load - save_wait, 0.0)
+    limit = min(limit, rest)
+    scheduling = rest - limit
+    return _typed(
+        {
+            "efficiency": limit / count / wall if wall > 0 else 0.0,
+            "wall_seconds": wall,
+            "limit_seconds": limit / count,
+            "startup_seconds": startup,
+            "ckpt_load_wait_seconds": load / count,
+            "ckpt_save_wait_seconds": save_wait / count,
+            "idle_seconds": idle / count,
+            "scheduling_seconds": scheduling / count,
+            "workers": float(count),
+            "steps_unique_trained": float(unique),
+            "seconds_per_step": rate,
+        }
+    )
 
 
 def _began(batch: Any, default: float) -> float:

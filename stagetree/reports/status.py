@@ -173,6 +173,7 @@ def study_status(
                 numbers["steps_unique"],
                 numbers["steps_executed"],
                 numbers["device_seconds"],
+                numbers["steps_requested_finished"],
             )
             if counted or not trained
             else None
@@ -210,7 +211,7 @@ def storage_status(storage: BasePlanStorage, url: str, study: str | None = None)
     names = [s["name"] for s in storage.studies()]
     shown = names if study is None else [study_record(storage, study)["name"]]
     rows = {name: storage.trials(name, light=True) for name in names}  # read once, for both
-    trials, requested, unique = _plan_totals(storage, rows)
+    trials, requested, unique, finished = _plan_totals(storage, rows)
     engine = storage.stats("engine")
     return StorageStatus(
         url=url,
@@ -222,25 +223,30 @@ def storage_status(storage: BasePlanStorage, url: str, study: str | None = None)
             unique,
             engine.get("steps_executed", 0.0),
             engine.get("device_seconds", 0.0),
+            finished,
         ),
     )
 
 
 def _plan_totals(
     storage: BasePlanStorage, rows: Mapping[str, list[dict[str, Any]]]
-) -> tuple[int, int, int]:
-    """``(trials, steps requested, unique steps)`` of every tree of the storage, as
-    :func:`stagetree.stages.summarize` counts them, from the trial rows of every study
-    (``rows``); without what ``summarize`` also reads for its pending steps."""
+) -> tuple[int, int, int, int]:
+    """``(trials, steps requested, unique steps, steps requested by finished trials)``
+    of every tree of the storage, as :func:`stagetree.stages.summarize` counts them,
+    from the trial rows of every study (``rows``); without what ``summarize`` also
+    reads for its pending steps."""
     keys = storage.root_keys()
     wanted = set(keys)
     nodes = {n.id: n for key in keys for n in storage.nodes(key)}
     trials = [t for found in rows.values() for t in found if t["root_key"] in wanted]
     if trials:
         count, requested = len(trials), sum(int(t["steps"]) for t in trials)
+        finished = sum(int(t["steps"]) for t in trials if t["state"] == TrialState.DONE)
         ends = [(int(t["node"]), int(t["step"])) for t in trials if t["node"] is not None]
     else:  # a plan without trial records: each live or finished request is a trial
         live = [r for key in keys for r in storage.requests(key)]
         ends = [(r.node, r.step) for r in live if r.state != RequestState.CANCELLED]
         count, requested = len(ends), total_steps(ends)
-    return count, requested, unique_steps(nodes, [e for e in ends if e[0] in nodes])
+        done = [(r.node, r.step) for r in live if r.state == RequestState.DONE]
+        finished = total_steps(done)
+    return count, requested, unique_steps(nodes, [e for e in ends if e[0] in nodes]), finished

@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from stagetree.exceptions import PlanKeyError
-from stagetree.identity import split_trials
+from stagetree.identity import split_trials, trial_version
+from stagetree.plan.scopes import root_scope, study_scope
 from stagetree.ranking import MODES, best_key, check_mode, finite, guess_mode
 from stagetree.records import NO_ERROR, TrialError, TrialRecord, TrialState
 from stagetree.reports.lineage import study_lineage
@@ -386,23 +387,66 @@ def _failed(trials: Iterable[Mapping[str, Any]]) -> list[tuple[int, TrialError]]
     ]
 
 
+def tree_counters(storage: BasePlanStorage, roots: Iterable[str]) -> dict[str, float]:
+    """The counters of the plan trees ``roots`` (``root:<key>`` scopes), summed."""
+    out: dict[str, float] = {}
+    for root in roots:
+        for k, v in storage.stats(root_scope(root)).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def trained_counters(
+    storage: BasePlanStorage,
+    study: str | None,
+    trials: list[dict[str, Any]],
+    trees: Mapping[str, float] | None = None,
+) -> tuple[Mapping[str, float], bool]:
+    """What was trained for ``study``'s ``trials`` (``steps_executed``,
+    ``device_seconds``): the one definition that ``Study.stats()``, ``progress()``, the
+    run report and ``stagetree status`` share.
+
+    The study's own counters (the engine's ``study:<name>@<version>`` scope at the
+    version of ``trials``: what was trained for its requests, charged as workers report
+    their steps, so running batches count as they go; a step two studies needed counts
+    for both); on a storage written before studies were counted, what the plan trees of
+    its trials cost (``trees``, when the caller summed them). Also whether any counters
+    were found (a storage written before trees were counted has none).
+    """
+    if study is not None and trials:
+        meta = (_studies(storage).get(study) or {}).get("meta") or {}
+        version = trial_version(trials[0], meta)
+        if version is not None:
+            own = storage.stats(study_scope(study, str(version)))
+            if "steps_executed" in own:
+                return own, True
+    if trees is None:
+        trees = tree_counters(storage, {str(t["root_key"]) for t in trials})
+    return trees, "steps_executed" in trees
+
+
 def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:
     """A cheap snapshot for progress displays (reads no metrics, builds no tree):
     ``trials``, ``finished``, ``running``, ``pending``, ``failed`` (trial rows of
-    ``version`` by state), ``steps_requested`` (their total steps), and the storage-wide
-    ``steps_executed`` and ``device_seconds`` of the batches that ended so far."""
+    ``version`` by state), ``steps_requested`` (their total steps),
+    ``steps_requested_finished`` (those of the finished trials), and the study's
+    ``steps_executed`` and ``device_seconds`` so far (:func:`trained_counters`, as
+    :func:`stagetree.reports.costs.study_accounting` counts them)."""
     trials = _trials(storage, study, version, light=True)[0]
     states = [t["state"] for t in trials]
-    engine = storage.stats("engine")
+    trained = trained_counters(storage, study, trials)[0]
     return {
-        "trials": float(len(trials)),
-        "finished": float(states.count(TrialState.DONE)),
-        "running": float(states.count(TrialState.RUNNING)),
-        "pending": float(states.count(TrialState.PENDING)),
-        "failed": float(states.count(TrialState.FAILED)),
-        "steps_requested": float(sum(int(t["steps"]) for t in trials)),
-        "steps_executed": engine.get("steps_executed", 0.0),
-        "device_seconds": engine.get("device_seconds", 0.0),
+        "trials": len(trials),
+        "finished": states.count(TrialState.DONE),
+        "running": states.count(TrialState.RUNNING),
+        "pending": states.count(TrialState.PENDING),
+        "failed": states.count(TrialState.FAILED),
+        "steps_requested": sum(int(t["steps"]) for t in trials),
+        "steps_requested_finished": sum(
+            int(t["steps"]) for t, state in zip(trials, states) if state == TrialState.DONE
+        ),
+        "steps_executed": round(trained.get("steps_executed", 0.0)),
+        "device_seconds": float(trained.get("device_seconds", 0.0)),
     }
 
 

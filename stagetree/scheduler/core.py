@@ -967,6 +967,12 @@ class Scheduler:
             yield key, key[1]
         yield from batch.downstream.items()
 
+    def serving(self, batch_id: int) -> list[str]:
+        """The studies with a live request that batch ``batch_id`` serves (none when
+        the batch is unknown), in name order."""
+        batch = self._batches.get(batch_id)
+        return sorted(self._needs(batch, -1)) if batch is not None else []
+
     def _needs(self, batch: _Batch, after: int) -> dict[str, int]:
         """Per study with a live request the batch serves: the furthest position of the
         batch (past ``after``, up to its end) that those requests need."""

@@ -465,10 +465,10 @@ class RemoteStudy(StudyAPI):
         return None if raw is None else record_from_json(raw)
 
     def stats(self) -> dict[str, float]:
-        return {str(k): float(v) for k, v in self._call("GET", "/stats")["stats"].items()}
+        return _figures(self._call("GET", "/stats")["stats"])
 
     def progress(self) -> dict[str, float]:
-        out = {str(k): float(v) for k, v in self._call("GET", "/progress")["stats"].items()}
+        out = _figures(self._call("GET", "/progress")["stats"])
         out["elapsed"] = time.monotonic() - self._started  # this object's age, as locally
         return out
 
@@ -560,3 +560,8 @@ def _warn_ignored(given: Mapping[str, Any]) -> None:
             RemoteArgumentWarning,
             stacklevel=3,
         )
+
+
+def _figures(raw: Mapping[str, Any]) -> dict[str, float]:
+    """A study's figures as the server sent them: counts stay ints, the rest floats."""
+    return {str(k): v if isinstance(v, int) else float(v) for k, v in raw.items()}

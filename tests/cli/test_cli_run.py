@@ -158,8 +158,10 @@ def test_status_one_study_exact_numbers(
     assert _field(block, "steps executed") == "19"
     assert _field(block, "merge rate") == f"{24 / 19:.2f}"
     assert _field(block, "device-seconds") == "3.8"
-    assert _field(block, "steps saved") == "5"
-    assert _line(block, "device-seconds saved") == "1.0 (estimated at 0.2 s per executed step)"
+    # Saved: steps of the finished trials (t1, t3: 14) minus executed (19), never
+    # negative; t2 still runs: its steps are not saved yet (issue 22).
+    assert _field(block, "steps saved") == "0"
+    assert _line(block, "device-seconds saved") == "0.0 (estimated at 0.2 s per executed step)"
     assert "all " not in out  # no totals block for a single study
 
 
@@ -175,7 +177,7 @@ def test_status_two_studies_counts_execution_per_study_and_for_the_whole_storage
     assert _field(a, "unique steps") == "19"
     assert _field(a, "steps executed") == "19"  # counted on its tree
     assert _field(a, "device-seconds") == "3.8"
-    assert _field(a, "steps saved") == "5"
+    assert _field(a, "steps saved") == "0"  # 14 finished - 19 executed: t2 still runs
     b = _block(out, "study b")
     assert _line(b, "trials") == "4 (3 finished, 0 running, 1 failed)"
     assert _line(b, "best loss") == (
@@ -186,8 +188,9 @@ def test_status_two_studies_counts_execution_per_study_and_for_the_whole_storage
     assert _field(b, "merge rate") == "1.33"
     assert _field(b, "steps executed") == "21"
     assert _field(b, "device-seconds") == "4.2"
-    assert _field(b, "steps saved") == "3"
-    assert _field(b, "device-seconds saved") == "0.6"
+    # u4 failed: its 6 steps are not saved (18 finished - 21 executed, never negative).
+    assert _field(b, "steps saved") == "0"
+    assert _field(b, "device-seconds saved") == "0.0"
     total = _block(out, "all 2 studies")
     assert _field(total, "trials") == "7"
     assert _field(total, "steps requested") == "48"
@@ -195,8 +198,8 @@ def test_status_two_studies_counts_execution_per_study_and_for_the_whole_storage
     assert _field(total, "steps executed") == "40"
     assert _field(total, "merge rate") == f"{48 / 37:.2f}"
     assert _field(total, "device-seconds") == "8.0"
-    assert _field(total, "steps saved") == "8"
-    assert _field(total, "device-seconds saved") == "1.6"
+    assert _field(total, "steps saved") == "0"  # 32 finished - 40 executed
+    assert _field(total, "device-seconds saved") == "0.0"
 
 
 def test_status_of_a_storage_without_counters_per_tree(
@@ -293,7 +296,7 @@ def test_status_rich_output(one_study: tuple[str, dict[str, int]]) -> None:
     text = buf.getvalue()
     assert "merge rate" in text and "1.26" in text and "study a" in text
     assert result.studies[0].numbers is not None
-    assert result.studies[0].numbers["steps_saved"] == 5.0
+    assert result.studies[0].numbers["steps_saved"] == 0.0  # t2 still runs
 
 
 # --------------------------------------------------------------------------- export

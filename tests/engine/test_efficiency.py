@@ -108,6 +108,27 @@ def test_the_definition_on_hand_written_records() -> None:
     assert "load 0.25 s + save 0.50 s, idle 2.00 s, scheduling 1.25 s)" in line
 
 
+def test_steps_faster_than_the_median_never_make_scheduling_negative() -> None:
+    run = {"started": 100.0, "ended": 103.2, "workers": 1, "owner": "me", "version": "v"}
+    storage = _storage(run)
+    storage.record_activity(
+        [
+            # 2 steps at 0.1 s, then 3 at 1 s: the step-weighted median is 1 s a step,
+            # so the limit (5 unique steps x 1 s) would exceed the 3.2 s the run took.
+            *_batch("me", 1, 0, (100.0, 100.2), [1, 0, 2], 0.2, 2),
+            *_batch("me", 2, 0, (100.2, 102.2), [2, 0, 2], 2.0, 2),
+            *_batch("me", 3, 0, (102.2, 103.2), [3, 0, 1], 1.0, 1),
+        ]
+    )
+    got = reports.efficiency(storage, "s")
+    assert got["scheduling_seconds"] == 0.0
+    assert all(got[k] >= 0.0 for k in PARTS)
+    assert sum(got[k] for k in PARTS) == pytest.approx(got["wall_seconds"])
+    assert got["limit_seconds"] == pytest.approx(3.2)
+    assert got["efficiency"] == pytest.approx(1.0)
+    assert "scheduling -" not in efficiency_line(got)
+
+
 def test_a_run_without_an_end_is_measured_until_now() -> None:
     storage = _storage({"started": 100.0, "workers": 1, "owner": "me", "version": "v"})
     storage.record_activity(_batch("me", 1, 0, (101.0, 103.0), [1, 0, 2], 2.0, 2))

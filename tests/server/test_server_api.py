@@ -420,7 +420,9 @@ def test_remote_study_has_the_local_api(remote: Any, tmp_path: Path) -> None:
     stats = study.stats()
     for key in ("trials", "steps_requested", "steps_unique", "steps_executed"):
         assert stats[key] == want_stats[key], key
+        assert type(stats[key]) is int, key  # counts stay ints over HTTP
     assert study.progress()["finished"] == 4
+    assert type(study.progress()["finished"]) is int
     assert study.num_workers == 1
     assert study.failures() == []
     with pytest.raises(InvalidTrialError, match="momentum"):
