@@ -457,7 +457,8 @@ class StudyAPI(abc.ABC):
             raise ValueError(f"progress must be True, False or None, got {progress!r}")
         # What is known without training stops the run before any worker starts.
         check_tuner_fits(self.trainer, tuner)
-        check_checkpointable(self.trainer)
+        if not self._virtual_time():  # a simulated executor never builds the trainer
+            check_checkpointable(self.trainer)
         try:
             return self._tune(tuner, limits, progress)
         except KeyboardInterrupt:

@@ -138,7 +138,8 @@ def run_script(
                 tuner = pick(namespace, "tuner", Tuner, "tuner", str(script))
                 # Names first: a typo is refused before the storage is even opened.
                 check_tuner_fits(study.trainer, tuner)
-                check_checkpointable(study.trainer)
+                if not study._virtual_time():
+                    check_checkpointable(study.trainer)
                 if check and not isinstance(study, RemoteStudy):
                     # A trainer that fails, or a metric it never returns, stops the run
                     # here, before any worker starts.
