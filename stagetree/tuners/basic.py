@@ -25,10 +25,10 @@ __all__ = ["GRID_WINDOW", "LARGE_GRID", "GridSearch", "RandomSearch"]
 LARGE_GRID = 100_000
 #: Trials of a large grid in flight at once (consecutive points: those that share a
 #: plan tree are contiguous in grid order, so the stage tree still merges them).
-GRID_WINDOW = 10_000
+GRID_WINDOW = 1_000
 # Submissions between two turns of the event loop, so that a budget's clock is seen
 # while a large window is being submitted.
-_YIELD_EVERY = 1_000
+_YIELD_EVERY = 100
 
 
 class GridSearch(SyncBracketTuner):
