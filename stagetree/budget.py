@@ -239,7 +239,9 @@ class BudgetGuard:
     ``device_seconds`` are study totals: the run's figures are their growth since the
     guard was made); ``clock`` the run's clock (the executor's: virtual when
     simulated); ``answered(config, hp, steps)`` whether the storage already holds that
-    result. The tuner runs in :meth:`run`.
+    result; ``started`` when the run began on ``clock`` (default: now), so that the
+    wall-clock limit counts what happened before the guard was made (opening the
+    storage, starting workers). The tuner runs in :meth:`run`.
     """
 
     def __init__(
@@ -248,6 +250,8 @@ class BudgetGuard:
         progress: Callable[[], Mapping[str, float]],
         clock: Clock,
         answered: Callable[[Any, Any, int], bool],
+        *,
+        started: float | None = None,
     ) -> None:
         self.budget = budget
         self._progress = progress
@@ -256,7 +260,7 @@ class BudgetGuard:
         base = progress()
         self._base_steps = float(base.get("steps_executed", 0.0))
         self._base_device = float(base.get("device_seconds", 0.0))
-        self._started = clock.monotonic()
+        self._started = clock.monotonic() if started is None else started
         self._trials: dict[str, bool] = {}  # fingerprint -> answered from the storage
         self._active = 0  # submissions under way that are not held back
         self._held = 0

@@ -37,6 +37,8 @@ Hierarchy::
     │                              of a random search)
     ├── RemoteArgumentWarning      a remote study was given a server-side argument
     ├── SharedEngineWarning        a study joins an engine made with other settings
+    ├── LargeGridWarning           a grid search over so many points (its size named)
+    │                              that it cannot finish in a usual run
     └── ReplayDivergedWarning      (also RuntimeWarning) a resumed tuner left its log
 """
 
@@ -53,6 +55,7 @@ __all__ = [
     "InvalidSequenceError",
     "InvalidSpaceError",
     "InvalidTrialError",
+    "LargeGridWarning",
     "MissingExtraError",
     "PlanKeyError",
     "RemoteArgumentWarning",
@@ -264,6 +267,12 @@ class SharedEngineWarning(StagetreeWarning):
     """A study joins the engine of its storage in this process (one worker pool for
     every study there), which another study made with other engine settings: the
     engine's settings are used, the study's differing ones are not."""
+
+
+class LargeGridWarning(StagetreeWarning):
+    """A grid search over a grid so large (the message names its size) that training
+    every point is rarely what was meant; it is enumerated lazily and submitted a
+    window at a time, so a budget stops it as any run."""
 
 
 class ReplayDivergedWarning(StagetreeWarning, RuntimeWarning):

@@ -1,4 +1,4 @@
-"""Hyper-parameter names that reach the trainer.
+"""Hyper-parameter names that reach the trainer, and the metric names that come back.
 
 A typo in a sequential hyper-parameter name (``lrx`` for ``lr``) would otherwise train
 silently with the trainer's default. Two guards:
@@ -16,6 +16,12 @@ silently with the trainer's default. Two guards:
   After the first step of a freshly built or restored trainer, a name that was given
   but never read is reported once per worker process with an
   :class:`UnreadHyperparameterWarning` (on the worker's stderr).
+
+A trainer may also declare the fixed configuration names its ``__init__`` reads
+(:attr:`stagetree.Trainer.config_names`) and the metric names it returns
+(:attr:`stagetree.Trainer.metric_names`): ``Study.tune`` and ``stagetree run`` then
+refuse a space with another fixed name, or a tuner whose metric the trainer never
+returns, before any worker starts (:func:`check_tuner_fits`).
 """
 
 from __future__ import annotations
@@ -25,14 +31,18 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from stagetree.exceptions import InvalidTrialError, UnreadHyperparameterWarning
+from stagetree.exceptions import InvalidTrialError, TunerError, UnreadHyperparameterWarning
 
 __all__ = [
     "HpReadWatch",
     "UnreadHyperparameterWarning",
     "accepted_hyperparameters",
+    "check_config_names",
     "check_hp_names",
+    "check_metric_name",
     "check_space_names",
+    "check_tuner_fits",
+    "declared_names",
     "did_you_mean",
     "names_mismatch",
 ]
@@ -131,19 +141,91 @@ def check_hp_names(trainer: type, names: Iterable[str], *, what: str = "trial") 
 
 
 def check_space_names(trainer: type, space: Any) -> None:
-    """:func:`check_hp_names` for every sequential name of a tuner's space (a space with
-    ``names``, or a list of trial specs); anything else is left to the submissions."""
-    if space is None or accepted_hyperparameters(trainer) is None:
+    """:func:`check_hp_names` for every sequential name of a tuner's space, and
+    :func:`check_config_names` for every fixed name (a space with ``names`` and
+    ``fixed_names``, or a list of trial specs); anything else is left to the
+    submissions."""
+    if space is None:
         return
+    what = "the tuner's space"
     names = getattr(space, "names", None)
     if isinstance(names, (tuple, list, frozenset, set)):
-        check_hp_names(trainer, names, what="the tuner's space")
+        check_hp_names(trainer, names, what=what)
+        fixed = getattr(space, "fixed_names", None)
+        if isinstance(fixed, (tuple, list, frozenset, set)):
+            check_config_names(trainer, fixed, what=what)
         return
     if isinstance(space, (list, tuple)):
         for spec in space:
             hp = getattr(spec, "hp", None)
             if hp is not None:
-                check_hp_names(trainer, hp, what="the tuner's space")
+                check_hp_names(trainer, hp, what=what)
+            config = getattr(spec, "config", None)
+            if isinstance(config, dict):
+                check_config_names(trainer, config, what=what)
+
+
+def declared_names(trainer: type, attribute: str) -> frozenset[str] | None:
+    """The names a trainer class declares in ``attribute`` (``config_names``,
+    ``metric_names``); None when it declares none."""
+    names = getattr(trainer, attribute, None)
+    if names is None:
+        return None
+    if isinstance(names, str):
+        raise TypeError(
+            f"{trainer.__name__}.{attribute} must be a collection of names, "
+            f"not the string {names!r}"
+        )
+    return frozenset(str(n) for n in names)
+
+
+def check_config_names(trainer: type, names: Iterable[str], *, what: str = "trial") -> None:
+    """Raise :class:`InvalidTrialError` for fixed names (``config`` keys) that
+    ``trainer`` declares it does not read (:attr:`stagetree.Trainer.config_names`)."""
+    accepted = declared_names(trainer, "config_names")
+    if accepted is None:
+        return
+    unknown = sorted(set(names) - accepted)
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        hint = did_you_mean(name, accepted)
+        parts.append(f"{name!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+    cls = trainer.__name__
+    raise InvalidTrialError(
+        f"{what} has fixed hyper-parameter(s) {', '.join(parts)} that {cls} does not "
+        f"read; {cls}.config_names is {sorted(accepted)}"
+    )
+
+
+def check_metric_name(trainer: type, metric: str, returned: Iterable[str] | None = None) -> None:
+    """Raise :class:`TunerError` when a tuner's ``metric`` is not among the names the
+    trainer returns: ``returned`` (what a check saw it return), else its declared
+    :attr:`stagetree.Trainer.metric_names`; nothing is checked when neither is known."""
+    known = declared_names(trainer, "metric_names") if returned is None else frozenset(returned)
+    if known is None or metric in known:
+        return
+    hint = did_you_mean(metric, known)
+    source = "returns" if returned is not None else "declares in metric_names"
+    raise TunerError(
+        f"the tuner's metric {metric!r} is not among the metrics {trainer.__name__} "
+        f"{source}: {sorted(known)}" + (f" (did you mean {hint!r}?)" if hint else "")
+    )
+
+
+def check_tuner_fits(trainer: type, tuner: Any) -> None:
+    """What can be told about a tuner against a trainer without training: the names of
+    its space (:func:`check_space_names`) and its metric (:func:`check_metric_name`).
+
+    Raises:
+        InvalidTrialError: a sequential or fixed name the trainer does not take.
+        TunerError: a metric the trainer declares it does not return.
+    """
+    check_space_names(trainer, getattr(tuner, "space", None))
+    metric = getattr(tuner, "metric", None)
+    if isinstance(metric, str):
+        check_metric_name(trainer, metric)
 
 
 def _base_expr(trainer: type) -> str:

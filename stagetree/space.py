@@ -329,10 +329,13 @@ def _grid_options(name: str, entry: Any, sequential: bool) -> list[Any]:
             _check_fixed_value(name, o)
         out = options
     # Sequences compare by value (hashable); fixed values by canonical JSON (1 != 1.0).
-    seen = [o if sequential else canonical_json(o) for o in out]
-    for i, o in enumerate(out):
-        if seen[i] in seen[:i]:
+    # A set, not a scan of the options before each: a list may be long.
+    seen: set[Any] = set()
+    for o in out:
+        key = o if sequential else canonical_json(o)
+        if key in seen:
             raise InvalidSpaceError(f"grid entry {name!r} lists the option {o!r} twice")
+        seen.add(key)
     return out
 
 
@@ -367,8 +370,10 @@ class GridSpace(BaseSpace):
         self._hp = {name: _grid_options(name, entry, True) for name, entry in hp_d.items()}
         self._fixed = {name: _grid_options(name, e, False) for name, e in fixed_d.items()}
         self._where = where
-        self._trials = tuple(self._enumerate())
-        if not self._trials:
+        # The points are never built here: a grid of a million points is a product of
+        # a few short lists, and is enumerated lazily where it is consumed.
+        self._size: int | None = self.size_before_filter if where is None else None
+        if where is not None and next(self._enumerate(), None) is None:
             raise InvalidSpaceError(
                 f"the grid is empty: where={where!r} rejects all "
                 f"{self.size_before_filter} combinations"
@@ -396,30 +401,63 @@ class GridSpace(BaseSpace):
         """Size of the full product, before ``where``."""
         return math.prod(len(o) for o in itertools.chain(self._hp.values(), self._fixed.values()))
 
+    @property
+    def size(self) -> int:
+        """The number of trials: the product of the option counts, computed without
+        building a point; with ``where``, counted by enumerating once (then kept)."""
+        if self._size is None:
+            self._size = sum(1 for _ in self._enumerate())
+        return self._size
+
     def __len__(self) -> int:
-        return len(self._trials)
+        return self.size
 
     def __iter__(self) -> Iterator[TrialSpec]:
-        return iter(self._trials)
+        return self._enumerate()
+
+    def __getitem__(self, index: int) -> TrialSpec:
+        """The trial at ``index`` in grid order, built alone (without ``where``)."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"grid indices must be integers, got {index!r}")
+        size = self.size
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError(f"grid index {index} out of range for a grid of {size}")
+        if self._where is not None:
+            return next(itertools.islice(self._enumerate(), index, None))
+        # Mixed radix over (fixed..., hp...), the last entry varying fastest.
+        lists = [*self._fixed.values(), *self._hp.values()]
+        picks: list[Any] = []
+        for options in reversed(lists):
+            index, i = divmod(index, len(options))
+            picks.append(options[i])
+        picks.reverse()
+        nf = len(self._fixed)
+        return TrialSpec(dict(zip(self._fixed, picks[:nf])), dict(zip(self._hp, picks[nf:])))
 
     def __repr__(self) -> str:
-        return f"GridSpace({len(self)} trials, hp={list(self._hp)}, fixed={list(self._fixed)})"
+        size = f"{self._size}" if self._size is not None else f"<= {self.size_before_filter}"
+        return f"GridSpace({size} trials, hp={list(self._hp)}, fixed={list(self._fixed)})"
 
     def trials(self, n: int | None = None, seed: int = 0) -> list[TrialSpec]:
         """All trials in grid order (``n`` None), or ``n`` of them chosen with
-        ``random.Random(seed)`` without replacement, kept in grid order.
+        ``random.Random(seed)`` without replacement, kept in grid order (built one by
+        one: a sample of a huge grid does not enumerate it).
 
         Raises:
             InvalidSpaceError: ``n`` is not an int in ``[1, len(self)]``.
         """
         if n is None:
-            return list(self._trials)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(self._trials):
-            raise InvalidSpaceError(
-                f"n must be an int in [1, {len(self._trials)}] for this grid, got {n!r}"
-            )
-        picked = sorted(random.Random(seed).sample(range(len(self._trials)), n))
-        return [self._trials[i] for i in picked]
+            return list(self._enumerate())
+        size = self.size
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= size:
+            raise InvalidSpaceError(f"n must be an int in [1, {size}] for this grid, got {n!r}")
+        picked = sorted(random.Random(seed).sample(range(size), n))
+        if self._where is not None:
+            points = list(self._enumerate())
+            return [points[i] for i in picked]
+        return [self[i] for i in picked]
 
 
 def _check_random_hp(name: str, entry: Any) -> None:

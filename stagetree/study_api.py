@@ -31,11 +31,11 @@ from stagetree.engine.settings import DEFAULT_STORAGE, current_overrides
 from stagetree.exceptions import CheckpointError, StagetreeError, TrialFailedError
 from stagetree.executors.base import WALL_CLOCK, Clock
 from stagetree.hp import Sequence
-from stagetree.names import check_space_names
+from stagetree.names import check_tuner_fits
 from stagetree.plan.base import BasePlanStorage
 from stagetree.progress import ProgressDisplay
 from stagetree.records import TrialError, TrialRecord
-from stagetree.trainer import Trainer
+from stagetree.trainer import Trainer, check_checkpointable
 from stagetree.tuners.base import Trial, TrialResult, Tuner
 
 __all__ = [
@@ -455,7 +455,10 @@ class StudyAPI(abc.ABC):
         limits = None if budget is None else Budget.parse(budget)
         if progress is not None and not isinstance(progress, bool):
             raise ValueError(f"progress must be True, False or None, got {progress!r}")
-        check_space_names(self.trainer, getattr(tuner, "space", None))
+        # What is known without training stops the run before any worker starts.
+        check_tuner_fits(self.trainer, tuner)
+        if not self._virtual_time():  # a simulated executor never builds the trainer
+            check_checkpointable(self.trainer)
         try:
             return self._tune(tuner, limits, progress)
         except KeyboardInterrupt:
@@ -468,6 +471,8 @@ class StudyAPI(abc.ABC):
     ) -> TrialResult | None:
         """:meth:`tune`, its arguments checked."""
         runner = StudyRunner(self)
+        clock = self._run_clock()
+        started = clock.monotonic()  # the budget counts from here, not from the workers
         self.begin_tuning(tuner.metric, tuner.mode, type(tuner).__name__, tuner.horizon)
         guard: BudgetGuard | None = None
         try:
@@ -481,7 +486,7 @@ class StudyAPI(abc.ABC):
 
             async def guarded() -> TrialResult | None:
                 nonlocal guard
-                guard = BudgetGuard(limits, self.progress, self._run_clock(), self._answered)
+                guard = BudgetGuard(limits, self.progress, clock, self._answered, started=started)
                 runner.guard = guard
                 return await guard.run(tuner, runner)
 

@@ -7,9 +7,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
-from stagetree.exceptions import FusionError
+from stagetree.exceptions import FusionError, TrainerError
 
-__all__ = ["FusedGroup", "Trainer"]
+__all__ = ["FusedGroup", "Trainer", "check_checkpointable"]
 
 
 class Trainer:
@@ -58,12 +58,21 @@ class Trainer:
             A subclass that overrides ``setup`` must declare again for its names to be
             enforced. ``stagetree check`` (:func:`stagetree.check_trainer`) tells whether
             a trainer is exact.
+        config_names: class attribute; the fixed configuration names ``__init__``
+            reads, or None (the default) when not declared. Declared, a tuner's space
+            with another fixed name (a typo) is refused by ``Study.tune`` and
+            ``stagetree run`` before any worker starts, with a "did you mean".
+        metric_names: class attribute; the metric names ``evaluate()`` and ``train()``
+            return, or None (the default) when not declared. Declared, a tuner whose
+            metric is not among them is refused before any worker starts.
         fusible: class attribute; the sequential hyper-parameter names that may differ
             between members of a fused job (see :mod:`stagetree.fusion`); empty (the
             default): the class cannot be fused, and :meth:`fuse` is never called.
     """
 
     hyperparameters: ClassVar[Collection[str] | None] = None
+    config_names: ClassVar[Collection[str] | None] = None
+    metric_names: ClassVar[Collection[str] | None] = None
     fusible: ClassVar[frozenset[str]] = frozenset()
 
     def fused_width_limit(self) -> int | None:
@@ -167,3 +176,22 @@ class FusedGroup(ABC):
     @abstractmethod
     def remove(self, i: int) -> Trainer:
         """Member ``i`` leaves the job (synced); returns its trainer."""
+
+
+def check_checkpointable(trainer: type) -> None:
+    """Raise :class:`TrainerError` when ``trainer`` leaves ``state_dict`` or
+    ``load_state_dict`` to :class:`Trainer` (which raises): every tuning run checkpoints
+    its trials, so such a trainer would fail at its first checkpoint, after training.
+    """
+    missing = [
+        name
+        for name in ("state_dict", "load_state_dict")
+        if getattr(trainer, name, None) is getattr(Trainer, name)
+    ]
+    if missing:
+        raise TrainerError(
+            f"{trainer.__name__} does not implement {' and '.join(f'{m}()' for m in missing)}: "
+            "stagetree checkpoints every trial it tunes, so it would fail at its first "
+            "checkpoint; implement state_dict() and load_state_dict() (or subclass "
+            "stagetree.torch.TorchTrainer, which does it for PyTorch)"
+        )

@@ -20,7 +20,7 @@ from stagetree.dashboard import start_dashboard
 from stagetree.engine.settings import overriding
 from stagetree.exceptions import CommandError, TrialFailedError
 from stagetree.executors.registry import check_executor
-from stagetree.names import check_space_names
+from stagetree.names import check_tuner_fits
 from stagetree.progress import ProgressDisplay
 from stagetree.reports.open import DEFAULT_STORAGE, STORAGE_ENV
 from stagetree.server.client import RemoteStudy
@@ -28,6 +28,7 @@ from stagetree.study import Study
 from stagetree.study_api import INTERRUPTED_MESSAGE
 from stagetree.tools.check import first_contact_check
 from stagetree.tools.scripts import loaded_script, pick, script_path, values_of
+from stagetree.trainer import check_checkpointable
 from stagetree.tuners.base import Tuner
 from stagetree.web.auth import read_token_file
 
@@ -136,8 +137,12 @@ def run_script(
                     return 0
                 tuner = pick(namespace, "tuner", Tuner, "tuner", str(script))
                 # Names first: a typo is refused before the storage is even opened.
-                check_space_names(study.trainer, getattr(tuner, "space", None))
+                check_tuner_fits(study.trainer, tuner)
+                if not study._virtual_time():
+                    check_checkpointable(study.trainer)
                 if check and not isinstance(study, RemoteStudy):
+                    # A trainer that fails, or a metric it never returns, stops the run
+                    # here, before any worker starts.
                     first_contact_check(study, tuner, sys.stderr)
                 display = (
                     ProgressDisplay(study, out=stream) if progress else contextlib.nullcontext()

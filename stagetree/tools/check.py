@@ -55,10 +55,15 @@ from typing import Any
 import numpy as np
 
 from stagetree.checkpoints import CheckpointStore
-from stagetree.exceptions import CheckpointError, InvalidTrialError, TrainerError
+from stagetree.exceptions import CheckpointError, InvalidTrialError, TrainerError, TunerError
 from stagetree.executors.worker import _same, evaluate_metrics, snapshot_state
 from stagetree.hp import as_sequence
-from stagetree.names import _ObservedHp, accepted_hyperparameters, check_hp_names
+from stagetree.names import (
+    _ObservedHp,
+    accepted_hyperparameters,
+    check_hp_names,
+    check_metric_name,
+)
 from stagetree.study import Study
 from stagetree.tools.scripts import loaded_script, pick, values_of
 from stagetree.trainer import Trainer
@@ -130,6 +135,8 @@ class CheckReport:
         comparisons: metrics per step, straight against split.
         notes: warnings that do not bear on exactness (a sequence ``setup`` never
             reads, for a trainer that does not declare its hyper-parameter names).
+        metric_names: the metric names the trainer returned (``evaluate()``'s and
+            ``train()``'s), sorted.
     """
 
     trainer: str
@@ -140,6 +147,7 @@ class CheckReport:
     findings: tuple[str, ...]
     comparisons: tuple[StepComparison, ...] = field(default=())
     notes: tuple[str, ...] = ()
+    metric_names: tuple[str, ...] = ()
 
     def format(self) -> str:
         """The report as ``stagetree check`` prints it."""
@@ -433,6 +441,7 @@ class _Trace:
     eval_attrs: dict[str, tuple[int, bool]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
+    returned: set[str] = field(default_factory=set)  # metric names train() returned
     stopped: int | None = None
 
 
@@ -484,7 +493,9 @@ class _Driver:
                     change = observed = _ObservedHp(change)
                 self._call(trainer.setup, "setup()", t, change)
             trace.rng_before[t] = before = _capture()
-            self._call(trainer.train, "train()", t)
+            out = self._call(trainer.train, "train()", t)
+            if isinstance(out, Mapping):
+                trace.returned.update(map(str, out))
             if observed is not None:
                 trace.unread = sorted(set(dict.keys(observed)) - observed.read)
             trace.train_draws |= _rng_changed(before, _capture())
@@ -702,6 +713,9 @@ def _report(name: str, steps: int, splits: tuple[int, ...], runs: _Runs, other: 
     findings: list[str] = []
     divergences: list[int] = []
     everything = range(1, steps + 1)
+    metric_names = tuple(
+        sorted(set(straight.returned).union(*(m.keys() for m in straight.metrics.values())))
+    )
     noise = _first_state_divergence(plain, runs.again, steps)
     if noise is not None or not _same_metrics(plain.metrics[steps], runs.again.metrics[steps]):
         step, paths = noise if noise is not None else (steps, [])
@@ -722,6 +736,7 @@ def _report(name: str, steps: int, splits: tuple[int, ...], runs: _Runs, other: 
                 *dict.fromkeys(split.problems),
             ),
             comparisons=tuple(rows),
+            metric_names=metric_names,
         )
 
     # The split run against the straight run (both evaluated after every step).
@@ -847,6 +862,7 @@ def _report(name: str, steps: int, splits: tuple[int, ...], runs: _Runs, other: 
         findings=tuple(dict.fromkeys(findings)),
         comparisons=tuple(comparisons),
         notes=tuple(notes),
+        metric_names=metric_names,
     )
 
 
@@ -855,6 +871,7 @@ def _report(name: str, steps: int, splits: tuple[int, ...], runs: _Runs, other: 
 #: Steps and split of the check ``stagetree run`` does on first contact with a trainer.
 QUICK_STEPS = 2
 _CHECKED = "checked"
+_METRIC = "metric:"  # + a metric name the check saw returned
 
 
 def first_trial(space: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -867,14 +884,11 @@ def first_trial(space: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if space is None:
         return {}, {}
     if hasattr(space, "sample"):
-        specs = list(space.sample(1, 0))
-    elif hasattr(space, "trials"):
-        specs = list(space.trials())
-    else:
-        specs = list(space)
-    if not specs:
+        spec = next(iter(space.sample(1, 0)), None)
+    else:  # a grid (iterated lazily: it may be huge) or a list of trial specs
+        spec = next(iter(space), None)
+    if spec is None:
         raise InvalidTrialError("the search space has no trials")
-    spec = specs[0]
     return dict(spec.config), dict(spec.hp)
 
 
@@ -884,24 +898,54 @@ def _check_scope(study: Any) -> str:
 
 def first_contact_check(study: Any, tuner: Any, out: Any) -> CheckReport | None:
     """The check ``stagetree run`` does before tuning: once per trainer version and
-    storage (remembered in the storage's counters), :data:`QUICK_STEPS` steps of the
-    tuner's first trial with one split; a report that is not exact is printed to
-    ``out`` as a warning. Returns the report, None when nothing was checked."""
+    storage (remembered in the storage's counters, with the metric names the trainer
+    returned), :data:`QUICK_STEPS` steps of the tuner's first trial with one split; a
+    report that is not exact is printed to ``out`` as a warning. Returns the report,
+    None when nothing was checked.
+
+    What would fail every trial stops the run here, before any worker starts.
+
+    Raises:
+        TrainerError: the trainer raised on the tuner's first trial (a missing
+            ``state_dict``, a config key ``__init__`` does not find...).
+        TunerError: the tuner's metric is not among those the trainer returns.
+    """
     if study.settings.executor == "simulated":
         return None
     engine = study._engine
     scope = _check_scope(study)
+    metric = getattr(tuner, "metric", None)
     with engine.reading() as storage:
-        if storage.stats(scope).get(_CHECKED):
-            return None
+        seen = storage.stats(scope)
+    if seen.get(_CHECKED):
+        known = [k.removeprefix(_METRIC) for k in seen if k.startswith(_METRIC)]
+        if known and isinstance(metric, str):
+            check_metric_name(study.trainer, metric, known)
+        return None
     config, hp = first_trial(getattr(tuner, "space", None))
     name = study.trainer.__name__
     try:
         report = check_trainer(study.trainer, config, hp, QUICK_STEPS, splits=(1,))
     except TrainerError as exc:
-        print(f"stagetree: warning: could not check {name}: {exc}".rstrip(), file=out)
-        return None
-    engine.add_stats(scope, **{_CHECKED: 1.0, "exact": float(report.exact)})
+        raise TrainerError(
+            f"{name} fails on the first trial of the tuner's space, so every trial "
+            f"would fail; nothing was trained: {exc.args[0]} (`--no-check` skips this "
+            "check)",
+            exc.traceback,
+        ) from None
+    if isinstance(metric, str):
+        try:
+            check_metric_name(study.trainer, metric, report.metric_names)
+        except TunerError as exc:
+            raise TunerError(
+                f"{exc} in {QUICK_STEPS} steps of the first trial of the tuner's space; "
+                "nothing was trained (`--no-check` skips this check)"
+            ) from None
+    engine.add_stats(
+        scope,
+        **{_CHECKED: 1.0, "exact": float(report.exact)},
+        **{_METRIC + m: 1.0 for m in report.metric_names},
+    )
     if not report.exact:
         print(
             f"stagetree: warning: {name} is not exact: trials that share stages will get "

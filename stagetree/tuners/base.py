@@ -35,7 +35,7 @@ import random
 import warnings
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -69,7 +69,9 @@ __all__ = [
     "TrialRunner",
     "Tuner",
     "draw_specs",
+    "iter_specs",
     "rung_levels",
+    "space_size",
 ]
 
 
@@ -488,21 +490,49 @@ def draw_specs(
                 stacklevel=3,
             )
         return drawn
+    specs = list(iter_specs(space))
+    if shuffle_grid:
+        random.Random(seed).shuffle(specs)
+    return specs if n is None else specs[:n]
+
+
+def iter_specs(space: Any) -> Iterator[Any]:
+    """The trial specs of a grid or a list of specs, in order, one at a time (a grid of
+    a million points is never built whole).
+
+    Raises:
+        TunerError: not a space, an empty one, or an item that is not a trial spec.
+    """
+    if isinstance(space, (Mapping, str, bytes)) or hasattr(space, "sample"):
+        yield from draw_specs(space, None, 0)  # refuses these, naming what to do
+        return
     try:
-        specs = list(space.trials()) if hasattr(space, "trials") else list(space)
-    except TypeError:
+        items = iter(space) if hasattr(space, "__iter__") else iter(space.trials())
+    except (TypeError, AttributeError):
         raise TunerError(f"a tuner takes a search space, got {space!r}") from None
-    if not specs:
-        raise TunerError("the search space has no trials")
-    for spec in specs:
+    empty = True
+    for spec in items:
+        empty = False
         if not (hasattr(spec, "config") and hasattr(spec, "hp")):
             raise TunerError(
                 f"a search space must yield trial specs (with .config and .hp), got "
                 f"{spec!r}: use stagetree.space.GridSpace or a list of TrialSpec"
             )
-    if shuffle_grid:
-        random.Random(seed).shuffle(specs)
-    return specs if n is None else specs[:n]
+        yield spec
+    if empty:
+        raise TunerError("the search space has no trials")
+
+
+def space_size(space: Any) -> int | None:
+    """How many trials a grid or a list of specs holds, without enumerating it; None
+    when it cannot say."""
+    size = getattr(space, "size", None)
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    try:
+        return len(space)
+    except TypeError:
+        return None
 
 
 def _spec_key(spec: Any) -> str:

@@ -393,3 +393,45 @@ def test_resnet56_example_space() -> None:
     plain = MultiStep(0.1, [90, 135], 0.1)
     warm = next(s for s in lrs if s != plain and s(89) == plain(89) and s(0) == 0.0)
     assert [warm(t) for t in (5, 89, 90, 119)] == [plain(t) for t in (5, 89, 90, 119)]
+
+
+def test_a_huge_grid_is_sized_and_indexed_without_building_its_points(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 2 * 10**9 points: enumerating them would take hours (and not fit in memory).
+    options = [Constant(0.001 * (i + 1)) for i in range(1000)]
+    built = 0
+    real_init = TrialSpec.__init__
+
+    def counting(self: TrialSpec, *args: object, **kwargs: object) -> None:
+        nonlocal built
+        built += 1
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TrialSpec, "__init__", counting)
+    space = GridSpace({"a": options, "b": options}, fixed={"c": list(range(1000)), "d": [1, 2]})
+    assert len(space) == space.size == 2 * 10**9
+    assert built == 0
+    # Points by index, in grid order (fixed slowest, the last entry fastest).
+    first, last = space[0], space[-1]
+    assert dict(first.config) == {"c": 0, "d": 1} and first.hp == {"a": options[0], "b": options[0]}
+    assert dict(last.config) == {"c": 999, "d": 2} and last.hp == {
+        "a": options[-1],
+        "b": options[-1],
+    }
+    assert space[1].hp["b"] == options[1] and space[1000].hp["a"] == options[1]
+    assert next(iter(space)) == first
+    picked = space.trials(3, seed=0)
+    assert len(set(picked)) == 3  # a sample, built point by point
+    assert built < 20
+
+
+def test_grid_indexing_agrees_with_enumeration() -> None:
+    space = GridSpace(
+        {"lr": [0.1, 0.2, 0.3], "m": [Constant(0.9), Constant(0.99)]}, fixed={"opt": ["a", "b"]}
+    )
+    assert [space[i] for i in range(len(space))] == list(space) == space.trials()
+    filtered = GridSpace({"lr": [0.1, 0.2, 0.3]}, where=lambda t: t.hp["lr"](0) > 0.15)
+    assert len(filtered) == 2 and [filtered[i] for i in range(2)] == filtered.trials()
+    with pytest.raises(IndexError):
+        space[len(space)]

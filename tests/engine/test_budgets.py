@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ from study_trainers import LinearTrainer, SlowLinearTrainer
 from stagetree import Budget, Study
 from stagetree.cli import main
 from stagetree.distributions import Choice, LogUniform
-from stagetree.exceptions import InvalidBudgetError
-from stagetree.space import RandomSpace
-from stagetree.tuners import ASHA, RandomSearch, ReplayDivergedWarning
+from stagetree.exceptions import InvalidBudgetError, LargeGridWarning
+from stagetree.hp import Constant
+from stagetree.space import GridSpace, RandomSpace
+from stagetree.tuners import ASHA, GridSearch, RandomSearch, ReplayDivergedWarning
+from stagetree.tuners.basic import GRID_WINDOW
 
 SPACE = RandomSpace({"lr": LogUniform(0.001, 0.1)})
 # Cheap simulated studies: the simulator's trainer reports "accuracy".
@@ -269,3 +272,45 @@ def test_a_remote_study_keeps_its_budget(tmp_path: Path) -> None:
         server.stop()
     assert run is not None and run.stopped_by == "trials" and run.trials == 2
     assert best is not None and len(trials) == 2
+
+
+# --------------------------------------------------------------------------- huge grids
+
+
+def test_a_wall_budget_on_a_huge_grid_trains_and_stops_promptly() -> None:
+    # 10**9 points: a grid that was built or submitted whole would never start.
+    options = [Constant(0.001 * (i + 1)) for i in range(1000)]
+    many = list(range(1000))
+    space = GridSpace({"lr": options}, fixed={"seed": many, "rep": many})
+    with pytest.warns(LargeGridWarning, match=r"the grid has 1,000,000,000 trials"):
+        tuner = GridSearch(space, "score", steps=2)
+    study = Study("huge", LinearTrainer, storage="memory://", executor="inline", workers=1)
+    with study:
+        study.tune(tuner, budget=Budget(wall_seconds=0.5), progress=False)
+        run = study.last_run
+        assert run is not None and run.stopped_by == "wall_seconds"
+        # The run started at once, a window at a time, and its stop is recorded.
+        assert 0 < run.trials <= len(tuner.trials) <= GRID_WINDOW
+        assert study.stats()["steps_executed"] == run.steps_executed
+
+
+def test_the_wall_budget_counts_from_the_start_of_tune(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What tune() does before the tuner starts (opening, starting workers) is in the
+    # run's wall-clock: a start that takes the whole budget stops the run at once.
+    study = Study("slowstart", LinearTrainer, storage="memory://", executor="inline")
+    real = type(study)._ensure_started
+    clock = study._run_clock()
+
+    def slow_start(self: Study) -> None:
+        real(self)
+        deadline = clock.monotonic() + 0.3
+        while clock.monotonic() < deadline:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(type(study), "_ensure_started", slow_start)
+    with study:
+        study.tune(asha(), budget=Budget(wall_seconds=0.2), progress=False)
+        run = study.last_run
+        assert run is not None and run.stopped_by == "wall_seconds"
+        assert run.wall_seconds >= 0.3
+        assert run.steps_executed == 0

@@ -171,3 +171,42 @@ def submit_together(
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     return study._drive(go())
+
+
+class RecordingTrainer(LinearTrainer):
+    """LinearTrainer that needs ``config["width"]`` and appends the id of every process
+    that trains it to the file ``$STAGETREE_TEST_TRAINED`` (when set): a test tells
+    whether a worker process trained anything."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.width = int(config["width"])  # a misspelt key fails here
+
+    def train(self) -> dict[str, float]:
+        path = os.environ.get("STAGETREE_TEST_TRAINED")
+        if path:
+            with open(path, "a") as fh:
+                fh.write(f"{os.getpid()}\n")
+        return super().train()
+
+
+class RecordingNoState(RecordingTrainer):
+    """Forgets ``state_dict`` and ``load_state_dict`` (the base class raises)."""
+
+    state_dict = Trainer.state_dict  # type: ignore[assignment]
+    load_state_dict = Trainer.load_state_dict  # type: ignore[assignment]
+
+
+class DeclaredTrainer(RecordingTrainer):
+    """RecordingTrainer that declares what it takes and returns."""
+
+    hyperparameters = frozenset({"lr"})
+    config_names = frozenset({"seed", "width"})
+    metric_names = frozenset({"score", "loss"})
+
+
+class DeclaredNoState(DeclaredTrainer):
+    """DeclaredTrainer without ``state_dict`` and ``load_state_dict``."""
+
+    state_dict = Trainer.state_dict  # type: ignore[assignment]
+    load_state_dict = Trainer.load_state_dict  # type: ignore[assignment]
