@@ -114,6 +114,15 @@ def accepted_hyperparameters(trainer: type) -> frozenset[str] | None:
     return frozenset(str(n) for n in names)
 
 
+def _with_hints(unknown: Iterable[str], accepted: Iterable[str]) -> list[str]:
+    """Each unknown name quoted, with the accepted name it was probably meant to be."""
+    out = []
+    for name in unknown:
+        hint = did_you_mean(name, accepted)
+        out.append(f"{name!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+    return out
+
+
 def check_hp_names(trainer: type, names: Iterable[str], *, what: str = "trial") -> None:
     """Raise :class:`InvalidTrialError` for names ``trainer`` declares it does not apply.
 
@@ -128,10 +137,7 @@ def check_hp_names(trainer: type, names: Iterable[str], *, what: str = "trial") 
     unknown = sorted(set(names) - accepted)
     if not unknown:
         return
-    parts = []
-    for name in unknown:
-        hint = did_you_mean(name, accepted)
-        parts.append(f"{name!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+    parts = _with_hints(unknown, accepted)
     cls = trainer.__name__
     raise InvalidTrialError(
         f"{what} has sequential hyper-parameter(s) {', '.join(parts)} that {cls} does not "
@@ -188,10 +194,7 @@ def check_config_names(trainer: type, names: Iterable[str], *, what: str = "tria
     unknown = sorted(set(names) - accepted)
     if not unknown:
         return
-    parts = []
-    for name in unknown:
-        hint = did_you_mean(name, accepted)
-        parts.append(f"{name!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+    parts = _with_hints(unknown, accepted)
     cls = trainer.__name__
     raise InvalidTrialError(
         f"{what} has fixed hyper-parameter(s) {', '.join(parts)} that {cls} does not "

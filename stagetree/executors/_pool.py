@@ -49,6 +49,17 @@ class Slot:
     key: tuple[Any, ...] | None = None  # its pool key (None: it is not pooled)
     born: float = 0.0  # time.time() when its process was started
 
+    def discard(self) -> None:
+        """Forget its exited process: close both pipes and the process object (the one
+        teardown of a slot, whoever reaped the process)."""
+        for conn in (self.inbox, self.outbox):
+            if conn is not None:
+                conn.close()
+        self.inbox = self.outbox = None
+        if self.process is not None:
+            self.process.close()
+        self.process = None
+
 
 def shutdown_slots(slots: list[Slot], timeout: float) -> None:
     """Stop worker processes: sentinel, bounded wait, terminate, kill."""
@@ -80,12 +91,7 @@ def shutdown_slots(slots: list[Slot], timeout: float) -> None:
         if process.exitcode is None:
             process.kill()
             process.join()
-        for conn in (slot.inbox, slot.outbox):
-            if conn is not None:
-                conn.close()
-        slot.inbox = slot.outbox = None
-        process.close()
-        slot.process = None
+        slot.discard()
 
 
 def release_slots(slots: list[Slot], timeout: float) -> None:

@@ -531,12 +531,7 @@ class LocalExecutor(BaseExecutor):
         )
         out.append(WorkerLost(slot.worker, min(slot.running, default=None), reason))
         slot.running = set()
-        for conn in (slot.inbox, slot.outbox):
-            if conn is not None:
-                conn.close()
-        slot.inbox = slot.outbox = None
-        process.close()
-        slot.process = None
+        slot.discard()
         if not slot.ready:
             slot.start_failures += 1
             if slot.start_failures >= _MAX_START_FAILURES:
