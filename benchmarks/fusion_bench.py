@@ -45,6 +45,8 @@ Run::
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import statistics
 import sys
 import time
@@ -103,19 +105,27 @@ def resnet18(classes: int = 10) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+@functools.lru_cache(maxsize=2)
+def synthetic_images(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """2048 3x32x32 images in 10 classes (class-dependent means, so the loss can fall),
+    from a fixed seed, on ``device``. Cached: one copy per device for every trainer (a
+    copy per member would be 25 MB each, and would decide how wide a job fits)."""
+    gen = torch.Generator().manual_seed(1234)
+    labels = torch.randint(0, 10, (2048,), generator=gen)
+    means = torch.randn(10, 3, 1, 1, generator=gen)
+    images = torch.randn(2048, 3, 32, 32, generator=gen) + means[labels]
+    return images.to(device), labels.to(device)
+
+
 class SyntheticResNetTrainer(FusibleTrainer):
-    """ResNet-18 on 2048 synthetic 3x32x32 images in 10 classes (class-dependent means,
-    so the loss can fall), generated from a fixed seed on the trainer's device."""
+    """ResNet-18 on :func:`synthetic_images` of the trainer's device."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)
         device = torch.device(config.get("device", "cpu"))
-        gen = torch.Generator().manual_seed(1234)
-        labels = torch.randint(0, 10, (2048,), generator=gen)
-        means = torch.randn(10, 3, 1, 1, generator=gen)
-        images = torch.randn(2048, 3, 32, 32, generator=gen) + means[labels]
+        images, labels = synthetic_images(str(device))
         self.loader = StageLoader(
-            (images.to(device), labels.to(device)),
+            (images, labels),
             batch_size=int(config.get("batch_size", 64)),
             seed=int(config.get("seed", 0)),
         )
@@ -248,18 +258,95 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def fits(model: str, width: int, device: str) -> bool:
+    """Whether a fused job of ``width`` members of ``model`` trains two steps on
+    ``device`` without running out of memory (the members' own trainers alive beside it,
+    as in a study)."""
+    cls, base, lr = MODELS[model]
+    config = {**base, "device": device}
+    members: list[FusibleTrainer] = []
+    try:
+        members = [cls(config) for _ in range(width)]
+        group = cls.fuse(members)
+        for i in range(width):
+            group.setup(i, {"lr": lr * (0.5 + i / width)})
+        group.step()
+        group.step()
+        synchronize(torch.device(device))
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        group = None  # type: ignore[assignment]
+        members.clear()
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def widest(model: str, device: str, start: int = 64, cap: int = 1024) -> dict[str, Any]:
+    """``fused_width_limit()`` of one trainer against the widest fused job that fits:
+    doubling from ``start`` up to ``cap``, then bisection to within 1/8."""
+    cls, base, _ = MODELS[model]
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    predicted = cls({**base, "device": device}).fused_width_limit()
+    gc.collect()
+    ok, bad, width = 0, None, start
+    while width <= cap:
+        if fits(model, width, device):
+            ok, width = width, width * 2
+        else:
+            bad = width
+            break
+    while bad is not None and ok and bad - ok > max(1, ok // 8):
+        mid = (ok + bad) // 2
+        if fits(model, mid, device):
+            ok = mid
+        else:
+            bad = mid
+    return {"model": model, "predicted": predicted, "fits": ok, "oom": bad, "cap": cap}
+
+
+def widths_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The predicted widths against the measured ones, as markdown."""
+    table = [
+        [
+            r["model"],
+            "-" if r["predicted"] is None else r["predicted"],
+            r["fits"] if r["oom"] is not None else f">= {r['fits']} (probe cap)",
+            "-" if r["oom"] is None else r["oom"],
+        ]
+        for r in rows
+    ]
+    return markdown_table(
+        ["model", "fused_width_limit()", "widest that fit", "first that ran out"], table
+    )
+
+
 # ---------------------------------------------------------------------- end to end
 
 
 def grid_study(
-    fuse: bool, trials: int, steps: int, warmup: int, workers: int, eval_every: int = 1
+    fuse: bool,
+    trials: int,
+    steps: int,
+    warmup: int,
+    workers: int,
+    eval_every: int = 1,
+    *,
+    config: Mapping[str, Any] | None = None,
+    share: bool = True,
 ) -> dict[str, Any]:
     """The digits grid, as a user runs it: ``trials`` learning rates (log-spaced from
     0.005 to 0.5) after a shared warm-up of ``warmup`` steps at 0.05, ``steps`` steps
     each, submitted at once to a ``Study`` (``DigitsTrainer`` defaults, local worker
     processes, a fresh SQLite storage, ``eval_every`` 1 by default: the learning curve
-    evaluated at every step). Wall time from the study's creation to its last result;
-    worker busy time (training and evaluating, from the engine's counters)."""
+    evaluated at every step). ``config`` is the trainer's fixed config (``{"device":
+    "cuda"}`` on a GPU); ``share=False`` trains every trial alone from step 0. Wall time
+    from the study's creation to its last result; worker busy time (training and
+    evaluating, from the engine's counters)."""
     import asyncio
     import tempfile
 
@@ -275,12 +362,14 @@ def grid_study(
             storage=f"sqlite:///{tmp}/plan.db",
             workers=workers,
             fuse=fuse,
+            share=share,
             eval_every=eval_every,
         ) as study:
 
             async def grid() -> list[Any]:
                 hps = [{"lr": Piecewise([0.05, lr], [warmup])} for lr in lrs]
-                return await asyncio.gather(*[study.submit({}, hp, steps) for hp in hps])
+                fixed = dict(config or {})
+                return await asyncio.gather(*[study.submit(fixed, hp, steps) for hp in hps])
 
             results = study._drive(grid())
             seconds = time.perf_counter() - begin

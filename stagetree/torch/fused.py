@@ -527,7 +527,9 @@ class TorchFusedGroup(FusedGroup):
         """One ``train()`` of every member: ``updates_per_step`` fused updates.
 
         Raises:
-            FusionError: on the first call, when the fused forward or backward fails.
+            FusionError: on the first call, when the fused forward or backward fails
+                (but ``torch.cuda.OutOfMemoryError``, raised as it is: the job is too
+                wide for the device's memory, and narrower ones may fit).
         """
         if not self._members:
             return []
@@ -551,7 +553,9 @@ class TorchFusedGroup(FusedGroup):
                         )
                     losses.sum().backward()
                 except Exception as exc:
-                    if self._steps == 0:
+                    # Out of memory says the job is too wide for the device, not that
+                    # the trainer cannot be fused: it goes up as it is.
+                    if self._steps == 0 and not isinstance(exc, torch.cuda.OutOfMemoryError):
                         raise FusionError(
                             f"{self._name} cannot be fused: {type(exc).__name__}: {exc}"
                         ) from exc

@@ -184,3 +184,73 @@ def test_worker_devices_reads_cuda_visible_devices(monkeypatch: pytest.MonkeyPat
     assert worker_devices() == []
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert worker_devices() == []
+
+
+def _cuda_devices() -> int:
+    """How many CUDA devices torch sees here (0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class CudaProbe(DeviceProbe):
+    """DeviceProbe that also trains on the worker's first CUDA device, and reports how
+    many devices torch sees inside the worker."""
+
+    def train(self) -> None:
+        import torch
+
+        x = torch.arange(4.0, device="cuda:0")
+        self.t += int((x * 2).sum().item() == 12.0)
+
+    def evaluate(self) -> dict[str, float]:
+        import torch
+
+        return {**super().evaluate(), "torch_sees": float(torch.cuda.device_count())}
+
+
+@pytest.mark.skipif(_cuda_devices() == 0, reason="needs CUDA")
+def test_workers_pinned_to_real_cuda_devices(tmp_path: Path) -> None:
+    """On a real GPU machine: one worker per device, each sees exactly its own device
+    (torch counts one), trains on it, and ``worker_devices()`` names it; with all the
+    devices per worker, one worker sees them all."""
+    count = _cuda_devices()
+    with Study(
+        "cuda",
+        CudaProbe,
+        storage=f"sqlite:///{tmp_path}/plan.db",
+        checkpoint_dir=tmp_path / "ckpt",
+        threads_per_worker=1,
+    ) as study:
+
+        async def main() -> list[Any]:
+            runs = [study.submit({"seed": s}, {"lr": Constant(0.1)}, 2) for s in range(count)]
+            return list(await asyncio.gather(*runs))
+
+        results = asyncio.run(main())
+        assert study.num_workers == count
+    for r in results:
+        assert (r.metrics["t"], r.metrics["n"], r.metrics["torch_sees"]) == (2.0, 1.0, 1.0)
+        assert r.metrics["same"] == 1.0
+    with Study(
+        "cuda-all",
+        CudaProbe,
+        storage=f"sqlite:///{tmp_path}/all.db",
+        checkpoint_dir=tmp_path / "ckpt-all",
+        devices_per_worker=count,
+    ) as study:
+        result = study.run({"seed": 0}, {"lr": Constant(0.1)}, 2)
+        assert study.num_workers == 1
+    assert (result.metrics["n"], result.metrics["torch_sees"]) == (float(count), float(count))
+    with (
+        Study(
+            "cuda-toomany",
+            CudaProbe,
+            storage=f"sqlite:///{tmp_path}/over.db",
+            devices_per_worker=count + 1,
+        ) as study,
+        pytest.raises(ValueError, match=f"devices_per_worker={count + 1} needs at least"),
+    ):
+        study.run({"seed": 0}, {"lr": Constant(0.1)}, 1)

@@ -608,3 +608,38 @@ def test_a_study_whose_trainer_cannot_be_vmapped_warns_once_and_trains_unfused()
         fused = _study_grid(CallsItem, True, quiet=False)
     assert len([w for w in said if issubclass(w.category, StagetreeWarning)]) <= 1
     assert fused == _study_grid(CallsItem, False)  # trained unfused: exactly
+
+
+class OutOfMemoryWhenFused(DigitsTrainer):
+    """Runs out of (CUDA) memory in a fused step, as a job too wide for its device
+    does; trains normally alone."""
+
+    def loss(self, batch: Any) -> Any:
+        weight = next(self.model.parameters())
+        if torch._C._functorch.is_batchedtensor(weight):  # inside the fused vmap
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return super().loss(batch)
+
+
+def test_out_of_memory_in_the_first_fused_step_is_not_a_fusion_error() -> None:
+    """Seen on an H100 (issue 26): a fused ResNet-18 job too wide for the device was
+    reported as "cannot be fused" (FusionError) on its first step; it is too wide, and
+    the out-of-memory error goes up as it is."""
+    members = [OutOfMemoryWhenFused(dict(BASE)) for _ in range(3)]
+    group = OutOfMemoryWhenFused.fuse(members)
+    for i in range(3):
+        group.setup(i, {"lr": 0.05})
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        group.step()
+
+
+def test_a_fused_job_out_of_memory_trains_unfused_and_fusion_is_not_given_up() -> None:
+    import warnings
+
+    from stagetree.exceptions import StagetreeWarning
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fused = _study_grid(OutOfMemoryWhenFused, True, quiet=False)
+    assert not [w for w in said if issubclass(w.category, StagetreeWarning)]
+    assert fused == _study_grid(OutOfMemoryWhenFused, False)  # trained unfused: exactly
