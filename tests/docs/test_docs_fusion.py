@@ -16,6 +16,10 @@ from stagetree.plan import open_storage
 
 pytestmark = pytest.mark.slow
 DOC = Path(__file__).resolve().parents[2] / "docs" / "fusion.md"
+#: One worker: the 8 continuations as one fused job, or 7 when the last request reached
+#: the plan after the warm-up's batch was cut (on a loaded machine), and the worker
+#: continued that one child itself.
+ONE_JOB = re.compile(r"fused: 1 job\(s\) training [78] trials")
 
 
 def script() -> str:
@@ -35,7 +39,7 @@ def test_the_fusion_script_runs_fused_as_printed(tmp_path: Path) -> None:
     first = run([sys.executable, str(path)], tmp_path)
     assert first.returncode == 0, first.stderr
     assert "best lr: Piecewise" in first.stdout
-    assert "fused: 1 job(s) training 8 trials" in first.stdout  # one worker: one job of 8
+    assert ONE_JOB.search(first.stdout), first.stdout
     url = f"sqlite:///{tmp_path / 'fused.db'}"
     with open_storage(url) as plan:
         executed = plan.stats("engine")["steps_executed"]
@@ -55,4 +59,4 @@ def test_the_fusion_script_runs_without_its_main_guard(tmp_path: Path) -> None:
     path.write_text(head + textwrap.dedent(guarded))
     done = run([sys.executable, str(path)], tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "fused: 1 job(s) training 8 trials" in done.stdout
+    assert ONE_JOB.search(done.stdout), done.stdout

@@ -18,8 +18,9 @@ CNN with BatchNorm     1.2e-07   9.4e-07   4.8e-07
 max abs: the largest difference of any weight, buffer or optimizer-state element; max
 rel: the largest difference within a tensor over that tensor's largest magnitude (Adam's
 is its ``exp_avg_sq``, of magnitude ~2e-5: 3e-10 apart). The bounds asserted are ~5x
-these (:data:`BOUNDS`), 10x more on CUDA, where they were not measured. Accuracies are
-equal.
+these (:data:`BOUNDS`), 2x more on CUDA. Measured on an NVIDIA H100 (torch 2.11, CUDA
+13; ``bash benchmarks/gpu_check.sh``): 3.6e-07 / 6.0e-07, 3.1e-07 / 1.4e-05, 1.8e-07 /
+3.2e-07 and 2.8e-07 / 1.4e-06, train loss within 9.5e-07. Accuracies are equal.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ BOUNDS = {"sgd": (2e-6, 3e-6), "adam": (2e-6, 1e-4), "bn": (1e-6, 5e-6)}
 
 
 def within(device: str, kind: str, worst_abs: float, worst_rel: float) -> bool:
-    factor = 1.0 if device == "cpu" else 10.0
+    factor = 1.0 if device == "cpu" else 2.0
     bound_abs, bound_rel = BOUNDS[kind]
     return worst_abs < bound_abs * factor and worst_rel < bound_rel * factor
 
