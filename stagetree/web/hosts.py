@@ -84,6 +84,9 @@ class HostGuard:
         if refused is None:
             await self.app(scope, receive, send)
             return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "host refused"})
+            return
         body = self.body(refused)
         await send(
             {
