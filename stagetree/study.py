@@ -46,6 +46,7 @@ from stagetree.identity import trainer_fingerprint
 from stagetree.names import check_hp_names, names_mismatch
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.registry import open_storage
+from stagetree.plan.tree import check_steps
 from stagetree.records import TrialError, TrialRecord
 from stagetree.reports import costs as report_costs
 from stagetree.reports import export
@@ -280,8 +281,7 @@ class Study(StudyAPI):
     ) -> tuple[dict[str, Any], dict[str, Sequence]]:
         """Checked copies of a trial's config and sequences; ``define``: the first trial
         sets the study's names (queries, ``eval``/``state``, never do)."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise InvalidTrialError(f"steps must be a non-negative int, got {steps!r}")
+        check_steps(steps)
         if not isinstance(config, Mapping) or not isinstance(hp, Mapping):
             raise InvalidTrialError("config and hp must be mappings")
         seqs = {str(k): as_sequence(v) for k, v in hp.items()}
@@ -420,8 +420,8 @@ class Study(StudyAPI):
     def _drive(self, coro: Any) -> Any:
         """Run ``coro`` to completion from sync code; with a virtual-time executor, its
         event loop also delivers the executor's instants (no driver thread runs)."""
-        engine = self._engine
         try:
+            engine = self._engine
             engine.ensure_started(workers=False)
         except BaseException:
             coro.close()  # never started: no "never awaited" warning

@@ -28,11 +28,12 @@ from stagetree.budget import Budget, BudgetGuard, RunReport
 from stagetree.checkpoints import CheckpointStore
 from stagetree.engine.core import StudySlot
 from stagetree.engine.settings import DEFAULT_STORAGE, current_overrides
-from stagetree.exceptions import CheckpointError, StagetreeError, TrialFailedError
+from stagetree.exceptions import CheckpointError, StagetreeError, TrialFailedError, TunerError
 from stagetree.executors.base import WALL_CLOCK, Clock
 from stagetree.hp import Sequence
 from stagetree.names import check_tuner_fits
 from stagetree.plan.base import BasePlanStorage
+from stagetree.plan.tree import check_steps
 from stagetree.progress import ProgressDisplay
 from stagetree.records import TrialError, TrialRecord
 from stagetree.trainer import Trainer, check_checkpointable
@@ -175,8 +176,12 @@ class StudyAPI(abc.ABC):
                 (``file:///dir``, ``s3://bucket/prefix``, ``gs://...``, ``az://...``;
                 install the protocol's package, e.g. ``stagetree[s3]``), or a
                 :class:`~stagetree.checkpoints.CheckpointStore` (for fsspec options such
-                as an S3 endpoint). Default: beside the SQLite file, a temporary
-                directory otherwise. The location is checked (written, read back) when
+                as an S3 endpoint). Default: beside a SQLite file
+                (``plan.db.checkpoints``); for an in-memory plan a temporary directory,
+                removed when the study closes; for a database server
+                ``./stagetree_checkpoints`` in the working directory (checkpoints of a
+                plan that outlives the process must too; pass a location every worker
+                machine reaches). The location is checked (written, read back) when
                 the study opens, before anything is trained.
             checkpoint_budget: bytes the checkpoint store may hold: an int, or a size
                 such as ``"10MB"`` / ``"2GiB"`` (None: unlimited).
@@ -345,6 +350,7 @@ class StudyAPI(abc.ABC):
 
     def run(self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int) -> TrialResult:
         """Synchronous :meth:`submit` for one trial."""
+        check_steps(steps)  # before anything is opened
         result: TrialResult = self._drive(self.submit(config, hp, steps))
         return result
 
@@ -446,6 +452,7 @@ class StudyAPI(abc.ABC):
         Raises:
             InvalidBudgetError: a budget that is not positive or has an unknown unit
                 (before anything is opened or trained).
+            TunerError: ``tuner`` is not a tuner object (a name such as ``"asha"``).
             TrialFailedError: every trial failed (with the first failure's traceback).
             KeyboardInterrupt: Ctrl-C, with a one-line message (``interrupted; run
                 again to resume``) and without the internals it interrupted.
@@ -455,6 +462,7 @@ class StudyAPI(abc.ABC):
         limits = None if budget is None else Budget.parse(budget)
         if progress is not None and not isinstance(progress, bool):
             raise ValueError(f"progress must be True, False or None, got {progress!r}")
+        check_tuner_object(tuner)
         # What is known without training stops the run before any worker starts.
         check_tuner_fits(self.trainer, tuner)
         if not self._virtual_time():  # a simulated executor never builds the trainer
@@ -807,6 +815,36 @@ def _stderr_is_tty() -> bool:
         return sys.stderr is not None and sys.stderr.isatty()
     except (AttributeError, ValueError):  # a replaced or closed stream
         return False
+
+
+# The tuner classes of stagetree.tuners, named in the error of tune("asha").
+_TUNER_CLASSES = (
+    "ASHA",
+    "AsyncHyperband",
+    "GridSearch",
+    "RandomSearch",
+    "SHA",
+    "Hyperband",
+    "EarlyStop",
+    "MedianStopping",
+    "PBT",
+)
+
+
+def check_tuner_object(tuner: Any) -> None:
+    """Refuse what is not a tuner (no ``run``), naming the tuner classes.
+
+    Raises:
+        TunerError: ``tuner`` is a name or another object without ``run``.
+    """
+    if not isinstance(tuner, str) and callable(getattr(tuner, "run", None)):
+        return
+    named = [c for c in _TUNER_CLASSES if isinstance(tuner, str) and c.lower() == tuner.lower()]
+    example = f"stagetree.tuners.{named[0]}(space, ...)" if named else "stagetree.tuners.ASHA(...)"
+    raise TunerError(
+        f"tune() takes a tuner object, e.g. {example}, not {tuner!r:.60}; tuners: "
+        + ", ".join(_TUNER_CLASSES)
+    )
 
 
 def run_coro(coro: Any) -> Any:

@@ -5,7 +5,8 @@ directory, a shared mount, a bucket)::
 
     magic  b"STCKPT\\x00\\x01"                 8 bytes
     n      header length, little-endian u64   8 bytes
-    header JSON {"format": 1, "sha256": hex, "sections": [n_skeleton, n_arrays, n_tensors]}
+    header JSON {"format": 1, "sha256": hex, "sections": [n_skeleton, n_arrays, n_tensors],
+                 "of": {"root": root_key, "node": node, "step": step}}
     body   skeleton (JSON) | numpy arrays (.npz) | torch tensors (torch.save)
 
 The *skeleton* is the state with every array and tensor replaced by an index; it keeps
@@ -17,6 +18,16 @@ section lengths and the body; bytes that fail it are reported as
 :class:`~stagetree.exceptions.CheckpointError`, which callers treat as a missing
 checkpoint (and recompute). Sections are serialised in memory (peak memory about twice
 the state's size while writing).
+
+Integrity: a checkpoint says what it is (``"of"``: the plan tree's root key, the node
+and the step it was saved at), and its ref (the object's name the plan records) ends
+with the first 128 bits of its sha256 (``-h<32 hex digits>.ckpt``, see
+:func:`tagged_ref`). :func:`check_content` refuses bytes whose checksum is not the one
+the ref names, or that say they are another point's: a file swapped for another
+trial's checkpoint, a stale copy or a foreign file is a
+:class:`~stagetree.exceptions.CheckpointError` (recomputed), never a result. The hash is
+the one the format computes anyway, so this costs nothing. Refs without the tag (written
+before it existed) are read as before, on their checksum alone.
 """
 
 from __future__ import annotations
@@ -38,18 +49,23 @@ __all__ = [
     "NAME_RE",
     "REF_RE",
     "SUFFIX",
+    "check_content",
     "check_state",
     "decode",
     "encode",
     "pack",
     "read_header",
+    "read_meta",
+    "tagged_ref",
 ]
 
 _MAGIC = b"STCKPT\x00\x01"
 _FORMAT = 1
 SUFFIX = ".ckpt"
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
-REF_RE = re.compile(r"[A-Za-z0-9_-]{1,200}\.ckpt")
+# A ref is a name, with the content tag (``-h`` and 32 hex digits) when it has one.
+REF_RE = re.compile(r"[A-Za-z0-9_-]{1,240}\.ckpt")
+_TAG_RE = re.compile(r"-h([0-9a-f]{32})\.ckpt")
 # Bytes to read from the start of a checkpoint to be sure to hold its header.
 HEADER_BYTES = 4096
 
@@ -69,8 +85,10 @@ def check_state(state: Any, what: str = "the state") -> None:
     _to_skeleton(state, [], [], "state")
 
 
-def encode(state: Mapping[str, Any]) -> list[bytes]:
-    """The bytes of a checkpoint of ``state``, as parts (header first).
+def encode(state: Mapping[str, Any], of: Mapping[str, Any] | None = None) -> list[bytes]:
+    """The bytes of a checkpoint of ``state``, as parts (header first); ``of`` (what the
+    checkpoint is: ``{"root": root_key, "node": node, "step": step}``) goes in its
+    header.
 
     Raises:
         CheckpointError: ``state`` holds something the format cannot hold.
@@ -95,29 +113,31 @@ def encode(state: Mapping[str, Any]) -> list[bytes]:
         buf = io.BytesIO()
         torch.save(tensors, buf)
         ten = buf.getvalue()
-    return pack(skel, arr, ten)
+    return pack(skel, arr, ten, of)
 
 
-def pack(skeleton: bytes, arrays: bytes, tensors: bytes) -> list[bytes]:
+def pack(
+    skeleton: bytes, arrays: bytes, tensors: bytes, of: Mapping[str, Any] | None = None
+) -> list[bytes]:
     """Header and sections of a checkpoint from its serialised sections."""
     lengths = struct.pack("<QQQ", len(skeleton), len(arrays), len(tensors))
     digest = hashlib.sha256(lengths)
     for part in (skeleton, arrays, tensors):
         digest.update(part)
-    header = json.dumps(
-        {
-            "format": _FORMAT,
-            "sha256": digest.hexdigest(),
-            "sections": [len(skeleton), len(arrays), len(tensors)],
-        }
-    ).encode()
+    fields: dict[str, Any] = {
+        "format": _FORMAT,
+        "sha256": digest.hexdigest(),
+        "sections": [len(skeleton), len(arrays), len(tensors)],
+    }
+    if of is not None:
+        fields["of"] = dict(of)
+    header = json.dumps(fields).encode()
     return [_MAGIC + struct.pack("<Q", len(header)) + header, skeleton, arrays, tensors]
 
 
-def read_header(prefix: bytes) -> tuple[str, int] | None:
-    """The sha256 and total size a checkpoint declares, from its first bytes (at least
-    the magic, the length and the header: :data:`HEADER_BYTES` is enough); None when
-    ``prefix`` is not the start of a checkpoint."""
+def read_meta(prefix: bytes) -> dict[str, Any] | None:
+    """The header of a checkpoint (a dict) from its first bytes, or None when ``prefix``
+    is not the start of a checkpoint."""
     if len(prefix) < 16 or prefix[:8] != _MAGIC:
         return None
     (hlen,) = struct.unpack("<Q", prefix[8:16])
@@ -125,12 +145,62 @@ def read_header(prefix: bytes) -> tuple[str, int] | None:
         return None
     try:
         header = json.loads(prefix[16 : 16 + hlen])
+    except ValueError:
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def tagged_ref(name: str, parts: list[bytes]) -> str:
+    """The ref of checkpoint ``parts`` (from :func:`encode`) saved under ``name``: the
+    name, ``-h`` and the first 32 hex digits of its sha256, ``.ckpt``."""
+    header = read_header(parts[0])
+    if header is None:
+        raise CheckpointError("not the parts of a stagetree checkpoint")
+    return f"{name}-h{header[0][:32]}{SUFFIX}"
+
+
+def check_content(ref: str, raw: bytes, of: Mapping[str, Any] | None = None) -> None:
+    """Refuse bytes that are not the checkpoint ``ref`` names, from their header (call it
+    before :func:`decode`, which verifies that the body has the header's checksum): the
+    sha256 the ref's tag names, and, when ``of`` is given and the checkpoint says what it
+    is, the same tree, node and step.
+
+    Raises:
+        CheckpointError: naming what does not match (a swapped, stale or foreign file).
+    """
+    meta = read_meta(raw) or {}
+    tag = _TAG_RE.search(ref)
+    if tag is not None and not str(meta.get("sha256", "")).startswith(tag.group(1)):
+        raise CheckpointError(
+            f"checkpoint {ref} does not hold what the plan recorded (its content hash "
+            "differs): the file was replaced by another checkpoint, a stale copy or a "
+            "foreign file"
+        )
+    said = meta.get("of")
+    if of is not None and isinstance(said, dict):
+        want = {k: of[k] for k in ("root", "node", "step") if k in of}
+        got = {k: said.get(k) for k in want}
+        if got != want:
+            raise CheckpointError(
+                f"checkpoint {ref} is of {got}, not of {want}: another point's checkpoint"
+            )
+
+
+def read_header(prefix: bytes) -> tuple[str, int] | None:
+    """The sha256 and total size a checkpoint declares, from its first bytes (at least
+    the magic, the length and the header: :data:`HEADER_BYTES` is enough); None when
+    ``prefix`` is not the start of a checkpoint."""
+    header = read_meta(prefix)
+    if header is None:
+        return None
+    try:
         sections = [int(n) for n in header["sections"]]
         digest = str(header["sha256"])
     except (ValueError, KeyError, TypeError):
         return None
     if not re.fullmatch(r"[0-9a-f]{64}", digest) or min(sections) < 0:
         return None
+    (hlen,) = struct.unpack("<Q", prefix[8:16])
     return digest, 16 + hlen + sum(sections)
 
 
@@ -161,6 +231,17 @@ def decode(raw: bytes, map_location: Any) -> Any:
     digest.update(body)
     if digest.hexdigest() != expected:
         raise CheckpointError("sha256 checksum mismatch")
+    try:
+        return _decode_body(body, n_skel, n_arr, map_location)
+    except (CheckpointError, ImportError):
+        raise
+    except Exception as exc:
+        # Bytes that pass their checksum but do not decode (a file tampered with and
+        # its checksum recomputed: torch refuses a pickle payload, ...).
+        raise CheckpointError(f"cannot decode: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode_body(body: memoryview, n_skel: int, n_arr: int, map_location: Any) -> Any:
     skeleton = json.loads(bytes(body[:n_skel]))
     arrays: list[Any] = []
     if n_arr:
@@ -169,7 +250,7 @@ def decode(raw: bytes, map_location: Any) -> Any:
         with np.load(io.BytesIO(body[n_skel : n_skel + n_arr]), allow_pickle=False) as npz:
             arrays = [npz[f"arr_{i}"] for i in range(len(npz.files))]
     tensors: list[Any] = []
-    if n_ten:
+    if len(body) > n_skel + n_arr:
         import torch
 
         tensors = torch.load(

@@ -1,13 +1,16 @@
 """The checkpoint store: the checkpoint format on a byte store, a byte budget with
 eviction, and a local read cache for remote stores.
 
-A checkpoint is one object ``<name>.ckpt`` (its *ref*) in the store's location, in the
+A checkpoint is one object ``<name>-h<hash>.ckpt`` (its *ref*) in the store's location, in the
 format of :mod:`stagetree.checkpoints.format`. :meth:`CheckpointStore.save` returns
 only once the object is durable (see :class:`~stagetree.checkpoints.stores.BaseByteStore`:
 rename after fsync on a file system, a single-object put on an object store), so a
 checkpoint the engine records in the plan is always complete. A missing object, or one
 that fails its checksum, raises :class:`~stagetree.exceptions.CheckpointError`, which
-callers treat as a missing checkpoint (and recompute).
+callers treat as a missing checkpoint (and recompute). A ref names its content (the
+first 128 bits of its sha256), and a checkpoint says what it is (tree, node, step):
+:meth:`CheckpointStore.load` refuses an object that is not the one the ref names (see
+:func:`~stagetree.checkpoints.format.check_content`).
 
 Read cache: a remote store (anything but a local path) keeps the checkpoints it loads
 and saves in a local directory, content-addressed by the sha256 and size the
@@ -41,9 +44,11 @@ from stagetree.checkpoints.format import (
     NAME_RE,
     REF_RE,
     SUFFIX,
+    check_content,
     decode,
     encode,
     read_header,
+    tagged_ref,
 )
 from stagetree.checkpoints.stores import BaseByteStore, LocalByteStore, open_byte_store
 from stagetree.exceptions import CheckpointError
@@ -284,13 +289,20 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ write / read
 
-    def save(self, name: str, state: Mapping[str, Any]) -> CheckpointInfo:
-        """Write ``state`` durably under ``name`` (replacing a checkpoint of that name).
+    def save(
+        self, name: str, state: Mapping[str, Any], of: Mapping[str, Any] | None = None
+    ) -> CheckpointInfo:
+        """Write ``state`` durably under ``name``: the ref is ``<name>.ckpt``, or with
+        ``of``, ``<name>-h<first 32 hex digits of its sha256>.ckpt`` (a ref that names
+        its content, so that a plan recording it can tell its file from any other).
 
         Args:
-            name: letters, digits, ``_`` and ``-`` (at most 200).
+            name: letters, digits, ``_`` and ``-`` (at most 200); a name saved again
+                without ``of`` replaces the checkpoint of that name.
             state: tensors, numpy arrays and scalars, numbers, strings, None, lists,
                 tuples and dicts of those.
+            of: what the checkpoint is (``{"root": root_key, "node": node, "step":
+                step}``), kept in its header and checked by :meth:`load`.
 
         Returns:
             The ref, size and write time; the checkpoint is durable when it returns.
@@ -301,8 +313,8 @@ class CheckpointStore:
         if not NAME_RE.fullmatch(name):
             raise CheckpointError(f"invalid checkpoint name {name!r}: use [A-Za-z0-9_-]")
         begin = time.perf_counter()
-        data = encode(state)
-        ref = name + SUFFIX
+        data = encode(state, of)
+        ref = name + SUFFIX if of is None else tagged_ref(name, data)
         try:
             self.bytes.put(ref, data)
         except Exception as exc:
@@ -314,27 +326,31 @@ class CheckpointStore:
                 self.cache.put(header[0], header[1], data)
         return CheckpointInfo(ref, nbytes, time.perf_counter() - begin)
 
-    def load(self, ref: str, map_location: Any = "cpu") -> dict[str, Any]:
+    def load(
+        self, ref: str, map_location: Any = "cpu", of: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Read and verify a checkpoint.
 
         Args:
             ref: a ref returned by :meth:`save`.
             map_location: where tensors go (``torch.load``'s argument); CPU by default,
                 so a checkpoint written on a GPU loads anywhere.
+            of: what the caller expects it to be (``root``, ``node``, ``step``).
 
         Raises:
-            CheckpointError: missing, truncated, failing its checksum, or unsafe content.
+            CheckpointError: missing, truncated, failing its checksum, unsafe content,
+                or not the checkpoint ``ref`` and ``of`` name (swapped, stale, foreign).
         """
         self._check_ref(ref)
         if self.cache is not None:
             hit = self._cached(ref)
             if hit is not None:
                 try:
-                    return self._decode(ref, hit[1], map_location)
+                    return self._decode(ref, hit[1], map_location, of)
                 except CheckpointError:
                     self.cache.drop(*hit[0])  # a damaged cache entry: download
         raw = self._read(ref, lambda: self.bytes.get(ref))
-        state = self._decode(ref, raw, map_location)
+        state = self._decode(ref, raw, map_location, of)
         if self.cache is not None:
             header = read_header(raw[:HEADER_BYTES])
             if header is not None and header[1] == len(raw):
@@ -363,7 +379,10 @@ class CheckpointStore:
         except Exception as exc:
             raise CheckpointError(f"cannot read checkpoint {ref}: {exc}") from exc
 
-    def _decode(self, ref: str, raw: bytes, map_location: Any) -> dict[str, Any]:
+    def _decode(
+        self, ref: str, raw: bytes, map_location: Any, of: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        check_content(ref, raw, of)  # before decoding: a wrong file is never decoded
         try:
             state = decode(raw, map_location)
         except CheckpointError as exc:

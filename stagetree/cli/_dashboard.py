@@ -24,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             token_file=args.token_file,
             checkpoints=args.checkpoints,
             show_token=args.show_token,
+            allowed_hosts=args.allowed_host,
         )
 
     p = sub.add_parser(
@@ -43,6 +44,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
         "--port", type=port_number, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})"
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name browsers may reach the dashboard under besides localhost, "
+        "127.0.0.1 and [::1] (repeatable; a guard against DNS rebinding)",
     )
     p.add_argument(
         "--token-file",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stagetree.cli._options import positive
+from stagetree.cli._options import port_number, positive
 from stagetree.reports.open import default_storage
 from stagetree.server.serve import serve
 
@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
             lease_ttl=args.lease_ttl,
+            allowed_hosts=args.allowed_host,
         )
 
     p = sub.add_parser(
@@ -54,7 +55,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--checkpoints", metavar="URL", help="checkpoint location (default: beside a SQLite plan)"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8642, help="port (default 8642)")
+    p.add_argument("--port", type=port_number, default=8642, help="port (default 8642)")
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name browsers may reach the server under besides localhost, "
+        "127.0.0.1 and [::1] (repeatable; a guard against DNS rebinding)",
+    )
     p.add_argument("--token-file", metavar="F", help="file holding the token (needed off loopback)")
     p.add_argument("--ssl-certfile", metavar="F", help="TLS certificate (PEM), with --ssl-keyfile")
     p.add_argument("--ssl-keyfile", metavar="F", help="TLS private key (PEM)")

@@ -56,6 +56,7 @@ from stagetree.exceptions import PlanKeyError, RequestRefusedError
 from stagetree.reports import trials as reports
 from stagetree.reports import views
 from stagetree.web.auth import check_authorization
+from stagetree.web.hosts import HostGuard
 
 if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage
@@ -225,6 +226,10 @@ class Pacer:
         return min(self.cost(now) * self.factor, self.most)
 
 
+#: The largest id or revision a storage holds (a 64-bit integer).
+_MAX_ID = 2**63 - 1
+
+
 def _int_param(request: Request, name: str, default: int = 0) -> int:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
@@ -235,8 +240,18 @@ def _int_param(request: Request, name: str, default: int = 0) -> int:
         raise RequestRefusedError(
             400, "BadRequest", f"{name!r} must be an integer, got {raw!r:.40}"
         ) from None
-    if value < 0:
-        raise RequestRefusedError(400, "BadRequest", f"{name!r} must be >= 0, got {value}")
+    if not 0 <= value <= _MAX_ID:
+        raise RequestRefusedError(
+            400, "BadRequest", f"{name!r} must be from 0 to 2**63-1, got {raw:.40}"
+        )
+    return value
+
+
+def _id_param(request: Request, name: str) -> int:
+    """A path id (``{node:int}``, ``{trial:int}``); beyond what a storage holds: 404."""
+    value = int(request.path_params[name])
+    if value > _MAX_ID:
+        raise RequestRefusedError(404, "NotFound", f"no {name} {value!s:.40}")
     return value
 
 
@@ -279,6 +294,7 @@ def create_dashboard_app(
     token: str | None = None,
     checkpoints: str | os.PathLike[str] | CheckpointStore | None = None,
     stopping: Callable[[], bool] | None = None,
+    allowed_hosts: frozenset[str] | None = None,
 ) -> Starlette:
     """The dashboard: the JSON API under ``/api`` and the pages.
 
@@ -292,6 +308,8 @@ def create_dashboard_app(
             :class:`~stagetree.checkpoints.CheckpointStore`) that checkpoint downloads
             read; None: beside a SQLite plan (``default_checkpoint_dir``), else none.
         stopping: True once the server is shutting down: long-polls return at once.
+        allowed_hosts: the host names requests may name in ``Host`` and ``Origin``
+            (:class:`~stagetree.web.hosts.HostGuard`); None checks nothing.
     """
     trees = TreeCache()
     answers = AnswerCache()
@@ -386,7 +404,7 @@ def create_dashboard_app(
 
     @api
     async def node(request: Request) -> Response:
-        name, node_id = request.path_params["name"], request.path_params["node"]
+        name, node_id = request.path_params["name"], _id_param(request, "node")
         current = await tree_of(name)
         return await view(views.node_detail, name, node_id, current)
 
@@ -416,7 +434,7 @@ def create_dashboard_app(
 
     @api
     async def checkpoint(request: Request) -> Response:
-        name, trial = request.path_params["name"], request.path_params["trial"]
+        name, trial = request.path_params["name"], _id_param(request, "trial")
         found = await read(views.checkpoint_of, name, trial)
         if found is None:
             return _error(404, f"trial {trial} of study {name!r} has no checkpoint at its end")
@@ -477,6 +495,7 @@ def create_dashboard_app(
     ]
     app = Starlette(routes=routes)
     app.add_middleware(GZipMiddleware, minimum_size=2048, compresslevel=5)
+    app.add_middleware(HostGuard, allowed=allowed_hosts, body=lambda m: render({"error": m}))
     return app
 
 

@@ -6,6 +6,10 @@ Everything is checked before anything listens, each failure a
 :class:`~stagetree.exceptions.StagetreeError` that names it: the web packages, a
 storage that cannot be opened (a missing SQLite file is never created), a database of
 a newer schema, a host other than loopback without ``--token-file``, a port in use.
+
+On a loopback host the dashboard answers requests to ``localhost``, ``127.0.0.1`` and
+``[::1]`` (and the names of ``allowed_hosts``) only, and refuses a foreign ``Origin``:
+a web page cannot read it through DNS rebinding (:mod:`stagetree.web.hosts`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +31,7 @@ from stagetree.exceptions import StagetreeError
 from stagetree.extras import install_hint
 from stagetree.reports.open import open_existing_storage
 from stagetree.web.auth import is_loopback, read_token_file
+from stagetree.web.hosts import allowed_hosts as hosts_allowed
 from stagetree.web.listen import listen, quiet_server, shown_host, shown_url
 
 try:  # the routes need starlette (the dashboard extra): check_web() says what to install
@@ -185,6 +190,7 @@ def _prepare(
     token_file: str | os.PathLike[str] | None,
     checkpoints: str | os.PathLike[str] | CheckpointStore | None,
     reader: Callable[[], AbstractContextManager[BasePlanStorage]] | None,
+    allowed_hosts: Iterable[str] = (),
 ) -> _Prepared:
     """Check everything, open the storage and bind the socket; nothing serves yet."""
     check_web()
@@ -208,6 +214,7 @@ def _prepare(
         token=token,
         checkpoints=checkpoints,
         stopping=lambda: bool(holder["server"].should_exit),
+        allowed_hosts=hosts_allowed(host, allowed_hosts),
     )
     server = holder["server"] = quiet_server(app, lifespan="off")
     return _Prepared(app, server, sock, token, close)
@@ -222,6 +229,7 @@ def start_dashboard(
     checkpoints: str | os.PathLike[str] | CheckpointStore | None = None,
     reader: Callable[[], AbstractContextManager[BasePlanStorage]] | None = None,
     timeout: float = 10.0,
+    allowed_hosts: Iterable[str] = (),
 ) -> DashboardServer:
     """Serve the dashboard of the storage at ``url`` from a background thread of this
     process; returns once it listens.
@@ -236,11 +244,13 @@ def start_dashboard(
         reader: how to read the storage instead (e.g. a study's engine's
             ``reading``: for a ``memory://`` plan); ``url`` is then only shown.
         timeout: seconds to wait for the server to start.
+        allowed_hosts: host names the dashboard answers to besides the loopback
+            names (see the module docstring).
 
     Raises:
         StagetreeError: see the module docstring.
     """
-    prepared = _prepare(url, host, port, token_file, checkpoints, reader)
+    prepared = _prepare(url, host, port, token_file, checkpoints, reader, allowed_hosts)
     server, sock = prepared.server, prepared.sock
 
     def run() -> None:
@@ -286,6 +296,7 @@ def serve_dashboard(
     ready: Callable[[str], None] | None = None,
     *,
     show_token: bool = False,
+    allowed_hosts: Iterable[str] = (),
     out: TextIO | None = None,
 ) -> int:
     """``stagetree dashboard``: serve the dashboard of the storage at ``url`` until
@@ -296,12 +307,13 @@ def serve_dashboard(
 
     Args:
         ready: called with the address once the server listens (tests).
+        allowed_hosts: host names it answers to besides the loopback names.
 
     Raises:
         StagetreeError: see the module docstring (nothing listens then).
     """
     stream = out if out is not None else sys.stdout
-    prepared = _prepare(url, host, port, token_file, checkpoints, None)
+    prepared = _prepare(url, host, port, token_file, checkpoints, None, allowed_hosts)
     print(_announce(prepared, url, token_file, show_token), file=stream, flush=True)
     server = prepared.server
     if ready is not None:

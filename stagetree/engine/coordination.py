@@ -37,13 +37,12 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagetree.exceptions import StorageError
 from stagetree.plan.base import BasePlanStorage
-from stagetree.plan.leases import Lease, overlaps
+from stagetree.plan.leases import Lease, new_owner, overlaps
 from stagetree.plan.model import RequestState
 from stagetree.scheduler import CheckpointAvailable, NodeAdded, RequestAdded, RequestCancelled
 from stagetree.work import BatchDone
@@ -118,7 +117,7 @@ class Coordinator:
 
     def __init__(self, engine: CoordinationPort, ttl: float | None = None) -> None:
         self.engine = engine
-        self.owner = uuid.uuid4().hex
+        self.owner = new_owner()  # carries this machine's key: dead holders are told
         self.ttl = ttl if ttl is not None else lease_ttl()
         self.poll = min(0.2, self.ttl / 10)
         self.shared = engine.storage.shared

@@ -539,7 +539,12 @@ class Worker:
         model (a missing or corrupt checkpoint fails the batch as ``checkpoint``)."""
         try:
             if batch.start_checkpoint is not None:
-                return self.store.load(batch.start_checkpoint)
+                # Node ids are unique in a storage: the node and step name the point
+                # (its ref names the content, see CheckpointStore.load).
+                of = None
+                if batch.start_at is not None:
+                    of = {"node": batch.start_at[0], "step": batch.start_at[1]}
+                return self.store.load(batch.start_checkpoint, of=of)
             if self._held is not None and self._held[0] == self._where(batch):
                 return snapshot_state(self._held[1])  # a fused job's in-memory start
             if batch.start_step != 0:
@@ -744,7 +749,8 @@ class Worker:
     ) -> None:
         batch_id = job.batch.batch_id
         try:
-            info = self.store.save(name, state)
+            of = {"root": job.batch.root_key, "node": node, "step": step}
+            info = self.store.save(name, state, of)
         except Exception as exc:
             # While the batch runs, training goes on (it may still be needed) and the
             # batch fails when it ends; after its end, the scheduler is told.

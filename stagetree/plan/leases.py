@@ -12,12 +12,21 @@ follows, in one place:
 * A claim is atomic: either every requested segment is granted, or none is and the
   live leases of other owners that stand in the way are returned.
 * Expired leases are ignored by claims and by :meth:`leases` with ``live_only``.
+* A lease whose holder is a dead process of this machine is ignored by claims at once
+  (:meth:`Lease.live`): a run killed with ``kill -9`` can be resumed without waiting
+  for its leases to expire. "This machine" is the owner's machine key (:func:`new_owner`:
+  host name, boot and process-id namespace), so a process of another container that
+  shares the host name is never taken for a dead one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import os
 import socket
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +34,7 @@ __all__ = [
     "ClaimResult",
     "Lease",
     "host_pid",
+    "new_owner",
     "overlaps",
     "stage_conflicts",
     "study_conflicts",
@@ -60,7 +70,16 @@ class Lease:
     expires: float
 
     def live(self, now: float) -> bool:
-        return self.expires > now
+        """Unexpired, and not held by a dead process of this machine."""
+        return self.expires > now and not self.holder_dead()
+
+    def holder_dead(self) -> bool:
+        """Whether the owner is a process of this machine (same machine key) that no
+        longer runs; False whenever that cannot be told."""
+        _, _, key = self.owner.rpartition("@")
+        if key != machine_key() or self.host != socket.gethostname():
+            return False
+        return not _running(self.pid)
 
     def describe(self) -> str:
         """Who holds it, for messages: ``host:pid``."""
@@ -108,6 +127,36 @@ def study_conflicts(leases: Iterable[Lease], owner: str, study: str, now: float)
         for lease in leases
         if lease.node is None and lease.scope == study and lease.owner != owner and lease.live(now)
     ]
+
+
+@functools.cache
+def machine_key() -> str:
+    """12 hex digits that name this machine's processes: the host name, the boot and
+    the process-id namespace (two containers with one host name differ)."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as fh:
+        parts.append(fh.read().strip())
+    with contextlib.suppress(OSError):
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def new_owner() -> str:
+    """A new lease owner id: random, with this machine's key (``<hex>@<key>``), so that
+    a process of this machine can tell its dead holders (:meth:`Lease.holder_dead`)."""
+    return f"{uuid.uuid4().hex}@{machine_key()}"
+
+
+def _running(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a process id: cannot tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, another user's
+    return True
 
 
 def host_pid() -> tuple[str, int]:

@@ -245,6 +245,35 @@ def _check_sqlite_directory(shown: str, url: URL) -> None:
         )
 
 
+def _refuse_foreign_sqlite(shown: str, url: URL) -> None:
+    """Refuse a SQLite file that holds another program's tables and no plan, before
+    anything (even the WAL switch) writes to it: a SQLite file is one program's (a
+    database server may host several programs' tables: PostgreSQL is not checked)."""
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return
+    path = os.path.abspath(database)
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    try:
+        con = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return  # not readable as SQLite: opening it says why
+    names = {str(row[0]) for row in rows}
+    foreign = sorted(n for n in names if not n.startswith(("stagetree_", "sqlite_")))
+    if foreign and _meta.name not in names:
+        listed = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise StorageError(
+            f"{shown!r} is not a stagetree database: it holds other tables ({listed}) and no "
+            "stagetree plan; nothing was written to it. Give a new file, or one stagetree "
+            "wrote"
+        )
+
+
 def _use_wal(cur: Any, wait: float = 60.0) -> None:
     """Put the database in WAL mode (persistent: once set, every later connection finds
     it so). Switching needs the database to itself, and SQLite answers "database is
@@ -341,6 +370,8 @@ class SQLPlanStorage(BasePlanStorage):
         self.readonly = readonly
         if backend == "sqlite":
             _check_sqlite_directory(self._url, parsed)
+            if not readonly:
+                _refuse_foreign_sqlite(self._url, parsed)
         try:
             if backend == "sqlite":
                 self._engine = _sqlite_engine(parsed, readonly)

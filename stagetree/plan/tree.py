@@ -33,10 +33,12 @@ from stagetree.plan._seqcache import SeqCache
 from stagetree.plan.model import Node
 
 __all__ = [
+    "MAX_STEPS",
     "Insertion",
     "TreeIndex",
     "Walk",
     "check_items",
+    "check_steps",
     "check_trial",
     "insert",
     "is_canonical",
@@ -173,6 +175,24 @@ class TreeIndex:
         return out
 
 
+#: The most steps a trial may have: a step is a 64-bit integer in every plan storage.
+MAX_STEPS = 2**63 - 1
+
+
+def check_steps(steps: Any, what: str = "steps") -> int:
+    """``steps`` when it is an int in ``0..MAX_STEPS`` (not a bool).
+
+    Raises:
+        InvalidTrialError: naming ``what`` and the value.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_STEPS:
+        shown = str(steps) if isinstance(steps, int) else repr(steps)
+        raise InvalidTrialError(
+            f"{what} must be a non-negative int (at most 2**63-1), got {shown:.60}"
+        )
+    return steps
+
+
 def check_trial(index: TreeIndex, hp: Mapping[str, Any], steps: int) -> dict[str, Sequence]:
     """Check that ``(hp, steps)`` fits the tree; returns ``hp`` with plain values turned
     into :class:`~stagetree.hp.Constant`.
@@ -181,8 +201,7 @@ def check_trial(index: TreeIndex, hp: Mapping[str, Any], steps: int) -> dict[str
         InvalidTrialError: bad ``steps``, a value that is not a sequence, or names that
             differ from the tree's.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise InvalidTrialError(f"steps must be an int >= 0, got {steps!r}")
+    check_steps(steps)
     if not isinstance(hp, Mapping):
         raise InvalidTrialError(f"hp must be a mapping of name -> Sequence, got {type(hp)}")
     out: dict[str, Sequence] = {}

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from stagetree.checkpoints.format import REF_RE, decode
+from stagetree.checkpoints.format import REF_RE, check_content, decode
 from stagetree.checkpoints.location import default_checkpoint_dir
 from stagetree.checkpoints.stores import open_byte_store
 from stagetree.exceptions import CheckpointError, MissingExtraError, PlanKeyError, StagetreeError
@@ -392,16 +392,19 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 def _checkpoint_location(url: str | None, checkpoints: str | os.PathLike[str] | None) -> Any:
     if checkpoints is not None:
         return checkpoints
-    if url is not None and url.startswith("sqlite:///"):
+    if url is not None and not url.startswith(("memory", ":memory:")):
+        # Where a study put them by default: beside a SQLite file, else
+        # ./stagetree_checkpoints (default_checkpoint_dir).
         return default_checkpoint_dir(url)[0]
     raise CheckpointError(
-        "the checkpoint location is only known beside a SQLite plan: pass --checkpoints"
+        "the checkpoint location of this storage is not known: pass --checkpoints"
     )
 
 
-def _read_ref(location: Any, ref: str) -> dict[str, Any]:
+def _read_ref(location: Any, ref: str, of: dict[str, Any] | None = None) -> dict[str, Any]:
     """Decode checkpoint ``ref`` of ``location`` (a directory or a byte-store URL)
-    without writing anything there."""
+    without writing anything there; refused unless it is the checkpoint ``ref`` (and
+    ``of``: tree, node, step) names."""
     if not REF_RE.fullmatch(ref):
         raise CheckpointError(f"the plan's checkpoint reference {ref!r} is not a checkpoint name")
     text = str(location)
@@ -413,11 +416,16 @@ def _read_ref(location: Any, ref: str) -> dict[str, Any]:
             raw = bytes(open_byte_store(text).get(ref))
     except FileNotFoundError:
         raise CheckpointError(
-            f"checkpoint {ref} is not in {location} (evicted, cleaned up or moved)"
+            f"checkpoint {ref} is not in {location} (evicted, cleaned up or moved; "
+            "--checkpoints names another location)"
         ) from None
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {ref} from {location}: {exc}") from exc
-    state = decode(raw, "cpu")
+    check_content(ref, raw, of)  # before decoding: a wrong file is never decoded
+    try:
+        state = decode(raw, "cpu")
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {ref} in {location} is corrupt: {exc}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {ref} does not hold a dict")
     return state
@@ -450,7 +458,9 @@ def _trial_state(
             "final step: it did not finish, or its checkpoint was evicted (a checkpoint "
             "budget) or cleaned up; the export does not train it again"
         )
-    return row, _read_ref(_checkpoint_location(url, checkpoints), record.ref)
+    assert where is not None  # a record was found there
+    of = {"root": str(row["root_key"]), "node": where[0], "step": where[1]}
+    return row, _read_ref(_checkpoint_location(url, checkpoints), record.ref, of)
 
 
 def read_trial_state(

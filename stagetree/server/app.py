@@ -66,7 +66,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stagetree import __version__
 from stagetree.checkpoints.format import encode
 from stagetree.dashboard.app import create_dashboard_app
-from stagetree.exceptions import InvalidTrialError, RequestRefusedError
+from stagetree.exceptions import RequestRefusedError
+from stagetree.plan.tree import check_steps
 from stagetree.server.hub import Hub, Session
 from stagetree.server.protocol import (
     BODY_LIMIT,
@@ -80,6 +81,7 @@ from stagetree.server.protocol import (
     record_to_json,
 )
 from stagetree.web.auth import check_authorization
+from stagetree.web.hosts import HostGuard
 from stagetree.web.listen import shown_url
 
 __all__ = ["create_app"]
@@ -177,6 +179,10 @@ async def _body(
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestRefusedError(400, "BadRequest", f"request body is not JSON: {exc}") from None
+    except RecursionError:
+        raise _too_nested() from None
+    if _too_deep(data, _MAX_DEPTH):
+        raise _too_nested()
     if not isinstance(data, dict):
         raise RequestRefusedError(
             400, "BadRequest", f"request body must be a JSON object, got {type(data).__name__}"
@@ -193,6 +199,29 @@ async def _body(
     return data
 
 
+#: How deep a request body may nest (a config or a sequence is a few levels deep).
+_MAX_DEPTH = 64
+
+
+def _too_nested() -> RequestRefusedError:
+    return RequestRefusedError(
+        400, "BadRequest", f"request body is nested deeper than {_MAX_DEPTH} levels"
+    )
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests deeper than ``limit`` (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
     value = data[key]
     if not isinstance(value, dict):
@@ -203,10 +232,7 @@ def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def _steps(data: dict[str, Any], key: str) -> int:
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidTrialError(f"{key} must be a non-negative int, got {value!r:.100}")
-    return value
+    return check_steps(data[key], key)
 
 
 def _string(data: dict[str, Any], key: str, default: str | None = None) -> str:
@@ -250,8 +276,9 @@ def _dashboard(hub: Hub, token: str) -> ASGIApp:
     )
 
 
-def create_app(hub: Hub, token: str) -> Starlette:
-    """The Starlette app of ``hub``, guarded by ``token``: the API under ``/v1`` and
+def create_app(hub: Hub, token: str, allowed: frozenset[str] | None = None) -> Starlette:
+    """The Starlette app of ``hub``, guarded by ``token`` (and, with ``allowed``, by the
+    ``Host``/``Origin`` check of :mod:`stagetree.web.hosts`): the API under ``/v1`` and
     the dashboard at ``/`` (its JSON under ``/api``). The hub is closed when the app
     shuts down (lifespan)."""
 
@@ -550,4 +577,5 @@ def create_app(hub: Hub, token: str) -> Starlette:
         lifespan=lifespan,
     )
     app.add_middleware(_Guard, token=token)
+    app.add_middleware(HostGuard, allowed=allowed)  # outermost: before anything else
     return app

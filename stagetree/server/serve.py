@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 from stagetree.engine.coordination import lease_ttl as default_ttl
@@ -16,6 +17,7 @@ from stagetree.plan.registry import open_storage
 from stagetree.server.hub import Hub, HubConfig
 from stagetree.server.protocol import DEFAULT_PORT
 from stagetree.web.auth import server_token
+from stagetree.web.hosts import allowed_hosts as hosts_allowed
 from stagetree.web.listen import listen, quiet_server, shown_host
 
 try:  # the routes need starlette (the server extra): serve() says what to install
@@ -38,6 +40,7 @@ def serve(
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
     lease_ttl: float | None = None,
+    allowed_hosts: Iterable[str] = (),
     out: TextIO | None = None,
 ) -> int:
     """Run a tuning server until SIGINT/SIGTERM; returns the exit status.
@@ -46,7 +49,10 @@ def serve(
     ``token_file``; on loopback a token is generated into a file of mode 0600, whose
     path, never the token, is printed), the executor name, TLS files given in pairs, the
     storage (opened once). ``lease_ttl`` (seconds) also sets ``STAGETREE_LEASE_TTL``
-    for this process, so the plan's leases and the sessions expire alike.
+    for this process, so the plan's leases and the sessions expire alike. On a
+    loopback host, requests whose ``Host`` or ``Origin`` name another host than
+    ``localhost``, ``127.0.0.1``, ``[::1]`` or one of ``allowed_hosts`` are refused
+    (403), against DNS rebinding (:mod:`stagetree.web.hosts`).
 
     Raises:
         StagetreeError: bad options, naming the problem (nothing listens then).
@@ -82,7 +88,7 @@ def serve(
         raise StagetreeError(f"cannot open plan storage {storage!r}: {exc}") from None
     sock = listen(host, port)  # before anything is printed: a busy port fails here
     hub = Hub(HubConfig(storage, executor, workers, checkpoints, ttl))
-    app = create_app(hub, token)
+    app = create_app(hub, token, hosts_allowed(host, allowed_hosts))
     scheme = "https" if ssl_certfile else "http"
     shown = shown_host(host)
     print(

@@ -80,8 +80,9 @@ DEFAULT_GRACE = 3600.0
 REASONS = ("old version", "no trial", "intermediate", "not best", "orphan")
 
 # The names workers give checkpoints (``stagetree.executors.worker._checkpoint_name``): the first
-# 8 hex digits of the sha1 of the tree's root key, the node, the step, a random suffix.
-_WORKER_REF = re.compile(r"r([0-9a-f]{8})-n\d+-s\d+-[0-9a-f]+\.ckpt")
+# 8 hex digits of the sha1 of the tree's root key, the node, the step, a random suffix,
+# and the content tag the store adds (absent from checkpoints written before it).
+_WORKER_REF = re.compile(r"r([0-9a-f]{8})-n\d+-s\d+-[0-9a-f]+(?:-h[0-9a-f]{32})?\.ckpt")
 
 
 # --------------------------------------------------------------------------- report

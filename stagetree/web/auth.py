@@ -7,8 +7,9 @@ the path of its token file, never the token.
 
 A server on a loopback host may generate its token: :func:`server_token` writes a new
 one (``secrets.token_urlsafe``) to a file with mode 0600, or reads the one it wrote
-before (so that a restarted server accepts the clients of the previous one). A server
-on any other host needs ``--token-file``.
+before (so that a restarted server accepts the clients of the previous one). It never
+follows a symbolic link at that path (a link there is replaced, its target untouched).
+A server on any other host needs ``--token-file``.
 """
 
 from __future__ import annotations
@@ -102,12 +103,19 @@ def server_token(
             "chmod 600 server.token) and pass --token-file server.token, or listen on "
             "127.0.0.1"
         )
-    path = default_token_file(storage).resolve()
+    # Never follow a link at the token path: a link placed there would have the server
+    # read a token from, or write one into, a file of the link's choosing.
+    path = Path(os.path.abspath(default_token_file(storage)))
     try:
-        info = path.stat()
+        info = path.lstat()
     except FileNotFoundError:
         info = None
-    if info is not None and stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid():
+    if (
+        info is not None
+        and stat.S_ISREG(info.st_mode)
+        and stat.S_IMODE(info.st_mode) == 0o600
+        and info.st_uid == os.getuid()
+    ):
         try:
             return read_token_file(path), path
         except StagetreeError:
@@ -115,8 +123,9 @@ def server_token(
     token = secrets.token_urlsafe(32)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)  # never write a token into a file others may read
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        path.unlink(missing_ok=True)  # the link itself, never its target
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(token + "\n")
     except OSError as exc:

@@ -18,8 +18,11 @@ def listen(host: str, port: int) -> socket.socket:
     uvicorn's workers.
 
     Raises:
-        StagetreeError: the address cannot be resolved or bound (e.g. the port is in use).
+        StagetreeError: the address cannot be resolved or bound (e.g. the port is in use),
+            or the port is not 0-65535.
     """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise StagetreeError(f"cannot listen on port {port!r}: a port is 0-65535")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)

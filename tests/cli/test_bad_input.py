@@ -307,3 +307,68 @@ def test_run_refuses_a_misnamed_space_before_opening_the_storage(
     assert main(["run", str(script)]) == 2
     assert "'learning_rate' (did you mean 'lr'?)" in capsys.readouterr().err
     assert not (tmp_path / "typo.db").exists()
+
+
+@pytest.mark.parametrize("steps", [-1, 10**30, 2**63])
+def test_a_trial_refused_for_its_steps_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    study = Study("s", Counter, storage=url(tmp_path), executor="inline")
+    with pytest.raises(InvalidTrialError, match=r"steps must be a non-negative int"):
+        study.run({}, {"lr": 0.1}, steps)
+    study.close()
+    assert list(tmp_path.iterdir()) == []  # no p.db, no checkpoint folder
+
+
+def test_a_sqlite_url_in_a_missing_folder_creates_no_folder(tmp_path: Path) -> None:
+    study = Study("s", Counter, storage=f"sqlite:///{tmp_path}/no/such/dir/p.db")
+    with pytest.raises(StorageError, match="does not exist"):
+        study.run({}, {"lr": 0.1}, 2)
+    study.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _foreign_db(path: Path) -> None:
+    import sqlite3
+
+    con = sqlite3.connect(path)
+    con.execute("create table notes (text)")
+    con.execute("insert into notes values ('mine')")
+    con.commit()
+    con.close()
+
+
+def test_a_foreign_sqlite_file_is_never_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "notes.db"
+    _foreign_db(other)
+    before = _digest(other)
+    study = Study("s", Counter, storage=f"sqlite:///{other}", executor="inline")
+    with pytest.raises(StorageError, match=r"not a stagetree database.*notes"):
+        study.run({}, {"lr": 0.1}, 2)
+    study.close()
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'fakes')!r})\n"
+        "from failing_trainers import Counter\n"
+        "from stagetree import Study, GridSpace\n"
+        "from stagetree.tuners import GridSearch\n"
+        f'study = Study("s", Counter, storage="sqlite:///{tmp_path}/own.db", executor="inline")\n'
+        'tuner = GridSearch(GridSpace({"lr": [0.1]}), metric="w", steps=2)\n'
+    )
+    assert main(["run", str(script), "--storage", f"sqlite:///{other}", "--no-progress"]) == 2
+    assert "not a stagetree database" in capsys.readouterr().err
+    assert _digest(other) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.db", "script.py"]
+
+
+def test_tune_given_a_name_says_to_pass_a_tuner_object(tmp_path: Path) -> None:
+    with Study("s", Counter, storage=url(tmp_path), executor="inline") as study:
+        with pytest.raises(TunerError, match=r"stagetree.tuners.ASHA\(space"):
+            study.tune("asha")  # type: ignore[arg-type]
+        with pytest.raises(TunerError, match="takes a tuner object"):
+            study.tune(None)  # type: ignore[arg-type]
+    assert not (tmp_path / "plan.db").exists()

@@ -474,6 +474,55 @@ def test_the_token_guards_every_api_request(plan: str) -> None:
         assert client.get(f"/api/studies?token={TOKEN}").status_code == 200
 
 
+def test_ids_and_cursors_out_of_range_are_404_and_400(api: tuple[TestClient, Any]) -> None:
+    client, _ = api
+    huge = "99999999999999999999"
+    for path in (f"/trials/{huge}/checkpoint", f"/nodes/{huge}", f"/trials/{2**63}/checkpoint"):
+        assert _get(client, f"/api/studies/demo{path}", 404)["error"]
+    assert "'after'" in _get(client, f"/api/studies/demo/tree?after={huge}", 400)["error"]
+    assert "'after'" in _get(client, f"/api/changes?after={huge}", 400)["error"]
+    assert "'after'" in _get(client, f"/api/studies/demo/timeline?after={huge}", 400)["error"]
+
+
+def _raw_get(base: str, path: str, headers: dict[str, str]) -> tuple[int, str]:
+    import http.client
+
+    host, port = base.split("//")[1].rstrip("/").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        for key, value in headers.items():
+            conn.putheader(key, value)
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def test_a_loopback_dashboard_answers_only_this_machines_names(plan: str) -> None:
+    # DNS rebinding: a page of evil.example, now resolving to 127.0.0.1, asks the
+    # dashboard (no token on loopback) for the studies and a checkpoint.
+    with start_dashboard(plan) as server:
+        port = server.url.rstrip("/").rsplit(":", 1)[1]
+        for path in ("/api/studies", "/api/studies/demo/trials/1/checkpoint", "/"):
+            status, body = _raw_get(server.url, path, {"Host": f"evil.example:{port}"})
+            assert status == 403 and "refused Host" in body and "--allowed-host" in body
+        status, body = _raw_get(
+            server.url,
+            "/api/studies",
+            {"Host": f"127.0.0.1:{port}", "Origin": "http://evil.example"},
+        )
+        assert status == 403 and "refused Origin" in body
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost"):
+            assert _raw_get(server.url, "/api/studies", {"Host": host})[0] == 200
+        origin = {"Host": f"127.0.0.1:{port}", "Origin": f"http://localhost:{port}"}
+        assert _raw_get(server.url, "/api/studies", origin)[0] == 200
+    with start_dashboard(plan, allowed_hosts=["dash.lan"]) as named:
+        assert _raw_get(named.url, "/api/studies", {"Host": "dash.lan:80"})[0] == 200
+        assert _raw_get(named.url, "/api/studies", {"Host": "other.lan"})[0] == 403
+
+
 # --------------------------------------------------------------------------- never writes
 
 
@@ -545,7 +594,9 @@ def test_stopping_the_server_ends_open_long_polls(plan: str) -> None:
     server = start_dashboard(plan)
     host, port = server.url.split("//")[1].rstrip("/").rsplit(":", 1)
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"GET /api/changes?after=999999&timeout=60 HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(
+            b"GET /api/changes?after=999999&timeout=60 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        )
         time.sleep(0.3)
         began = time.monotonic()
         server.stop()

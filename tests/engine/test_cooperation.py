@@ -44,11 +44,13 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     yield PG_URL
 
 
-def launch(tmp_path: Path, name: str, **spec: Any) -> tuple[subprocess.Popen[bytes], Path]:
+def launch(
+    tmp_path: Path, name: str, ttl: float = TTL, **spec: Any
+) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp_path / f"{name}.json"
     spec.setdefault("checkpoint_dir", str(tmp_path / "ckpt"))
     spec["out"] = str(out)
-    env = {**os.environ, "STAGETREE_LEASE_TTL": str(TTL)}
+    env = {**os.environ, "STAGETREE_LEASE_TTL": str(ttl)}
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), json.dumps(spec)],
         env=env,
@@ -195,6 +197,26 @@ def test_a_request_inside_another_engines_stage_is_answered_on_its_way(
     with SQLPlanStorage(url) as plan:
         assert plan.stats("engine")["steps_executed"] == 20
         assert plan.leases() == []
+
+
+def test_a_tuning_run_killed_on_this_machine_is_resumed_at_once(url: str, tmp_path: Path) -> None:
+    # Its leases would hold for a minute; a dead process of this machine holds nothing.
+    spec = {"url": url, "mode": "tune", "nap": 0.1, "study": "s", "trials": [[None, 30]]}
+    doomed, _ = launch(tmp_path, "doomed", ttl=60.0, **spec)
+    plan = SQLPlanStorage(url)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(lease.node is None for lease in plan.leases()):  # it tunes
+            assert time.monotonic() < deadline and doomed.poll() is None
+            time.sleep(0.05)
+        assert max(lease.expires - time.time() for lease in plan.leases()) > 30
+        os.killpg(doomed.pid, signal.SIGKILL)
+        doomed.wait(timeout=10)
+        assert plan.leases() != []  # unexpired: only the holder's death frees them
+    finally:
+        plan.close()
+    again = finish(*launch(tmp_path, "again", **spec))  # at once: no StudyBusyError
+    assert again["outcome"] == "tuned", again.get("message")
 
 
 def test_a_waiting_engine_takes_over_when_the_holder_is_killed(url: str, tmp_path: Path) -> None:

@@ -341,10 +341,10 @@ def test_checkpoint_is_captured_synchronously_and_written_in_background(tmp_path
     seen_release: list[bool] = []
 
     class SlowStore(CheckpointStore):
-        def save(self, name: str, state: Mapping[str, Any]) -> CheckpointInfo:
+        def save(self, name: str, state: Mapping[str, Any], of: Any = None) -> CheckpointInfo:
             # Training must reach step 8 while this write is still in progress.
             seen_release.append(released.wait(timeout=30))
-            return super().save(name, state)
+            return super().save(name, state, of)
 
     class Releasing(Noisy):
         def train(self) -> dict[str, float]:
@@ -386,9 +386,9 @@ def test_batch_done_does_not_wait_for_its_last_checkpoint_write(tmp_path: Path) 
     done = events.done
 
     class WaitingStore(CheckpointStore):
-        def save(self, name: str, state: Mapping[str, Any]) -> CheckpointInfo:
+        def save(self, name: str, state: Mapping[str, Any], of: Any = None) -> CheckpointInfo:
             assert done.wait(timeout=30), "BatchDone waited for the checkpoint write"
-            return super().save(name, state)
+            return super().save(name, state, of)
 
     worker = _Worker(0, Noisy, WaitingStore(tmp_path), events)
     worker.run(_batch(1, [(1, 0, 6, HP)], checkpoint_at=((1, 6),), evaluate_at=((1, 6),)))
@@ -406,7 +406,7 @@ def test_a_write_failing_after_the_batch_ended_is_reported(tmp_path: Path) -> No
     done = events.done
 
     class FailingStore(CheckpointStore):
-        def save(self, name: str, state: Mapping[str, Any]) -> CheckpointInfo:
+        def save(self, name: str, state: Mapping[str, Any], of: Any = None) -> CheckpointInfo:
             done.wait(timeout=30)
             raise OSError("disk full")
 

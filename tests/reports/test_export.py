@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from stagetree import Study, extras
 from stagetree.cli import export, main
 from stagetree.exceptions import MissingExtraError, TrialFailedError
 from stagetree.hp import Constant, MultiStep
+from stagetree.plan import open_storage
 from stagetree.reports.export import lineage_text, trials_dataframe, trials_table
 
 LR1 = MultiStep(0.1, [3], 0.1)
@@ -561,3 +563,47 @@ def test_lineage_reaches_every_format(
         runs = client.search_runs([client.get_experiment_by_name("lin").experiment_id])
         tags = {int(r.data.tags["stagetree.trial"]): r.data.tags for r in runs}
         assert tags[ids["lr2"]]["stagetree.lineage"] == want
+
+
+def _tampered(parts_of: Any) -> bytes:
+    """A checkpoint whose tensors section is a pickle that would run code, with its
+    checksum recomputed: only decoding can refuse it."""
+    import pickle
+
+    from stagetree.checkpoints import format as fmt
+
+    class _Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("echo pwned",))
+
+    skeleton = b'["d",[["w",["T",0]]]]'
+    return b"".join(fmt.pack(skeleton, b"", pickle.dumps(_Evil(), protocol=2), parts_of))
+
+
+def test_a_tampered_checkpoint_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torch")
+    storage = url(tmp_path)
+    with Study("lin", LinearTrainer, storage=storage, executor="inline") as study:
+        study.run(OK, {"lr": Constant(0.05)}, 3)
+    plan = open_storage(storage)
+    try:
+        [(key, record)] = [(k, r) for k, r in plan.checkpoints().items() if k[1] == 3]
+        directory = tmp_path / "plan.db.checkpoints"
+        # The ref names its content: a tampered file fails that first.
+        (directory / record.ref).write_bytes(_tampered(None))
+        out = tmp_path / "w"
+        argv = ["export", "--storage", storage, "--checkpoint", "1", "-o", str(out)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "content hash differs" in err and "Traceback" not in err and not out.exists()
+        # A ref from before refs named their content: decoding refuses the pickle.
+        (directory / "legacy.ckpt").write_bytes(_tampered(None))
+        plan.put_checkpoint(*key, "legacy.ckpt", 100)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "legacy.ckpt" in err and "cannot decode" in err
+        assert "Traceback" not in err and not out.exists()
+    finally:
+        plan.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import subprocess
 import sys
@@ -51,6 +52,7 @@ from stagetree.server.protocol import (
 from stagetree.server.trainers import trainer_payload
 from stagetree.space import GridSpace
 from stagetree.tuners import SHA
+from stagetree.web.hosts import allowed_hosts
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -526,3 +528,65 @@ def test_run_and_serve_refuse_bad_token_files(
         assert main(serve) == 2
         assert str(token_file) in capsys.readouterr().err
     assert not (tmp_path / "p.db").exists()
+
+
+def test_numbers_out_of_range_and_deep_bodies_are_400_not_500(client: TestClient) -> None:
+    sid = open_session(client)
+    url = f"/v1/sessions/{sid}/submissions"
+    for steps in (10**30, 2**63):
+        message = error(
+            client.post(url, json={**trial(), "steps": steps}), 400, "InvalidTrialError"
+        )
+        assert "steps must be a non-negative int (at most 2**63-1)" in message
+    point = {"config": {"seed": 0}, "hp": trial()["hp"], "step": 10**30}
+    for path in ("eval", "state"):
+        error(client.post(f"/v1/sessions/{sid}/{path}", json=point), 400, "InvalidTrialError")
+    deep = b'{"config": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "nested" in error(client.post(url, content=deep), 400, "BadRequest")
+    nested: Any = 0
+    for _ in range(200):
+        nested = [nested]
+    body = {**trial(), "config": {"seed": nested}}
+    assert "nested" in error(client.post(url, json=body), 400, "BadRequest")
+    assert client.get(f"/v1/sessions/{sid}/trials").json()["trials"] == []  # nothing written
+
+
+def test_a_loopback_server_refuses_foreign_host_and_origin(
+    hub: Hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # serve() wires the check: capture the app it would run.
+    from stagetree.server import serve as serve_module
+
+    apps: list[Any] = []
+
+    class _NoServer:
+        def run(self, sockets: Any) -> None:
+            pass
+
+    def capture(app: Any, **options: Any) -> _NoServer:
+        apps.append(app)
+        return _NoServer()
+
+    monkeypatch.setattr(serve_module, "quiet_server", capture)
+    url = f"sqlite:///{tmp_path}/served.db"
+    assert serve_module.serve(url, executor="inline", port=0, out=io.StringIO()) == 0
+    [app] = apps
+    auth = {"Authorization": f"Bearer {(tmp_path / 'served.db.token').read_text().strip()}"}
+    with TestClient(app, base_url="http://127.0.0.1:8642") as local:
+        assert local.get("/v1/info").status_code == 401  # past the guard: the token
+        for host in ("evil.example", "evil.example:8642", "127.0.0.1.evil.example"):
+            refused = local.get("/v1/info", headers={"Host": host, **auth})
+            assert refused.status_code == 403 and "--allowed-host" in refused.text
+            assert refused.json()["error"]["type"] == "HostRefused"
+        for host in ("localhost:8642", "127.0.0.1", "[::1]:8642"):
+            assert local.get("/v1/info", headers={"Host": host, **auth}).status_code == 200
+        foreign = local.get("/v1/info", headers={"Origin": "http://evil.example", **auth})
+        assert "refused Origin" in foreign.json()["error"]["message"]
+        assert local.get("/", headers={"Origin": "null"}).status_code == 403
+        same = local.get("/v1/info", headers={"Origin": "http://localhost:8642", **auth})
+        assert same.status_code == 200
+    allowed = create_app(hub, TOKEN, allowed_hosts("127.0.0.1", ["box.lan"]))
+    with TestClient(allowed, base_url="http://box.lan:8642", headers=AUTH) as named:
+        assert named.get("/v1/info").status_code == 200
+    with TestClient(create_app(hub, TOKEN, allowed_hosts("0.0.0.0")), headers=AUTH) as anyhost:
+        assert anyhost.get("/v1/info").status_code == 200  # off loopback: the token guards
