@@ -123,11 +123,13 @@ def test_identical_trials_share_node_and_request(plan: BasePlanStorage) -> None:
     assert len(plan.nodes(R)) == 1
 
 
-def test_sharing_is_typed(plan: BasePlanStorage) -> None:
+def test_numbers_share_by_value(plan: BasePlanStorage) -> None:
+    # Issue 25: 1 and 1.0 are one value; True is not a number.
     a = plan.insert_trial(R, {"bs": Constant(1)}, 5)
     b = plan.insert_trial(R, {"bs": Constant(1.0)}, 5)
-    assert a.node != b.node
-    assert plan.node(b.node).branch_step == 0
+    c = plan.insert_trial(R, {"bs": Constant(True)}, 5)
+    assert a.node == b.node != c.node
+    assert plan.node(c.node).branch_step == 0
 
 
 def test_plain_values_become_constants(plan: BasePlanStorage) -> None:
