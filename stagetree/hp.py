@@ -188,6 +188,8 @@ class Sequence(ABC):
     is_template: ClassVar[bool] = False
     # Field name -> constructor/JSON argument name, where they differ.
     _json_names: ClassVar[Mapping[str, str]] = {}
+    # Field name -> default value left out of the JSON (arguments added later).
+    _json_defaults: ClassVar[Mapping[str, Any]] = {}
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # A distribution among the arguments makes this a template for random search.
@@ -278,8 +280,12 @@ class Sequence(ABC):
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict with a ``"type"`` key; :func:`from_json` inverts it."""
         out: dict[str, Any] = {"type": type(self).__name__}
+        omit = self._json_defaults
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            out[self._json_names.get(f.name, f.name)] = _to_json_value(getattr(self, f.name))
+            value = getattr(self, f.name)
+            if f.name in omit and value is omit[f.name]:
+                continue
+            out[self._json_names.get(f.name, f.name)] = _to_json_value(value)
         return out
 
 
@@ -572,15 +578,22 @@ class Cosine(Sequence):
     Like PyTorch, the cosine goes on after ``t_max``: it climbs back to ``init`` at
     ``2 * t_max`` (period ``2 * t_max``). To hold ``eta_min`` instead, write
     ``Cosine(init, t_max, eta_min).then(Constant(eta_min), at=t_max)``.
+
+    ``t_max`` may be any positive number, not only a whole number of steps
+    (``Cosine(0.1, 2.5)``: a half period of two and a half steps, as a schedule that
+    anneals over a fraction of an epoch counted in epochs).
     """
 
     init: float
-    t_max: int
+    t_max: int | float
     eta_min: float = 0.0
 
     def __post_init__(self) -> None:
         _set(self, "init", _check_float("Cosine.init", self.init))
-        _check_step("Cosine.t_max", self.t_max, 1)
+        if isinstance(self.t_max, int) and not isinstance(self.t_max, bool):
+            _check_step("Cosine.t_max", self.t_max, 1)
+        elif _check_float("Cosine.t_max", self.t_max) <= 0:
+            raise InvalidSequenceError(f"Cosine.t_max must be > 0, got {self.t_max!r}")
         _set(self, "eta_min", _check_float("Cosine.eta_min", self.eta_min))
 
     def _value(self, t: int) -> float:
@@ -624,19 +637,30 @@ class Linear(Sequence):
     """Linear from ``start`` at step 0 to ``end`` at step ``steps``; ``end`` afterwards
     (``steps == 0`` gives ``end`` everywhere). PyTorch ``LinearLR(start_factor,
     end_factor, total_iters)`` on base lr ``L`` is ``Linear(L * start_factor,
-    L * end_factor, total_iters)``."""
+    L * end_factor, total_iters)``.
+
+    ``extend=True`` keeps the slope past ``steps`` instead of holding ``end``
+    (``Linear(0.0, 1.0, 10, extend=True)(20) == 2.0``; it needs ``steps >= 1``)."""
 
     start: float
     end: float
     steps: int
+    extend: bool = False
+
+    # Left out of the JSON when False, so that plans written before it keep their text.
+    _json_defaults: ClassVar[Mapping[str, Any]] = {"extend": False}
 
     def __post_init__(self) -> None:
         _set(self, "start", _check_float("Linear.start", self.start))
         _set(self, "end", _check_float("Linear.end", self.end))
         _check_step("Linear.steps", self.steps)
+        if not isinstance(self.extend, bool):
+            raise InvalidSequenceError(f"Linear.extend must be a bool, got {self.extend!r}")
+        if self.extend and self.steps == 0:
+            raise InvalidSequenceError("Linear with extend=True needs steps >= 1 (a slope)")
 
     def _value(self, t: int) -> float:
-        if t >= self.steps:
+        if t >= self.steps and not self.extend:
             return self.end
         return self.start + (self.end - self.start) * t / self.steps
 

@@ -495,7 +495,7 @@ NAN, INF = float("nan"), float("inf")
         (lambda: H.Exponential("0.1", 0.9), "Exponential.init"),
         (lambda: H.Cosine(0.1, 0), "Cosine.t_max"),
         (lambda: H.Cosine(0.1, -5), "Cosine.t_max"),
-        (lambda: H.Cosine(0.1, 10.0), "Cosine.t_max"),
+        (lambda: H.Cosine(0.1, "10"), "Cosine.t_max"),  # a float period is fine (issue 25)
         (lambda: H.Cosine(0.1, 10, NAN), "Cosine.eta_min"),
         (lambda: H.CosineWarmRestarts(0.1, 0), "t_0"),
         (lambda: H.CosineWarmRestarts(0.1, 10, 0), "t_mult"),
@@ -545,3 +545,37 @@ def test_errors_are_value_errors() -> None:
 def test_negative_zero_is_normalised() -> None:
     assert math.copysign(1.0, Constant(-0.0).value) == 1.0  # type: ignore[arg-type]
     assert Constant(-0.0).to_json() == Constant(0.0).to_json()
+
+
+# --------------------------------------------------------------------------- issue 25
+
+
+def test_cosine_takes_a_period_that_is_not_a_whole_number_of_steps() -> None:
+    seq = Cosine(1.0, 2.5)
+    expected = [(1 + math.cos(math.pi * t / 2.5)) / 2 for t in range(12)]
+    assert seq.values(0, 12) == [canonical_value(v) for v in expected]
+    assert seq(5) == 1 and seq(10) == 1  # back at init every 2 * t_max = 5 steps
+    assert from_json(json.loads(json.dumps(seq.to_json()))) == seq
+    assert seq.to_json()["t_max"] == 2.5
+    assert Cosine(0.1, 50).to_json()["t_max"] == 50  # a whole number stays as written
+    assert Cosine(0.1, 50) == Cosine(0.1, 50.0)
+    for bad in (0, 0.0, -1.5, True, math.inf):
+        with pytest.raises(InvalidSequenceError, match="t_max"):
+            H.Cosine(0.1, bad)
+
+
+def test_linear_keeps_its_slope_past_the_end_when_asked() -> None:
+    held, kept = Linear(0.0, 1.0, 10), Linear(0.0, 1.0, 10, extend=True)
+    assert held.values(8, 13) == [0.8, 0.9, 1, 1, 1]
+    assert kept.values(8, 13) == [0.8, 0.9, 1, 1.1, 1.2]
+    assert kept(20) == 2 and Linear(1.0, 0.5, 4, extend=True)(6) == 0.25
+    assert first_difference(held, kept, 0, 20) == 11
+    # The default leaves the JSON as it was; extend=True round-trips.
+    assert "extend" not in held.to_json()
+    assert kept.to_json()["extend"] is True
+    assert from_json(kept.to_json()) == kept and from_json(held.to_json()) == held
+    assert held == Linear(0.0, 1.0, 10, extend=False) != kept
+    with pytest.raises(InvalidSequenceError, match="steps >= 1"):
+        Linear(0.0, 1.0, 0, extend=True)
+    with pytest.raises(InvalidSequenceError, match="extend"):
+        H.Linear(0.0, 1.0, 3, extend=1)
