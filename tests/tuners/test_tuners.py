@@ -470,6 +470,45 @@ def test_pbt_exploits_copy_the_donor_prefix_and_perturb_after() -> None:
     assert best is not None and best.steps == 30
 
 
+def test_pbt_asynchronous_exploits_per_member() -> None:
+    # Issue 25: with synchronous=False a member is ranked and exploited as soon as it
+    # finishes its interval, against the others' latest values, without waiting for
+    # the generation; the exploit continues the donor from the donor's latest step.
+    early = 0
+    for seed in range(4):
+        runner = FakeRunner(workers=2, order_seed=seed)
+        tuner = PBT(
+            SPACE,
+            "acc",
+            population=8,
+            interval=5,
+            steps=30,
+            seed=seed,
+            max_concurrent=2,
+            synchronous=False,
+        )
+        best = run(tuner, runner)
+        assert tuner.exploits and best is not None and best.steps == 30
+        # an exploit decided while a member of the first interval still trains
+        first = {r["key"] for r in runner.log if r["event"] == "submit" and r["steps"] == 5}
+        last_done = max(
+            i for i, r in enumerate(runner.log) if r["event"] == "done" and r["key"] in first
+        )
+        exploits = [i for i, r in enumerate(runner.log) if r["event"] == "exploit"]
+        early += exploits[0] < last_done
+        for e in tuner.exploits:
+            new, donor, t = tuner.trials[e["trial"]], tuner.trials[e["donor"]], e["step"]
+            assert t % 5 == 0 and 0 < t < 30
+            assert new.hp["x"].values(0, t) == donor.hp["x"].values(0, t)
+            assert new.hp["x"] == Then(donor.hp["x"], Constant(new.hp["x"](t)), t)
+        # every member of the final population reached the end: slots are never lost
+        finals = [r for r in runner.log if r.get("steps") == 30]
+        assert len({r["trial"] for r in finals}) == 8
+    assert early >= 2  # never with synchronous generations
+    with pytest.raises(TunerError, match="synchronous"):
+        PBT(SPACE, "acc", population=4, interval=5, steps=30, synchronous="no")
+
+
 def test_pbt_donors_come_from_the_top_quantile() -> None:
     runner = FakeRunner()
     tuner = PBT(SPACE, "acc", population=8, interval=4, steps=12, quantile=0.25, seed=1)
