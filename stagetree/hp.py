@@ -226,6 +226,10 @@ class Sequence(ABC):
             return int(value)
         return value
 
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        """:meth:`_values` in canonical form (:func:`canonical_value`)."""
+        return _canonical_list(self._values(start, stop))
+
     def values(self, start: int, stop: int) -> list[Value]:
         """Values at steps ``start, ..., stop - 1`` in canonical form (a new list; cached
         underneath)."""
@@ -304,7 +308,7 @@ def _chunk(seq: Sequence, k: int) -> tuple[Value, ...]:
     Keyed by the sequence itself: equal sequences (``Constant(1)`` and ``Constant(1.0)``)
     share an entry, which is right because their canonical values are identical.
     """
-    return tuple(_canonical_list(seq._values(k * _CHUNK, (k + 1) * _CHUNK)))
+    return tuple(seq._canonical_values(k * _CHUNK, (k + 1) * _CHUNK))
 
 
 # --------------------------------------------------------------------------- templates
@@ -381,6 +385,9 @@ class Constant(Sequence):
 
     def _values(self, start: int, stop: int) -> list[Value]:
         return [self.value] * (stop - start)
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        return [canonical_value(self.value)] * (stop - start)
 
 
 def _segments(
