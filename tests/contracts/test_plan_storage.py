@@ -132,6 +132,21 @@ def test_numbers_share_by_value(plan: BasePlanStorage) -> None:
     assert plan.node(c.node).branch_step == 0
 
 
+def test_other_names_get_a_tree_of_their_own(plan: BasePlanStorage) -> None:
+    # Issue 25: the tree's first name set keeps the key, another set gets its own.
+    assert plan.tree_names(R) is None
+    assert plan.tree_key(R, ["lr"]) == R == plan.tree_key(R, ["momentum", "lr"])
+    plan.insert_trial(R, {"lr": Constant(0.1)}, 5)
+    assert plan.tree_names(R) == ("lr",)
+    assert plan.tree_key(R, ["lr"]) == R
+    other = plan.tree_key(R, ["momentum", "lr"])
+    assert other not in (R, plan.tree_key(R, ["learning_rate"]))
+    assert other == plan.tree_key(R, ["lr", "momentum"])  # order does not matter
+    ins = plan.insert_trial(other, {"lr": Constant(0.1), "momentum": Constant(0.9)}, 5)
+    assert plan.node(ins.node).root_key == other and plan.tree_names(other) == ("lr", "momentum")
+    assert plan.tree_key(R, ["lr"]) == R  # the first tree stays where it was
+
+
 def test_plain_values_become_constants(plan: BasePlanStorage) -> None:
     a = plan.insert_trial(R, {"bs": 32, "lr": Constant(0.1)}, 5)  # type: ignore[dict-item]
     b = plan.insert_trial(R, {"bs": Constant(32), "lr": Constant(0.1)}, 5)
