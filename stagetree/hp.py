@@ -9,11 +9,15 @@ Families whose name matches a PyTorch scheduler give, at step ``t``, the learnin
 rate that scheduler gives after ``t`` calls of ``scheduler.step()`` (up to float
 rounding; see ``tests/test_hp_torch_parity.py``).
 
-Equality and hashing are *typed*: ``Constant(1) != Constant(1.0) != Constant(True)``,
-because an int batch size 1 and a float learning rate 1.0 are different values.
-:func:`first_difference` follows the same rule. Numeric families (``Step``,
-``Cosine``...) store their numeric arguments as floats, so ``Step(1, 10, 0.5) ==
-Step(1.0, 10, 0.5)`` and their values are floats.
+Numbers are equal by *value*: ``Constant(128) == Constant(128.0)``, and
+``MultiStep(128, [40], 2)`` shares its first 40 steps with ``Constant(128)``. A
+sequence's values are *canonical* (:func:`canonical_value`): a number with an integral
+value is an ``int`` (``128.0`` is handed to ``setup()`` as ``128``, so it stays usable
+as a batch size), any other number a ``float``; a trial gets the same values, and so
+bit for bit the same results, whichever spelling it was written with. A ``bool`` is not
+a number here (``Constant(True) != Constant(1)``) and a ``str`` only equals itself.
+:func:`first_difference` follows the same rule. A sequence keeps its arguments as
+written (its JSON does not change).
 
 Random search: when any argument of a family is a
 :class:`stagetree.distributions.Distribution` (or a :class:`SequenceTemplate`), the
@@ -57,11 +61,13 @@ __all__ = [
     "Value",
     "Warmup",
     "as_sequence",
+    "canonical_value",
     "dumps_hp",
     "first_difference",
     "from_json",
     "loads_hp",
     "step_values",
+    "written_value",
 ]
 
 Value = Union[int, float, str, bool]
@@ -134,14 +140,33 @@ def _is_random(value: Any) -> bool:
     return False
 
 
+def canonical_value(value: Any) -> Any:
+    """The one form of a value that sequences give (to ``setup()``, to the plan): a
+    float with an integral value becomes that ``int`` (``128.0 -> 128``, ``0.0 -> 0``);
+    anything else (other floats, ints, bools, strings) is returned as is.
+
+    An int keeps a batch size usable, and integral numbers convert to floats exactly, so
+    arithmetic with a learning rate of ``1`` gives what it gives with ``1.0``.
+    """
+    if value.__class__ is float and value.is_integer():
+        return int(value)
+    return value
+
+
+def _canonical_list(values: list[Value]) -> list[Value]:
+    """:func:`canonical_value` of each value (a list of values of one chunk)."""
+    return [int(v) if v.__class__ is float and v.is_integer() else v for v in values]
+
+
 def _typed(value: Any) -> Any:
-    """Key for typed equality: scalars carry their type, tuples recurse, sequences
-    stand for themselves (their own equality is typed)."""
+    """Key for equality by value: scalars carry the type of their canonical form (so
+    ``1 == 1.0`` but ``1 != True``), tuples recurse, sequences stand for themselves."""
     tp = type(value)
     if tp is tuple:
         return tuple(_typed(v) for v in value)
     if tp in _SCALARS:
-        return (tp, value)
+        value = canonical_value(value)
+        return (type(value), value)
     return value
 
 
@@ -163,6 +188,8 @@ class Sequence(ABC):
     is_template: ClassVar[bool] = False
     # Field name -> constructor/JSON argument name, where they differ.
     _json_names: ClassVar[Mapping[str, str]] = {}
+    # Field name -> default value left out of the JSON (arguments added later).
+    _json_defaults: ClassVar[Mapping[str, Any]] = {}
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # A distribution among the arguments makes this a template for random search.
@@ -190,13 +217,22 @@ class Sequence(ABC):
         return [value(t) for t in range(start, stop)]
 
     def __call__(self, t: int) -> Value:
-        """Value at step ``t`` (a non-negative int)."""
+        """Value at step ``t`` (a non-negative int), in canonical form
+        (:func:`canonical_value`)."""
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise InvalidSequenceError(f"step must be a non-negative int, got {t!r}")
-        return self._value(t)
+        value = self._value(t)
+        if value.__class__ is float and value.is_integer():
+            return int(value)
+        return value
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        """:meth:`_values` in canonical form (:func:`canonical_value`)."""
+        return _canonical_list(self._values(start, stop))
 
     def values(self, start: int, stop: int) -> list[Value]:
-        """Values at steps ``start, ..., stop - 1`` (a new list; cached underneath)."""
+        """Values at steps ``start, ..., stop - 1`` in canonical form (a new list; cached
+        underneath)."""
         _check_step("start", start)
         _check_step("stop", stop)
         if stop <= start:
@@ -248,8 +284,12 @@ class Sequence(ABC):
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict with a ``"type"`` key; :func:`from_json` inverts it."""
         out: dict[str, Any] = {"type": type(self).__name__}
+        omit = self._json_defaults
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            out[self._json_names.get(f.name, f.name)] = _to_json_value(getattr(self, f.name))
+            value = getattr(self, f.name)
+            if f.name in omit and value is omit[f.name]:
+                continue
+            out[self._json_names.get(f.name, f.name)] = _to_json_value(value)
         return out
 
 
@@ -263,12 +303,12 @@ def _to_json_value(value: Any) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _chunk(seq: Sequence, k: int) -> tuple[Value, ...]:
-    """Values of ``seq`` at steps ``[k * _CHUNK, (k + 1) * _CHUNK)``.
+    """Canonical values of ``seq`` at steps ``[k * _CHUNK, (k + 1) * _CHUNK)``.
 
-    Keyed by the sequence itself: typed equality guarantees that equal keys have
-    identical values (``Constant(1)`` and ``Constant(1.0)`` never share an entry).
+    Keyed by the sequence itself: equal sequences (``Constant(1)`` and ``Constant(1.0)``)
+    share an entry, which is right because their canonical values are identical.
     """
-    return tuple(seq._values(k * _CHUNK, (k + 1) * _CHUNK))
+    return tuple(seq._canonical_values(k * _CHUNK, (k + 1) * _CHUNK))
 
 
 # --------------------------------------------------------------------------- templates
@@ -345,6 +385,9 @@ class Constant(Sequence):
 
     def _values(self, start: int, stop: int) -> list[Value]:
         return [self.value] * (stop - start)
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        return [canonical_value(self.value)] * (stop - start)
 
 
 def _segments(
@@ -542,15 +585,22 @@ class Cosine(Sequence):
     Like PyTorch, the cosine goes on after ``t_max``: it climbs back to ``init`` at
     ``2 * t_max`` (period ``2 * t_max``). To hold ``eta_min`` instead, write
     ``Cosine(init, t_max, eta_min).then(Constant(eta_min), at=t_max)``.
+
+    ``t_max`` may be any positive number, not only a whole number of steps
+    (``Cosine(0.1, 2.5)``: a half period of two and a half steps, as a schedule that
+    anneals over a fraction of an epoch counted in epochs).
     """
 
     init: float
-    t_max: int
+    t_max: int | float
     eta_min: float = 0.0
 
     def __post_init__(self) -> None:
         _set(self, "init", _check_float("Cosine.init", self.init))
-        _check_step("Cosine.t_max", self.t_max, 1)
+        if isinstance(self.t_max, int) and not isinstance(self.t_max, bool):
+            _check_step("Cosine.t_max", self.t_max, 1)
+        elif _check_float("Cosine.t_max", self.t_max) <= 0:
+            raise InvalidSequenceError(f"Cosine.t_max must be > 0, got {self.t_max!r}")
         _set(self, "eta_min", _check_float("Cosine.eta_min", self.eta_min))
 
     def _value(self, t: int) -> float:
@@ -594,19 +644,30 @@ class Linear(Sequence):
     """Linear from ``start`` at step 0 to ``end`` at step ``steps``; ``end`` afterwards
     (``steps == 0`` gives ``end`` everywhere). PyTorch ``LinearLR(start_factor,
     end_factor, total_iters)`` on base lr ``L`` is ``Linear(L * start_factor,
-    L * end_factor, total_iters)``."""
+    L * end_factor, total_iters)``.
+
+    ``extend=True`` keeps the slope past ``steps`` instead of holding ``end``
+    (``Linear(0.0, 1.0, 10, extend=True)(20) == 2.0``; it needs ``steps >= 1``)."""
 
     start: float
     end: float
     steps: int
+    extend: bool = False
+
+    # Left out of the JSON when False, so that plans written before it keep their text.
+    _json_defaults: ClassVar[Mapping[str, Any]] = {"extend": False}
 
     def __post_init__(self) -> None:
         _set(self, "start", _check_float("Linear.start", self.start))
         _set(self, "end", _check_float("Linear.end", self.end))
         _check_step("Linear.steps", self.steps)
+        if not isinstance(self.extend, bool):
+            raise InvalidSequenceError(f"Linear.extend must be a bool, got {self.extend!r}")
+        if self.extend and self.steps == 0:
+            raise InvalidSequenceError("Linear with extend=True needs steps >= 1 (a slope)")
 
     def _value(self, t: int) -> float:
-        if t >= self.steps:
+        if t >= self.steps and not self.extend:
             return self.end
         return self.start + (self.end - self.start) * t / self.steps
 
@@ -758,7 +819,9 @@ def as_sequence(x: Any) -> Sequence:
 
 
 def _first_mismatch(a: SequenceABC[Value], b: SequenceABC[Value]) -> int | None:
-    """Index of the first typed difference of two equally long chunks, or None."""
+    """Index of the first difference of two equally long chunks of canonical values, or
+    None; typed, so that ``True`` differs from ``1`` (canonical numbers of equal value
+    have equal types already)."""
     # Fast C-level checks first; fall back to a scan only when something differs.
     if a == b and list(map(type, a)) == list(map(type, b)):
         return None
@@ -771,9 +834,9 @@ def _first_mismatch(a: SequenceABC[Value], b: SequenceABC[Value]) -> int | None:
 def first_difference(a: Sequence, b: Sequence, start: int, stop: int) -> int | None:
     """First step ``t`` in ``[start, stop)`` with ``a(t) != b(t)``, or None.
 
-    Values of different types differ even when ``==`` holds (int ``1`` vs float ``1.0``
-    vs ``True``): an int batch size and a float learning rate are different values.
-    Compares cached chunks of values, not one call per step.
+    Numbers compare by value (``128`` and ``128.0`` are equal, see
+    :func:`canonical_value`); a ``bool`` differs from every number (``True`` vs ``1``).
+    Compares cached chunks of canonical values, not one call per step.
     """
     _check_step("start", start)
     _check_step("stop", stop)
@@ -844,6 +907,13 @@ def loads_hp(s: str) -> dict[str, Sequence]:
     if not isinstance(data, dict):
         raise InvalidSequenceError(f"expected a JSON object of sequences, got {s[:80]!r}")
     return {name: from_json(d) for name, d in data.items()}
+
+
+def written_value(seq: Sequence, t: int) -> Value:
+    """Value of ``seq`` at step ``t`` as its arguments write it (``Constant(128.0)``
+    gives ``128.0``), not canonical: what plans written before numbers were compared by
+    value told apart."""
+    return seq._value(t)
 
 
 def step_values(seq: Any, start: int, stop: int) -> list[Any]:

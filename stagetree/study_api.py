@@ -387,7 +387,10 @@ class StudyAPI(abc.ABC):
 
     def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence] | None = None) -> str:
         """The plan tree of a trial: trainer version + fixed config (+ the trial's own
-        sequences when ``share=False``, so that nothing is shared)."""
+        sequences when ``share=False``, so that nothing is shared). Trials whose
+        hyper-parameter names differ from those of the tree already there go to a tree
+        of their own names (``BasePlanStorage.tree_key``), which this key does not
+        follow."""
         if not self.share and hp is None:
             raise ValueError("root_key of a study with share=False needs the trial's hp")
         return StudySlot(self.name, self.version, self.share, fusible=self.fusible).root_key(

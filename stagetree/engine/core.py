@@ -37,6 +37,7 @@ from stagetree.checkpoints.eviction import evict_to_budget
 from stagetree.engine.coordination import Coordinator
 from stagetree.engine.ledger import Ledger
 from stagetree.exceptions import (
+    InvalidTrialError,
     StagetreeError,
     StagetreeWarning,
     TrialCancelledError,
@@ -249,6 +250,8 @@ class Engine:
         self.settings: dict[str, Any] = {}  # the front end's arguments it was made with
         self._trainers: dict[str, type] = {}
         self._root_trainers: dict[str, str] = {}
+        # (root key, hp names) -> the tree of those names (see BasePlanStorage.tree_key).
+        self._tree_keys: dict[tuple[str, frozenset[str]], str] = {}
         # Fusion: fusible names of the trees of fusing studies; trainer keys whose
         # workers could not fuse them (said once, never fused again).
         self._root_fusible: dict[str, frozenset[str]] = {}
@@ -625,12 +628,44 @@ class Engine:
         """Insert a trial's path up to ``steps`` without a request (lock held); returns
         its tree's root key and the insertion (the path's end, canonical). The tree is
         trained by the study's trainer."""
-        root_key = slot.root_key(config, hp)
+        base, names = slot.root_key(config, hp), frozenset(hp)
+        root_key = self._tree_key(base, names)
+        try:
+            ins = self._insert_into(slot, root_key, config, hp, steps)
+        except InvalidTrialError:
+            # Another process planted the (then empty) tree with other names meanwhile.
+            self._tree_keys.pop((base, names), None)
+            again = self._tree_key(base, names)
+            if again == root_key:
+                raise
+            root_key, ins = again, self._insert_into(slot, again, config, hp, steps)
+        self._tree_keys[(base, names)] = root_key  # settled: a tree's root never changes
+        return root_key, ins
+
+    def _insert_into(
+        self,
+        slot: StudySlot,
+        root_key: str,
+        config: dict[str, Any],
+        hp: dict[str, Sequence],
+        steps: int,
+    ) -> Insertion:
         self._root_trainers[root_key] = slot.trainer_key
         if slot.fusible and slot.trainer_key not in self._unfusible:
             self._root_fusible[root_key] = slot.fusible
         self.storage.register_root(root_key, config)
-        return root_key, self.storage.insert_trial(root_key, hp, steps, request=False)
+        return self.storage.insert_trial(root_key, hp, steps, request=False)
+
+    def _tree_key(self, base: str, names: frozenset[str]) -> str:
+        """The plan tree of trials with hyper-parameter ``names`` under the root key
+        ``base`` (their study's, for their config): ``base``, or the tree of their own
+        names when ``base``'s holds other names (lock held)."""
+        key = self._tree_keys.get((base, names))
+        if key is None:
+            key = self.storage.tree_key(base, names)
+            if key != base:
+                self._tree_keys[(base, names)] = key
+        return key
 
     def known(
         self, slot: StudySlot, config: dict[str, Any], hp: dict[str, Sequence], step: int
@@ -638,7 +673,8 @@ class Engine:
         """What the plan holds of a trial at ``step``, without training: its metrics and
         its checkpoint's ref (each None when unknown)."""
         with self.lock:
-            where = self.storage.locate(slot.root_key(config, hp), hp, step)
+            tree = self._tree_key(slot.root_key(config, hp), frozenset(hp))
+            where = self.storage.locate(tree, hp, step)
             if where is None:
                 return None, None
             rec = self.storage.checkpoint(*where)
@@ -649,7 +685,8 @@ class Engine:
     ) -> dict[int, dict[str, float]]:
         """Every known metric on the trial's path up to ``steps``, by step."""
         with self.lock:
-            return self.storage.metrics_along(slot.root_key(config, hp), hp, steps)
+            tree = self._tree_key(slot.root_key(config, hp), frozenset(hp))
+            return self.storage.metrics_along(tree, hp, steps)
 
     @property
     def lease_ttl(self) -> float:

@@ -61,7 +61,8 @@ class SeqCache:
         self._texts.clear()
 
     def value(self, seq: Sequence, step: int) -> tuple[type, Any]:
-        """``(type, value)`` of ``seq`` at ``step`` (typed: 1 and 1.0 differ)."""
+        """``(type, value)`` of ``seq`` at ``step``: the canonical value (``1.0`` is ``1``)
+        with its type, so that ``True`` still differs from ``1``."""
         key = (id(seq), step)
         hit = self.values.get(key)
         if hit is not None:

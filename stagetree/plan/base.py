@@ -12,7 +12,7 @@ from stagetree.exceptions import PlanKeyError, RequestError
 from stagetree.hp import Sequence
 from stagetree.plan.leases import ClaimResult, Lease
 from stagetree.plan.model import ACTIVITY_KINDS, ActivityRecord, Node, Request, RequestState
-from stagetree.plan.tree import Insertion, is_canonical
+from stagetree.plan.tree import Insertion, is_canonical, names_key
 
 __all__ = [
     "ActivityRecord",
@@ -281,6 +281,26 @@ class BasePlanStorage(ABC):
         Raises:
             InvalidTrialError: an item does not fit the tree (nothing is written).
         """
+
+    def tree_names(self, root_key: str) -> tuple[str, ...] | None:
+        """The sorted hyper-parameter names of ``root_key``'s tree (its root's); None
+        while the tree is empty. Backends answer without loading the whole tree."""
+        for node in self.nodes(root_key):
+            if node.parent is None:
+                return tuple(sorted(node.hp))
+        return None
+
+    def tree_key(self, root_key: str, names: Iterable[str]) -> str:
+        """The tree that trials with hyper-parameter ``names`` go to under ``root_key``
+        (a trainer version and fixed config): ``root_key`` itself while its tree is
+        empty or has these names, else a key of their own
+        (:func:`~stagetree.plan.tree.names_key`). A study that renames or adds a
+        hyper-parameter is another configuration: it gets its own tree, and a plan
+        written before keeps its trees where they are."""
+        have = self.tree_names(root_key)
+        if have is None or have == tuple(sorted(names)):
+            return root_key
+        return names_key(root_key, names)
 
     def insert_trial(
         self, root_key: str, hp: Mapping[str, Sequence], steps: int, *, request: bool = True

@@ -158,6 +158,12 @@ class MemoryPlanStorage(BasePlanStorage):
         self._next_id += 1
         return node_id
 
+    def tree_names(self, root_key: str) -> tuple[str, ...] | None:
+        with self._lock:
+            self._check_open()
+            tree = self._trees.get(root_key)
+            return None if tree is None else tree.names
+
     def locate(
         self, root_key: str, hp: Mapping[str, Sequence], step: int
     ) -> tuple[int, int] | None:

@@ -637,6 +637,20 @@ class SQLPlanStorage(BasePlanStorage):
         keys = ("node", "step", "refcount", "state", "error")
         conn.execute(stmt, [{f"b_{k}": row[k] for k in keys} for row in rows])
 
+    def tree_names(self, root_key: str) -> tuple[str, ...] | None:
+        tree = self._trees.get(root_key)
+        if tree is not None and tree.names is not None:  # a tree's root never changes
+            return tree.names
+        with self._tx(write=False) as conn:
+            # The root is a tree's first node: the (root_key, id) index finds it at once.
+            text = conn.execute(
+                select(_nodes.c.hp)
+                .where(_nodes.c.root_key == root_key)
+                .order_by(_nodes.c.id)
+                .limit(1)
+            ).scalar()
+        return None if text is None else tuple(sorted(_codec.loads(text)))
+
     def locate(
         self, root_key: str, hp: Mapping[str, Sequence], step: int
     ) -> tuple[int, int] | None:

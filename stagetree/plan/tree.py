@@ -23,12 +23,14 @@ walk memoise differences per pair of sequences over ``[0, T)``
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from stagetree.exceptions import InvalidSequenceError, InvalidTrialError
-from stagetree.hp import Sequence, as_sequence
+from stagetree.hp import Sequence, as_sequence, written_value
 from stagetree.plan._seqcache import SeqCache
 from stagetree.plan.model import Node
 
@@ -42,6 +44,7 @@ __all__ = [
     "check_trial",
     "insert",
     "is_canonical",
+    "names_key",
     "walk",
 ]
 
@@ -121,10 +124,16 @@ class TreeIndex:
             key = (node.branch_step, self.values_at(node.hp, node.branch_step))
             siblings = self._children.setdefault(node.parent, {})
             if key in siblings:
-                raise ValueError(
-                    f"node {node.id} duplicates sibling {siblings[key]} at step {node.branch_step}"
-                )
-            siblings[key] = node.id
+                if not _spelled_apart(self.nodes[siblings[key]], node):
+                    raise ValueError(
+                        f"node {node.id} duplicates sibling {siblings[key]} at step "
+                        f"{node.branch_step}"
+                    )
+                # A plan written while 1 and 1.0 were different values may hold both:
+                # the older sibling is the one new trials walk into; the other keeps
+                # serving the trials already on it (reached by its id).
+            else:
+                siblings[key] = node.id
         self.nodes[node.id] = node
         self.last_id = max(self.last_id, node.id)
 
@@ -144,12 +153,14 @@ class TreeIndex:
                 self.names = None
             else:
                 siblings = self._children.get(node.parent, {})
-                siblings.pop((node.branch_step, self.values_at(node.hp, node.branch_step)), None)
+                key = (node.branch_step, self.values_at(node.hp, node.branch_step))
+                if siblings.get(key) == node_id:
+                    siblings.pop(key)
         self.last_id = max(self.nodes, default=0)
 
     def values_at(self, hp: Mapping[str, Sequence], step: int) -> tuple[Any, ...]:
-        """Typed values of ``hp`` at ``step`` in name order: ``(type, value)`` pairs, as
-        sharing is typed (an int 1 differs from a float 1.0, see ``stagetree.hp``)."""
+        """Values of ``hp`` at ``step`` in name order: ``(type, canonical value)`` pairs
+        (``1`` and ``1.0`` are one value, ``True`` another; see ``stagetree.hp``)."""
         names = self.names if self.names is not None else tuple(sorted(hp))
         value = self.cache.value
         return tuple([value(hp[name], step) for name in names])
@@ -191,6 +202,16 @@ def check_steps(steps: Any, what: str = "steps") -> int:
             f"{what} must be a non-negative int (at most 2**63-1), got {shown:.60}"
         )
     return steps
+
+
+def _spelled_apart(a: Node, b: Node) -> bool:
+    """Whether two siblings with equal values at their branch step tell them apart by
+    how a number is written there (``1`` and ``1.0``): distinct values to plans written
+    before numbers were compared by value, so both can be in such a plan."""
+    step = a.branch_step
+    return any(
+        type(written_value(a.hp[n], step)) is not type(written_value(b.hp[n], step)) for n in a.hp
+    )
 
 
 def check_trial(index: TreeIndex, hp: Mapping[str, Any], steps: int) -> dict[str, Sequence]:
@@ -332,6 +353,14 @@ def insert(
         node = Node(new_id(), index.root_key, parent, result.diverge, dict(hp))
     index.add(node)
     return Insertion(node.id, steps, (node,))
+
+
+def names_key(root_key: str, names: Iterable[str]) -> str:
+    """The key of the tree of trials with hyper-parameter ``names`` under ``root_key``
+    (a trainer version and fixed config) when ``root_key``'s own tree has other names:
+    a different name set is a different configuration, so it never shares."""
+    text = f"{root_key}|hp-names|{json.dumps(sorted(names))}"
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def is_canonical(node: Node, step: int) -> bool:

@@ -12,6 +12,9 @@ from stagetree.tuners.base import Job, ReplayingRunner, Tuner, check_int, draw_s
 
 __all__ = ["MedianStopping"]
 
+# Which other trials' running averages the median is taken over (see the class doc).
+_COMPARE = ("completed", "reached")
+
 
 class MedianStopping(Tuner):
     """Train trials in chunks of ``eval_every`` steps; stop the ones below the median.
@@ -19,12 +22,19 @@ class MedianStopping(Tuner):
     Each chunk resubmits the trial with ``eval_every`` more steps (the study resumes
     it). After a chunk ending at step ``s >= grace_steps``, the trial stops when its
     best value so far (over its known metrics at steps ``<= s``) is strictly worse than
-    the median of the *running averages* (mean over steps ``<= s``) of the other trials
-    that have reached step ``s`` -- the Vizier rule, applied to every trial seen so far
-    rather than to completed ones only. The rule needs at least ``min_samples`` such
-    trials. Non-finite values are left out of running averages; a trial whose values
-    are all non-finite has the worst possible best value and stops at its first check.
-    A failed chunk ends its trial.
+    the median of the *running averages* (mean over steps ``<= s``) of the other
+    trials that count as samples:
+
+    * ``compare="completed"`` (the default): the trials that *completed*, i.e. trained
+      to ``steps`` without being stopped -- the rule as Google Vizier defines it (and
+      Ray Tune's ``MedianStoppingRule``). Nothing stops before ``min_samples`` trials
+      have completed.
+    * ``compare="reached"``: every other trial that has reached step ``s`` (running,
+      completed or stopped), which stops bad trials sooner, on fewer samples.
+
+    The rule needs at least ``min_samples`` samples. Non-finite values are left out of
+    running averages; a trial whose values are all non-finite has the worst possible
+    best value and stops at its first check. A failed chunk ends its trial.
 
     The values are the trials' learning curves (``TrialResult.history``): with the
     study's ``eval_every`` (``Study(eval_every=1)``, the default) every step of a
@@ -58,8 +68,12 @@ class MedianStopping(Tuner):
         seed: int = 0,
         max_concurrent: int | None = None,
         sampler: Any = None,
+        compare: str = "completed",
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
+        if compare not in _COMPARE:
+            raise TunerError(f"compare must be one of {_COMPARE}, got {compare!r}")
+        self.compare = compare
         self.space = space
         self._use_sampler(sampler, space)
         self.steps = check_int("steps", steps, 1)
@@ -71,6 +85,7 @@ class MedianStopping(Tuner):
             raise TunerError(f"grace_steps must be <= steps, got {grace_steps} > {steps}")
         self.stopped: list[tuple[int, int]] = []
         self._history: dict[int, dict[int, float]] = {}
+        self._completed: set[int] = set()  # trials trained to ``steps``, not stopped
 
     @property
     def horizon(self) -> int:
@@ -96,8 +111,11 @@ class MedianStopping(Tuner):
         own = [v for s, v in self._history.get(tid, {}).items() if s <= step]
         best = max(own, default=-math.inf)
         averages: list[float] = []
+        completed_only = self.compare == "completed"
         for other, hist in self._history.items():
             if other == tid or not hist or max(hist) < step:
+                continue
+            if completed_only and other not in self._completed:
                 continue
             vals = [v for s, v in hist.items() if s <= step and v > -math.inf]
             if vals:
@@ -113,6 +131,7 @@ class MedianStopping(Tuner):
         ctx.declare(specs)  # nothing for a sampler's lazy specs: declared one by one
         self.stopped = []
         self._history = {}
+        self._completed = set()
         in_flight: set[Job] = set()
         while True:
             while len(in_flight) < self._workers(ctx) and len(self.trials) < len(specs):
@@ -131,6 +150,7 @@ class MedianStopping(Tuner):
                 continue
             self._merge(tid, job)
             if job.steps >= self.steps:
+                self._completed.add(tid)
                 continue
             if job.steps >= self.grace_steps and self.should_stop(tid, job.steps):
                 self.stopped.append((tid, job.steps))

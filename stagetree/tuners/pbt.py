@@ -83,7 +83,15 @@ class PBT(Tuner):
     Exploited trials come from mutation, not from the sampler.
 
     Members that failed are dropped when there is no donor. Generations are
-    synchronous, so decisions do not depend on completion order. On a grid, the
+    synchronous, so decisions do not depend on completion order.
+
+    ``synchronous=False``: asynchronous exploitation, per member as in the PBT paper
+    and Ray Tune's ``PopulationBasedTraining``: each member, as soon as it finishes an
+    interval, is ranked by its latest value among the members that have reported one;
+    in the bottom ``quantile`` (or failed, or non-finite), it is replaced by an exploit
+    of a donor drawn from the top ``quantile`` *at the donor's latest reported step*
+    (the new trial shares the donor's steps up to there); otherwise it trains on. No
+    member waits for the slowest one, and decisions depend on completion order. On a grid, the
     population is taken in an order shuffled by ``seed``. After ``run``,
     :attr:`exploits` lists ``{"trial", "donor", "replaces", "step", "mutations"}``
     dicts (tuner trial ids; ``mutations``: name -> ``"perturb"`` | ``"resample"``); a
@@ -113,8 +121,12 @@ class PBT(Tuner):
         hp_to_mutate: Iterable[str] | None = None,
         max_concurrent: int | None = None,
         sampler: Any = None,
+        synchronous: bool = True,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
+        if not isinstance(synchronous, bool):
+            raise TunerError(f"synchronous must be a bool, got {synchronous!r}")
+        self.synchronous = synchronous
         self.space = space
         self._use_sampler(sampler, space)
         self.population = check_int("population", population, 2)
@@ -229,6 +241,9 @@ class PBT(Tuner):
         # the schedule each member follows for each mutated name (since its last exploit)
         self._sources = {m.id: {n: m.hp[n] for n in self.mutations} for m in members}
         self.exploits = []
+        if not self.synchronous:
+            await self._search_async(ctx, members, rng)
+            return
         started: set[int] = set()
         t = 0
         while members:
@@ -249,6 +264,49 @@ class PBT(Tuner):
             if t >= self.steps:
                 return
             members = self._exploit(ctx, members, values, failed, t, rng)
+
+    async def _search_async(
+        self, ctx: ReplayingRunner, members: list[Trial], rng: random.Random
+    ) -> None:
+        """Per-member exploitation (see the class doc): slot ``i`` holds a member and,
+        once it reported, its latest ``(value, step)``."""
+        slots = dict(enumerate(members))
+        latest: dict[int, tuple[float, int]] = {}
+        queue = JobQueue(ctx, self.max_concurrent)
+        for i, member in slots.items():
+            queue.push(member, min(self.interval, self.steps), "submit", i)
+        while queue:
+            job, i = await queue.next()
+            value = self._observe(job)
+            t = job.steps
+            latest[i] = (value, t)
+            if t >= self.steps and job.status == "ok":
+                continue  # finished: it still ranks among the others
+            n = len(latest)
+            order = sorted(latest, key=lambda j: (-latest[j][0], slots[j].id))
+            nq = max(1, min(n // 2, math.ceil(n * self.quantile)))
+            # a finished donor would give a trial with nothing left to train
+            donors = [
+                j
+                for j in order[:nq]
+                if j != i and latest[j][0] > -math.inf and latest[j][1] < self.steps
+            ]
+            bottom = value == -math.inf or (n > 1 and i in order[n - nq :])
+            if not bottom:
+                queue.push(slots[i], min(t + self.interval, self.steps), "continue", i)
+                continue
+            if not donors:
+                if job.status != "ok":  # failed, nothing to take over: dropped
+                    del latest[i]
+                    self._prune(slots[i].id)
+                else:
+                    queue.push(slots[i], min(t + self.interval, self.steps), "continue", i)
+                continue
+            d = donors[rng.randrange(len(donors))]
+            at = latest[d][1]
+            new = slots[i] = self._replace(ctx, slots[d], slots[i], at, rng)
+            del latest[i]  # the new member ranks once it reports
+            queue.push(new, min(at + self.interval, self.steps), "submit", i)
 
     def _exploit(
         self,
@@ -274,12 +332,19 @@ class PBT(Tuner):
                     self._prune(members[i].id)
                 continue
             donor = members[donors[rng.randrange(len(donors))]]
-            hp, sources, how = self._explore(donor, t, rng)
-            new = self._new_trial(donor.config, hp)
-            self._sources[new.id] = sources
-            info = {"trial": new.id, "donor": donor.id, "replaces": members[i].id, "step": t}
-            ctx.record("exploit", **info)
-            self.exploits.append({**info, "mutations": how})
-            self._prune(members[i].id)  # stopped before the end (the sampler is told)
-            out[i] = new
+            out[i] = self._replace(ctx, donor, members[i], t, rng)
         return [m for m in out if m is not None]
+
+    def _replace(
+        self, ctx: ReplayingRunner, donor: Trial, old: Trial, t: int, rng: random.Random
+    ) -> Trial:
+        """An exploit of ``donor`` at step ``t`` that replaces ``old`` (recorded; ``old``
+        is stopped before the end and the sampler told)."""
+        hp, sources, how = self._explore(donor, t, rng)
+        new = self._new_trial(donor.config, hp)
+        self._sources[new.id] = sources
+        info = {"trial": new.id, "donor": donor.id, "replaces": old.id, "step": t}
+        ctx.record("exploit", **info)
+        self.exploits.append({**info, "mutations": how})
+        self._prune(old.id)
+        return new

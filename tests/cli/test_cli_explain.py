@@ -265,3 +265,56 @@ def test_multistep_and_constant_share_in_plan() -> None:
     space = GridSpace({"lr": [Constant(0.1), MultiStep(0.1, [100], 0.1)]})
     result = plan_trials(space.trials(), 100)
     assert result.summary.unique_steps == 100
+
+
+# The Hippo paper's example space (its Fig. 10), typed as written there: the batch size
+# as an int constant beside a MultiStep whose numbers are floats. Two learning-rate
+# schedules from 0.1 that part after step 0; 60 epochs.
+FIG10 = """
+from stagetree.hp import Constant, Cosine, Exponential, MultiStep
+from stagetree.space import GridSpace
+
+space = GridSpace(
+    {
+        "lr": [Cosine(0.1, 60), Exponential(0.1, 0.95)],
+        "batch_size": [Constant(128), MultiStep(128, [40], 2)],
+    }
+)
+steps = 60
+"""
+
+
+def test_explain_fig10_space_shares_equal_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 25: 128 and 128.0 are one value, so each schedule's two batch sizes share
+    # their first 40 epochs: 240 / 159 = 1.509 (1.008 when 128 and 128.0 differed).
+    assert main(["explain", str(_write(tmp_path, FIG10))]) == 0
+    out = capsys.readouterr().out
+    assert _field(out, "total steps") == "240"
+    assert _field(out, "unique steps") == "159"
+    assert _field(out, "merge rate") == "1.51"
+    result = explain(load_space_file(_write(tmp_path, FIG10)), out=io.StringIO())
+    assert round(result.summary.merge_rate, 3) == 1.509
+    assert "missed shares" not in out
+
+
+NEAR = """
+from stagetree.hp import Constant, MultiStep
+from stagetree.space import GridSpace
+
+space = GridSpace({"lr": [Constant(0.1), MultiStep(0.1000000001, [50], 0.1), Constant(0.2)]})
+steps = 100
+"""
+
+
+def test_explain_points_out_close_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["explain", str(_write(tmp_path, NEAR))]) == 0
+    out = capsys.readouterr().out
+    assert _field(out, "unique steps") == "300"  # nothing shared: the values differ
+    section = out.split("missed shares (close values, not equal):\n", 1)[1]
+    first = section.splitlines()[0]
+    assert "lr: 0.1 and 0.1000000001" in first and "at step 0" in first
+    assert "0.2" not in section.split("stage tree:")[0]  # far values are not pointed out

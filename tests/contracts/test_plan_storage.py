@@ -123,11 +123,28 @@ def test_identical_trials_share_node_and_request(plan: BasePlanStorage) -> None:
     assert len(plan.nodes(R)) == 1
 
 
-def test_sharing_is_typed(plan: BasePlanStorage) -> None:
+def test_numbers_share_by_value(plan: BasePlanStorage) -> None:
+    # Issue 25: 1 and 1.0 are one value; True is not a number.
     a = plan.insert_trial(R, {"bs": Constant(1)}, 5)
     b = plan.insert_trial(R, {"bs": Constant(1.0)}, 5)
-    assert a.node != b.node
-    assert plan.node(b.node).branch_step == 0
+    c = plan.insert_trial(R, {"bs": Constant(True)}, 5)
+    assert a.node == b.node != c.node
+    assert plan.node(c.node).branch_step == 0
+
+
+def test_other_names_get_a_tree_of_their_own(plan: BasePlanStorage) -> None:
+    # Issue 25: the tree's first name set keeps the key, another set gets its own.
+    assert plan.tree_names(R) is None
+    assert plan.tree_key(R, ["lr"]) == R == plan.tree_key(R, ["momentum", "lr"])
+    plan.insert_trial(R, {"lr": Constant(0.1)}, 5)
+    assert plan.tree_names(R) == ("lr",)
+    assert plan.tree_key(R, ["lr"]) == R
+    other = plan.tree_key(R, ["momentum", "lr"])
+    assert other not in (R, plan.tree_key(R, ["learning_rate"]))
+    assert other == plan.tree_key(R, ["lr", "momentum"])  # order does not matter
+    ins = plan.insert_trial(other, {"lr": Constant(0.1), "momentum": Constant(0.9)}, 5)
+    assert plan.node(ins.node).root_key == other and plan.tree_names(other) == ("lr", "momentum")
+    assert plan.tree_key(R, ["lr"]) == R  # the first tree stays where it was
 
 
 def test_plain_values_become_constants(plan: BasePlanStorage) -> None:

@@ -34,6 +34,7 @@ from stagetree.hp import (
     Then,
     Warmup,
     as_sequence,
+    canonical_value,
     dumps_hp,
     first_difference,
     from_json,
@@ -210,12 +211,31 @@ def test_first_difference_across_chunks(at: int) -> None:
     assert first_difference(base, other, at + 3, 6000) == at + 3
 
 
-def test_first_difference_is_typed() -> None:
-    # Equal under ==, but an int, a float and a bool are different hyper-parameter values.
-    assert first_difference(Constant(1), Constant(1.0), 0, 10) == 0
+def test_first_difference_compares_numbers_by_value() -> None:
+    # Issue 25: an int and a float of equal value are one value; a bool is not a number.
+    assert first_difference(Constant(1), Constant(1.0), 0, 10) is None
     assert first_difference(Constant(1), Constant(True), 4, 10) == 4
-    assert first_difference(Piecewise([1, 1.0], [7]), Constant(1), 0, 20) == 7
+    assert first_difference(Constant(1.0), Constant(True), 0, 10) == 0
+    assert first_difference(Piecewise([1, 1.0], [7]), Constant(1), 0, 20) is None
+    assert first_difference(Piecewise([1, 1.5], [7]), Constant(1), 0, 20) == 7
     assert first_difference(Constant(0.0), Constant(-0.0), 0, 10) is None
+    assert first_difference(MultiStep(128, [40], 2), Constant(128), 0, 60) == 40
+    assert first_difference(Constant("1"), Constant(1), 0, 3) == 0
+
+
+def test_values_are_canonical() -> None:
+    # Whichever spelling, setup() gets one value: an integral number as an int.
+    assert type(Constant(128.0)(0)) is int
+    assert Constant(128.0).values(0, 3) == [128, 128, 128]
+    for seq in (MultiStep(128, [40], 2), Piecewise([128.0, 256], [40])):
+        assert [type(v) for v in (seq(0), seq(45))] == [int, int]
+        assert seq.values(38, 42) == [128, 128, 256, 256]
+        assert {type(v) for v in seq.values(0, 60)} == {int}
+    assert type(Constant(0.1)(0)) is float
+    assert type(Warmup(4, 0.1)(0)) is int  # 0.0 -> 0
+    assert Constant(True)(0) is True
+    assert canonical_value(2.0) == 2 and type(canonical_value(2.0)) is int
+    assert type(canonical_value(2.5)) is float and canonical_value(True) is True
 
 
 def test_first_difference_matches_brute_force() -> None:
@@ -238,12 +258,14 @@ def test_equality_and_hash() -> None:
     assert MultiStep(0.1, [30, 80], 0.1).milestones == (30, 80)
     assert Step(1, 10, 1) == Step(1.0, 10, 1.0)  # numeric families store floats
     assert Step(1, 10, 1).init.__class__ is float
-    assert Constant(1) != Constant(1.0)
+    assert Constant(1) == Constant(1.0)  # numbers by value (issue 25)
+    assert hash(Constant(1)) == hash(Constant(1.0))
     assert Constant(1) != Constant(True)
     assert Constant(0.1) != Step(0.1, 10, 1.0)
     assert Constant(0.1) != 0.1
-    assert len({Constant(1), Constant(1.0), Constant(True), Constant(1)}) == 3
-    assert Then(Constant(1), Constant(2), 5) != Then(Constant(1.0), Constant(2), 5)
+    assert len({Constant(1), Constant(1.0), Constant(True), Constant(1)}) == 2
+    assert Then(Constant(1), Constant(2), 5) == Then(Constant(1.0), Constant(2), 5)
+    assert Constant(1.0).to_json() == {"type": "Constant", "value": 1.0}  # as written
     assert len(set(EXAMPLES)) == len(EXAMPLES)
 
 
@@ -473,7 +495,7 @@ NAN, INF = float("nan"), float("inf")
         (lambda: H.Exponential("0.1", 0.9), "Exponential.init"),
         (lambda: H.Cosine(0.1, 0), "Cosine.t_max"),
         (lambda: H.Cosine(0.1, -5), "Cosine.t_max"),
-        (lambda: H.Cosine(0.1, 10.0), "Cosine.t_max"),
+        (lambda: H.Cosine(0.1, "10"), "Cosine.t_max"),  # a float period is fine (issue 25)
         (lambda: H.Cosine(0.1, 10, NAN), "Cosine.eta_min"),
         (lambda: H.CosineWarmRestarts(0.1, 0), "t_0"),
         (lambda: H.CosineWarmRestarts(0.1, 10, 0), "t_mult"),
@@ -523,3 +545,37 @@ def test_errors_are_value_errors() -> None:
 def test_negative_zero_is_normalised() -> None:
     assert math.copysign(1.0, Constant(-0.0).value) == 1.0  # type: ignore[arg-type]
     assert Constant(-0.0).to_json() == Constant(0.0).to_json()
+
+
+# --------------------------------------------------------------------------- issue 25
+
+
+def test_cosine_takes_a_period_that_is_not_a_whole_number_of_steps() -> None:
+    seq = Cosine(1.0, 2.5)
+    expected = [(1 + math.cos(math.pi * t / 2.5)) / 2 for t in range(12)]
+    assert seq.values(0, 12) == [canonical_value(v) for v in expected]
+    assert seq(5) == 1 and seq(10) == 1  # back at init every 2 * t_max = 5 steps
+    assert from_json(json.loads(json.dumps(seq.to_json()))) == seq
+    assert seq.to_json()["t_max"] == 2.5
+    assert Cosine(0.1, 50).to_json()["t_max"] == 50  # a whole number stays as written
+    assert Cosine(0.1, 50) == Cosine(0.1, 50.0)
+    for bad in (0, 0.0, -1.5, True, math.inf):
+        with pytest.raises(InvalidSequenceError, match="t_max"):
+            H.Cosine(0.1, bad)
+
+
+def test_linear_keeps_its_slope_past_the_end_when_asked() -> None:
+    held, kept = Linear(0.0, 1.0, 10), Linear(0.0, 1.0, 10, extend=True)
+    assert held.values(8, 13) == [0.8, 0.9, 1, 1, 1]
+    assert kept.values(8, 13) == [0.8, 0.9, 1, 1.1, 1.2]
+    assert kept(20) == 2 and Linear(1.0, 0.5, 4, extend=True)(6) == 0.25
+    assert first_difference(held, kept, 0, 20) == 11
+    # The default leaves the JSON as it was; extend=True round-trips.
+    assert "extend" not in held.to_json()
+    assert kept.to_json()["extend"] is True
+    assert from_json(kept.to_json()) == kept and from_json(held.to_json()) == held
+    assert held == Linear(0.0, 1.0, 10, extend=False) != kept
+    with pytest.raises(InvalidSequenceError, match="steps >= 1"):
+        Linear(0.0, 1.0, 0, extend=True)
+    with pytest.raises(InvalidSequenceError, match="extend"):
+        H.Linear(0.0, 1.0, 3, extend=1)

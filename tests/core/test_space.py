@@ -42,9 +42,11 @@ def test_trialspec_equality_and_hash_are_canonical() -> None:
     assert a == b
     assert hash(a) == hash(b)
     assert len({a, b}) == 1
-    # Typed: an int and a float are different values (as in stagetree.hp).
+    # Fixed values are compared as written (their JSON picks the plan tree); sequences
+    # by value, as in stagetree.hp (issue 25): 1 and 1.0 are one value, True is not.
     assert TrialSpec({"x": 1}, {"lr": 0.1}) != TrialSpec({"x": 1.0}, {"lr": 0.1})
-    assert TrialSpec({}, {"bs": 1}) != TrialSpec({}, {"bs": 1.0})
+    assert TrialSpec({}, {"bs": 1}) == TrialSpec({}, {"bs": 1.0})
+    assert TrialSpec({}, {"bs": 1}) != TrialSpec({}, {"bs": True})
 
 
 def test_trialspec_pickles_and_root_key_is_stable() -> None:

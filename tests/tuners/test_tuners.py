@@ -359,7 +359,14 @@ def test_median_stopping_stops_bad_trials_only() -> None:
     for seed in range(6):
         runner = FakeRunner(workers=4, order_seed=seed)
         tuner = MedianStopping(
-            MEDIAN_GRID, "acc", steps=20, num_trials=10, grace_steps=4, eval_every=2, seed=seed
+            MEDIAN_GRID,
+            "acc",
+            steps=20,
+            num_trials=10,
+            grace_steps=4,
+            eval_every=2,
+            seed=seed,
+            compare="reached",  # the rule before issue 25 (see the test after next)
         )
         best = run(tuner, runner)
         stopped = {t for t, _ in tuner.stopped}
@@ -383,7 +390,7 @@ def test_median_stopping_stops_bad_trials_only() -> None:
 
 
 def test_median_stopping_rule_uses_running_averages() -> None:
-    tuner = MedianStopping(SPACE, "acc", steps=10, num_trials=5, min_samples=2)
+    tuner = MedianStopping(SPACE, "acc", steps=10, num_trials=5, min_samples=2, compare="reached")
     tuner._history = {
         0: {2: 0.5, 4: 0.7},  # running average at 4: 0.6
         1: {2: 0.3, 4: 0.5},  # 0.4
@@ -394,6 +401,49 @@ def test_median_stopping_rule_uses_running_averages() -> None:
     assert not tuner.should_stop(1, 4)  # best 0.5 == median(0.6, 0.325): not below
     tuner.min_samples = 3
     assert not tuner.should_stop(2, 4)
+
+
+def test_median_stopping_compares_with_completed_trials_by_default() -> None:
+    # Vizier's rule (issue 25): the median of the running averages of *completed*
+    # trials at step s; running or stopped trials are no samples.
+    tuner = MedianStopping(SPACE, "acc", steps=10, num_trials=9, min_samples=2)
+    assert tuner.compare == "completed"
+    tuner._history = {
+        0: {2: 0.5, 4: 0.7, 10: 0.8},  # completed; running average at 4: 0.6
+        1: {2: 0.3, 4: 0.5, 10: 0.6},  # completed; 0.4
+        2: {2: 0.2, 4: 0.45},  # best 0.45 < median(0.6, 0.4) = 0.5 -> stop
+        3: {2: 0.1, 4: 0.1},  # running: no sample
+        4: {2: 0.1, 4: 0.1},  # stopped: no sample
+    }
+    tuner._completed = {0, 1}
+    assert tuner.should_stop(2, 4)
+    # Today's rule counts the running and stopped ones: median(0.6, 0.4, 0.1, 0.1) = 0.25.
+    tuner.compare = "reached"
+    assert not tuner.should_stop(2, 4)
+    tuner.compare = "completed"
+    tuner._completed = {0}  # one completed trial is fewer than min_samples
+    assert not tuner.should_stop(2, 4)
+    with pytest.raises(TunerError, match="compare"):
+        MedianStopping(SPACE, "acc", steps=10, num_trials=2, compare="all")
+
+
+def test_median_stopping_waits_for_completed_trials() -> None:
+    # Today's rule ("reached") stops trials after their first chunk here, before any
+    # trial completed; the default waits for min_samples completed trials.
+    stops_seen = 0
+    for seed in range(4):
+        runner = FakeRunner(workers=4, order_seed=seed)
+        tuner = MedianStopping(
+            MEDIAN_GRID, "acc", steps=20, num_trials=10, eval_every=2, min_samples=3, seed=seed
+        )
+        run(tuner, runner)
+        finals = [i for i, r in enumerate(runner.log) if r.get("steps") == 20]
+        stops = [i for i, r in enumerate(runner.log) if r["event"] == "stop"]
+        assert all(i > finals[2] for i in stops)  # after the third completed trial
+        stopped = {t for t, _ in tuner.stopped}
+        assert stopped <= {t for t, trial in tuner.trials.items() if trial.config["penalty"] > 0}
+        stops_seen += len(stops)
+    assert stops_seen > 0
 
 
 # --------------------------------------------------------------------------- PBT
@@ -418,6 +468,45 @@ def test_pbt_exploits_copy_the_donor_prefix_and_perturb_after() -> None:
     # every member `interval` new steps, a new trial resuming from its donor's prefix
     assert runner.trained_steps == 8 * 30
     assert best is not None and best.steps == 30
+
+
+def test_pbt_asynchronous_exploits_per_member() -> None:
+    # Issue 25: with synchronous=False a member is ranked and exploited as soon as it
+    # finishes its interval, against the others' latest values, without waiting for
+    # the generation; the exploit continues the donor from the donor's latest step.
+    early = 0
+    for seed in range(4):
+        runner = FakeRunner(workers=2, order_seed=seed)
+        tuner = PBT(
+            SPACE,
+            "acc",
+            population=8,
+            interval=5,
+            steps=30,
+            seed=seed,
+            max_concurrent=2,
+            synchronous=False,
+        )
+        best = run(tuner, runner)
+        assert tuner.exploits and best is not None and best.steps == 30
+        # an exploit decided while a member of the first interval still trains
+        first = {r["key"] for r in runner.log if r["event"] == "submit" and r["steps"] == 5}
+        last_done = max(
+            i for i, r in enumerate(runner.log) if r["event"] == "done" and r["key"] in first
+        )
+        exploits = [i for i, r in enumerate(runner.log) if r["event"] == "exploit"]
+        early += exploits[0] < last_done
+        for e in tuner.exploits:
+            new, donor, t = tuner.trials[e["trial"]], tuner.trials[e["donor"]], e["step"]
+            assert t % 5 == 0 and 0 < t < 30
+            assert new.hp["x"].values(0, t) == donor.hp["x"].values(0, t)
+            assert new.hp["x"] == Then(donor.hp["x"], Constant(new.hp["x"](t)), t)
+        # every member of the final population reached the end: slots are never lost
+        finals = [r for r in runner.log if r.get("steps") == 30]
+        assert len({r["trial"] for r in finals}) == 8
+    assert early >= 2  # never with synchronous generations
+    with pytest.raises(TunerError, match="synchronous"):
+        PBT(SPACE, "acc", population=4, interval=5, steps=30, synchronous="no")
 
 
 def test_pbt_donors_come_from_the_top_quantile() -> None:
