@@ -65,7 +65,7 @@ class Outage(Exception):
 @dataclass
 class RideThrough:
     """Calls retried while they raise :class:`Outage`, for at most ``window`` seconds
-    from the first failure, waiting 0.05 s, 0.1 s, ... (at most 2 s) between tries.
+    from the start of the first failed try, waiting 0.05 s, 0.1 s, ... (at most 2 s) between tries.
 
     Attributes:
         window: the ride-through window in seconds (0: no retry).
@@ -84,12 +84,13 @@ class RideThrough:
         delay = _FIRST_DELAY
         tries = 0
         while True:
+            began = time.monotonic()
             try:
                 result = fn()
             except Outage as exc:
                 now = time.monotonic()
                 if first is None:
-                    first = now
+                    first = began  # a failing call may itself take long (its own retries)
                     if self.window > 0:
                         logger.warning(
                             "%s unreachable (%s); retrying for up to %g s",

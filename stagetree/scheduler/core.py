@@ -46,8 +46,11 @@ pending; checkpoints it reported stay valid. A worker that dies more than
 ``os._exit`` in the trainer) fails the requests behind the point it last reported.
 
 A request is settled (``RequestDone``) once its metrics are reported *and* the
-checkpoint its batch promised at that point is durable (or known not to come), so a
-finished request always has its model on disk.
+checkpoint its batch promised at that point is durable, so a finished request always
+has its model on disk. When that write fails (``CheckpointFailed``: the store is out
+of reach past its ride-through window) the request stays pending and is planned
+again; when the checkpoint is known not to come otherwise (the worker lost, a split
+missed) it settles without it.
 
 Checkpoint writes are off the critical path: a worker reports ``BatchDone`` when its
 training is done, and the checkpoints the batch captured become durable afterwards
@@ -699,6 +702,10 @@ class Scheduler:
     def _on_checkpoint_failed(self, e: CheckpointFailed, out: list[Instruction | Notice]) -> None:
         batch = self._saving.get(e.batch_id)
         if batch is not None:
+            # A request waiting on this model is not settled without it (the store
+            # failed, not the trainer): it stays pending and is planned again, from the
+            # model its worker still holds or the latest durable checkpoint.
+            batch.parked.pop((e.node, e.step), None)
             self._not_coming(batch, (e.node, e.step), out)
 
     def _not_coming(self, batch: _Batch, key: Key, out: list[Instruction | Notice]) -> None:

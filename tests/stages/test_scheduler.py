@@ -660,3 +660,24 @@ def test_checkpoint_every_auto_follows_the_measured_costs() -> None:
 def test_bad_checkpoint_every_is_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="checkpoint_every"):
         Scheduler(num_workers=1, checkpoint_every=bad)
+
+
+def test_a_finished_request_whose_model_is_not_stored_stays_pending_and_is_trained_again() -> None:
+    # The store went down: the write of the model a request finished with failed
+    # after the batch ended. The request is not reported done without its model; it
+    # is planned again (the worker that holds the model continues from it).
+    h = Harness(workers=1)
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    h(Progress(batch.batch_id, 0, 1, 100, 0.1))
+    out = h(MetricsReported(batch.batch_id, 0, 1, 100, {"loss": 0.0}))
+    out += h(BatchDone(batch.batch_id, 0, 1.0, 100))
+    assert only(out, RequestDone) == []  # waits for its model
+    out = h(CheckpointFailed(batch.batch_id, 0, 1, 100, "CheckpointError: store down"))
+    assert only(out, RequestDone) == []
+    (again,) = only(out, RunBatch)
+    assert (1, 100) in again.checkpoint_at
+    out = h(MetricsReported(again.batch_id, 0, 1, 100, {"loss": 0.0}))
+    out += h(CheckpointSaved(again.batch_id, 0, 1, 100, "ck-100", 1, 0.0))
+    out += h(BatchDone(again.batch_id, 0, 1.0, 0))
+    assert [(d.node, d.step) for d in only(out, RequestDone)] == [(1, 100)]
