@@ -105,6 +105,18 @@ def _in_background(fn: Any, *args: Any) -> threading.Thread:
     return thread
 
 
+def _cut_while_training(proxy: TCPProxy, url: str, study: str) -> None:
+    """Cut ``proxy`` once a trial of ``study`` is being trained (read from ``url``, the
+    database itself): the outage strikes the engine's driver, not a submission."""
+    with SQLPlanStorage(url) as plan:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if "running" in [t["state"] for t in plan.trials(study)]:
+                break
+            time.sleep(0.02)
+    proxy.cut()
+
+
 # -- the storage ------------------------------------------------------------------------
 
 
@@ -211,9 +223,9 @@ def test_past_the_window_a_study_fails_with_the_outage_and_resumes_exact(
     )
     try:
         study.open()
-        threading.Timer(0.5, proxy.cut).start()
-        with pytest.raises((TrialFailedError, StorageError), match="unreachable for"):
-            _run_all(study)
+        _in_background(_cut_while_training, proxy, url, "outage")
+        with pytest.raises(TrialFailedError, match=r"engine failed.*unreachable for"):
+            study.run({"seed": 1}, {"lr": TRIALS[0]}, STEPS)
         proxy.restore()
         # The same study (its engine stopped on the error) runs again once the
         # database is back, and every trial is exact.
@@ -221,4 +233,65 @@ def test_past_the_window_a_study_fails_with_the_outage_and_resumes_exact(
         assert [t.state for t in study.trials()] == ["done"] * len(TRIALS)
     finally:
         study.close()
+        proxy.close()
+
+
+# -- a server ---------------------------------------------------------------------------
+
+
+def test_a_servers_engine_recovers_once_the_database_is_back(
+    pg: Postgres, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient
+
+    from stagetree.hp import MultiStep
+    from stagetree.server.app import create_app
+    from stagetree.server.hub import Hub, HubConfig
+    from stagetree.server.protocol import PROTOCOL_VERSION, hp_to_json
+    from stagetree.server.trainers import trainer_payload
+
+    monkeypatch.setenv(DB_RETRY_ENV, "1")
+    proxy = TCPProxy(("127.0.0.1", pg.port))
+    hub = Hub(HubConfig(pg.url_via(proxy.port), executor="inline", ttl=30.0))
+    auth = {"Authorization": "Bearer token-0123456789abcdef"}
+    try:
+        with TestClient(create_app(hub, auth["Authorization"][7:]), headers=auth) as client:
+            body = {
+                "name": "srv",
+                "trainer": trainer_payload(SlowLinearTrainer),
+                "protocol": PROTOCOL_VERSION,
+            }
+            sid = client.post("/v1/studies", json=body).json()["session"]
+            url_ = f"/v1/sessions/{sid}/submissions"
+
+            def submit(sub_id: str, lr: Any, after: int) -> dict[str, Any]:
+                one = {"id": sub_id, "config": {}, "hp": hp_to_json({"lr": lr}), "steps": 60}
+                assert client.post(url_, json=one).status_code == 200
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    got = client.get(
+                        f"/v1/sessions/{sid}/results", params={"after": after, "timeout": 2}
+                    ).json()["events"]
+                    if got:
+                        return dict(got[0])
+                raise AssertionError("no answer")
+
+            _in_background(_cut_while_training, proxy, url, "srv")
+            failed = submit("t0", Constant(0.05), 0)
+            # The engine's driver met the outage (not the submission's own call).
+            assert "engine failed" in failed["error"]["message"]
+            assert "unreachable for" in failed["error"]["message"]
+            proxy.restore()
+            # Every later submission of that trainer version is served by a fresh engine.
+            done = submit("t1", MultiStep(0.05, [30], 0.5), failed["seq"])
+            assert "error" not in done or not done["error"], done
+            assert done["result"]["metrics"]
+    finally:
+        hub.close()
         proxy.close()
