@@ -681,3 +681,23 @@ def test_a_finished_request_whose_model_is_not_stored_stays_pending_and_is_train
     out += h(CheckpointSaved(again.batch_id, 0, 1, 100, "ck-100", 1, 0.0))
     out += h(BatchDone(again.batch_id, 0, 1.0, 0))
     assert [(d.node, d.step) for d in only(out, RequestDone)] == [(1, 100)]
+
+
+def test_a_request_whose_model_is_never_stored_fails_after_a_few_tries() -> None:
+    h = Harness(workers=1)
+    (_, out) = h.trial(CONST, 10)
+    (batch,) = only(out, RunBatch)
+    failed: list[Any] = []
+    for _ in range(10):
+        h(Progress(batch.batch_id, 0, 1, 10, 0.1))
+        h(MetricsReported(batch.batch_id, 0, 1, 10, {"loss": 0.0}))
+        h(BatchDone(batch.batch_id, 0, 1.0, 10))
+        out = h(CheckpointFailed(batch.batch_id, 0, 1, 10, "CheckpointError: disk full"))
+        assert only(out, RequestDone) == []
+        failed = only(out, RequestFailed)
+        if failed:
+            break
+        (batch,) = only(out, RunBatch)
+    (fail,) = failed
+    assert (fail.node, fail.step) == (1, 10)
+    assert "could not be stored (5 tries)" in fail.error and "disk full" in fail.error
