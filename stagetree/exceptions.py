@@ -12,7 +12,8 @@ Hierarchy::
     │   │                          does not hold
     │   └── RequestError           (also ValueError) a request operation against the rules
     ├── CheckpointError            a checkpoint that is missing, corrupt or cannot be written
-    │   └── CheckpointsInUseError  ``stagetree gc`` would remove what a running study needs
+    │   ├── CheckpointsInUseError  ``stagetree gc`` would remove what a running study needs
+    │   └── CheckpointUnreachableError  the store could not be reached (the object may exist)
     ├── TrainerError               user trainer code raised; carries the formatted traceback
     ├── FusionError                members that cannot be trained fused
     ├── SchedulerError             an event the scheduler cannot accept (a bug or bad input)
@@ -47,6 +48,7 @@ from __future__ import annotations
 __all__ = [
     "AuthError",
     "CheckpointError",
+    "CheckpointUnreachableError",
     "CheckpointsInUseError",
     "CommandError",
     "ExecutorError",
@@ -118,6 +120,13 @@ class SchemaVersionError(StorageError):
 
 class CheckpointError(StagetreeError):
     """A checkpoint is missing, fails its checksum, or could not be written."""
+
+
+class CheckpointUnreachableError(CheckpointError):
+    """The checkpoint store could not be reached for longer than its ride-through window
+    (``STAGETREE_STORE_RETRY_SECONDS``): the checkpoint may still exist, so nothing is
+    concluded about it (its plan record stays; only a missing or corrupt object is
+    dropped)."""
 
 
 class _WithTraceback(StagetreeError):

@@ -155,7 +155,8 @@ class Study(StudyAPI):
 
     @property
     def _engine(self) -> Engine:
-        if self._engine_obj is None:
+        # An engine that stopped on an error is replaced (stagetree.engine.pool).
+        if self._engine_obj is None or self._engine_obj.error is not None:
             self._attach()
         assert self._engine_obj is not None
         return self._engine_obj

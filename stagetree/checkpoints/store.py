@@ -12,6 +12,14 @@ first 128 bits of its sha256), and a checkpoint says what it is (tree, node, ste
 :meth:`CheckpointStore.load` refuses an object that is not the one the ref names (see
 :func:`~stagetree.checkpoints.format.check_content`).
 
+Outages: on a remote store, a write or read that fails for another reason than a
+missing object or a refused access (the endpoint unreachable, a connection reset, a
+5xx answer) is tried again with exponential backoff for the ride-through window
+(``retry_seconds``, else ``STAGETREE_STORE_RETRY_SECONDS``, 30 by default; see
+:mod:`stagetree.retry`). Past it a write raises ``CheckpointError`` and a read
+:class:`~stagetree.exceptions.CheckpointUnreachableError`: the object may still
+exist, so the plan keeps its record (only a missing or corrupt object is dropped).
+
 Read cache: a remote store (anything but a local path) keeps the checkpoints it loads
 and saves in a local directory, content-addressed by the sha256 and size the
 checkpoint's header declares, bounded by ``cache_bytes`` (least recently used go
@@ -34,7 +42,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +59,8 @@ from stagetree.checkpoints.format import (
     tagged_ref,
 )
 from stagetree.checkpoints.stores import BaseByteStore, LocalByteStore, open_byte_store
-from stagetree.exceptions import CheckpointError
+from stagetree.exceptions import CheckpointError, CheckpointUnreachableError
+from stagetree.retry import STORE_RETRY_ENV, Outage, RideThrough, window_from_env
 
 __all__ = ["CheckpointInfo", "CheckpointStore", "EvictionInfo", "ReadCache", "eviction_order"]
 
@@ -218,6 +227,8 @@ class CheckpointStore:
             a local directory is never cached.
         cache_bytes: bound of the read cache; 0 turns it off.
         storage_options: fsspec options of a URL (credentials, ``client_kwargs``...).
+        retry_seconds: the ride-through window of a remote store (see the module
+            docstring); None: ``STAGETREE_STORE_RETRY_SECONDS``, else 30; 0: no retry.
 
     Raises:
         CheckpointError: an unknown URL scheme, a missing fsspec package, or a local
@@ -232,6 +243,7 @@ class CheckpointStore:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         storage_options: Mapping[str, Any] | None = None,
+        retry_seconds: float | None = None,
     ) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
@@ -242,6 +254,7 @@ class CheckpointStore:
         else:
             self.bytes = open_byte_store(location, storage_options)
         self.budget_bytes = budget_bytes
+        self.retry_seconds = retry_seconds
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.cache_bytes = cache_bytes
         self.cache: ReadCache | None = None
@@ -273,7 +286,14 @@ class CheckpointStore:
         # Cheap to send to worker processes and Ray actors: they reopen the location.
         return (
             CheckpointStore,
-            (self.bytes, self.budget_bytes, self.cache_dir, self.cache_bytes),
+            (
+                self.bytes,
+                self.budget_bytes,
+                self.cache_dir,
+                self.cache_bytes,
+                None,
+                self.retry_seconds,
+            ),
         )
 
     def check(self) -> None:
@@ -316,9 +336,14 @@ class CheckpointStore:
         data = encode(state, of)
         ref = name + SUFFIX if of is None else tagged_ref(name, data)
         try:
-            self.bytes.put(ref, data)
-        except Exception as exc:
+            self._riding(
+                lambda: self.bytes.put(ref, data),
+                lambda exc: CheckpointError(f"cannot write checkpoint {ref}: {exc}"),
+                lambda note, exc: CheckpointError(f"cannot write checkpoint {ref}: {note}: {exc}"),
+            )
+        except FileNotFoundError as exc:  # no such bucket or directory
             raise CheckpointError(f"cannot write checkpoint {ref}: {exc}") from exc
+
         nbytes = sum(len(part) for part in data)
         if self.cache is not None:
             header = read_header(data[0])
@@ -371,13 +396,48 @@ class CheckpointStore:
             self.cache.drop(*header)
         return None
 
-    def _read(self, ref: str, read: Any) -> bytes:
+    def _read(self, ref: str, read: Callable[[], bytes]) -> bytes:
         try:
-            return bytes(read())
+            return bytes(
+                self._riding(
+                    read,
+                    lambda exc: CheckpointError(f"cannot read checkpoint {ref}: {exc}"),
+                    lambda note, exc: CheckpointUnreachableError(
+                        f"cannot read checkpoint {ref}: {self.location} {note}: {exc}"
+                    ),
+                )
+            )
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {ref} does not exist in {self.location}") from None
-        except Exception as exc:
-            raise CheckpointError(f"cannot read checkpoint {ref}: {exc}") from exc
+
+    def _riding(
+        self,
+        call: Callable[[], Any],
+        failed: Callable[[Exception], CheckpointError],
+        outage: Callable[[str, Exception], CheckpointError],
+    ) -> Any:
+        """``call()`` on the byte store. On a remote store an error other than a
+        missing object (``FileNotFoundError``, raised as it is), a refused access or a
+        bad argument is an outage: retried for the ride-through window, then
+        ``outage(note, error)`` is raised; any other error raises ``failed(error)``."""
+        window = (
+            window_from_env(STORE_RETRY_ENV) if self.retry_seconds is None else self.retry_seconds
+        )
+
+        def once() -> Any:
+            try:
+                return call()
+            except FileNotFoundError:
+                raise
+            except Exception as exc:
+                if self.bytes.is_local or isinstance(exc, (PermissionError, ValueError, TypeError)):
+                    raise failed(exc) from exc
+                error = exc  # the name ``exc`` ends with this block
+                raise Outage(str(exc), lambda note: outage(note, error)) from exc
+
+        return RideThrough(
+            max(0.0, window), f"checkpoint store {self.location}", STORE_RETRY_ENV
+        ).call(once)
 
     def _decode(
         self, ref: str, raw: bytes, map_location: Any, of: Mapping[str, Any] | None = None

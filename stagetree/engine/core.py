@@ -37,6 +37,7 @@ from stagetree.checkpoints.eviction import evict_to_budget
 from stagetree.engine.coordination import Coordinator
 from stagetree.engine.ledger import Ledger
 from stagetree.exceptions import (
+    CheckpointUnreachableError,
     InvalidTrialError,
     StagetreeError,
     StagetreeWarning,
@@ -886,7 +887,8 @@ class Engine:
 
     def _on_checkpoint_failed(self, ev: work.CheckpointFailed, batch: RunningBatch | None) -> None:
         logger.warning(
-            "checkpoint of node %s at step %s not stored (%s); work that needs it recomputes it",
+            "checkpoint of node %s at step %s not stored (%s); work that needs it "
+            "recomputes it, and a trial that ends there stays pending until it is stored",
             ev.node,
             ev.step,
             ev.error,
@@ -975,9 +977,18 @@ class Engine:
         self._note_event("failed", ev, batch, node=ev.node, step=ev.step, data={"error": ev.error})
         if ev.kind != "checkpoint":
             return
-        # The start checkpoint is unreadable: forget it; the scheduler replans the work
-        # from an earlier checkpoint.
+        # The start checkpoint is unreadable: the scheduler replans the work from an
+        # earlier checkpoint. Its plan record goes only when the object was found missing
+        # or corrupt, not when the store could not be reached (it may still be whole).
         ref = batch.start_ref if batch is not None else None
+        if ev.error.startswith(CheckpointUnreachableError.__name__):
+            logger.warning(
+                "checkpoint %s could not be loaded (%s); its steps are recomputed, "
+                "and it stays recorded",
+                ref,
+                ev.error,
+            )
+            return
         for (node, step), rec in self.storage.checkpoints().items():
             if rec.ref == ref:
                 self.storage.remove_checkpoint(node, step)

@@ -6,10 +6,16 @@ chooses its :class:`~stagetree.engine.settings.EngineSettings` and checkpoint
 location and budget; a later study that asks for others joins it all the same and is
 told which of its settings are not followed
 (:class:`~stagetree.exceptions.SharedEngineWarning`).
+
+An engine whose driver stopped on an error (a database out of reach past its
+ride-through window, see :mod:`stagetree.retry`) is replaced by a fresh one at the
+next :func:`acquire`, and closed: a study (or a server's submission) after the outage
+runs again instead of finding a stopped engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,12 +60,17 @@ def acquire(
 ) -> EngineLease:
     """The engine of storage ``key``, made by ``make`` when none is open; the lease's
     ``settings`` and ``placement`` are the engine's, which differ from those given when
-    another study made it with others."""
+    another study made it with others. A stopped engine (its ``error`` set) is replaced
+    by one made by ``make`` and closed; a ``make`` that fails leaves it in place."""
     with _LOCK:
         entry = _ENGINES.get(key)
-        if entry is None:
+        if entry is None or entry.engine.error is not None:
+            stopped = entry.engine if entry is not None else None
             entry = _Entry(make(), settings, placement)
             _ENGINES[key] = entry
+            if stopped is not None:  # its leases and workers go (its storage is back)
+                with contextlib.suppress(Exception):
+                    stopped.close()
         entry.users += 1
         return EngineLease(key, entry.engine, entry.settings, entry.placement)
 

@@ -47,9 +47,10 @@ checkpoint that is missing or corrupt fails the batch the same way with an ``err
 starting with ``"CheckpointError:"``: the model has to be recomputed. A state that
 cannot be checkpointed (``state_dict()`` not implemented or not a dict, a value the
 checkpoint format cannot hold: the error names its key) fails the batch at that
-point, before anything is written; so does a checkpoint whose background write failed
-while the batch ran (reported when the batch ends). A write that fails after the
-batch ended is reported as ``CheckpointFailed``.
+point, before anything is written. A background write that fails (the store retries
+for its ride-through window first) is reported as ``CheckpointFailed``, after the
+batch's ``BatchDone`` when it failed while the batch ran: the store failed, not the
+trainer, so the work is planned again, never failed.
 """
 
 from __future__ import annotations
@@ -359,7 +360,7 @@ class Worker:
             if steps_done:
                 self._at = (node, step)
             self._flush_curve(job)
-            self._end_job(job)
+            unsaved = self._end_job(job)
         except _Failed as failed:
             self._flush_curve(job)  # the steps before the failure stand
             self._finish_failed(job, failed, steps_done)
@@ -372,6 +373,8 @@ class Worker:
         self.stats.steps += steps_done
         load = self.stats.last_load_seconds
         emit(BatchDone(bid, wid, _perf() - begin, steps_done, load))
+        if unsaved is not None:
+            emit(unsaved)
 
     # ------------------------------------------------------------------ fused jobs
 
@@ -775,16 +778,21 @@ class Worker:
         for future in pending:
             future.result()
 
-    def _end_job(self, job: _Job) -> None:
-        """The batch's training is done: fail at the first of its writes that already
-        failed, else mark it ended without waiting for the writes still going on."""
+    def _end_job(self, job: _Job) -> CheckpointFailed | None:
+        """The batch's training is done: mark it ended without waiting for the writes
+        still going on. Returns the ``CheckpointFailed`` of a write that already failed
+        (the store out of reach), sent after the batch's ``BatchDone``: the store
+        failed, not the trainer, so the work is planned again rather than failed."""
         with self._lock:
             failed = job.write_error
             job.write_error = None
-            job.ended = failed is None
-        if failed is not None:
-            node, step, exc = failed
-            raise _Failed(node, step, exc, phase="point")
+            job.ended = True
+        if failed is None:
+            return None
+        node, step, exc = failed
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning("worker %s: checkpoint write failed: %s", self.worker_id, error)
+        return CheckpointFailed(job.batch.batch_id, self.worker_id, node, step, error)
 
     def _finish_failed(self, job: _Job, failed: _Failed, steps_done: int) -> None:
         batch = job.batch
@@ -1033,12 +1041,8 @@ class _FusedRun:
             m = self.members[i]
             if not (m.aborted or step >= m.job.end_step):
                 continue
-            try:
-                w._flush_curve(m.job)
-                w._end_job(m.job)
-            except _Failed as failed:
-                self.fail(i, failed)
-                continue
+            w._flush_curve(m.job)
+            unsaved = w._end_job(m.job)
             trainer = self.remove(i)
             w.stats.steps += m.steps
             batch = m.job.batch
@@ -1049,6 +1053,8 @@ class _FusedRun:
             # among the members that trained it), so the members' sum is the job's time.
             load = self.load if batch.batch_id in self.loaded else 0.0
             w.emit(BatchDone(batch.batch_id, w.worker_id, m.busy, m.steps, load))
+            if unsaved is not None:
+                w.emit(unsaved)
             self.mail.done(batch.batch_id)
 
     def remove(self, i: int) -> Trainer:

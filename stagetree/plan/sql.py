@@ -21,7 +21,8 @@ import urllib.parse
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
+from typing import cast as typed
 
 from sqlalchemy import (
     BigInteger,
@@ -48,7 +49,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from stagetree.exceptions import PlanKeyError, SchemaVersionError, StorageError
@@ -73,6 +74,7 @@ from stagetree.plan.base import (
 from stagetree.plan.leases import ClaimResult, Lease, host_pid, stage_conflicts, study_conflicts
 from stagetree.plan.model import Node, Request, RequestState
 from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
+from stagetree.retry import DB_RETRY_ENV, Outage, RideThrough, window_from_env
 
 __all__ = ["SCHEMA_VERSION", "SQLPlanStorage"]
 
@@ -210,6 +212,44 @@ _activity = Table(
 )
 TABLES = tuple(_md.sorted_tables)
 
+# PostgreSQL error classes of a server out of reach for a while: 08 (connection
+# exception), 57P01-57P03 (admin or crash shutdown, "the database system is starting
+# up / shutting down"), 53300 (too many connections), 40001/40P01 (serialisation
+# failure, deadlock: the transaction may simply run again).
+_PG_TRANSIENT = ("08", "57P01", "57P02", "57P03", "53300", "40001", "40P01")
+
+
+def _transient(exc: SQLAlchemyError, pg: bool) -> bool:
+    """Whether ``exc`` is a fault that goes away by itself (a lost connection, a server
+    restarting, a busy SQLite file), so that the transaction is worth running again."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    message = str(exc.orig).lower()
+    if not pg:
+        return "database is locked" in message or "database is busy" in message
+    code = getattr(exc.orig, "sqlstate", None) or ""
+    if code:
+        return code.startswith(_PG_TRANSIENT)
+    # No SQLSTATE: the driver's own errors (no connection, a refused or broken socket).
+    return type(exc.orig).__name__ in ("OperationalError", "InterfaceError")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _retried(method: F) -> F:
+    """Run ``method`` again, with backoff, while its transaction fails with a transient
+    error, within the storage's ride-through window (see :class:`SQLPlanStorage`)."""
+
+    @functools.wraps(method)
+    def retried(self: SQLPlanStorage, *args: Any, **kwargs: Any) -> Any:
+        return self._retrying(lambda: method(self, *args, **kwargs))
+
+    return typed(F, retried)
+
+
 # The change counter (BasePlanStorage.revision): a row of the meta table that every
 # write transaction increments (text, like every meta value).
 _REVISION = "revision"
@@ -344,14 +384,26 @@ class SQLPlanStorage(BasePlanStorage):
             database without stagetree's tables is refused) and every write raises
             :class:`~stagetree.exceptions.StorageError`. None (the default): read-only
             exactly when the SQLite file cannot be written here.
+        retry_seconds: the ride-through window: a transaction that fails with a
+            transient error (the connection lost, the server restarting or shutting
+            down, SQLite busy) runs again with exponential backoff (0.05 s up to 2 s
+            apart) for up to this many seconds after the first failure, then raises
+            :class:`~stagetree.exceptions.StorageError` naming the outage. None: the
+            environment variable ``STAGETREE_DB_RETRY_SECONDS``, else 30; 0: no retry.
+            A transaction is never run twice when its COMMIT was sent and failed (it
+            may have been applied): that fails at once. Opening the storage is not
+            retried either (a wrong URL fails fast).
 
     Raises:
         StorageError: the database cannot be opened (or, read-only, holds no plan).
         SchemaVersionError: it was written by another schema version.
     """
 
-    def __init__(self, url: str, readonly: bool | None = None) -> None:
+    def __init__(
+        self, url: str, readonly: bool | None = None, retry_seconds: float | None = None
+    ) -> None:
         self._lock = threading.RLock()
+        self._outer = threading.local()  # the retried call this thread is in, if any
         self._closed = False
         self._absent: set[str] = set()  # tables a read-only handle found missing
         self._trees: dict[str, TreeIndex] = {}
@@ -386,8 +438,10 @@ class SQLPlanStorage(BasePlanStorage):
         except (ArgumentError, ImportError, SQLAlchemyError) as exc:
             raise StorageError(f"cannot open plan storage {self._url!r}: {exc}") from None
         self._pg = backend == "postgresql"
+        window = window_from_env(DB_RETRY_ENV) if retry_seconds is None else retry_seconds
+        self._ride = RideThrough(max(0.0, window), f"plan storage {self._url!r}", DB_RETRY_ENV)
         try:
-            self._init_schema()
+            RideThrough(0.0, self._ride.what, DB_RETRY_ENV).call(self._init_schema)
         except BaseException:
             self._engine.dispose()
             raise
@@ -409,10 +463,25 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- transactions --------------------------------------------------------------------
 
+    def _retrying(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` under the ride-through window; a call made inside another retried
+        call leaves the retrying to the outer one."""
+        if getattr(self._outer, "active", False):
+            return fn()
+        self._outer.active = True
+        try:
+            return self._ride.call(fn)
+        finally:
+            self._outer.active = False
+
     @contextmanager
     def _tx(self, write: bool, bump: bool = True) -> Iterator[Connection]:
         """One transaction; writers are serialised across processes. A write transaction
-        increments the revision (unless ``bump`` is False) when it commits."""
+        increments the revision (unless ``bump`` is False) when it commits.
+
+        A transient failure raises :class:`~stagetree.retry.Outage` (the retried method
+        runs again), unless it struck the COMMIT of a write, which may have been applied.
+        """
         with self._lock:
             if self._closed:
                 raise StorageError(f"plan storage {self._url!r} is closed")
@@ -421,6 +490,7 @@ class SQLPlanStorage(BasePlanStorage):
                     f"plan storage {self._url!r} is open read-only (it cannot be written "
                     "here): results can be read, nothing can be trained or recorded"
                 )
+            committing = False
             try:
                 with self._engine.connect() as conn:
                     conn.execution_options(stagetree_write=write)
@@ -432,8 +502,17 @@ class SQLPlanStorage(BasePlanStorage):
                         yield conn
                         if write and bump:
                             conn.execute(_BUMP)
+                        committing = write
             except SQLAlchemyError as exc:
-                raise StorageError(f"plan storage {self._url!r}: {exc}") from exc
+                where = f"plan storage {self._url!r}"
+                if _transient(exc, self._pg) and not committing:
+                    cause = str(exc)
+
+                    def final(note: str) -> StorageError:
+                        return StorageError(f"{where} {note}: {cause}")
+
+                    raise Outage(cause, final) from exc
+                raise StorageError(f"{where}: {exc}") from exc
 
     def _init_schema(self) -> None:
         # Check the version with a read first, so that a newer database is not touched.
@@ -519,6 +598,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- roots ---------------------------------------------------------------------------
 
+    @_retried
     def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
         data = _codec.dumps(dict(config), "root config")
         with self._tx(write=True) as conn:
@@ -530,6 +610,7 @@ class SQLPlanStorage(BasePlanStorage):
             elif old != data:
                 raise StorageError(f"root {root_key!r} is registered with another config")
 
+    @_retried
     def root_config(self, root_key: str) -> dict[str, Any]:
         with self._tx(write=False) as conn:
             raw = conn.execute(
@@ -539,6 +620,7 @@ class SQLPlanStorage(BasePlanStorage):
             raise PlanKeyError(f"root {root_key!r} is not registered")
         return _codec.loads(raw)
 
+    @_retried
     def root_keys(self) -> list[str]:
         with self._tx(write=False) as conn:
             keys = set(conn.execute(select(_roots.c.root_key)).scalars())
@@ -547,6 +629,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- trees ---------------------------------------------------------------------------
 
+    @_retried
     def insert_trials(
         self,
         root_key: str,
@@ -637,6 +720,7 @@ class SQLPlanStorage(BasePlanStorage):
         keys = ("node", "step", "refcount", "state", "error")
         conn.execute(stmt, [{f"b_{k}": row[k] for k in keys} for row in rows])
 
+    @_retried
     def tree_names(self, root_key: str) -> tuple[str, ...] | None:
         tree = self._trees.get(root_key)
         if tree is not None and tree.names is not None:  # a tree's root never changes
@@ -651,6 +735,7 @@ class SQLPlanStorage(BasePlanStorage):
             ).scalar()
         return None if text is None else tuple(sorted(_codec.loads(text)))
 
+    @_retried
     def locate(
         self, root_key: str, hp: Mapping[str, Sequence], step: int
     ) -> tuple[int, int] | None:
@@ -659,10 +744,12 @@ class SQLPlanStorage(BasePlanStorage):
             result = walk(tree, hp, step)
         return None if result.end is None else (result.end, step)
 
+    @_retried
     def node(self, node_id: int) -> Node:
         with self._tx(write=False) as conn:
             return self._node(conn, node_id)
 
+    @_retried
     def nodes(self, root_key: str | None = None) -> list[Node]:
         with self._tx(write=False) as conn:
             if root_key is not None:
@@ -672,6 +759,7 @@ class SQLPlanStorage(BasePlanStorage):
             out = [n for key in keys for n in self._refresh(conn, key).nodes.values()]
         return sorted(out, key=lambda n: n.id)
 
+    @_retried
     def path(self, node_id: int) -> list[Node]:
         with self._tx(write=False) as conn:
             node = self._node(conn, node_id)
@@ -679,6 +767,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- requests ------------------------------------------------------------------------
 
+    @_retried
     def add_request(self, node: int, step: int, count: int = 1) -> Request:
         with self._tx(write=True) as conn:
             n = self._node(conn, node)
@@ -691,12 +780,14 @@ class SQLPlanStorage(BasePlanStorage):
         ).first()
         return None if row is None else _request(row)
 
+    @_retried
     def release_request(self, node: int, step: int, count: int = 1) -> Request:
         with self._tx(write=True) as conn:
             req = after_release(self._get_request(conn, node, step), node, step, count)
             self._update_requests(conn, [_request_row(req, "")])
             return req
 
+    @_retried
     def set_request_state(
         self, node: int, step: int, state: RequestState | str, error: str | None = None
     ) -> Request:
@@ -709,10 +800,12 @@ class SQLPlanStorage(BasePlanStorage):
             self._update_requests(conn, [_request_row(req, "")])
             return req
 
+    @_retried
     def request(self, node: int, step: int) -> Request | None:
         with self._tx(write=False) as conn:
             return self._get_request(conn, node, step)
 
+    @_retried
     def requests(
         self,
         root_key: str | None = None,
@@ -734,6 +827,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- checkpoints ---------------------------------------------------------------------
 
+    @_retried
     def put_checkpoint(self, node: int, step: int, ref: str, nbytes: int) -> CheckpointRecord:
         record = CheckpointRecord(str(ref), int(nbytes), time.time())
         with self._tx(write=True) as conn:
@@ -754,6 +848,7 @@ class SQLPlanStorage(BasePlanStorage):
             )
         return record
 
+    @_retried
     def remove_checkpoint(self, node: int, step: int) -> bool:
         with self._tx(write=True) as conn:
             result = conn.execute(
@@ -763,6 +858,7 @@ class SQLPlanStorage(BasePlanStorage):
             )
             return bool(result.rowcount)
 
+    @_retried
     def checkpoint(self, node: int, step: int) -> CheckpointRecord | None:
         with self._tx(write=False) as conn:
             row = conn.execute(
@@ -772,6 +868,7 @@ class SQLPlanStorage(BasePlanStorage):
             ).first()
         return None if row is None else CheckpointRecord(row.ref, row.nbytes, row.created)
 
+    @_retried
     def checkpoints(self, root_key: str | None = None) -> dict[tuple[int, int], CheckpointRecord]:
         c = _checkpoints.c
         query = select(c.node, c.step, c.ref, c.nbytes, c.created).order_by(c.node, c.step)
@@ -789,6 +886,7 @@ class SQLPlanStorage(BasePlanStorage):
     def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
         self.put_metrics_many([(node, step, metrics, True)])
 
+    @_retried
     def put_metrics_many(self, items: Iterable[MetricsItem]) -> None:
         checked = [(node, step, check_metrics(m), bool(ev)) for node, step, m, ev in items]
         if not checked:
@@ -837,6 +935,7 @@ class SQLPlanStorage(BasePlanStorage):
                         .values(data=_codec.dumps(data))
                     )
 
+    @_retried
     def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
         with self._tx(write=False) as conn:
             raw = conn.execute(
@@ -844,6 +943,7 @@ class SQLPlanStorage(BasePlanStorage):
             ).scalar_one_or_none()
         return None if raw is None else evaluated_metrics(_codec.loads(raw))
 
+    @_retried
     def metrics_along(
         self, root_key: str, hp: Mapping[str, Sequence], steps: int
     ) -> dict[int, dict[str, float]]:
@@ -863,6 +963,7 @@ class SQLPlanStorage(BasePlanStorage):
             out[row.step] = _shown(data)
         return dict(sorted(out.items()))
 
+    @_retried
     def metrics(
         self, root_key: str, nodes: Collection[int] | None = None
     ) -> dict[int, dict[int, dict[str, float]]]:
@@ -891,6 +992,7 @@ class SQLPlanStorage(BasePlanStorage):
             points[step] = data
         return out
 
+    @_retried
     def metrics_at(
         self, keys: Iterable[tuple[int, int]]
     ) -> dict[tuple[int, int], dict[str, float]]:
@@ -907,6 +1009,7 @@ class SQLPlanStorage(BasePlanStorage):
         datas = _codec.loads_many([r[2] for r in rows])
         return {(node, step): _shown(data) for (node, step, _), data in zip(rows, datas)}
 
+    @_retried
     def metric_steps(self, root_key: str) -> dict[int, int]:
         query = (
             select(_metrics.c.node, func.max(_metrics.c.step))
@@ -919,6 +1022,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- accounting ----------------------------------------------------------------------
 
+    @_retried
     def add_stats(self, scope: str, **deltas: float) -> None:
         if not deltas:
             return
@@ -942,6 +1046,7 @@ class SQLPlanStorage(BasePlanStorage):
                         _stats.insert(), {"scope": scope, "key": key, "value": float(delta)}
                     )
 
+    @_retried
     def stats(self, scope: str | None = None) -> dict[str, float]:
         if scope is None:
             query = select(_stats.c.key, func.sum(_stats.c.value)).group_by(_stats.c.key)
@@ -952,6 +1057,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- studies -------------------------------------------------------------------------
 
+    @_retried
     def create_study(self, name: str, meta: Mapping[str, Any]) -> bool:
         data = _codec.dumps(dict(meta), "study meta")
         with self._tx(write=True) as conn:
@@ -964,6 +1070,7 @@ class SQLPlanStorage(BasePlanStorage):
             )
             return True
 
+    @_retried
     def update_study_meta(self, name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
         _codec.dumps(dict(meta), "study meta")  # JSON-able, checked before the write
         with self._tx(write=True) as conn:
@@ -980,6 +1087,7 @@ class SQLPlanStorage(BasePlanStorage):
             )
             return merged
 
+    @_retried
     def studies(self) -> list[dict[str, Any]]:
         with self._tx(write=False) as conn:
             rows = conn.execute(select(_studies).order_by(_studies.c.seq)).all()
@@ -989,6 +1097,7 @@ class SQLPlanStorage(BasePlanStorage):
         if conn.execute(select(_studies.c.seq).where(_studies.c.name == study)).first() is None:
             raise PlanKeyError(f"no study {study!r}")
 
+    @_retried
     def add_trial(
         self,
         study: str,
@@ -1035,6 +1144,7 @@ class SQLPlanStorage(BasePlanStorage):
             conn.execute(_trials.insert(), {"id": trial_id, **row})
             return int(trial_id)
 
+    @_retried
     def update_trial(
         self,
         trial_id: int,
@@ -1056,6 +1166,7 @@ class SQLPlanStorage(BasePlanStorage):
                 raise PlanKeyError(f"no trial {trial_id}")
             return _trial(row)
 
+    @_retried
     def trial(self, trial_id: int) -> dict[str, Any]:
         with self._tx(write=False) as conn:
             row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
@@ -1063,6 +1174,7 @@ class SQLPlanStorage(BasePlanStorage):
             raise PlanKeyError(f"no trial {trial_id}")
         return _trial(row)
 
+    @_retried
     def trials(self, study: str, *, light: bool = False) -> list[dict[str, Any]]:
         c = _trials.c
         columns = [col for col in _trials.c if not (light and col.name in ("config", "hp"))]
@@ -1072,6 +1184,7 @@ class SQLPlanStorage(BasePlanStorage):
             # share a few sequences, and their nodes hold the same ones.
             return _trials_of(rows, None if light else self._seqs.decode_hp_many)
 
+    @_retried
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         data = _codec.dumps(dict(record), "log record")
         with self._tx(write=True) as conn:
@@ -1083,6 +1196,7 @@ class SQLPlanStorage(BasePlanStorage):
             conn.execute(_logs.insert(), {"study": study, "seq": seq, "record": data})
             return seq
 
+    @_retried
     def read_log(self, study: str) -> list[dict[str, Any]]:
         with self._tx(write=False) as conn:
             rows = conn.execute(
@@ -1115,6 +1229,7 @@ class SQLPlanStorage(BasePlanStorage):
         conn.execute(_leases.delete().where(_leases.c.expires <= now))
         return [_lease(row) for row in conn.execute(select(_leases).order_by(_leases.c.id))]
 
+    @_retried
     def claim(
         self, owner: str, root_key: str, segments: Seq[tuple[int, int, int]], ttl: float
     ) -> ClaimResult:
@@ -1126,6 +1241,7 @@ class SQLPlanStorage(BasePlanStorage):
             spans: list[tuple[int | None, int, int]] = [(n, a, b) for n, a, b in segments if b > a]
             return ClaimResult(granted=self._grant(conn, owner, root_key, spans, ttl))
 
+    @_retried
     def claim_study(self, owner: str, study: str, ttl: float) -> ClaimResult:
         with self._tx(write=True) as conn:
             now = time.time()
@@ -1141,6 +1257,7 @@ class SQLPlanStorage(BasePlanStorage):
                     return ClaimResult(granted=(_replace_expiry(lease, now + ttl),))
             return ClaimResult(granted=self._grant(conn, owner, study, [(None, 0, 0)], ttl))
 
+    @_retried
     def renew(self, owner: str, ttl: float) -> int:
         with self._tx(write=True, bump=False) as conn:  # a heartbeat changes nothing shown
             result = conn.execute(
@@ -1148,6 +1265,7 @@ class SQLPlanStorage(BasePlanStorage):
             )
             return int(result.rowcount or 0)
 
+    @_retried
     def release(self, owner: str, lease_ids: Collection[int] | None = None) -> int:
         query = _leases.delete().where(_leases.c.owner == owner)
         if lease_ids is not None:
@@ -1157,6 +1275,7 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=True) as conn:
             return int(conn.execute(query).rowcount or 0)
 
+    @_retried
     def leases(self, scope: str | None = None, live_only: bool = True) -> list[Lease]:
         if _leases.name in self._absent:
             return []
@@ -1170,6 +1289,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- change feed ---------------------------------------------------------------------
 
+    @_retried
     def revision(self) -> int:
         with self._tx(write=False) as conn:
             raw = conn.execute(
@@ -1177,6 +1297,7 @@ class SQLPlanStorage(BasePlanStorage):
             ).scalar_one_or_none()
         return int(raw) if raw is not None else 0
 
+    @_retried
     def record_activity(self, items: Iterable[Mapping[str, Any]]) -> None:
         rows = [activity_row(item) for item in items]
         if not rows:
@@ -1186,6 +1307,7 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=True) as conn:
             conn.execute(_activity.insert(), rows)
 
+    @_retried
     def activity(
         self, after: int = 0, root_keys: Collection[str] | None = None
     ) -> list[ActivityRecord]:
@@ -1219,6 +1341,7 @@ class SQLPlanStorage(BasePlanStorage):
                 self._closed = True
                 self._engine.dispose()
 
+    @_retried
     def drop_all(self) -> None:
         """Drop every stagetree table (tests; irreversible)."""
         with self._tx(write=True, bump=False) as conn:

@@ -46,8 +46,12 @@ pending; checkpoints it reported stay valid. A worker that dies more than
 ``os._exit`` in the trainer) fails the requests behind the point it last reported.
 
 A request is settled (``RequestDone``) once its metrics are reported *and* the
-checkpoint its batch promised at that point is durable (or known not to come), so a
-finished request always has its model on disk.
+checkpoint its batch promised at that point is durable, so a finished request always
+has its model on disk. When that write fails (``CheckpointFailed``: the store is out
+of reach past its ride-through window) the request stays pending and is planned
+again (it fails after ``_MAX_STORE_FAILURES`` such writes in a row); when the
+checkpoint is known not to come otherwise (the worker lost, a split missed) it
+settles without it.
 
 Checkpoint writes are off the critical path: a worker reports ``BatchDone`` when its
 training is done, and the checkpoints the batch captured become durable afterwards
@@ -188,6 +192,11 @@ _CRASH_LOSS = 60.0
 _SPECULATIVE_MIN = 4
 _SPECULATIVE_SHARE = 0.1
 
+# Writes of a finished request's model that may fail in a row (each after the store's
+# ride-through window) before the request fails: a store that stays down is waited
+# for, one that never takes the model (a full disk) does not loop for ever.
+_MAX_STORE_FAILURES = 5
+
 
 def check_checkpoint_every(value: Any) -> None:
     """Raises ValueError unless ``value`` is an int >= 1, ``"auto"`` or None."""
@@ -322,6 +331,7 @@ class Scheduler:
         self._idle: set[int] = set(self._workers)
         self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
         self._failures: dict[Key, int] = {}
+        self._store_failures: Counter[Key] = Counter()  # see _MAX_STORE_FAILURES
         self._next_batch = 1
         self._steps_executed = 0
         self._steps_planned = 0
@@ -683,6 +693,7 @@ class Scheduler:
     ) -> None:
         key = (e.node, e.step)
         self._checkpoints[key] = e.ref
+        self._store_failures.pop(key, None)
         seconds = getattr(e, "seconds", None)
         if seconds is not None and math.isfinite(seconds) and seconds > 0:
             self._save_total += seconds
@@ -699,7 +710,18 @@ class Scheduler:
     def _on_checkpoint_failed(self, e: CheckpointFailed, out: list[Instruction | Notice]) -> None:
         batch = self._saving.get(e.batch_id)
         if batch is not None:
-            self._not_coming(batch, (e.node, e.step), out)
+            # A request waiting on this model is not settled without it (the store
+            # failed, not the trainer): it stays pending and is planned again, from the
+            # model its worker still holds or the latest durable checkpoint.
+            key = (e.node, e.step)
+            if batch.parked.pop(key, None) is not None:
+                self._store_failures[key] += 1
+                tries = self._store_failures[key]
+                if tries >= _MAX_STORE_FAILURES:
+                    del self._store_failures[key]
+                    error = f"its model could not be stored ({tries} tries): {e.error}"
+                    self._fail({key}, error, "", out, _where("point", e.step))
+            self._not_coming(batch, key, out)
 
     def _not_coming(self, batch: _Batch, key: Key, out: list[Instruction | Notice]) -> None:
         """Saving ``batch``'s checkpoint at ``key`` will not be written: plan without it."""

@@ -4,7 +4,6 @@ retries with exponential backoff while the server cannot be reached."""
 from __future__ import annotations
 
 import json as _json
-import os
 import ssl
 import threading
 import time
@@ -14,6 +13,7 @@ from typing import Any, TypeVar
 from stagetree import __version__
 from stagetree.exceptions import ServerError, ServerUnavailableError, StagetreeError
 from stagetree.extras import install_hint
+from stagetree.retry import window_from_env
 from stagetree.server.protocol import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
@@ -33,12 +33,7 @@ def reconnect_timeout() -> float:
     """Seconds a client keeps retrying an unreachable server before it raises
     :class:`~stagetree.exceptions.ServerUnavailableError`: ``STAGETREE_RECONNECT_TIMEOUT``
     or 120."""
-    raw = os.environ.get(RECONNECT_ENV, "")
-    try:
-        value = float(raw) if raw else DEFAULT_RECONNECT
-    except ValueError:
-        return DEFAULT_RECONNECT
-    return value if value >= 0 else DEFAULT_RECONNECT
+    return window_from_env(RECONNECT_ENV, DEFAULT_RECONNECT)
 
 
 def _tls_refused(exc: BaseException) -> bool:

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stagetree.ranking",
         "stagetree._versions",
         "stagetree.progress",
+        "stagetree.retry",
         "stagetree.torch",
     ),
     ("stagetree.plan",),

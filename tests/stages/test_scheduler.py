@@ -660,3 +660,44 @@ def test_checkpoint_every_auto_follows_the_measured_costs() -> None:
 def test_bad_checkpoint_every_is_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="checkpoint_every"):
         Scheduler(num_workers=1, checkpoint_every=bad)
+
+
+def test_a_finished_request_whose_model_is_not_stored_stays_pending_and_is_trained_again() -> None:
+    # The store went down: the write of the model a request finished with failed
+    # after the batch ended. The request is not reported done without its model; it
+    # is planned again (the worker that holds the model continues from it).
+    h = Harness(workers=1)
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    h(Progress(batch.batch_id, 0, 1, 100, 0.1))
+    out = h(MetricsReported(batch.batch_id, 0, 1, 100, {"loss": 0.0}))
+    out += h(BatchDone(batch.batch_id, 0, 1.0, 100))
+    assert only(out, RequestDone) == []  # waits for its model
+    out = h(CheckpointFailed(batch.batch_id, 0, 1, 100, "CheckpointError: store down"))
+    assert only(out, RequestDone) == []
+    (again,) = only(out, RunBatch)
+    assert (1, 100) in again.checkpoint_at
+    out = h(MetricsReported(again.batch_id, 0, 1, 100, {"loss": 0.0}))
+    out += h(CheckpointSaved(again.batch_id, 0, 1, 100, "ck-100", 1, 0.0))
+    out += h(BatchDone(again.batch_id, 0, 1.0, 0))
+    assert [(d.node, d.step) for d in only(out, RequestDone)] == [(1, 100)]
+
+
+def test_a_request_whose_model_is_never_stored_fails_after_a_few_tries() -> None:
+    h = Harness(workers=1)
+    (_, out) = h.trial(CONST, 10)
+    (batch,) = only(out, RunBatch)
+    failed: list[Any] = []
+    for _ in range(10):
+        h(Progress(batch.batch_id, 0, 1, 10, 0.1))
+        h(MetricsReported(batch.batch_id, 0, 1, 10, {"loss": 0.0}))
+        h(BatchDone(batch.batch_id, 0, 1.0, 10))
+        out = h(CheckpointFailed(batch.batch_id, 0, 1, 10, "CheckpointError: disk full"))
+        assert only(out, RequestDone) == []
+        failed = only(out, RequestFailed)
+        if failed:
+            break
+        (batch,) = only(out, RunBatch)
+    (fail,) = failed
+    assert (fail.node, fail.step) == (1, 10)
+    assert "could not be stored (5 tries)" in fail.error and "disk full" in fail.error
