@@ -156,11 +156,11 @@ class _UnreachableOnce(CheckpointStore):
 
     fail_next = False
 
-    def load(self, ref: str, map_location: Any = "cpu") -> dict[str, Any]:
+    def load(self, ref: str, map_location: Any = "cpu", **kw: Any) -> dict[str, Any]:
         if _UnreachableOnce.fail_next:
             _UnreachableOnce.fail_next = False
             raise CheckpointUnreachableError(f"cannot read checkpoint {ref}: store down")
-        return super().load(ref, map_location)
+        return super().load(ref, map_location, **kw)
 
 
 def test_an_unreachable_load_recomputes_without_dropping_the_record(tmp_path: Path) -> None:
