@@ -283,19 +283,31 @@ class Engine:
             atexit.register(self._close_at_exit)
 
     def _start_executor(self) -> None:
-        """Start the executor's workers (lock held)."""
-        self.executor, self._unstarted = self._make_executor(), None
-        k = getattr(self.executor, "devices_per_worker", 1)
+        """Start the executor's workers (lock held).
+
+        The engine counts as started only once ``start()`` returned: a start that fails
+        (a cluster with no room, a timeout) closes that executor and leaves none, so the
+        next call makes a new one and tries again instead of driving a dead one.
+        """
+        executor = self._make_executor()
+        try:
+            executor.start()
+        except BaseException:
+            self._unstarted = None
+            with contextlib.suppress(Exception):
+                executor.close()  # what a half-done start left running
+            raise
+        self.executor, self._unstarted = executor, None
+        k = getattr(executor, "devices_per_worker", 1)
         ok = isinstance(k, int) and not isinstance(k, bool) and k >= 1
         self._devices_per_worker = k if ok else 1
-        if not self.executor.supports_fusion and self.scheduler.max_fused > 1:
+        if not executor.supports_fusion and self.scheduler.max_fused > 1:
             if self._root_fusible:
                 logger.warning(
                     "executor %s cannot fuse jobs: fusing studies train unfused",
-                    type(self.executor).__name__,
+                    type(executor).__name__,
                 )
             self.scheduler.max_fused = 1
-        self.executor.start()
         for key, trainer in self._trainers.items():
             self._add_trainer(key, trainer)
 
