@@ -176,6 +176,11 @@ class RunningBatch:
 # racing past branch points of trials that were submitted at the same moment.
 _QUIET = 0.02
 _MAX_DELAY = 0.25
+# A burst a front end announces (begin_burst/end_burst: Study.submit, the submissions of
+# one pass of its event loop) is planned once all of it arrived, however long each
+# insertion took on a loaded machine; an end never announced stops counting after
+# _BURST_MAX seconds without a submission.
+_BURST_MAX = 5.0
 
 
 _FINAL = (RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED)
@@ -235,6 +240,8 @@ class Engine:
         # seconds count each of them.
         self._devices_per_worker = 1
         self._first_queued = self._last_queued = 0.0
+        self._bursts = 0  # bursts announced and not ended (begin_burst)
+        self._burst_at = 0.0  # when the last one began
         self._idle = threading.Condition(self.lock)
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
@@ -755,12 +762,31 @@ class Engine:
     def _coalesce(self) -> None:
         """Let a burst of submissions (a tuner submitting a rung, ``asyncio.gather`` of
         several trials) finish arriving before planning: wait until no request came for
-        ``_QUIET`` s, at most ``_MAX_DELAY`` s after the first one."""
+        ``_QUIET`` s, at most ``_MAX_DELAY`` s after the first one, and until the end of
+        a burst announced with :meth:`begin_burst`."""
         while self._queued and not self._stop.is_set() and not self._settled():
-            time.sleep(max(0.0, _QUIET - (time.monotonic() - self._last_queued)))
+            time.sleep(max(0.001, _QUIET - (time.monotonic() - self._last_queued)))
+
+    def begin_burst(self) -> None:
+        """More submissions follow in this burst: plan none of it before
+        :meth:`end_burst` (the planning of trials submitted together then does not
+        depend on how fast each was inserted)."""
+        with self.lock:
+            if time.monotonic() - max(self._burst_at, self._last_queued) > _BURST_MAX:
+                self._bursts = 0  # ends never announced: forgotten
+            self._bursts += 1
+            self._burst_at = time.monotonic()
+
+    def end_burst(self) -> None:
+        """The end of a burst :meth:`begin_burst` announced."""
+        with self.lock:
+            self._bursts = max(0, self._bursts - 1)
+            self._wake.set()
 
     def _settled(self) -> bool:
         now = time.monotonic()
+        if self._bursts and now - max(self._burst_at, self._last_queued) <= _BURST_MAX:
+            return False
         return now - self._last_queued >= _QUIET or now - self._first_queued >= _MAX_DELAY
 
     def pump(self, timeout: float | None, coalesce: bool = False) -> int:
