@@ -364,9 +364,15 @@ def _loopback(address: str | None) -> bool:
         return False
 
 
-def _init_within(ray: Any, kwargs: Mapping[str, Any], timeout: float) -> None:
+def _init_within(
+    ray: Any, kwargs: Mapping[str, Any], timeout: float, release: threading.Event
+) -> None:
     """``ray.init(**kwargs)``, given up after ``timeout`` s (it may otherwise wait without
     end for a cluster that accepts connections and never answers).
+
+    ``ray.init`` runs in a thread of its own, which then waits for ``release`` (set once
+    Ray is shut down): Ray ends the process at the next call when the thread that
+    connected has ended.
 
     Raises:
         TimeoutError: no answer within ``timeout`` s (a late success is shut down).
@@ -384,9 +390,13 @@ def _init_within(ray: Any, kwargs: Mapping[str, Any], timeout: float) -> None:
         with lock:
             late = outcome.setdefault("late", False)
             done.set()
-        if late and "error" not in outcome:
+        if "error" in outcome:
+            return
+        if late:
             with contextlib.suppress(Exception):
                 ray.shutdown()  # nobody waits for this connection any more
+            return
+        release.wait()
 
     threading.Thread(target=connect, name="stagetree-ray-init", daemon=True).start()
     done.wait(timeout)
@@ -507,6 +517,7 @@ class RayExecutor(BaseExecutor):
         self._started = False
         self._closed = False
         self._owns_ray = False
+        self._ray_shut = threading.Event()  # ends the thread that connected (_init_within)
         self._marker: str | None = None
         self._token = uuid.uuid4().hex
         self._actor_cls: Any = None
@@ -665,7 +676,7 @@ class RayExecutor(BaseExecutor):
         if problem is not None:  # ray.init would retry for minutes
             raise ExecutorError(f"no Ray cluster at {where!r}: {problem}. {hint}")
         try:
-            _init_within(ray, kwargs, self.start_timeout)
+            _init_within(ray, kwargs, self.start_timeout, self._ray_shut)
         except TimeoutError as exc:
             loopback = (
                 " Ray reaches a 127.0.0.1 address through this machine's own address, so "
@@ -871,6 +882,7 @@ class RayExecutor(BaseExecutor):
         except ImportError:
             return
         if not ray.is_initialized():
+            self._ray_shut.set()
             return
         stops = []
         for slot in self._slots:
@@ -892,6 +904,7 @@ class RayExecutor(BaseExecutor):
         if self._owns_ray:
             with contextlib.suppress(Exception):
                 ray.shutdown()
+            self._ray_shut.set()
 
     # ------------------------------------------------------------------ internals
 

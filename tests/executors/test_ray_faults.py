@@ -4,7 +4,9 @@ taken back on demand. A one-machine Ray of the module's own with one CPU."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -68,6 +70,27 @@ def test_ray_init_that_never_answers_fails_within_start_timeout(
         assert "loopback" not in str(err.value)
     finally:
         silent.gate.set()
+
+
+def test_an_executor_that_connects_itself_trains_and_shuts_its_ray_down(tmp_path: Path) -> None:
+    # ray.init runs in a thread of the executor's (bounded by start_timeout): the Ray
+    # it started answers the driver thread's calls, and close() shuts it down.
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("this process is connected to a Ray cluster already")
+    folder = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    init = {"num_cpus": 1, "include_dashboard": False, "log_to_driver": False, "_temp_dir": folder}
+    executor = RayExecutor(address="local", num_workers=1, start_timeout=120, init_kwargs=init)
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    try:
+        with Study("own", Adder, storage=url, executor=executor) as study:
+            assert study.run({}, {"lr": Constant(0.5)}, 4).metrics["total"] == 2.0
+            assert ray.is_initialized()
+        assert not ray.is_initialized()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
