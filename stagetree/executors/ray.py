@@ -444,9 +444,11 @@ class RayExecutor(BaseExecutor):
             :class:`TrainerSpec` (None: given by the study).
         num_workers: actors; default as many as the cluster's nodes can hold with
             ``worker_resources``.
-        address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``);
-            None starts a local one-machine Ray unless this process is connected
-            already.
+        address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``,
+            ``"local"``: a new one-machine Ray of this process's own); None: this
+            process's Ray when it is connected already, else Ray's rule (the cluster
+            of ``RAY_ADDRESS``, else the one ``ray start`` started on this machine,
+            else a new one-machine Ray).
         worker_resources: resources of each actor, a dict for every worker or a list
             with one dict per worker (pin workers to nodes with custom resources);
             default ``{"GPU": 1}`` when the cluster has GPUs, else ``{"CPU": 1}``
