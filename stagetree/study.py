@@ -315,6 +315,10 @@ class Study(StudyAPI):
             raise StagetreeError(f"study {self.name!r} is closed")
         cfg, seqs = self._normalise(config, hp, steps)
         engine = self._engine
+        # The submissions of this pass of the event loop (a tuner's rung, a gather) are
+        # planned together: the burst ends when the loop comes round again.
+        engine.begin_burst()
+        asyncio.get_running_loop().call_soon(engine.end_burst)
         waiter = engine.submit(self._study_slot, cfg, seqs, steps, self._horizon)
         try:
             metrics = await asyncio.wrap_future(waiter.future)

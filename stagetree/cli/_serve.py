@@ -6,7 +6,7 @@ import argparse
 
 from stagetree.cli._options import port_number, positive
 from stagetree.reports.open import default_storage
-from stagetree.server.serve import serve
+from stagetree.server.serve import DEFAULT_IDLE_RELEASE, serve
 
 __all__ = ["add_parser"]
 
@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             ssl_keyfile=args.ssl_keyfile,
             lease_ttl=args.lease_ttl,
             allowed_hosts=args.allowed_host,
+            address=args.address,
+            idle_release=None if args.idle_release == 0 else args.idle_release,
         )
 
     p = sub.add_parser(
@@ -53,6 +55,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--checkpoints", metavar="URL", help="checkpoint location (default: beside a SQLite plan)"
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="the cluster of --executor ray: auto, HOST:6379 or ray://HOST:10001 "
+        "(default: $RAY_ADDRESS, else the cluster `ray start` started here, else a "
+        "one-machine Ray)",
+    )
+    p.add_argument(
+        "--idle-release",
+        type=float,
+        default=DEFAULT_IDLE_RELEASE,
+        metavar="S",
+        help="with --executor ray: seconds without a running batch after which the "
+        "workers give their resources back to the cluster; the next submission takes them "
+        f"back (default {DEFAULT_IDLE_RELEASE:g}; 0: never)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8642, help="port (default 8642)")

@@ -178,6 +178,11 @@ class RunningBatch:
 # racing past branch points of trials that were submitted at the same moment.
 _QUIET = 0.02
 _MAX_DELAY = 0.25
+# A burst a front end announces (begin_burst/end_burst: Study.submit, the submissions of
+# one pass of its event loop) is planned once all of it arrived, however long each
+# insertion took on a loaded machine; an end never announced stops counting after
+# _BURST_MAX seconds without a submission.
+_BURST_MAX = 5.0
 
 
 _FINAL = (RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED)
@@ -237,6 +242,8 @@ class Engine:
         # seconds count each of them.
         self._devices_per_worker = 1
         self._first_queued = self._last_queued = 0.0
+        self._bursts = 0  # bursts announced and not ended (begin_burst)
+        self._burst_at = 0.0  # when the last one began
         self._idle = threading.Condition(self.lock)
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
@@ -287,19 +294,31 @@ class Engine:
             atexit.register(self._close_at_exit)
 
     def _start_executor(self) -> None:
-        """Start the executor's workers (lock held)."""
-        self.executor, self._unstarted = self._make_executor(), None
-        k = getattr(self.executor, "devices_per_worker", 1)
+        """Start the executor's workers (lock held).
+
+        The engine counts as started only once ``start()`` returned: a start that fails
+        (a cluster with no room, a timeout) closes that executor and leaves none, so the
+        next call makes a new one and tries again instead of driving a dead one.
+        """
+        executor = self._make_executor()
+        try:
+            executor.start()
+        except BaseException:
+            self._unstarted = None
+            with contextlib.suppress(Exception):
+                executor.close()  # what a half-done start left running
+            raise
+        self.executor, self._unstarted = executor, None
+        k = getattr(executor, "devices_per_worker", 1)
         ok = isinstance(k, int) and not isinstance(k, bool) and k >= 1
         self._devices_per_worker = k if ok else 1
-        if not self.executor.supports_fusion and self.scheduler.max_fused > 1:
+        if not executor.supports_fusion and self.scheduler.max_fused > 1:
             if self._root_fusible:
                 logger.warning(
                     "executor %s cannot fuse jobs: fusing studies train unfused",
-                    type(self.executor).__name__,
+                    type(executor).__name__,
                 )
             self.scheduler.max_fused = 1
-        self.executor.start()
         for key, trainer in self._trainers.items():
             self._add_trainer(key, trainer)
 
@@ -781,12 +800,31 @@ class Engine:
     def _coalesce(self) -> None:
         """Let a burst of submissions (a tuner submitting a rung, ``asyncio.gather`` of
         several trials) finish arriving before planning: wait until no request came for
-        ``_QUIET`` s, at most ``_MAX_DELAY`` s after the first one."""
+        ``_QUIET`` s, at most ``_MAX_DELAY`` s after the first one, and until the end of
+        a burst announced with :meth:`begin_burst`."""
         while self._queued and not self._stop.is_set() and not self._settled():
-            time.sleep(max(0.0, _QUIET - (time.monotonic() - self._last_queued)))
+            time.sleep(max(0.001, _QUIET - (time.monotonic() - self._last_queued)))
+
+    def begin_burst(self) -> None:
+        """More submissions follow in this burst: plan none of it before
+        :meth:`end_burst` (the planning of trials submitted together then does not
+        depend on how fast each was inserted)."""
+        with self.lock:
+            if time.monotonic() - max(self._burst_at, self._last_queued) > _BURST_MAX:
+                self._bursts = 0  # ends never announced: forgotten
+            self._bursts += 1
+            self._burst_at = time.monotonic()
+
+    def end_burst(self) -> None:
+        """The end of a burst :meth:`begin_burst` announced."""
+        with self.lock:
+            self._bursts = max(0, self._bursts - 1)
+            self._wake.set()
 
     def _settled(self) -> bool:
         now = time.monotonic()
+        if self._bursts and now - max(self._burst_at, self._last_queued) <= _BURST_MAX:
+            return False
         return now - self._last_queued >= _QUIET or now - self._first_queued >= _MAX_DELAY
 
     def pump(self, timeout: float | None, coalesce: bool = False) -> int:

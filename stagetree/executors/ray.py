@@ -31,15 +31,23 @@ durable checkpoint) and a replacement actor is started, which Ray places when th
 cluster has room.
 
 Start-up refuses, with an error that names the problem: Ray not installed, no cluster
-at the address, worker resources that no node of the cluster has, a checkpoint
-location the actors cannot reach (checked once with a marker checkpoint written by the
-driver and read by every actor), and actors whose Python or Ray version differs from
-the driver's.
+at the address, a cluster that does not answer within ``start_timeout`` (``ray.init``
+included), worker resources that no node of the cluster has, a checkpoint location the
+actors cannot reach (checked once with a marker checkpoint written by the driver and
+read by every actor), and actors whose Python or Ray version differs from the
+driver's.
+
+Idle release (``idle_release=S``, what ``stagetree serve --executor ray`` uses): once no
+batch has run for ``S`` seconds, the actors are stopped (their checkpoint writes end
+first) and their resources go back to the cluster; the next batch of a slot starts a
+new actor for it (the batch waits until Ray places it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import logging
 import os
 import platform
 import socket
@@ -87,6 +95,8 @@ if TYPE_CHECKING:
     from stagetree.trainer import Trainer
 
 __all__ = ["RayExecutor", "default_resources", "import_ray"]
+
+logger = logging.getLogger(__name__)
 
 # A slot whose actor dies this many times in a row before it is ready is not restarted.
 _MAX_START_FAILURES = 3
@@ -322,6 +332,7 @@ class _Slot:
     host: str | None = None
     start_failures: int = 0
     trainers: set[str] = field(default_factory=set)  # keys whose spec the actor was sent
+    released: bool = False  # its actor was stopped while idle (idle_release)
 
 
 def _probe(address: str | None, timeout: float = 5.0) -> str | None:
@@ -338,6 +349,63 @@ def _probe(address: str | None, timeout: float = 5.0) -> str | None:
             return None
     except OSError as exc:
         return f"cannot open a connection to {hostport} ({exc})"
+
+
+def _loopback(address: str | None) -> bool:
+    """Whether a ``host:port`` address names this machine's loopback interface."""
+    if not address:
+        return False
+    host = address.split("://", 1)[-1].rstrip("/").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _init_within(
+    ray: Any, kwargs: Mapping[str, Any], timeout: float, release: threading.Event
+) -> None:
+    """``ray.init(**kwargs)``, given up after ``timeout`` s (it may otherwise wait without
+    end for a cluster that accepts connections and never answers).
+
+    ``ray.init`` runs in a thread of its own, which then waits for ``release`` (set once
+    Ray is shut down): Ray ends the process at the next call when the thread that
+    connected has ended.
+
+    Raises:
+        TimeoutError: no answer within ``timeout`` s (a late success is shut down).
+        Exception: what ``ray.init`` raised.
+    """
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def connect() -> None:
+        try:
+            ray.init(**kwargs)
+        except BaseException as exc:
+            outcome["error"] = exc
+        with lock:
+            late = outcome.setdefault("late", False)
+            done.set()
+        if "error" in outcome:
+            return
+        if late:
+            with contextlib.suppress(Exception):
+                ray.shutdown()  # nobody waits for this connection any more
+            return
+        release.wait()
+
+    threading.Thread(target=connect, name="stagetree-ray-init", daemon=True).start()
+    done.wait(timeout)
+    with lock:
+        if not done.is_set():
+            outcome["late"] = True
+            raise TimeoutError(f"ray.init did not return within {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def default_resources(nodes: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -376,9 +444,11 @@ class RayExecutor(BaseExecutor):
             :class:`TrainerSpec` (None: given by the study).
         num_workers: actors; default as many as the cluster's nodes can hold with
             ``worker_resources``.
-        address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``);
-            None starts a local one-machine Ray unless this process is connected
-            already.
+        address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``,
+            ``"local"``: a new one-machine Ray of this process's own); None: this
+            process's Ray when it is connected already, else Ray's rule (the cluster
+            of ``RAY_ADDRESS``, else the one ``ray start`` started on this machine,
+            else a new one-machine Ray).
         worker_resources: resources of each actor, a dict for every worker or a list
             with one dict per worker (pin workers to nodes with custom resources);
             default ``{"GPU": 1}`` when the cluster has GPUs, else ``{"CPU": 1}``
@@ -392,8 +462,12 @@ class RayExecutor(BaseExecutor):
             least one).
         progress_interval: seconds between throttled ``Progress`` events.
         close_timeout: seconds :meth:`close` waits for actors to stop.
-        start_timeout: seconds :meth:`start` waits for the first actors to come up.
+        start_timeout: seconds :meth:`start` waits for the cluster to answer
+            (``ray.init``) and again for the first actors to come up.
         init_kwargs: extra arguments of ``ray.init`` (when this executor connects).
+        idle_release: seconds without a running batch after which the actors are
+            stopped and their resources given back to the cluster; the next batch
+            starts new ones (None: the actors stay until :meth:`close`).
     """
 
     supports_fusion = True
@@ -411,7 +485,10 @@ class RayExecutor(BaseExecutor):
         close_timeout: float = 10.0,
         start_timeout: float = 60.0,
         init_kwargs: Mapping[str, Any] | None = None,
+        idle_release: float | None = None,
     ) -> None:
+        if idle_release is not None and not idle_release > 0:
+            raise ValueError(f"idle_release must be > 0 seconds or None, got {idle_release!r}")
         if num_workers is not None and (
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
         ):
@@ -426,6 +503,11 @@ class RayExecutor(BaseExecutor):
         self.close_timeout = close_timeout
         self.start_timeout = start_timeout
         self.init_kwargs = dict(init_kwargs or {})
+        self.idle_release = idle_release
+        self._idle_since = time.monotonic()
+        # Idle release and the next batch's new actor (events() and submit() may run
+        # in different threads).
+        self._release_lock = threading.Lock()
         self.spec = None if trainer is None else TrainerSpec.of(trainer)
         self.store: CheckpointStore | None
         if checkpoint_dir is None or isinstance(checkpoint_dir, CheckpointStore):
@@ -437,6 +519,7 @@ class RayExecutor(BaseExecutor):
         self._started = False
         self._closed = False
         self._owns_ray = False
+        self._ray_shut = threading.Event()  # ends the thread that connected (_init_within)
         self._marker: str | None = None
         self._token = uuid.uuid4().hex
         self._actor_cls: Any = None
@@ -503,6 +586,7 @@ class RayExecutor(BaseExecutor):
             close_timeout=self.close_timeout,
             start_timeout=self.start_timeout,
             init_kwargs=self.init_kwargs,
+            idle_release=self.idle_release,
         )
         with self._trainers_lock:
             bound._trainers.update(self._trainers)
@@ -594,8 +678,21 @@ class RayExecutor(BaseExecutor):
         if problem is not None:  # ray.init would retry for minutes
             raise ExecutorError(f"no Ray cluster at {where!r}: {problem}. {hint}")
         try:
-            ray.init(**kwargs)
-        except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
+            _init_within(ray, kwargs, self.start_timeout, self._ray_shut)
+        except TimeoutError as exc:
+            loopback = (
+                " Ray reaches a 127.0.0.1 address through this machine's own address, so "
+                "a cluster that listens on loopback only is out of its reach: start the "
+                "cluster on an address every node reaches (`ray start --head "
+                "--node-ip-address=ADDR`) and pass that address."
+                if _loopback(self.address)
+                else ""
+            )
+            raise ExecutorError(
+                f"no answer from a Ray cluster at {where!r} within {self.start_timeout:g} s "
+                f"({exc}).{loopback} {hint}"
+            ) from exc
+        except (ConnectionError, RuntimeError, ValueError) as exc:
             raise ExecutorError(
                 f"cannot connect to a Ray cluster at {where!r}: {type(exc).__name__}: {exc}. "
                 + hint
@@ -707,9 +804,15 @@ class RayExecutor(BaseExecutor):
         if not admit(instruction, slot.running):
             self._local.extend(missed(instruction))
         elif isinstance(instruction, (RunBatch, RunFused)):
-            if slot.actor is None:
-                raise ValueError(f"worker {worker} is not up")
-            slot.running = started(instruction)
+            with self._release_lock:
+                if slot.actor is None and slot.released:
+                    # Released while idle: a new actor, placed when the cluster has room.
+                    slot.released = False
+                    self._spawn(import_ray(), slot)
+                if slot.actor is None:
+                    raise ValueError(f"worker {worker} is not up")
+                slot.running = started(instruction)
+                self._idle_since = time.monotonic()
             first = instruction.members[0] if isinstance(instruction, RunFused) else instruction
             key = first.trainer
             spec = self._specs.get(key)
@@ -768,6 +871,7 @@ class RayExecutor(BaseExecutor):
                     slot.drain = slot.actor.drain.remote(0.5)
             out.extend(self._local)
             self._local.clear()
+            self._release_if_idle(ray, out)
             if out or (deadline is not None and time.monotonic() >= deadline):
                 return out
 
@@ -780,6 +884,7 @@ class RayExecutor(BaseExecutor):
         except ImportError:
             return
         if not ray.is_initialized():
+            self._ray_shut.set()
             return
         stops = []
         for slot in self._slots:
@@ -801,11 +906,52 @@ class RayExecutor(BaseExecutor):
         if self._owns_ray:
             with contextlib.suppress(Exception):
                 ray.shutdown()
+            self._ray_shut.set()
 
     # ------------------------------------------------------------------ internals
 
     def _accept(self, slot: _Slot, event: Any, out: list[WorkerEvent]) -> None:
         accept_event(slot, event, out, self.spec)
+
+    def _release_if_idle(self, ray: Any, out: list[WorkerEvent]) -> None:
+        """With ``idle_release``: stop every actor once no batch has run (and none has
+        been starting) for that long; their last events (checkpoint writes that ended)
+        go to ``out``. The next batch of a slot starts a new actor (:meth:`submit`)."""
+        if self.idle_release is None:
+            return
+        with self._release_lock:
+            now = time.monotonic()
+            if any(s.running or s.hello is not None for s in self._slots):
+                self._idle_since = now
+                return
+            live = [s for s in self._slots if s.actor is not None]
+            if not live or now - self._idle_since < self.idle_release:
+                return
+            for slot in live:
+                # The drain in flight first: stop() hands over only what it left.
+                with contextlib.suppress(ray.exceptions.RayError):
+                    if slot.drain is not None:
+                        for event in ray.get(slot.drain, timeout=self.close_timeout):
+                            self._accept(slot, event, out)
+            stops = {slot.actor.stop.remote(self.close_timeout): slot for slot in live}
+            ready, _ = ray.wait(list(stops), num_returns=len(stops), timeout=self.close_timeout)
+            for ref in ready:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    for event in ray.get(ref):
+                        self._accept(stops[ref], event, out)
+            for slot in live:
+                with contextlib.suppress(Exception):
+                    ray.kill(slot.actor, no_restart=True)
+                slot.actor = slot.drain = slot.hello = None
+                slot.node = slot.host = None
+                slot.ready = False
+                slot.released = True
+            logger.info(
+                "released %d idle Ray worker(s) after %g s without a batch; the next "
+                "batch starts them again",
+                len(live),
+                self.idle_release,
+            )
 
     def _lost(self, ray: Any, slot: _Slot, exc: BaseException, out: list[WorkerEvent]) -> None:
         node_alive = True

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagetree.exceptions import RequestRefusedError, StudyBusyError
+from stagetree.executors.base import BaseExecutor
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.plan.registry import open_storage
@@ -56,7 +57,8 @@ class HubConfig:
 
     Attributes:
         storage: plan storage URL every study uses.
-        executor: executor name (``local``, ``ray``, ``inline``...).
+        executor: executor name (``local``, ``ray``, ``inline``...), or one executor
+            object every study shares (``stagetree serve --executor ray --address``).
         workers: the size of the one worker pool every study shares (the storage's
             engine); None: the default.
         checkpoint_dir: checkpoint location; None: the study default.
@@ -64,7 +66,7 @@ class HubConfig:
     """
 
     storage: str
-    executor: str = "local"
+    executor: str | BaseExecutor = "local"
     workers: int | None = None
     checkpoint_dir: str | None = None
     ttl: float = 15.0

@@ -11,6 +11,8 @@ from typing import Any, TextIO
 
 from stagetree.engine.coordination import lease_ttl as default_ttl
 from stagetree.exceptions import StagetreeError
+from stagetree.executors.base import BaseExecutor
+from stagetree.executors.ray import RayExecutor
 from stagetree.executors.registry import check_executor
 from stagetree.extras import install_hint
 from stagetree.plan.registry import open_storage
@@ -25,7 +27,11 @@ try:  # the routes need starlette (the server extra): serve() says what to insta
 except ImportError:  # pragma: no cover - without the extra
     create_app = None  # type: ignore[assignment]
 
-__all__ = ["serve"]
+__all__ = ["DEFAULT_IDLE_RELEASE", "serve"]
+
+#: Seconds an idle ``serve --executor ray`` keeps its actors before it gives their
+#: resources back to the cluster (``--idle-release``).
+DEFAULT_IDLE_RELEASE = 60.0
 
 
 def serve(
@@ -41,6 +47,8 @@ def serve(
     ssl_keyfile: str | None = None,
     lease_ttl: float | None = None,
     allowed_hosts: Iterable[str] = (),
+    address: str | None = None,
+    idle_release: float | None = DEFAULT_IDLE_RELEASE,
     out: TextIO | None = None,
 ) -> int:
     """Run a tuning server until SIGINT/SIGTERM; returns the exit status.
@@ -53,6 +61,12 @@ def serve(
     loopback host, requests whose ``Host`` or ``Origin`` name another host than
     ``localhost``, ``127.0.0.1``, ``[::1]`` or one of ``allowed_hosts`` are refused
     (403), against DNS rebinding (:mod:`stagetree.web.hosts`).
+
+    With ``executor="ray"``: ``address`` is the Ray cluster (default: ``RAY_ADDRESS``,
+    else the cluster ``ray start`` started on this machine, else a one-machine Ray), and
+    after ``idle_release`` seconds without a running batch the actors are stopped and
+    their resources given back to the cluster; the next submission starts them again
+    (None: kept until the server stops).
 
     Raises:
         StagetreeError: bad options, naming the problem (nothing listens then).
@@ -74,6 +88,7 @@ def serve(
         raise StagetreeError(
             "a server trains for real: --executor simulated is for `stagetree simulate`"
         )
+    workers_on = _executor(executor, address, idle_release)
     if lease_ttl is not None:
         if not lease_ttl > 0:
             raise StagetreeError(f"--lease-ttl must be > 0 seconds, got {lease_ttl}")
@@ -87,13 +102,14 @@ def serve(
     except Exception as exc:
         raise StagetreeError(f"cannot open plan storage {storage!r}: {exc}") from None
     sock = listen(host, port)  # before anything is printed: a busy port fails here
-    hub = Hub(HubConfig(storage, executor, workers, checkpoints, ttl))
+    hub = Hub(HubConfig(storage, workers_on, workers, checkpoints, ttl))
     app = create_app(hub, token, hosts_allowed(host, allowed_hosts))
     scheme = "https" if ssl_certfile else "http"
     shown = shown_host(host)
     print(
-        f"stagetree serve: {scheme}://{shown}:{port} (storage {storage}, executor {executor}, "
-        f"session lease {ttl:g} s); token in {token_path}",
+        f"stagetree serve: {scheme}://{shown}:{port} (storage {storage}, executor "
+        f"{_describe(executor, address, idle_release)}, session lease {ttl:g} s); token in "
+        f"{token_path}",
         file=stream,
         flush=True,
     )
@@ -125,3 +141,30 @@ def serve(
         flush=True,
     )
     return 0
+
+
+def _executor(name: str, address: str | None, idle_release: float | None) -> str | BaseExecutor:
+    """What the hub's studies train on: the executor name, or for ``ray`` one
+    :class:`RayExecutor` with the cluster address and idle release, shared by every
+    study (one engine, one set of actors).
+
+    Raises:
+        StagetreeError: an address or an idle release for an executor without them.
+    """
+    if idle_release is not None and not idle_release > 0:
+        raise StagetreeError(f"--idle-release must be > 0 seconds, got {idle_release:g}")
+    if name != "ray":
+        if address is not None:
+            raise StagetreeError(
+                f"--address is a Ray cluster's: it needs --executor ray, not {name}"
+            )
+        return name
+    return RayExecutor(address=address, idle_release=idle_release)
+
+
+def _describe(name: str, address: str | None, idle_release: float | None) -> str:
+    if name != "ray":
+        return name
+    where = f"cluster {address}" if address else "cluster from RAY_ADDRESS or this machine"
+    idle = f"released after {idle_release:g} s idle" if idle_release else "never released"
+    return f"ray ({where}; workers {idle})"

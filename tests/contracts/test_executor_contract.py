@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ray_local import private_ray
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError
@@ -111,15 +112,11 @@ STUDY_TRAINERS = Path(__file__).resolve().parents[1] / "fakes" / "study_trainers
 @pytest.fixture(scope="module")
 def ray_runtime() -> Iterator[Any]:
     ray = pytest.importorskip("ray")
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        started = True
-    try:
+    if ray.is_initialized():
         yield ray
-    finally:
-        if started:
-            ray.shutdown()
+        return
+    with private_ray(ray, num_cpus=2):
+        yield ray
 
 
 class Harness:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ray_local import private_ray
 
 from stagetree import Study
 from stagetree.hp import Constant
@@ -27,11 +28,8 @@ def ray_gpus() -> Iterator[Any]:
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("this process is connected to a Ray cluster already")
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    try:
+    with private_ray(ray, num_cpus=2, num_gpus=4):
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def _mask(metrics: dict[str, float]) -> tuple[float, int, float]:

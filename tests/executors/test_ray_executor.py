@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ray_local import private_ray
 
 from stagetree import Study, extras
 from stagetree.checkpoints import CheckpointStore
@@ -47,15 +48,11 @@ class Adder(Trainer):
 @pytest.fixture(scope="module")
 def ray_runtime() -> Iterator[Any]:
     ray = pytest.importorskip("ray")
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        started = True
-    try:
+    if ray.is_initialized():
         yield ray
-    finally:
-        if started:
-            ray.shutdown()
+        return
+    with private_ray(ray, num_cpus=2):
+        yield ray
 
 
 def test_unknown_executor_name_lists_the_known_ones(tmp_path: Path) -> None:
