@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
@@ -102,6 +103,7 @@ from stagetree.torch.rng import (
     encode_global_rng,
     get_rng_object_state,
     is_rng_object,
+    preserve_rng,
     restore_global_rng,
     seed_rng,
     set_rng_object_state,
@@ -251,6 +253,16 @@ class TorchTrainer(Trainer):
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)
         self.hp: dict[str, Any] = {}
+
+    @classmethod
+    def warmup(cls) -> None:
+        """Import what the first optimizer built in a process imports: a
+        ``torch.optim`` optimizer's first construction imports ``torch._dynamo``
+        (seconds), which a worker's first batch would otherwise spend building its
+        trainer (and report as its load time). Every RNG is left as it was. A subclass
+        that overrides this calls ``super().warmup()``."""
+        with preserve_rng(), contextlib.suppress(ImportError):
+            importlib.import_module("torch._dynamo")
 
     # -- RNG streams ------------------------------------------------------------------------
 
