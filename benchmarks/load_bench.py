@@ -88,18 +88,16 @@ def worker_process(kept: bool) -> Iterator[bool]:
 
 
 def raw_evaluate(trainer: Any) -> Callable[[], Any]:
-    """``evaluate()``'s own body, without what TorchTrainer wraps around it."""
+    """``evaluate()``'s own body, without what TorchTrainer wraps around it (``trainer``'s
+    modules are put in eval mode once, here)."""
     body = getattr(type(trainer).evaluate, "__wrapped__", type(trainer).evaluate)
-    modules = [m for m in vars(trainer).values() if isinstance(m, torch.nn.Module)]
+    for module in vars(trainer).values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
 
     def run() -> Any:
-        for module in modules:
-            module.eval()
         with torch.no_grad():
-            out = body(trainer)
-        for module in modules:
-            module.train()
-        return out
+            return body(trainer)
 
     return run
 
@@ -114,9 +112,10 @@ def measure(label: str, repeats: int, tmp: Path) -> list[Any]:
     path = tmp / label.split()[0] / info.ref
     state = store.load(info.ref)
     fresh = cls(config)
-    evaluating = cls(config)
-    evaluating.setup(hp)
-    evaluating.train()
+    evaluating, bare = cls(config), cls(config)
+    for t in (evaluating, bare):
+        t.setup(hp)
+        t.train()
 
     def load_path() -> None:
         restored = cls(config)
@@ -137,7 +136,7 @@ def measure(label: str, repeats: int, tmp: Path) -> list[Any]:
         "build": lambda: cls(config),
         "load_state_dict": lambda: fresh.load_state_dict(state),
         "load path": load_path,
-        "evaluate": raw_evaluate(evaluating),
+        "evaluate": raw_evaluate(bare),
         "evaluate, worker process": worker_eval(False),
         "evaluate, user process": worker_eval(True),
     }
