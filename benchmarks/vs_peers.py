@@ -45,7 +45,9 @@ quarters and all of the epochs). For stagetree the run also reports its efficien
 unique steps x the median seconds of one step (setup + train + evaluate) trained alone
 in the child just before the run (per batch size), / 2 workers, / the wall-clock; and,
 from the activity log, the seconds to the first batch, the batches' busy seconds and the
-seconds after the last batch.
+seconds after the last batch; and a breakdown of its wall-clock (start-up, loads, saves,
+training, evaluation, idle, scheduling: :func:`breakdown`) with how its batches started
+(fresh, from a loaded checkpoint, continuing the worker's model: :func:`load_counts`).
 
 Measured per run: wall-clock from before the framework starts (``Study(...)``,
 ``ray.init``, ``optuna.create_study``) until it has shut down (imports excluded, the same
@@ -296,6 +298,27 @@ def step_seconds_alone(s: dict[str, Any], threads: int, repeats: int = 3) -> dic
     return out
 
 
+def eval_seconds_alone(s: dict[str, Any], threads: int, repeats: int = 20) -> float:
+    """Median seconds of one evaluation of the study's trainer as a worker makes it
+    (``evaluate_metrics``: ``evaluate()`` with what a trainer wraps around it, e.g.
+    TorchTrainer's RNG and mode keeping), after a warm-up; before the step counter is set."""
+    import torch
+
+    from stagetree.executors.worker import evaluate_metrics
+
+    torch.set_num_threads(threads)
+    spec = next(iter(s["space"].trials()))
+    trainer = trainer_class(s)(spec.config)
+    trainer.setup(hp_at(spec.hp, 0))
+    trainer.train()
+    times = []
+    for _ in range(repeats + 1):
+        begin = _perf()
+        evaluate_metrics(trainer)
+        times.append(_perf() - begin)
+    return float(median(times[1:]) or 0.0)
+
+
 def unique_steps(paths: list[tuple[dict[str, Any], dict[str, Any], int]]) -> dict[int, int]:
     """Steps of the union of the trials' paths (``(config, hp, steps trained)``), counted
     per batch size (0 when the space has none): what sharing leaves to train."""
@@ -319,6 +342,7 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
     from stagetree import Study
 
     alone = step_seconds_alone(s, threads)
+    evaluation = eval_seconds_alone(s, threads)
     os.environ[COUNTER_ENV] = str(tmp / "train_calls")
     tuner = make_tuner(s)
     begin, begin_clock = _perf(), time.time()
@@ -339,6 +363,8 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
         study.close()
     wall = _perf() - begin
     phases = {"tune": tuned, "close": wall - tuned, **activity_phases(tmp, begin_clock, wall)}
+    parts = breakdown(stats, evaluation, wall) if share else {}
+    parts.update(load_counts(tmp) if share else {})
     top = s["max_steps"]
     finals = {
         trial_key(t.config, t.hp): t.metrics[top]["accuracy"] for t in trials if top in t.metrics
@@ -368,6 +394,83 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
         "efficiency": (busy / 2 / wall) if share and wall else None,
         "device_seconds": stats["device_seconds"],
         "merge_rate": stats["merge_rate"],
+        "breakdown": parts,
+        "eval_alone": evaluation,
+    }
+
+
+def breakdown(stats: dict[str, Any], evaluation: float, wall: float) -> dict[str, float]:
+    """Where the run's wall-clock went, in seconds that add up to it (each part over the
+    2 workers, from :meth:`Study.stats`' efficiency figures): ``start-up`` (until the
+    first step trained), ``loads`` (start-checkpoint loads and trainer builds that
+    training waited for after that), ``saves`` (waits for checkpoint writes),
+    ``training`` and ``evaluation`` (the unique steps at the median step rate, split by
+    one evaluation's time alone, every step evaluated), ``idle``, ``scheduling`` (the
+    rest: dispatch, steps slower than the median...), ``close`` (the bench's wall-clock
+    beyond the run's: building the study, closing it); and two totals over both
+    workers: ``load+build worker-s`` (every batch's start: checkpoint loads, and the
+    trainer builds of batches that start a fresh model, a cold worker's first one
+    included) and ``save worker-s`` (background checkpoint writes)."""
+    if "limit_seconds" not in stats:
+        return {}
+    workers = max(float(stats.get("workers") or 2), 1.0)
+    unique = float(stats.get("steps_unique_trained") or 0)
+    evals = min(unique * evaluation / workers, float(stats["limit_seconds"]))
+    return {
+        "start-up": stats["startup_seconds"],
+        "loads": stats["ckpt_load_wait_seconds"],
+        "saves": stats["ckpt_save_wait_seconds"],
+        "training": stats["limit_seconds"] - evals,
+        "evaluation": evals,
+        "idle": stats["idle_seconds"],
+        "scheduling": stats["scheduling_seconds"],
+        "close": wall - stats["wall_seconds"],
+        "load+build worker-s": stats.get("ckpt_load_seconds", 0.0),
+        "save worker-s": stats.get("ckpt_save_seconds", 0.0),
+    }
+
+
+def activity_records(tmp: Path) -> list[Any] | None:
+    """The run's activity records, None when the log cannot be read."""
+    from stagetree.plan import open_storage
+
+    try:
+        storage = open_storage(f"sqlite:///{tmp / 'plan.db'}")
+        try:
+            return list(storage.activity())
+        finally:
+            storage.close()
+    except Exception:  # informative only
+        return None
+
+
+def load_counts(tmp: Path) -> dict[str, float]:
+    """How the run's batches started, from the activity log: ``fresh`` (a new model,
+    step 0), ``loaded`` (from a start checkpoint), ``continued`` (the worker's model in
+    memory, no load), and the load seconds of the loaded ones (empty when the log
+    cannot be read)."""
+    records = activity_records(tmp)
+    if records is None:
+        return {}
+    starts = {(r.owner, r.batch): r for r in records if r.kind == "start"}
+    fresh = loaded = continued = 0
+    seconds = 0.0
+    for r in records:
+        if r.kind != "done" or (r.owner, r.batch) not in starts:
+            continue
+        load = float((r.data or {}).get("load_seconds") or 0.0)
+        if int((starts[(r.owner, r.batch)].data or {}).get("start_step") or 0) == 0:
+            fresh += 1
+        elif load > 0:
+            loaded += 1
+            seconds += load
+        else:
+            continued += 1
+    return {
+        "batches fresh": float(fresh),
+        "batches loaded": float(loaded),
+        "batches continued": float(continued),
+        "load s (loaded batches)": seconds,
     }
 
 
@@ -375,15 +478,8 @@ def activity_phases(tmp: Path, begin: float, wall: float) -> dict[str, float]:
     """Where stagetree's wall-clock went, from the workers' activity log: seconds until
     the first batch started, the batches' busy seconds over both workers, and seconds
     after the last batch ended (empty when the log cannot be read)."""
-    from stagetree.plan import open_storage
-
-    try:
-        storage = open_storage(f"sqlite:///{tmp / 'plan.db'}")
-        try:
-            records = storage.activity()
-        finally:
-            storage.close()
-    except Exception:  # informative only
+    records = activity_records(tmp)
+    if records is None:
         return {}
     starts = [r.time for r in records if r.kind == "start"]
     ends = [r for r in records if r.kind == "done"]
@@ -859,6 +955,20 @@ def report(
                 f"(runner's own count {r['steps_reported']:.0f}), best "
                 f"{fmt(r['best_accuracy'], 4)}; {phases}{extra}; load {r['load']}"
             )
+    parts = [
+        (runner, i, r["breakdown"])
+        for runner, runs in results.items()
+        for i, r in enumerate(runs)
+        if r.get("breakdown")
+    ]
+    if parts:
+        out.append("\nBreakdown of stagetree's wall-clock (s; seconds over 2 workers add up "
+                   "to the wall; worker-s are totals over both workers):\n")  # fmt: skip
+        keys = list(parts[0][2])
+        out.append(markdown_table(["run", "wall", *keys], [
+            [f"{runner} #{i + 1}", results[runner][i]["wall"], *(b.get(k) for k in keys)]
+            for runner, i, b in parts
+        ]))  # fmt: skip
     out.append("\n" + _agreement(results))
     out.append("\n" + "\n".join(goals(rows, s)))
     return "\n".join(out)

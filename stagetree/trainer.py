@@ -9,7 +9,34 @@ from typing import Any, ClassVar
 
 from stagetree.exceptions import FusionError, TrainerError
 
-__all__ = ["FusedGroup", "Trainer", "check_checkpointable"]
+__all__ = [
+    "FusedGroup",
+    "Trainer",
+    "caller_rng_kept",
+    "check_checkpointable",
+    "keep_caller_rng",
+]
+
+# Whether trainers that swap their own random streams into the process-global generators
+# (TorchTrainer) put the caller's back when a method returns: see keep_caller_rng.
+_caller_rng = {"kept": True}
+
+
+def keep_caller_rng(kept: bool) -> None:
+    """Say whether code outside the trainers of this process draws from the global
+    random generators (True, the default: a trainer's methods leave them as the caller
+    had them). A worker process, whose own code draws nothing, says False: a
+    :class:`~stagetree.torch.TorchTrainer` then only swaps its own streams in when a
+    method starts and keeps what the method drew when it ends, without saving and
+    restoring the caller's (about half of the cost of each ``train()``, ``setup()`` and
+    ``evaluate()`` call's RNG handling). Training is the same either way: every method
+    starts from the trainer's own streams."""
+    _caller_rng["kept"] = bool(kept)
+
+
+def caller_rng_kept() -> bool:
+    """See :func:`keep_caller_rng`."""
+    return _caller_rng["kept"]
 
 
 class Trainer:

@@ -5,16 +5,24 @@ directory, a shared mount, a bucket)::
 
     magic  b"STCKPT\\x00\\x01"                 8 bytes
     n      header length, little-endian u64   8 bytes
-    header JSON {"format": 1, "sha256": hex, "sections": [n_skeleton, n_arrays, n_tensors],
+    header JSON {"format": 2, "sha256": hex,
+                 "sections": [n_skeleton, n_arrays, n_tensors, n_raw],
                  "of": {"root": root_key, "node": node, "step": step}}
-    body   skeleton (JSON) | numpy arrays (.npz) | torch tensors (torch.save)
+    body   skeleton (JSON) | numpy arrays (.npz) | torch tensors (torch.save) | raw tensors
 
 The *skeleton* is the state with every array and tensor replaced by an index; it keeps
 tuples, dicts with non-string keys, ``OrderedDict``, numpy scalars and non-finite
-floats exactly. Arrays are read back with ``numpy.load(allow_pickle=False)`` and tensors
-with ``torch.load(weights_only=True)``; torch is imported only when a state holds
-tensors, so plain states save and load without torch installed. The sha256 covers the
-section lengths and the body; bytes that fail it are reported as
+floats exactly. Dense tensors of the usual dtypes on the CPU or a CUDA device are *raw*:
+their bytes, 64-byte aligned, with dtype, shape, device and offset in the skeleton, read
+back as views of one buffer (``torch.frombuffer``): loading a checkpoint costs about
+what reading and hashing its bytes costs (``torch.load`` of the same tensors, even
+with ``weights_only``, cost about 10x more for a small model). Other tensors (sparse,
+quantized, other devices or dtypes) go to the ``torch.save`` section, read back with
+``torch.load(weights_only=True)``; arrays are read back with
+``numpy.load(allow_pickle=False)``. Nothing in a checkpoint is unpickled beyond what
+those two allow. torch is imported only when a state holds tensors, so plain states save
+and load without torch installed. Format 1 (no raw section) is still read. The sha256
+covers the section lengths and the body; bytes that fail it are reported as
 :class:`~stagetree.exceptions.CheckpointError`, which callers treat as a missing
 checkpoint (and recompute). Sections are serialised in memory (peak memory about twice
 the state's size while writing).
@@ -35,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import re
 import struct
 import sys
@@ -60,7 +69,15 @@ __all__ = [
 ]
 
 _MAGIC = b"STCKPT\x00\x01"
-_FORMAT = 1
+_FORMAT = 2
+_FORMATS = (1, 2)  # the formats read; 1 has no raw section
+# Raw tensors start at multiples of this (aligned views for vectorised kernels).
+_ALIGN = 64
+# dtype name -> (torch dtype attribute); the dtypes torch.frombuffer reads.
+_RAW_DTYPES = (
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64",
+    "int64", "int32", "int16", "int8", "uint8", "bool",
+)  # fmt: skip
 SUFFIX = ".ckpt"
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,200}")
 # A ref is a name, with the content tag (``-h`` and 32 hex digits) when it has one.
@@ -97,7 +114,8 @@ def encode(state: Mapping[str, Any], of: Mapping[str, Any] | None = None) -> lis
         raise CheckpointError(f"a checkpoint state must be a mapping, got {type(state).__name__}")
     arrays: list[Any] = []
     tensors: list[Any] = []
-    skeleton = _to_skeleton(state, arrays, tensors, "state")
+    raw: list[Any] = []
+    skeleton = _to_skeleton(state, arrays, tensors, "state", raw)
     skel = json.dumps(skeleton, separators=(",", ":")).encode()
     arr = b""
     if arrays:
@@ -113,26 +131,48 @@ def encode(state: Mapping[str, Any], of: Mapping[str, Any] | None = None) -> lis
         buf = io.BytesIO()
         torch.save(tensors, buf)
         ten = buf.getvalue()
-    return pack(skel, arr, ten, of)
+    return pack(skel, arr, ten, _raw_section(raw), of)
+
+
+def _raw_section(raw: list[Any]) -> bytes:
+    """The raw tensors' bytes at the offsets their skeleton nodes say (see
+    :func:`_raw_node`)."""
+    if not raw:
+        return b""
+    end = raw[-1][1] + raw[-1][0].numel() * raw[-1][0].element_size()
+    out = bytearray(end)
+    view = memoryview(out)
+    for tensor, offset in raw:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            flat = tensor.reshape(-1).view(_torch().uint8).numpy()
+            view[offset : offset + nbytes] = memoryview(flat).cast("B")
+    return bytes(out)
 
 
 def pack(
-    skeleton: bytes, arrays: bytes, tensors: bytes, of: Mapping[str, Any] | None = None
+    skeleton: bytes,
+    arrays: bytes,
+    tensors: bytes,
+    raw: bytes | None = None,
+    of: Mapping[str, Any] | None = None,
 ) -> list[bytes]:
-    """Header and sections of a checkpoint from its serialised sections."""
-    lengths = struct.pack("<QQQ", len(skeleton), len(arrays), len(tensors))
+    """Header and sections of a checkpoint from its serialised sections (format 1 when
+    ``raw`` is None, else 2); ``of`` names the tree, node and step it holds."""
+    parts = [skeleton, arrays, tensors] if raw is None else [skeleton, arrays, tensors, raw]
+    lengths = struct.pack(f"<{len(parts)}Q", *(len(p) for p in parts))
     digest = hashlib.sha256(lengths)
-    for part in (skeleton, arrays, tensors):
+    for part in parts:
         digest.update(part)
     fields: dict[str, Any] = {
-        "format": _FORMAT,
+        "format": 1 if raw is None else _FORMAT,
         "sha256": digest.hexdigest(),
-        "sections": [len(skeleton), len(arrays), len(tensors)],
+        "sections": [len(p) for p in parts],
     }
     if of is not None:
         fields["of"] = dict(of)
     header = json.dumps(fields).encode()
-    return [_MAGIC + struct.pack("<Q", len(header)) + header, skeleton, arrays, tensors]
+    return [_MAGIC + struct.pack("<Q", len(header)) + header, *parts]
 
 
 def read_meta(prefix: bytes) -> dict[str, Any] | None:
@@ -217,22 +257,25 @@ def decode(raw: bytes, map_location: Any) -> Any:
         raise CheckpointError("truncated header")
     try:
         header = json.loads(raw[16 : 16 + hlen])
-        n_skel, n_arr, n_ten = (int(n) for n in header["sections"])
+        sections = [int(n) for n in header["sections"]]
         expected = str(header["sha256"])
         fmt = header["format"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"unreadable header: {exc}") from None
-    if fmt != _FORMAT:
+    if fmt not in _FORMATS:
         raise CheckpointError(f"unknown format version {fmt!r}")
+    if len(sections) != (3 if fmt == 1 else 4):
+        raise CheckpointError(f"format {fmt} with {len(sections)} sections")
+    n_skel, n_arr, n_ten = sections[:3]
     body = memoryview(raw)[16 + hlen :]
-    if min(n_skel, n_arr, n_ten) < 0 or len(body) != n_skel + n_arr + n_ten:
+    if min(sections) < 0 or len(body) != sum(sections):
         raise CheckpointError(f"size mismatch: {len(body)} body bytes, header says otherwise")
-    digest = hashlib.sha256(struct.pack("<QQQ", n_skel, n_arr, n_ten))
+    digest = hashlib.sha256(struct.pack(f"<{len(sections)}Q", *sections))
     digest.update(body)
     if digest.hexdigest() != expected:
         raise CheckpointError("sha256 checksum mismatch")
     try:
-        return _decode_body(body, n_skel, n_arr, map_location)
+        return _decode_body(body, (n_skel, n_arr, n_ten), fmt, map_location)
     except (CheckpointError, ImportError):
         raise
     except Exception as exc:
@@ -241,7 +284,11 @@ def decode(raw: bytes, map_location: Any) -> Any:
         raise CheckpointError(f"cannot decode: {type(exc).__name__}: {exc}") from exc
 
 
-def _decode_body(body: memoryview, n_skel: int, n_arr: int, map_location: Any) -> Any:
+def _decode_body(
+    body: memoryview, lengths: tuple[int, int, int], fmt: int, map_location: Any
+) -> Any:
+    """The state from a verified body: skeleton, arrays, torch-saved and raw tensors."""
+    n_skel, n_arr, n_ten = lengths
     skeleton = json.loads(bytes(body[:n_skel]))
     arrays: list[Any] = []
     if n_arr:
@@ -250,21 +297,99 @@ def _decode_body(body: memoryview, n_skel: int, n_arr: int, map_location: Any) -
         with np.load(io.BytesIO(body[n_skel : n_skel + n_arr]), allow_pickle=False) as npz:
             arrays = [npz[f"arr_{i}"] for i in range(len(npz.files))]
     tensors: list[Any] = []
-    if len(body) > n_skel + n_arr:
+    if n_ten:
         import torch
 
         tensors = torch.load(
-            io.BytesIO(body[n_skel + n_arr :]), map_location=map_location, weights_only=True
+            io.BytesIO(body[n_skel + n_arr : n_skel + n_arr + n_ten]),
+            map_location=map_location,
+            weights_only=True,
         )
-    return _from_skeleton(skeleton, arrays, tensors)
+    # One writable copy of the raw section, which its tensors view (no copy each).
+    buffer = bytearray(body[n_skel + n_arr + n_ten :]) if fmt != 1 else bytearray()
+    return _from_skeleton(skeleton, arrays, tensors, (buffer, map_location))
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _raw_node(tensor: Any, raw: list[Any]) -> list[Any] | None:
+    """The skeleton node of a tensor stored raw, with the tensor (dense, contiguous, on
+    the CPU) and its offset appended to ``raw``; None when it is not stored raw."""
+    torch = _torch()
+    device = tensor.device.type
+    name = str(tensor.dtype).removeprefix("torch.")
+    if (
+        device not in ("cpu", "cuda")
+        or name not in _RAW_DTYPES
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or getattr(tensor, "is_nested", False)
+        or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+    ):
+        return None
+    flat = tensor.resolve_conj().resolve_neg().contiguous().cpu()
+    offset = 0
+    if raw:
+        last, at = raw[-1]
+        offset = -(-(at + last.numel() * last.element_size()) // _ALIGN) * _ALIGN
+    raw.append((flat, offset))
+    where = str(tensor.device)
+    return [_RAW, [name, list(tensor.shape), offset, where]]
+
+
+def _raw_tensor(payload: list[Any], raw: tuple[bytearray, Any]) -> Any:
+    torch = _torch()
+    buffer, map_location = raw
+    name, shape, offset, where = payload
+    if name not in _RAW_DTYPES:
+        raise CheckpointError(f"unknown raw tensor dtype {name!r}")
+    dtype = getattr(torch, name)
+    count = math.prod(shape)
+    if count == 0:
+        tensor = torch.empty(shape, dtype=dtype)
+    elif offset < 0 or offset + count * dtype.itemsize > len(buffer):
+        raise CheckpointError("a raw tensor lies outside its section")
+    else:
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    return _placed(tensor, str(where), map_location)
+
+
+def _placed(tensor: Any, where: str, map_location: Any) -> Any:
+    """A raw tensor (read on the CPU, saved on device ``where``) where ``torch.load``
+    would put it with ``map_location``."""
+    if isinstance(map_location, str) and map_location == "cpu":
+        return tensor
+    torch = _torch()
+    if map_location is None:
+        target: Any = where
+    elif isinstance(map_location, dict):
+        target = map_location.get(where, where)
+    elif callable(map_location):
+        storage = map_location(tensor.untyped_storage(), where)
+        if storage is None:
+            return tensor.to(where)
+        out = torch.empty(0, dtype=tensor.dtype, device=storage.device)
+        return out.set_(storage, 0, tensor.shape)
+    else:
+        target = map_location
+    return tensor.to(target)
 
 
 # Skeleton: JSON scalars stand for themselves; every JSON array is a tagged node
 # [tag, payload], so nothing in user data can be mistaken for a tag.
 _LIST, _TUPLE, _DICT, _ODICT, _ARRAY, _NPSCALAR, _TENSOR = "l", "t", "d", "o", "a", "n", "T"
+_RAW = "R"
 
 
-def _to_skeleton(obj: Any, arrays: list[Any], tensors: list[Any], path: str) -> Any:
+def _to_skeleton(
+    obj: Any, arrays: list[Any], tensors: list[Any], path: str, raw: list[Any] | None = None
+) -> Any:
+    """The skeleton of ``obj``, its arrays appended to ``arrays`` and its tensors to
+    ``tensors``, or to ``raw`` where they can be stored raw (``raw`` None: none is)."""
     kind = type(obj)
     if obj is None or kind is bool or kind is int or kind is float or kind is str:
         return obj
@@ -282,20 +407,26 @@ def _to_skeleton(obj: Any, arrays: list[Any], tensors: list[Any], path: str) -> 
             return [_NPSCALAR, len(arrays) - 1]
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
+        node = _raw_node(obj.detach(), raw) if raw is not None else None
+        if node is not None:
+            return node
         tensors.append(obj.detach())
         return [_TENSOR, len(tensors) - 1]
     if isinstance(obj, Mapping):
         items = [
             [
-                _to_skeleton(k, arrays, tensors, f"{path} key"),
-                _to_skeleton(v, arrays, tensors, f"{path}[{k!r}]"),
+                _to_skeleton(k, arrays, tensors, f"{path} key", raw),
+                _to_skeleton(v, arrays, tensors, f"{path}[{k!r}]", raw),
             ]
             for k, v in obj.items()
         ]
         return [_ODICT if isinstance(obj, OrderedDict) else _DICT, items]
     if isinstance(obj, (list, tuple)):
         tag = _TUPLE if isinstance(obj, tuple) else _LIST
-        return [tag, [_to_skeleton(v, arrays, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]]
+        return [
+            tag,
+            [_to_skeleton(v, arrays, tensors, f"{path}[{i}]", raw) for i, v in enumerate(obj)],
+        ]
     if isinstance(obj, bool):
         return bool(obj)
     if isinstance(obj, int):
@@ -310,24 +441,28 @@ def _to_skeleton(obj: Any, arrays: list[Any], tensors: list[Any], path: str) -> 
     )
 
 
-def _from_skeleton(node: Any, arrays: list[Any], tensors: list[Any]) -> Any:
+def _from_skeleton(
+    node: Any, arrays: list[Any], tensors: list[Any], raw: tuple[bytearray, Any]
+) -> Any:
     if not isinstance(node, list):
         return node
     tag, payload = node
     if tag in (_DICT, _ODICT):
         pairs = [
-            (_from_skeleton(k, arrays, tensors), _from_skeleton(v, arrays, tensors))
+            (_from_skeleton(k, arrays, tensors, raw), _from_skeleton(v, arrays, tensors, raw))
             for k, v in payload
         ]
         return OrderedDict(pairs) if tag == _ODICT else dict(pairs)
     if tag == _LIST:
-        return [_from_skeleton(v, arrays, tensors) for v in payload]
+        return [_from_skeleton(v, arrays, tensors, raw) for v in payload]
     if tag == _TUPLE:
-        return tuple(_from_skeleton(v, arrays, tensors) for v in payload)
+        return tuple(_from_skeleton(v, arrays, tensors, raw) for v in payload)
     if tag == _ARRAY:
         return arrays[payload]
     if tag == _NPSCALAR:
         return arrays[payload][()]
     if tag == _TENSOR:
         return tensors[payload]
+    if tag == _RAW:
+        return _raw_tensor(payload, raw)
     raise CheckpointError(f"unknown skeleton tag {tag!r}")

@@ -27,6 +27,7 @@ from stagetree.checkpoints import CheckpointStore
 from stagetree.executors._events import StartupError, started
 from stagetree.executors._spec import TrainerClasses, TrainerSpec
 from stagetree.executors.worker import Worker
+from stagetree.trainer import keep_caller_rng
 from stagetree.work import Abort, AddCheckpoint, RunBatch, RunFused, SplitMissed, WorkerReady
 
 __all__ = [
@@ -106,6 +107,8 @@ def worker_main(cfg: ChildConfig, inbox: Connection, outbox: Connection) -> None
         os.environ.clear()
         os.environ.update(cfg.env)
     os.environ.update(child_env(cfg.device, cfg.threads))
+    # Nothing here but the trainers draws random numbers: they need not keep ours.
+    keep_caller_rng(False)
     lock = threading.Lock()
 
     def emit(event: Any) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "EFFICIENCY_KEYS",
     "accounting",
     "efficiency",
+    "saving_ratio",
     "steps_saved",
     "study_accounting",
 ]
@@ -110,6 +111,18 @@ def steps_saved(steps_finished: float, steps_executed: float) -> float:
     executed, never negative (while trials run, their steps executed so far count and
     theirs requested do not yet: the saving never includes work still to do)."""
     return max(float(steps_finished) - float(steps_executed), 0.0)
+
+
+def saving_ratio(steps_saved: float, steps_executed: float) -> float | None:
+    """The saving as a factor: ``(steps executed + steps saved) / steps executed``, with
+    ``steps_saved`` as :func:`steps_saved` defines it. At the end of a study whose
+    trials all finished it is requested / executed; while it runs it counts only what
+    the finished trials were spared (never the work still to do, never a failed
+    trial's steps), so it never shows more than the run will end with for the same
+    work. The dashboard's badge shows it. None before any step ran."""
+    if steps_executed <= 0:
+        return None
+    return (float(steps_executed) + max(float(steps_saved), 0.0)) / float(steps_executed)
 
 
 def _study_accounting(

@@ -50,6 +50,7 @@ from stagetree.plan.model import RequestState
 from stagetree.ranking import metric_mode
 from stagetree.records import TrialState
 from stagetree.reports.activity import ActivityLog, Batch, batches
+from stagetree.reports.costs import saving_ratio
 from stagetree.reports.format import format_value
 from stagetree.reports.status import StudyStatus, storage_status, study_status
 from stagetree.reports.trials import (
@@ -231,6 +232,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _saving(st: StudyStatus) -> float | None:
+    """The study's saving factor (:func:`~stagetree.reports.costs.saving_ratio`)."""
+    numbers = st.numbers
+    if numbers is None:
+        return None
+    return saving_ratio(numbers["steps_saved"], round(numbers["steps_executed"]))
+
+
 def _summary(storage: BasePlanStorage, st: StudyStatus) -> dict[str, Any]:
     numbers = st.numbers
     executed = round(numbers["steps_executed"]) if numbers is not None else None
@@ -255,7 +264,7 @@ def _summary(storage: BasePlanStorage, st: StudyStatus) -> dict[str, Any]:
         "steps_executed": executed,
         "merge_rate": _ratio(st.steps_requested, st.steps_unique),
         "device_seconds": number(seconds),
-        "saving": _ratio(st.steps_requested, executed),
+        "saving": _saving(st),
         "workers": dict(st.workers),
     }
 
@@ -329,11 +338,14 @@ def savings(
     log: ActivityLog | None = None,
     rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The ``Savings`` of study ``name``: what training each trial alone would cost
-    (its requested steps, at the device-seconds per step its own executed steps cost,
-    or the batches' median rate before it has any) against what was trained for it
-    (:func:`stagetree.reports.costs.study_accounting`); with :func:`_estimate` when it has
-    requested steps and executed none yet.
+    """The ``Savings`` of study ``name``: what was trained for it
+    (:func:`stagetree.reports.costs.study_accounting`), what sharing saved
+    (:func:`~stagetree.reports.costs.steps_saved`: the finished trials' requested steps
+    less those executed), and the two together, what that work would have cost without
+    sharing (every trial's requested steps once all finished), at the device-seconds
+    per step its own executed steps cost (the batches' median rate before it has any);
+    ``ratio`` is :func:`~stagetree.reports.costs.saving_ratio`, the badge's saving. With
+    :func:`_estimate` when it has requested steps and executed none yet.
 
     Args:
         status: the study's :func:`~stagetree.reports.status.study_status`, when the caller
@@ -359,13 +371,25 @@ def savings(
     else:
         per_step = _seconds_per_step(storage, roots, log)
     requested = st.steps_requested
+    # Without sharing, the work done so far: what ran plus what sharing spared the
+    # finished trials (all of requested once every trial finished).
+    saved = round(numbers["steps_saved"]) if numbers is not None else None
+    alone = executed + saved if executed is not None and saved is not None else None
     return {
         "alone": {
-            "steps": requested,
-            "device_seconds": number(requested * per_step) if per_step is not None else None,
+            "steps": alone,
+            "device_seconds": number(alone * per_step)
+            if alone is not None and per_step is not None
+            else None,
         },
         "ran": {"steps": executed, "device_seconds": number(seconds)},
-        "ratio": _ratio(requested, executed),
+        "saved": {
+            "steps": saved,
+            "device_seconds": number(saved * per_step)
+            if saved is not None and per_step is not None
+            else None,
+        },
+        "ratio": _saving(st),
         "seconds_per_step": number(per_step),
         "estimate": _estimate(storage, st, rows) if requested and not executed else None,
     }

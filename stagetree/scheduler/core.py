@@ -330,6 +330,8 @@ class Scheduler:
         self._workers: set[int] = set(range(num_workers or 0))
         self._idle: set[int] = set(self._workers)
         self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
+        # Starts of ready roots whose model an idle worker holds (see _held_first).
+        self._held_starts: set[Key] = set()
         self._failures: dict[Key, int] = {}
         self._store_failures: Counter[Key] = Counter()  # see _MAX_STORE_FAILURES
         self._next_batch = 1
@@ -1139,7 +1141,7 @@ class Scheduler:
         while True:
             tree = self._tree()
             self._split(tree, out)
-            ready = tree.ready_roots()
+            ready = self._held_first(tree.ready_roots())
             if not ready or not self._idle:
                 break
             path = self._choose(tree, ready)
@@ -1177,6 +1179,28 @@ class Scheduler:
                 batch.checkpoint.add(key)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
+    def _held_first(self, ready: list[Stage]) -> list[Stage]:
+        """``ready`` with the roots an idle worker holds the model of first (in their
+        order), so that a policy's tie goes to work that continues a model in memory
+        without a load; notes those starts for :meth:`_pick_worker`."""
+        held = {self._worker_at.get(w) for w in self._idle} - {None}
+        self._held_starts = {
+            (r.origin.node, r.origin.step)
+            for r in ready
+            if r.origin is not None
+            and r.origin.kind == CHECKPOINT
+            and (r.origin.node, r.origin.step) in held
+        }
+        if not self._held_starts:
+            return ready
+        first = [r for r in ready if r.origin is not None and self._starts_at_held(r)]
+        return first + [r for r in ready if not (r.origin is not None and self._starts_at_held(r))]
+
+    def _starts_at_held(self, root: Stage) -> bool:
+        origin = root.origin
+        assert origin is not None
+        return origin.kind == CHECKPOINT and (origin.node, origin.step) in self._held_starts
+
     def _pick_worker(self, start: Key | None) -> int:
         if start in self._memory:  # only that worker has the model
             return self._memory[start]
@@ -1184,6 +1208,10 @@ class Scheduler:
             for worker in sorted(self._idle):
                 if self._worker_at.get(worker) == start:
                     return worker
+        # Keep the workers whose model other ready work continues for that work.
+        for worker in sorted(self._idle):
+            if self._worker_at.get(worker) not in self._held_starts:
+                return worker
         return min(self._idle)
 
     # -- fusion --------------------------------------------------------------------------

@@ -177,6 +177,7 @@ class _DigitsBase(FusibleTrainer):
     def warmup(cls) -> None:
         """Import scikit-learn and cache the default split once per worker process, while
         the other workers start too (leaving every RNG as it was)."""
+        super().warmup()
         with preserve_rng():
             digits_split(float(cls.defaults["test_fraction"]))
 

@@ -57,7 +57,9 @@ draws that a subclass makes outside these methods use the caller's generators. W
 scikit-learn draws from ``random`` --, a cache fill) would make construction depend on the
 process's history: run it under :func:`~stagetree.torch.preserve_rng`.
 Swapping costs about 0.1-0.3 ms per call of these methods on a CPU, nothing next to a
-step of real training.
+step of real training; in a worker process, where nobody else draws, only the trainer's
+streams are swapped in (the caller's are not kept: see
+:func:`stagetree.trainer.keep_caller_rng`), about half of that.
 
 **A trace-free evaluate.** ``evaluate`` (any override; written naturally, without any
 decorator) runs inside :meth:`TorchTrainer.no_trace`: under ``torch.no_grad()``, with every
@@ -83,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
@@ -100,11 +103,12 @@ from stagetree.torch.rng import (
     encode_global_rng,
     get_rng_object_state,
     is_rng_object,
+    preserve_rng,
     restore_global_rng,
     seed_rng,
     set_rng_object_state,
 )
-from stagetree.trainer import Trainer
+from stagetree.trainer import Trainer, caller_rng_kept
 
 __all__ = ["TorchTrainer"]
 
@@ -115,6 +119,8 @@ _PRIVATE = "_stagetree_"  # prefix of TorchTrainer's own attributes; never scann
 _RNG = "_stagetree_rng"
 _DEPTH = "_stagetree_depth"
 _WRAPPED = "__stagetree_wrapped__"
+_MODULE_TRAIN = torch.nn.Module.train
+_MODULE_SETATTR = torch.nn.Module.__setattr__
 
 
 def _is_stateful(value: object) -> bool:
@@ -147,6 +153,24 @@ def _clone_tree(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_clone_tree(item) for item in value)
     return value
+
+
+def _plain_module(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s ``train()`` and attribute setting are torch's own (so that
+    setting its ``training`` flag directly is what ``eval()`` does)."""
+    kind = type(module)
+    return kind.train is _MODULE_TRAIN and kind.__setattr__ is _MODULE_SETATTR
+
+
+def _set_modes(modules: list[torch.nn.Module], flags: list[bool]) -> None:
+    """Set each module's ``training`` flag, only where it differs (``Module.__setattr__``
+    is slow: written straight into the instance where torch's own would do that)."""
+    for module, flag in zip(modules, flags):
+        if module.training != flag:
+            if _plain_module(module):
+                module.__dict__["training"] = flag
+            else:
+                module.training = flag
 
 
 def _seed_of(config: Any) -> int:
@@ -230,6 +254,16 @@ class TorchTrainer(Trainer):
         super().__init__(config)
         self.hp: dict[str, Any] = {}
 
+    @classmethod
+    def warmup(cls) -> None:
+        """Import what the first optimizer built in a process imports: a
+        ``torch.optim`` optimizer's first construction imports ``torch._dynamo``
+        (seconds), which a worker's first batch would otherwise spend building its
+        trainer (and report as its load time). Every RNG is left as it was. A subclass
+        that overrides this calls ``super().warmup()``."""
+        with preserve_rng(), contextlib.suppress(ImportError):
+            importlib.import_module("torch._dynamo")
+
     # -- RNG streams ------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -238,7 +272,8 @@ class TorchTrainer(Trainer):
         depth = state.get(_DEPTH, 0)
         outer: GlobalRngState | None = None
         if depth == 0:
-            outer = capture_global_rng()
+            # The caller's streams, unless nobody outside the trainers draws (a worker).
+            outer = capture_global_rng() if caller_rng_kept() else None
             if seed is not None:
                 seed_rng(seed)
             elif _RNG in state:
@@ -250,9 +285,10 @@ class TorchTrainer(Trainer):
             yield
         finally:
             state[_DEPTH] = depth
-            if outer is not None:
+            if depth == 0:
                 state[_RNG] = capture_global_rng()
-                restore_global_rng(outer)
+                if outer is not None:
+                    restore_global_rng(outer)
 
     def _current_rng(self) -> GlobalRngState:
         if self.__dict__.get(_DEPTH, 0) > 0:
@@ -284,7 +320,9 @@ class TorchTrainer(Trainer):
         # the caller's back, without capturing them again or restoring them before the
         # caller's (which sets every generator they hold): 2 of 3 captures and 1 of 3
         # restores saved; an evaluation is often a step's largest cost after training.
-        outer = capture_global_rng()
+        # Where nobody outside the trainers draws (a worker process), the caller's are
+        # neither captured nor put back: one restore in all.
+        outer = capture_global_rng() if caller_rng_kept() else None
         restore_global_rng(saved)
         state[_DEPTH] = 1
         try:
@@ -295,7 +333,8 @@ class TorchTrainer(Trainer):
             if bool(saved.cuda) != _cuda_in_use():  # CUDA came up inside: as _rng_scope
                 restore_global_rng(saved)
                 state[_RNG] = capture_global_rng()
-            restore_global_rng(outer)
+            if outer is not None:
+                restore_global_rng(outer)
 
     @contextlib.contextmanager
     def _untraced(self, rng: GlobalRngState | None) -> Iterator[None]:
@@ -310,17 +349,20 @@ class TorchTrainer(Trainer):
             name: obj.state_dict() for name, obj in objects.items() if isinstance(obj, StageLoader)
         }
         modules = [obj for obj in objects.values() if isinstance(obj, torch.nn.Module)]
-        modes = [[m.training for m in module.modules()] for module in modules]
+        subs = [list(module.modules()) for module in modules]
+        modes = [[m.training for m in group] for group in subs]
         try:
             if self.evaluate_in_eval_mode:
-                for module in modules:
-                    module.eval()
+                for module, group in zip(modules, subs):
+                    if all(map(_plain_module, group)):
+                        _set_modes(group, [False] * len(group))  # as eval(), faster
+                    else:
+                        module.eval()
             with torch.no_grad():
                 yield
         finally:
-            for module, flags in zip(modules, modes):
-                for submodule, flag in zip(module.modules(), flags):
-                    submodule.training = flag
+            for group, flags in zip(subs, modes):
+                _set_modes(group, flags)
             for name, loader_state in loaders.items():
                 objects[name].load_state_dict(loader_state)
             for name, rng_state in rng_objects.items():

@@ -145,6 +145,110 @@ def test_tensor_section_is_loaded_with_weights_only(backend: Any, tmp_path: Path
     assert not marker.exists()
 
 
+def _tensor_zoo() -> dict[str, Any]:
+    """Tensors of every dtype the raw section holds, and the awkward shapes and views."""
+    torch = pytest.importorskip("torch")
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    zoo: dict[str, Any] = {
+        name: (torch.arange(7) % 2).to(getattr(torch, name)) for name in fmt._RAW_DTYPES
+    }
+    zoo.update(
+        scalar=torch.tensor(3.25),
+        empty=torch.empty(0, 5),
+        transposed=base.t(),  # not contiguous
+        strided=base[:, ::2],
+        conj=torch.tensor([1 + 2j, 3 - 1j]).conj(),  # a lazy conjugate
+        neg=torch.tensor([1.0, -2.0])._neg_view(),
+        nonfinite=torch.tensor([math.inf, -math.inf, math.nan]),
+        int_rng=torch.Generator().manual_seed(3).get_state(),
+        uint16=torch.tensor([1, 2, 3], dtype=torch.int32).to(torch.uint16),  # not raw
+        sparse=torch.eye(3).to_sparse(),  # not raw either
+    )
+    return zoo
+
+
+def _same_tensor(a: Any, b: Any) -> None:
+    torch = pytest.importorskip("torch")
+    assert type(b) is torch.Tensor and b.dtype == a.dtype and b.shape == a.shape
+    if a.is_sparse:
+        assert b.is_sparse and torch.equal(a.to_dense(), b.to_dense())
+        return
+    assert b.device.type == "cpu"
+
+    # Bit for bit, NaNs included.
+    def raw_bytes(t: Any) -> Any:
+        return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+    assert torch.equal(raw_bytes(a), raw_bytes(b))
+
+
+def test_tensors_round_trip_bit_for_bit_without_torch_load(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dense tensors are stored raw: a load reads them back as views of the checkpoint's
+    bytes, without torch's unpickler (which cost a small model's load about 10x what
+    reading its bytes did); other tensors still go through ``torch.load``."""
+    torch = pytest.importorskip("torch")
+    zoo = _tensor_zoo()
+    store = backend()
+    ref = store.save("zoo", zoo).ref
+    loaded = store.load(ref)
+    assert list(loaded) == list(zoo)
+    for name, tensor in zoo.items():
+        _same_tensor(tensor, loaded[name])
+    loaded["float32"].add_(1)  # writable, and nothing else moves
+    _same_tensor(zoo["int64"], loaded["int64"])
+    dense = {k: v for k, v in zoo.items() if k not in ("uint16", "sparse")}
+    ref = store.save("dense", dense).ref
+
+    def no_torch_load(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.load was called")
+
+    monkeypatch.setattr(torch, "load", no_torch_load)
+    for name, tensor in store.load(ref).items():
+        _same_tensor(dense[name], tensor)
+
+
+def test_map_location_places_raw_tensors_as_torch_load_would(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    store = CheckpointStore(tmp_path / "ckpt")
+    ref = store.save("m", {"w": torch.ones(2, 3)}).ref
+    seen: list[str] = []
+
+    def mapper(storage: Any, location: str) -> Any:
+        seen.append(location)
+        return storage
+
+    for where in ("cpu", None, torch.device("cpu"), {"cpu": "cpu"}, mapper):
+        w = store.load(ref, map_location=where)["w"]
+        assert w.device.type == "cpu" and torch.equal(w, torch.ones(2, 3))
+    assert seen == ["cpu"]
+
+
+def test_format_1_checkpoints_still_load(tmp_path: Path) -> None:
+    """Checkpoints written before raw tensors (three sections, tensors by torch.save)."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    buf = io.BytesIO()
+    torch.save([torch.arange(4.0), torch.eye(2)], buf)
+    skeleton = b'["d",[["a",["T",0]],["b",["l",[["T",1],7]]]]]'
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.bytes.put("old.ckpt", fmt.pack(skeleton, b"", buf.getvalue()))
+    loaded = store.load("old.ckpt")
+    assert torch.equal(loaded["a"], torch.arange(4.0))
+    assert torch.equal(loaded["b"][0], torch.eye(2)) and loaded["b"][1] == 7
+
+
+def test_a_raw_tensor_outside_its_section_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    skeleton = b'["d",[["w",["R",["float32",[100],0,"cpu"]]]]]'
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.bytes.put("bad.ckpt", fmt.pack(skeleton, b"", b"", bytes(16)))  # valid checksum
+    with pytest.raises(CheckpointError, match="outside"):
+        store.load("bad.ckpt")
+
+
 def test_plain_states_need_no_torch(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"

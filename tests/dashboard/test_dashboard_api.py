@@ -771,3 +771,24 @@ def test_announced_branches_are_declared_not_work_to_do(tmp_path: Path) -> None:
     assert child["state"] == "declared" and child["start"] == 15 and child["trials"] == []
     assert root["state"] == "trained" and root["done"] == 10
     assert root["wanted"] == 10 and root["end"] == 15  # 10..15 only carries the branch
+
+
+def test_the_saving_is_the_steps_saved_of_the_reports(api: tuple[TestClient, Any]) -> None:
+    """One definition of the saving: (executed + steps saved) / executed, steps saved as
+    `stagetree run`'s report and `stagetree status` count them (the finished trials'
+    requested steps less those executed): a failed trial's steps are no saving, and
+    work still to do never is (before: requested / executed, whatever had finished)."""
+    client, storage = api
+    for summary in _get(client, "/api/studies")["studies"]:
+        numbers = reports.study_status(storage, summary["name"]).numbers
+        assert numbers is not None
+        executed, saved = summary["steps_executed"], round(numbers["steps_saved"])
+        assert summary["saving"] == pytest.approx((executed + saved) / executed)
+        detail = _get(client, f"/api/studies/{summary['name']}")["savings"]
+        assert detail["ratio"] == pytest.approx(summary["saving"])
+        assert detail["saved"]["steps"] == saved
+        assert detail["alone"]["steps"] == executed + saved
+    fails = _get(client, "/api/studies/fails")
+    # One trial failed at its start: nothing was spared, whatever it requested.
+    assert fails["study"]["steps_requested"] > fails["study"]["steps_executed"]
+    assert fails["study"]["saving"] == 1.0 and fails["savings"]["saved"]["steps"] == 0

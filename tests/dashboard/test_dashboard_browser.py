@@ -310,6 +310,20 @@ def test_workers_timeline_has_bars(page: Any, site: Site) -> None:
     assert "node #" in page.inner_text("#tooltip")
 
 
+def test_a_fresh_start_is_drawn_as_building_not_loading(page: Any, site: Site) -> None:
+    """The first batch starts a fresh model at step 0: it loaded no checkpoint, and the
+    timeline says it built the trainer (before: "loading a checkpoint", hatched)."""
+    site.finished()
+    _open(page, site, f"/study/{STUDY}/workers")
+    fresh = page.locator("g.batch[data-start='0']")
+    assert fresh.count() >= 1
+    assert fresh.locator("rect.load").count() == 0
+    page.hover("g.batch[data-start='0'] >> nth=0")
+    tip = page.inner_text("#tooltip")
+    assert "fresh trainer built in" in tip and "checkpoint load" not in tip
+    assert "building a fresh trainer" in page.inner_text(".legend")
+
+
 def test_unknown_study_says_so(page: Any, site: Site) -> None:
     _open(page, site, "/study/no-such-study")
     message = page.inner_text("#not-found")

@@ -250,7 +250,9 @@ class NoisyDigits(DigitsTrainer):
         self.batches_seen = int(state["batches_seen"])
 
 
-def test_rng_use_inside_train_is_exact() -> None:
+def assert_noisy_splits_exact() -> tuple[TorchTrainer, list[Any]]:
+    """A NoisyDigits trial split at several steps trains and evaluates like one run;
+    returns the split run's trainer and the training metrics."""
     ref, ref_train, ref_eval = run(
         CONFIG, momentum_schedule, 9, cls=NoisyDigits, evaluate_at=(2, 9)
     )
@@ -259,6 +261,11 @@ def test_rng_use_inside_train_is_exact() -> None:
     )
     assert train_metrics == ref_train and eval_metrics == ref_eval
     assert_same_training(trainer, ref)
+    return trainer, ref_train
+
+
+def test_rng_use_inside_train_is_exact() -> None:
+    trainer, ref_train = assert_noisy_splits_exact()
     state = trainer.state_dict()
     assert set(state["rng_objects"]) == {"np_rng", "py_rng", "torch_rng"}
     assert state["extra"] == {"batches_seen": 36}
@@ -571,3 +578,119 @@ def test_an_evaluate_that_draws_leaves_every_stream_as_it_was() -> None:
     assert np.array_equal(after.numpy["state"]["key"], caller.numpy["state"]["key"])
     assert after.numpy["state"]["pos"] == caller.numpy["state"]["pos"]
     assert a.train() == b.train()  # as if it had never evaluated
+
+
+@pytest.fixture
+def worker_process() -> Iterator[None]:
+    """This process as a worker process sees it: nobody outside the trainers draws."""
+    from stagetree.trainer import keep_caller_rng
+
+    keep_caller_rng(False)
+    try:
+        yield
+    finally:
+        keep_caller_rng(True)
+
+
+def test_a_worker_process_trains_and_evaluates_the_same(worker_process: None) -> None:
+    """Where the caller's generators are nobody's, a trainer only swaps its own streams
+    in: split runs, evaluations that draw, interleaved trainers all stay exact."""
+    assert_noisy_splits_exact()
+    a, b = DrawsInEvaluate(CONFIG), DrawsInEvaluate(CONFIG)
+    for t in (a, b):
+        t.setup({"lr": 0.05, "momentum": 0.9})
+        t.train()
+    first = a.evaluate()
+    disturb_global_rng(5)
+    assert a.evaluate() == first
+    assert a.train() == b.train()  # as if it had never evaluated
+
+
+def test_a_worker_process_swaps_the_generators_once_per_call(
+    worker_process: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a worker process the caller's generators are neither captured nor put back:
+    ``evaluate()`` restores the trainer's streams once and captures nothing;
+    ``train()`` restores them once and captures what it drew."""
+    import stagetree.torch.trainer as torch_trainer
+
+    trainer = DigitsTrainer(CONFIG)
+    trainer.setup(momentum_schedule(0))
+    calls = {"capture": 0, "restore": 0}
+    capture, restore = torch_trainer.capture_global_rng, torch_trainer.restore_global_rng
+
+    def counting_capture() -> Any:
+        calls["capture"] += 1
+        return capture()
+
+    def counting_restore(state: Any) -> None:
+        calls["restore"] += 1
+        restore(state)
+
+    monkeypatch.setattr(torch_trainer, "capture_global_rng", counting_capture)
+    monkeypatch.setattr(torch_trainer, "restore_global_rng", counting_restore)
+    trainer.evaluate()
+    assert calls == {"capture": 0, "restore": 1}
+    trainer.train()
+    assert calls == {"capture": 1, "restore": 2}
+
+
+class CustomTrain(torch.nn.Module):
+    """A module whose ``train()`` does more than set the flags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+        self.switches = 0
+
+    def train(self, mode: bool = True) -> CustomTrain:
+        self.switches += 1
+        return super().train(mode)
+
+
+class WithCustomModule(DigitsTrainer):
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.extra_module = CustomTrain()
+
+    def evaluate(self) -> dict[str, float]:
+        out = super().evaluate()
+        out["extra_training"] = float(self.extra_module.training)
+        out["model_training"] = float(self.model.training)
+        return out
+
+
+def test_evaluate_switches_modes_through_a_custom_train() -> None:
+    """``evaluate()`` puts every module in eval mode; a module that overrides
+    ``train()`` gets its own ``eval()`` called, plain ones only their flags set."""
+    trainer = WithCustomModule(CONFIG)
+    trainer.model.train()
+    out = trainer.evaluate()
+    assert out["extra_training"] == 0.0 and out["model_training"] == 0.0
+    assert trainer.extra_module.switches >= 1
+    assert trainer.model.training and trainer.extra_module.training
+    assert all(m.training for m in trainer.model.modules())
+
+
+def test_warmup_imports_what_the_first_trainer_build_would() -> None:
+    """A worker warms its trainer class up while the workers start; the first trainer it
+    builds then imports nothing more (before: the first optimizer imported
+    ``torch._dynamo``, seconds that the first batch reported as its load time)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from stagetree.torch.examples import DigitsConvTrainer\n"
+        "DigitsConvTrainer.warmup()\n"
+        "before = set(sys.modules)\n"
+        "DigitsConvTrainer({'optimizer': 'momentum', 'channels': 4})\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

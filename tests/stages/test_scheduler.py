@@ -205,6 +205,59 @@ def test_worker_whose_trainer_sits_at_the_start_is_preferred() -> None:
     assert (promo.worker, promo.start_at, segs(promo)) == (1, (node, 50), [(node, 50, 80)])
 
 
+def _held(h: Harness, trials: list[tuple[str, int]]) -> list[RunBatch]:
+    """Train each ``(root, steps)`` trial of CONST to its end, one after another, and
+    return their batches (each worker then holds the model its last batch ended at)."""
+    done = []
+    for root, steps in trials:
+        (_, out) = h.trial(CONST, steps, root=root)
+        (batch,) = only(out, RunBatch)
+        finish(h, batch)
+        done.append(batch)
+    return done
+
+
+def _requests(h: Harness, trials: list[tuple[str, int]]) -> list[Any]:
+    """Add the trials' requests together: one decision after all of them."""
+    events: list[Any] = []
+    for root, steps in trials:
+        if root not in h.roots:
+            h.roots.add(root)
+            events.append(RootAdded(root, {"seed": 0, "root": root}))
+        ins = h.plan.insert_trial(root, CONST, steps, request=False)
+        events += [NodeAdded(node) for node in ins.new_nodes]
+        events.append(RequestAdded(ins.node, ins.step))
+    return h.sched.handle_all(events)
+
+
+def test_a_tie_goes_to_the_model_a_worker_holds() -> None:
+    h = Harness(workers=1)
+    _, y = _held(h, [("x", 50), ("y", 50)])
+    assert y.segments[0].node == 2  # worker 0 holds y's model at (2, 50)
+    # Both promotions cost the same: the one that continues the held model runs first,
+    # without a load (before: the first in the tree's order, loading x's checkpoint).
+    (first,) = only(_requests(h, [("x", 100), ("y", 100)]), RunBatch)
+    assert (first.worker, first.start_at, first.root_key) == (0, (2, 50), "y")
+
+
+def test_a_worker_holding_ready_work_is_kept_for_it() -> None:
+    h = Harness(workers=2)
+    (_, out) = h.trial(CONST, 50, root="x")
+    (x,) = only(out, RunBatch)
+    (_, out) = h.trial(CONST, 30, root="z")
+    (z,) = only(out, RunBatch)
+    finish(h, x)
+    finish(h, z)
+    assert (x.worker, z.worker) == (0, 1)
+    # worker 0 holds x at (1, 50); the longest path (a fresh trial) goes to worker 1,
+    # which holds nothing that ready work continues, and x's promotion continues on
+    # worker 0 (before: the fresh trial took worker 0, and x's model was loaded on 1).
+    out = only(_requests(h, [("q", 200), ("x", 100)]), RunBatch)
+    by_root = {b.root_key: b for b in out}
+    assert by_root["q"].worker == 1
+    assert (by_root["x"].worker, by_root["x"].start_at) == (0, (1, 50))
+
+
 def test_checkpointed_request_without_metrics_is_evaluated_only() -> None:
     h = Harness(workers=1)
     h(RootAdded("r", {}))

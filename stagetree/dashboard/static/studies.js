@@ -19,7 +19,8 @@ export class StudiesView {
         <h1>Studies</h1>
         <p class="lead">Every study of this storage. Steps <em>requested</em> are what its trials
         ask for, <em>unique</em> what remains once shared prefixes are merged, <em>executed</em>
-        what was trained; the saving is requested ÷ executed.</p>
+        what was trained; the saving is (executed + saved) ÷ executed, where saved are the steps the
+        finished trials requested beyond those executed (requested ÷ executed once every trial finished).</p>
         <div class="table-wrap"><table class="data studies" id="studies-table">
           <thead><tr>
             <th>Study</th><th>State</th><th class="num">Trials</th>

@@ -130,16 +130,17 @@ export class StudyPage {
     const maxSteps = Math.max(alone.steps || 0, ran.steps || 0, 1);
     const bar = (v) => `${Math.max(0.5, (100 * (v || 0)) / maxSteps).toFixed(1)}%`;
     box.innerHTML = `
-      <div class="saving-big" title="steps if every trial trained alone ÷ steps that ran">
+      <div class="saving-big" title="(steps that ran + steps saved) ÷ steps that ran">
         <span class="x">${fmtRatio(sv.ratio)}</span><span class="cap">saving</span></div>
       <div class="saving-bars">
-        <div class="sb-row"><span class="sb-label">every trial alone</span>
+        <div class="sb-row"><span class="sb-label" title="what ran + the steps sharing saved the finished trials">without sharing</span>
           <span class="sb-track"><span class="sb-bar alone" style="width:${bar(alone.steps)}"></span></span>
           <span class="sb-val">${fmtInt(alone.steps)} steps · ${fmtSeconds(alone.device_seconds)}</span></div>
         <div class="sb-row"><span class="sb-label">what ran</span>
           <span class="sb-track"><span class="sb-bar ran" style="width:${bar(ran.steps)}"></span></span>
           <span class="sb-val">${fmtInt(ran.steps)} steps · ${fmtSeconds(ran.device_seconds)}</span></div>
-        <div class="sb-note">${sv.seconds_per_step !== null && sv.seconds_per_step !== undefined
+        <div class="sb-note">${sv.saved && sv.saved.steps !== null && sv.saved.steps !== undefined
+          ? `${fmtInt(sv.saved.steps)} steps saved · ` : ""}${sv.seconds_per_step !== null && sv.seconds_per_step !== undefined
           ? `${fmtSeconds(sv.seconds_per_step)} per executed step` : ""}${
           s && s.merge_rate ? ` · merge rate of the plan ${fmtRatio(s.merge_rate)}` : ""}</div>
       </div>`;

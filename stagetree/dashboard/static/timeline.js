@@ -1,6 +1,7 @@
 // The workers timeline: a Gantt chart, one lane per worker, one bar per batch from its
 // start to its end (or now, while it runs); the checkpoint load is the hatched start of a
-// bar, checkpoint saves are marks above it; a grey lane shows through where the worker
+// bar (a batch that starts a fresh model, at step 0, loads nothing: its start, building
+// the trainer, is pale instead), checkpoint saves are marks above it; a grey lane shows through where the worker
 // was idle. Wheel zooms the time axis, drag pans.
 
 import { api } from "./api.js";
@@ -36,6 +37,7 @@ export class TimelineView {
         <div class="toolbar">
           <div class="legend">${legend}
             <span class="key"><span class="sw hatch"></span>loading a checkpoint</span>
+            <span class="key"><span class="sw build"></span>building a fresh trainer</span>
             <span class="key"><span class="save-key">▼</span>checkpoint saved</span>
             <span class="key"><span class="sw idle"></span>idle</span>
           </div>
@@ -206,9 +208,9 @@ export class TimelineView {
       const xl = Math.min(xb, cx(b.started + (b.load_seconds || 0)));
       // thin bars (zoomed out) go without their outline and marks: zoom in to see them
       const wide = xb - xa >= 6;
-      let g = `<g class="batch" data-batch="${esc(b.key)}" data-state="${esc(b.state)}">` +
+      let g = `<g class="batch" data-batch="${esc(b.key)}" data-state="${esc(b.state)}" data-start="${esc(b.start_step)}">` +
         `<rect class="bar${wide ? "" : " thin"}" x="${xa.toFixed(1)}" y="${y}" width="${(xb - xa).toFixed(1)}" height="${BAR}" fill="${BATCH_COLOURS[b.state] || "#888"}"/>`;
-      if (xl - xa >= 1) g += `<rect class="load" x="${xa.toFixed(1)}" y="${y}" width="${(xl - xa).toFixed(1)}" height="${BAR}"/>`;
+      if (xl - xa >= 1) g += `<rect class="${fresh(b) ? "build" : "load"}" x="${xa.toFixed(1)}" y="${y}" width="${(xl - xa).toFixed(1)}" height="${BAR}"/>`;
       if (wide) {
         for (const [t] of b.saves || []) {
           const xs = cx(t).toFixed(1);
@@ -285,8 +287,14 @@ export class TimelineView {
       worker ${esc(b.worker)} <span class="muted">${esc(b.location ?? "")}</span><br>${segs}<br>
       trials ${trials.slice(0, 20).map((t) => `#${esc(t)}`).join(", ")}${trials.length > 20 ? ` … (${trials.length})` : ""}<br>
       ${fmtClock(b.started)} → ${b.ended ? fmtClock(b.ended) : "running"} (${fmtSeconds(dur)})<br>
-      load ${fmtSeconds(b.load_seconds)} · busy ${fmtSeconds(b.busy_seconds)} · ${(b.saves || []).length} checkpoint save${(b.saves || []).length === 1 ? "" : "s"}`, event);
+      ${fresh(b) ? "fresh trainer built in" : "checkpoint load"} ${fmtSeconds(b.load_seconds)} · busy ${fmtSeconds(b.busy_seconds)} · ${(b.saves || []).length} checkpoint save${(b.saves || []).length === 1 ? "" : "s"}`, event);
   }
+}
+
+// A batch from step 0 starts a fresh model: its start time built the trainer, it loaded
+// no checkpoint (a batch from a later step loads one, or continues a model in memory).
+function fresh(b) {
+  return (b.start_step || 0) === 0;
 }
 
 function fmtElapsed(v, span, decimals) {
