@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TreeCurves",
+    "best_record",
     "best_trial",
     "failures",
     "final_metrics",
@@ -224,25 +225,23 @@ def records_of(
     """:class:`TrialRecord` of each trial row (:func:`trial_rows`), with its learning
     curve cut from one bulk read of each plan tree (``curves``, made when None)."""
     curves = curves if curves is not None else TreeCurves(storage)
-    out = []
-    for trial in trials:
-        error = (
-            TrialError.from_attrs(trial.get("attrs"))
-            if trial["state"] == TrialState.FAILED
-            else None
-        )
-        out.append(
-            TrialRecord(
-                int(trial["id"]),
-                dict(trial.get("config") or {}),
-                dict(trial.get("hp") or {}),
-                int(trial["steps"]),
-                str(trial["state"]),
-                curves.of(trial),
-                error,
-            )
-        )
-    return out
+    return [_record(trial, curves.of(trial)) for trial in trials]
+
+
+def _record(trial: Mapping[str, Any], metrics: dict[int, dict[str, float]]) -> TrialRecord:
+    """The :class:`TrialRecord` of a (full) trial row with its ``metrics`` by step."""
+    error = (
+        TrialError.from_attrs(trial.get("attrs")) if trial["state"] == TrialState.FAILED else None
+    )
+    return TrialRecord(
+        int(trial["id"]),
+        dict(trial.get("config") or {}),
+        dict(trial.get("hp") or {}),
+        int(trial["steps"]),
+        str(trial["state"]),
+        metrics,
+        error,
+    )
 
 
 def final_metrics(
@@ -349,16 +348,46 @@ def final_records(
     return out
 
 
-def trial_records(storage: BasePlanStorage, study: str, version: Any = None) -> list[TrialRecord]:
+def trial_records(
+    storage: BasePlanStorage, study: str, version: Any = None, *, history: bool = True
+) -> list[TrialRecord]:
     """Every trial of ``study`` of trainer version ``version`` (default: the version of
     the study's latest run), in id order, with its metrics by step. A study the storage
-    does not hold has none."""
+    does not hold has none.
+
+    With ``history=False`` each record's ``metrics`` hold its final step's only (``{steps:
+    metrics}``, empty when it has none there): one point per trial read by query instead
+    of every learning curve (what a study of 100,000 trials can afford to list).
+    """
     rows = _trials(storage, study, version)[0]
-    records = records_of(storage, rows)
+    records = records_of(storage, rows) if history else final_records(storage, rows)
     lineage = study_lineage(storage, study, rows) if rows else {}
     for record in records:
         record.lineage = lineage.get(record.id, [])
     return records
+
+
+def best_record(
+    storage: BasePlanStorage, study: str, metric: str, mode: str = "max", version: Any = None
+) -> TrialRecord | None:
+    """The best trial of ``study`` (of ``version``, as in :func:`trial_records`) by
+    :func:`best_trial`'s rule, with its whole learning curve and lineage: what
+    ``best_trial(trial_records(...), metric, mode)`` returns, with the final metrics of
+    every trial read by query and only the best one's history. None when no trial has a
+    finite ``metric`` at its final step.
+
+    Raises:
+        ValueError: ``mode`` is not ``"max"`` or ``"min"``.
+    """
+    check_mode(mode)
+    rows = _trials(storage, study, version, light=True)[0]
+    best = best_trial(final_records(storage, rows), metric, mode)
+    if best is None:
+        return None
+    row = storage.trial(best.id)
+    record = _record(row, _along(storage, row) if row.get("node") is not None else {})
+    record.lineage = study_lineage(storage, study, rows).get(record.id, [])
+    return record
 
 
 def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:
