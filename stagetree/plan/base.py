@@ -520,6 +520,19 @@ class BasePlanStorage(ABC):
                 ends (a dashboard following a large study).
         """
 
+    def final_metrics(self, study: str) -> dict[int, dict[str, float]]:
+        """The stored metrics of each trial of ``study`` at its final step, by trial id,
+        for the trials whose row ends at its steps (``node`` set and ``step == steps``)
+        and that have metrics there: :meth:`metrics_at` of every such trial's
+        ``(node, steps)``, in one read (a backend answers it with one query)."""
+        keys = {
+            int(t["id"]): (int(t["node"]), int(t["steps"]))
+            for t in self.trials(study, light=True)
+            if t.get("node") is not None and t.get("step") == t["steps"]
+        }
+        points = self.metrics_at(keys.values())
+        return {tid: points[key] for tid, key in keys.items() if key in points}
+
     @abstractmethod
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         """Append a JSON-able record to the study's decision log; returns its sequence

@@ -456,6 +456,18 @@ class MemoryPlanStorage(BasePlanStorage):
             self._check_open()
             return [_copy_trial(t, light) for t in self._trials.values() if t["study"] == study]
 
+    def final_metrics(self, study: str) -> dict[int, dict[str, float]]:
+        with self._lock:
+            self._check_open()
+            out: dict[int, dict[str, float]] = {}
+            for t in self._trials.values():
+                if t["study"] != study or t["node"] is None or t["step"] != t["steps"]:
+                    continue
+                stored = self._metrics.get(t["node"], {}).get(t["steps"])
+                if stored is not None:
+                    out[t["id"]] = shown_metrics(stored)
+            return out
+
     @_writes
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         text = _codec.dumps(dict(record), "log record")
@@ -580,10 +592,10 @@ class MemoryPlanStorage(BasePlanStorage):
 
 def _copy_trial(trial: dict[str, Any], light: bool = False) -> dict[str, Any]:
     out = dict(trial)
-    out["attrs"] = _codec.copy(trial["attrs"])
+    out["attrs"] = _codec.detach(trial["attrs"])  # stored as copied: JSON types only
     if light:
         del out["config"], out["hp"]
     else:
-        out["config"] = _codec.copy(trial["config"])
+        out["config"] = _codec.detach(trial["config"])
         out["hp"] = dict(trial["hp"])
     return out

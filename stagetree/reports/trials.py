@@ -248,14 +248,17 @@ def final_metrics(
     storage: BasePlanStorage,
     trials: Iterable[Mapping[str, Any]],
     curves: TreeCurves | None = None,
+    study: str | None = None,
 ) -> dict[int, dict[str, float]]:
     """The metrics of each trial row at its final step (``steps``), by trial id (trials
     without any there are left out): what :func:`records_of` would hold at that step,
-    without reading the learning curves. One :meth:`BasePlanStorage.metrics_at` read,
-    or taken from ``curves`` when its trees are read already; a row whose end lags its
-    steps walks its path (:meth:`BasePlanStorage.metrics_along`)."""
+    without reading the learning curves. One :meth:`BasePlanStorage.metrics_at` read
+    (:meth:`BasePlanStorage.final_metrics` of ``study`` when the rows are that study's:
+    one query), or taken from ``curves`` when its trees are read already; a row whose
+    end lags its steps walks its path (:meth:`BasePlanStorage.metrics_along`)."""
     out: dict[int, dict[str, float]] = {}
     keys: dict[int, tuple[int, int]] = {}
+    stored = storage.final_metrics(study) if study is not None and curves is None else None
     for t in trials:
         if t.get("node") is None:
             continue
@@ -271,6 +274,10 @@ def final_metrics(
             else:
                 point = curves.metrics(root).get(node, {}).get(steps)
                 found = None if point is None else dict(point)
+            if found is not None:
+                out[int(t["id"])] = found
+        elif stored is not None:
+            found = stored.get(int(t["id"]))
             if found is not None:
                 out[int(t["id"])] = found
         else:
@@ -330,13 +337,15 @@ def final_records(
     storage: BasePlanStorage,
     trials: Iterable[Mapping[str, Any]],
     curves: TreeCurves | None = None,
+    study: str | None = None,
 ) -> list[TrialRecord]:
     """:class:`TrialRecord` of each trial row whose ``metrics`` hold only its final
-    step's (:func:`final_metrics`): all that :func:`ranked_metric`, :func:`best_trial`
-    and :func:`final_value` read, at the cost of one point per trial. ``config`` and
-    ``hp`` are the rows' own (not copied; empty for light rows)."""
+    step's (:func:`final_metrics`, of ``study``'s rows when it is given): all that
+    :func:`ranked_metric`, :func:`best_trial` and :func:`final_value` read, at the cost
+    of one point per trial. ``config`` and ``hp`` are the rows' own (not copied; empty
+    for light rows)."""
     rows = list(trials)
-    finals = final_metrics(storage, rows, curves)
+    finals = final_metrics(storage, rows, curves, study)
     out = []
     for t in rows:
         tid, steps = int(t["id"]), int(t["steps"])
@@ -348,6 +357,7 @@ def final_records(
     return out
 
 
+@quiet_gc
 def trial_records(
     storage: BasePlanStorage, study: str, version: Any = None, *, history: bool = True
 ) -> list[TrialRecord]:
@@ -360,13 +370,14 @@ def trial_records(
     of every learning curve (what a study of 100,000 trials can afford to list).
     """
     rows = _trials(storage, study, version)[0]
-    records = records_of(storage, rows) if history else final_records(storage, rows)
+    records = records_of(storage, rows) if history else final_records(storage, rows, study=study)
     lineage = study_lineage(storage, study, rows) if rows else {}
     for record in records:
         record.lineage = lineage.get(record.id, [])
     return records
 
 
+@quiet_gc
 def best_record(
     storage: BasePlanStorage, study: str, metric: str, mode: str = "max", version: Any = None
 ) -> TrialRecord | None:
@@ -381,10 +392,16 @@ def best_record(
     """
     check_mode(mode)
     rows = _trials(storage, study, version, light=True)[0]
-    best = best_trial(final_records(storage, rows), metric, mode)
+    finals = final_metrics(storage, rows, study=study)
+    best: tuple[tuple[int, float, int], int] | None = None
+    for t in rows:  # best_trial's rule, without a record per trial
+        tid = int(t["id"])
+        key = best_key(t["steps"], finals.get(tid, {}).get(metric), mode, tid)
+        if key is not None and (best is None or key > best[0]):
+            best = (key, tid)
     if best is None:
         return None
-    row = storage.trial(best.id)
+    row = storage.trial(best[1])
     record = _record(row, _along(storage, row) if row.get("node") is not None else {})
     record.lineage = study_lineage(storage, study, rows).get(record.id, [])
     return record
