@@ -962,11 +962,16 @@ class SQLPlanStorage(BasePlanStorage):
         attrs: Mapping[str, Any] | None = None,
         unique: bool = False,
     ) -> int:
+        ident = (
+            root_key,
+            _codec.dumps(dict(config), "trial config"),
+            dumps_hp(check_trial(TreeIndex(root_key), hp, steps)),
+        )
         row = {
             "study": study,
             "root_key": root_key,
-            "config": _codec.dumps(dict(config), "trial config"),
-            "hp": dumps_hp(check_trial(TreeIndex(root_key), hp, steps)),
+            "config": ident[1],
+            "hp": ident[2],
             "steps": steps,
             "node": node,
             "step": step,
@@ -977,7 +982,7 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=True) as conn:
             self._check_study(conn, study)
             if unique:  # one row per (study, root, config, hp)
-                old = self._same_trial(conn, study, (root_key, row["config"], row["hp"]))
+                old = self._same_trial(conn, study, ident)
                 if old is not None:
                     return old
             trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
