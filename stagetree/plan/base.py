@@ -438,6 +438,14 @@ class BasePlanStorage(ABC):
     def add_stats(self, scope: str, **deltas: float) -> None:
         """Atomically add ``deltas`` to the counters of ``scope`` (created at 0)."""
 
+    def add_stats_many(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
+        """:meth:`add_stats` of several scopes (``{scope: {key: delta}}``) at once, in one
+        transaction on a database: what the engine counts when a batch ends (the
+        storage's, the tree's and each study's counters) costs one commit, not one a
+        scope. A backend without transactions adds them one scope after another."""
+        for scope, values in deltas.items():
+            self.add_stats(scope, **values)
+
     @abstractmethod
     def stats(self, scope: str | None = None) -> dict[str, float]:
         """Counters of ``scope``, or their sums over all scopes when None."""

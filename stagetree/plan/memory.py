@@ -333,11 +333,19 @@ class MemoryPlanStorage(BasePlanStorage):
 
     @_writes
     def add_stats(self, scope: str, **deltas: float) -> None:
+        self._add_stats({scope: deltas})
+
+    @_writes
+    def add_stats_many(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
+        self._add_stats(deltas)
+
+    def _add_stats(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
         with self._lock:
             self._check_open()
-            counters = self._stats[scope]
-            for key, delta in deltas.items():
-                counters[key] = counters.get(key, 0.0) + float(delta)
+            for scope, values in deltas.items():
+                counters = self._stats[scope]
+                for key, delta in values.items():
+                    counters[key] = counters.get(key, 0.0) + float(delta)
 
     def stats(self, scope: str | None = None) -> dict[str, float]:
         with self._lock:

@@ -879,27 +879,35 @@ class SQLPlanStorage(BasePlanStorage):
     # -- accounting ----------------------------------------------------------------------
 
     def add_stats(self, scope: str, **deltas: float) -> None:
-        if not deltas:
+        self.add_stats_many({scope: deltas})
+
+    def add_stats_many(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
+        scopes = {scope: values for scope, values in deltas.items() if values}
+        if not scopes:
             return
         with self._tx(write=True) as conn:
-            old = dict(
+            for scope, values in scopes.items():
+                self._add_stats(conn, scope, values)
+
+    @staticmethod
+    def _add_stats(conn: Connection, scope: str, deltas: Mapping[str, float]) -> None:
+        """Add ``deltas`` to ``scope``'s counters inside the transaction ``conn``."""
+        old = dict(
+            conn.execute(
+                select(_stats.c.key, _stats.c.value).where(
+                    _stats.c.scope == scope, _stats.c.key.in_(list(deltas))
+                )
+            ).all()
+        )
+        for key, delta in deltas.items():
+            if key in old:
                 conn.execute(
-                    select(_stats.c.key, _stats.c.value).where(
-                        _stats.c.scope == scope, _stats.c.key.in_(list(deltas))
-                    )
-                ).all()
-            )
-            for key, delta in deltas.items():
-                if key in old:
-                    conn.execute(
-                        _stats.update()
-                        .where(_stats.c.scope == scope, _stats.c.key == key)
-                        .values(value=_stats.c.value + float(delta))
-                    )
-                else:
-                    conn.execute(
-                        _stats.insert(), {"scope": scope, "key": key, "value": float(delta)}
-                    )
+                    _stats.update()
+                    .where(_stats.c.scope == scope, _stats.c.key == key)
+                    .values(value=_stats.c.value + float(delta))
+                )
+            else:
+                conn.execute(_stats.insert(), {"scope": scope, "key": key, "value": float(delta)})
 
     def stats(self, scope: str | None = None) -> dict[str, float]:
         if scope is None:

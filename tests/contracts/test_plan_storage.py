@@ -763,6 +763,20 @@ def test_unique_add_trial_is_idempotent_per_study_root_config_hp(backend: Backen
     assert plan.trial(first)["steps"] == 10  # the caller updates steps itself
 
 
+def test_stats_of_several_scopes_are_added_in_one_write(plan: BasePlanStorage) -> None:
+    plan.add_stats("engine", steps_executed=2.0)
+    before = plan.revision()
+    plan.add_stats_many(
+        {"engine": {"steps_executed": 3.0, "device_seconds": 1.5}, "root:r": {"steps_executed": 3}}
+    )
+    assert plan.revision() == before + 1  # one transaction for every scope
+    assert plan.stats("engine") == {"device_seconds": 1.5, "steps_executed": 5.0}
+    assert plan.stats("root:r") == {"steps_executed": 3.0}
+    plan.add_stats_many({})
+    plan.add_stats_many({"engine": {}})
+    assert plan.stats("engine") == {"device_seconds": 1.5, "steps_executed": 5.0}
+
+
 def test_final_metrics_of_a_study_are_its_rows_final_points(backend: Backend) -> None:
     plan = backend.storage
     plan.create_study("s", {})
