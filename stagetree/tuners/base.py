@@ -352,7 +352,7 @@ class ReplayingRunner:
         return job
 
     def _finished(self, key: int) -> None:
-        if key not in self._done_keys:
+        if key not in self._done_keys and key in self._jobs:  # not returned already
             self._done_keys.add(key)
             self._ending += 1
             self._ended[key] = self._ending
@@ -361,7 +361,7 @@ class ReplayingRunner:
     def _on_done(self, key: int, _task: asyncio.Future[Any]) -> None:
         # A task cancelled before it started never ran its ``finally``: count it here.
         self._finished(key)
-        ended = self._ended.pop(key)
+        ended = self._ended.pop(key, 0)
         # Wake wait_first one loop turn after a job of its pool ended while it waited,
         # as asyncio.wait(FIRST_COMPLETED) does: the jobs found done on waking, hence
         # the decisions, stay what they were.
