@@ -492,9 +492,9 @@ class Study(StudyAPI):
             )
         return open_existing_storage(url)
 
-    def trials(self) -> list[TrialRecord]:
+    def trials(self, history: bool = True) -> list[TrialRecord]:
         with self.reading() as storage:
-            return report_trials.trial_records(storage, self.name, self.version)
+            return report_trials.trial_records(storage, self.name, self.version, history=history)
 
     def failures(self) -> list[tuple[int, TrialError]]:
         with self.reading() as storage:
@@ -503,7 +503,8 @@ class Study(StudyAPI):
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
-        return report_trials.best_trial(self.trials(), metric, mode)
+        with self.reading() as storage:
+            return report_trials.best_record(storage, self.name, metric, mode, self.version)
 
     def trials_dataframe(self, history: bool = False) -> Any:
         export.require("pandas", "pandas", "a DataFrame of trials")

@@ -615,10 +615,12 @@ class StudyAPI(abc.ABC):
     # -- reports -------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def trials(self) -> list[TrialRecord]:
+    def trials(self, history: bool = True) -> list[TrialRecord]:
         """Every trial of this study trained by this version of the trainer (trials of
         other versions are kept in the storage but never mixed in) with its metrics by
-        step."""
+        step. With ``history=False``, each trial's metrics at its final step only
+        (``{steps: metrics}``): no learning curve is read, which a study of 100,000
+        trials lists in about a second."""
 
     @abc.abstractmethod
     def failures(self) -> list[tuple[int, TrialError]]:

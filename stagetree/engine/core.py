@@ -980,13 +980,14 @@ class Engine:
             },
         )
         device = ev.busy_seconds * self._devices_per_worker
-        self.storage.add_stats("engine", device_seconds=device, steps_executed=ev.steps)
+        counted: dict[str, dict[str, float]] = {
+            "engine": {"device_seconds": device, "steps_executed": ev.steps}
+        }
         if batch is not None:  # per tree too, so each study can count its own
-            self.storage.add_stats(
-                root_scope(batch.root_key), device_seconds=device, steps_executed=ev.steps
-            )
+            counted[root_scope(batch.root_key)] = dict(counted["engine"])
         if ev.load_seconds:
-            self.storage.add_stats("engine", ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
+            counted["engine"].update(ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
+        self.storage.add_stats_many(counted)  # one transaction
         if batch is not None and ev.steps:
             batch.rate = ev.busy_seconds * self._devices_per_worker / ev.steps
 

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["copy", "dumps", "loads", "loads_many"]
+__all__ = ["copy", "detach", "dumps", "loads", "loads_many"]
 
 
 def dumps(value: Any, what: str = "value") -> str:
@@ -46,3 +46,14 @@ def loads_many(texts: Iterable[str]) -> list[Any]:
 def copy(value: Any, what: str = "value") -> Any:
     """A deep copy through JSON: checks JSON-ability and detaches from the caller."""
     return loads(dumps(value, what))
+
+
+def detach(value: Any) -> Any:
+    """A deep copy of a value that :func:`copy` made (JSON types only: dicts with str
+    keys, lists, scalars), without encoding it again: what a reader of stored rows gets,
+    a few times faster than a second :func:`copy` (a study's 100,000 trial rows)."""
+    if isinstance(value, dict):
+        return {k: detach(v) if isinstance(v, (dict, list)) else v for k, v in value.items()}
+    if isinstance(value, list):
+        return [detach(v) if isinstance(v, (dict, list)) else v for v in value]
+    return value

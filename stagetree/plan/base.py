@@ -458,6 +458,14 @@ class BasePlanStorage(ABC):
     def add_stats(self, scope: str, **deltas: float) -> None:
         """Atomically add ``deltas`` to the counters of ``scope`` (created at 0)."""
 
+    def add_stats_many(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
+        """:meth:`add_stats` of several scopes (``{scope: {key: delta}}``) at once, in one
+        transaction on a database: what the engine counts when a batch ends (the
+        storage's, the tree's and each study's counters) costs one commit, not one a
+        scope. A backend without transactions adds them one scope after another."""
+        for scope, values in deltas.items():
+            self.add_stats(scope, **values)
+
     @abstractmethod
     def stats(self, scope: str | None = None) -> dict[str, float]:
         """Counters of ``scope``, or their sums over all scopes when None."""
@@ -539,6 +547,19 @@ class BasePlanStorage(ABC):
                 the cost of reading many rows): for readers of the trials' states and
                 ends (a dashboard following a large study).
         """
+
+    def final_metrics(self, study: str) -> dict[int, dict[str, float]]:
+        """The stored metrics of each trial of ``study`` at its final step, by trial id,
+        for the trials whose row ends at its steps (``node`` set and ``step == steps``)
+        and that have metrics there: :meth:`metrics_at` of every such trial's
+        ``(node, steps)``, in one read (a backend answers it with one query)."""
+        keys = {
+            int(t["id"]): (int(t["node"]), int(t["steps"]))
+            for t in self.trials(study, light=True)
+            if t.get("node") is not None and t.get("step") == t["steps"]
+        }
+        points = self.metrics_at(keys.values())
+        return {tid: points[key] for tid, key in keys.items() if key in points}
 
     @abstractmethod
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:

@@ -339,11 +339,19 @@ class MemoryPlanStorage(BasePlanStorage):
 
     @_writes
     def add_stats(self, scope: str, **deltas: float) -> None:
+        self._add_stats({scope: deltas})
+
+    @_writes
+    def add_stats_many(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
+        self._add_stats(deltas)
+
+    def _add_stats(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
         with self._lock:
             self._check_open()
-            counters = self._stats[scope]
-            for key, delta in deltas.items():
-                counters[key] = counters.get(key, 0.0) + float(delta)
+            for scope, values in deltas.items():
+                counters = self._stats[scope]
+                for key, delta in values.items():
+                    counters[key] = counters.get(key, 0.0) + float(delta)
 
     def stats(self, scope: str | None = None) -> dict[str, float]:
         with self._lock:
@@ -461,6 +469,18 @@ class MemoryPlanStorage(BasePlanStorage):
         with self._lock:
             self._check_open()
             return [_copy_trial(t, light) for t in self._trials.values() if t["study"] == study]
+
+    def final_metrics(self, study: str) -> dict[int, dict[str, float]]:
+        with self._lock:
+            self._check_open()
+            out: dict[int, dict[str, float]] = {}
+            for t in self._trials.values():
+                if t["study"] != study or t["node"] is None or t["step"] != t["steps"]:
+                    continue
+                stored = self._metrics.get(t["node"], {}).get(t["steps"])
+                if stored is not None:
+                    out[t["id"]] = shown_metrics(stored)
+            return out
 
     @_writes
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
@@ -586,10 +606,10 @@ class MemoryPlanStorage(BasePlanStorage):
 
 def _copy_trial(trial: dict[str, Any], light: bool = False) -> dict[str, Any]:
     out = dict(trial)
-    out["attrs"] = _codec.copy(trial["attrs"])
+    out["attrs"] = _codec.detach(trial["attrs"])  # stored as copied: JSON types only
     if light:
         del out["config"], out["hp"]
     else:
-        out["config"] = _codec.copy(trial["config"])
+        out["config"] = _codec.detach(trial["config"])
         out["hp"] = dict(trial["hp"])
     return out

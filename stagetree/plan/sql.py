@@ -409,6 +409,10 @@ class SQLPlanStorage(BasePlanStorage):
         self._trees: dict[str, TreeIndex] = {}
         self._node_cache: dict[int, Node] = {}
         self._seqs = SeqCache()
+        # study -> (largest trial id read, {hash of (root_key, config, hp): first id}):
+        # add_trial(unique=True) looks its row up here and reads only the rows added
+        # since, instead of comparing every row of the study
+        self._trial_keys: dict[str, tuple[int, dict[int, int]]] = {}
         try:
             parsed = make_url(url)
         except ArgumentError as exc:
@@ -1024,27 +1028,36 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def add_stats(self, scope: str, **deltas: float) -> None:
-        if not deltas:
+        self.add_stats_many({scope: deltas})
+
+    @_retried
+    def add_stats_many(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
+        scopes = {scope: values for scope, values in deltas.items() if values}
+        if not scopes:
             return
         with self._tx(write=True) as conn:
-            old = dict(
+            for scope, values in scopes.items():
+                self._add_stats(conn, scope, values)
+
+    @staticmethod
+    def _add_stats(conn: Connection, scope: str, deltas: Mapping[str, float]) -> None:
+        """Add ``deltas`` to ``scope``'s counters inside the transaction ``conn``."""
+        old = dict(
+            conn.execute(
+                select(_stats.c.key, _stats.c.value).where(
+                    _stats.c.scope == scope, _stats.c.key.in_(list(deltas))
+                )
+            ).all()
+        )
+        for key, delta in deltas.items():
+            if key in old:
                 conn.execute(
-                    select(_stats.c.key, _stats.c.value).where(
-                        _stats.c.scope == scope, _stats.c.key.in_(list(deltas))
-                    )
-                ).all()
-            )
-            for key, delta in deltas.items():
-                if key in old:
-                    conn.execute(
-                        _stats.update()
-                        .where(_stats.c.scope == scope, _stats.c.key == key)
-                        .values(value=_stats.c.value + float(delta))
-                    )
-                else:
-                    conn.execute(
-                        _stats.insert(), {"scope": scope, "key": key, "value": float(delta)}
-                    )
+                    _stats.update()
+                    .where(_stats.c.scope == scope, _stats.c.key == key)
+                    .values(value=_stats.c.value + float(delta))
+                )
+            else:
+                conn.execute(_stats.insert(), {"scope": scope, "key": key, "value": float(delta)})
 
     @_retried
     def stats(self, scope: str | None = None) -> dict[str, float]:
@@ -1112,11 +1125,16 @@ class SQLPlanStorage(BasePlanStorage):
         attrs: Mapping[str, Any] | None = None,
         unique: bool = False,
     ) -> int:
+        ident = (
+            root_key,
+            _codec.dumps(dict(config), "trial config"),
+            dumps_hp(check_trial(TreeIndex(root_key), hp, steps)),
+        )
         row = {
             "study": study,
             "root_key": root_key,
-            "config": _codec.dumps(dict(config), "trial config"),
-            "hp": dumps_hp(check_trial(TreeIndex(root_key), hp, steps)),
+            "config": ident[1],
+            "hp": ident[2],
             "steps": steps,
             "node": node,
             "step": step,
@@ -1126,23 +1144,41 @@ class SQLPlanStorage(BasePlanStorage):
         }
         with self._tx(write=True) as conn:
             self._check_study(conn, study)
-            old = None
             if unique:  # one row per (study, root, config, hp)
-                old = conn.execute(
-                    select(_trials.c.id)
-                    .where(
-                        _trials.c.study == study,
-                        _trials.c.root_key == root_key,
-                        _trials.c.config == row["config"],
-                        _trials.c.hp == row["hp"],
-                    )
-                    .order_by(_trials.c.id)
-                ).first()
-            if old is not None:
-                return int(old.id)
+                old = self._same_trial(conn, study, ident)
+                if old is not None:
+                    return old
             trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
             conn.execute(_trials.insert(), {"id": trial_id, **row})
             return int(trial_id)
+
+    def _same_trial(self, conn: Connection, study: str, ident: tuple[str, str, str]) -> int | None:
+        """The first trial of ``study`` with ``ident`` (root key, config and hp as
+        stored), through this handle's index of the study's rows: the rows added since
+        its last look (by this process or another) are read by id, a match is checked
+        on its row, and only a hash collision compares the study's rows in SQL."""
+        c = _trials.c
+        last, index = self._trial_keys.get(study, (0, {}))
+        added = conn.execute(
+            select(c.id, c.root_key, c.config, c.hp)
+            .where(c.study == study, c.id > last)
+            .order_by(c.id)
+        ).all()
+        for r in added:
+            index.setdefault(hash((r.root_key, r.config, r.hp)), int(r.id))
+        self._trial_keys[study] = (int(added[-1].id) if added else last, index)
+        found = index.get(hash(ident))
+        if found is None:
+            return None
+        row = conn.execute(select(c.root_key, c.config, c.hp).where(c.id == found)).first()
+        if row is not None and tuple(row) == ident:
+            return found
+        old = conn.execute(  # another row with the same hash came first
+            select(c.id)
+            .where(c.study == study, c.root_key == ident[0], c.config == ident[1], c.hp == ident[2])
+            .order_by(c.id)
+        ).first()
+        return None if old is None else int(old.id)
 
     @_retried
     def update_trial(
@@ -1183,6 +1219,20 @@ class SQLPlanStorage(BasePlanStorage):
             # Decoded through the sequence cache (under the lock): a study's trials
             # share a few sequences, and their nodes hold the same ones.
             return _trials_of(rows, None if light else self._seqs.decode_hp_many)
+
+    @_retried
+    def final_metrics(self, study: str) -> dict[int, dict[str, float]]:
+        t, m = _trials.c, _metrics.c
+        query = (
+            select(t.id, m.data)
+            .select_from(_trials.join(_metrics, (m.node == t.node) & (m.step == t.steps)))
+            .where(t.study == study, t.step == t.steps)
+            .order_by(t.id)
+        )
+        with self._tx(write=False) as conn:
+            rows = conn.execute(query).all()
+        datas = _codec.loads_many([r[1] for r in rows])
+        return {int(r[0]): _shown(data) for r, data in zip(rows, datas)}
 
     @_retried
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
@@ -1348,6 +1398,7 @@ class SQLPlanStorage(BasePlanStorage):
             _md.drop_all(conn)
         self._trees.clear()
         self._node_cache.clear()
+        self._trial_keys.clear()
 
 
 # The columns of an ActivityRecord, in its fields' order.

@@ -33,6 +33,7 @@ __all__ = [
     "TrialRecord",
     "accounting",
     "best_key",
+    "best_record",
     "best_trial",
     "efficiency",
     "export_records",

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TreeCurves",
+    "best_record",
     "best_trial",
     "failures",
     "final_metrics",
@@ -224,39 +225,40 @@ def records_of(
     """:class:`TrialRecord` of each trial row (:func:`trial_rows`), with its learning
     curve cut from one bulk read of each plan tree (``curves``, made when None)."""
     curves = curves if curves is not None else TreeCurves(storage)
-    out = []
-    for trial in trials:
-        error = (
-            TrialError.from_attrs(trial.get("attrs"))
-            if trial["state"] == TrialState.FAILED
-            else None
-        )
-        out.append(
-            TrialRecord(
-                int(trial["id"]),
-                dict(trial.get("config") or {}),
-                dict(trial.get("hp") or {}),
-                int(trial["steps"]),
-                str(trial["state"]),
-                curves.of(trial),
-                error,
-            )
-        )
-    return out
+    return [_record(trial, curves.of(trial)) for trial in trials]
+
+
+def _record(trial: Mapping[str, Any], metrics: dict[int, dict[str, float]]) -> TrialRecord:
+    """The :class:`TrialRecord` of a (full) trial row with its ``metrics`` by step."""
+    error = (
+        TrialError.from_attrs(trial.get("attrs")) if trial["state"] == TrialState.FAILED else None
+    )
+    return TrialRecord(
+        int(trial["id"]),
+        dict(trial.get("config") or {}),
+        dict(trial.get("hp") or {}),
+        int(trial["steps"]),
+        str(trial["state"]),
+        metrics,
+        error,
+    )
 
 
 def final_metrics(
     storage: BasePlanStorage,
     trials: Iterable[Mapping[str, Any]],
     curves: TreeCurves | None = None,
+    study: str | None = None,
 ) -> dict[int, dict[str, float]]:
     """The metrics of each trial row at its final step (``steps``), by trial id (trials
     without any there are left out): what :func:`records_of` would hold at that step,
-    without reading the learning curves. One :meth:`BasePlanStorage.metrics_at` read,
-    or taken from ``curves`` when its trees are read already; a row whose end lags its
-    steps walks its path (:meth:`BasePlanStorage.metrics_along`)."""
+    without reading the learning curves. One :meth:`BasePlanStorage.metrics_at` read
+    (:meth:`BasePlanStorage.final_metrics` of ``study`` when the rows are that study's:
+    one query), or taken from ``curves`` when its trees are read already; a row whose
+    end lags its steps walks its path (:meth:`BasePlanStorage.metrics_along`)."""
     out: dict[int, dict[str, float]] = {}
     keys: dict[int, tuple[int, int]] = {}
+    stored = storage.final_metrics(study) if study is not None and curves is None else None
     for t in trials:
         if t.get("node") is None:
             continue
@@ -272,6 +274,10 @@ def final_metrics(
             else:
                 point = curves.metrics(root).get(node, {}).get(steps)
                 found = None if point is None else dict(point)
+            if found is not None:
+                out[int(t["id"])] = found
+        elif stored is not None:
+            found = stored.get(int(t["id"]))
             if found is not None:
                 out[int(t["id"])] = found
         else:
@@ -331,13 +337,15 @@ def final_records(
     storage: BasePlanStorage,
     trials: Iterable[Mapping[str, Any]],
     curves: TreeCurves | None = None,
+    study: str | None = None,
 ) -> list[TrialRecord]:
     """:class:`TrialRecord` of each trial row whose ``metrics`` hold only its final
-    step's (:func:`final_metrics`): all that :func:`ranked_metric`, :func:`best_trial`
-    and :func:`final_value` read, at the cost of one point per trial. ``config`` and
-    ``hp`` are the rows' own (not copied; empty for light rows)."""
+    step's (:func:`final_metrics`, of ``study``'s rows when it is given): all that
+    :func:`ranked_metric`, :func:`best_trial` and :func:`final_value` read, at the cost
+    of one point per trial. ``config`` and ``hp`` are the rows' own (not copied; empty
+    for light rows)."""
     rows = list(trials)
-    finals = final_metrics(storage, rows, curves)
+    finals = final_metrics(storage, rows, curves, study)
     out = []
     for t in rows:
         tid, steps = int(t["id"]), int(t["steps"])
@@ -349,16 +357,54 @@ def final_records(
     return out
 
 
-def trial_records(storage: BasePlanStorage, study: str, version: Any = None) -> list[TrialRecord]:
+@quiet_gc
+def trial_records(
+    storage: BasePlanStorage, study: str, version: Any = None, *, history: bool = True
+) -> list[TrialRecord]:
     """Every trial of ``study`` of trainer version ``version`` (default: the version of
     the study's latest run), in id order, with its metrics by step. A study the storage
-    does not hold has none."""
+    does not hold has none.
+
+    With ``history=False`` each record's ``metrics`` hold its final step's only (``{steps:
+    metrics}``, empty when it has none there): one point per trial read by query instead
+    of every learning curve (what a study of 100,000 trials can afford to list).
+    """
     rows = _trials(storage, study, version)[0]
-    records = records_of(storage, rows)
+    records = records_of(storage, rows) if history else final_records(storage, rows, study=study)
     lineage = study_lineage(storage, study, rows) if rows else {}
     for record in records:
         record.lineage = lineage.get(record.id, [])
     return records
+
+
+@quiet_gc
+def best_record(
+    storage: BasePlanStorage, study: str, metric: str, mode: str = "max", version: Any = None
+) -> TrialRecord | None:
+    """The best trial of ``study`` (of ``version``, as in :func:`trial_records`) by
+    :func:`best_trial`'s rule, with its whole learning curve and lineage: what
+    ``best_trial(trial_records(...), metric, mode)`` returns, with the final metrics of
+    every trial read by query and only the best one's history. None when no trial has a
+    finite ``metric`` at its final step.
+
+    Raises:
+        ValueError: ``mode`` is not ``"max"`` or ``"min"``.
+    """
+    check_mode(mode)
+    rows = _trials(storage, study, version, light=True)[0]
+    finals = final_metrics(storage, rows, study=study)
+    best: tuple[tuple[int, float, int], int] | None = None
+    for t in rows:  # best_trial's rule, without a record per trial
+        tid = int(t["id"])
+        key = best_key(t["steps"], finals.get(tid, {}).get(metric), mode, tid)
+        if key is not None and (best is None or key > best[0]):
+            best = (key, tid)
+    if best is None:
+        return None
+    row = storage.trial(best[1])
+    record = _record(row, _along(storage, row) if row.get("node") is not None else {})
+    record.lineage = study_lineage(storage, study, rows).get(record.id, [])
+    return record
 
 
 def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:

@@ -451,7 +451,8 @@ def create_app(hub: Hub, token: str, allowed: frozenset[str] | None = None) -> S
     @endpoint
     async def trials(request: Request) -> Response:
         session = session_of(request)
-        records = await blocking(session.study.trials)
+        history = request.query_params.get("history", "1") not in ("0", "false")
+        records = await blocking(session.study.trials, history)
         return JSON({"trials": [record_to_json(r) for r in records]})
 
     @endpoint

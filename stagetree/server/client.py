@@ -457,8 +457,9 @@ class RemoteStudy(StudyAPI):
 
     # -- reports -------------------------------------------------------------------------
 
-    def trials(self) -> list[TrialRecord]:
-        return [record_from_json(t) for t in self._call("GET", "/trials")["trials"]]
+    def trials(self, history: bool = True) -> list[TrialRecord]:
+        params = None if history else {"history": "0"}
+        return [record_from_json(t) for t in self._call("GET", "/trials", params=params)["trials"]]
 
     def best(self, metric: str, mode: str = "max") -> TrialRecord | None:
         raw = self._call("GET", "/best", params={"metric": metric, "mode": mode})["trial"]

@@ -78,7 +78,8 @@ class SyncBracketTuner(Tuner):
                 ranked = [t for t in self._ranked(b.values) if b.values[t] > -math.inf]
                 b.rung += 1
                 survivors = ranked[: b.spec.counts[b.rung]]
+                kept = set(survivors)
                 for tid in b.values:
-                    if tid not in survivors:
+                    if tid not in kept:
                         self._prune(tid)  # the rung stopped it: tell the sampler
                 launch(b, [self.trials[t] for t in survivors])

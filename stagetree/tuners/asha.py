@@ -11,8 +11,10 @@ stop-only variant).
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
+from collections import Counter
 from typing import Any
 
 from stagetree.exceptions import TunerError
@@ -110,7 +112,7 @@ class ASHA(Tuner):
         top = len(levels) - 1
         self.rungs = [[{} for _ in levels] for _ in range(self.num_brackets)]
         self.promotions = []
-        promoted: list[list[set[int]]] = [[set() for _ in levels] for _ in self.rungs]
+        ranks = [[_RungRank(eta) for _ in levels] for _ in self.rungs]
         in_flight: dict[Job, tuple[int, int]] = {}
         # With the default concurrency in a study that shares prefixes, a worker is busy
         # per distinct remaining path, not per job: jobs that train the same steps
@@ -118,37 +120,37 @@ class ASHA(Tuner):
         # counts distinct work and fills idle workers, as "whenever a worker frees".
         distinct = self.max_concurrent is None and ctx.shares_work()
         work: dict[Job, tuple[Any, ...]] = {}
+        paths: Counter[tuple[Any, ...]] = Counter()  # jobs in flight per distinct work
 
         def occupied() -> int:
-            return len(set(work.values())) if distinct else len(in_flight)
+            return len(paths) if distinct else len(in_flight)
+
+        def start(job: Job, b: int, level: int, since: int) -> Job:
+            in_flight[job] = (b, level)
+            if distinct:
+                key = work[job] = _work_key(job.trial, since, levels[level])
+                paths[key] += 1
+            return job
 
         def get_job() -> Job | None:
             for level in range(top - 1, -1, -1):
-                for b, rungs in enumerate(self.rungs):
-                    rung = rungs[level]
-                    for tid in self._ranked(rung)[: len(rung) // eta]:
-                        if rung[tid] > -math.inf and tid not in promoted[b][level]:
-                            promoted[b][level].add(tid)
-                            self.promotions.append((tid, b, level))
-                            job = ctx.submit(
-                                self.trials[tid], levels[level + 1], "promote", bracket=b,
-                                rung=level + 1,
-                            )  # fmt: skip
-                            in_flight[job] = (b, level + 1)
-                            if distinct:
-                                work[job] = _work_key(job.trial, levels[level], levels[level + 1])
-                            return job
+                for b, rungs in enumerate(ranks):
+                    tid = rungs[level].promotable()
+                    if tid is not None:
+                        rungs[level].promote()
+                        self.promotions.append((tid, b, level))
+                        job = ctx.submit(
+                            self.trials[tid], levels[level + 1], "promote", bracket=b,
+                            rung=level + 1,
+                        )  # fmt: skip
+                        return start(job, b, level + 1, levels[level])
             if len(self.trials) < len(specs):
                 spec = specs[len(self.trials)]
                 if self._bridge is not None:
                     ctx.declare([spec])
                 trial = self._new_trial(spec.config, spec.hp)
                 b = trial.id % self.num_brackets
-                job = ctx.submit(trial, levels[b], "submit", bracket=b, rung=b)
-                in_flight[job] = (b, b)
-                if distinct:
-                    work[job] = _work_key(trial, 0, levels[b])
-                return job
+                return start(ctx.submit(trial, levels[b], "submit", bracket=b, rung=b), b, b, 0)
             return None
 
         while True:
@@ -158,15 +160,21 @@ class ASHA(Tuner):
                 return
             job = await ctx.wait_first(in_flight)
             b, level = in_flight.pop(job)
-            work.pop(job, None)
-            rung = self.rungs[b][level]
-            rung[job.trial.id] = self._observe(job)
-            if self._bridge is not None and level < top:
-                # Optuna's SuccessiveHalvingPruner rule, ties kept: trials sharing a
-                # prefix tie at early rungs, and one of them may well be promoted later
-                threshold = sorted(rung.values(), reverse=True)[max(1, len(rung) // eta) - 1]
-                if rung[job.trial.id] < threshold or rung[job.trial.id] == -math.inf:
-                    self._prune(job.trial.id)
+            key = work.pop(job, None)
+            if key is not None:
+                paths[key] -= 1
+                if not paths[key]:
+                    del paths[key]
+            value = self.rungs[b][level][job.trial.id] = self._observe(job)
+            ranks[b][level].add(job.trial.id, value)
+            # Optuna's SuccessiveHalvingPruner rule, ties kept: trials sharing a prefix
+            # tie at early rungs, and one of them may well be promoted later
+            if (
+                self._bridge is not None
+                and level < top
+                and (value < ranks[b][level].threshold() or value == -math.inf)
+            ):
+                self._prune(job.trial.id)
 
     @property
     def horizon(self) -> int:
@@ -215,6 +223,62 @@ class AsyncHyperband(ASHA):
             max_concurrent=max_concurrent,
             sampler=sampler,
         )
+
+
+class _RungRank:
+    """One rung's members ranked as results arrive, for ``get_job``'s question "the best
+    member not promoted yet: is it in the top ``len // eta``?" in O(log n).
+
+    Members are keys ``(-value, trial id)`` (smaller is better: value first, ties to
+    the older trial). ``_top`` (a max-heap, keys negated) holds the best
+    ``len // eta`` members, ``_rest`` (a min-heap) the others, ``_open`` (a min-heap)
+    the members not promoted yet.
+    """
+
+    def __init__(self, eta: int) -> None:
+        self.eta = eta
+        self.size = 0
+        self._top: list[tuple[float, int]] = []
+        self._rest: list[tuple[float, int]] = []
+        self._open: list[tuple[float, int]] = []
+
+    def add(self, tid: int, value: float) -> None:
+        """A member's value (``-inf`` for a failure or a non-finite metric)."""
+        key = (-value, tid)
+        self.size += 1
+        heapq.heappush(self._open, key)
+        if self._top and key < _neg(self._top[0]):
+            heapq.heappush(self._top, _neg(key))
+        else:
+            heapq.heappush(self._rest, key)
+        want = self.size // self.eta
+        while len(self._top) > want:
+            heapq.heappush(self._rest, _neg(heapq.heappop(self._top)))
+        while len(self._top) < want:
+            heapq.heappush(self._top, _neg(heapq.heappop(self._rest)))
+
+    def promotable(self) -> int | None:
+        """The best member not promoted yet when it ranks in the top ``len // eta`` with
+        a finite value, else None."""
+        if not self._open or not self._top:
+            return None
+        key = self._open[0]
+        if key[0] == math.inf or key > _neg(self._top[0]):
+            return None
+        return key[1]
+
+    def promote(self) -> None:
+        """Mark the member :meth:`promotable` named as promoted."""
+        heapq.heappop(self._open)
+
+    def threshold(self) -> float:
+        """The ``max(1, len // eta)``-th best value (a rung with members)."""
+        key = _neg(self._top[0]) if self._top else self._rest[0]
+        return -key[0]
+
+
+def _neg(key: tuple[float, int]) -> tuple[float, int]:
+    return (-key[0], -key[1])
 
 
 def _work_key(trial: Trial, start: int, stop: int) -> tuple[Any, ...]:

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import json
 import math
 import random
 import warnings
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -224,8 +225,17 @@ class ReplayingRunner:
         self._log = _effective_log(runner.read_log())
         self._pos = 0
         self._next_key = 0
-        self._jobs: dict[int, Job] = {}
+        self._jobs: dict[int, Job] = {}  # submitted and not returned by wait_first yet
         self._workers: int | None = None
+        # Keys of finished jobs not returned yet, smallest first: wait_first takes the
+        # smallest without scanning every job in flight. A job's key is pushed as its
+        # coroutine ends, so it is here exactly when ``job.task.done()`` is true.
+        self._done: list[int] = []
+        self._done_keys: set[int] = set()
+        self._ending = 0  # jobs ended so far
+        self._ended: dict[int, int] = {}  # key -> order its job ended in (till woken on)
+        self._waiter: asyncio.Future[None] | None = None
+        self._waiting: tuple[int, Set[Job] | Mapping[Job, Any]] | None = None
 
     # -- state
 
@@ -331,11 +341,55 @@ class ReplayingRunner:
         runner = self._runner
 
         async def call() -> TrialResult:
-            return await runner.submit(dict(trial.config), dict(trial.hp), steps)
+            try:
+                return await runner.submit(dict(trial.config), dict(trial.hp), steps)
+            finally:
+                self._finished(key)
 
         job = Job(key, trial, steps, asyncio.ensure_future(call()))
+        job.task.add_done_callback(functools.partial(self._on_done, key))
         self._jobs[key] = job
         return job
+
+    def _finished(self, key: int) -> None:
+        if key not in self._done_keys and key in self._jobs:  # not returned already
+            self._done_keys.add(key)
+            self._ending += 1
+            self._ended[key] = self._ending
+            heapq.heappush(self._done, key)
+
+    def _on_done(self, key: int, _task: asyncio.Future[Any]) -> None:
+        # A task cancelled before it started never ran its ``finally``: count it here.
+        self._finished(key)
+        ended = self._ended.pop(key, 0)
+        # Wake wait_first one loop turn after a job of its pool ended while it waited,
+        # as asyncio.wait(FIRST_COMPLETED) does: the jobs found done on waking, hence
+        # the decisions, stay what they were.
+        if self._waiter is None or self._waiting is None or self._waiter.done():
+            return
+        since, pool = self._waiting
+        if ended > since and self._jobs.get(key) in pool:
+            self._waiter.set_result(None)
+
+    def _take_done(self, pool: Set[Job] | Mapping[Job, Any]) -> Job | None:
+        """The finished job of ``pool`` with the smallest key (removed from the finished
+        ones), None when none of ``pool`` has finished."""
+        skipped: list[int] = []
+        found: Job | None = None
+        while self._done:
+            key = heapq.heappop(self._done)
+            job = self._jobs.get(key)
+            if job is None:  # returned already (a replayed completion)
+                self._done_keys.discard(key)
+            elif job in pool:
+                self._done_keys.discard(key)
+                found = job
+                break
+            else:
+                skipped.append(key)
+        for key in skipped:
+            heapq.heappush(self._done, key)
+        return found
 
     async def wait_first(self, jobs: Iterable[Job]) -> Job:
         """Wait until one of ``jobs`` is done and return it (one job per call).
@@ -343,18 +397,20 @@ class ReplayingRunner:
         Live, the finished job with the smallest key wins when several are done; while
         replaying, the job the log names next. Failed and cancelled jobs are returned
         too (see :attr:`Job.status`); any other exception from the runner propagates.
+        Pass the jobs in flight as a dict or a set: the call then costs O(log n) in the
+        number of jobs, whatever their number (another iterable is copied into a set).
         """
-        pool = list(jobs)
+        pool: Set[Job] | Mapping[Job, Any] = jobs if isinstance(jobs, (Set, Mapping)) else set(jobs)
         if not pool:
             raise ValueError("wait_first needs at least one job")
-        by_key = {j.key: j for j in pool}
         if self.replaying:
             rec = self._log[self._pos]
-            job = by_key.get(rec.get("key", -1)) if rec.get("event") == "done" else None
-            if job is None:
-                self._diverge(f"logged {rec}, now waiting for jobs {sorted(by_key)}")
+            job = self._jobs.get(rec.get("key", -1)) if rec.get("event") == "done" else None
+            if job is None or job not in pool:
+                self._diverge(f"logged {rec}, now waiting for jobs {sorted(j.key for j in pool)}")
             else:
                 await asyncio.wait([job.task])
+                del self._jobs[job.key]
                 status = job.status
                 if status == rec.get("status"):
                     self._pos += 1
@@ -362,13 +418,18 @@ class ReplayingRunner:
                 self._diverge(f"job {job.key} was {rec.get('status')!r}, now {status!r}")
                 self._runner.append_log({"event": "done", "key": job.key, "status": status})
                 return job
-        done = [j for j in pool if j.task.done()]
-        if not done:
-            await asyncio.wait([j.task for j in pool], return_when=asyncio.FIRST_COMPLETED)
-            done = [j for j in pool if j.task.done()]
-        job = min(done, key=lambda j: j.key)
-        self._append({"event": "done", "key": job.key, "status": job.status})
-        return job
+        found = self._take_done(pool)
+        while found is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiting = (self._ending, pool)
+            try:
+                await self._waiter
+            finally:
+                self._waiter = self._waiting = None
+            found = self._take_done(pool)
+        del self._jobs[found.key]
+        self._append({"event": "done", "key": found.key, "status": found.status})
+        return found
 
     wait_any = wait_first
 

@@ -321,10 +321,12 @@ class PBT(Tuner):
         order = sorted(range(n), key=lambda i: (-values[i], members[i].id))
         nq = max(1, min(n // 2, math.ceil(n * self.quantile)))
         donors = [i for i in order[:nq] if values[i] > -math.inf]
+        is_donor = set(donors)
+        rank = {i: r for r, i in enumerate(order)}
         bottom = set(order[n - nq :]) | {i for i in range(n) if values[i] == -math.inf}
         out: list[Trial | None] = list(members)
-        for i in sorted(bottom, key=order.index):
-            if i in donors:
+        for i in sorted(bottom, key=rank.__getitem__):
+            if i in is_donor:
                 continue
             if not donors:
                 if i in failed:

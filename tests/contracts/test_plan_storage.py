@@ -780,6 +780,43 @@ def test_unique_add_trial_is_idempotent_per_study_root_config_hp(backend: Backen
     assert plan.trial(first)["steps"] == 10  # the caller updates steps itself
 
 
+def test_stats_of_several_scopes_are_added_in_one_write(plan: BasePlanStorage) -> None:
+    plan.add_stats("engine", steps_executed=2.0)
+    before = plan.revision()
+    plan.add_stats_many(
+        {"engine": {"steps_executed": 3.0, "device_seconds": 1.5}, "root:r": {"steps_executed": 3}}
+    )
+    assert plan.revision() == before + 1  # one transaction for every scope
+    assert plan.stats("engine") == {"device_seconds": 1.5, "steps_executed": 5.0}
+    assert plan.stats("root:r") == {"steps_executed": 3.0}
+    plan.add_stats_many({})
+    plan.add_stats_many({"engine": {}})
+    assert plan.stats("engine") == {"device_seconds": 1.5, "steps_executed": 5.0}
+
+
+def test_final_metrics_of_a_study_are_its_rows_final_points(backend: Backend) -> None:
+    plan = backend.storage
+    plan.create_study("s", {})
+    plan.create_study("t", {})
+    a = plan.insert_trial(R, lr(Constant(0.1)), 4)
+    b = plan.insert_trial(R, lr(Constant(0.2)), 6)
+    plan.put_metrics_many(
+        [(a.node, s, {"m": s / 10}, True) for s in range(1, 5)]
+        + [(b.node, 6, {"m": math.nan}, False)]
+    )
+    done = plan.add_trial("s", R, {}, lr(Constant(0.1)), 4, a.node, 4)
+    nan = plan.add_trial("s", R, {}, lr(Constant(0.2)), 6, b.node, 6)
+    plan.add_trial("s", R, {}, lr(Constant(0.1)), 8, a.node, 4)  # its row's end lags
+    plan.add_trial("s", R, {}, lr(Constant(0.3)), 4, None, None)  # not in the tree
+    early = plan.add_trial("s", R, {}, lr(Constant(0.1)), 2, a.node, 2)
+    plan.add_trial("t", R, {}, lr(Constant(0.1)), 4, a.node, 4)  # another study's
+    found = plan.final_metrics("s")
+    assert sorted(found) == [done, nan, early]
+    assert found[done] == {"m": 0.4} and found[early] == {"m": 0.2}
+    assert math.isnan(found[nan]["m"])
+    assert plan.final_metrics("nosuch") == {}
+
+
 def test_claim_is_all_or_nothing_and_respects_other_owners(backend: Backend) -> None:
     a = backend.storage
     b = backend.reopen() if backend.reopen is not None else a

@@ -315,6 +315,21 @@ def test_tune_with_each_tuner(make: Make, tuner: str) -> None:
 # ----------------------------------------------------------------------------- reports
 
 
+def test_trials_without_history_hold_final_metrics_and_best_its_curve(make: Make) -> None:
+    study = make("final-only")
+    study.tune(SHA(SPACE, "score", min_steps=1, max_steps=4, num_trials=4, eta=2), progress=False)
+    full = study.trials()
+    finals = study.trials(history=False)
+    assert [(t.id, t.config, t.hp, t.steps, t.state) for t in finals] == [
+        (t.id, t.config, t.hp, t.steps, t.state) for t in full
+    ]
+    assert [t.metrics for t in finals] == [{t.steps: t.metrics[t.steps]} for t in full]
+    best = study.best("score")
+    assert best is not None and best.metrics == next(t for t in full if t.id == best.id).metrics
+    assert len(best.metrics) > 1  # its whole learning curve
+    agree("final-only", [t.metrics for t in finals])
+
+
 def test_stats_progress_and_export(make: Make) -> None:
     pd = pytest.importorskip("pandas")
     study = make("reports")

@@ -236,3 +236,30 @@ def test_a_run_counts_only_what_it_trained(
         more = study.stats()
     assert 0 < more["steps_unique_trained"] < more["steps_unique"]  # this run's work only
     assert more["wall_seconds"] > 0 and 0.0 < more["efficiency"] <= 1.0
+
+
+class _CountingStorage(MemoryPlanStorage):
+    """A memory plan that records each write of counters (one entry per transaction a
+    database would commit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[dict[str, dict[str, float]]] = []
+
+    def add_stats(self, scope: str, **deltas: float) -> None:
+        self.writes.append({scope: dict(deltas)})
+        super().add_stats(scope, **deltas)
+
+    def add_stats_many(self, deltas: Any) -> None:
+        self.writes.append({s: dict(d) for s, d in deltas.items()})
+        super().add_stats_many(deltas)
+
+
+def test_a_batch_end_counts_the_storage_and_its_tree_in_one_write() -> None:
+    storage = _CountingStorage()
+    with Study("s", LinearTrainer, storage=storage, executor="inline") as study:
+        study.tune(GridSearch(GridSpace({"lr": LRS}, fixed={"seed": [0]}), "score", steps=8))
+    ends = [w for w in storage.writes if "device_seconds" in w.get("engine", {})]
+    assert ends  # every batch's end is counted...
+    for write in ends:  # ...for the storage and for its tree at once
+        assert any(scope.startswith("root:") for scope in write), write

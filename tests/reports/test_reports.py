@@ -4,6 +4,7 @@ and that equals ``Study.stats()``; pure, read-only functions of a storage."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from pathlib import Path
@@ -17,7 +18,7 @@ from stagetree import Study, cli, reports
 from stagetree import study as study_module
 from stagetree.exceptions import PlanKeyError
 from stagetree.hp import Constant, MultiStep
-from stagetree.plan import open_storage
+from stagetree.plan import BasePlanStorage, open_storage
 from stagetree.ranking import best_key
 from stagetree.records import TrialRecord
 from stagetree.reports.trials import best_trial
@@ -203,6 +204,32 @@ def test_reports_read_a_readonly_storage(tmp_path: Path) -> None:
             reports.study_status(storage, "nosuch")
 
 
+def _curves_study(storage: BasePlanStorage) -> None:
+    """Study ``s``: trials at their end, short of it, with a NaN final point, with a
+    row whose end lags, outside the tree, and ending before a branch."""
+    storage.create_study("s", {})
+    const, decay, late = Constant(0.1), MultiStep(0.1, [4], 0.5), MultiStep(0.1, [7], 0.5)
+    ins = {
+        name: storage.insert_trial("r", {"lr": seq}, steps)
+        for name, seq, steps in (("const", const, 10), ("decay", decay, 10), ("late", late, 9))
+    }
+    node = {name: i.node for name, i in ins.items()}
+    points = [(node["const"], s, {"m": s / 10, "x": 1.0}, True) for s in range(1, 11)]
+    points += [(node["decay"], s, {"m": -s / 10}, s % 2 == 0) for s in (5, 6, 7)]  # short
+    points += [(node["late"], 9, {"m": math.nan}, False)]  # final, train() only, NaN
+    storage.put_metrics_many(points)
+    rows = [
+        ("done", {"lr": const}, 10, node["const"], 10),
+        ("running", {"lr": decay}, 10, node["decay"], 10),  # short of its end
+        ("done", {"lr": late}, 9, node["late"], 9),
+        ("pending", {"lr": const}, 12, node["const"], 10),  # its row's end lags
+        ("pending", {"lr": MultiStep(0.1, [2], 0.1)}, 5, None, None),  # not in the tree
+        ("done", {"lr": decay}, 3, node["const"], 3),  # ends before the branch
+    ]
+    for state, hp, steps, n, step in rows:
+        storage.add_trial("s", "r", {}, hp, steps, n, step, state=state)
+
+
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_final_and_last_points_are_those_of_the_learning_curves(tmp_path: Path, kind: str) -> None:
     """What the status, the curves and the trials table read of each trial (its final
@@ -210,27 +237,7 @@ def test_final_and_last_points_are_those_of_the_learning_curves(tmp_path: Path, 
     (:func:`reports.records_of`), without reading the curves."""
     url = "memory://" if kind == "memory" else _url(tmp_path)
     with open_storage(url) as storage:
-        storage.create_study("s", {})
-        const, decay, late = Constant(0.1), MultiStep(0.1, [4], 0.5), MultiStep(0.1, [7], 0.5)
-        ins = {
-            name: storage.insert_trial("r", {"lr": seq}, steps)
-            for name, seq, steps in (("const", const, 10), ("decay", decay, 10), ("late", late, 9))
-        }
-        node = {name: i.node for name, i in ins.items()}
-        points = [(node["const"], s, {"m": s / 10, "x": 1.0}, True) for s in range(1, 11)]
-        points += [(node["decay"], s, {"m": -s / 10}, s % 2 == 0) for s in (5, 6, 7)]  # short
-        points += [(node["late"], 9, {"m": math.nan}, False)]  # final, train() only, NaN
-        storage.put_metrics_many(points)
-        rows = [
-            ("done", {"lr": const}, 10, node["const"], 10),
-            ("running", {"lr": decay}, 10, node["decay"], 10),  # short of its end
-            ("done", {"lr": late}, 9, node["late"], 9),
-            ("pending", {"lr": const}, 12, node["const"], 10),  # its row's end lags
-            ("pending", {"lr": MultiStep(0.1, [2], 0.1)}, 5, None, None),  # not in the tree
-            ("done", {"lr": decay}, 3, node["const"], 3),  # ends before the branch
-        ]
-        for state, hp, steps, n, step in rows:
-            storage.add_trial("s", "r", {}, hp, steps, n, step, state=state)
+        _curves_study(storage)
         trials = storage.trials("s")
         full = {r.id: r for r in reports.records_of(storage, trials)}
         finals = reports.final_metrics(storage, trials)
@@ -257,3 +264,45 @@ def test_final_and_last_points_are_those_of_the_learning_curves(tmp_path: Path, 
             expected_best = reports.best_trial(list(full.values()), "m", mode)
             assert best is not None and expected_best is not None
             assert best.id == expected_best.id
+
+
+class _NoCurves:
+    """A storage whose plan trees' metrics cannot be read whole: a reader that reads
+    every learning curve to answer (100,000 of them in a large study) fails."""
+
+    def __init__(self, storage: BasePlanStorage) -> None:
+        self._storage = storage
+
+    def metrics(self, *args: Any, **kw: Any) -> Any:
+        raise AssertionError("read the learning curves of every trial")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_best_and_final_records_read_final_metrics_by_query(tmp_path: Path, kind: str) -> None:
+    """``Study.best()`` (:func:`reports.best_record`) and ``Study.trials(history=False)``
+    give what the full records give (the best one with its whole curve), reading final
+    points only."""
+    url = "memory://" if kind == "memory" else _url(tmp_path)
+    with open_storage(url) as storage:
+        _curves_study(storage)
+        full = reports.trial_records(storage, "s")
+        quick: Any = _NoCurves(storage)
+        finals = reports.trial_records(quick, "s", history=False)
+        assert repr(finals) == repr(
+            [
+                dataclasses.replace(r, metrics={r.steps: r.metrics[r.steps]})
+                if r.steps in r.metrics
+                else dataclasses.replace(r, metrics={})
+                for r in full
+            ]
+        )
+        for mode in ("max", "min"):
+            best = reports.best_record(quick, "s", "m", mode)
+            assert best == reports.best_trial(full, "m", mode)
+            assert best is not None and len(best.metrics) > 1  # its whole curve
+        assert reports.best_record(quick, "s", "nosuch") is None
+        with pytest.raises(ValueError, match="mode"):
+            reports.best_record(quick, "s", "m", "best")
