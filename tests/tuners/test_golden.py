@@ -126,7 +126,9 @@ CASES: dict[str, Case] = {
         FakeRunner(order_seed=s),
     ),
     "median": lambda s: (
-        MedianStopping(SPACE, "acc", steps=8, num_trials=20, eval_every=2, seed=s),
+        MedianStopping(
+            SPACE, "acc", steps=8, num_trials=20, eval_every=2, seed=s, compare="reached"
+        ),
         FakeRunner(order_seed=s, workers=4),
     ),
 }
