@@ -367,7 +367,7 @@ class Study(StudyAPI):
     def _after_stop(self) -> None:
         engine = self._engine
         if not engine.run_clock.virtual:  # simulated work is pumped by tune(), now over
-            engine.settle(timeout=engine.stop_timeout)
+            engine.wait_stopped()
 
     def _run_clock(self) -> Clock:
         """The clock of a run's wall-seconds budget: the executor's (virtual time when

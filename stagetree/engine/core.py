@@ -205,6 +205,7 @@ class Engine:
         # Seconds a stop (closing, Ctrl-C, a budget) waits for the running batches to
         # checkpoint where they stand and end; workers still busy then are stopped.
         self.stop_timeout = stop_timeout
+        self._overdue: set[int] = set()  # batches a stop's wait gave up on (stuck)
         self.store = store
         self.lock = threading.RLock()
         self._executor_factory = executor_factory
@@ -361,11 +362,7 @@ class Engine:
         busy = False
         if self._thread is not None and self.error is None:
             self._stop_batches()
-            # Let the batches in flight report their end and their last checkpoints
-            # (aborted ones stop within a step), so that the plan holds what they
-            # trained and their activity and counters are complete.
-            self.settle(timeout=self.stop_timeout)
-            busy = bool(self._batches)
+            busy = not self.wait_stopped()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -393,6 +390,20 @@ class Engine:
         self.storage.close()
         if self.temporary_checkpoints:
             shutil.rmtree(self.store.directory, ignore_errors=True)
+
+    def wait_stopped(self) -> bool:
+        """After a stop (its batches were aborted): let the batches in flight report
+        their end and their last checkpoints (aborted ones stop within a step), so that
+        the plan holds what they trained and their activity and counters are complete;
+        at most :attr:`stop_timeout` seconds, and not again for batches an earlier wait
+        gave up on (a trainer stuck in a step). Returns whether every batch ended."""
+        with self.lock:
+            stuck = bool(self._batches) and set(self._batches) <= self._overdue
+        if not stuck:
+            self.settle(timeout=self.stop_timeout)
+        with self.lock:
+            self._overdue |= set(self._batches)
+            return not self._batches
 
     def _stop_batches(self) -> None:
         """Withdraw every waiting submission (its trial is cancelled) and abort every
