@@ -240,6 +240,10 @@ def run_schedule(seed: int, args: argparse.Namespace, reference: Mapping[str, fl
                     if not pids:
                         continue
                     os.kill(rng.choice(pids), signal.SIGKILL)
+                    time.sleep(0.05)
+                    # What it trained since its last checkpoint is lost (a crash): the
+                    # clean-stop check starts after it.
+                    started = len(_log_lines(log))
                 elif kind == "kill":
                     proc.kill()
                 elif kind == "int":
@@ -265,7 +269,8 @@ def run_schedule(seed: int, args: argparse.Namespace, reference: Mapping[str, fl
             if clean_before is not None:
                 again = set(_log_lines(log)[started:]) & clean_before
                 sched.after_clean_stop += len(again)
-            # What this driver trained: a clean stop keeps all of it.
+            # What this driver trained (since its last lost worker): a clean stop keeps
+            # all of it.
             clean_before = set(_log_lines(log)[started:]) if ended_by == "int" else None
             if not ended_by and proc.returncode != 0:
                 sched.error = f"the driver failed (exit {proc.returncode}): {err[-2000:]}"
