@@ -127,7 +127,8 @@ def measure(case: str, executor: str, steps: int) -> str:
         first = len(_steps(log))
         both = twice = "-"
         if case != "hung" and steps <= 100:  # the second run trains what is left
-            subprocess.run(_child(tmp, case, executor, steps), env=env, check=True, timeout=600)
+            rerun = _child(tmp, case, executor, steps)
+            subprocess.run(rerun, env=env, stdout=subprocess.DEVNULL, check=True, timeout=600)
             trained = _steps(log)
             both, twice = str(len(trained)), str(len(trained) - len(set(trained)))
         what = "tune() to exit" if case != "ctrl-c" else "signal to exit"
