@@ -122,6 +122,8 @@ class Study(StudyAPI):
             max_fused=args.max_fused,
             checkpoint_every=args.checkpoint_every,
             devices_per_worker=args.devices_per_worker,
+            step_timeout=args.step_timeout,
+            stop_timeout=args.stop_timeout,
         )
         self.placement = Placement(args.storage, args.checkpoint_dir, args.checkpoint_budget)
         trainer = args.trainer
@@ -239,6 +241,7 @@ class Study(StudyAPI):
                 store,
                 address,
                 devices_per_worker=settings.devices_per_worker,
+                step_timeout=settings.step_timeout,
             )
             return make_executor(settings.executor, options)
 
@@ -252,6 +255,7 @@ class Study(StudyAPI):
             self.eval_every,
             self.max_fused,
             settings.checkpoint_every,
+            stop_timeout=settings.stop_timeout,
         )
         engine.temporary_checkpoints = temporary
         engine.default_trainer = trainer
@@ -364,6 +368,11 @@ class Study(StudyAPI):
 
     def _virtual_time(self) -> bool:
         return self._run_clock().virtual
+
+    def _after_stop(self) -> None:
+        engine = self._engine
+        if not engine.run_clock.virtual:  # simulated work is pumped by tune(), now over
+            engine.wait_stopped()
 
     def _run_clock(self) -> Clock:
         """The clock of a run's wall-seconds budget: the executor's (virtual time when

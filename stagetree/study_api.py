@@ -84,6 +84,8 @@ class StudyArguments:
     max_fused: int | None = None
     checkpoint_every: int | str | None = "auto"
     devices_per_worker: int = 1
+    step_timeout: float | None = None
+    stop_timeout: float = 5.0
 
     def kwargs(self) -> dict[str, Any]:
         """The arguments as keywords (values kept as they are, not copied)."""
@@ -159,6 +161,8 @@ class StudyAPI(abc.ABC):
         max_fused: int | None = None,
         checkpoint_every: int | str | None = "auto",
         devices_per_worker: int = 1,
+        step_timeout: float | None = None,
+        stop_timeout: float = 5.0,
     ) -> None:
         """Make a study (nothing is opened or written yet; every argument is checked).
 
@@ -246,13 +250,26 @@ class StudyAPI(abc.ABC):
                 ``{"GPU": k}``; a simulated one trains ``k`` devices' worth faster and
                 counts ``k`` devices busy. Raises ``ValueError`` (when the workers
                 start) if ``workers * k`` devices are not visible.
+            step_timeout: seconds one training step (``setup``/``train`` and the
+                evaluations and checkpoints after it) may take on a worker process
+                (``executor="local"``); a step that takes longer fails its batch with
+                the reason (``StepTimeout: step N took longer than step_timeout=Xs``;
+                retried like any failure, ``max_retries``), and its worker process is
+                stopped and replaced (a ``train()`` that never returns cannot be
+                interrupted otherwise). None (the default): no limit.
+            stop_timeout: seconds a stop (Ctrl-C, a budget that cancels running work,
+                closing the study) waits for the running stages to checkpoint where
+                they stand and end (default 5): a later run resumes from there and
+                trains no step twice. Workers still busy then (a trainer stuck in a
+                step) are stopped without waiting.
 
         ``workers``, ``executor``, ``policy``, ``max_retries``, ``threads_per_worker``,
-        ``eval_every``, ``max_fused``, ``checkpoint_every`` and ``devices_per_worker``
-        are engine settings (:class:`~stagetree.engine.settings.EngineSettings`);
-        ``storage``, ``checkpoint_dir`` and ``checkpoint_budget`` its placement.
-        Studies on the same storage in one process share one engine, made with the
-        first study's settings (a later one that asks for others is told so with a
+        ``eval_every``, ``max_fused``, ``checkpoint_every``, ``devices_per_worker``,
+        ``step_timeout`` and ``stop_timeout`` are engine settings
+        (:class:`~stagetree.engine.settings.EngineSettings`); ``storage``,
+        ``checkpoint_dir`` and ``checkpoint_budget`` its placement. Studies on the same
+        storage in one process share one engine, made with the first study's settings
+        (a later one that asks for others is told so with a
         :class:`~stagetree.exceptions.SharedEngineWarning`). A remote study runs with
         the server's: it warns (:class:`~stagetree.exceptions.RemoteArgumentWarning`)
         when one of them is not its default.
@@ -284,6 +301,8 @@ class StudyAPI(abc.ABC):
                 max_fused=max_fused,
                 checkpoint_every=checkpoint_every,
                 devices_per_worker=devices_per_worker,
+                step_timeout=step_timeout,
+                stop_timeout=stop_timeout,
             )
         )
 
@@ -503,6 +522,8 @@ class StudyAPI(abc.ABC):
 
             with display:
                 best: TrialResult | None = self._drive(guarded())
+            if guard is not None and guard.stopped_by is not None:
+                self._after_stop()  # what the cancelled work trained is in the plan
             if guard is not None:
                 # The run's device-seconds as the study's totals count them (what was
                 # trained for this study), so that the report's two rows agree.
@@ -549,6 +570,10 @@ class StudyAPI(abc.ABC):
 
     def _ensure_started(self) -> None:  # noqa: B027 (a hook: nothing to start remotely)
         """Start the workers, when they run here."""
+
+    def _after_stop(self) -> None:  # noqa: B027 (a hook: the server waits for its own)
+        """A budget stopped the run: wait (bounded) for the cancelled batches to
+        checkpoint where they stopped, when they run here."""
 
     def _device_seconds(self) -> float:
         """Device-seconds trained for this study so far (``stats()``'s figure)."""

@@ -147,10 +147,17 @@ class AddCheckpoint:
 
 @dataclass(frozen=True)
 class Abort:
-    """Instruction: stop the batch after the current step (its work is no longer needed)."""
+    """Instruction: stop the batch after the current step (its work is no longer needed).
+
+    With ``save``, the worker first checkpoints the model where the batch stops (unless
+    it trained no step or has a checkpoint there already) and reports its
+    ``CheckpointSaved`` (or ``CheckpointFailed``) before the batch's ``BatchDone``: the
+    steps it trained stay in the plan and a later run resumes from them (a run that
+    stops: Ctrl-C, a budget, closing the study)."""
 
     batch_id: int
     worker: int
+    save: bool = False
 
 
 Instruction = RunBatch | RunFused | AddCheckpoint | Abort

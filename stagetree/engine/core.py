@@ -206,8 +206,13 @@ class Engine:
         eval_every: int = 0,
         max_fused: int = 1,
         checkpoint_every: int | str | None = "auto",
+        stop_timeout: float = 5.0,
     ) -> None:
         self.storage = storage
+        # Seconds a stop (closing, Ctrl-C, a budget) waits for the running batches to
+        # checkpoint where they stand and end; workers still busy then are stopped.
+        self.stop_timeout = stop_timeout
+        self._overdue: set[int] = set()  # batches a stop's wait gave up on (stuck)
         self.store = store
         self.lock = threading.RLock()
         self._executor_factory = executor_factory
@@ -369,20 +374,26 @@ class Engine:
             self.ledger.write_activity()  # the ends just learnt of, not at the next round
 
     def close(self) -> None:
+        """Stop: withdraw the submissions still waiting, let the running batches
+        checkpoint where they stand and end (at most :attr:`stop_timeout` seconds: a
+        later run resumes from those checkpoints, training no step twice), stop the
+        workers (at once those still busy then) and close the storage."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._close_at_exit)
+        busy = False
         if self._thread is not None and self.error is None:
-            # Every result was delivered: let the batches still in flight report their
-            # end (aborted ones stop within a step), so that their activity and counters
-            # are complete. Returns at once when submissions are still waiting.
-            self.settle(timeout=5.0)
+            self._stop_batches()
+            busy = not self.wait_stopped()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.executor is not None:
-            self.executor.close()
+            if busy:  # a trainer stuck in a step: its worker is not waited for
+                self.executor.close_now()
+            else:
+                self.executor.close()
         with self.lock:
             self.ledger.write_activity()
             self.coord.close()
@@ -402,6 +413,34 @@ class Engine:
         self.storage.close()
         if self.temporary_checkpoints:
             shutil.rmtree(self.store.directory, ignore_errors=True)
+
+    def wait_stopped(self) -> bool:
+        """After a stop (its batches were aborted): let the batches in flight report
+        their end and their last checkpoints (aborted ones stop within a step), so that
+        the plan holds what they trained and their activity and counters are complete;
+        at most :attr:`stop_timeout` seconds, and not again for batches an earlier wait
+        gave up on (a trainer stuck in a step). Returns whether every batch ended."""
+        with self.lock:
+            stuck = bool(self._batches) and set(self._batches) <= self._overdue
+        if not stuck:
+            self.settle(timeout=self.stop_timeout)
+        with self.lock:
+            self._overdue |= set(self._batches)
+            return not self._batches
+
+    def _stop_batches(self) -> None:
+        """Withdraw every waiting submission (its trial is cancelled) and abort every
+        running batch with a checkpoint where it stops (``Abort.save``): what a closing
+        engine does before it waits for its batches (:meth:`close`)."""
+        with self.lock:
+            for waiters in list(self._waiters.values()):
+                for w in list(waiters):
+                    self.cancel(w, TrialCancelledError("the study was closed"))
+            self._flush()  # the scheduler aborts what no live request needs any more
+            if self.executor is not None:
+                for batch_id, info in self.scheduler.running.items():
+                    if not info.aborted:  # what other processes still need, too
+                        self.executor.submit(work.Abort(batch_id, info.worker, save=True))
 
     # -- the front ends' way in ------------------------------------------------------------
 
@@ -758,9 +797,11 @@ class Engine:
                 events += self.coord.foreign_nodes(events)  # other processes' branch points
                 self._apply(self.scheduler.handle_all(events))
 
-    def cancel(self, waiter: Waiter) -> None:
+    def cancel(self, waiter: Waiter, error: TrialCancelledError | None = None) -> None:
         """Withdraw a submission: its reference to the request is released (work another
-        live request still needs goes on) and its trial is marked cancelled."""
+        live request still needs goes on) and its trial is marked cancelled (its future
+        fails with ``error``, default one naming the request). Batches no live request
+        needs any more stop with a checkpoint where they stand."""
         node, step = waiter.node, waiter.step
         with self.lock:
             waiters = self._waiters.get((node, step), [])
@@ -774,7 +815,9 @@ class Engine:
                 self.storage.release_request(node, step)
                 self._enqueue([RequestCancelled(node, step, study=waiter.study)])
             if not waiter.future.done():
-                waiter.future.set_exception(TrialCancelledError(f"request ({node}, {step})"))
+                if error is None:
+                    error = TrialCancelledError(f"request ({node}, {step})")
+                waiter.future.set_exception(error)
             self._set_trial_state(waiter, "cancelled")
 
     # -- driver thread -------------------------------------------------------------------
@@ -1124,6 +1167,8 @@ class Engine:
                 assert self.executor is not None
                 if isinstance(item, work.AddCheckpoint):
                     self.storage.add_stats("engine", live_splits=1)
+                else:  # what it trained is kept: a later request resumes from there
+                    item = dataclasses.replace(item, save=True)
                 self.executor.submit(item)
             elif isinstance(item, RequestDone):
                 self.resolve(item.node, item.step, metrics=dict(item.metrics))

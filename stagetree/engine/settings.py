@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -49,6 +50,16 @@ def _check_count(name: str, value: Any, least: int, optional: bool = True) -> No
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
+def _check_seconds(name: str, value: Any, optional: bool) -> None:
+    """A duration in seconds: a finite number > 0 (or None when ``optional``)."""
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        allowed = "a number of seconds > 0" + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """The settings of one engine, checked when made (see :class:`stagetree.Study` for
@@ -68,6 +79,8 @@ class EngineSettings:
     max_fused: int | None = None
     checkpoint_every: int | str | None = "auto"
     devices_per_worker: int = 1
+    step_timeout: float | None = None
+    stop_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         _check_count("workers", self.workers, 1)
@@ -81,6 +94,8 @@ class EngineSettings:
         object.__setattr__(self, "eval_every", eval_every)
         object.__setattr__(self, "max_fused", check_max_fused(self.max_fused))
         check_checkpoint_every(self.checkpoint_every)
+        _check_seconds("step_timeout", self.step_timeout, optional=True)
+        _check_seconds("stop_timeout", self.stop_timeout, optional=False)
 
     def differences(self, other: EngineSettings) -> list[tuple[str, Any, Any]]:
         """``(name, this value, other's value)`` of every setting that differs."""

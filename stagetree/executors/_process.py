@@ -55,6 +55,7 @@ class Lease:
     store: CheckpointStore  # pickles as its location
     progress_interval: float
     sys_path: tuple[str, ...] = ()
+    step_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,14 @@ def _serve(lease: Lease, threads: int, inbox: Connection, emit: Callable[[Any], 
         )
     trainers = TrainerClasses(trainer_cls)
     worker = Worker(lease.worker, trainers, store, emit, progress_interval=lease.progress_interval)
+    served = threading.Event()
+    if lease.step_timeout is not None:
+        threading.Thread(
+            target=_watch,
+            args=(worker, lease.step_timeout, served),
+            name="stagetree-step-watch",
+            daemon=True,
+        ).start()
     backlog: deque[Any] = deque()
     nothing: list[AddCheckpoint | Abort] = []
     try:
@@ -201,9 +210,27 @@ def _serve(lease: Lease, threads: int, inbox: Connection, emit: Callable[[Any], 
             elif isinstance(message, AddCheckpoint):
                 emit(SplitMissed(message.batch_id, lease.worker, message.node, message.step))
     finally:
+        served.set()
         worker.close()  # every background checkpoint write is durable after this
         del worker, trainers, trainer_cls
         gc.collect()  # the trainer's model and data go now, not with the next lease
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+
+
+#: The exit status of a worker process stopped by its step-timeout watchdog.
+STEP_TIMEOUT_EXIT = 3
+
+
+def _watch(worker: Worker, timeout: float, served: threading.Event) -> None:
+    """A step-timeout watchdog: when the step under way runs past ``timeout`` seconds,
+    its batch fails with the reason (:meth:`Worker.expire`) and the process exits (the
+    driver replaces it): a ``train()`` that never returns cannot be interrupted."""
+    period = min(1.0, max(timeout / 4, 0.01))
+    while not served.wait(period):
+        if worker.expire(timeout):
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(STEP_TIMEOUT_EXIT)

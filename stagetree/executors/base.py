@@ -129,6 +129,8 @@ class ExecutorOptions:
             --address``; None: the executor's default).
         devices_per_worker: devices each worker owns and trains on (data-parallel;
             see :mod:`stagetree.executors.devices`).
+        step_timeout: seconds a training step may take before its batch fails and its
+            worker is replaced (None: no limit; executors with worker processes).
     """
 
     trainer: Any
@@ -138,6 +140,7 @@ class ExecutorOptions:
     store: Any = None
     address: str | None = None
     devices_per_worker: int = 1
+    step_timeout: float | None = None
 
 
 class BaseExecutor(ABC):
@@ -168,6 +171,9 @@ class BaseExecutor(ABC):
       checked there: a dead worker is reported as ``WorkerLost`` (after the events it
       sent before dying) and replaced.
     * :meth:`close` stops every worker, waiting a bounded time; it is idempotent.
+      :meth:`close_now` does not wait for busy workers (a trainer stuck in a step).
+    * ``Abort(save=True)`` asks a running batch to checkpoint the model where it stops
+      before it ends (see :class:`~stagetree.work.Abort`).
     * The clock (:attr:`clock`, a :class:`Clock`): the wall clock for executors that
       run in real time (the study engine drives them from a thread, waiting in
       :meth:`events`). An executor whose time is virtual (the simulator) returns its
@@ -258,6 +264,12 @@ class BaseExecutor(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop every worker and release resources."""
+
+    def close_now(self) -> None:
+        """:meth:`close` without waiting for the batches still running: their workers
+        are stopped at once (the engine calls it when a trainer did not end its step
+        within the stop's bounded wait). Default: :meth:`close`."""
+        self.close()
 
     def __enter__(self: _E) -> _E:
         self.start()

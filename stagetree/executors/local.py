@@ -236,6 +236,10 @@ class LocalExecutor(BaseExecutor):
             ``Trainer.warmup`` itself; the server is shared with the rest of the
             program's forkserver use). ``"spawn"``: each worker is a fresh interpreter
             that imports torch and the trainer itself.
+        step_timeout: seconds a training step may take (None: no limit). A worker
+            whose step runs longer reports its batch failed
+            (``StepTimeout: step N took longer than step_timeout=Xs``) and exits; it
+            is reported lost and replaced like any worker that died.
     """
 
     supports_fusion = True
@@ -253,6 +257,7 @@ class LocalExecutor(BaseExecutor):
         keep_workers: bool = True,
         start_method: str | None = None,
         devices_per_worker: int = 1,
+        step_timeout: float | None = None,
     ) -> None:
         check_devices_per_worker(devices_per_worker)
         if num_workers is not None and num_workers < 1:
@@ -273,6 +278,7 @@ class LocalExecutor(BaseExecutor):
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
         self.threads_per_worker = threads_per_worker
         self.progress_interval = progress_interval
+        self.step_timeout = step_timeout
         self.close_timeout = close_timeout
         self.keep_workers = keep_workers
         if start_method is None:
@@ -413,6 +419,15 @@ class LocalExecutor(BaseExecutor):
                 multiprocessing.connection.wait(waitables, remaining)
 
     def close(self) -> None:
+        self._close(wait_busy=True)
+
+    def close_now(self) -> None:
+        """Close, stopping the workers still running a batch at once (a trainer stuck
+        in a step is not waited for); idle ones are released or stopped as by
+        :meth:`close`."""
+        self._close(wait_busy=False)
+
+    def _close(self, wait_busy: bool) -> None:
         # Under the lock: no other thread (the engine's, reading events) may be reading,
         # reaping or restarting a worker while they are stopped.
         with self._lock:
@@ -421,10 +436,15 @@ class LocalExecutor(BaseExecutor):
             self._closing.set()
             atexit.unregister(self._finalizer)
             self._finalizer.detach()
+            slots = self._slots
+            if not wait_busy:
+                busy = [s for s in slots if s.running]
+                shutdown_slots(busy, 0.0)
+                slots = [s for s in slots if not s.running]
             if self.keep_workers and POOL.enabled():
-                release_slots(self._slots, self.close_timeout)
+                release_slots(slots, self.close_timeout)
             else:
-                shutdown_slots(self._slots, self.close_timeout)
+                shutdown_slots(slots, self.close_timeout)
 
     # ------------------------------------------------------------------ internals
 
@@ -435,6 +455,7 @@ class LocalExecutor(BaseExecutor):
             store=self.store,
             progress_interval=self.progress_interval,
             sys_path=tuple(sys.path),
+            step_timeout=self.step_timeout,
         )
 
     def _pool_key(self, slot: Slot) -> tuple[Any, ...]:

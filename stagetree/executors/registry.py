@@ -30,6 +30,7 @@ def _local(o: ExecutorOptions) -> BaseExecutor:
         checkpoint_dir=o.checkpoint_dir,
         threads_per_worker=o.threads_per_worker,
         devices_per_worker=o.devices_per_worker,
+        step_timeout=o.step_timeout,
     )
 
 

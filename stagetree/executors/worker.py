@@ -55,6 +55,7 @@ trainer, so the work is planned again, never failed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -165,6 +166,8 @@ class _Job:
         # as CheckpointFailed). Both under the worker's lock (the writer thread).
         self.write_error: tuple[int, int, BaseException] | None = None
         self.ended = False
+        # An Abort asked to keep the model where the batch stops (Abort.save).
+        self.keep = False
 
 
 class _Failed(Exception):
@@ -247,6 +250,9 @@ class Worker:
         # it runs: members that must start again unfused restore it (it may not be
         # durable anywhere yet). (batch's trainer, root key, config, start_at), state.
         self._held: tuple[tuple[Any, ...], Any] | None = None
+        # The step under way: (batch id, node, step, perf_counter() at its start); None
+        # between batches. Read by a step-timeout watchdog (:meth:`expire`).
+        self._step_at: tuple[int, int, int, float] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -330,6 +336,7 @@ class Worker:
                     hi = min(lo + _CHUNK, seg_stop)
                     changes = self._changes(seg, lo, hi)
                     for t in range(lo, hi):
+                        self._step_at = (bid, node, t, _perf())
                         change = changes.get(t)
                         if change is not None:
                             self._given.update(change)
@@ -357,16 +364,22 @@ class Worker:
                                 break
                     if aborted:
                         break
+            self._step_at = None
+            kept = aborted and job.keep and steps_done > 0 and self._keep(trainer, job, node, step)
             if steps_done:
                 self._at = (node, step)
             self._flush_curve(job)
             unsaved = self._end_job(job)
+            if kept:
+                self._wait_saves()  # its CheckpointSaved goes before its BatchDone
         except _Failed as failed:
+            self._step_at = None
             self._flush_curve(job)  # the steps before the failure stand
             self._finish_failed(job, failed, steps_done)
             return
         except Exception as exc:
             # Trainer code raised in setup/train (the only unwrapped calls above).
+            self._step_at = None
             self._flush_curve(job)
             self._finish_failed(job, _Failed(node, step, exc), steps_done)
             return
@@ -694,7 +707,9 @@ class Worker:
         aborted = False
         for ins in instructions:
             if isinstance(ins, Abort):
-                aborted = aborted or ins.batch_id == job.batch.batch_id
+                if ins.batch_id == job.batch.batch_id:
+                    aborted = True
+                    job.keep = job.keep or ins.save
                 continue
             if ins.batch_id != job.batch.batch_id or aborted:
                 self._missed(ins)
@@ -727,6 +742,47 @@ class Worker:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _keep(self, trainer: Trainer, job: _Job, node: int, step: int) -> bool:
+        """Checkpoint an aborted batch's model where it stopped (``Abort.save``), unless
+        the batch checkpointed it there already. Returns whether a write was started. A
+        model that cannot be captured loses only the steps since the batch's last
+        checkpoint (a warning), never the batch: its work was no longer needed."""
+        point = job.points.get(step)
+        if point is not None and point.ckpt_done:
+            return False
+        try:
+            self._checkpoint(trainer, job, node, step)
+        except _Failed as failed:
+            logger.warning(
+                "worker %s: the model of node %s at step %s, where batch %s stopped, "
+                "cannot be kept: %s",
+                self.worker_id,
+                node,
+                step,
+                job.batch.batch_id,
+                failed,
+            )
+            return False
+        return True
+
+    def expire(self, timeout: float) -> bool:
+        """When the step under way has run longer than ``timeout`` seconds, end its
+        batch with ``BatchFailed`` naming the reason and return True: the caller (a
+        step-timeout watchdog in the worker's process) then stops the process, since a
+        ``train()`` that never returns cannot be interrupted. Checkpoint writes still
+        under way get a few seconds to end first (none is reported after the failure).
+        Returns False while the step is within its time (or none runs)."""
+        at = self._step_at
+        if at is None or _perf() - at[3] <= timeout:
+            return False
+        batch_id, node, step, _ = at
+        for future in list(self._pending):
+            with contextlib.suppress(Exception):
+                future.result(timeout=5.0)
+        error = f"StepTimeout: step {step} took longer than step_timeout={timeout:g}s"
+        self.emit(BatchFailed(batch_id, self.worker_id, node, step, error, "", "trainer"))
+        return True
+
     def _checkpoint(self, trainer: Trainer, job: _Job, node: int, step: int) -> None:
         begin = _perf()
         try:
@@ -744,7 +800,14 @@ class Worker:
                 1, thread_name_prefix=f"stagetree-ckpt-{self.worker_id}"
             )
         name = _checkpoint_name(job.batch.root_key, node, step)
-        pending.append(self._writer.submit(self._write, job, node, step, name, snapshot, capture))
+        try:
+            future = self._writer.submit(self._write, job, node, step, name, snapshot, capture)
+        except RuntimeError:
+            # The interpreter is exiting (an in-process worker stopping at exit): no
+            # new thread may start, so this write is done here.
+            self._write(job, node, step, name, snapshot, capture)
+            return
+        pending.append(future)
         self._pending = pending
 
     def _write(
@@ -961,6 +1024,7 @@ class _FusedRun:
             t = step
             members = self.members
             begin = _perf()
+            w._step_at = (members[0].job.batch.batch_id, members[0].node, t, begin)
             try:
                 for i, m in enumerate(members):
                     change = m.change(w, t)
@@ -973,6 +1037,8 @@ class _FusedRun:
                 else:
                     self.rerun(exc, t)
                 return
+            finally:
+                w._step_at = None
             first = False
             seconds = _perf() - begin
             self.synced.clear()
@@ -1022,6 +1088,7 @@ class _FusedRun:
             for ins in self.mail.take(m.job.batch.batch_id):
                 if isinstance(ins, Abort):
                     m.aborted = True
+                    m.job.keep = m.job.keep or ins.save
                     continue
                 if m.aborted:
                     self.w._missed(ins)
@@ -1041,8 +1108,18 @@ class _FusedRun:
             m = self.members[i]
             if not (m.aborted or step >= m.job.end_step):
                 continue
-            w._flush_curve(m.job)
-            unsaved = w._end_job(m.job)
+            kept = False
+            unsaved = None
+            try:
+                if m.aborted and m.job.keep and m.steps:
+                    kept = w._keep(self.trainer(i), m.job, m.node, step)
+                w._flush_curve(m.job)
+                unsaved = w._end_job(m.job)
+            except _Failed as failed:
+                self.fail(i, failed)
+                continue
+            if kept:
+                w._wait_saves()  # its CheckpointSaved goes before its BatchDone
             trainer = self.remove(i)
             w.stats.steps += m.steps
             batch = m.job.batch

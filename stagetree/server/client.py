@@ -20,8 +20,9 @@ calling the public methods below over HTTP), the engine, workers and plan there.
 * **Server-side arguments.** The placement (``storage``, ``checkpoint_dir``,
   ``checkpoint_budget``) and the engine settings (``workers``, ``executor``, ``policy``,
   ``max_retries``, ``threads_per_worker``, ``eval_every``, ``max_fused``,
-  ``checkpoint_every``, ``devices_per_worker``) are the server's business: accepted,
-  as by a local study, and ignored (a warning, once, when one is not the default).
+  ``checkpoint_every``, ``devices_per_worker``, ``step_timeout``, ``stop_timeout``) are
+  the server's business: accepted, as by a local study, and ignored (a warning, once,
+  when one is not the default).
   ``share``, ``version``, ``weight`` and ``fuse`` are sent.
 """
 

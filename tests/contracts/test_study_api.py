@@ -225,6 +225,8 @@ def test_a_remote_study_takes_every_argument_of_a_local_one() -> None:
         "max_fused": 4,
         "checkpoint_every": 10,
         "devices_per_worker": 2,
+        "step_timeout": 60.0,
+        "stop_timeout": 2.0,
     }
     assert set(given) == set(STUDY_PARAMETERS) - {"name", "trainer"}
     with warnings.catch_warnings():

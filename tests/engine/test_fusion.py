@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from study_trainers import FusedLinearTrainer, LinearTrainer, submit_together
 
@@ -346,6 +347,44 @@ def test_members_leave_as_their_segments_end_and_obey_live_instructions(
         w.close()
         ref = next(e for e in alone if isinstance(e, MetricsReported))
         assert ref.metrics == metrics[(bid, step)]
+
+
+def test_an_aborted_member_keeps_its_model_when_asked(tmp_path: Path) -> None:
+    """``Abort(save=True)`` of one member (a stopping run): its model where it stops is
+    checkpointed before its ``BatchDone``, and equals the model of its batch run alone
+    to that step; the other member goes on."""
+    members = (_batch(1, 0.01, 10), _batch(2, 0.02, 10))
+    sent = {5: [Abort(2, 0, save=True)]}
+    events: list[Any] = []
+
+    def poll() -> list[Any]:
+        step = max((e.step for e in events if isinstance(e, Progress)), default=0)
+        return sent.pop(step, [])
+
+    worker = _worker(tmp_path, events)
+    worker.run_fused(RunFused(0, members), poll)
+    worker.close()
+    kept = [e for e in events if isinstance(e, CheckpointSaved) and e.batch_id == 2]
+    assert [(e.node, e.step) for e in kept] == [(2, 5)]
+    done = next(i for i, e in enumerate(events) if isinstance(e, BatchDone) and e.batch_id == 2)
+    assert events.index(kept[0]) < done and events[done].steps == 5
+    assert [e.steps for e in events if isinstance(e, BatchDone) and e.batch_id == 1] == [10]
+    alone: list[Any] = []
+    w = _worker(tmp_path / "alone", alone)
+    w.run(
+        RunBatch(
+            **{
+                **members[1].__dict__,
+                "segments": (Segment(2, 0, 5, {"lr": Constant(0.02)}),),
+                "checkpoint_at": ((2, 5),),
+            }
+        )
+    )
+    w.close()
+    ref = next(e for e in alone if isinstance(e, CheckpointSaved))
+    mine, theirs = worker.store.load(kept[0].ref), w.store.load(ref.ref)
+    assert mine["t"] == theirs["t"] == 5
+    assert np.array_equal(mine["w"], theirs["w"])
 
 
 def test_a_fused_job_loads_its_start_checkpoint_once(tmp_path: Path) -> None:

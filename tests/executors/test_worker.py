@@ -486,6 +486,36 @@ def test_abort_before_first_step(tmp_path: Path) -> None:
     assert events.events[0].steps == 0
 
 
+def test_abort_with_save_checkpoints_where_the_batch_stops(tmp_path: Path) -> None:
+    """``Abort(save=True)`` (a stopping run): the model where the batch stops is
+    checkpointed, and its ``CheckpointSaved`` comes before the ``BatchDone`` (the
+    engine records it in the plan before it lets the run end)."""
+    worker, events = _worker(tmp_path)
+    batch = _batch(3, [(1, 0, 3, HP), (2, 3, 10, HP)], checkpoint_at=((1, 2),))
+    worker.run(batch, Script(worker, {5: [Abort(3, 0, save=True)]}))
+    saved = events.of(CheckpointSaved)
+    assert [(c.node, c.step) for c in saved] == [(1, 2), (2, 5)]
+    kinds = [type(e) for e in events.events]
+    assert kinds[-1] is BatchDone and events.of(BatchDone)[0].steps == 5
+    assert worker.store.load(saved[-1].ref)["t"] == 5
+    # A fresh trainer restored from it goes on exactly as the one that was aborted.
+    again, _ = _worker(tmp_path)
+    again.run(_batch(4, [(2, 5, 8, HP)], start_at=(2, 5), start_checkpoint=saved[-1].ref))
+    worker.run(_batch(5, [(2, 5, 8, HP)], start_at=(2, 5)))
+    assert again._trainer is not None and worker._trainer is not None
+    assert np.array_equal(again._trainer.w, worker._trainer.w)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_abort_with_save_adds_nothing_where_nothing_is_new(tmp_path: Path, at: int) -> None:
+    """Aborted before its first step, or where it has just checkpointed: no more save."""
+    worker, events = _worker(tmp_path)
+    batch = _batch(3, [(1, 0, 10, HP)], checkpoint_at=((1, 2),))
+    worker.run(batch, Script(worker, {at: [Abort(3, 0, save=True)]}))
+    assert [c.step for c in events.of(CheckpointSaved)] == ([2] if at else [])
+    assert events.of(BatchDone)[0].steps == at
+
+
 @pytest.mark.parametrize(
     ("fail", "node", "step", "error", "where"),
     [
