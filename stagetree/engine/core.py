@@ -215,6 +215,9 @@ class Engine:
         )
         self.checkpoint_budget = checkpoint_budget
         self._waiters: dict[tuple[int, int], list[Waiter]] = {}
+        # The steps of _waiters' keys by node, in _waiters' order (a batch marks its
+        # nodes' trials running without a scan of every waiter).
+        self._waiting_steps: dict[int, dict[int, None]] = {}
         self._known_roots: set[str] = set()
         self._known_nodes: set[int] = set()
         self._thread: threading.Thread | None = None
@@ -376,6 +379,7 @@ class Engine:
                 if held and req is not None and req.state not in _FINAL:
                     self.storage.release_request(node, step, min(held, req.refcount))
             self._waiters.clear()
+            self._waiting_steps.clear()
         self.storage.close()
         if self.temporary_checkpoints:
             shutil.rmtree(self.store.directory, ignore_errors=True)
@@ -575,6 +579,7 @@ class Engine:
         with self.lock:
             storage.add_request(node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
+            self._waiting_steps.setdefault(node, {})[step] = None
             events = self._path_events(root_key, leaf)
             events.append(RequestAdded(node, step, study=slot.name))
             self._enqueue(events)
@@ -712,6 +717,7 @@ class Engine:
             waiters.remove(waiter)
             if not waiters:
                 del self._waiters[(node, step)]
+                self._unwait(node, step)
             req = self.storage.request(node, step)
             if req is not None and req.state not in (RequestState.DONE, RequestState.FAILED):
                 self.storage.release_request(node, step)
@@ -739,6 +745,7 @@ class Engine:
                         if not w.future.done():
                             w.future.set_exception(TrialFailedError(f"engine failed: {exc!r}", tb))
                 self._waiters.clear()
+                self._waiting_steps.clear()
 
     def _coalesce(self) -> None:
         """Let a burst of submissions (a tuner submitting a rung, ``asyncio.gather`` of
@@ -989,8 +996,10 @@ class Engine:
         engine serves, for ``stagetree status``; written when workers come and go."""
         if any(isinstance(e, (work.WorkerReady, work.WorkerLost)) for e in events):
             self._workers_changed = True
+        if not self._workers_changed or self.executor is None:
+            return  # before the scan of every waiter: most rounds end here
         names = {w.study for ws in self._waiters.values() for w in ws} | self._studies
-        if not self._workers_changed or not names or self.executor is None:
+        if not names:
             return
         self._studies |= names
         locations = self.executor.worker_locations()
@@ -1105,11 +1114,16 @@ class Engine:
         """The study of each unanswered submission of request ``(node, step)``."""
         return [w.study for w in self._waiters.get((node, step), []) if not w.future.done()]
 
+    def _unwait(self, node: int, step: int) -> None:
+        steps = self._waiting_steps[node]
+        del steps[step]
+        if not steps:
+            del self._waiting_steps[node]
+
     def _mark_running(self, node: int) -> None:
-        for (n, _step), waiters in self._waiters.items():
-            if n == node:
-                for w in waiters:
-                    self._set_trial_state(w, "running", only_from="pending")
+        for step in list(self._waiting_steps.get(node, ())):
+            for w in self._waiters[(node, step)]:
+                self._set_trial_state(w, "running", only_from="pending")
 
     def resolve(
         self,
@@ -1127,6 +1141,8 @@ class Engine:
                 metrics = self.storage.get_metrics(node, step) or {}
             if req is not None:
                 self.storage.set_request_state(node, step, RequestState.DONE)
+        if (node, step) in self._waiters:
+            self._unwait(node, step)
         for w in self._waiters.pop((node, step), []):
             if w.future.done():
                 continue
