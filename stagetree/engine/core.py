@@ -580,6 +580,7 @@ class Engine:
             storage.add_request(node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
             self._waiting_steps.setdefault(node, {})[step] = None
+            self._studies.add(slot.name)  # a study served: its meta records the workers
             events = self._path_events(root_key, leaf)
             events.append(RequestAdded(node, step, study=slot.name))
             self._enqueue(events)
@@ -996,12 +997,9 @@ class Engine:
         engine serves, for ``stagetree status``; written when workers come and go."""
         if any(isinstance(e, (work.WorkerReady, work.WorkerLost)) for e in events):
             self._workers_changed = True
-        if not self._workers_changed or self.executor is None:
-            return  # before the scan of every waiter: most rounds end here
-        names = {w.study for ws in self._waiters.values() for w in ws} | self._studies
-        if not names:
+        # Every study with a waiter is in _studies (see submit): no scan of the waiters.
+        if not self._workers_changed or not self._studies or self.executor is None:
             return
-        self._studies |= names
         locations = self.executor.worker_locations()
         if not locations:
             return
