@@ -35,7 +35,7 @@ from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain, pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -214,28 +214,60 @@ class Stage:
         return stage
 
 
-@dataclass
 class StageTree:
     """A forest of stages (see the module docstring).
 
     Attributes:
-        stages: every stage, parents before children.
+        stages: every stage, parents before children (each root's subtree in turn, in
+            root order); listed on first use when built with ``stages=None``.
         roots: stages without a parent, by (start, node).
         covered: requests that running batches will pass exactly (no stage).
         nodes: the plan nodes the tree was built from.
+
+    ``ready`` and ``waiting``: the ready and waiting roots in root order, when the
+    builder knows them (:meth:`ready_roots` and :meth:`waiting_roots` then skip the
+    scan of every root).
     """
 
-    stages: list[Stage]
-    roots: list[Stage]
-    covered: list[Covered]
-    nodes: Mapping[int, Node] = field(repr=False)
+    __slots__ = ("_ready", "_stages", "_waiting", "covered", "nodes", "roots")
+
+    def __init__(
+        self,
+        stages: list[Stage] | None,
+        roots: list[Stage],
+        covered: list[Covered],
+        nodes: Mapping[int, Node],
+        *,
+        ready: list[Stage] | None = None,
+        waiting: list[Stage] | None = None,
+    ) -> None:
+        self._stages = stages
+        self.roots = roots
+        self.covered = covered
+        self.nodes = nodes
+        self._ready = ready
+        self._waiting = waiting
+
+    @property
+    def stages(self) -> list[Stage]:
+        """Every stage, parents before children."""
+        if self._stages is None:
+            self._stages = [s for r in self.roots for s in r.subtree()]
+        return self._stages
+
+    def __repr__(self) -> str:
+        return f"StageTree(stages={self.stages!r}, roots={self.roots!r}, covered={self.covered!r})"
 
     def ready_roots(self) -> list[Stage]:
         """Roots that can start now (fresh or from a durable checkpoint)."""
+        if self._ready is not None:
+            return list(self._ready)
         return [r for r in self.roots if r.origin is None or r.origin.ready]
 
     def waiting_roots(self) -> list[Stage]:
         """Roots that wait for a checkpoint of a running batch."""
+        if self._waiting is not None:
+            return list(self._waiting)
         return [r for r in self.roots if r.origin is not None and not r.origin.ready]
 
     @property
@@ -491,22 +523,31 @@ def critical_path(stage_tree: StageTree, roots: Iterable[Stage] | None = None) -
     roots = list(stage_tree.roots if roots is None else roots)
     if not roots:
         return []
+    # Best (cost, steps) below each stage with children, children first; a leaf's is
+    # its own (most roots of a large study are leaves: no walk, no entry).
     order: list[Stage] = []
-    stack = list(roots)
+    stack = [r for r in roots if r.children]
     while stack:
         stage = stack.pop()
         order.append(stage)
-        stack.extend(stage.children)
+        stack.extend(c for c in stage.children if c.children)
     best: dict[int, tuple[float, int]] = {}
+
+    def value(stage: Stage) -> tuple[float, int]:
+        got = best.get(id(stage))
+        return got if got is not None else (stage.cost + 0.0, stage.stop - stage.start)
+
     for stage in reversed(order):
-        below = max((best[id(c)] for c in stage.children), default=(0.0, 0))
-        best[id(stage)] = (stage.cost + below[0], stage.steps + below[1])
+        below = max(map(value, stage.children))
+        best[id(stage)] = (stage.cost + below[0], stage.stop - stage.start + below[1])
 
     def pick(candidates: list[Stage]) -> Stage:
         chosen = candidates[0]
+        top = value(chosen)
         for c in candidates[1:]:
-            if best[id(c)] > best[id(chosen)]:
-                chosen = c
+            v = value(c)
+            if v > top:
+                chosen, top = c, v
         return chosen
 
     path = [pick(roots)]

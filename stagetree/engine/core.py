@@ -227,6 +227,9 @@ class Engine:
         )
         self.checkpoint_budget = checkpoint_budget
         self._waiters: dict[tuple[int, int], list[Waiter]] = {}
+        # The steps of _waiters' keys by node, in _waiters' order (a batch marks its
+        # nodes' trials running without a scan of every waiter).
+        self._waiting_steps: dict[int, dict[int, None]] = {}
         self._known_roots: set[str] = set()
         self._known_nodes: set[int] = set()
         self._thread: threading.Thread | None = None
@@ -410,6 +413,7 @@ class Engine:
                 if held and req is not None and req.state not in _FINAL:
                     self.storage.release_request(node, step, min(held, req.refcount))
             self._waiters.clear()
+            self._waiting_steps.clear()
         self.storage.close()
         if self.temporary_checkpoints:
             shutil.rmtree(self.store.directory, ignore_errors=True)
@@ -637,6 +641,8 @@ class Engine:
         with self.lock:
             storage.add_request(node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
+            self._waiting_steps.setdefault(node, {})[step] = None
+            self._studies.add(slot.name)  # a study served: its meta records the workers
             events = self._path_events(root_key, leaf)
             events.append(RequestAdded(node, step, study=slot.name))
             self._enqueue(events)
@@ -810,6 +816,7 @@ class Engine:
             waiters.remove(waiter)
             if not waiters:
                 del self._waiters[(node, step)]
+                self._unwait(node, step)
             req = self.storage.request(node, step)
             if req is not None and req.state not in (RequestState.DONE, RequestState.FAILED):
                 self.storage.release_request(node, step)
@@ -839,6 +846,7 @@ class Engine:
                         if not w.future.done():
                             w.future.set_exception(TrialFailedError(f"engine failed: {exc!r}", tb))
                 self._waiters.clear()
+                self._waiting_steps.clear()
 
     def _coalesce(self) -> None:
         """Let a burst of submissions (a tuner submitting a rung, ``asyncio.gather`` of
@@ -1119,10 +1127,9 @@ class Engine:
         engine serves, for ``stagetree status``; written when workers come and go."""
         if any(isinstance(e, (work.WorkerReady, work.WorkerLost)) for e in events):
             self._workers_changed = True
-        names = {w.study for ws in self._waiters.values() for w in ws} | self._studies
-        if not self._workers_changed or not names or self.executor is None:
+        # Every study with a waiter is in _studies (see submit): no scan of the waiters.
+        if not self._workers_changed or not self._studies or self.executor is None:
             return
-        self._studies |= names
         locations = self.executor.worker_locations()
         if not locations:
             return
@@ -1237,11 +1244,16 @@ class Engine:
         """The study of each unanswered submission of request ``(node, step)``."""
         return [w.study for w in self._waiters.get((node, step), []) if not w.future.done()]
 
+    def _unwait(self, node: int, step: int) -> None:
+        steps = self._waiting_steps[node]
+        del steps[step]
+        if not steps:
+            del self._waiting_steps[node]
+
     def _mark_running(self, node: int) -> None:
-        for (n, _step), waiters in self._waiters.items():
-            if n == node:
-                for w in waiters:
-                    self._set_trial_state(w, "running", only_from="pending")
+        for step in list(self._waiting_steps.get(node, ())):
+            for w in self._waiters[(node, step)]:
+                self._set_trial_state(w, "running", only_from="pending")
 
     def resolve(
         self,
@@ -1259,6 +1271,8 @@ class Engine:
                 metrics = self.storage.get_metrics(node, step) or {}
             if req is not None:
                 self.storage.set_request_state(node, step, RequestState.DONE)
+        if (node, step) in self._waiters:
+            self._unwait(node, step)
         for w in self._waiters.pop((node, step), []):
             if w.future.done():
                 continue

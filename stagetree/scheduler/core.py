@@ -3,10 +3,12 @@
 In the style of dask.distributed's scheduler state machine: :meth:`Scheduler.handle`
 applies one event to an in-memory view (nodes, root configs, live requests with
 reference counts, durable checkpoints, running batches and how far they got, idle
-workers) and returns what to do. It keeps no stage tree between decisions: every
-decision rebuilds one (:func:`stagetree.stages.build_stage_tree`) from live requests
-that no running batch has promised to evaluate, durable checkpoints and the positions
-running batches will still pass.
+workers) and returns what to do. Every decision sees the stage tree
+(:func:`stagetree.stages.build_stage_tree`) of the live requests that no running batch
+has promised to evaluate, the durable checkpoints and the positions running batches
+will still pass; it is kept between decisions one plan tree at a time
+(:class:`~stagetree.scheduler.forest.StageForest`), built again only where those
+inputs changed, and equals a whole build.
 
 Decisions after each event that can change them:
 
@@ -89,6 +91,7 @@ from stagetree.scheduler.events import (
     RootAdded,
     StudyWeight,
 )
+from stagetree.scheduler.forest import StageForest
 from stagetree.scheduler.policies import BasePolicy, make_policy
 from stagetree.stages import (
     CHECKPOINT,
@@ -96,7 +99,6 @@ from stagetree.stages import (
     RunningPosition,
     Stage,
     StageTree,
-    build_stage_tree,
     critical_path,
 )
 from stagetree.work import (
@@ -319,6 +321,9 @@ class Scheduler:
         self._usage: dict[str, float] = {}
         self._lift: dict[str, float] = {}
         self._checkpoints: dict[Key, str] = {}
+        # The stage tree, kept per plan tree between decisions: every change to the
+        # live requests or the durable checkpoints is reported to it.
+        self._forest = StageForest(self._nodes)
         self._batches: dict[int, _Batch] = {}
         # Ended batches whose captured checkpoints are not durable yet (see the module
         # docstring); ``checkpoint`` holds the pending keys, ``parked`` their metrics.
@@ -614,6 +619,8 @@ class Scheduler:
                 self._activate(study)
             self._held[study] = self._held.get(study, 0) + 1
         claims[study] = claims.get(study, 0) + e.count
+        if key not in self._requests:
+            self._forest.add_request(key)
         self._requests[key] = self._requests.get(key, 0) + e.count
         self._dirty = True
 
@@ -641,6 +648,7 @@ class Scheduler:
             self._requests[key] = total
         else:
             del self._requests[key]
+            self._forest.remove_request(key)
             del self._claims[key]
         self._dirty = True
 
@@ -648,6 +656,7 @@ class Scheduler:
         """Settle live request ``key`` (done or failed); False when it is not live."""
         if self._requests.pop(key, None) is None:
             return False
+        self._forest.remove_request(key)
         for study in self._claims.pop(key, {}):
             self._unhold(study)
         return True
@@ -694,6 +703,8 @@ class Scheduler:
         self, e: CheckpointAvailable | CheckpointSaved, out: list[Instruction | Notice]
     ) -> None:
         key = (e.node, e.step)
+        if key not in self._checkpoints:
+            self._forest.add_checkpoint(key)
         self._checkpoints[key] = e.ref
         self._store_failures.pop(key, None)
         seconds = getattr(e, "seconds", None)
@@ -753,6 +764,7 @@ class Scheduler:
 
     def _on_checkpoint_lost(self, e: CheckpointLost, out: list[Instruction | Notice]) -> None:
         if self._checkpoints.pop((e.node, e.step), None) is not None:
+            self._forest.remove_checkpoint((e.node, e.step))
             self._dirty = True
 
     # -- worker events ---------------------------------------------------------------------
@@ -835,13 +847,15 @@ class Scheduler:
             # The start checkpoint is unreadable: forget it and plan from an earlier one
             # (a batch that was to continue a model in memory forgets nothing).
             if batch is None:
-                self._checkpoints.pop(key, None)
+                if self._checkpoints.pop(key, None) is not None:
+                    self._forest.remove_checkpoint(key)
             elif (
                 batch.start_at is not None
                 and batch.start_ref is not None
                 and self._checkpoints.get(batch.start_at) == batch.start_ref
             ):
                 del self._checkpoints[batch.start_at]
+                self._forest.remove_checkpoint(batch.start_at)
             return
         failures = self._failures.get(key, 0) + 1
         if failures <= self.max_retries:
@@ -1128,9 +1142,11 @@ class Scheduler:
             keys = tuple(k for k in b.checkpoint if k not in self._memory)
             if keys:
                 running.append(RunningPosition(b.batch_id, (), b.position, keys))
-        requests = [k for k in self._requests if k not in promised]
-        checkpoints = self._checkpoints.keys() | self._memory.keys()
-        return build_stage_tree(self._nodes, requests, checkpoints, running, self.estimator.cost)
+        # A plain CostEstimator says when its predictions may have moved; costs from
+        # any other estimator are computed again at every decision.
+        estimator = self.estimator
+        version = estimator.version if type(estimator) is CostEstimator else None
+        return self._forest.tree(running, promised, self._memory.keys(), estimator.cost, version)
 
     def _any_batch(self, batch_id: int) -> _Batch:
         """A running or saving batch."""

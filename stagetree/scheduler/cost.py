@@ -71,14 +71,18 @@ class CostEstimator:
         self._cache: dict[int, float] = {}
         self._model: _Model | None = None
         self._fitted = True
-        # (root key, fused width) -> [sum of seconds per step, count]
-        self._widths: dict[tuple[str, int], tuple[float, int]] = {}
+        # root key -> fused width -> [sum of seconds per step, count]
+        self._widths: dict[str, dict[int, tuple[float, int]]] = {}
+        # Bumped whenever a prediction may change (a measurement, a root's config):
+        # a caller may keep costs computed at one version until it moves.
+        self.version = 0
 
     def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
         """Make ``config`` part of the configuration of ``root_key``'s nodes."""
         self._roots[root_key] = dict(config)
         self._keys.clear()  # configurations include the root config
         self._cache.clear()
+        self.version += 1
 
     def configuration(self, node: Node) -> dict[str, Any]:
         """The node's configuration: ``config.<name>`` and ``hp.<name>`` values."""
@@ -108,13 +112,15 @@ class CostEstimator:
         sps = float(seconds_per_step)
         if not (math.isfinite(sps) and sps > 0):
             return
-        total, count = self._widths.get((node.root_key, width), (0.0, 0))
-        self._widths[(node.root_key, width)] = (total + sps, count + 1)
+        by_width = self._widths.setdefault(node.root_key, {})
+        total, count = by_width.get(width, (0.0, 0))
+        by_width[width] = (total + sps, count + 1)
         key, features = self._key(node)
         total, count, _ = self._measured.get(key, (0.0, 0, features))
         self._measured[key] = (total + sps, count + 1, features)
         self._cache.clear()
         self._fitted = False
+        self.version += 1
 
     def fused_step(self, root_key: str, width: int) -> float | None:
         """Estimated seconds per step of a fused job of ``width`` members of plan tree
@@ -142,9 +148,7 @@ class CostEstimator:
     def widths(self, root_key: str) -> dict[int, float]:
         """Mean measured seconds per step of plan tree ``root_key`` by fused width (1:
         unfused)."""
-        return {
-            w: t / n for (root, w), (t, n) in sorted(self._widths.items()) if root == root_key and n
-        }
+        return {w: t / n for w, (t, n) in sorted(self._widths.get(root_key, {}).items()) if n}
 
     @property
     def measured(self) -> int:

@@ -28,8 +28,9 @@ class BasePolicy(ABC):
       every request point on it and checkpointing at its end, at branch points where
       other stages continue, and at request points.
     * It must not mutate the tree, and must keep no state about stage trees between
-      calls: the scheduler rebuilds the tree for every decision (a policy may keep
-      configuration, e.g. a tie-breaking seed).
+      calls (a policy may keep configuration, e.g. a tie-breaking seed): the scheduler
+      keeps the stages of plan trees whose inputs did not change from one decision to
+      the next, so the same stage objects come back with their costs updated.
     * It must be deterministic given the tree.
 
     When several studies have ready work, ``tree`` and ``roots`` are a view of one
