@@ -45,12 +45,14 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 def launch(
-    tmp_path: Path, name: str, ttl: float = TTL, **spec: Any
+    tmp_path: Path, name: str, ttl: float = TTL, gate: str | None = None, **spec: Any
 ) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp_path / f"{name}.json"
     spec.setdefault("checkpoint_dir", str(tmp_path / "ckpt"))
     spec["out"] = str(out)
     env = {**os.environ, "STAGETREE_LEASE_TTL": str(ttl)}
+    if gate:
+        env["COOP_GATE"] = gate
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), json.dumps(spec)],
         env=env,
@@ -64,10 +66,15 @@ def finish(proc: subprocess.Popen[bytes], out: Path, timeout: float = 120) -> di
     return {"code": proc.returncode, **json.loads(out.read_text())}
 
 
-def run_together(tmp_path: Path, specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Start one process per spec; they all begin once a start file appears."""
+def run_together(
+    tmp_path: Path, specs: dict[str, dict[str, Any]], gate: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """Start one process per spec; they all begin once a start file appears (and,
+    with ``gate``, train once every study's trials are in the plan: coop_script.py)."""
     start = tmp_path / "go"
-    procs = {name: launch(tmp_path, name, start=str(start), **s) for name, s in specs.items()}
+    procs = {
+        name: launch(tmp_path, name, start=str(start), gate=gate, **s) for name, s in specs.items()
+    }
     time.sleep(1.0)  # let them import stagetree; then release them at the same instant
     start.write_text("go")
     return {name: finish(*p) for name, p in procs.items()}
@@ -87,9 +94,10 @@ def reference(tmp_path: Path, trials: list[list[Any]]) -> dict[str, Any]:
 
 
 def test_two_processes_train_every_unique_step_once(url: str, tmp_path: Path) -> None:
-    # Steps slow enough (0.15 s) that each engine learns the other's branch points (it
-    # polls the plan every 0.2 s here) before its worker passes them: a branch point
-    # learnt after its step was trained is recomputed, which is right but not this test.
+    # Each engine must learn the other's branch points (it polls the plan every 0.2 s
+    # here) before its worker passes them: a branch point learnt after its step was
+    # trained is recomputed, which is right but not this test. The gate holds the first
+    # step until both studies are planned and 1 s more, so load cannot reorder that.
     common = {"url": url, "mode": "submit", "nap": 0.15}
     results = run_together(
         tmp_path,
@@ -97,6 +105,7 @@ def test_two_processes_train_every_unique_step_once(url: str, tmp_path: Path) ->
             "a": {**common, "study": "a", "trials": TRIALS_A},
             "b": {**common, "study": "b", "trials": TRIALS_B},
         },
+        gate=f"{url}|a,b|1.0",
     )
     assert [r["code"] for r in results.values()] == [0, 0]
     with SQLPlanStorage(url) as plan:

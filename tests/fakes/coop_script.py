@@ -24,16 +24,42 @@ from study_trainers import LinearTrainer
 from stagetree import Study
 from stagetree.exceptions import StudyBusyError
 from stagetree.hp import Constant, MultiStep, Sequence
+from stagetree.plan import SQLPlanStorage
 from stagetree.space import TrialSpec
 from stagetree.tuners import GridSearch
 
 
 class NapTrainer(LinearTrainer):
-    """LinearTrainer whose steps take ``config["nap"]`` seconds, so engines overlap."""
+    """LinearTrainer whose steps take ``config["nap"]`` seconds, so engines overlap.
+
+    With ``COOP_GATE`` set (``URL|study,study|seconds``), a worker's first step waits
+    until every named study has its trials in the plan, then ``seconds`` more: every
+    engine has then polled the others' branch points before a stage passes one, on a
+    machine however loaded (a branch point learnt after its step was trained is
+    recomputed, which is right but not what the tests that set it check).
+    """
+
+    gated = False
 
     def train(self) -> dict[str, float]:
+        if not NapTrainer.gated:
+            NapTrainer.gated = True
+            wait_for_gate(os.environ.get("COOP_GATE"))
         time.sleep(float(self.config.get("nap", 0.0)))
         return super().train()
+
+
+def wait_for_gate(gate: str | None) -> None:
+    if not gate:
+        return
+    url, studies, settle = gate.split("|")
+    deadline = time.monotonic() + 60
+    with SQLPlanStorage(url) as plan:
+        while time.monotonic() < deadline:
+            if all(plan.trials(name, light=True) for name in studies.split(",")):
+                break
+            time.sleep(0.05)
+    time.sleep(float(settle))
 
 
 def lr_of(milestone: int | None) -> Sequence:
