@@ -6,7 +6,9 @@ asynchronous Hyperband looping through ASHA brackets, and infinite-horizon ASHA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import warnings
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from branching_spaces import MIXED
 from tuner_fakes import FakeRunner
 
 from stagetree.distributions import Choice, Uniform
-from stagetree.exceptions import TunerError
+from stagetree.exceptions import ReplayDivergedWarning, TunerError
 from stagetree.executors.simulated import SimulatedTrainer
 from stagetree.space import GridSpace, RandomSpace
 from stagetree.study import Study
@@ -280,3 +282,51 @@ def _exactness(max_steps: int | None, seed: int, brackets: int = 3) -> dict[str,
         stats = study.stats()
     assert {b for b, rungs in enumerate(tuner.rungs) if any(rungs)} == set(range(brackets))
     return stats
+
+
+# --------------------------------------------------------------------------- replay
+
+
+async def _run_until(tuner: Tuner, runner: FakeRunner, completions: int) -> None:
+    task = asyncio.ensure_future(tuner.run(runner))
+    while runner.completed < completions and not task.done():
+        await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize("max_steps", [64, None])
+def test_killed_and_resumed_production_asha_replays_its_decisions(max_steps: int | None) -> None:
+    """The allocation is a function of the trials created so far: a study killed and
+    started again replays the same brackets, then goes on live without diverging."""
+
+    def make() -> ASHA:
+        return ASHA(
+            SPACE,
+            "acc",
+            min_steps=1,
+            max_steps=max_steps,
+            num_trials=40,
+            eta=2,
+            brackets=3,
+            allocation="budget",
+            seed=4,
+        )
+
+    ref = FakeRunner(order_seed=1, workers=3)
+    run(make(), ref)
+    first = FakeRunner(order_seed=1, workers=3)
+    asyncio.run(_run_until(make(), first, 9))
+    logged = list(first.log)
+    assert 0 < len(logged) < len(ref.log)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplayDivergedWarning)
+        second = FakeRunner(order_seed=2, workers=3, log=list(logged))
+        best = run(make(), second)
+        third = FakeRunner(order_seed=3, workers=3, log=list(second.log))
+        assert run(make(), third) == best
+    assert second.log[: len(logged)] == logged
+    assert third.log == second.log
+    brackets = [r["bracket"] for r in new_trials(second)]
+    assert brackets == [r["bracket"] for r in new_trials(ref)]  # same shares, same order
