@@ -308,8 +308,11 @@ class AsyncHyperband(ASHA):
     """Asynchronous Hyperband: ASHA brackets run concurrently.
 
     Same as :class:`ASHA` with one bracket per rung by default (bracket ``s`` starts at
-    rung ``s``; the last one trains its configurations straight to ``max_steps``), new
-    configurations assigned round-robin. Pass ``brackets`` to use fewer.
+    rung ``s``; the last one trains its configurations straight to ``max_steps``): it
+    loops through the brackets of ASHA, new configurations assigned round-robin, or in
+    Hyperband's proportions (the inverse of each bracket's budget) with
+    ``allocation="budget"``. Pass ``brackets`` to use fewer (required with
+    ``max_steps=None``, where rungs are endless).
     """
 
     def __init__(
