@@ -474,7 +474,9 @@ class StudyAPI(abc.ABC):
         Raises:
             InvalidBudgetError: a budget that is not positive or has an unknown unit
                 (before anything is opened or trained).
-            TunerError: ``tuner`` is not a tuner object (a name such as ``"asha"``).
+            TunerError: ``tuner`` is not a tuner object (a name such as ``"asha"``), or
+                a tuner that never ends by itself (ASHA without ``num_trials`` on a
+                random space) run without a budget.
             TrialFailedError: every trial failed (with the first failure's traceback).
             KeyboardInterrupt: Ctrl-C, with a one-line message (``interrupted; run
                 again to resume``) and without the internals it interrupted.
@@ -485,6 +487,12 @@ class StudyAPI(abc.ABC):
         if progress is not None and not isinstance(progress, bool):
             raise ValueError(f"progress must be True, False or None, got {progress!r}")
         check_tuner_object(tuner)
+        if limits is None and getattr(tuner, "bounded", True) is False:
+            raise TunerError(
+                f"{type(tuner).__name__} without num_trials on a random space never ends: "
+                "give it num_trials, or give the run a budget "
+                "(study.tune(tuner, budget='2h'), '1h device', '100 trials', ...)"
+            )
         # What is known without training stops the run before any worker starts.
         check_tuner_fits(self.trainer, tuner)
         if not self._virtual_time():  # a simulated executor never builds the trainer

@@ -187,6 +187,7 @@ def simulate(
     name: str = "simulated",
     devices_per_worker: int = 1,
     parallel_efficiency: float = 1.0,
+    watch: Callable[[SimulatedExecutor], None] | None = None,
     **executor_options: Any,
 ) -> SimResult:
     """Run ``tuner`` against a simulated study and report what it cost.
@@ -216,6 +217,9 @@ def simulate(
             devices_per_worker`` devices).
         parallel_efficiency: ``e`` in (0, 1]: a step on ``k`` devices takes
             ``step_cost / (1 + (k - 1) * e)`` seconds.
+        watch: called with the :class:`SimulatedExecutor` before the run, so that a
+            caller can read its virtual clock and device-seconds as results arrive
+            (anytime curves: best value against device-seconds).
         **executor_options: more :class:`SimulatedExecutor` options
             (``checkpoint_bytes``, ``save_latency``, ``eval_seconds``, ...).
 
@@ -261,6 +265,8 @@ def simulate(
         parallel_efficiency=parallel_efficiency,
         **executor_options,
     )
+    if watch is not None:
+        watch(executor)
     return _run(tuners, executor, trainer, version, name, share, policy, cost)
 
 

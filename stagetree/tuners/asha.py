@@ -7,6 +7,13 @@ configuration from the top rung down (one in the top ``floor(|rung k| / eta)`` o
 a new configuration on the bottom rung. Promotion resubmits the same trial with more
 steps, so the study resumes it from its checkpoint (pause-and-resume, not the
 stop-only variant).
+
+Brackets follow the paper's production section: bracket ``s`` starts its
+configurations at rung ``s`` (minimum early-stopping rate ``s``), and new
+configurations go to the brackets in proportion to the inverse of a bracket's budget
+per configuration (:func:`bracket_shares`). Asynchronous Hyperband loops through the
+brackets of ASHA. With ``max_steps=None`` the rungs grow without end (the paper's
+infinite horizon): a trial's budget grows each time it is promoted.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import random
+import sys
 from collections import Counter
 from typing import Any
 
@@ -27,9 +36,53 @@ from stagetree.tuners.base import (
     draw_specs,
     rung_levels,
 )
+from stagetree.tuners.optuna_bridge import SampledSpecs
 from stagetree.tuners.sha import check_halving, halving_settings
 
-__all__ = ["ASHA", "AsyncHyperband"]
+__all__ = ["ALLOCATIONS", "ASHA", "AsyncHyperband", "bracket_shares"]
+
+#: How new configurations are assigned to brackets: ``"budget"`` (in proportion to the
+#: inverse of a bracket's budget per configuration, the paper's production rule) or
+#: ``"round_robin"`` (configuration ``i`` to bracket ``i % brackets``).
+ALLOCATIONS = ("budget", "round_robin")
+#: ASHA's default brackets (fewer when there are fewer rungs) and allocation.
+DEFAULT_BRACKETS = 1
+DEFAULT_ALLOCATION = "round_robin"
+
+
+def bracket_shares(brackets: int, num_rungs: int | None, eta: int) -> list[float]:
+    """Share of new configurations per bracket under the ``"budget"`` allocation.
+
+    Bracket ``s`` has ``n = num_rungs - s`` rungs: it trains ``eta**(n-1)``
+    configurations with a budget of about ``n`` times the top rung's steps (every rung
+    of successive halving costs about the same), so its budget per configuration is
+    ``n / eta**(n-1)`` top rungs and its share is proportional to ``eta**(n-1) / n``
+    (70.6 / 22.1 / 7.4 % for ``eta=4``, 5 rungs, 3 brackets). With ``num_rungs=None``
+    (infinite horizon) the ratio between neighbouring brackets tends to ``eta``, and
+    the shares are proportional to ``eta**-s``.
+    """
+    if num_rungs is None:
+        weights = [float(eta) ** -s for s in range(brackets)]
+    else:
+        weights = [eta ** (num_rungs - s - 1) / (num_rungs - s) for s in range(brackets)]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+class _Allocator:
+    """Assigns configuration ``i`` to a bracket: the one furthest behind its share of
+    the ``i + 1`` configurations so far (ties to the lower bracket), so every prefix of
+    the configurations is split as close to the shares as whole numbers allow."""
+
+    def __init__(self, shares: list[float]) -> None:
+        self.shares = shares
+        self.counts = [0] * len(shares)
+
+    def next(self) -> int:
+        n = sum(self.counts) + 1
+        b = max(range(len(self.shares)), key=lambda i: (self.shares[i] * n - self.counts[i], -i))
+        self.counts[b] += 1
+        return b
 
 
 class ASHA(Tuner):
@@ -48,10 +101,20 @@ class ASHA(Tuner):
     and nothing is promotable.
 
     Brackets: bracket ``s = 0..brackets-1`` starts at rung ``s`` (the paper's minimum
-    early-stopping rate ``s``) and has its own rungs. New configurations are assigned to
-    brackets round-robin (configuration ``i`` to bracket ``i % brackets``) so every
-    bracket grows at the same rate; ``get_job`` scans rungs from the top level down,
-    and at each level brackets in order.
+    early-stopping rate ``s``) and has its own rungs. ``allocation`` assigns new
+    configurations to brackets: ``"round_robin"`` (configuration ``i`` to bracket
+    ``i % brackets``, every bracket grows at the same rate) or ``"budget"`` (the paper's
+    production rule: in proportion to the inverse of a bracket's budget per
+    configuration, :func:`bracket_shares`; with ``eta=4``, 5 rungs and
+    ``brackets=3``, 70.6 / 22.1 / 7.4 %, each prefix of the configurations split as
+    close to the shares as whole numbers allow). ``get_job`` scans rungs from the top
+    level down, and at each level brackets in order.
+
+    Infinite horizon (``max_steps=None``): rungs ``min_steps * eta**k`` without end
+    (``max_rungs`` is not used); a trial's budget grows each time it is promoted, and a
+    rung promotes while it holds ``eta`` or more members. ``num_trials=None`` takes the
+    whole grid, or draws configurations from a random space without end: such a
+    search never ends by itself, and ``Study.tune`` refuses it without a budget.
 
     Ranking: a rung ranks its members by value (ties to the older trial). Failed
     trials and non-finite values stay in the rung (they count in ``|rung k|``) but rank
@@ -78,41 +141,99 @@ class ASHA(Tuner):
         mode: str = "max",
         *,
         min_steps: int,
-        max_steps: int,
-        num_trials: int,
+        max_steps: int | None,
+        num_trials: int | None,
         eta: int = 4,
         seed: int = 0,
         max_rungs: int = 5,
-        brackets: int = 1,
+        brackets: int | None = None,
+        allocation: str | None = None,
         max_concurrent: int | None = None,
         sampler: Any = None,
     ) -> None:
         super().__init__(metric, mode, seed, max_concurrent)
         self.space = space
         self._use_sampler(sampler, space)
-        self.min_steps, self.max_steps, self.eta, self.num_trials, self.levels = halving_settings(
-            min_steps, max_steps, num_trials, eta, max_rungs
-        )
+        if max_steps is None:  # infinite horizon: rungs min_steps * eta**k without end
+            check_halving(min_steps, min_steps, eta)
+            check_int("max_rungs", max_rungs, 1)
+            self.min_steps, self.max_steps, self.eta = min_steps, None, eta
+            self.levels = [min_steps]
+        else:
+            self.min_steps, self.max_steps, self.eta, _, self.levels = halving_settings(
+                min_steps, max_steps, 1, eta, max_rungs
+            )
+        self.num_trials = None if num_trials is None else check_int("num_trials", num_trials, 1)
         self.max_rungs = max_rungs
+        if brackets is None:  # the default: as many of its brackets as there are rungs
+            brackets = (
+                DEFAULT_BRACKETS if max_steps is None else min(DEFAULT_BRACKETS, len(self.levels))
+            )
+        if allocation is None:
+            allocation = DEFAULT_ALLOCATION
         self.num_brackets = check_int("brackets", brackets, 1)
-        if brackets > len(self.levels):
+        if max_steps is not None and brackets > len(self.levels):
             raise TunerError(
                 f"brackets must be <= the number of rungs ({len(self.levels)}: {self.levels}), "
                 f"got {brackets}"
             )
+        if allocation not in ALLOCATIONS:
+            raise TunerError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        self.allocation = allocation
         self.rungs: list[list[dict[int, float]]] = []
         self.promotions: list[tuple[int, int, int]] = []
 
-    async def _search(self, ctx: ReplayingRunner) -> None:
-        specs = draw_specs(
-            self.space, self.num_trials, self.seed, shuffle_grid=True, sampler=self._bridge
+    @property
+    def shares(self) -> list[float]:
+        """Share of new configurations per bracket (equal shares for round-robin)."""
+        if self.allocation == "round_robin":
+            return [1.0 / self.num_brackets] * self.num_brackets
+        rungs = None if self.max_steps is None else len(self.levels)
+        return bracket_shares(self.num_brackets, rungs, self.eta)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the search ends by itself: a number of configurations bounds it
+        (``num_trials``, or a finite grid). Without a bound, a study needs a budget."""
+        return self.num_trials is not None or not (
+            hasattr(self.space, "sample") or self.sampler is not None
         )
-        ctx.declare(specs)  # nothing for a sampler's lazy specs: declared one by one
-        levels, eta = self.levels, self.eta
+
+    def _assigner(self) -> Any:
+        """Configuration id -> bracket, in creation order."""
+        if self.allocation == "round_robin":
+            return lambda tid: tid % self.num_brackets
+        alloc = _Allocator(self.shares)
+        return lambda tid: alloc.next()
+
+    async def _search(self, ctx: ReplayingRunner) -> None:
+        specs: Any
+        if self.bounded:
+            specs = draw_specs(
+                self.space, self.num_trials, self.seed, shuffle_grid=True, sampler=self._bridge
+            )
+            ctx.declare(specs)  # nothing for lazy specs: declared one by one
+        elif self._bridge is not None:  # configurations without end, asked one at a time
+            specs = SampledSpecs(self._bridge, sys.maxsize)
+        else:
+            specs = _Unbounded(self.space, self.seed)
+        eta = self.eta
+        infinite = self.max_steps is None
+        levels = self.levels = list(self.levels) if not infinite else [self.min_steps]
         top = len(levels) - 1
         self.rungs = [[{} for _ in levels] for _ in range(self.num_brackets)]
         self.promotions = []
         ranks = [[_RungRank(eta) for _ in levels] for _ in self.rungs]
+        bracket_of = self._assigner()
+
+        def grow(level: int) -> None:
+            # infinite horizon: rung ``level`` exists once a trial may reach it
+            while len(levels) <= level:
+                levels.append(levels[-1] * eta)
+                for b, rungs in enumerate(ranks):
+                    rungs.append(_RungRank(eta))
+                    self.rungs[b].append({})
+
         in_flight: dict[Job, tuple[int, int]] = {}
         # With the default concurrency in a study that shares prefixes, a worker is busy
         # per distinct remaining path, not per job: jobs that train the same steps
@@ -133,10 +254,11 @@ class ASHA(Tuner):
             return job
 
         def get_job() -> Job | None:
-            for level in range(top - 1, -1, -1):
+            for level in range(len(levels) - 1 if infinite else top - 1, -1, -1):
                 for b, rungs in enumerate(ranks):
                     tid = rungs[level].promotable()
                     if tid is not None:
+                        grow(level + 1)
                         rungs[level].promote()
                         self.promotions.append((tid, b, level))
                         job = ctx.submit(
@@ -146,10 +268,11 @@ class ASHA(Tuner):
                         return start(job, b, level + 1, levels[level])
             if len(self.trials) < len(specs):
                 spec = specs[len(self.trials)]
-                if self._bridge is not None:
+                if getattr(specs, "lazy", False):
                     ctx.declare([spec])
                 trial = self._new_trial(spec.config, spec.hp)
-                b = trial.id % self.num_brackets
+                b = bracket_of(trial.id)
+                grow(b)
                 return start(ctx.submit(trial, levels[b], "submit", bracket=b, rung=b), b, b, 0)
             return None
 
@@ -171,22 +294,25 @@ class ASHA(Tuner):
             # tie at early rungs, and one of them may well be promoted later
             if (
                 self._bridge is not None
-                and level < top
+                and (infinite or level < top)
                 and (value < ranks[b][level].threshold() or value == -math.inf)
             ):
                 self._prune(job.trial.id)
 
     @property
     def horizon(self) -> int:
-        return self.max_steps
+        return 0 if self.max_steps is None else self.max_steps
 
 
 class AsyncHyperband(ASHA):
     """Asynchronous Hyperband: ASHA brackets run concurrently.
 
     Same as :class:`ASHA` with one bracket per rung by default (bracket ``s`` starts at
-    rung ``s``; the last one trains its configurations straight to ``max_steps``), new
-    configurations assigned round-robin. Pass ``brackets`` to use fewer.
+    rung ``s``; the last one trains its configurations straight to ``max_steps``): it
+    loops through the brackets of ASHA, new configurations assigned round-robin, or in
+    Hyperband's proportions (the inverse of each bracket's budget) with
+    ``allocation="budget"``. Pass ``brackets`` to use fewer (required with
+    ``max_steps=None``, where rungs are endless).
     """
 
     def __init__(
@@ -196,16 +322,20 @@ class AsyncHyperband(ASHA):
         mode: str = "max",
         *,
         min_steps: int,
-        max_steps: int,
-        num_trials: int,
+        max_steps: int | None,
+        num_trials: int | None,
         eta: int = 4,
         seed: int = 0,
         max_rungs: int = 5,
         brackets: int | None = None,
+        allocation: str = "round_robin",
         max_concurrent: int | None = None,
         sampler: Any = None,
     ) -> None:
+        if brackets is None and max_steps is None:
+            raise TunerError("AsyncHyperband with max_steps=None needs brackets (endless rungs)")
         if brackets is None:
+            assert max_steps is not None
             check_halving(min_steps, max_steps, eta)
             check_int("max_rungs", max_rungs, 1)
             brackets = len(rung_levels(min_steps, max_steps, eta, max_rungs))
@@ -220,9 +350,50 @@ class AsyncHyperband(ASHA):
             seed=seed,
             max_rungs=max_rungs,
             brackets=brackets,
+            allocation=allocation,
             max_concurrent=max_concurrent,
             sampler=sampler,
         )
+
+
+class _Unbounded:
+    """Configurations without end from a random space, drawn (and declared) one at a
+    time: item ``i`` is the ``i``-th of ``space.sample(n, seed)`` for any ``n > i`` (the
+    same draws, repeats skipped)."""
+
+    lazy = True
+
+    def __init__(self, space: Any, seed: int) -> None:
+        self._space = space
+        self._rng = random.Random(seed)
+        self._seen: set[Any] = set()
+        self._specs: list[Any] = []
+        self._exhausted = False
+
+    def _fill(self, i: int) -> bool:
+        """Draw up to item ``i``; False when the space gave nothing new in
+        ``max(100, 10 * drawn)`` draws in a row (a finite space, used up)."""
+        repeats = 0
+        while len(self._specs) <= i and not self._exhausted:
+            spec = self._space.sample_one(self._rng)
+            if spec in self._seen:
+                repeats += 1
+                self._exhausted = repeats > max(100, 10 * len(self._specs))
+                continue
+            repeats = 0
+            self._seen.add(spec)
+            self._specs.append(spec)
+        return len(self._specs) > i
+
+    def __len__(self) -> int:
+        """The configurations drawn, and one more while the space gives new ones."""
+        n = len(self._specs)
+        return n + 1 if self._fill(n) else n
+
+    def __getitem__(self, i: int) -> Any:
+        if not self._fill(i):
+            raise IndexError(i)
+        return self._specs[i]
 
 
 class _RungRank:

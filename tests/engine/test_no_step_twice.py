@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from branching_spaces import MIXED
 from study_trainers import LinearTrainer
 
 from stagetree.distributions import Choice, LogUniform
@@ -30,17 +31,6 @@ from stagetree.tuners import ASHA, Hyperband, Tuner
 optuna = pytest.importorskip("optuna")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-# Sequences that change value at a few steps: trials share prefixes and branch there.
-MIXED = RandomSpace(
-    hp={
-        "lr": MultiStep(
-            init=Choice([0.03, 0.1]),
-            milestones=Choice([[2], [6], [2, 6], [10]]),
-            gamma=Choice([0.1, 0.3, 0.5]),
-        ),
-        "batch_size": Choice([64, Piecewise([64, 128], [6])]),
-    }
-)
 # The space of benchmarks/sampler_bench.py: a continuous decay factor after milestones.
 BENCH = RandomSpace(
     hp={
