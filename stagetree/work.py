@@ -255,6 +255,9 @@ class BatchFailed:
     checkpointing the model at ``step`` failed (``evaluate``, ``state_dict``, a state
     the checkpoint format cannot hold); ``"start"``: building or restoring the trainer
     at ``step`` failed (``__init__``, ``load_state_dict``).
+
+    ``kind="oom"``: the trainer ran out of device memory (a CUDA out-of-memory error):
+    not a plain failure, the stage needs a worker with more devices.
     """
 
     batch_id: int
@@ -292,9 +295,11 @@ class FusionFailed:
 
 @dataclass(frozen=True)
 class WorkerReady:
-    """Executor event: worker ``worker`` is up and idle (also sent for a replacement)."""
+    """Executor event: worker ``worker`` is up and idle (also sent for a replacement);
+    it owns ``devices`` devices (a stage that needs more never goes to it)."""
 
     worker: int
+    devices: int = 1
 
 
 @dataclass(frozen=True)
