@@ -23,6 +23,7 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointSaved",
     "CurveReported",
+    "FusedOutOfMemory",
     "FusionFailed",
     "Instruction",
     "MetricsReported",
@@ -294,6 +295,17 @@ class FusionFailed:
 
 
 @dataclass(frozen=True)
+class FusedOutOfMemory:
+    """Worker event: a fused job of ``width`` members of plan tree ``root_key`` ran out of
+    device memory; the worker trains them again at half the width (fused jobs of that
+    tree should be no wider from now on). Sent before the members' events."""
+
+    worker: int
+    root_key: str
+    width: int
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     """Executor event: worker ``worker`` is up and idle (also sent for a replacement);
     it owns ``devices`` devices (a stage that needs more never goes to it)."""
@@ -322,6 +334,7 @@ WorkerEvent = (
     | BatchFailed
     | SplitMissed
     | FusionFailed
+    | FusedOutOfMemory
     | WorkerReady
     | WorkerLost
 )

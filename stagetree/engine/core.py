@@ -54,6 +54,7 @@ from stagetree.plan.scopes import (
     devices_learned,
     devices_scope,
     learned_devices,
+    learned_fused_width,
     root_scope,
     study_scope,
 )
@@ -783,8 +784,10 @@ class Engine:
             self._known_roots.add(root_key)
             fusible = self._root_fusible.get(root_key, frozenset())
             config = self.storage.root_config(root_key)
-            devices = self._devices_needed(root_key, config)
-            events.append(RootAdded(root_key, config, fusible, devices))
+            learned = self.storage.stats(devices_scope(root_key))
+            devices = self._devices_needed(root_key, config, learned)
+            width = learned_fused_width(learned)
+            events.append(RootAdded(root_key, config, fusible, devices, width))
         path = self.storage.path(leaf)
         new = [n for n in path if n.id not in self._known_nodes]
         for n in new:
@@ -797,13 +800,14 @@ class Engine:
                     events.append(CheckpointAvailable(cnode, cstep, rec.ref))
         return events
 
-    def _devices_needed(self, root_key: str, config: Mapping[str, Any]) -> int:
+    def _devices_needed(
+        self, root_key: str, config: Mapping[str, Any], learned: dict[str, float]
+    ) -> int:
         """Devices a stage of tree ``root_key`` needs: its trainer's declared need
         (``devices_needed``), or what an out-of-memory error taught an earlier run
-        (kept in the plan), whichever is more."""
+        (``learned``: the counters kept in the plan), whichever is more."""
         trainer = self._trainers.get(self._root_trainers.get(root_key, ""), self.default_trainer)
-        learned = learned_devices(self.storage.stats(devices_scope(root_key)))
-        return max(trainer_devices(trainer, config), learned)
+        return max(trainer_devices(trainer, config), learned_devices(learned))
 
     def _enqueue(self, events: list[Any]) -> None:
         """Queue scheduler events from user threads; the driver applies them together
@@ -1211,7 +1215,7 @@ class Engine:
                 self.resolve(item.node, item.step, error=(item.error, item.traceback, where))
             elif isinstance(item, DevicesLearned):  # kept: a later run starts with it
                 scope = devices_scope(item.root_key)
-                self.storage.add_stats(scope, **devices_learned(item.devices))
+                self.storage.add_stats(scope, **devices_learned(item.devices, item.fused_width))
 
     def _started(self, item: Any, width: int = 1) -> Any:
         """Book a batch that goes to the executor (lock held); returns it, trained by

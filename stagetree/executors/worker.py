@@ -83,6 +83,7 @@ from stagetree.work import (
     CheckpointFailed,
     CheckpointSaved,
     CurveReported,
+    FusedOutOfMemory,
     FusionFailed,
     MetricsReported,
     Progress,
@@ -1203,6 +1204,7 @@ class _FusedRun:
         width = len(self.members)
         root_key = self.members[0].job.batch.root_key
         w._oom_width[root_key] = min(w._oom_width.get(root_key, width), max(1, width // 2))
+        w.emit(FusedOutOfMemory(w.worker_id, root_key, width))  # the scheduler learns it
         logger.warning(
             "worker %s: a fused step of %s members at step %s ran out of device memory "
             "(%s); training them again at width %s",

@@ -118,6 +118,7 @@ from stagetree.work import (
     CheckpointFailed,
     CheckpointSaved,
     CurveReported,
+    FusedOutOfMemory,
     FusionFailed,
     Instruction,
     MetricsReported,
@@ -347,6 +348,7 @@ class Scheduler:
         self._devices: dict[int, int] = {}
         self._need: dict[str, int] = {}
         self._expected_devices = 0  # the largest worker the executor will start
+        self._fused_width: dict[str, int] = {}  # widest fused job known to fit, by tree
         self._idle: set[int] = set(self._workers)
         self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
         # Starts of ready roots whose model an idle worker holds (see _held_first).
@@ -374,6 +376,7 @@ class Scheduler:
             BatchFailed: self._on_failed,
             SplitMissed: self._on_split_missed,
             FusionFailed: self._on_fusion_failed,
+            FusedOutOfMemory: self._on_fused_out_of_memory,
             WorkerReady: self._on_worker_ready,
             WorkerLost: self._on_worker_lost,
         }
@@ -505,6 +508,8 @@ class Scheduler:
         devices = getattr(e, "devices", 1)
         if devices > self._need.get(e.root_key, 1):
             self._need[e.root_key] = devices
+        if getattr(e, "fused_width", 0) > 0:
+            self._fused_width[e.root_key] = e.fused_width
         if e.fusible:
             self._fusible[e.root_key] = frozenset(e.fusible)
         else:
@@ -513,6 +518,13 @@ class Scheduler:
     def _on_fusion_failed(self, e: FusionFailed, out: list[Instruction | Notice]) -> None:
         """The tree's trainer cannot be fused: never fuse its stages again."""
         self.disable_fusion(e.root_key)
+
+    def _on_fused_out_of_memory(self, e: FusedOutOfMemory, out: list[Instruction | Notice]) -> None:
+        """A fused job of the tree did not fit: later ones are at most half as wide."""
+        width = max(1, e.width // 2)
+        if width < self._fused_width.get(e.root_key, e.width):
+            self._fused_width[e.root_key] = width
+            out.append(DevicesLearned(e.root_key, self.devices_needed(e.root_key), width))
 
     def disable_fusion(self, root_key: str) -> None:
         """Never fuse the stages of plan tree ``root_key`` (its trainer cannot be fused)."""
@@ -907,7 +919,8 @@ class Scheduler:
             need = min(2 * had, largest)
             if need > self._need.get(node.root_key, 1):
                 self._need[node.root_key] = need
-                out.append(DevicesLearned(node.root_key, need))
+                fits = self._fused_width.get(node.root_key, 0)
+                out.append(DevicesLearned(node.root_key, need, fits))
             return True
         model = (e.node, e.step + 1 if getattr(e, "phase", "train") == "train" else e.step)
         doomed = self._dependents(e.node, e.step) | self._behind(model)
@@ -1366,7 +1379,8 @@ class Scheduler:
         # Workers whose batches reached their end are about to be free too.
         ending = {b.worker for b in self._batches.values() if b.position >= b.end[1]}
         free = len(self._idle | (ending - self._busy_workers(ending)))
-        width = min(self.max_fused, -(-(len(siblings) + 1) // max(free, 1)))
+        widest = min(self.max_fused, self._fused_width.get(root_key, self.max_fused))
+        width = min(widest, -(-(len(siblings) + 1) // max(free, 1)))
         for sibling in siblings:
             if len(group) >= width:
                 break

@@ -10,7 +10,7 @@ from stagetree.hp import Constant
 from stagetree.plan import MemoryPlanStorage
 from stagetree.scheduler import NodeAdded, RequestAdded, RequestFailed, RootAdded, Scheduler
 from stagetree.scheduler.events import DevicesLearned
-from stagetree.work import BatchFailed, RunBatch, WorkerReady
+from stagetree.work import BatchFailed, FusedOutOfMemory, RunBatch, WorkerReady
 
 CONST = {"lr": Constant(0.1)}
 OOM = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
@@ -106,3 +106,12 @@ def test_uniform_workers_decide_as_before() -> None:
     sched, plan = _cluster([1, 1, 1])
     picks = [_runs(_trial(sched, plan, f"r{i}")[0])[0].worker for i in range(3)]
     assert picks == [0, 1, 2]
+
+
+def test_a_fused_job_out_of_memory_halves_the_trees_fused_width() -> None:
+    sched, plan = _cluster([1])
+    _trial(sched, plan, "r")
+    out = sched.handle(FusedOutOfMemory(0, "r", 8))
+    assert out == [DevicesLearned("r", 1, 4)]
+    assert sched.handle(FusedOutOfMemory(0, "r", 8)) == []  # known already
+    assert sched.handle(FusedOutOfMemory(0, "r", 4)) == [DevicesLearned("r", 1, 2)]
