@@ -83,7 +83,7 @@ class StudyArguments:
     fuse: bool | str = False
     max_fused: int | None = None
     checkpoint_every: int | str | None = "auto"
-    devices_per_worker: int = 1
+    devices_per_worker: int | tuple[int, ...] = 1
     step_timeout: float | None = None
     stop_timeout: float = 5.0
 
@@ -160,7 +160,7 @@ class StudyAPI(abc.ABC):
         fuse: bool | str = False,
         max_fused: int | None = None,
         checkpoint_every: int | str | None = "auto",
-        devices_per_worker: int = 1,
+        devices_per_worker: int | tuple[int, ...] = 1,
         step_timeout: float | None = None,
         stop_timeout: float = 5.0,
     ) -> None:
@@ -249,7 +249,11 @@ class StudyAPI(abc.ABC):
                 defaults to the visible devices divided by ``k``; a Ray worker asks for
                 ``{"GPU": k}``; a simulated one trains ``k`` devices' worth faster and
                 counts ``k`` devices busy. Raises ``ValueError`` (when the workers
-                start) if ``workers * k`` devices are not visible.
+                start) if ``workers * k`` devices are not visible. A list (``[1, 1,
+                2, 4]``, local or simulated) makes a mixed cluster, one worker per
+                entry; a trial goes only to workers with the devices its trainer
+                declares (``Trainer.devices_needed``) or an out-of-memory error taught
+                the scheduler (see :mod:`stagetree.executors.devices`).
             step_timeout: seconds one training step (``setup``/``train`` and the
                 evaluations and checkpoints after it) may take on a worker process
                 (``executor="local"``); a step that takes longer fails its batch with

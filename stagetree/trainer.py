@@ -95,6 +95,12 @@ class Trainer:
         fusible: class attribute; the sequential hyper-parameter names that may differ
             between members of a fused job (see :mod:`stagetree.fusion`); empty (the
             default): the class cannot be fused, and :meth:`fuse` is never called.
+        devices_needed: optional class attribute; the devices one trial needs on its
+            worker, an int (``devices_needed = 2``) or a function of the fixed config
+            (a classmethod or staticmethod ``devices_needed(config) -> int``). Its
+            stages go only to workers with at least that many devices; undeclared,
+            one, and a CUDA out-of-memory error doubles it (see
+            :mod:`stagetree.executors.devices`).
     """
 
     hyperparameters: ClassVar[Collection[str] | None] = None

@@ -23,6 +23,7 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointSaved",
     "CurveReported",
+    "FusedOutOfMemory",
     "FusionFailed",
     "Instruction",
     "MetricsReported",
@@ -255,6 +256,9 @@ class BatchFailed:
     checkpointing the model at ``step`` failed (``evaluate``, ``state_dict``, a state
     the checkpoint format cannot hold); ``"start"``: building or restoring the trainer
     at ``step`` failed (``__init__``, ``load_state_dict``).
+
+    ``kind="oom"``: the trainer ran out of device memory (a CUDA out-of-memory error):
+    not a plain failure, the stage needs a worker with more devices.
     """
 
     batch_id: int
@@ -291,10 +295,23 @@ class FusionFailed:
 
 
 @dataclass(frozen=True)
-class WorkerReady:
-    """Executor event: worker ``worker`` is up and idle (also sent for a replacement)."""
+class FusedOutOfMemory:
+    """Worker event: a fused job of ``width`` members of plan tree ``root_key`` ran out of
+    device memory; the worker trains them again at half the width (fused jobs of that
+    tree should be no wider from now on). Sent before the members' events."""
 
     worker: int
+    root_key: str
+    width: int
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Executor event: worker ``worker`` is up and idle (also sent for a replacement);
+    it owns ``devices`` devices (a stage that needs more never goes to it)."""
+
+    worker: int
+    devices: int = 1
 
 
 @dataclass(frozen=True)
@@ -317,6 +334,7 @@ WorkerEvent = (
     | BatchFailed
     | SplitMissed
     | FusionFailed
+    | FusedOutOfMemory
     | WorkerReady
     | WorkerLost
 )

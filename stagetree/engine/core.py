@@ -45,11 +45,19 @@ from stagetree.exceptions import (
     TrialFailedError,
 )
 from stagetree.executors.base import WALL_CLOCK, BaseExecutor, Clock
+from stagetree.executors.devices import trainer_devices
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.leases import host_pid
 from stagetree.plan.model import RequestState
-from stagetree.plan.scopes import root_scope, study_scope
+from stagetree.plan.scopes import (
+    devices_learned,
+    devices_scope,
+    learned_devices,
+    learned_fused_width,
+    root_scope,
+    study_scope,
+)
 from stagetree.plan.tree import Insertion
 from stagetree.records import failure_record
 from stagetree.scheduler import (
@@ -64,6 +72,7 @@ from stagetree.scheduler import (
     Scheduler,
     StudyWeight,
 )
+from stagetree.scheduler.events import DevicesLearned
 from stagetree.space import canonical_json
 from stagetree.work import WorkerEvent
 
@@ -320,6 +329,9 @@ class Engine:
         k = getattr(executor, "devices_per_worker", 1)
         ok = isinstance(k, int) and not isinstance(k, bool) and k >= 1
         self._devices_per_worker = k if ok else 1
+        counts = getattr(executor, "worker_device_counts", None)
+        if counts:  # a need up to the largest worker waits for it while it starts
+            self.scheduler.expect_devices(max(counts))
         if not executor.supports_fusion and self.scheduler.max_fused > 1:
             if self._root_fusible:
                 logger.warning(
@@ -771,7 +783,11 @@ class Engine:
         if root_key not in self._known_roots:
             self._known_roots.add(root_key)
             fusible = self._root_fusible.get(root_key, frozenset())
-            events.append(RootAdded(root_key, self.storage.root_config(root_key), fusible))
+            config = self.storage.root_config(root_key)
+            learned = self.storage.stats(devices_scope(root_key))
+            devices = self._devices_needed(root_key, config, learned)
+            width = learned_fused_width(learned)
+            events.append(RootAdded(root_key, config, fusible, devices, width))
         path = self.storage.path(leaf)
         new = [n for n in path if n.id not in self._known_nodes]
         for n in new:
@@ -783,6 +799,15 @@ class Engine:
                 if cnode in ids and self.store.exists(rec.ref):
                     events.append(CheckpointAvailable(cnode, cstep, rec.ref))
         return events
+
+    def _devices_needed(
+        self, root_key: str, config: Mapping[str, Any], learned: dict[str, float]
+    ) -> int:
+        """Devices a stage of tree ``root_key`` needs: its trainer's declared need
+        (``devices_needed``), or what an out-of-memory error taught an earlier run
+        (``learned``: the counters kept in the plan), whichever is more."""
+        trainer = self._trainers.get(self._root_trainers.get(root_key, ""), self.default_trainer)
+        return max(trainer_devices(trainer, config), learned_devices(learned))
 
     def _enqueue(self, events: list[Any]) -> None:
         """Queue scheduler events from user threads; the driver applies them together
@@ -928,7 +953,7 @@ class Engine:
                 mine[0] += delta
                 mine[1] += delta * rate
             if isinstance(ev, work.BatchDone):
-                self._settle_charges(batch, ev.busy_seconds * self._devices_per_worker)
+                self._settle_charges(batch, ev.busy_seconds * self._devices(ev.worker))
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
             self._evict()
 
@@ -1012,7 +1037,7 @@ class Engine:
         if ev.seconds_per_step > 0:
             # A member of a fused job costs its share of the job's step.
             rate = ev.seconds_per_step / max(ev.width, 1)
-            batch.rate = rate * self._devices_per_worker
+            batch.rate = rate * self._devices(ev.worker)
 
     def _on_split_missed(self, ev: work.SplitMissed, batch: RunningBatch | None) -> None:
         self.storage.add_stats("engine", splits_missed=1)
@@ -1030,7 +1055,7 @@ class Engine:
                 "save_wait_seconds": ev.save_wait_seconds,
             },
         )
-        device = ev.busy_seconds * self._devices_per_worker
+        device = ev.busy_seconds * self._devices(ev.worker)
         counted: dict[str, dict[str, float]] = {
             "engine": {"device_seconds": device, "steps_executed": ev.steps}
         }
@@ -1040,7 +1065,13 @@ class Engine:
             counted["engine"].update(ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
         self.storage.add_stats_many(counted)  # one transaction
         if batch is not None and ev.steps:
-            batch.rate = ev.busy_seconds * self._devices_per_worker / ev.steps
+            batch.rate = ev.busy_seconds * self._devices(ev.worker) / ev.steps
+
+    def _devices(self, worker: int) -> int:
+        """Devices a busy second of ``worker`` occupies: those it announced
+        (``WorkerReady.devices``; workers of a mixed cluster differ), at least the
+        executor's ``devices_per_worker``."""
+        return max(self._devices_per_worker, self.scheduler.worker_devices(worker))
 
     def _settle_charges(self, batch: RunningBatch, device: float) -> None:
         """A batch ended after ``device`` device-seconds of work (what the storage-wide
@@ -1182,6 +1213,9 @@ class Engine:
             elif isinstance(item, RequestFailed):
                 where = getattr(item, "where", "")
                 self.resolve(item.node, item.step, error=(item.error, item.traceback, where))
+            elif isinstance(item, DevicesLearned):  # kept: a later run starts with it
+                scope = devices_scope(item.root_key)
+                self.storage.add_stats(scope, **devices_learned(item.devices, item.fused_width))
 
     def _started(self, item: Any, width: int = 1) -> Any:
         """Book a batch that goes to the executor (lock held); returns it, trained by

@@ -78,7 +78,7 @@ class EngineSettings:
     eval_every: int | None = 1
     max_fused: int | None = None
     checkpoint_every: int | str | None = "auto"
-    devices_per_worker: int = 1
+    devices_per_worker: int | tuple[int, ...] = 1
     step_timeout: float | None = None
     stop_timeout: float = 5.0
 
@@ -86,7 +86,14 @@ class EngineSettings:
         _check_count("workers", self.workers, 1)
         _check_count("threads_per_worker", self.threads_per_worker, 1)
         _check_count("max_retries", self.max_retries, 0, optional=False)
-        _check_count("devices_per_worker", self.devices_per_worker, 1, optional=False)
+        if isinstance(self.devices_per_worker, (list, tuple)):  # a mixed cluster
+            if not self.devices_per_worker:
+                raise ValueError("devices_per_worker must be an int >= 1 or a non-empty list")
+            for k in self.devices_per_worker:
+                _check_count("devices_per_worker", k, 1, optional=False)
+            object.__setattr__(self, "devices_per_worker", tuple(self.devices_per_worker))
+        else:
+            _check_count("devices_per_worker", self.devices_per_worker, 1, optional=False)
         check_executor(self.executor)
         make_policy(self.policy)
         eval_every = 0 if self.eval_every is None else self.eval_every

@@ -26,6 +26,7 @@ from typing import Any
 from stagetree.checkpoints import CheckpointStore
 from stagetree.executors._events import StartupError, started
 from stagetree.executors._spec import TrainerClasses, TrainerSpec
+from stagetree.executors.devices import device_count
 from stagetree.executors.worker import Worker
 from stagetree.trainer import keep_caller_rng
 from stagetree.work import Abort, AddCheckpoint, RunBatch, RunFused, SplitMissed, WorkerReady
@@ -118,7 +119,7 @@ def worker_main(cfg: ChildConfig, inbox: Connection, outbox: Connection) -> None
 
     lease: Lease | None = cfg.lease
     try:
-        while lease is not None and _serve(lease, cfg.threads, inbox, emit):
+        while lease is not None and _serve(lease, cfg.threads, inbox, emit, cfg.device):
             emit(Released(lease.worker))
             lease = None
             while True:  # idle in the pool: only a lease or the exit sentinel arrive
@@ -138,10 +139,17 @@ def worker_main(cfg: ChildConfig, inbox: Connection, outbox: Connection) -> None
     os._exit(0)
 
 
-def _serve(lease: Lease, threads: int, inbox: Connection, emit: Callable[[Any], None]) -> bool:
+def _serve(
+    lease: Lease,
+    threads: int,
+    inbox: Connection,
+    emit: Callable[[Any], None],
+    device: str | None = None,
+) -> bool:
     """Serve one executor with a fresh :class:`Worker` (nothing of an earlier lease's
     trainers, models or batches survives). Returns True when released back to the pool,
-    False when told to exit or unable to start."""
+    False when told to exit or unable to start. ``device``: the process's
+    ``CUDA_VISIBLE_DEVICES`` (None: not pinned), whose devices it announces."""
     if lease.sys_path:
         sys.path[:] = list(lease.sys_path)  # the leasing process's, as spawn gives it
     try:
@@ -172,7 +180,7 @@ def _serve(lease: Lease, threads: int, inbox: Connection, emit: Callable[[Any], 
     backlog: deque[Any] = deque()
     nothing: list[AddCheckpoint | Abort] = []
     try:
-        emit(WorkerReady(lease.worker))
+        emit(WorkerReady(lease.worker, device_count(device)))
         while True:
             message = backlog.popleft() if backlog else inbox.recv()
             if message is None:

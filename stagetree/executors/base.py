@@ -128,7 +128,8 @@ class ExecutorOptions:
         address: the cluster to run on, for cluster executors (``stagetree run
             --address``; None: the executor's default).
         devices_per_worker: devices each worker owns and trains on (data-parallel;
-            see :mod:`stagetree.executors.devices`).
+            see :mod:`stagetree.executors.devices`); one int per worker for a
+            mixed cluster.
         step_timeout: seconds a training step may take before its batch fails and its
             worker is replaced (None: no limit; executors with worker processes).
     """
@@ -139,7 +140,7 @@ class ExecutorOptions:
     threads_per_worker: int | None
     store: Any = None
     address: str | None = None
-    devices_per_worker: int = 1
+    devices_per_worker: int | tuple[int, ...] = 1
     step_timeout: float | None = None
 
 

@@ -79,7 +79,7 @@ from stagetree.executors._process import (
 )
 from stagetree.executors._spec import TrainerSpec, no_main_rerun
 from stagetree.executors.base import BaseExecutor
-from stagetree.executors.devices import check_devices_per_worker, device_groups
+from stagetree.executors.devices import check_worker_devices, device_count, device_groups
 from stagetree.trainer import Trainer
 from stagetree.work import (
     Instruction,
@@ -221,7 +221,10 @@ class LocalExecutor(BaseExecutor):
             devices ``w*k .. w*k+k-1`` of ``devices`` alone, as its
             ``CUDA_VISIBLE_DEVICES``, so its trainer sees ``k`` devices (``cuda:0`` ..
             ``cuda:{k-1}``) and can train data-parallel over them; ``num_workers``
-            then defaults to ``len(devices) // k``.
+            then defaults to ``len(devices) // k``. A list (``[1, 1, 2, 4]``) makes
+            a mixed cluster: one worker per entry, worker ``w`` owning the next
+            ``k_w`` devices (a stage goes only to a worker with the devices its tree
+            needs; see :mod:`stagetree.executors.devices`).
         progress_interval: seconds between throttled ``Progress`` events.
         close_timeout: seconds :meth:`close` waits for workers to exit (or to be
             released to the pool) before terminating them.
@@ -256,10 +259,10 @@ class LocalExecutor(BaseExecutor):
         close_timeout: float = 10.0,
         keep_workers: bool = True,
         start_method: str | None = None,
-        devices_per_worker: int = 1,
+        devices_per_worker: int | Sequence[int] = 1,
         step_timeout: float | None = None,
     ) -> None:
-        check_devices_per_worker(devices_per_worker)
+        check_worker_devices(devices_per_worker)
         if num_workers is not None and num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.spec = TrainerSpec.of(trainer)
@@ -321,6 +324,11 @@ class LocalExecutor(BaseExecutor):
         """Device each worker is pinned to, its ``CUDA_VISIBLE_DEVICES`` (``"0,1"`` with
         two devices per worker; None: not pinned)."""
         return [slot.device for slot in self._slots]
+
+    @property
+    def worker_device_counts(self) -> list[int]:
+        """Devices each worker owns (1 when not pinned)."""
+        return [device_count(slot.device) for slot in self._slots]
 
     def pid(self, worker: int) -> int | None:
         """Process id of worker ``worker`` (None before start or after close)."""

@@ -74,6 +74,7 @@ from stagetree.executors._events import (
 )
 from stagetree.executors._spec import TrainerClasses, TrainerSpec
 from stagetree.executors.base import BaseExecutor
+from stagetree.executors.devices import worker_devices
 from stagetree.executors.worker import Worker
 from stagetree.extras import install_hint
 from stagetree.work import (
@@ -178,7 +179,9 @@ class _WorkerActor:
         )
         self._thread = threading.Thread(target=self._loop, name="stagetree-batches", daemon=True)
         self._thread.start()
-        self._emit(WorkerReady(worker_id))
+        # The GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES): stages that need more
+        # never come here.
+        self._emit(WorkerReady(worker_id, max(1, len(worker_devices()))))
 
     def _emit(self, event: Any) -> None:
         with self._cond:
@@ -561,12 +564,15 @@ class RayExecutor(BaseExecutor):
         """A copy of this executor for a study's trainer and checkpoint store (what this
         one was built with wins, trainers added with :meth:`add_trainer` included)."""
         resources: Any = self._resources
+        k = options.devices_per_worker
         if resources is not None and len(resources) == 1:
             resources = resources[0]
-        elif resources is None and options.devices_per_worker > 1:
+        elif resources is None and isinstance(k, tuple):  # a mixed cluster
+            resources = [{"GPU": float(g)} for g in k]
+        elif resources is None and isinstance(k, int) and k > 1:
             # Study(devices_per_worker=k): k GPUs per actor (Ray sets its
             # CUDA_VISIBLE_DEVICES to them).
-            resources = {"GPU": float(options.devices_per_worker)}
+            resources = {"GPU": float(k)}
         bound = RayExecutor(
             self.spec if self.spec is not None else options.trainer,
             self._requested if self._requested is not None else options.workers,

@@ -30,6 +30,11 @@ Models (all deterministic; see :mod:`stagetree.tools.simulate` for more):
   whole worker). A training step takes ``step_cost / (1 + (k - 1) * e)`` seconds for a
   parallel efficiency ``e`` in (0, 1] (loads, saves and evaluations are not scaled);
   :attr:`SimulatedExecutor.device_seconds` counts a worker's busy seconds ``k`` times.
+  A mixed cluster gives each worker its own ``k`` (``devices_per_worker=[1, 2, 4]``).
+* Device memory: ``memory_devices`` (an int or ``config -> int``) is the devices a
+  trial's model really needs; a batch on a worker with fewer fails at its start with a
+  simulated CUDA out-of-memory error (``BatchFailed(kind="oom")``), and the scheduler
+  learns the need as it would from a real one (see :mod:`stagetree.executors.devices`).
 * Trainers: nothing is built, so :meth:`SimulatedExecutor.add_trainer` only records
   keys (the contract's checks hold: a key taken by another class is refused, a batch of
   an unknown key fails at its start); every key follows the same models.
@@ -53,7 +58,7 @@ import heapq
 import itertools
 import json
 import math
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +68,7 @@ from stagetree.executors.base import BaseExecutor, VirtualClock, settle_loop
 from stagetree.executors.devices import (
     check_devices_per_worker,
     check_parallel_efficiency,
+    check_worker_devices,
     data_parallel_speedup,
 )
 from stagetree.hp import step_values
@@ -354,9 +360,12 @@ class SimulatedExecutor(BaseExecutor):
         progress_interval: virtual seconds between ``Progress`` reports within a
             segment, as the real worker's (None: only at segment ends and points).
         devices_per_worker: devices each worker owns and trains every batch on,
-            data-parallel (an int >= 1).
+            data-parallel (an int >= 1), or one int per worker (a mixed cluster; then
+            ``num_workers`` is its length).
         parallel_efficiency: ``e`` in (0, 1]: ``k`` devices train a step
             ``1 + (k - 1) * e`` times as fast as one (1.0: linear scaling).
+        memory_devices: the devices a trial needs to fit in device memory, an int or
+            ``config -> int`` (None: one is enough); fewer fail with out of memory.
 
     After (or during) a run: :attr:`now` is the virtual time in seconds,
     :attr:`done_at` the virtual time the driven tuner returned (see :func:`drive`),
@@ -390,12 +399,26 @@ class SimulatedExecutor(BaseExecutor):
         load_bandwidth: float = 1e9,
         eval_seconds: float = 0.0,
         progress_interval: float | None = 0.2,
-        devices_per_worker: int = 1,
+        devices_per_worker: int | Sequence[int] = 1,
         parallel_efficiency: float = 1.0,
+        memory_devices: int | Callable[[Mapping[str, Any]], int] | None = None,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-        self.devices_per_worker = check_devices_per_worker(devices_per_worker)
+        mixed = check_worker_devices(devices_per_worker)
+        if mixed is not None:
+            if num_workers not in (1, len(mixed)):
+                raise ValueError(
+                    f"devices_per_worker lists {len(mixed)} workers, but num_workers={num_workers}"
+                )
+            num_workers = len(mixed)
+        if mixed is None:
+            k = check_devices_per_worker(devices_per_worker)
+            self.devices_per_worker: int | list[int] = k
+            self.worker_devices = [k] * num_workers  # devices of each worker
+        else:
+            self.devices_per_worker = self.worker_devices = mixed
+        self.memory_devices = memory_devices
         self.parallel_efficiency = check_parallel_efficiency(parallel_efficiency)
         for name, value in (
             ("save_latency", save_latency),
@@ -454,7 +477,7 @@ class SimulatedExecutor(BaseExecutor):
             return
         self._started = True
         for w in range(self._num_workers):
-            self._push(self.now, "event", WorkerReady(w))
+            self._push(self.now, "event", WorkerReady(w, self.worker_devices[w]))
 
     def close(self) -> None:
         self._closed = True
@@ -520,14 +543,24 @@ class SimulatedExecutor(BaseExecutor):
     @property
     def device_seconds(self) -> float:
         """Busy seconds of all devices together: the workers' busy seconds times
-        :attr:`devices_per_worker` (a worker's devices are busy together)."""
-        return sum(self.busy_seconds) * self.devices_per_worker
+        its devices (a worker's devices are busy together)."""
+        return sum(b * k for b, k in zip(self.busy_seconds, self.worker_devices))
 
     @property
     def speedup(self) -> float:
         """How many times faster a worker trains a step than one device:
-        ``1 + (devices_per_worker - 1) * parallel_efficiency``."""
-        return data_parallel_speedup(self.devices_per_worker, self.parallel_efficiency)
+        ``1 + (devices_per_worker - 1) * parallel_efficiency`` (the largest worker's in
+        a mixed cluster; see :meth:`speedup_of`)."""
+        return self.speedup_of(max(range(self._num_workers), key=self.worker_devices.__getitem__))
+
+    @property
+    def worker_device_counts(self) -> list[int]:
+        """Devices each worker owns."""
+        return list(self.worker_devices)
+
+    def speedup_of(self, worker: int) -> float:
+        """How many times faster worker ``worker`` trains a step than one device."""
+        return data_parallel_speedup(self.worker_devices[worker], self.parallel_efficiency)
 
     def checkpoint_cost(self, config: Mapping[str, Any]) -> tuple[int, float, float]:
         """``(nbytes, save seconds, load seconds)`` of a checkpoint of ``config``."""
@@ -542,6 +575,10 @@ class SimulatedExecutor(BaseExecutor):
 
     def _push(self, time: float, kind: str, payload: Any, version: int = 0) -> None:
         heapq.heappush(self._heap, _Item(time, next(self._seq), kind, payload, version))
+
+    def _memory_need(self, config: Mapping[str, Any]) -> int:
+        need = self.memory_devices
+        return 1 if need is None else int(need(config) if callable(need) else need)
 
     def _nbytes(self, config: Mapping[str, Any]) -> int:
         n = self.checkpoint_bytes
@@ -569,6 +606,16 @@ class SimulatedExecutor(BaseExecutor):
                 "is registered under it (register it with the executor's add_trainer() "
                 "before submitting its batches)",
                 kind="trainer",
+            )
+            return
+        need = self._memory_need(config)
+        if need > self.worker_devices[w]:
+            self._fail(
+                batch,
+                now,
+                f"OutOfMemoryError: CUDA out of memory (simulated: the model needs {need} "
+                f"devices, worker {w} has {self.worker_devices[w]})",
+                kind="oom",
             )
             return
         # The model to start from: in memory, from a checkpoint, or fresh.
@@ -619,7 +666,7 @@ class SimulatedExecutor(BaseExecutor):
         cost = self.step_cost
         update = self.curve.update
         cost_cache: dict[tuple[Any, ...], float] = {}
-        speedup = self.speedup
+        speedup = self.speedup_of(w)
         names = sorted({name for seg in segments for name in seg.hp})
         for seg in segments:
             columns = [step_values(seg.hp.get(name), seg.start, seg.stop) for name in names]

@@ -71,6 +71,7 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore, check_state
 from stagetree.exceptions import CheckpointError, FusionError, StagetreeError, TrainerError
+from stagetree.executors.devices import is_out_of_memory
 from stagetree.hp import step_values
 from stagetree.names import HpReadWatch
 from stagetree.trainer import Trainer
@@ -82,6 +83,7 @@ from stagetree.work import (
     CheckpointFailed,
     CheckpointSaved,
     CurveReported,
+    FusedOutOfMemory,
     FusionFailed,
     MetricsReported,
     Progress,
@@ -246,6 +248,9 @@ class Worker:
         self._reads = HpReadWatch()  # names a fresh trainer's first setup() never reads
         # Trainer keys whose fused jobs failed to fuse: their members run one by one.
         self._unfusible: set[str] = set()
+        # Fused width by plan tree after a fused step ran out of device memory: half the
+        # width that did (see _FusedRun.narrower).
+        self._oom_width: dict[str, int] = {}
         # A fused job that started from the in-memory model keeps its state here while
         # it runs: members that must start again unfused restore it (it may not be
         # durable anywhere yet). (batch's trainer, root key, config, start_at), state.
@@ -448,9 +453,13 @@ class Worker:
         load = _perf() - begin
         # The device may hold fewer members than the scheduler sent (a memory estimate on
         # accelerators; Trainer.fused_width_limit): then the job runs in narrower chunks.
-        limit = _width_limit(trainers[0], len(trainers))
-        for lo in range(0, len(jobs), limit):
+        fits = _width_limit(trainers[0], len(trainers))
+        lo = 0
+        while lo < len(jobs):
+            # Narrower after a chunk ran out of device memory (see _FusedRun.narrower).
+            limit = min(fits, self._oom_width.get(first.root_key, fits))
             chunk, members = jobs[lo : lo + limit], trainers[lo : lo + limit]
+            trainers[lo : lo + limit] = [None] * len(members)  # the group owns them now
             try:
                 group = factory.fuse(members)  # type: ignore[attr-defined]
             except Exception as exc:
@@ -458,9 +467,11 @@ class Worker:
                 self._run_each(tuple(j.batch for j in jobs[lo:]), mail)
                 return
             _FusedRun(self, group, chunk, mail, load if lo == 0 else 0.0).run()
+            del group, members
             if first.trainer in self._unfusible:  # it fell back: the rest go one by one
                 self._run_each(tuple(j.batch for j in jobs[lo + limit :]), mail)
                 return
+            lo += limit
 
     def _members(self, batch: RunBatch, node: int, factory: TrainerFactory, n: int) -> list[Any]:
         """``n`` trainers at the batch's start (built fresh, or restored from the start
@@ -866,6 +877,8 @@ class Worker:
         # Only the store's own error on the start checkpoint means "checkpoint lost";
         # a CheckpointError raised by trainer code is the trainer's failure.
         kind = "checkpoint" if failed.checkpoint else "trainer"
+        if not failed.checkpoint and is_out_of_memory(failed.error):
+            kind = "oom"  # a worker with more devices may train it (the scheduler's call)
         self.emit(
             BatchFailed(
                 batch.batch_id,
@@ -1025,6 +1038,7 @@ class _FusedRun:
             members = self.members
             begin = _perf()
             w._step_at = (members[0].job.batch.batch_id, members[0].node, t, begin)
+            oom = ""
             try:
                 for i, m in enumerate(members):
                     change = m.change(w, t)
@@ -1034,11 +1048,17 @@ class _FusedRun:
             except Exception as exc:
                 if first and isinstance(exc, FusionError):
                     self.fall_back(exc)
+                    return
+                if len(members) > 1 and is_out_of_memory(exc):
+                    oom = f"{type(exc).__name__}: {exc}"  # handled below, its frames gone
                 else:
                     self.rerun(exc, t)
-                return
+                    return
             finally:
                 w._step_at = None
+            if oom:
+                self.narrower(oom, t)
+                return
             first = False
             seconds = _perf() - begin
             self.synced.clear()
@@ -1174,6 +1194,34 @@ class _FusedRun:
             w._flush_curve(m.job)
         w._wait_saves()
         self.unfused()
+
+    def narrower(self, error: str, step: int) -> None:
+        """A fused step ran out of device memory: the members still in the job train
+        again from their batches' start, fused at half the width (this worker keeps that
+        width for the tree); a single member that still does not fit fails with
+        ``kind="oom"``, and the scheduler gives it a worker with more devices."""
+        w = self.w
+        width = len(self.members)
+        root_key = self.members[0].job.batch.root_key
+        w._oom_width[root_key] = min(w._oom_width.get(root_key, width), max(1, width // 2))
+        w.emit(FusedOutOfMemory(w.worker_id, root_key, width))  # the scheduler learns it
+        logger.warning(
+            "worker %s: a fused step of %s members at step %s ran out of device memory "
+            "(%s); training them again at width %s",
+            w.worker_id,
+            width,
+            step,
+            error,
+            w._oom_width[root_key],
+        )
+        for m in self.members:
+            w._flush_curve(m.job)
+        w._wait_saves()
+        batches = tuple(m.job.batch for m in self.members)
+        self.group = None  # its device memory goes before the narrower jobs start
+        self.members = []
+        w.drop_trainer()
+        w._run_fused(RunFused(w.worker_id, batches), self.mail, w._factory(batches[0].trainer))
 
     def fall_back(self, exc: BaseException) -> None:
         """The first fused step failed: train the members one after another, from the

@@ -47,6 +47,14 @@ pending; checkpoints it reported stay valid. A worker that dies more than
 ``max_worker_deaths`` times in the same stage (a segfault, an out-of-memory kill, an
 ``os._exit`` in the trainer) fails the requests behind the point it last reported.
 
+Device needs (TreeML §5.2): a tree's stages go only to workers with at least the
+devices it needs (``RootAdded.devices``; workers announce theirs in ``WorkerReady``),
+the smallest such worker first. A ``BatchFailed`` with ``kind="oom"`` (out of device
+memory) is no failure: the tree's need becomes twice the devices of the worker that
+ran out, up to the largest worker (a ``DevicesLearned`` notice), and the stage is
+planned again. A tree that needs more devices than the largest worker has (declared,
+or out of memory on the largest) fails its requests with an error naming the need.
+
 A request is settled (``RequestDone``) once its metrics are reported *and* the
 checkpoint its batch promised at that point is durable, so a finished request always
 has its model on disk. When that write fails (``CheckpointFailed``: the store is out
@@ -81,6 +89,7 @@ from stagetree.scheduler.cost import CostEstimator
 from stagetree.scheduler.events import (
     CheckpointAvailable,
     CheckpointLost,
+    DevicesLearned,
     Event,
     NodeAdded,
     Notice,
@@ -109,6 +118,7 @@ from stagetree.work import (
     CheckpointFailed,
     CheckpointSaved,
     CurveReported,
+    FusedOutOfMemory,
     FusionFailed,
     Instruction,
     MetricsReported,
@@ -333,6 +343,12 @@ class Scheduler:
         self._memory: dict[Key, int] = {}
         self._positions: dict[int, int] = {}  # every batch ever: last reported step
         self._workers: set[int] = set(range(num_workers or 0))
+        # Devices of each worker (WorkerReady.devices; 1 when not announced) and the
+        # devices each plan tree's stages need, where more than one (see _fitting).
+        self._devices: dict[int, int] = {}
+        self._need: dict[str, int] = {}
+        self._expected_devices = 0  # the largest worker the executor will start
+        self._fused_width: dict[str, int] = {}  # widest fused job known to fit, by tree
         self._idle: set[int] = set(self._workers)
         self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
         # Starts of ready roots whose model an idle worker holds (see _held_first).
@@ -360,6 +376,7 @@ class Scheduler:
             BatchFailed: self._on_failed,
             SplitMissed: self._on_split_missed,
             FusionFailed: self._on_fusion_failed,
+            FusedOutOfMemory: self._on_fused_out_of_memory,
             WorkerReady: self._on_worker_ready,
             WorkerLost: self._on_worker_lost,
         }
@@ -488,6 +505,11 @@ class Scheduler:
     def _on_root(self, e: RootAdded, out: list[Instruction | Notice]) -> None:
         self._roots[e.root_key] = dict(e.config)
         self.estimator.register_root(e.root_key, e.config)
+        devices = getattr(e, "devices", 1)
+        if devices > self._need.get(e.root_key, 1):
+            self._need[e.root_key] = devices
+        if getattr(e, "fused_width", 0) > 0:
+            self._fused_width[e.root_key] = e.fused_width
         if e.fusible:
             self._fusible[e.root_key] = frozenset(e.fusible)
         else:
@@ -496,6 +518,13 @@ class Scheduler:
     def _on_fusion_failed(self, e: FusionFailed, out: list[Instruction | Notice]) -> None:
         """The tree's trainer cannot be fused: never fuse its stages again."""
         self.disable_fusion(e.root_key)
+
+    def _on_fused_out_of_memory(self, e: FusedOutOfMemory, out: list[Instruction | Notice]) -> None:
+        """A fused job of the tree did not fit: later ones are at most half as wide."""
+        width = max(1, e.width // 2)
+        if width < self._fused_width.get(e.root_key, e.width):
+            self._fused_width[e.root_key] = width
+            out.append(DevicesLearned(e.root_key, self.devices_needed(e.root_key), width))
 
     def disable_fusion(self, root_key: str) -> None:
         """Never fuse the stages of plan tree ``root_key`` (its trainer cannot be fused)."""
@@ -843,6 +872,8 @@ class Scheduler:
         self._worker_at.pop(e.worker, None)
         self._dirty = True
         key = (e.node, e.step)
+        if getattr(e, "kind", "trainer") == "oom" and self._out_of_memory(e, batch, out):
+            return
         if getattr(e, "kind", "trainer") == "checkpoint":
             # The start checkpoint is unreadable: forget it and plan from an earlier one
             # (a batch that was to continue a model in memory forgets nothing).
@@ -871,6 +902,54 @@ class Scheduler:
         if not doomed and batch is not None:
             doomed = {k for k in batch.evaluate if k[1] > e.step and k in self._requests}
         self._fail(doomed, e.error, e.traceback, out, _where(phase, e.step))
+
+    def _out_of_memory(
+        self, e: BatchFailed, batch: _Batch | None, out: list[Instruction | Notice]
+    ) -> bool:
+        """A stage ran out of device memory: its tree needs twice the devices of that
+        worker, up to the largest, and it is planned again. On the largest worker
+        already, the requests that depend on it fail, naming the need. False: the node
+        is unknown (a plain failure then)."""
+        node = self._nodes.get(e.node)
+        if node is None:
+            return False
+        had = self.worker_devices(e.worker)
+        largest = max(self.largest_worker(), had)
+        if had < largest:
+            need = min(2 * had, largest)
+            if need > self._need.get(node.root_key, 1):
+                self._need[node.root_key] = need
+                fits = self._fused_width.get(node.root_key, 0)
+                out.append(DevicesLearned(node.root_key, need, fits))
+            return True
+        model = (e.node, e.step + 1 if getattr(e, "phase", "train") == "train" else e.step)
+        doomed = self._dependents(e.node, e.step) | self._behind(model)
+        if not doomed and batch is not None:
+            doomed = {k for k in batch.evaluate if k[1] > e.step and k in self._requests}
+        many = f"{had} device" + ("s" if had > 1 else "")
+        error = (
+            f"{e.error} (on a worker with {many}, the largest: the trial needs more than {many})"
+        )
+        self._fail(doomed, error, e.traceback, out, _where(getattr(e, "phase", "train"), e.step))
+        return True
+
+    def expect_devices(self, devices: int) -> None:
+        """The executor's largest worker will own ``devices`` devices, whether it has
+        announced itself yet or not (a need up to that waits for it, not fails)."""
+        self._expected_devices = devices
+
+    def largest_worker(self) -> int:
+        """Devices of the largest worker, announced or expected (0: none known)."""
+        announced = max((self.worker_devices(w) for w in self._workers), default=0)
+        return max(announced, self._expected_devices)
+
+    def worker_devices(self, worker: int) -> int:
+        """Devices worker ``worker`` owns (as its ``WorkerReady`` said; 1 if unknown)."""
+        return self._devices.get(worker, 1)
+
+    def devices_needed(self, root_key: str) -> int:
+        """Devices a stage of plan tree ``root_key`` needs (declared or learned)."""
+        return self._need.get(root_key, 1)
 
     def _fail(
         self,
@@ -955,6 +1034,7 @@ class Scheduler:
 
     def _on_worker_ready(self, e: WorkerReady, out: list[Instruction | Notice]) -> None:
         self._workers.add(e.worker)
+        self._devices[e.worker] = getattr(e, "devices", 1)
         if not any(b.worker == e.worker for b in self._batches.values()):
             self._idle.add(e.worker)
         self._dirty = True
@@ -1158,6 +1238,8 @@ class Scheduler:
             tree = self._tree()
             self._split(tree, out)
             ready = self._held_first(tree.ready_roots())
+            if self._need and ready:
+                ready = self._fitting(ready, out)
             if not ready or not self._idle:
                 break
             path = self._choose(tree, ready)
@@ -1195,6 +1277,34 @@ class Scheduler:
                 batch.checkpoint.add(key)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
+    def _fitting(self, ready: list[Stage], out: list[Instruction | Notice]) -> list[Stage]:
+        """The roots of ``ready`` that an idle worker has the devices for; those of a
+        tree that needs more devices than any worker has fail their requests."""
+        largest = self.largest_worker()
+        roomiest = max((self.worker_devices(w) for w in self._idle), default=0)
+        keep: list[Stage] = []
+        for root in ready:
+            root_key = self._nodes[root.node].root_key
+            need = self._need.get(root_key, 1)
+            if need <= 1 or (need <= roomiest and self._can_start(root, need)):
+                keep.append(root)
+            elif largest and need > largest:
+                doomed = {(s.node, t) for s in root.subtree() for t in s.evaluate_at}
+                error = (
+                    f"DevicesError: the trial needs {need} devices per worker, but the "
+                    f"largest worker has {largest}"
+                )
+                self._fail(doomed, error, "", out, "assigning a worker")
+        return keep
+
+    def _can_start(self, root: Stage, need: int) -> bool:
+        """Whether a worker with ``need`` devices may start ``root`` now (a model only
+        one worker holds in memory starts on that worker only)."""
+        origin = root.origin
+        start = None if origin is None else (origin.node, origin.step)
+        holder = self._memory.get(start) if start is not None else None
+        return holder is None or self.worker_devices(holder) >= need
+
     def _held_first(self, ready: list[Stage]) -> list[Stage]:
         """``ready`` with the roots an idle worker holds the model of first (in their
         order), so that a policy's tie goes to work that continues a model in memory
@@ -1217,18 +1327,24 @@ class Scheduler:
         assert origin is not None
         return origin.kind == CHECKPOINT and (origin.node, origin.step) in self._held_starts
 
-    def _pick_worker(self, start: Key | None) -> int:
+    def _pick_worker(self, start: Key | None, need: int = 1) -> int:
         if start in self._memory:  # only that worker has the model
             return self._memory[start]
+        idle = sorted(self._idle)
+        if self._devices and len({self.worker_devices(w) for w in idle}) > 1:
+            # A mixed cluster: the smallest workers that have the devices, so that the
+            # larger ones stay free for the trees that need them.
+            idle = [w for w in idle if self.worker_devices(w) >= need]
+            idle.sort(key=self.worker_devices)
         if start is not None:
-            for worker in sorted(self._idle):
+            for worker in idle:
                 if self._worker_at.get(worker) == start:
                     return worker
         # Keep the workers whose model other ready work continues for that work.
-        for worker in sorted(self._idle):
+        for worker in idle:
             if self._worker_at.get(worker) not in self._held_starts:
                 return worker
-        return min(self._idle)
+        return idle[0]
 
     # -- fusion --------------------------------------------------------------------------
 
@@ -1263,7 +1379,8 @@ class Scheduler:
         # Workers whose batches reached their end are about to be free too.
         ending = {b.worker for b in self._batches.values() if b.position >= b.end[1]}
         free = len(self._idle | (ending - self._busy_workers(ending)))
-        width = min(self.max_fused, -(-(len(siblings) + 1) // max(free, 1)))
+        widest = min(self.max_fused, self._fused_width.get(root_key, self.max_fused))
+        width = min(widest, -(-(len(siblings) + 1) // max(free, 1)))
         for sibling in siblings:
             if len(group) >= width:
                 break
@@ -1321,7 +1438,8 @@ class Scheduler:
             raise SchedulerError(f"policy {self.policy!r} chose a path that is not ready")
         # Fused chains all start from this model (see _fuse).
         start = None if origin.kind == FRESH else (origin.node, origin.step)
-        worker = self._pick_worker(start)
+        need = self._need.get(self._nodes[group[0][0].node].root_key, 1) if self._need else 1
+        worker = self._pick_worker(start, need)
         self._idle.discard(worker)
         self._worker_at.pop(worker, None)
         batches = [self._batch(path, worker, start) for path in group]

@@ -19,6 +19,7 @@ from stagetree.work import WorkerEvent
 __all__ = [
     "CheckpointAvailable",
     "CheckpointLost",
+    "DevicesLearned",
     "Event",
     "NodeAdded",
     "Notice",
@@ -37,11 +38,16 @@ class RootAdded:
     """A plan tree and its fixed config (``Trainer(config)``); before its nodes.
 
     ``fusible``: the sequence names that may differ between members of a fused job of
-    this tree (:mod:`stagetree.fusion`); empty: its stages are never fused."""
+    this tree (:mod:`stagetree.fusion`); empty: its stages are never fused.
+    ``devices``: the devices a stage of this tree needs (declared by its trainer, or
+    learned from an out-of-memory error and kept in the plan); ``fused_width``: the widest
+    fused job of this tree known to fit in device memory (0: not known)."""
 
     root_key: str
     config: Mapping[str, Any] = field(hash=False)
     fusible: frozenset[str] = field(default=frozenset(), hash=False)
+    devices: int = 1
+    fused_width: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,18 @@ class RequestFailed:
     where: str = ""  # what failed, for people: "training step 80", "evaluating step 30"
 
 
+@dataclass(frozen=True)
+class DevicesLearned:
+    """Notice: a stage of plan tree ``root_key`` ran out of device memory: from now on
+    its stages need ``devices`` devices, and its fused jobs hold at most ``fused_width``
+    members (0: no limit learned). The study keeps this in the plan, so that a later run
+    starts with it."""
+
+    root_key: str
+    devices: int
+    fused_width: int = 0
+
+
 PlanEvent = (
     RootAdded
     | NodeAdded
@@ -135,4 +153,4 @@ PlanEvent = (
     | CheckpointLost
 )
 Event = PlanEvent | WorkerEvent
-Notice = RequestDone | RequestFailed
+Notice = RequestDone | RequestFailed | DevicesLearned

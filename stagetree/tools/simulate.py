@@ -14,6 +14,11 @@ training one trial's steps in sequence) and *unique work* the training time of t
 union of the trials' paths (what sharing leaves to train). With ``share=False`` every
 trial trains alone (the trial-based baseline), so unique work is all the work.
 
+Device needs: workers may differ (``devices_per_worker=[1, 1, 2, 4]``), a trainer may
+declare what a trial needs (``devices_needed``), and ``memory_devices`` says what a
+trial really needs: fewer devices run out of memory, and the scheduler learns the need
+as it would from a real CUDA out-of-memory error.
+
 Workers with several devices (``devices_per_worker=k``) train every batch
 data-parallel over their ``k`` devices: a step takes ``step_cost / (1 + (k - 1) * e)``
 seconds for a parallel efficiency ``e``, and device-hours count each busy worker ``k``
@@ -101,8 +106,10 @@ class SimResult:
         workers, share, trials: the set-up; ``trials`` counts every study's trials.
         stats: executor and engine counters (``ckpt_loads``, ``ckpt_saves``,
             ``live_splits``, ``splits_missed``, ``batches``).
-        devices_per_worker: devices each worker owns (a batch trains on all of them).
+        devices_per_worker: devices each worker owns (a batch trains on all of them;
+            the largest worker's in a mixed cluster).
         parallel_efficiency: the data-parallel efficiency ``e`` of those devices.
+        worker_devices: the devices of each worker.
     """
 
     makespan: float
@@ -124,11 +131,13 @@ class SimResult:
     stats: Mapping[str, float] = field(default_factory=dict)
     devices_per_worker: int = 1
     parallel_efficiency: float = 1.0
+    worker_devices: tuple[int, ...] = ()
 
     @property
     def devices(self) -> int:
-        """``workers * devices_per_worker``: the devices of the simulated cluster."""
-        return self.workers * self.devices_per_worker
+        """The devices of the simulated cluster (``workers * devices_per_worker`` when
+        every worker has as many)."""
+        return sum(self.worker_devices) or self.workers * self.devices_per_worker
 
     @property
     def makespan_hours(self) -> float:
@@ -185,7 +194,7 @@ def simulate(
     trainer: type[Trainer] | None = None,
     version: str | None = None,
     name: str = "simulated",
-    devices_per_worker: int = 1,
+    devices_per_worker: int | Seq[int] = 1,
     parallel_efficiency: float = 1.0,
     watch: Callable[[SimulatedExecutor], None] | None = None,
     **executor_options: Any,
@@ -214,14 +223,19 @@ def simulate(
         name: study name (``name``, ``name-1``, ... with several tuners).
         devices_per_worker: devices per worker; every batch trains data-parallel on
             all of a worker's devices (``workers`` workers own ``workers *
-            devices_per_worker`` devices).
+            devices_per_worker`` devices); a list gives each worker its own count
+            (a mixed cluster of ``len(devices_per_worker)`` workers). A trial's
+            stages go only to workers with the devices its trainer declares
+            (``devices_needed``) or the scheduler learned.
         parallel_efficiency: ``e`` in (0, 1]: a step on ``k`` devices takes
             ``step_cost / (1 + (k - 1) * e)`` seconds.
         watch: called with the :class:`SimulatedExecutor` before the run, so that a
             caller can read its virtual clock and device-seconds as results arrive
             (anytime curves: best value against device-seconds).
         **executor_options: more :class:`SimulatedExecutor` options
-            (``checkpoint_bytes``, ``save_latency``, ``eval_seconds``, ...).
+            (``checkpoint_bytes``, ``save_latency``, ``eval_seconds``,
+            ``memory_devices``: the devices a trial needs to fit in memory, learned
+            from simulated out-of-memory errors, ...).
 
     Returns:
         The :class:`SimResult`.
@@ -257,6 +271,8 @@ def simulate(
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     trainer = trainer or SimulatedTrainer
     cost = step_cost if step_cost is not None else StepCost()
+    if isinstance(devices_per_worker, Seq):
+        workers = len(devices_per_worker)  # a mixed cluster: one worker per entry
     executor = SimulatedExecutor(
         workers,
         step_cost=cost,
@@ -371,8 +387,9 @@ def _account(
             "live_splits": engine.get("live_splits", 0.0),
             "splits_missed": float(executor.splits_missed),
         },
-        devices_per_worker=executor.devices_per_worker,
+        devices_per_worker=max(executor.worker_devices),
         parallel_efficiency=executor.parallel_efficiency,
+        worker_devices=tuple(executor.worker_devices),
     )
 
 
