@@ -1,9 +1,9 @@
 """Horizontal fusion for PyTorch: :class:`FusibleTrainer` and :class:`TorchFusedGroup`.
 
 A :class:`FusibleTrainer` hands its training loop to stagetree. The user writes
-``__init__`` (model(s), *one* ``torch.optim`` optimizer -- ``SGD``, ``Adam`` or ``AdamW``
-with one param group --, a :class:`~stagetree.torch.StageLoader`), ``loss(batch)`` and
-``evaluate()``::
+``__init__`` (model(s), *one* ``torch.optim`` optimizer -- ``SGD``, ``Adam``, ``AdamW``
+or ``Adadelta`` with one param group --, a :class:`~stagetree.torch.StageLoader`),
+``loss(batch)`` and ``evaluate()``::
 
     class MyTrainer(FusibleTrainer):
         def __init__(self, config):
@@ -31,7 +31,7 @@ all, each with its own ``lr``, ``momentum``...
 
 **What may differ between members** (:attr:`FusibleTrainer.fusible`): the optimizer
 scalars ``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``betas`` / ``beta1`` /
-``beta2`` and ``eps``. Everything else is shared, so it is *not* fusible: ``batch_size``
+``beta2``, ``eps`` and ``rho``. Everything else is shared, so it is *not* fusible: ``batch_size``
 and any other name ``setup`` receives, the fixed config (architecture, dropout
 probability, optimizer kind), the data order and every RNG stream. A subclass whose
 ``setup`` reads a fusible name for something else than the optimizer must remove it
@@ -56,7 +56,7 @@ small model's step is mostly kernel launches, which fusion shares among the memb
 
 **What cannot be fused** (:class:`~stagetree.exceptions.FusionError`): a subclass that
 overrides ``train()`` (its ``fusible`` is then empty, unless it sets it); another
-optimizer than ``SGD``/``Adam``/``AdamW``, several optimizers or param groups,
+optimizer than ``SGD``/``Adam``/``AdamW``/``Adadelta``, several optimizers or param groups,
 ``amsgrad``/``maximize``/``differentiable``; an optimized parameter outside the
 checkpointed modules; and, found on the first fused step, a
 ``loss`` that ``vmap`` refuses (``.item()`` or data-dependent Python control flow on a
@@ -75,7 +75,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from stagetree.exceptions import FusionError
 from stagetree.fusion import FusedGroup
-from stagetree.torch.fused_optim import FusedAdam, FusedOptimizer, FusedSGD
+from stagetree.torch.fused_optim import FusedAdadelta, FusedAdam, FusedOptimizer, FusedSGD
 from stagetree.torch.rng import (
     GlobalRngState,
     get_rng_object_state,
@@ -128,7 +128,7 @@ class FusibleTrainer(TorchTrainer):
     #: Not fusible: ``batch_size`` and any other name, the fixed config (architecture,
     #: dropout probability, ...), the data order.
     fusible: ClassVar[frozenset[str]] = frozenset(
-        {"lr", "momentum", "weight_decay", "betas", "beta1", "beta2", "eps", "dampening"}
+        {"lr", "momentum", "weight_decay", "betas", "beta1", "beta2", "eps", "dampening", "rho"}
     )
     #: Optimizer updates (minibatches) per ``train()`` call.
     updates_per_step: int = 1
@@ -226,7 +226,8 @@ class FusibleTrainer(TorchTrainer):
             ),
             None,
         )
-        slots = 2 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 1
+        two = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta)
+        slots = 2 if isinstance(optimizer, two) else 1
         per_member = state * (3 + 2 * slots)
         return max(1, int(free // 2 // max(per_member, 1)))
 
@@ -258,9 +259,10 @@ def _fused_rule(
 ) -> tuple[type[FusedOptimizer], dict[str, Any]]:
     """The fused optimizer class (and its structural arguments) for ``optimizer``."""
     kind = type(optimizer)
-    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta):
         raise FusionError(
-            f"{where}: optimizer {kind.__qualname__} has no fused form (SGD, Adam and AdamW have)"
+            f"{where}: optimizer {kind.__qualname__} has no fused form (SGD, Adam, AdamW "
+            "and Adadelta have)"
         )
     if len(optimizer.param_groups) != 1:
         raise FusionError(
@@ -273,6 +275,8 @@ def _fused_rule(
             raise FusionError(f"{where}: {kind.__name__}({flag}=True) has no fused form")
     if kind is torch.optim.SGD:
         return FusedSGD, {"nesterov": bool(group["nesterov"])}
+    if kind is torch.optim.Adadelta:
+        return FusedAdadelta, {}
     decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
     return FusedAdam, {"decoupled": decoupled}
 
@@ -281,6 +285,8 @@ def _group_hp(group: Mapping[str, Any], rule: type[FusedOptimizer]) -> dict[str,
     """A torch.optim param group's values under the fused optimizer's names."""
     if rule is FusedSGD:
         return {k: float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")}
+    if rule is FusedAdadelta:
+        return {k: float(group[k]) for k in ("lr", "rho", "eps", "weight_decay")}
     beta1, beta2 = group["betas"]
     return {
         "lr": float(group["lr"]),

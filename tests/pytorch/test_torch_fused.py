@@ -13,6 +13,7 @@ SGD+Nesterov+wd        3.0e-07   5.2e-07   4.8e-07
 Adam / AdamW           3.3e-07   1.5e-05   9.5e-07
 SGD, values changed    1.5e-07   3.3e-07   4.8e-07
 CNN with BatchNorm     1.2e-07   9.4e-07   4.8e-07
+Adadelta               1.2e-07   6.5e-07   4.8e-07
 =====================  ========  ========  ==========
 
 max abs: the largest difference of any weight, buffer or optimizer-state element; max
@@ -81,6 +82,14 @@ class NesterovDigits(DigitsTrainer):
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4
         )
+
+
+class AdadeltaDigits(DigitsTrainer):
+    """DigitsTrainer with Adadelta (weight decay 1e-4)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.optimizer = torch.optim.Adadelta(self.model.parameters(), weight_decay=1e-4)
 
 
 # -- harness ------------------------------------------------------------------------------
@@ -218,6 +227,22 @@ def test_adam_members_match_unfused(device: str, optimizer: str) -> None:
     config = {**BASE, "optimizer": optimizer, "device": device}
     worst_abs, worst_rel = compare(DigitsTrainer, config, at_start(ADAM_HP), 4, optimizer)
     assert within(device, "adam", worst_abs, worst_rel)
+
+
+ADADELTA_HP = [
+    {"lr": 1.0, "rho": 0.9},
+    {"lr": 0.5, "rho": 0.95, "eps": 1e-5},
+    {"lr": 2.0, "rho": 0.8, "weight_decay": 1e-3},
+    {"lr": 0.1, "rho": 0.5},
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adadelta_members_match_unfused(device: str) -> None:
+    """Adadelta has a fused form (it fell back to training one by one before)."""
+    config = {**BASE, "device": device}
+    worst_abs, worst_rel = compare(AdadeltaDigits, config, at_start(ADADELTA_HP), 4, "Adadelta")
+    assert within(device, "sgd", worst_abs, worst_rel)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -575,8 +600,11 @@ def test_the_width_a_device_holds(device: str) -> None:
 # ------------------------------------------------------------------ through a Study
 
 
-def _study_grid(trainer: type, fuse: bool, quiet: bool = True) -> list[dict[str, float]]:
-    """Three learning rates after 3 shared steps, 8 steps each, in one process."""
+def _study_grid(
+    trainer: type, fuse: bool, quiet: bool = True, fused: bool | None = None
+) -> list[dict[str, float]]:
+    """Three learning rates after 3 shared steps, 8 steps each, in one process;
+    ``fused``: whether the job trains fused (default: ``fuse``)."""
     import warnings
 
     from study_trainers import submit_together
@@ -591,7 +619,10 @@ def _study_grid(trainer: type, fuse: bool, quiet: bool = True) -> list[dict[str,
             if quiet:
                 warnings.simplefilter("ignore")
             results = submit_together(study, trials, 8)
-        assert study.stats()["fused_jobs"] == (1 if fuse else 0)
+        stats = study.stats()
+        fused_job = fuse if fused is None else fused
+        assert stats["fused_jobs"] == (1 if fused_job else 0)
+        assert stats.get("fused_members", 0) == (3 if fused_job else 0)
     return [r.metrics for r in results]
 
 
@@ -606,7 +637,7 @@ def test_a_study_whose_trainer_cannot_be_vmapped_warns_once_and_trains_unfused()
     from stagetree.exceptions import StagetreeWarning
 
     with pytest.warns(StagetreeWarning, match=r"CallsItem cannot be trained fused") as said:
-        fused = _study_grid(CallsItem, True, quiet=False)
+        fused = _study_grid(CallsItem, True, quiet=False, fused=False)  # fell back
     assert len([w for w in said if issubclass(w.category, StagetreeWarning)]) <= 1
     assert fused == _study_grid(CallsItem, False)  # trained unfused: exactly
 
