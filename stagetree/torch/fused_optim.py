@@ -139,15 +139,44 @@ class FusedOptimizer:
             del self._flags[flag]
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
         """One step of every member from the parameters' ``.grad`` (members whose
-        gradient is None for a parameter are left as they are there)."""
+        gradient is None for a parameter are left as they are there).
+
+        Args:
+            skip: ``[B]`` bools (any device): members that do not step (their parameters,
+                state and step count stay as they are; a ``GradScaler`` found their
+                gradients not finite).
+        """
+        skipped = None if skip is None else skip.to("cpu")
+        if skipped is not None and bool(skipped.any()):
+            self._step_some(skipped)
+            return
         self.steps += 1
         self._forget("step")
         for name, p in self.params.items():
             if p.grad is not None:
                 self._stepped.add(name)
                 self._update(name, p, p.grad)
+
+    def _step_some(self, skipped: torch.Tensor) -> None:
+        """Step all, then put the ``skipped`` members' slices back (rare: an overflow)."""
+        before = {name: p.clone() for name, p in self.params.items()}
+        state = {n: {k: v.clone() for k, v in s.items()} for n, s in self.state.items()}
+        stepped = set(self._stepped)
+        self.step()
+        for name, p in self.params.items():
+            p[skipped.to(p.device)] = before[name][skipped.to(p.device)]
+        for name, saved in state.items():
+            current = self.state[name]
+            for key, value in saved.items():
+                current[key][skipped.to(value.device)] = value[skipped.to(value.device)]
+            for key in set(current) - set(saved):  # created by this step: zeros for them
+                current[key][skipped.to(current[key].device)] = 0
+        self.steps[skipped] -= 1
+        self._forget("step")
+        if bool(skipped.all()):
+            self._stepped = stepped
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         raise NotImplementedError
@@ -269,6 +298,8 @@ class _SlotOptimizer(FusedOptimizer):
         return s
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
+        if not self.steps[b]:  # it never stepped (skipped steps): torch.optim keeps nothing
+            return {}
         step = torch.tensor(float(self.steps[b]))
         return {
             name: {"step": step.clone(), **{k: s[k][b].clone() for k in self.SLOTS}}

@@ -52,7 +52,7 @@ DEVICES = [
 STEPS = 20
 BASE = {"dropout": 0.0, "batches_per_step": 2, "hidden": 32}
 #: (max abs, max rel) allowed on the CPU (see the module docstring).
-BOUNDS = {"sgd": (2e-6, 3e-6), "adam": (2e-6, 1e-4), "bn": (1e-6, 5e-6)}
+BOUNDS = {"sgd": (2e-6, 3e-6), "adam": (2e-6, 1e-4), "bn": (1e-6, 5e-6), "amp": (2e-6, 1e-5)}
 
 
 def within(device: str, kind: str, worst_abs: float, worst_rel: float) -> bool:
@@ -90,6 +90,34 @@ class AdadeltaDigits(DigitsTrainer):
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)
         self.optimizer = torch.optim.Adadelta(self.model.parameters(), weight_decay=1e-4)
+
+
+class AmpDigits(DigitsTrainer):
+    """An MLP on the digits with automatic mixed precision: bfloat16 autocast on a CPU,
+    float16 and a GradScaler on CUDA. Its layers have no bias: under vmap a linear
+    layer's bias is added after the autocast product, in float32 (see docs/fusion.md)."""
+
+    def build_model(self, c: Mapping[str, Any]) -> torch.nn.Module:
+        hidden = int(c["hidden"])
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, hidden, bias=False),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 10, bias=False),
+        )
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.enable_amp()
+
+
+class ScaledAmpDigits(AmpDigits):
+    """float16 autocast with a GradScaler (on a CPU too) whose first scale overflows at
+    once and that grows after 3 good steps: skipped steps, backoff and growth."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.enable_amp(torch.float16, scaler=True, init_scale=2.0**40, growth_interval=3)
 
 
 # -- harness ------------------------------------------------------------------------------
@@ -243,6 +271,37 @@ def test_adadelta_members_match_unfused(device: str) -> None:
     config = {**BASE, "device": device}
     worst_abs, worst_rel = compare(AdadeltaDigits, config, at_start(ADADELTA_HP), 4, "Adadelta")
     assert within(device, "sgd", worst_abs, worst_rel)
+
+
+AMP_HP = [{"lr": 0.01}, {"lr": 0.03}, {"lr": 0.05}, {"lr": 0.1}]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [AmpDigits, ScaledAmpDigits])
+def test_amp_members_match_members_trained_alone_with_amp(
+    device: str, cls: type[AmpDigits]
+) -> None:
+    """Mixed precision inside a fused job: bfloat16 autocast (CPU) or float16 with a
+    GradScaler per member (skipped steps, backoff and growth included) gives each member
+    what it gets trained alone with the same settings."""
+    worst_abs, worst_rel = compare(cls, {**BASE, "device": device}, at_start(AMP_HP), 4, "AMP")
+    assert within(device, "amp", worst_abs, worst_rel)
+    if cls is ScaledAmpDigits:  # it overflowed, backed off, and the scales were compared
+        member = cls({**BASE, "device": device})
+        assert member.grad_scaler.get_scale() == 2.0**40
+
+
+def test_an_amp_trainer_runs_autocast_and_checkpoints_its_scaler() -> None:
+    trainer = ScaledAmpDigits(dict(BASE))
+    assert trainer.amp == ("cpu", torch.float16)
+    assert "grad_scaler" in trainer.checkpointed_objects()
+    trainer.train()
+    assert trainer.grad_scaler.get_scale() < 2.0**40  # the first steps overflowed
+    again = ScaledAmpDigits(dict(BASE))
+    again.load_state_dict(trainer.state_dict())
+    assert again.grad_scaler.state_dict() == trainer.grad_scaler.state_dict()
+    assert AmpDigits(dict(BASE)).amp == ("cpu", torch.bfloat16)
+    assert "grad_scaler" not in AmpDigits(dict(BASE)).checkpointed_objects()
 
 
 @pytest.mark.parametrize("device", DEVICES)

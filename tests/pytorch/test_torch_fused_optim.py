@@ -151,6 +151,36 @@ def test_a_member_leaves_with_torch_optims_state_and_comes_back() -> None:
     )
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adadelta"])
+def test_skipped_members_keep_their_weights_state_and_step_count(kind: str) -> None:
+    """A GradScaler's overflow skips one member's step, as torch.optim skips it alone."""
+    make = {
+        "sgd": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
+        "adam": lambda ps: FusedAdam(ps, lr=0.01),
+        "adadelta": lambda ps: FusedAdadelta(ps),
+    }[kind]
+    gen = torch.Generator().manual_seed(1)
+    stacked = {"w": torch.randn(3, 4, generator=gen, requires_grad=True)}
+    reference = {"w": stacked["w"].detach().clone().requires_grad_(True)}
+    fused, ref = make(stacked), make(reference)
+    for step in range(4):
+        grad = torch.randn(3, 4, generator=gen)
+        stacked["w"].grad, reference["w"].grad = grad.clone(), grad.clone()
+        skip = torch.tensor([False, step % 2 == 0, step == 0])
+        before = {b: fused.member_state(b) for b in range(3)}
+        weights = stacked["w"].detach().clone()
+        fused.step(skip=skip)
+        ref.step()  # every member steps; the skipped ones are compared to before
+        for b in range(3):
+            if skip[b]:
+                assert torch.equal(stacked["w"][b], weights[b])
+                assert str(fused.member_state(b)) == str(before[b])
+    # Member 0 never skipped: it follows the reference that never did.
+    assert torch.equal(stacked["w"][0], reference["w"][0])
+    if kind != "sgd":
+        assert fused.steps.tolist() == [4.0, 2.0, 3.0]
+
+
 def test_bad_values_are_refused_by_name() -> None:
     p = {"w": torch.zeros(3, 2, requires_grad=True)}
     with pytest.raises(ValueError, match="lr: 2 values for 3 fused members"):
