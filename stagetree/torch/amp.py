@@ -68,6 +68,10 @@ _FLOAT32_CUDA = _ops(
     "T.log_softmax", "F.layer_norm", "F.group_norm", "torch.exp", "torch.log",
 )  # fmt: skip
 
+#: Norms whose batching rules refuse a lower-precision input with float32 parameters
+#: (which the ops alone accept): run in float32 (the input cast exactly), output cast back.
+_NORMS = _ops("F.batch_norm", "F.instance_norm", "F.group_norm", "F.layer_norm")
+
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     """Floating tensors (in lists and tuples too) as ``dtype``; anything else as it is."""
@@ -86,7 +90,9 @@ class _VmapAutocast(torch.overrides.TorchFunctionMode):
     CPU and a loss are not cast at all. This mode casts the arguments of the matrix
     products and convolutions to the lower precision and those of the losses (and, on
     CUDA, softmax, the norms, exp and log) to float32 before vmap decomposes them, as
-    autocast does for a member trained alone. Other ops run as vmap leaves them.
+    autocast does for a member trained alone, and runs a norm of a lower-precision input
+    in float32 with its output cast back (vmap refuses the mixed form). Other ops run as
+    vmap leaves them.
     """
 
     def __init__(self, amp: Amp) -> None:
@@ -106,6 +112,14 @@ class _VmapAutocast(torch.overrides.TorchFunctionMode):
         elif func in self.float32:
             args = _cast(args, torch.float32)
             kwargs = {k: _cast(v, torch.float32) for k, v in kwargs.items()}
+        elif func in _NORMS and args and isinstance(args[0], torch.Tensor):
+            dtype = args[0].dtype
+            if dtype in (torch.float16, torch.bfloat16):
+                # float32 tensors (the running statistics) go in as they are: their
+                # in-place updates land in the module's buffers.
+                args = _cast(args, torch.float32)
+                kwargs = {k: _cast(v, torch.float32) for k, v in kwargs.items()}
+                return func(*args, **kwargs).to(dtype)
         return func(*args, **kwargs)
 
 

@@ -120,6 +120,15 @@ class ScaledAmpDigits(AmpDigits):
         self.enable_amp(torch.float16, scaler=True, init_scale=2.0**40, growth_interval=3)
 
 
+class AmpConvDigits(DigitsConvTrainer):
+    """The CNN with BatchNorm, with automatic mixed precision."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.enable_amp()
+
+
 # -- harness ------------------------------------------------------------------------------
 
 Schedule = Callable[[int, int], dict[str, Any]]  # (member, step) -> setup values or {}
@@ -289,6 +298,25 @@ def test_amp_members_match_members_trained_alone_with_amp(
     if cls is ScaledAmpDigits:  # it overflowed, backed off, and the scales were compared
         member = cls({**BASE, "device": device})
         assert member.grad_scaler.get_scale() == 2.0**40
+
+
+CONV = {"batches_per_step": 2}
+
+
+def test_amp_with_convolutions_and_batchnorm_stays_within_bfloat16_rounding() -> None:
+    """Batched bfloat16 convolutions and a linear layer's bias round their results
+    differently from the member's own (gradients ~2^-8 apart after one update: bfloat16's
+    precision), and training carries it: measured after 40 updates, train losses within
+    2.4e-03, evaluation losses within 1.9 % (the member at lr 0.1), 0.05 % for the others."""
+    group, fused_metrics = train_fused(AmpConvDigits, CONV, at_start(AMP_HP), 4)
+    for i in range(4):
+        alone, alone_metrics = train_alone(AmpConvDigits, CONV, at_start(AMP_HP), i)
+        group.sync(i)
+        for step in range(STEPS):
+            got, want = fused_metrics[step][i]["train_loss"], alone_metrics[step]["train_loss"]
+            assert got == pytest.approx(want, abs=1e-2)
+        got_eval, want_eval = group.members[i].evaluate(), alone.evaluate()
+        assert got_eval["loss"] == pytest.approx(want_eval["loss"], rel=5e-2)
 
 
 def test_an_amp_trainer_runs_autocast_and_checkpoints_its_scaler() -> None:
