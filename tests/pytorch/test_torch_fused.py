@@ -285,22 +285,35 @@ def test_adadelta_members_match_unfused(device: str) -> None:
 AMP_HP = [{"lr": 0.01}, {"lr": 0.03}, {"lr": 0.05}, {"lr": 0.1}]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", [AmpDigits, ScaledAmpDigits])
-def test_amp_members_match_members_trained_alone_with_amp(
-    device: str, cls: type[AmpDigits]
-) -> None:
-    """Mixed precision inside a fused job: bfloat16 autocast (CPU) or float16 with a
-    GradScaler per member (skipped steps, backoff and growth included) gives each member
-    what it gets trained alone with the same settings."""
-    worst_abs, worst_rel = compare(cls, {**BASE, "device": device}, at_start(AMP_HP), 4, "AMP")
-    assert within(device, "amp", worst_abs, worst_rel)
-    if cls is ScaledAmpDigits:  # it overflowed, backed off, and the scales were compared
-        member = cls({**BASE, "device": device})
-        assert member.grad_scaler.get_scale() == 2.0**40
+def test_amp_members_match_members_trained_alone_with_amp(cls: type[AmpDigits]) -> None:
+    """Mixed precision inside a fused job: bfloat16 autocast, or float16 with a
+    GradScaler per member (skipped steps, backoff and growth included; the scalers'
+    states are compared exactly), gives each member what it gets trained alone with the
+    same settings (CPU: batched products round as the member's own)."""
+    worst_abs, worst_rel = compare(cls, dict(BASE), at_start(AMP_HP), 4, "AMP")
+    assert within("cpu", "amp", worst_abs, worst_rel)
 
 
-CONV = {"batches_per_step": 2}
+def within_amp_rounding(cls: type[FusibleTrainer], config: Mapping[str, Any]) -> None:
+    """Fused members against members alone where batched low-precision kernels round
+    differently: train losses within 1e-02 at every step, evaluation losses within 5 %."""
+    group, fused_metrics = train_fused(cls, config, at_start(AMP_HP), 4)
+    for i in range(4):
+        alone, alone_metrics = train_alone(cls, config, at_start(AMP_HP), i)
+        group.sync(i)
+        for step in range(STEPS):
+            got, want = fused_metrics[step][i]["train_loss"], alone_metrics[step]["train_loss"]
+            assert got == pytest.approx(want, abs=1e-2)
+        got_eval, want_eval = group.members[i].evaluate(), alone.evaluate()
+        assert got_eval["loss"] == pytest.approx(want_eval["loss"], rel=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_amp_members_on_cuda_stay_within_float16_rounding() -> None:
+    """float16 and a GradScaler per member on CUDA, where batched GEMMs may round their
+    float16 results differently from the member's own."""
+    within_amp_rounding(AmpDigits, {**BASE, "device": "cuda"})
 
 
 def test_amp_with_convolutions_and_batchnorm_stays_within_bfloat16_rounding() -> None:
@@ -308,15 +321,7 @@ def test_amp_with_convolutions_and_batchnorm_stays_within_bfloat16_rounding() ->
     differently from the member's own (gradients ~2^-8 apart after one update: bfloat16's
     precision), and training carries it: measured after 40 updates, train losses within
     2.4e-03, evaluation losses within 1.9 % (the member at lr 0.1), 0.05 % for the others."""
-    group, fused_metrics = train_fused(AmpConvDigits, CONV, at_start(AMP_HP), 4)
-    for i in range(4):
-        alone, alone_metrics = train_alone(AmpConvDigits, CONV, at_start(AMP_HP), i)
-        group.sync(i)
-        for step in range(STEPS):
-            got, want = fused_metrics[step][i]["train_loss"], alone_metrics[step]["train_loss"]
-            assert got == pytest.approx(want, abs=1e-2)
-        got_eval, want_eval = group.members[i].evaluate(), alone.evaluate()
-        assert got_eval["loss"] == pytest.approx(want_eval["loss"], rel=5e-2)
+    within_amp_rounding(AmpConvDigits, {"batches_per_step": 2})
 
 
 def test_an_amp_trainer_runs_autocast_and_checkpoints_its_scaler() -> None:
