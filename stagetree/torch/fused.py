@@ -194,10 +194,6 @@ class FusibleTrainer(TorchTrainer):
         if scaler if scaler is not None else dtype == torch.float16:
             self.grad_scaler = torch.amp.GradScaler(kind, **scaler_args)
 
-    def _scaler(self) -> torch.amp.GradScaler | None:
-        """The trainer's enabled ``GradScaler`` (None: it holds none)."""
-        return _the_scaler(self, self.checkpointed_objects())
-
     def loss(self, batch: Any) -> torch.Tensor:
         """The scalar training loss of ``batch`` with the trainer's modules.
 
