@@ -286,12 +286,16 @@ class FusionFailed:
     """Worker event: the members of a ``RunFused`` could not be trained fused (the
     trainer's model cannot be vmapped, an optimizer without a fused form...); the worker
     trains them one after another instead. Sent once per job, before its members'
-    events; ``trainer`` is their ``RunBatch.trainer`` key."""
+    events; ``trainer`` is their ``RunBatch.trainer`` key. ``members``: how many of the
+    job's members train one by one instead (the engine no longer counts them as fused);
+    ``whole``: none of the job's members trained fused (the job is not counted either)."""
 
     worker: int
     root_key: str
     trainer: str
     error: str
+    members: int = 0
+    whole: bool = False
 
 
 @dataclass(frozen=True)

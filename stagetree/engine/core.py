@@ -1013,6 +1013,11 @@ class Engine:
     def _on_fusion_failed(self, ev: work.FusionFailed, batch: RunningBatch | None) -> None:
         """A worker could not fuse the trainer's jobs: say it once, and fuse no tree of
         that trainer again (the worker trains the members one by one)."""
+        if ev.members:  # counted as fused when submitted; they train one by one
+            jobs = -1 if ev.whole else 0
+            self.storage.add_stats(
+                root_scope(ev.root_key), fused_jobs=jobs, fused_members=-ev.members
+            )
         if ev.trainer in self._unfusible:
             return
         self._unfusible.add(ev.trainer)

@@ -422,6 +422,9 @@ class Worker:
         if len(job.members) > 1 and self._reusable(first):
             self._hold(first)
         try:
+            if len(job.members) > 1 and (not fusible or first.trainer in self._unfusible):
+                # The engine counted the job as fused: say it is not.
+                self._fusion_failed(first, None, len(job.members), whole=True)
             if len(job.members) == 1 or not fusible or first.trainer in self._unfusible:
                 self._run_each(job.members, mail)
             else:
@@ -463,10 +466,11 @@ class Worker:
             try:
                 group = factory.fuse(members)  # type: ignore[attr-defined]
             except Exception as exc:
-                self._fusion_failed(first, exc)
+                self._fusion_failed(first, exc, len(jobs) - lo, whole=lo == 0)
                 self._run_each(tuple(j.batch for j in jobs[lo:]), mail)
                 return
-            _FusedRun(self, group, chunk, mail, load if lo == 0 else 0.0).run()
+            rest = len(jobs) - lo - len(chunk)
+            _FusedRun(self, group, chunk, mail, load if lo == 0 else 0.0, rest, lo == 0).run()
             del group, members
             if first.trainer in self._unfusible:  # it fell back: the rest go one by one
                 self._run_each(tuple(j.batch for j in jobs[lo + limit :]), mail)
@@ -512,13 +516,24 @@ class Worker:
             and self._config == dict(batch.config)
         )
 
-    def _fusion_failed(self, batch: RunBatch, exc: BaseException) -> None:
-        """Members of ``batch``'s trainer cannot be fused: say so once, and run them (and
-        later jobs of that trainer) one after another."""
-        self._unfusible.add(batch.trainer)
-        error = f"{type(exc).__name__}: {exc}"
-        logger.warning("worker %s: training unfused: %s", self.worker_id, error)
-        self.emit(FusionFailed(self.worker_id, batch.root_key, batch.trainer, error))
+    def _fusion_failed(
+        self, batch: RunBatch, exc: BaseException | None, members: int, whole: bool
+    ) -> None:
+        """``members`` members of ``batch``'s job (all of them: ``whole``) cannot be
+        fused: say so (``exc``: why; None: it was said before), and run them (and later
+        jobs of that trainer) one after another."""
+        if exc is None:
+            error = (
+                "it could not be fused before on this worker"
+                if batch.trainer in self._unfusible
+                else "its trainer is not fusible on this worker"
+            )
+        else:
+            self._unfusible.add(batch.trainer)
+            error = f"{type(exc).__name__}: {exc}"
+            logger.warning("worker %s: training unfused: %s", self.worker_id, error)
+        event = FusionFailed(self.worker_id, batch.root_key, batch.trainer, error, members, whole)
+        self.emit(event)
 
     def _run_each(self, members: tuple[RunBatch, ...], mail: _Mailbox) -> None:
         for batch in members:
@@ -996,8 +1011,12 @@ class _FusedRun:
         jobs: list[_Job],
         mail: _Mailbox,
         load: float,
+        rest: int = 0,
+        whole: bool = True,
     ) -> None:
         self.w = worker
+        self.rest = rest  # the job's members after these (narrower chunks, see run_fused)
+        self.whole = whole  # these are the job's first members
         self.group = group
         self.members = [_Member(j) for j in jobs]  # index i is the group's member i
         self.width = len(jobs)
@@ -1226,7 +1245,8 @@ class _FusedRun:
     def fall_back(self, exc: BaseException) -> None:
         """The first fused step failed: train the members one after another, from the
         start (the group's state is undefined)."""
-        self.w._fusion_failed(self.members[0].job.batch, exc)
+        count = len(self.members) + self.rest
+        self.w._fusion_failed(self.members[0].job.batch, exc, count, self.whole)
         self.unfused()
 
     def unfused(self) -> None:

@@ -1,9 +1,9 @@
 """Horizontal fusion for PyTorch: :class:`FusibleTrainer` and :class:`TorchFusedGroup`.
 
 A :class:`FusibleTrainer` hands its training loop to stagetree. The user writes
-``__init__`` (model(s), *one* ``torch.optim`` optimizer -- ``SGD``, ``Adam`` or ``AdamW``
-with one param group --, a :class:`~stagetree.torch.StageLoader`), ``loss(batch)`` and
-``evaluate()``::
+``__init__`` (model(s), *one* ``torch.optim`` optimizer -- ``SGD``, ``Adam``, ``AdamW``
+or ``Adadelta`` with one param group --, a :class:`~stagetree.torch.StageLoader`),
+``loss(batch)`` and ``evaluate()``::
 
     class MyTrainer(FusibleTrainer):
         def __init__(self, config):
@@ -31,7 +31,7 @@ all, each with its own ``lr``, ``momentum``...
 
 **What may differ between members** (:attr:`FusibleTrainer.fusible`): the optimizer
 scalars ``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``betas`` / ``beta1`` /
-``beta2`` and ``eps``. Everything else is shared, so it is *not* fusible: ``batch_size``
+``beta2``, ``eps`` and ``rho``. Everything else is shared, so it is *not* fusible: ``batch_size``
 and any other name ``setup`` receives, the fixed config (architecture, dropout
 probability, optimizer kind), the data order and every RNG stream. A subclass whose
 ``setup`` reads a fusible name for something else than the optimizer must remove it
@@ -46,6 +46,10 @@ fused member's masks are not the ones it would have drawn alone. BatchNorm keeps
 statistics per member: the buffers are stacked like the parameters and its in-place
 updates land in each member's slice.
 
+**Mixed precision** (:meth:`FusibleTrainer.enable_amp`): ``loss`` runs under
+``torch.autocast`` fused or not, and with float16 each member keeps its own
+``GradScaler`` scale (:mod:`stagetree.torch.amp`).
+
 **When it pays** (``benchmarks/fusion_bench.py``, one CPU thread): vmap costs a fixed
 ~0.4 ms per update, so a fused job of one member is ~2.6x slower than training it alone,
 and the digits MLP gains from B = 4 on (1.35x at 4, 3.9x at 16, 6.9x at 64 members).
@@ -56,7 +60,7 @@ small model's step is mostly kernel launches, which fusion shares among the memb
 
 **What cannot be fused** (:class:`~stagetree.exceptions.FusionError`): a subclass that
 overrides ``train()`` (its ``fusible`` is then empty, unless it sets it); another
-optimizer than ``SGD``/``Adam``/``AdamW``, several optimizers or param groups,
+optimizer than ``SGD``/``Adam``/``AdamW``/``Adadelta``, several optimizers or param groups,
 ``amsgrad``/``maximize``/``differentiable``; an optimized parameter outside the
 checkpointed modules; and, found on the first fused step, a
 ``loss`` that ``vmap`` refuses (``.item()`` or data-dependent Python control flow on a
@@ -75,7 +79,8 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from stagetree.exceptions import FusionError
 from stagetree.fusion import FusedGroup
-from stagetree.torch.fused_optim import FusedAdam, FusedOptimizer, FusedSGD
+from stagetree.torch.amp import Amp, MemberScales, autocast
+from stagetree.torch.fused_optim import FusedAdadelta, FusedAdam, FusedOptimizer, FusedSGD
 from stagetree.torch.rng import (
     GlobalRngState,
     get_rng_object_state,
@@ -100,6 +105,17 @@ def _updates_per_step(trainer: Any) -> int:
             f"{type(trainer).__name__}.updates_per_step must be an integer >= 1, got {value!r}"
         )
     return count
+
+
+def _the_scaler(trainer: TorchTrainer, objects: Mapping[str, Any]) -> torch.amp.GradScaler | None:
+    """The trainer's one enabled ``GradScaler`` (None: none)."""
+    found = [o for o in objects.values() if isinstance(o, torch.amp.GradScaler) and o.is_enabled()]
+    if len(found) > 1:
+        raise ValueError(
+            f"{type(trainer).__name__}: FusibleTrainer's train() scales with one GradScaler, "
+            f"but it checkpoints {len(found)}"
+        )
+    return found[0] if found else None
 
 
 def _the_optimizer(trainer: TorchTrainer, objects: Mapping[str, Any]) -> torch.optim.Optimizer:
@@ -128,10 +144,13 @@ class FusibleTrainer(TorchTrainer):
     #: Not fusible: ``batch_size`` and any other name, the fixed config (architecture,
     #: dropout probability, ...), the data order.
     fusible: ClassVar[frozenset[str]] = frozenset(
-        {"lr", "momentum", "weight_decay", "betas", "beta1", "beta2", "eps", "dampening"}
+        {"lr", "momentum", "weight_decay", "betas", "beta1", "beta2", "eps", "dampening", "rho"}
     )
     #: Optimizer updates (minibatches) per ``train()`` call.
     updates_per_step: int = 1
+    #: Automatic mixed precision, ``(device type, dtype)`` of ``torch.autocast`` (None:
+    #: off); set by :meth:`enable_amp`.
+    amp: Amp | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -139,6 +158,41 @@ class FusibleTrainer(TorchTrainer):
         # `fusible` says so before fuse() is ever called), unless it says otherwise.
         if "train" in cls.__dict__ and "fusible" not in cls.__dict__:
             cls.fusible = frozenset()
+
+    def enable_amp(
+        self,
+        dtype: torch.dtype | None = None,
+        *,
+        device: str | torch.device | None = None,
+        scaler: bool | None = None,
+        **scaler_args: Any,
+    ) -> None:
+        """Train with automatic mixed precision (call it in ``__init__``, after the model
+        is on its device): :meth:`loss` runs under ``torch.autocast``, fused or not.
+
+        Args:
+            dtype: the autocast dtype; default float16 on CUDA, bfloat16 elsewhere.
+            device: the autocast device; default the device of the trainer's first
+                module parameter.
+            scaler: scale the loss with a ``torch.amp.GradScaler`` (held as
+                ``self.grad_scaler``, checkpointed); default: with float16. Fused, each
+                member keeps its own loss scale.
+            **scaler_args: ``GradScaler`` arguments (``init_scale``, ``growth_interval``...).
+        """
+        if device is None:
+            params = [
+                p
+                for m in self.checkpointed_objects().values()
+                if isinstance(m, nn.Module)
+                for p in m.parameters()
+            ]
+            device = params[0].device if params else "cpu"
+        kind = torch.device(device).type
+        if dtype is None:
+            dtype = torch.float16 if kind == "cuda" else torch.bfloat16
+        self.amp = (kind, dtype)
+        if scaler if scaler is not None else dtype == torch.float16:
+            self.grad_scaler = torch.amp.GradScaler(kind, **scaler_args)
 
     def loss(self, batch: Any) -> torch.Tensor:
         """The scalar training loss of ``batch`` with the trainer's modules.
@@ -176,15 +230,23 @@ class FusibleTrainer(TorchTrainer):
         objects = self.checkpointed_objects()
         modules = [obj for obj in objects.values() if isinstance(obj, nn.Module)]
         optimizer = _the_optimizer(self, objects)
+        scaler = _the_scaler(self, objects)
         updates = _updates_per_step(self)
         total: torch.Tensor | None = None
         for _ in range(updates):
             for module in modules:
                 module.train()
-            loss = self.loss(self.next_batch())
+            batch = self.next_batch()
+            with autocast(self.amp):
+                loss = self.loss(batch)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
             # One host sync per step, at the end (not one .item() per update).
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None
@@ -226,7 +288,8 @@ class FusibleTrainer(TorchTrainer):
             ),
             None,
         )
-        slots = 2 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 1
+        two = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta)
+        slots = 2 if isinstance(optimizer, two) else 1
         per_member = state * (3 + 2 * slots)
         return max(1, int(free // 2 // max(per_member, 1)))
 
@@ -258,9 +321,10 @@ def _fused_rule(
 ) -> tuple[type[FusedOptimizer], dict[str, Any]]:
     """The fused optimizer class (and its structural arguments) for ``optimizer``."""
     kind = type(optimizer)
-    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta):
         raise FusionError(
-            f"{where}: optimizer {kind.__qualname__} has no fused form (SGD, Adam and AdamW have)"
+            f"{where}: optimizer {kind.__qualname__} has no fused form (SGD, Adam, AdamW "
+            "and Adadelta have)"
         )
     if len(optimizer.param_groups) != 1:
         raise FusionError(
@@ -273,6 +337,8 @@ def _fused_rule(
             raise FusionError(f"{where}: {kind.__name__}({flag}=True) has no fused form")
     if kind is torch.optim.SGD:
         return FusedSGD, {"nesterov": bool(group["nesterov"])}
+    if kind is torch.optim.Adadelta:
+        return FusedAdadelta, {}
     decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
     return FusedAdam, {"decoupled": decoupled}
 
@@ -281,6 +347,8 @@ def _group_hp(group: Mapping[str, Any], rule: type[FusedOptimizer]) -> dict[str,
     """A torch.optim param group's values under the fused optimizer's names."""
     if rule is FusedSGD:
         return {k: float(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")}
+    if rule is FusedAdadelta:
+        return {k: float(group[k]) for k in ("lr", "rho", "eps", "weight_decay")}
     beta1, beta2 = group["betas"]
     return {
         "lr": float(group["lr"]),
@@ -455,6 +523,20 @@ class TorchFusedGroup(FusedGroup):
             self._optimizer.load_member(
                 b, {s: state[p] for s, p in zip(opt_names, group) if p in state}
             )
+        # AMP: the driver's autocast settings; each member's own loss scale.
+        self._amp = driver.amp
+        self._scalers: list[torch.amp.GradScaler] = []
+        self._scales: MemberScales | None = None
+        try:
+            scalers = [_the_scaler(m, objs) for m, objs in zip(self._members, member_objects)]
+            if any(sc is not None for sc in scalers):
+                self._scalers = [sc for sc in scalers if sc is not None]
+                if len(self._scalers) != len(scalers):
+                    raise ValueError("some members hold an enabled GradScaler, others not")
+                device = next(iter(params.values())).device
+                self._scales = MemberScales(self._scalers, device)
+        except ValueError as exc:
+            raise FusionError(f"{name}: {exc}") from exc
 
         # Tied tensors (one parameter under two names) are stacked once, under their
         # first name; functional_call ties the others to it, at a cost per call worth
@@ -545,13 +627,15 @@ class TorchFusedGroup(FusedGroup):
                     module.train()
                 batch = driver.next_batch()
                 try:
-                    losses = self._loss(self._params, self._buffers, batch)
+                    with autocast(self._amp, vmapped=True):
+                        losses = self._loss(self._params, self._buffers, batch)
                     if not isinstance(losses, torch.Tensor) or losses.shape != (size,):
                         raise ValueError(
                             f"loss() must return a scalar tensor, got shape "
                             f"{tuple(getattr(losses, 'shape', ()))[1:]} per member"
                         )
-                    losses.sum().backward()
+                    scales = self._scales
+                    (losses if scales is None else scales.scaled(losses)).sum().backward()
                 except Exception as exc:
                     # Out of memory says the job is too wide for the device, not that
                     # the trainer cannot be fused: it goes up as it is.
@@ -560,7 +644,7 @@ class TorchFusedGroup(FusedGroup):
                             f"{self._name} cannot be fused: {type(exc).__name__}: {exc}"
                         ) from exc
                     raise
-                self._optimizer.step()
+                self._amp_step()
                 for p in self._params.values():
                     p.grad = None
                 total = losses.detach() if total is None else total + losses.detach()
@@ -569,6 +653,18 @@ class TorchFusedGroup(FusedGroup):
         self._synced_model.clear()
         assert total is not None
         return [{"train_loss": value / updates} for value in total.tolist()]
+
+    def _amp_step(self) -> None:
+        """The fused optimizer's step; with loss scaling, unscaled per member, and a
+        member whose gradients are not finite skips it (``GradScaler.step``/``update``)."""
+        scales = self._scales
+        if scales is None:
+            self._optimizer.step()
+            return
+        grads = [p.grad for p in self._optimizer.params.values() if p.grad is not None]
+        found = scales.unscale(grads)
+        self._optimizer.step(skip=found)
+        scales.update(found)
 
     def sync(self, i: int, optimizer: bool = True) -> None:
         """Write member ``i``'s tensors, optimizer state (unless ``optimizer`` is False:
@@ -603,6 +699,8 @@ class TorchFusedGroup(FusedGroup):
                     ours.training = sub.training
             elif isinstance(obj, torch.optim.Optimizer):
                 continue
+            elif isinstance(obj, torch.amp.GradScaler) and self._scales is not None:
+                self._scales.write(i, target)  # each member's own loss scale
             elif is_rng_object(obj):
                 set_rng_object_state(target, get_rng_object_state(obj))
             else:  # loaders, schedulers...: shared by every member
@@ -619,6 +717,9 @@ class TorchFusedGroup(FusedGroup):
         self._targets.pop(i)
         self._optimizers.pop(i)
         self._shared.pop(i)
+        if self._scales is not None:
+            self._scalers.pop(i)
+            self._scales.keep(keep)
         self._synced = {j - (j > i) for j in self._synced if j != i}
         self._synced_model = {j - (j > i) for j in self._synced_model if j != i}
         self._hp_stale = True

@@ -9,10 +9,11 @@ and broadcast over each parameter's trailing dimensions, so one step is one set 
 tensor operations whatever B is.
 
 The update rules are PyTorch's (``torch.optim.SGD`` with momentum, dampening, Nesterov
-and weight decay; ``torch.optim.Adam`` and ``AdamW``; no ``amsgrad``, ``maximize`` or
-complex parameters), member by member: member ``b`` of a fused step equals a
-``torch.optim`` step of that member alone with ``b``'s values, up to the rounding of
-reassociated floating-point operations (``tests/test_torch_fused_optim.py`` bounds it).
+and weight decay; ``torch.optim.Adam`` and ``AdamW``; ``torch.optim.Adadelta``; no
+``amsgrad``, ``maximize`` or complex parameters), member by member: member ``b`` of a
+fused step equals a ``torch.optim`` step of that member alone with ``b``'s values, up to
+the rounding of reassociated floating-point operations
+(``tests/pytorch/test_torch_fused_optim.py`` bounds it).
 :meth:`FusedOptimizer.member_state` gives member ``b``'s state in ``torch.optim``'s own
 ``state_dict`` layout, so that a member leaving the fused job continues as an ordinary
 optimizer (:meth:`FusedOptimizer.load_member` is the way back in).
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FusedAdam", "FusedOptimizer", "FusedSGD"]
+__all__ = ["FusedAdadelta", "FusedAdam", "FusedOptimizer", "FusedSGD"]
 
 
 def _column(values: Any, size: int, name: str) -> torch.Tensor:
@@ -138,15 +139,44 @@ class FusedOptimizer:
             del self._flags[flag]
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
         """One step of every member from the parameters' ``.grad`` (members whose
-        gradient is None for a parameter are left as they are there)."""
+        gradient is None for a parameter are left as they are there).
+
+        Args:
+            skip: ``[B]`` bools (any device): members that do not step (their parameters,
+                state and step count stay as they are; a ``GradScaler`` found their
+                gradients not finite).
+        """
+        skipped = None if skip is None else skip.to("cpu")
+        if skipped is not None and bool(skipped.any()):
+            self._step_some(skipped)
+            return
         self.steps += 1
         self._forget("step")
         for name, p in self.params.items():
             if p.grad is not None:
                 self._stepped.add(name)
                 self._update(name, p, p.grad)
+
+    def _step_some(self, skipped: torch.Tensor) -> None:
+        """Step all, then put the ``skipped`` members' slices back (rare: an overflow)."""
+        before = {name: p.clone() for name, p in self.params.items()}
+        state = {n: {k: v.clone() for k, v in s.items()} for n, s in self.state.items()}
+        stepped = set(self._stepped)
+        self.step()
+        for name, p in self.params.items():
+            p[skipped.to(p.device)] = before[name][skipped.to(p.device)]
+        for name, saved in state.items():
+            current = self.state[name]
+            for key, value in saved.items():
+                current[key][skipped.to(value.device)] = value[skipped.to(value.device)]
+            for key in set(current) - set(saved):  # created by this step: zeros for them
+                current[key][skipped.to(current[key].device)] = 0
+        self.steps[skipped] -= 1
+        self._forget("step")
+        if bool(skipped.all()):
+            self._stepped = stepped
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         raise NotImplementedError
@@ -253,11 +283,49 @@ class FusedSGD(FusedOptimizer):
             s["has_buffer"][b] = True
 
 
-class FusedAdam(FusedOptimizer):
+class _SlotOptimizer(FusedOptimizer):
+    """A fused optimizer whose state per parameter is :attr:`SLOTS` (tensors shaped like
+    the parameter) and the member's step count (``torch.optim``'s ``"step"``)."""
+
+    SLOTS: tuple[str, ...] = ()
+
+    def _slots(self, name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter ``name``'s state, its slots created (zeros) on first use."""
+        s = self.state[name]
+        if self.SLOTS[0] not in s:
+            for slot in self.SLOTS:
+                s[slot] = torch.zeros_like(p)
+        return s
+
+    def member_state(self, b: int) -> dict[str, dict[str, Any]]:
+        if not self.steps[b]:  # it never stepped (skipped steps): torch.optim keeps nothing
+            return {}
+        step = torch.tensor(float(self.steps[b]))
+        return {
+            name: {"step": step.clone(), **{k: s[k][b].clone() for k in self.SLOTS}}
+            for name, s in self.state.items()
+            if self.SLOTS[0] in s
+        }
+
+    def load_member(self, b: int, state: Mapping[str, Mapping[str, Any]]) -> None:
+        for name, p in self.params.items():
+            member = state.get(name)
+            if not member:
+                continue
+            s = self._slots(name, p)
+            for slot in self.SLOTS:
+                s[slot][b].copy_(member[slot])
+            self.steps[b] = float(member["step"])
+            self._stepped.add(name)
+        self._forget("step")
+
+
+class FusedAdam(_SlotOptimizer):
     """``torch.optim.Adam`` (``decoupled=False``) or ``AdamW`` (``decoupled=True``) per
     member: ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay`` as [B] values."""
 
     HP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    SLOTS = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self, params: Mapping[str, torch.Tensor], decoupled: bool = False, **hp: Any
@@ -269,10 +337,7 @@ class FusedAdam(FusedOptimizer):
                 raise ValueError(f"{name} must be < 1 for every member")
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
-        hp, s = self.hp, self.state[name]
-        if "exp_avg" not in s:
-            s["exp_avg"] = torch.zeros_like(p)
-            s["exp_avg_sq"] = torch.zeros_like(p)
+        hp, s = self.hp, self._slots(name, p)
         if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
             if self.decoupled:
                 p.mul_(
@@ -291,29 +356,29 @@ class FusedAdam(FusedOptimizer):
         denom = (s["exp_avg_sq"].sqrt() / correction2_sqrt).add_(self._col("eps", p))
         p.sub_(step_size * (s["exp_avg"] / denom))
 
-    def member_state(self, b: int) -> dict[str, dict[str, Any]]:
-        step = torch.tensor(float(self.steps[b]))
-        return {
-            name: {
-                "step": step.clone(),
-                "exp_avg": s["exp_avg"][b].clone(),
-                "exp_avg_sq": s["exp_avg_sq"][b].clone(),
-            }
-            for name, s in self.state.items()
-            if "exp_avg" in s
-        }
 
-    def load_member(self, b: int, state: Mapping[str, Mapping[str, Any]]) -> None:
-        for name, p in self.params.items():
-            member = state.get(name)
-            if not member:
-                continue
-            s = self.state[name]
-            if "exp_avg" not in s:
-                s["exp_avg"] = torch.zeros_like(p)
-                s["exp_avg_sq"] = torch.zeros_like(p)
-            s["exp_avg"][b].copy_(member["exp_avg"])
-            s["exp_avg_sq"][b].copy_(member["exp_avg_sq"])
-            self.steps[b] = float(member["step"])
-            self._stepped.add(name)
-        self._forget("step")
+class FusedAdadelta(_SlotOptimizer):
+    """``torch.optim.Adadelta`` per member: ``lr``, ``rho``, ``eps``, ``weight_decay``
+    as [B] values (the same operations in the same order as its single-tensor step)."""
+
+    HP = {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0}
+    SLOTS = ("square_avg", "acc_delta")
+
+    def __init__(self, params: Mapping[str, torch.Tensor], **hp: Any) -> None:
+        super().__init__(params, **hp)
+        if bool((self.hp["rho"] > 1).any()):
+            raise ValueError("rho must be <= 1 for every member")
+
+    def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
+        hp, s = self.hp, self._slots(name, p)
+        if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
+            grad = grad + self._col("weight_decay", p) * p
+        rho = self._col("rho", p)
+        keep = self._col("rho:keep", p, lambda: 1 - hp["rho"])
+        eps = self._col("eps", p)
+        square_avg, acc_delta = s["square_avg"], s["acc_delta"]
+        square_avg.mul_(rho).add_(keep * grad * grad)
+        std = square_avg.add(eps).sqrt_()
+        delta = acc_delta.add(eps).sqrt_().div_(std).mul_(grad)
+        acc_delta.mul_(rho).add_(keep * delta * delta)
+        p.sub_(self._col("lr", p) * delta)

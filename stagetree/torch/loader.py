@@ -3,13 +3,20 @@
 :class:`StageLoader` exists because a stage may end anywhere, even in the middle of an
 epoch, and the next stage (possibly on another worker, possibly with another batch size)
 must continue with exactly the samples an uninterrupted run would have drawn.
+
+With ``prefetch=N`` a background thread collates the next ``N`` batches while the model
+trains on the current one (the Hippo paper's §5.1), without changing what a batch holds,
+their order, or the position :meth:`StageLoader.state_dict` saves (the batches handed
+out, not those fetched ahead).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections import deque
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -77,10 +84,18 @@ class StageLoader:
         seed: seed of the data order.
         shuffle: permute every epoch; False keeps the dataset order.
         drop_last: skip an epoch's remainder smaller than ``batch_size`` (see above).
+        prefetch: batches a background thread collates ahead (0: none). The batches, their
+            order and the checkpointed position are the same as without; a batch fetched
+            ahead for a cursor that has moved otherwise since (a new batch size, a loaded
+            state) is dropped and fetched again. The thread reads ``dataset``: an
+            indexable dataset whose items draw random numbers (augmentation in
+            ``__getitem__``) would draw them from another thread, so keep such draws in
+            the training code.
 
     Raises:
-        ValueError: an empty dataset, columns of different lengths, a bad batch size, or
-            ``drop_last`` with a batch size larger than the dataset.
+        ValueError: an empty dataset, columns of different lengths, a bad batch size, a
+            negative ``prefetch``, or ``drop_last`` with a batch size larger than the
+            dataset.
     """
 
     def __init__(
@@ -90,7 +105,14 @@ class StageLoader:
         seed: int,
         shuffle: bool = True,
         drop_last: bool = False,
+        prefetch: int = 0,
     ) -> None:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        self.prefetch = prefetch
+        # Batches fetched ahead: (cursor they start from, their indices' future batch).
+        self._ahead: deque[tuple[tuple[int, int, int], Future[Any]]] = deque()
+        self._pool: ThreadPoolExecutor | None = None
         self._columns: tuple[torch.Tensor, ...] | None = None
         self._tensor: torch.Tensor | None = None
         if isinstance(dataset, torch.Tensor):
@@ -122,8 +144,7 @@ class StageLoader:
         self.set_batch_size(batch_size)
         self._epoch = 0
         self._position = 0
-        self._order_epoch = -1
-        self._order = torch.arange(self._size)
+        self._orders: dict[int, torch.Tensor] = {}  # the current epoch's and the next's
 
     # -- cursor ---------------------------------------------------------------------------
 
@@ -165,29 +186,72 @@ class StageLoader:
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         return torch.randperm(self._size, generator=generator)
 
-    def _current_order(self) -> torch.Tensor:
-        if self._order_epoch != self._epoch:
-            self._order = self.order(self._epoch)
-            self._order_epoch = self._epoch
-        return self._order
+    def _order_of(self, epoch: int) -> torch.Tensor:
+        order = self._orders.get(epoch)
+        if order is None:
+            self._orders = {e: o for e, o in self._orders.items() if e in (epoch - 1, epoch)}
+            order = self._orders[epoch] = self.order(epoch)
+        return order
 
     def _epoch_done(self) -> bool:
-        left = self._size - self._position
+        return self._done(self._epoch, self._position)
+
+    def _done(self, epoch: int, position: int) -> bool:
+        left = self._size - position
         return left == 0 or (self.drop_last and left < self._batch_size)
+
+    def _draw(self, epoch: int, position: int) -> tuple[torch.Tensor, int, int]:
+        """The indices of the batch drawn at cursor ``(epoch, position)`` and the cursor
+        after it (at the current batch size)."""
+        if self._done(epoch, position):
+            epoch, position = epoch + 1, 0
+        indices = self._order_of(epoch)[position : position + self._batch_size]
+        return indices, epoch, position + indices.shape[0]
+
+    def _cursor(self) -> tuple[int, int, int]:
+        return (self._epoch, self._position, self._batch_size)
 
     def next_indices(self) -> torch.Tensor:
         """Dataset indices of the next batch (int64 tensor); advances the cursor."""
-        if self._epoch_done():
-            self._epoch += 1
-            self._position = 0
-        start = self._position
-        indices = self._current_order()[start : start + self._batch_size]
-        self._position = start + indices.shape[0]
+        indices, self._epoch, self._position = self._draw(self._epoch, self._position)
         return indices
 
     def next_batch(self) -> Any:
         """The next batch, moving on to the next epoch when the current one is done."""
-        return self.fetch(self.next_indices())
+        if not self.prefetch:
+            return self.fetch(self.next_indices())
+        cursor = self._cursor()
+        ahead = self._ahead
+        while ahead and ahead[0][0] != cursor:  # fetched for a cursor that moved otherwise
+            ahead.popleft()[1].cancel()
+        future = ahead.popleft()[1] if ahead else None
+        indices = self.next_indices()
+        batch = self.fetch(indices) if future is None else future.result()
+        self._fetch_ahead()
+        return batch
+
+    def _fetch_ahead(self) -> None:
+        """Queue the fetches of the batches after the cursor, up to ``prefetch``."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="StageLoader-prefetch")
+        epoch, position, size = self._ahead[-1][0] if self._ahead else self._cursor()
+        if self._ahead:  # the cursor after the last batch queued
+            _, epoch, position = self._draw(epoch, position)
+        while len(self._ahead) < self.prefetch:
+            indices, after_epoch, after_position = self._draw(epoch, position)
+            future = self._pool.submit(self.fetch, indices)
+            self._ahead.append(((epoch, position, size), future))
+            epoch, position = after_epoch, after_position
+
+    def close(self) -> None:
+        """Drop the batches fetched ahead and stop the prefetch thread (it starts again
+        with the next batch)."""
+        for _, future in self._ahead:
+            future.cancel()
+        self._ahead.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def fetch(self, indices: torch.Tensor) -> Any:
         """Collate the samples at ``indices`` (does not move the cursor)."""
@@ -228,6 +292,11 @@ class StageLoader:
             self.set_batch_size(state["batch_size"])
         self._epoch = epoch
         self._position = position
+        # Batches fetched ahead for another cursor are dropped by the next next_batch().
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickled, deep-copied) fetches ahead on its own thread when it draws.
+        return {**self.__dict__, "_ahead": deque(), "_pool": None}
 
     def __repr__(self) -> str:
         return (

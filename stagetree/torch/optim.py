@@ -19,7 +19,7 @@ __all__ = ["OPTIMIZER_HP", "set_optimizer_hp"]
 
 #: Hyper-parameter names :meth:`TorchTrainer.setup` forwards to every optimizer.
 OPTIMIZER_HP: frozenset[str] = frozenset(
-    {"lr", "momentum", "weight_decay", "betas", "beta1", "beta2", "dampening", "eps"}
+    {"lr", "momentum", "weight_decay", "betas", "beta1", "beta2", "dampening", "eps", "rho"}
 )
 
 _NON_NEGATIVE = ("lr", "momentum", "weight_decay", "dampening", "eps")
@@ -48,6 +48,11 @@ def _coerce(name: str, value: Any) -> Any:
         result = _scalar(name, value)
         if result < 0.0:
             raise ValueError(f"optimizer hyper-parameter {name!r} must be >= 0, got {value!r}")
+        return result
+    if name == "rho":  # Adadelta's decay: rho = 1 keeps the averages as they are
+        result = _scalar(name, value)
+        if not 0.0 <= result <= 1.0:
+            raise ValueError(f"optimizer hyper-parameter {name!r} must be in [0, 1], got {value!r}")
         return result
     if name == "betas":
         if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:

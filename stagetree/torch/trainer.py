@@ -69,7 +69,7 @@ mode and every :class:`StageLoader` position are put back exactly as they were. 
 ``with self.no_trace():`` for other side computations (e.g. logging inside ``train``).
 
 **Default setup.** ``setup(hp)`` merges ``hp`` into ``self.hp``, applies ``lr``,
-``momentum``, ``weight_decay``, ``betas``/``beta1``/``beta2``, ``dampening`` and ``eps``
+``momentum``, ``weight_decay``, ``betas``/``beta1``/``beta2``, ``dampening``, ``eps`` and ``rho``
 to every optimizer found (with :func:`~stagetree.torch.set_optimizer_hp`, which raises
 ``ValueError`` for a name an optimizer lacks, e.g. ``momentum`` on Adam) and
 ``batch_size`` to every :class:`StageLoader` found. Other names are only kept in

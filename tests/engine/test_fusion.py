@@ -198,6 +198,51 @@ def test_a_trainer_that_cannot_fuse_is_said_once_and_trains_unfused() -> None:
     assert starts[:5] == [1, 4, 4, 4, 4] and set(starts[5:]) == {1}
 
 
+def test_members_that_fall_back_are_not_counted_as_fused() -> None:
+    """A job whose first fused step fails trains its members one by one: stats() counts
+    neither it nor its members as fused (it counted them when the job was sent)."""
+    with Study("count", _FailsToFuse, storage="memory://", executor="inline", fuse=True) as study:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _grid(study, steps=8)
+        stats = study.stats()
+    assert (stats["fused_jobs"], stats["fused_members"]) == (0, 0)
+
+
+def test_a_job_sent_after_its_trainer_fell_back_is_not_counted_either(tmp_path: Path) -> None:
+    """The worker that knows the trainer cannot be fused trains a later fused job one
+    by one and says so (the members it no longer counts as fused)."""
+    events: list[Any] = []
+    worker = _worker(tmp_path, events)
+    members = tuple(
+        dataclasses.replace(_batch(bid, lr, 5, (5,)), config={"fuse_fails": True})
+        for bid, lr in ((1, 0.01), (2, 0.02))
+    )
+    worker.run_fused(RunFused(0, members))
+    later = tuple(
+        dataclasses.replace(m, batch_id=m.batch_id + 10, config={"fuse_fails": True})
+        for m in members
+    )
+    worker.run_fused(RunFused(0, later))
+    worker.close()
+    said = [(e.members, e.whole) for e in events if isinstance(e, FusionFailed)]
+    assert said == [(2, True), (2, True)]
+
+
+def test_a_chunk_that_falls_back_uncounts_itself_and_the_rest(tmp_path: Path) -> None:
+    members = tuple(
+        dataclasses.replace(_batch(bid, lr, 5, (5,)), config={"max_width": 2, "fuse_fails": True})
+        for bid, lr in ((1, 0.01), (2, 0.02), (3, 0.03))
+    )
+    events: list[Any] = []
+    worker = _worker(tmp_path, events)
+    worker.run_fused(RunFused(0, members))
+    worker.close()
+    said = [(e.members, e.whole) for e in events if isinstance(e, FusionFailed)]
+    assert said == [(3, True)]  # the first chunk failed: the whole job trains one by one
+    assert sorted(e.batch_id for e in events if isinstance(e, BatchDone)) == [1, 2, 3]
+
+
 def test_a_failing_member_fails_alone() -> None:
     """A fused step that raises cannot say which member's code failed: the members train
     again unfused, the failing one fails on its own, the others finish."""

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stagetree.torch.fused_optim import FusedAdam, FusedSGD  # noqa: E402
+from stagetree.torch.fused_optim import FusedAdadelta, FusedAdam, FusedSGD  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -88,6 +88,54 @@ def test_adam_members_follow_torch_adam(decoupled: bool, cls: str) -> None:
     assert worst < 1e-6
 
 
+ADADELTA_HPS = [
+    {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0},
+    {"lr": 0.5, "rho": 0.95, "eps": 1e-5, "weight_decay": 1e-2},
+    {"lr": 2.0, "rho": 0.5, "eps": 1e-6, "weight_decay": 0.1},
+]
+
+
+def test_adadelta_members_follow_torch_adadelta() -> None:
+    worst = _run(FusedAdadelta, lambda ps, hp: torch.optim.Adadelta(ps, **hp), ADADELTA_HPS)
+    assert worst < 1e-6
+
+
+def test_an_adadelta_member_leaves_with_torch_optims_state_and_comes_back() -> None:
+    B = 2
+    stacked = {"w": torch.randn(B, 5, requires_grad=True)}
+    fused = FusedAdadelta(stacked, lr=[1.0, 0.5], rho=[0.9, 0.8])
+    for _ in range(3):
+        stacked["w"].grad = torch.randn(B, 5)
+        fused.step()
+    alone = _continues_alone(fused, stacked, lambda ps: torch.optim.Adadelta(ps, lr=0.5, rho=0.8))
+    assert float(next(iter(alone.state.values()))["step"]) == 4.0
+    other = FusedAdadelta({"w": torch.zeros(B, 5, requires_grad=True)}, lr=0.5, rho=0.8)
+    other.load_member(0, fused.member_state(1))
+    for key in ("square_avg", "acc_delta"):
+        assert torch.equal(other.state["w"][key][0], fused.state["w"][key][1])
+    assert other.steps[0] == fused.steps[1]
+
+
+def _continues_alone(fused: Any, stacked: dict[str, Any], make: Any) -> Any:
+    """Member 1 of ``fused`` leaves with its state into ``make([its weight])``; one more
+    step of both with the same gradient lands on the same weight. Returns the optimizer."""
+    weight = stacked["w"][1].detach().clone().requires_grad_(True)
+    alone = make([weight])
+    alone.load_state_dict(
+        {
+            "state": {0: fused.member_state(1)["w"]},
+            "param_groups": alone.state_dict()["param_groups"],
+        }
+    )
+    grad = torch.randn(stacked["w"].shape)
+    stacked["w"].grad = grad.clone()
+    fused.step()
+    weight.grad = grad[1].clone()
+    alone.step()
+    torch.testing.assert_close(stacked["w"][1].detach(), weight.detach())
+    return alone
+
+
 def test_a_member_leaves_with_torch_optims_state_and_comes_back() -> None:
     B = 2
     stacked = {"w": torch.randn(B, 5, requires_grad=True)}
@@ -95,23 +143,42 @@ def test_a_member_leaves_with_torch_optims_state_and_comes_back() -> None:
     for _ in range(3):
         stacked["w"].grad = torch.randn(B, 5)
         fused.step()
-    state = fused.member_state(1)
-    alone_w = stacked["w"][1].detach().clone().requires_grad_(True)
-    alone = torch.optim.SGD([alone_w], lr=0.2, momentum=0.5)
-    alone.load_state_dict(
-        {"state": {0: state["w"]}, "param_groups": alone.state_dict()["param_groups"]}
-    )
-    grad = torch.randn(B, 5)
-    stacked["w"].grad = grad.clone()
-    fused.step()
-    alone_w.grad = grad[1].clone()
-    alone.step()
-    torch.testing.assert_close(stacked["w"][1].detach(), alone_w.detach())
+    _continues_alone(fused, stacked, lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.5))
     other = FusedSGD({"w": torch.zeros(B, 5, requires_grad=True)}, lr=0.2, momentum=0.5)
     other.load_member(0, fused.member_state(1))
     torch.testing.assert_close(
         other.state["w"]["momentum_buffer"][0], fused.state["w"]["momentum_buffer"][1]
     )
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adadelta"])
+def test_skipped_members_keep_their_weights_state_and_step_count(kind: str) -> None:
+    """A GradScaler's overflow skips one member's step, as torch.optim skips it alone."""
+    make = {
+        "sgd": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
+        "adam": lambda ps: FusedAdam(ps, lr=0.01),
+        "adadelta": lambda ps: FusedAdadelta(ps),
+    }[kind]
+    gen = torch.Generator().manual_seed(1)
+    stacked = {"w": torch.randn(3, 4, generator=gen, requires_grad=True)}
+    reference = {"w": stacked["w"].detach().clone().requires_grad_(True)}
+    fused, ref = make(stacked), make(reference)
+    for step in range(4):
+        grad = torch.randn(3, 4, generator=gen)
+        stacked["w"].grad, reference["w"].grad = grad.clone(), grad.clone()
+        skip = torch.tensor([False, step % 2 == 0, step == 0])
+        before = {b: fused.member_state(b) for b in range(3)}
+        weights = stacked["w"].detach().clone()
+        fused.step(skip=skip)
+        ref.step()  # every member steps; the skipped ones are compared to before
+        for b in range(3):
+            if skip[b]:
+                assert torch.equal(stacked["w"][b], weights[b])
+                assert str(fused.member_state(b)) == str(before[b])
+    # Member 0 never skipped: it follows the reference that never did.
+    assert torch.equal(stacked["w"][0], reference["w"][0])
+    if kind != "sgd":
+        assert fused.steps.tolist() == [4.0, 2.0, 3.0]
 
 
 def test_bad_values_are_refused_by_name() -> None:
@@ -124,3 +191,5 @@ def test_bad_values_are_refused_by_name() -> None:
         FusedSGD(p, betas=0.9)
     with pytest.raises(ValueError, match="beta1 must be < 1"):
         FusedAdam(p, beta1=1.0)
+    with pytest.raises(ValueError, match="rho must be <= 1"):
+        FusedAdadelta(p, rho=1.5)

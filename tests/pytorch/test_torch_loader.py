@@ -152,3 +152,121 @@ def test_bad_datasets_and_states_are_refused() -> None:
         loader.load_state_dict({"epoch": 0, "position": N + 1})
     loader.load_state_dict({"epoch": 2, "position": N})  # the end of an epoch is valid
     assert loader.next_indices().tolist() == loader.order(3)[:4].tolist()
+
+
+# -- prefetch ------------------------------------------------------------------------------
+
+
+class _Items:
+    """An indexable dataset that records the thread fetching each item."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.threads: set[str] = set()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import threading
+
+        self.threads.add(threading.current_thread().name)
+        return torch.tensor([i, 2 * i])
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_prefetch_gives_the_same_batches_and_positions(drop_last: bool) -> None:
+    """Batches fetched ahead change neither the batches nor the checkpointed cursor,
+    through batch size changes (which drop what was fetched for the old size) and loaded
+    states."""
+    sizes = [4, 4, 7, 2, 9, 9, 1, 4, 4, 5, 6, 6, 3, 3, 3, 8]
+    runs = []
+    for prefetch in (0, 1, 3):
+        items = _Items(N)
+        loader = StageLoader(items, batch_size=4, seed=2, drop_last=drop_last, prefetch=prefetch)
+        seen = []
+        saved: dict[str, int] = {}
+        for step, size in enumerate(sizes):
+            if step % 3 == 0:
+                loader.set_batch_size(size)
+            if step == 9:  # a checkpoint loaded mid-epoch: back to the state after step 4
+                loader.load_state_dict(saved)
+            seen.append((loader.next_batch().tolist(), loader.state_dict()))
+            if step == 4:
+                saved = dict(loader.state_dict())
+        runs.append(seen)
+        if prefetch:
+            assert any(name.startswith("StageLoader-prefetch") for name in items.threads)
+        loader.close()
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_prefetch_is_refused_unless_a_count() -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch must be an integer >= 0"):
+            StageLoader(torch.arange(N), batch_size=4, seed=0, prefetch=bad)  # type: ignore[arg-type]
+
+
+def test_a_prefetching_loader_copies_and_pickles() -> None:
+    import copy
+    import pickle
+
+    loader = StageLoader(torch.arange(N), batch_size=4, seed=0, prefetch=2)
+    loader.next_batch()
+    copies = [copy.deepcopy(loader), pickle.loads(pickle.dumps(loader))]
+    expected = loader.next_batch()
+    for other in copies:
+        assert torch.equal(other.next_batch(), expected)
+        assert other.state_dict() == loader.state_dict()
+
+
+def _train_digits(prefetch: int) -> list[Any]:
+    """A digits trainer whose loader fetches ``prefetch`` batches ahead: 8 steps with a
+    new batch size at step 5, and a copy resumed from a checkpoint taken mid-epoch at
+    step 3. Returns what it saw: per run, the batches' labels and loader states, the
+    final weights and loader state."""
+    pytest.importorskip("sklearn")
+    from stagetree.torch.examples import DigitsTrainer
+
+    class Prefetching(DigitsTrainer):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            old = self.loader
+            self.loader = StageLoader(
+                old.dataset, batch_size=old.batch_size, seed=old.seed, prefetch=prefetch
+            )
+            self.seen: list[Any] = []
+
+        def next_batch(self) -> Any:
+            batch = super().next_batch()
+            self.seen.append((batch[1].tolist(), self.loader.state_dict()))
+            return batch
+
+    def run(trainer: Prefetching, steps: range) -> Prefetching:
+        for step in steps:
+            if step == 5:
+                trainer.setup({"batch_size": 48})
+            trainer.train()
+        return trainer
+
+    config = {"batches_per_step": 3, "batch_size": 32, "seed": 4}
+    whole = Prefetching(config)
+    run(whole, range(3))
+    checkpoint = whole.state_dict()
+    run(whole, range(3, 8))
+    resumed = Prefetching(config)
+    resumed.load_state_dict(checkpoint)
+    run(resumed, range(3, 8))
+    out = []
+    for trainer in (whole, resumed):
+        state = trainer.state_dict()
+        weights = [t.tolist() for t in trainer.model.state_dict().values()]
+        out.append((trainer.seen[-15:], weights, state["objects"]["loader"]))
+    assert 0 < checkpoint["objects"]["loader"]["position"] < len(whole.loader.dataset[0])
+    return out
+
+
+def test_a_trainer_with_prefetch_trains_and_resumes_as_without() -> None:
+    without, with_prefetch = _train_digits(0), _train_digits(4)
+    assert with_prefetch == without
+    assert without[0] == without[1]  # the resumed run continues exactly

@@ -102,5 +102,14 @@ def test_the_error_lists_what_the_optimizer_has() -> None:
 def test_known_names() -> None:
     assert (
         frozenset({"lr", "momentum", "weight_decay", "betas", "beta1", "beta2", "dampening", "eps"})
+        | {"rho"}  # Adadelta's (issue 25 item 6: it has a fused form)
         == OPTIMIZER_HP
     )
+
+
+def test_rho_is_set_and_checked_on_adadelta() -> None:
+    optimizer = torch.optim.Adadelta([torch.zeros(2, requires_grad=True)])
+    set_optimizer_hp(optimizer, rho=0.5)
+    assert optimizer.param_groups[0]["rho"] == 0.5
+    with pytest.raises(ValueError, match="'rho' must be in \\[0, 1\\]"):
+        set_optimizer_hp(optimizer, rho=1.5)
