@@ -110,6 +110,8 @@ class Study(StudyAPI):
             storage=args.storage if over.storage is None else over.storage,
             executor=args.executor if over.executor is None else over.executor,
             checkpoint_dir=over.checkpoint_dir or args.checkpoint_dir,
+            step_timeout=args.step_timeout if over.step_timeout is None else over.step_timeout,
+            stop_timeout=args.stop_timeout if over.stop_timeout is None else over.stop_timeout,
         )
         self._address = over.address  # a Ray cluster, for the executor
         self.settings = EngineSettings(
