@@ -402,72 +402,94 @@ def run_schedule(
                 faults[i] = kind
         rng.shuffle(faults)
         clean_before: set[str] | None = None  # what the driver a clean stop ended trained
-        while True:
-            proc = subprocess.Popen(
-                command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-            )
-            started = len(_log_lines(log))
-            ended_by = ""
-            while faults and proc.poll() is None:
-                # Strike while it trains: after its next step, at a random moment.
-                seen = len(_log_lines(log))
-                while len(_log_lines(log)) == seen and proc.poll() is None:
-                    time.sleep(0.05)
-                time.sleep(rng.uniform(0.05, 1.5))
-                if proc.poll() is not None:
-                    break
-                kind = faults[0]
-                if kind == "worker":
-                    pids = _workers(proc.pid)
-                    if not pids:
-                        continue
-                    os.kill(rng.choice(pids), signal.SIGKILL)
-                    time.sleep(0.05)
-                    # What it trained since its last checkpoint is lost (a crash): the
-                    # clean-stop check starts after it.
-                    started = len(_log_lines(log))
-                elif kind == "kill":
+        proc: subprocess.Popen[str] | None = None
+        last_err = ""
+        try:
+            while True:
+                proc = subprocess.Popen(
+                    command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+                )
+                started = len(_log_lines(log))
+                ended_by = ""
+                while faults and proc.poll() is None:
+                    # Strike while it trains: after its next step, at a random moment.
+                    seen = len(_log_lines(log))
+                    while len(_log_lines(log)) == seen and proc.poll() is None:
+                        time.sleep(0.05)
+                    time.sleep(rng.uniform(0.05, 1.5))
+                    if proc.poll() is not None:
+                        break
+                    kind = faults[0]
+                    if kind == "worker":
+                        pids = _workers(proc.pid)
+                        if not pids:
+                            continue
+                        os.kill(rng.choice(pids), signal.SIGKILL)
+                        time.sleep(0.05)
+                        # What it trained since its last checkpoint is lost (a crash): the
+                        # clean-stop check starts after it.
+                        started = len(_log_lines(log))
+                    elif kind == "kill":
+                        proc.kill()
+                    elif kind == "int":
+                        proc.send_signal(signal.SIGINT)
+                    elif kind == "db":
+                        svc.db_fault(rng)
+                    else:
+                        svc.store_fault()
+                    sched.injected[kind] += 1
+                    faults.pop(0)
+                    if args.verbose:
+                        print(
+                            f"  {time.monotonic():.1f} {kind} after {len(_log_lines(log))} steps",
+                            flush=True,
+                        )
+                    if kind in ("kill", "int"):
+                        ended_by = kind
+                        break
+                try:
+                    _, err = proc.communicate(timeout=args.hang_seconds)
+                    last_err = err
+                except subprocess.TimeoutExpired:
                     proc.kill()
-                elif kind == "int":
-                    proc.send_signal(signal.SIGINT)
-                elif kind == "db":
-                    svc.db_fault(rng)
-                else:
-                    svc.store_fault()
-                sched.injected[kind] += 1
-                faults.pop(0)
-                if kind in ("kill", "int"):
-                    ended_by = kind
+                    sched.hung = True
+                    sched.error = f"a driver hung past {args.hang_seconds} s"
                     break
-            try:
-                _, err = proc.communicate(timeout=args.hang_seconds)
-            except subprocess.TimeoutExpired:
+                if args.verbose:
+                    steps = len(_log_lines(log))
+                    print(f"  {time.monotonic():.1f} driver exit {proc.returncode}, {steps} steps")
+                if clean_before is not None:
+                    again = set(_log_lines(log)[started:]) & clean_before
+                    sched.after_clean_stop += len(again)
+                # What this driver trained (since its last lost worker): a clean stop keeps
+                # all of it.
+                clean_before = set(_log_lines(log)[started:]) if ended_by == "int" else None
+                if not ended_by and proc.returncode != 0:
+                    sched.error = f"the driver failed (exit {proc.returncode}): {err[-2000:]}"
+                    break
+                if not ended_by:
+                    break  # the study is finished
+        finally:  # interrupted (SIGTERM, Ctrl-C): no driver is left behind
+            if proc is not None and proc.poll() is None:
                 proc.kill()
-                sched.hung = True
-                sched.error = f"a driver hung past {args.hang_seconds} s"
-                break
-            if clean_before is not None:
-                again = set(_log_lines(log)[started:]) & clean_before
-                sched.after_clean_stop += len(again)
-            # What this driver trained (since its last lost worker): a clean stop keeps
-            # all of it.
-            clean_before = set(_log_lines(log)[started:]) if ended_by == "int" else None
-            if not ended_by and proc.returncode != 0:
-                sched.error = f"the driver failed (exit {proc.returncode}): {err[-2000:]}"
-                break
-            if not ended_by:
-                break  # the study is finished
+                proc.wait()
         lines = _log_lines(log)
         sched.recomputed = len(lines) - len(set(lines))
         if not sched.error:
             with _study(storage, version, checkpoints, executor="inline") as study:
                 got = results(study)
                 lost = weights_lost(study)
+                states = Counter(t.state for t in study.trials())
+                why = {e.message.splitlines()[0][:300] for _, e in study.failures()}
             sched.exact = got == dict(reference)
             if not sched.exact:
-                sched.error = f"{len(got)} trials done, metrics differ from the reference"
-            elif lost:
-                sched.error = f"{lost} finished trials have no final checkpoint"
+                shown = ", ".join(f"{n} {k}" for k, n in sorted(states.items()))
+                sched.error = f"trials {shown}; metrics differ from the reference {sorted(why)}"
+            if lost:
+                sched.error += f"; {lost} finished trials have no final checkpoint"
+        if sched.error and args.logs:  # the last driver's log, to see what happened
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            (Path(args.logs) / f"driver-{seed}.log").write_text(last_err)
     return sched
 
 
@@ -498,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-cut", metavar="CMD", help="shell command cutting the store")
     p.add_argument("--store-restore", metavar="CMD", help="shell command restoring it")
     p.add_argument("--cut-seconds", type=float, default=8.0, help="how long a cut lasts")
+    p.add_argument("--verbose", action="store_true", help="print each fault and driver exit")
+    p.add_argument(
+        "--logs", metavar="DIR", help="keep the last driver's stderr of failed schedules"
+    )
     p.add_argument("--drive", metavar="STORAGE", help=argparse.SUPPRESS)
     p.add_argument("--version", default="chaos", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -510,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             reference = results(study)
     print(f"reference: {len(reference)} trials; load {os.getloadavg()[0]:.1f}")
     total: Counter[str] = Counter()
+    # A SIGTERM ends the run through the clean-up below (private services stopped).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with services(args) as svc:
         done = _run_schedules(args, reference, svc, total)
     failed, survived, recomputed, ran = done

@@ -842,6 +842,7 @@ class Engine:
         except BaseException as exc:  # keep the error for every waiter and later calls
             self.error = exc
             tb = traceback.format_exc()
+            logger.error("the study engine stopped on an error: %r\n%s", exc, tb)
             with self.lock:
                 for waiters in self._waiters.values():
                     for w in waiters:
