@@ -214,3 +214,22 @@ def test_metrics_whose_checkpoint_was_never_stored_do_not_answer_a_later_run(
         assert st.state({"seed": 3}, hp, 10) is not None  # its model is stored
     with Study("v", SlowLinearTrainer, storage="memory://", executor="inline") as fresh:
         assert fresh.run({"seed": 3}, hp, 10).metrics == metrics
+
+
+def test_an_engine_made_again_during_an_outage_waits_for_the_store(
+    tmp_path: Path, s3: S3Service, proxy: TCPProxy
+) -> None:
+    """Found by benchmarks/chaos.py: the engine that replaces one stopped on an error
+    proved the store with a probe write that was not ridden through, so a store cut at
+    that moment failed the run although every write would have waited the cut out."""
+    store = _store(s3, proxy, "again", retry_seconds=30)
+    hp = {"lr": LRS[1]}
+    with _study(tmp_path, store) as study:
+        study.run({"seed": 3}, hp, 10)
+        assert study._engine_obj is not None
+        study._engine_obj.error = RuntimeError("stopped")  # the next call makes another
+        proxy.cut_for(3.0)
+        longer = study.run({"seed": 3}, hp, 20).metrics
+        assert study.state({"seed": 3}, hp, 20) is not None
+    with Study("v", SlowLinearTrainer, storage="memory://", executor="inline") as fresh:
+        assert fresh.run({"seed": 3}, hp, 20).metrics == longer
