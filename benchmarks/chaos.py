@@ -14,35 +14,47 @@ before the study is finished. Fault kinds:
 * ``int``: SIGINT of the driver, a clean stop (Ctrl-C): the running stages checkpoint
   where they stand, and the next driver must train none of the steps trained before
   it again;
-* ``db`` (``--db-restart CMD``): run ``CMD`` (e.g. a PostgreSQL restart) while the
-  driver runs against ``--storage URL``;
-* ``store`` (``--store-cut CMD --store-restore CMD``): cut the checkpoint store
-  (``--checkpoints URL``) for ``--cut-seconds`` seconds.
+* ``db``: the plan's PostgreSQL goes down for a random time up to ``--db-down-seconds``
+  (stopped, then started again with ``pg_ctl``) while the driver runs;
+* ``store``: the checkpoint store (S3) is cut for ``--cut-seconds`` seconds: a TCP
+  proxy in front of it drops every connection and refuses new ones, then comes back.
 
-The ``db`` and ``store`` kinds exercise the storage layer's retries; they run only when
-their commands are given.
+The ``db`` and ``store`` kinds exercise the storage layer's retries. With
+``--services`` the chaos loop starts what they need for itself: a private PostgreSQL
+(its own data folder and port, as ``.ci/start_postgres.sh`` starts one; a database per
+schedule) and moto's S3 in server mode behind a proxy (``tests/fakes/tcp_proxy.py``),
+all stopped at the end. Against services of one's own, ``--storage URL`` and
+``--checkpoints URL`` with ``--db-restart CMD`` and ``--store-cut CMD --store-restore
+CMD`` (shell commands) do the same.
 
 Checked at the end of every schedule: every trial finished with metrics equal to the
 clean reference run's (exact), no driver hung (``--hang-seconds``), and no step trained
-before a clean stop was trained again after it. Printed: faults injected and survived
+before a clean stop was trained again after it, and every finished trial's final
+checkpoint loads (its weights were not lost to a store cut). Printed: faults injected and survived
 per kind, steps recomputed (``train()`` calls past the unique steps), and the verdict.
 
-Usage: ``python benchmarks/chaos.py --schedules 20`` (a few minutes on 2 cores).
+Usage: ``python benchmarks/chaos.py --schedules 20`` (a few minutes on 2 cores);
+``python benchmarks/chaos.py --services --schedules 20`` adds database restarts and
+store cuts (needs PostgreSQL's server binaries, moto and s3fs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +137,172 @@ def results(study: Study) -> dict[str, float]:
     return out
 
 
+def weights_lost(study: Study) -> int:
+    """How many finished trials' final checkpoints cannot be loaded (their weights were
+    lost: the trial was reported finished before its model was stored)."""
+    return sum(
+        study.state(t.config, t.hp, t.steps) is None for t in study.trials() if t.state == "done"
+    )
+
+
+# --------------------------------------------------------------------------- private services
+
+ROOT = Path(__file__).resolve().parent.parent
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "chaos",
+    "AWS_SECRET_ACCESS_KEY": "chaos",
+    "AWS_SESSION_TOKEN": "chaos",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_MAX_ATTEMPTS": "1",  # botocore's own retries off: the store's window rides through
+}
+BUCKET = "stagetree-chaos"
+
+
+def _as_postgres(command: str) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` as the ``postgres`` user when this process is root (the server
+    refuses to run as root), else as this user."""
+    argv = ["su", "postgres", "-s", "/bin/bash", "-c", command] if os.getuid() == 0 else None
+    return subprocess.run(
+        argv or ["bash", "-c", command], check=True, capture_output=True, text=True
+    )
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of the chaos loop's own, started by the project's
+    ``.ci/start_postgres.sh`` (its own data folder and port), restarted with ``pg_ctl``
+    and stopped and removed by :meth:`close`."""
+
+    def __init__(self) -> None:
+        out = subprocess.run(
+            ["bash", str(ROOT / ".ci" / "start_postgres.sh")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        self.url, self.data = out[0], out[1]
+        self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        # As the script finds them: Debian's newest server, else the PATH's.
+        debian = sorted(
+            Path("/usr/lib/postgresql").glob("*/bin"),
+            key=lambda p: (len(p.parent.name), p.parent.name),
+        )
+        on_path = shutil.which("pg_ctl")
+        self.bindir = str(debian[-1]) if debian else str(Path(on_path or "pg_ctl").parent)
+        self._options = f"-p {self.port} -k /tmp -c listen_addresses=127.0.0.1 -c fsync=off"
+
+    def _ctl(self, *args: str) -> None:
+        _as_postgres(f"{self.bindir}/pg_ctl -D {self.data} -l {self.data}/log -w " + " ".join(args))
+
+    def database(self, name: str) -> str:
+        """A new database ``name``; returns its URL."""
+        _as_postgres(f"{self.bindir}/createdb -h 127.0.0.1 -p {self.port} -U postgres {name}")
+        return self.url.rsplit("/", 1)[0] + "/" + name
+
+    def outage(self, seconds: float) -> None:
+        """Down for ``seconds`` (a fast shutdown: open sessions are ended), then up."""
+        self._ctl("-m fast stop")
+        time.sleep(seconds)
+        self._ctl(f"-o '{self._options}' start")
+
+    def close(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self._ctl("-m immediate stop")
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+class PrivateS3:
+    """moto's S3 in server mode on a free port, reached through a TCP proxy that
+    :meth:`outage` takes down (``tests/fakes/tcp_proxy.py``)."""
+
+    def __init__(self) -> None:
+        sys.path.insert(0, str(ROOT / "tests" / "fakes"))
+        import boto3
+        from moto.server import ThreadedMotoServer
+        from tcp_proxy import TCPProxy
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        os.environ.update(AWS_ENV)
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+        self.server.start()
+        endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+        self.proxy = TCPProxy(("127.0.0.1", port))
+        self.endpoint = f"http://127.0.0.1:{self.proxy.port}"
+        os.environ["AWS_ENDPOINT_URL"] = self.endpoint  # the drivers and their workers
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{BUCKET}/{prefix}"
+
+    def outage(self, seconds: float) -> None:
+        self.proxy.cut()
+        time.sleep(seconds)
+        self.proxy.restore()
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.server.stop()
+
+
+@dataclass
+class Services:
+    """Where a schedule's plan and checkpoints live, and how its ``db`` and ``store``
+    faults are injected (private services, or the user's shell commands)."""
+
+    args: argparse.Namespace
+    postgres: PrivatePostgres | None = None
+    s3: PrivateS3 | None = None
+
+    def kinds(self) -> list[str]:
+        kinds = list(self.args.kinds)
+        if self.postgres or self.args.db_restart:
+            kinds.append("db")
+        if self.s3 or (self.args.store_cut and self.args.store_restore):
+            kinds.append("store")
+        return kinds
+
+    def storage(self, seed: int, work: Path) -> str:
+        if self.postgres:
+            return self.postgres.database(f"chaos_{seed}")
+        return self.args.storage or f"sqlite:///{work / 'plan.db'}"
+
+    def checkpoints(self, seed: int) -> str | None:
+        return self.s3.url(f"chaos-{seed}") if self.s3 else self.args.checkpoints
+
+    def db_fault(self, rng: random.Random) -> None:
+        if self.postgres:
+            self.postgres.outage(rng.uniform(0.0, self.args.db_down_seconds))
+        else:
+            subprocess.run(self.args.db_restart, shell=True, check=False)
+
+    def store_fault(self) -> None:
+        if self.s3:
+            self.s3.outage(self.args.cut_seconds)
+        else:
+            subprocess.run(self.args.store_cut, shell=True, check=False)
+            time.sleep(self.args.cut_seconds)
+            subprocess.run(self.args.store_restore, shell=True, check=False)
+
+
+@contextlib.contextmanager
+def services(args: argparse.Namespace) -> Iterator[Services]:
+    """The schedules' services: with ``--services`` a private PostgreSQL and S3, stopped
+    at the end."""
+    out = Services(args)
+    try:
+        if args.services:
+            out.postgres = PrivatePostgres()
+            out.s3 = PrivateS3()
+        yield out
+    finally:
+        if out.s3:
+            out.s3.close()
+        if out.postgres:
+            out.postgres.close()
+
+
 # --------------------------------------------------------------------------- the driver
 
 
@@ -194,18 +372,17 @@ def _workers(pid: int) -> list[int]:
     return out
 
 
-def run_schedule(seed: int, args: argparse.Namespace, reference: Mapping[str, float]) -> Schedule:
+def run_schedule(
+    seed: int, args: argparse.Namespace, reference: Mapping[str, float], svc: Services
+) -> Schedule:
     rng = random.Random(seed)
     sched = Schedule(seed)
-    kinds = list(args.kinds)
-    if args.db_restart:
-        kinds.append("db")
-    if args.store_cut and args.store_restore:
-        kinds.append("store")
+    kinds = svc.kinds()
     with tempfile.TemporaryDirectory(prefix="stagetree-chaos-") as tmp:
         work = Path(tmp)
         log = work / "trained.log"
-        storage = args.storage or f"sqlite:///{work / 'plan.db'}"
+        storage = svc.storage(seed, work)
+        checkpoints = svc.checkpoints(seed)
         env = {
             **os.environ,
             LOG_ENV: str(log),
@@ -216,75 +393,103 @@ def run_schedule(seed: int, args: argparse.Namespace, reference: Mapping[str, fl
         }
         version = f"chaos-{seed}"
         command = [sys.executable, __file__, "--drive", storage, "--version", version]
-        if args.checkpoints:
-            command += ["--checkpoints", args.checkpoints]
-        faults = args.faults
+        if checkpoints:
+            command += ["--checkpoints", checkpoints]
+        # The schedule: random kinds, each infrastructure kind at least once.
+        faults = [rng.choice(kinds) for _ in range(args.faults)]
+        for i, kind in enumerate(k for k in ("db", "store") if k in kinds):
+            if kind not in faults and i < len(faults):
+                faults[i] = kind
+        rng.shuffle(faults)
         clean_before: set[str] | None = None  # what the driver a clean stop ended trained
-        while True:
-            proc = subprocess.Popen(
-                command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-            )
-            started = len(_log_lines(log))
-            ended_by = ""
-            while faults and proc.poll() is None:
-                # Strike while it trains: after its next step, at a random moment.
-                seen = len(_log_lines(log))
-                while len(_log_lines(log)) == seen and proc.poll() is None:
-                    time.sleep(0.05)
-                time.sleep(rng.uniform(0.05, 1.5))
-                if proc.poll() is not None:
-                    break
-                kind = rng.choice(kinds)
-                if kind == "worker":
-                    pids = _workers(proc.pid)
-                    if not pids:
-                        continue
-                    os.kill(rng.choice(pids), signal.SIGKILL)
-                    time.sleep(0.05)
-                    # What it trained since its last checkpoint is lost (a crash): the
-                    # clean-stop check starts after it.
-                    started = len(_log_lines(log))
-                elif kind == "kill":
+        proc: subprocess.Popen[str] | None = None
+        last_err = ""
+        try:
+            while True:
+                proc = subprocess.Popen(
+                    command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+                )
+                started = len(_log_lines(log))
+                ended_by = ""
+                while faults and proc.poll() is None:
+                    # Strike while it trains: after its next step, at a random moment.
+                    seen = len(_log_lines(log))
+                    while len(_log_lines(log)) == seen and proc.poll() is None:
+                        time.sleep(0.05)
+                    time.sleep(rng.uniform(0.05, 1.5))
+                    if proc.poll() is not None:
+                        break
+                    kind = faults[0]
+                    if kind == "worker":
+                        pids = _workers(proc.pid)
+                        if not pids:
+                            continue
+                        os.kill(rng.choice(pids), signal.SIGKILL)
+                        time.sleep(0.05)
+                        # What it trained since its last checkpoint is lost (a crash): the
+                        # clean-stop check starts after it.
+                        started = len(_log_lines(log))
+                    elif kind == "kill":
+                        proc.kill()
+                    elif kind == "int":
+                        proc.send_signal(signal.SIGINT)
+                    elif kind == "db":
+                        svc.db_fault(rng)
+                    else:
+                        svc.store_fault()
+                    sched.injected[kind] += 1
+                    faults.pop(0)
+                    if args.verbose:
+                        print(
+                            f"  {time.monotonic():.1f} {kind} after {len(_log_lines(log))} steps",
+                            flush=True,
+                        )
+                    if kind in ("kill", "int"):
+                        ended_by = kind
+                        break
+                try:
+                    _, err = proc.communicate(timeout=args.hang_seconds)
+                    last_err = err
+                except subprocess.TimeoutExpired:
                     proc.kill()
-                elif kind == "int":
-                    proc.send_signal(signal.SIGINT)
-                elif kind == "db":
-                    subprocess.run(args.db_restart, shell=True, check=False)
-                else:
-                    subprocess.run(args.store_cut, shell=True, check=False)
-                    time.sleep(args.cut_seconds)
-                    subprocess.run(args.store_restore, shell=True, check=False)
-                sched.injected[kind] += 1
-                faults -= 1
-                if kind in ("kill", "int"):
-                    ended_by = kind
+                    sched.hung = True
+                    sched.error = f"a driver hung past {args.hang_seconds} s"
                     break
-            try:
-                _, err = proc.communicate(timeout=args.hang_seconds)
-            except subprocess.TimeoutExpired:
+                if args.verbose:
+                    steps = len(_log_lines(log))
+                    print(f"  {time.monotonic():.1f} driver exit {proc.returncode}, {steps} steps")
+                if clean_before is not None:
+                    again = set(_log_lines(log)[started:]) & clean_before
+                    sched.after_clean_stop += len(again)
+                # What this driver trained (since its last lost worker): a clean stop keeps
+                # all of it.
+                clean_before = set(_log_lines(log)[started:]) if ended_by == "int" else None
+                if not ended_by and proc.returncode != 0:
+                    sched.error = f"the driver failed (exit {proc.returncode}): {err[-2000:]}"
+                    break
+                if not ended_by:
+                    break  # the study is finished
+        finally:  # interrupted (SIGTERM, Ctrl-C): no driver is left behind
+            if proc is not None and proc.poll() is None:
                 proc.kill()
-                sched.hung = True
-                sched.error = f"a driver hung past {args.hang_seconds} s"
-                break
-            if clean_before is not None:
-                again = set(_log_lines(log)[started:]) & clean_before
-                sched.after_clean_stop += len(again)
-            # What this driver trained (since its last lost worker): a clean stop keeps
-            # all of it.
-            clean_before = set(_log_lines(log)[started:]) if ended_by == "int" else None
-            if not ended_by and proc.returncode != 0:
-                sched.error = f"the driver failed (exit {proc.returncode}): {err[-2000:]}"
-                break
-            if not ended_by:
-                break  # the study is finished
+                proc.wait()
         lines = _log_lines(log)
         sched.recomputed = len(lines) - len(set(lines))
         if not sched.error:
-            with _study(storage, version, args.checkpoints, executor="inline") as study:
+            with _study(storage, version, checkpoints, executor="inline") as study:
                 got = results(study)
+                lost = weights_lost(study)
+                states = Counter(t.state for t in study.trials())
+                why = {e.message.splitlines()[0][:300] for _, e in study.failures()}
             sched.exact = got == dict(reference)
             if not sched.exact:
-                sched.error = f"{len(got)} trials done, metrics differ from the reference"
+                shown = ", ".join(f"{n} {k}" for k, n in sorted(states.items()))
+                sched.error = f"trials {shown}; metrics differ from the reference {sorted(why)}"
+            if lost:
+                sched.error += f"; {lost} finished trials have no final checkpoint"
+        if sched.error and args.logs:  # the last driver's log, to see what happened
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            (Path(args.logs) / f"driver-{seed}.log").write_text(last_err)
     return sched
 
 
@@ -299,14 +504,26 @@ def main(argv: list[str] | None = None) -> int:
         help="process fault kinds, comma-separated (default: worker,kill,int)",
     )
     p.add_argument("--seed", type=int, default=0, help="the first schedule's seed")
+    p.add_argument("--minutes", type=float, default=0, help="start no schedule after (0: none)")
     p.add_argument("--step-seconds", type=float, default=0.03, help="one step's time")
     p.add_argument("--hang-seconds", type=float, default=120.0, help="a driver's limit")
+    p.add_argument(
+        "--services",
+        action="store_true",
+        help="start a private PostgreSQL and S3 (moto behind a TCP proxy) for the plan and "
+        "the checkpoints, and add the db and store fault kinds",
+    )
+    p.add_argument("--db-down-seconds", type=float, default=5.0, help="longest DB outage")
     p.add_argument("--storage", help="plan storage URL (default: a fresh SQLite file)")
     p.add_argument("--checkpoints", help="checkpoint location (default: beside the plan)")
     p.add_argument("--db-restart", metavar="CMD", help="shell command restarting the DB")
     p.add_argument("--store-cut", metavar="CMD", help="shell command cutting the store")
     p.add_argument("--store-restore", metavar="CMD", help="shell command restoring it")
     p.add_argument("--cut-seconds", type=float, default=8.0, help="how long a cut lasts")
+    p.add_argument("--verbose", action="store_true", help="print each fault and driver exit")
+    p.add_argument(
+        "--logs", metavar="DIR", help="keep the last driver's stderr of failed schedules"
+    )
     p.add_argument("--drive", metavar="STORAGE", help=argparse.SUPPRESS)
     p.add_argument("--version", default="chaos", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -319,10 +536,33 @@ def main(argv: list[str] | None = None) -> int:
             reference = results(study)
     print(f"reference: {len(reference)} trials; load {os.getloadavg()[0]:.1f}")
     total: Counter[str] = Counter()
-    failed = survived = recomputed = 0
+    # A SIGTERM ends the run through the clean-up below (private services stopped).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with services(args) as svc:
+        done = _run_schedules(args, reference, svc, total)
+    failed, survived, recomputed, ran = done
+    injected = sum(total.values())
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(total.items()))
+    print(
+        f"{ran} schedules, {failed} failed; faults injected {injected} ({kinds}), "
+        f"survived {survived}; steps recomputed {recomputed}"
+    )
+    return 1 if failed else 0
+
+
+def _run_schedules(
+    args: argparse.Namespace, reference: Mapping[str, float], svc: Services, total: Counter[str]
+) -> tuple[int, int, int, int]:
+    """Run the schedules (until ``--minutes`` are spent); returns failed, survived,
+    recomputed and how many ran."""
+    failed = survived = recomputed = ran = 0
+    end = time.monotonic() + 60 * args.minutes if args.minutes else None
     for i in range(args.schedules):
+        if end is not None and time.monotonic() > end:
+            break
+        ran += 1
         begin = time.monotonic()
-        sched = run_schedule(args.seed + i, args, reference)
+        sched = run_schedule(args.seed + i, args, reference, svc)
         total.update(sched.injected)
         recomputed += sched.recomputed
         failed += not sched.ok
@@ -335,13 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{verdict}",
             flush=True,
         )
-    injected = sum(total.values())
-    kinds = ", ".join(f"{k} {n}" for k, n in sorted(total.items()))
-    print(
-        f"{args.schedules} schedules, {failed} failed; faults injected {injected} ({kinds}), "
-        f"survived {survived}; steps recomputed {recomputed}"
-    )
-    return 1 if failed else 0
+    return failed, survived, recomputed, ran
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ class Study(StudyAPI):
             storage=args.storage if over.storage is None else over.storage,
             executor=args.executor if over.executor is None else over.executor,
             checkpoint_dir=over.checkpoint_dir or args.checkpoint_dir,
+            step_timeout=args.step_timeout if over.step_timeout is None else over.step_timeout,
+            stop_timeout=args.stop_timeout if over.stop_timeout is None else over.stop_timeout,
         )
         self._address = over.address  # a Ray cluster, for the executor
         self.settings = EngineSettings(
@@ -149,6 +151,7 @@ class Study(StudyAPI):
         # must stay inert when it is imported (workers never import it: they receive
         # the trainer class itself).
         self._engine_obj: Engine | None = None
+        self._replacing = False  # an engine is made again: its store was proven before
         self._lease: pool.EngineLease | None = None
         self._closed = False
         self._started = time.monotonic()
@@ -168,6 +171,7 @@ class Study(StudyAPI):
         if self._closed:
             raise StagetreeError(f"study {self.name!r} is closed")
         url = self.placement.key
+        self._replacing = self._engine_obj is not None
         lease = pool.acquire(url, self.settings, self.placement, self._make_engine)
         differ = self.settings.differences(lease.settings)
         differ += self.placement.differences(lease.placement)
@@ -213,10 +217,10 @@ class Study(StudyAPI):
             store = checkpoint_dir
             if budget is not None:
                 store.budget_bytes = budget
-            store.check()
+            store.check(self._replacing)
         elif checkpoint_dir is not None and not is_local_location(checkpoint_dir):
             store = CheckpointStore(checkpoint_dir, budget_bytes=budget)
-            store.check()
+            store.check(self._replacing)
         plan = open_storage(storage) if isinstance(storage, str) else storage
         if store is None:
             assert not isinstance(checkpoint_dir, CheckpointStore)

@@ -296,16 +296,25 @@ class CheckpointStore:
             ),
         )
 
-    def check(self) -> None:
+    def check(self, ride_through: bool = False) -> None:
         """Prove the location reachable and writable now (write, read back and delete a
         small marker), so that a study fails at its start rather than at its first
-        checkpoint.
+        checkpoint. With ``ride_through`` (a location proven before: an engine made
+        again during a run), an outage of a remote store is waited out for the
+        ride-through window, as the store's writes do.
 
         Raises:
             CheckpointError: naming the location and the cause (no such bucket, nobody
                 listening at the endpoint, access denied...).
         """
-        self.bytes.check()
+        if not ride_through:
+            self.bytes.check()
+            return
+
+        def failed(exc: Exception) -> CheckpointError:
+            return exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
+
+        self._riding(self.bytes.check, failed, lambda note, exc: CheckpointError(f"{exc} ({note})"))
 
     # ------------------------------------------------------------------ write / read
 

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_USAGE", "port_number", "positive"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
+    "port_number",
+    "positive",
+    "seconds",
+]
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1  # `stagetree run`: no trial of the study succeeded
@@ -18,6 +26,17 @@ def positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
 
 

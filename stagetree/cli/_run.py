@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from stagetree.budget import Budget
 from stagetree.cli._format import one_line, report_study
-from stagetree.cli._options import EXIT_FAILED, EXIT_INTERRUPTED, port_number, positive
+from stagetree.cli._options import EXIT_FAILED, EXIT_INTERRUPTED, port_number, positive, seconds
 from stagetree.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from stagetree.dashboard import start_dashboard
 from stagetree.engine.settings import overriding
@@ -58,12 +58,17 @@ def run_script(
     token_file: str | None = None,
     dashboard: int | None = None,
     budget: str | None = None,
+    step_timeout: float | None = None,
+    stop_timeout: float | None = None,
 ) -> int:
     """``stagetree run``: run the study a script defines with its tuner.
 
     ``budget`` limits the run (``"30m"``, ``"500 steps"``, ``"20 trials"``, ``"1h
     device"``; see :class:`stagetree.budget.Budget`); it is checked before the script
-    runs.
+    runs. ``step_timeout`` (seconds a training step may take: a stuck trainer's
+    request fails with the reason) and ``stop_timeout`` (seconds a stop waits for the
+    running stages to checkpoint) override the studies' ``step_timeout=`` and
+    ``stop_timeout=``.
 
     ``executor`` (a registered name: ``local``, ``ray``...), ``address`` (the cluster
     of a cluster executor) and ``checkpoints`` (the checkpoint location) override the
@@ -116,6 +121,8 @@ def run_script(
                 workers=workers,
                 storage=storage,
                 budget=limits,
+                step_timeout=step_timeout,
+                stop_timeout=stop_timeout,
             ),
             loaded_script(script) as namespace,
         ):
@@ -180,6 +187,8 @@ def command_line_overrides(
     workers: int | None = None,
     storage: str | None = None,
     budget: Budget | None = None,
+    step_timeout: float | None = None,
+    stop_timeout: float | None = None,
 ) -> Iterator[None]:
     """While the block runs, every ``Study(...)`` honours the options given (None: the
     script's own), every ``tune()`` without a budget of its own ``budget``, and
@@ -194,6 +203,8 @@ def command_line_overrides(
         "workers": workers,
         "storage": storage,
         "budget": budget,
+        "step_timeout": step_timeout,
+        "stop_timeout": stop_timeout,
     }
     chosen = {key: value for key, value in given.items() if value is not None}
     if storage is not None:
@@ -266,6 +277,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         token_file=args.token_file,
         dashboard=args.dashboard_port if args.dashboard else None,
         budget=args.budget,
+        step_timeout=args.step_timeout,
+        stop_timeout=args.stop_timeout,
     )
 
 
@@ -330,6 +343,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="stop the run after this much: 30m, 2h, 90s (wall-clock), '500 steps', "
         "'20 trials', '1h device' (device time), several separated by commas; run again "
         "with a larger budget to go on",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        help="seconds a training step may take: a stuck trainer's trial fails with the "
+        "reason and its worker is replaced (default: no limit; overrides the script)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        help="seconds a stop (Ctrl-C, a budget) waits for the running stages to "
+        "checkpoint before it stops their workers (default 5; overrides the script)",
     )
     p.add_argument("--no-progress", action="store_true", help="do not show live progress")
     p.add_argument(

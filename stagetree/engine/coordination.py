@@ -28,7 +28,10 @@ engine's lock:
 The coordinator sees its engine through :class:`CoordinationPort` only: the few engine
 methods it needs, which :class:`~stagetree.engine.core.Engine` implements.
 
-The lease time-to-live comes from ``STAGETREE_LEASE_TTL`` (seconds, default 15).
+The lease time-to-live comes from ``STAGETREE_LEASE_TTL`` (seconds); when unset, 15,
+or twice the plan storage's ride-through window when that is longer
+(:func:`~stagetree.plan.leases.outage_proof_ttl`): the leases outlive a database outage
+the engine rides through, so no other engine takes a stage this one still trains.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from stagetree.exceptions import StorageError
 from stagetree.plan.base import BasePlanStorage
-from stagetree.plan.leases import Lease, new_owner, overlaps
+from stagetree.plan.leases import Lease, new_owner, outage_proof_ttl, overlaps
 from stagetree.plan.model import RequestState
 from stagetree.scheduler import CheckpointAvailable, NodeAdded, RequestAdded, RequestCancelled
 from stagetree.work import BatchDone
@@ -60,14 +63,14 @@ DEFAULT_TTL = 15.0
 Key = tuple[int, int]
 
 
-def lease_ttl() -> float:
-    """Lease time-to-live in seconds: ``STAGETREE_LEASE_TTL`` or :data:`DEFAULT_TTL`."""
+def lease_ttl(default: float = DEFAULT_TTL) -> float:
+    """Lease time-to-live in seconds: ``STAGETREE_LEASE_TTL`` or ``default``."""
     raw = os.environ.get("STAGETREE_LEASE_TTL", "")
     try:
-        ttl = float(raw) if raw else DEFAULT_TTL
+        ttl = float(raw) if raw else default
     except ValueError:
-        ttl = DEFAULT_TTL
-    return ttl if ttl > 0 else DEFAULT_TTL
+        ttl = default
+    return ttl if ttl > 0 else default
 
 
 class CoordinationPort(Protocol):
@@ -118,7 +121,16 @@ class Coordinator:
     def __init__(self, engine: CoordinationPort, ttl: float | None = None) -> None:
         self.engine = engine
         self.owner = new_owner()  # carries this machine's key: dead holders are told
-        self.ttl = ttl if ttl is not None else lease_ttl()
+        window = engine.storage.retry_seconds
+        self.ttl = ttl if ttl is not None else lease_ttl(outage_proof_ttl(window, DEFAULT_TTL))
+        if engine.storage.shared and self.ttl <= window:
+            _log.warning(
+                "lease time-to-live %g s is not longer than the database's ride-through "
+                "window of %g s: a stage this engine trains may be leased to another engine "
+                "during a long outage (unset STAGETREE_LEASE_TTL for the safe default)",
+                self.ttl,
+                window,
+            )
         self.poll = min(0.2, self.ttl / 10)
         self.shared = engine.storage.shared
         self._batch_leases: dict[int, tuple[Lease, ...]] = {}

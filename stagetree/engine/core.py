@@ -254,6 +254,8 @@ class Engine:
         # Ended batches whose stage leases wait for their checkpoint writes (a batch's
         # checkpoints may be written after its end: this outlives its record).
         self._unreleased: set[int] = set()
+        # Metrics held back until the checkpoint promised at their point is durable.
+        self._unstored: dict[tuple[int, int], dict[str, float]] = {}
         self._queued: list[Any] = []
         # Devices a worker's busy second occupies (``devices_per_worker``): device
         # seconds count each of them.
@@ -865,6 +867,7 @@ class Engine:
         except BaseException as exc:  # keep the error for every waiter and later calls
             self.error = exc
             tb = traceback.format_exc()
+            logger.error("the study engine stopped on an error: %r\n%s", exc, tb)
             with self.lock:
                 for waiters in self._waiters.values():
                     for w in waiters:
@@ -975,10 +978,21 @@ class Engine:
 
     def _on_curve(self, ev: work.CurveReported, batch: RunningBatch | None) -> None:
         # Written together with the round's other curves (a fused job sends one per
-        # member), before anything that could read them.
-        self.ledger.add_curves(ev.points)
+        # member), before anything that could read them. A point whose request awaits
+        # its checkpoint is stored as a curve point only (not an answer) until then.
+        awaits = self.scheduler.awaits_checkpoint
+        self.ledger.add_curves(
+            (n, s, m, evaluated and not awaits(ev.batch_id, n, s))
+            for n, s, m, evaluated in ev.points
+        )
 
     def _on_metrics(self, ev: work.MetricsReported, batch: RunningBatch | None) -> None:
+        if self.scheduler.awaits_checkpoint(ev.batch_id, ev.node, ev.step):
+            # Metrics in the plan answer a later run at once: they are stored when the
+            # request settles (its model durable), not before, so that a run that ends
+            # while the store is down never leaves a trial finished without its model.
+            self._unstored[(ev.node, ev.step)] = dict(ev.metrics)
+            return
         self.storage.put_metrics(ev.node, ev.step, ev.metrics)
 
     def _on_checkpoint_saved(self, ev: work.CheckpointSaved, batch: RunningBatch | None) -> None:
@@ -1302,6 +1316,9 @@ class Engine:
         error: tuple[str, str, str] | None = None,
     ) -> None:
         req = self.storage.request(node, step)
+        held = self._unstored.pop((node, step), None)
+        if error is None and held is not None:
+            self.storage.put_metrics(node, step, held)
         if error is not None:
             if req is not None:
                 self.storage.set_request_state(node, step, RequestState.FAILED, error=error[0])

@@ -185,6 +185,9 @@ class Overrides:
         budget: ``--budget`` (a :class:`~stagetree.budget.Budget` or its text): the
             limits of a ``tune()`` called without a budget of its own (a script
             without a main guard that tunes while ``stagetree run`` loads it).
+        step_timeout: ``--step-timeout`` (seconds a training step may take).
+        stop_timeout: ``--stop-timeout`` (seconds a stop waits for the running stages
+            to checkpoint).
     """
 
     workers: int | None = None
@@ -195,6 +198,8 @@ class Overrides:
     url: str | None = None
     token: str | None = None
     budget: Any = None
+    step_timeout: float | None = None
+    stop_timeout: float | None = None
 
 
 # Overrides is frozen, so one shared default is safe.

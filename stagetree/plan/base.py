@@ -226,10 +226,17 @@ class BasePlanStorage(ABC):
       and cooperation matter; False for a plan held in this process.
     * :meth:`database_url`: a URL another library can open to keep its own tables in
       the same database (the Optuna bridge), or None.
+    * :attr:`retry_seconds`: the ride-through window of its outages (0: none).
     """
 
     #: Whether other processes can open this same plan (see the class docstring).
     shared: bool = False
+
+    @property
+    def retry_seconds(self) -> float:
+        """Seconds a call rides through an outage of the plan before it fails
+        (:mod:`stagetree.retry`); 0 for a plan that has no outages."""
+        return 0.0
 
     def database_url(self) -> str | None:
         """The full database URL (password included) another library may connect to,

@@ -12,6 +12,10 @@ follows, in one place:
 * A claim is atomic: either every requested segment is granted, or none is and the
   live leases of other owners that stand in the way are returned.
 * Expired leases are ignored by claims and by :meth:`leases` with ``live_only``.
+* A lease outlives the outages its storage rides through (:func:`outage_proof_ttl`):
+  while the database is out of reach its holder cannot renew it, and a lease that
+  expired during the outage would let another engine take the stage the moment the
+  database is back, while the holder still trains it.
 * A lease whose holder is a dead process of this machine is ignored by claims at once
   (:meth:`Lease.live`): a run killed with ``kill -9`` can be resumed without waiting
   for its leases to expire. "This machine" is the owner's machine key (:func:`new_owner`:
@@ -35,6 +39,7 @@ __all__ = [
     "Lease",
     "host_pid",
     "new_owner",
+    "outage_proof_ttl",
     "overlaps",
     "stage_conflicts",
     "study_conflicts",
@@ -127,6 +132,16 @@ def study_conflicts(leases: Iterable[Lease], owner: str, study: str, now: float)
         for lease in leases
         if lease.node is None and lease.scope == study and lease.owner != owner and lease.live(now)
     ]
+
+
+def outage_proof_ttl(window: float, least: float) -> float:
+    """The lease time-to-live of an engine whose plan storage rides through outages of
+    up to ``window`` seconds (:attr:`~stagetree.plan.base.BasePlanStorage.retry_seconds`):
+    at least ``least``, and twice the window, so that a lease renewed (every fifth of
+    its time-to-live) just before an outage is still live when the outage ends at the
+    window's edge, with the last slow try (a connection attempt) inside it too. A holder
+    that rides an outage through so keeps every stage it was training."""
+    return max(least, 2.0 * window)
 
 
 @functools.cache

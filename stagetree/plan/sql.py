@@ -453,6 +453,10 @@ class SQLPlanStorage(BasePlanStorage):
     shared = True
 
     @property
+    def retry_seconds(self) -> float:
+        return self._ride.window
+
+    @property
     def url(self) -> str:
         """The database URL (password hidden)."""
         return self._url

@@ -494,6 +494,18 @@ class Scheduler:
         """True when no batch runs and no live request is left."""
         return not self._batches and not self._requests
 
+    def awaits_checkpoint(self, batch_id: int, node: int, step: int) -> bool:
+        """Whether metrics that running batch ``batch_id`` reports at ``(node, step)``
+        settle a live request only once the checkpoint it promised there is durable."""
+        batch = self._batches.get(batch_id)
+        key = (node, step)
+        return (
+            batch is not None
+            and key in self._requests
+            and key in batch.checkpoint
+            and key not in self._checkpoints
+        )
+
     @property
     def saving(self) -> dict[int, frozenset[Key]]:
         """Ended batches whose checkpoints are still being written: the pending

@@ -18,7 +18,7 @@ from tcp_proxy import TCPProxy
 
 from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
-from stagetree.exceptions import CheckpointError, CheckpointUnreachableError
+from stagetree.exceptions import CheckpointError, CheckpointUnreachableError, TrialFailedError
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import SQLPlanStorage
 from stagetree.retry import STORE_RETRY_ENV
@@ -180,3 +180,56 @@ def test_an_unreachable_load_recomputes_without_dropping_the_record(tmp_path: Pa
     assert before.items() <= after.items()
     with Study("v", SlowLinearTrainer, storage="memory://", executor="inline") as fresh:
         assert fresh.run({"seed": 3}, hp, 15).metrics == longer
+
+
+class _WritesFail(CheckpointStore):
+    """A local store whose writes fail while ``down`` (an unreachable store past its
+    ride-through window)."""
+
+    down = False
+
+    def save(self, name: str, state: Any, of: Any = None) -> Any:
+        if _WritesFail.down:
+            raise CheckpointError(f"cannot write checkpoint {name}: store down")
+        return super().save(name, state, of)
+
+
+def test_metrics_whose_checkpoint_was_never_stored_do_not_answer_a_later_run(
+    tmp_path: Path,
+) -> None:
+    """Found by benchmarks/chaos.py: the metrics of a request were written to the plan
+    as soon as they were reported, before its promised checkpoint was durable; when that
+    write failed and the run ended (killed, or failed), the next run answered the trial
+    from those metrics and reported it finished with no model stored."""
+    store = _WritesFail(tmp_path / "ckpt")
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    hp = {"lr": Constant(0.05)}
+    _WritesFail.down = True
+    first = Study("w", SlowLinearTrainer, storage=url, checkpoint_dir=store, executor="inline")
+    with first, pytest.raises(TrialFailedError, match="could not be stored"):
+        first.run({"seed": 3}, hp, 10)
+    _WritesFail.down = False
+    with Study("w", SlowLinearTrainer, storage=url, checkpoint_dir=store, executor="inline") as st:
+        metrics = st.run({"seed": 3}, hp, 10).metrics
+        assert st.state({"seed": 3}, hp, 10) is not None  # its model is stored
+    with Study("v", SlowLinearTrainer, storage="memory://", executor="inline") as fresh:
+        assert fresh.run({"seed": 3}, hp, 10).metrics == metrics
+
+
+def test_an_engine_made_again_during_an_outage_waits_for_the_store(
+    tmp_path: Path, s3: S3Service, proxy: TCPProxy
+) -> None:
+    """Found by benchmarks/chaos.py: the engine that replaces one stopped on an error
+    proved the store with a probe write that was not ridden through, so a store cut at
+    that moment failed the run although every write would have waited the cut out."""
+    store = _store(s3, proxy, "again", retry_seconds=30)
+    hp = {"lr": LRS[1]}
+    with _study(tmp_path, store) as study:
+        study.run({"seed": 3}, hp, 10)
+        assert study._engine_obj is not None
+        study._engine_obj.error = RuntimeError("stopped")  # the next call makes another
+        proxy.cut_for(3.0)
+        longer = study.run({"seed": 3}, hp, 20).metrics
+        assert study.state({"seed": 3}, hp, 20) is not None
+    with Study("v", SlowLinearTrainer, storage="memory://", executor="inline") as fresh:
+        assert fresh.run({"seed": 3}, hp, 20).metrics == longer

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from study_trainers import LinearTrainer
 
 from stagetree import study as study_module
 from stagetree.cli import main, report_study
+from stagetree.cli._run import command_line_overrides
 from stagetree.engine import pool
 from stagetree.engine.settings import Overrides, current_overrides
 from stagetree.hp import Constant, Exponential, MultiStep, Piecewise, Warmup
@@ -983,3 +985,44 @@ def test_run_with_worker_processes_and_real_sigint(tmp_path: Path) -> None:
         assert s.requests(states=["pending", "scheduled"]) == []
         assert {t["state"] for t in s.trials("sig")} <= {"cancelled", "done"}
         assert s.checkpoints()  # durable work stays for the next run
+
+
+# -- --step-timeout, --stop-timeout ----------------------------------------------------
+
+HANGS = """
+from stop_trainers import Hangs
+
+from stagetree import Study
+from stagetree.hp import Constant
+from stagetree.space import GridSpace
+from stagetree.tuners import GridSearch
+
+study = Study("hang", Hangs, storage={url!r}, workers=1)
+tuner = GridSearch(GridSpace({{"lr": [Constant(0.5)]}}, fixed={{"at": [2]}}), "w", steps=4)
+"""
+
+
+def test_run_step_timeout_fails_a_stuck_trainer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'hang.db'}"
+    path = tmp_path / "hangs.py"
+    path.write_text(HANGS.format(url=url))
+    args = ["run", str(path), "--no-progress", "--no-check", "--step-timeout", "1"]
+    assert main(args) == 1  # the only trial failed: its step 2 never returns
+    err = capsys.readouterr().err
+    assert "step 2 took longer than step_timeout=1s" in err
+    assert current_overrides() == Overrides()
+    assert _no_engine_on(url)
+
+
+def test_run_timeouts_override_the_script_and_are_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with command_line_overrides(step_timeout=2.5, stop_timeout=0.5):
+        study = study_module.Study("t", LinearTrainer, storage="memory://", step_timeout=60.0)
+    assert (study.settings.step_timeout, study.settings.stop_timeout) == (2.5, 0.5)
+    study.close()
+    for flag, value in [("--step-timeout", "0"), ("--stop-timeout", "-1"), ("--step-timeout", "x")]:
+        assert main(["run", str(tmp_path / "any.py"), flag, value]) == 2
+        assert f"{flag}: expected a number of seconds > 0, got '{value}'" in capsys.readouterr().err

@@ -21,8 +21,9 @@ from failing_trainers import BadState, Counter, Dies, FailsSome, NoState, Raises
 
 from stagetree import Study
 from stagetree.cli import main, run_script
-from stagetree.exceptions import TrialFailedError
+from stagetree.exceptions import StorageError, TrialFailedError
 from stagetree.hp import Constant
+from stagetree.plan.memory import MemoryPlanStorage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -220,3 +221,22 @@ def test_state_of_a_finished_trial_is_never_none(tmp_path: Path) -> None:
             hp: dict[str, Any] = {"lr": Constant(0.1 * (i + 1))}
             study.run({}, hp, 3 + i % 4)
             assert study.state({}, hp, 3 + i % 4) is not None, i
+
+
+class _MetricsLost(MemoryPlanStorage):
+    """A plan storage that cannot store metrics."""
+
+    def put_metrics_many(self, items: Any) -> None:
+        raise StorageError("metrics table on fire")
+
+
+def test_an_engine_that_stops_on_an_error_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by benchmarks/chaos.py: an engine whose driver thread stopped on an error
+    failed its waiting trials and logged nothing; a tuner that counts them as failed
+    trials went on, and the cause was nowhere to be seen."""
+    caplog.set_level(logging.ERROR, logger="stagetree")
+    study = Study("broken", Counter, storage=_MetricsLost(), executor="inline")
+    with study, pytest.raises(TrialFailedError, match="engine failed"):
+        study.run({}, {"lr": Constant(0.1)}, 3)
+    assert "the study engine stopped on an error" in caplog.text
+    assert "metrics table on fire" in caplog.text
