@@ -792,11 +792,16 @@ class Scheduler:
             self._settle(key, metrics, out)
 
     def _end_saving(self, out: list[Instruction | Notice], worker: int | None = None) -> None:
-        """Forget saving batches with nothing pending (or all of ``worker``'s: lost)."""
+        """Forget saving batches with nothing pending (or all of ``worker``'s: lost).
+
+        A request parked on a lost worker's pending write is not settled: a finished
+        trial must find its model, so it stays pending and is trained again from the
+        latest durable checkpoint (steps lost to the worker, as for a running batch)."""
         for batch in list(self._saving.values()):
             if worker is not None and batch.worker == worker:
                 for key in list(batch.checkpoint):
-                    self._unpromise(batch, key, out)
+                    batch.checkpoint.discard(key)
+                    batch.parked.pop(key, None)
             if not batch.checkpoint:
                 for key, metrics in batch.parked.items():
                     self._settle(key, metrics, out)

@@ -428,9 +428,14 @@ def test_the_worker_holding_a_model_continues_it_before_its_write_ends() -> None
 def test_a_lost_worker_takes_its_pending_writes_with_it() -> None:
     h = _ended_unwritten(workers=2)
     out = h(WorkerLost(0, None, "killed"))
-    # The trial's metrics stand; its model was not kept.
-    assert [(d.node, d.step) for d in only(out, RequestDone)] == [(1, 100)]
+    # Its model died with the worker: the trial is not reported finished without it,
+    # it is trained again on the other worker (issue 23: a finished trial finds its
+    # model).
+    assert only(out, RequestDone) == []
     assert h.sched.saving == {}
+    (again,) = only(out, RunBatch)
+    assert again.worker == 1 and again.start_at is None
+    assert segs(again) == [(1, 0, 100)]
 
 
 # --------------------------------------------------------------------------- preemption
