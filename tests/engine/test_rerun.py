@@ -4,6 +4,9 @@ worker process, and closing it waits on none."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,45 @@ def test_workers_start_for_the_first_trial_the_storage_cannot_answer(tmp_path: P
         assert other.last_run.steps_executed > 0
         assert 0 < other.last_run.trials_answered < other.last_run.trials
     assert best is not None
+
+
+EXIT_SCRIPT = """
+import atexit, gc, sys
+atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0))  # first in, last out
+sys.path.insert(0, {fakes!r})
+from study_trainers import LinearTrainer
+from stagetree import Study
+from stagetree.hp import Constant
+from stagetree.space import GridSpace
+from stagetree.tuners import ASHA
+
+if sys.argv[1] == "study":
+    space = GridSpace({{"lr": [Constant(0.01)]}}, fixed={{"seed": [0]}})
+    tuner = ASHA(space, "score", mode="max", min_steps=1, max_steps=2, num_trials=1)
+    with Study("s", LinearTrainer, storage="memory://", executor="inline") as study:
+        study.tune(tuner, progress=False)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "env", "frozen"),
+    [("study", {}, True), ("study", {"STAGETREE_EXIT_GC": "1"}, False), ("import", {}, False)],
+)
+def test_a_process_that_ran_a_study_exits_without_collecting_its_objects(
+    tmp_path: Path, how: str, env: dict[str, str], frozen: bool
+) -> None:
+    # The interpreter's shutdown collects garbage by traversing every object alive (with
+    # torch loaded, most of a re-run's exit): after a study, the objects are frozen first.
+    script = tmp_path / "exit_gc.py"
+    script.write_text(EXIT_SCRIPT.format(fakes=str(Path(__file__).resolve().parents[1] / "fakes")))
+    environ = {k: v for k, v in os.environ.items() if k != "STAGETREE_EXIT_GC"} | env
+    out = subprocess.run(
+        [sys.executable, str(script), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["frozen", str(frozen)]
