@@ -13,7 +13,7 @@ import pytest
 from study_trainers import LinearTrainer
 
 from stagetree import Study
-from stagetree.executors.local import shutdown_pool
+from stagetree.executors.local import LocalExecutor, shutdown_pool
 from stagetree.hp import Constant
 from stagetree.space import GridSpace
 from stagetree.tuners import ASHA
@@ -102,3 +102,32 @@ def test_a_process_that_ran_a_study_exits_without_collecting_its_objects(
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["frozen", str(frozen)]
+
+
+def test_a_first_run_starts_the_fork_server_before_its_tuner_asks_a_rerun_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The workers of a run that will train fork from a server that imports torch
+    # (seconds): a first run starts it while its tuner is built; a re-run that trains
+    # nothing starts nothing.
+    calls: list[str] = []
+    prepare, start = LocalExecutor.prepare, LocalExecutor.start
+
+    def spy_prepare(self: LocalExecutor) -> None:
+        calls.append("prepare")
+        prepare(self)
+
+    def spy_start(self: LocalExecutor) -> None:
+        calls.append("start")
+        start(self)
+
+    monkeypatch.setattr(LocalExecutor, "prepare", spy_prepare)
+    monkeypatch.setattr(LocalExecutor, "start", spy_start)
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    with Study("s", LinearTrainer, storage=url, workers=2) as study:
+        study.tune(_tuner(), progress=False)
+    assert calls == ["prepare", "start"]
+    calls.clear()
+    with Study("s", LinearTrainer, storage=url, workers=2) as again:
+        again.tune(_tuner(), progress=False)
+    assert calls == []
