@@ -14,6 +14,16 @@ Medians over ``--repeats`` fresh processes.
 Run: ``.venv/bin/python benchmarks/startup_bench.py [--workers 1 2 4] [--repeats 3]``
 (``--no-pool``: the same with the pool off, every study starts its workers;
 ``--start-method forkserver``: workers forked from a fork server that imported torch once).
+
+``--vs-optuna``: time to the first result of a small task, stagetree against Optuna, as a
+new user's script runs it: a fresh Python process per system that imports torch and the
+trainer, tunes 16 trials of :class:`~stagetree.torch.examples.DigitsTrainer` (a random
+learning rate and momentum, up to 8 steps) with TPE and successive halving (stagetree:
+``ASHA(eta=2, sampler=TPESampler(seed=0))``, 2 local workers, a fresh SQLite file;
+Optuna: ``TPESampler(seed=0)`` and ``SuccessiveHalvingPruner(reduction_factor=2)``, its
+default of one trial at a time, in-memory storage), each reporting after every step.
+Seconds from the process's start: imports done, the first ``evaluate()`` result (any
+process), the whole run (process end); the systems alternate order between repeats.
 """
 
 from __future__ import annotations
@@ -44,6 +54,153 @@ class StampingDigitsTrainer(DigitsTrainer):
             with open(path, "a") as f:
                 f.write(f"{os.getpid()} {time.time()}\n")
         return super().train()
+
+
+class FirstResultDigitsTrainer(DigitsTrainer):
+    """DigitsTrainer that appends ``pid time.time()`` to ``$STAGETREE_BENCH_STAMPS`` at
+    every ``evaluate()``: the times at which results exist."""
+
+    def evaluate(self) -> dict[str, float]:
+        out = super().evaluate()
+        path = os.environ.get(STAMPS_ENV)
+        if path:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} {time.time()}\n")
+        return out
+
+
+FIRST_TRIALS, FIRST_STEPS = 16, 8
+FIRST_FIXED = {"optimizer": "momentum", "hidden": 64, "batches_per_step": 4, "seed": 0}
+
+
+def first_result_stagetree(root: Path) -> None:
+    """The small task with stagetree (see ``--vs-optuna``)."""
+    import optuna
+
+    from stagetree import Study
+    from stagetree.distributions import LogUniform, Uniform
+    from stagetree.space import RandomSpace
+    from stagetree.tuners import ASHA
+
+    space = RandomSpace(
+        {"lr": LogUniform(0.01, 0.5), "momentum": Uniform(0.5, 0.95)}, fixed=FIRST_FIXED
+    )
+    tuner = ASHA(
+        space,
+        "accuracy",
+        mode="max",
+        min_steps=1,
+        max_steps=FIRST_STEPS,
+        eta=2,
+        num_trials=FIRST_TRIALS,
+        seed=0,
+        sampler=optuna.samplers.TPESampler(seed=0),
+    )
+    study = Study("first", FirstResultDigitsTrainer, storage=f"sqlite:///{root}/s.db", workers=2)
+    with study:
+        study.tune(tuner, progress=False)
+
+
+def first_result_optuna(root: Path) -> None:
+    """The small task with Optuna (see ``--vs-optuna``)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    def objective(trial: optuna.Trial) -> float:
+        hp = {
+            "lr": trial.suggest_float("lr", 0.01, 0.5, log=True),
+            "momentum": trial.suggest_float("momentum", 0.5, 0.95),
+        }
+        trainer = FirstResultDigitsTrainer(FIRST_FIXED)
+        accuracy = 0.0
+        for step in range(FIRST_STEPS):
+            trainer.setup(hp)
+            trainer.train()
+            accuracy = trainer.evaluate()["accuracy"]
+            trial.report(accuracy, step + 1)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        return accuracy
+
+    study = optuna.create_study(
+        direction="maximize",
+        sampler=optuna.samplers.TPESampler(seed=0),
+        pruner=optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=1, reduction_factor=2, min_early_stopping_rate=0
+        ),
+    )
+    study.optimize(objective, n_trials=FIRST_TRIALS)
+
+
+def first_result_child(system: str) -> None:
+    imported = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        {"stagetree": first_result_stagetree, "optuna": first_result_optuna}[system](root)
+    print(json.dumps({"imported": imported}), flush=True)
+
+
+def _run_child(args: list[str], env: dict[str, str]) -> str:
+    """The stdout of this script run in a fresh process with ``args``."""
+    cmd = [sys.executable, __file__, *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, check=True, env=env, timeout=600
+    ).stdout
+
+
+def first_result(repeats: int) -> None:
+    """Runs ``--vs-optuna``: both systems, ``repeats`` fresh processes each."""
+    from _common import fmt, load_average, machine_info, markdown_table
+
+    systems = ["stagetree", "optuna"]
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
+    load = [load_average()]
+    for repeat in range(repeats):
+        for system in systems if repeat % 2 == 0 else systems[::-1]:
+            with tempfile.TemporaryDirectory() as tmp:
+                stamps = Path(tmp) / "stamps"
+                stamps.touch()
+                env = dict(os.environ, **{STAMPS_ENV: str(stamps)})
+                started = time.time()
+                out = _run_child(["--first-result", system], env)
+                ended = time.time()
+                times = [float(line.split()[1]) for line in stamps.read_text().splitlines()]
+            imported = json.loads(out.strip().splitlines()[-1])["imported"]
+            runs[system].append(
+                {
+                    "imports": imported - started,
+                    "first": min(times) - started,
+                    "whole": ended - started,
+                }
+            )
+    load.append(load_average())
+
+    def med(system: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[system])
+
+    rows = [
+        [
+            system,
+            fmt(med(system, "imports")),
+            fmt(med(system, "first")),
+            fmt(statistics.median(r["first"] - r["imports"] for r in runs[system])),
+            fmt(med(system, "whole")),
+        ]
+        for system in systems
+    ]
+    rows.append(
+        [
+            "stagetree / optuna",
+            *(fmt(med("stagetree", k) / med("optuna", k)) for k in ("imports", "first")),
+            "",
+            fmt(med("stagetree", "whole") / med("optuna", "whole")),
+        ]
+    )
+    print(", ".join(f"{k}: {v}" for k, v in machine_info().items()))
+    print(f"load average before / after: {load[0]} / {load[1]}; median of {repeats}\n")
+    header = ["system", "imports s", "first result s", "first result - imports s", "whole run s"]
+    print(markdown_table(header, rows))
 
 
 def _one_study(name: str, workers: int, stamps: Path, root: Path) -> dict[str, float]:
@@ -97,8 +254,16 @@ def main() -> None:
         default="forkserver",
         help="of the workers",
     )
+    parser.add_argument("--vs-optuna", action="store_true", help="time to the first result")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--first-result", choices=["stagetree", "optuna"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.first_result:
+        first_result_child(args.first_result)
+        return
+    if args.vs_optuna:
+        first_result(args.repeats)
+        return
     if args.child:
         child(args.child)
         return
@@ -112,14 +277,7 @@ def main() -> None:
     for workers in args.workers:
         runs = []
         for _ in range(args.repeats):
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", str(workers)],
-                capture_output=True,
-                text=True,
-                check=True,
-                env=env,
-                timeout=600,
-            ).stdout
+            out = _run_child(["--child", str(workers)], env)
             runs.append(json.loads(out.strip().splitlines()[-1]))
 
         def med(kind: str, key: str, runs: list[dict[str, Any]] = runs) -> float:

@@ -367,8 +367,11 @@ class Study(StudyAPI):
             return report_costs.study_accounting(storage, self.name, self.version)["device_seconds"]
 
     def _ensure_started(self) -> None:
-        # The workers start with the first trial the storage cannot answer.
+        # The workers start with the first trial the storage cannot answer. A run with no
+        # decision logged (a first run) will train: what its workers fork from starts now.
         self._engine.ensure_started(workers=False)
+        if not self.read_log():
+            self._engine.prepare_workers()
 
     def _virtual_time(self) -> bool:
         return self._run_clock().virtual

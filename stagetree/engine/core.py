@@ -344,6 +344,14 @@ class Engine:
         for key, trainer in self._trainers.items():
             self._add_trainer(key, trainer)
 
+    def prepare_workers(self) -> None:
+        """Let an executor not started yet get ready to start (a hint, see
+        :meth:`BaseExecutor.prepare`): a run that will train calls it before its tuner
+        is built."""
+        with self.lock:
+            if self.executor is None and self.error is None:
+                self._make_executor().prepare()
+
     def _close_at_exit(self) -> None:
         """Close the engine at interpreter exit when no study closed it (atexit runs the
         hooks registered last first: this one runs before the executor's)."""

@@ -11,11 +11,18 @@ An engine whose driver stopped on an error (a database out of reach past its
 ride-through window, see :mod:`stagetree.retry`) is replaced by a fresh one at the
 next :func:`acquire`, and closed: a study (or a server's submission) after the outage
 runs again instead of finding a stopped engine.
+
+A process that opened an engine freezes its garbage collector at exit
+(:func:`freeze_at_exit`): the interpreter's shutdown then frees what it frees without
+traversing every object of the libraries loaded (0.5-1.5 s with PyTorch).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +30,11 @@ from dataclasses import dataclass
 from stagetree.engine.core import Engine
 from stagetree.engine.settings import EngineSettings, Placement
 
-__all__ = ["EngineLease", "acquire", "open_storages", "release"]
+__all__ = ["EXIT_GC_ENV", "EngineLease", "acquire", "freeze_at_exit", "open_storages", "release"]
+
+EXIT_GC_ENV = "STAGETREE_EXIT_GC"
+"""Set to ``1`` to keep the interpreter's garbage collection at exit (see
+:func:`freeze_at_exit`)."""
 
 
 @dataclass
@@ -53,6 +64,20 @@ class EngineLease:
 
 _ENGINES: dict[str, _Entry] = {}
 _LOCK = threading.Lock()
+_EXIT_HOOK: list[bool] = []  # registered once per process
+
+
+def freeze_at_exit() -> None:
+    """Move every object to the garbage collector's permanent generation, run at exit.
+
+    The interpreter's shutdown collects garbage several times, each traversing every
+    object alive, most of them a library's (PyTorch: about 1 s of a 1.3 s exit on two
+    cores). Frozen objects are still freed as their references go; only reference
+    cycles left at exit are not collected (Python does not promise to finalize objects
+    alive at exit). ``STAGETREE_EXIT_GC=1`` keeps the collection.
+    """
+    if os.environ.get(EXIT_GC_ENV, "0") in ("", "0"):
+        gc.freeze()
 
 
 def acquire(
@@ -63,6 +88,9 @@ def acquire(
     another study made it with others. A stopped engine (its ``error`` set) is replaced
     by one made by ``make`` and closed; a ``make`` that fails leaves it in place."""
     with _LOCK:
+        if not _EXIT_HOOK:
+            _EXIT_HOOK.append(True)
+            atexit.register(freeze_at_exit)
         entry = _ENGINES.get(key)
         if entry is None or entry.engine.error is not None:
             stopped = entry.engine if entry is not None else None

@@ -250,6 +250,11 @@ class BaseExecutor(ABC):
             f"{type(self).__name__} serves one trainer only; it cannot add trainer {key!r}"
         )
 
+    def prepare(self) -> None:  # noqa: B027 (a hint: most executors have nothing to do)
+        """Get ready to start the workers soon, without starting any: a first run calls
+        it before its tuner is built, so that what a start waits for (a local fork
+        server importing torch) runs meanwhile. Default: nothing."""
+
     @abstractmethod
     def start(self) -> None:
         """Bring the workers up (each will send ``WorkerReady``)."""

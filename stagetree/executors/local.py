@@ -159,11 +159,16 @@ _DEFAULT_START = (
 )
 
 
+_TORCH_TRAINER = "stagetree.torch.trainer"
+
+
 def _preload_modules(trainer: Any) -> list[str]:
     """What the fork server imports once for its children: torch (when this process has
-    it) and stagetree's modules the trainer class is made of (``stagetree.torch``...).
-    Other libraries are left to the workers: a module that starts a thread when imported
-    would make forking from the server unsafe."""
+    it), stagetree's modules the trainer class is made of (``stagetree.torch``...) and,
+    for a :class:`~stagetree.torch.TorchTrainer`, what its ``warmup`` imports
+    (``torch._dynamo``: seconds per worker otherwise, and it starts no thread). Other
+    libraries are left to the workers: a module that starts a thread when imported would
+    make forking from the server unsafe."""
     modules = ["stagetree.executors._process"]
     if "torch" in sys.modules:
         modules.append("torch")
@@ -172,6 +177,8 @@ def _preload_modules(trainer: Any) -> list[str]:
             name = cls.__module__
             if name.startswith("stagetree.") and name not in modules:
                 modules.append(name)
+    if "torch" in modules and _TORCH_TRAINER in modules:
+        modules.append("torch._dynamo")
     return modules
 
 
@@ -367,6 +374,12 @@ class LocalExecutor(BaseExecutor):
         with contextlib.suppress(OSError):  # a dead worker is noticed in events()
             slot.inbox.send(AddTrainer(key, spec))
             slot.trainers.add(key)
+
+    def prepare(self) -> None:
+        """Start the fork server (it imports torch in its own process while this one
+        builds the tuner); no worker starts."""
+        if self._preload and not self._closed and not self._started:
+            _start_forkserver(self._preload)
 
     def start(self) -> None:
         if self._closed:

@@ -3,6 +3,7 @@ path, unchanged by edits outside the trainer, changed by edits of what it is mad
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
 import os
 import runpy
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from stagetree import identity
 from stagetree.identity import (
     current_version,
     is_library_module,
@@ -210,6 +212,47 @@ def test_library_modules_are_recognised() -> None:
     assert is_library_module("numpy")
     assert not is_library_module("__main__")
     assert not is_library_module("study_trainers")  # tests/: the user's own module
+
+
+def _clear_version_caches() -> None:
+    for cached in (
+        identity._library_version,
+        identity._distributions_of,
+        identity._installed_distributions,
+    ):
+        cached.cache_clear()
+
+
+def test_library_versions_come_without_scanning_every_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # packages_distributions() parses every installed distribution's metadata (0.2-2 s),
+    # the bulk of a finished study's re-run; the versions must come without it, the same.
+    modules = ["numpy", "stagetree.trainer", "pytest", "math", "study_trainers"]
+    _clear_version_caches()
+    expected = {m: identity._library_version(m) for m in modules}
+
+    def scan_all() -> None:
+        raise AssertionError("packages_distributions() was called")
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", scan_all)
+    _clear_version_caches()
+    try:
+        assert {m: identity._library_version(m) for m in modules} == expected
+        assert expected["numpy"] == f"numpy=={importlib.metadata.version('numpy')}"
+        assert expected["pytest"] == f"pytest=={importlib.metadata.version('pytest')}"
+    finally:
+        _clear_version_caches()
+
+
+def test_distributions_of_a_module_are_those_of_the_standard_library() -> None:
+    # The fingerprint names a library by the distribution packages_distributions() gives:
+    # the same for every top-level name installed here, so no fingerprint changes.
+    expected = importlib.metadata.packages_distributions()
+    assert expected
+    for top, names in expected.items():
+        assert identity._distributions_of(top) == tuple(names), top
+    assert identity._distributions_of("no_such_module_anywhere") == ()
 
 
 def test_fingerprint_ignores_positions_and_module_names(tmp_path: Path) -> None:

@@ -301,3 +301,14 @@ def test_closing_during_a_batch_stops_it_and_pools_the_process(tmp_path: Path) -
         _ready(again)
         assert again.pid(0) == pid
         assert _total(again, _batch(2, 0, 3, evaluate_at=((1, 3),))) > 0
+
+
+def test_the_fork_server_imports_what_a_torch_trainer_warms_up_with() -> None:
+    # A TorchTrainer's warmup imports torch._dynamo (seconds): once in the fork server,
+    # not once per worker. It starts no thread, so forking from the server stays safe.
+    pytest.importorskip("torch")
+    from stagetree.executors.local import _preload_modules
+    from stagetree.torch.examples import DigitsTrainer
+
+    assert "torch._dynamo" in _preload_modules(DigitsTrainer)
+    assert "torch._dynamo" not in _preload_modules(Counter)  # not a torch trainer
