@@ -158,6 +158,53 @@ def measure(storage: Any, n: int, points: int, what: str, profile: bool) -> dict
     return out
 
 
+def run_study(path: str, n: int, steps: int, profile: bool) -> dict[str, Any]:
+    """Random search of ``n`` trials of ``steps`` steps on 40 simulated workers (virtual
+    time) with the SQLite plan at ``path``: the first run when the file is new, else a
+    resumed one, which replays every decision of the log (every trial's result is
+    stored). CPU and wall seconds of ``tune()``, the growth of peak RSS per trial."""
+    from stagetree.distributions import LogUniform, Uniform
+    from stagetree.executors.simulated import LearningCurve, SimulatedExecutor, SimulatedTrainer
+    from stagetree.space import RandomSpace
+    from stagetree.study import Study
+    from stagetree.tuners import RandomSearch
+
+    resumed = os.path.exists(path)
+    space = RandomSpace({"lr": LogUniform(1e-4, 1e-1), "wd": Uniform(0.0, 0.1)})
+    tuner = RandomSearch(space, "acc", steps=steps, num_trials=n, seed=0)
+    executor = SimulatedExecutor(40, curve=LearningCurve(aliases={"acc": "accuracy"}))
+    base = _rss_mb()
+    study = Study(
+        "scale",
+        SimulatedTrainer,
+        storage=f"sqlite:///{path}",
+        workers=40,
+        checkpoint_dir=path + ".ckpt",
+        executor=lambda: executor,
+    )
+    prof = None
+    if profile and resumed:  # the replay's profile
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t0, w0 = time.process_time(), time.perf_counter()
+    try:
+        study.tune(tuner)
+    finally:
+        cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+        if prof is not None:
+            import pstats
+
+            prof.disable()
+            stats = pstats.Stats(prof, stream=sys.stderr)
+            stats.sort_stats("tottime").print_stats(15)
+            stats.sort_stats("cumulative").print_stats("stagetree", 40)
+        study.close()
+    grown = max(0.0, _peak_mb() - base)
+    return {"resumed": resumed, "cpu_s": cpu, "wall_s": wall, "peak_mb": grown}
+
+
 def _child(args: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--one", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -179,6 +226,23 @@ def _url(backend: str, n: int, data: str, pg_url: str | None) -> str:
     return pg_url
 
 
+def replay(sizes: list[int], steps: int, data: str, profile: bool) -> None:
+    """A study of each size run, then resumed (its log replayed), each in a process of
+    its own; a table of both."""
+    print("| trials | run | CPU s | wall s | peak MB | KiB/trial |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for n in sizes:
+        path = os.path.join(data, f"study-run-{n}-{steps}.db")
+        for _ in range(2):
+            r = _child([path, str(n), str(steps), "study", "1" if profile else "0"])
+            run = "resumed" if r["resumed"] else "first"
+            print(
+                f"| {n:,} | {run} | {r['cpu_s']:.2f} | {r['wall_s']:.2f} | {r['peak_mb']:.0f} | "
+                f"{r['peak_mb'] * 1024 / n:.2f} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
@@ -189,7 +253,13 @@ def main() -> None:
     p.add_argument("--pg-url", default=None)
     p.add_argument("--profile", default=None, choices=READS)
     p.add_argument("--one", nargs=5, metavar=("URL", "N", "POINTS", "WHAT", "PROFILE"))
+    p.add_argument("--replay", type=int, nargs="+", default=None, metavar="N")
+    p.add_argument("--steps", type=int, default=4, help="steps per trial of --replay")
     args = p.parse_args()
+    if args.one and args.one[3] == "study":
+        path, n, steps, _, prof = args.one
+        print(json.dumps(run_study(path, int(n), int(steps), prof == "1")))
+        return
     if args.one:
         url, n, points, what, prof = args.one
         storage = open_storage(url)
@@ -199,6 +269,9 @@ def main() -> None:
         return
     data = args.data or tempfile.mkdtemp(prefix="storage-scale-")
     os.makedirs(data, exist_ok=True)
+    if args.replay:
+        replay(args.replay, args.steps, data, args.profile is not None)
+        return
     rows = []
     for backend in args.storage:
         for n in args.sizes:

@@ -415,6 +415,7 @@ class SQLPlanStorage(BasePlanStorage):
         # add_trial(unique=True) looks its row up here and reads only the rows added
         # since, instead of comparing every row of the study
         self._trial_keys: dict[str, tuple[int, dict[int, int]]] = {}
+        self._roots_seen: dict[str, str] = {}  # root key -> config registered (committed)
         try:
             parsed = make_url(url)
         except ArgumentError as exc:
@@ -607,6 +608,8 @@ class SQLPlanStorage(BasePlanStorage):
     @_retried
     def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
         data = _codec.dumps(dict(config), "root config")
+        if self._roots_seen.get(root_key) == data:  # roots never change: no transaction
+            return
         with self._tx(write=True) as conn:
             old = conn.execute(
                 select(_roots.c.config).where(_roots.c.root_key == root_key)
@@ -615,6 +618,7 @@ class SQLPlanStorage(BasePlanStorage):
                 conn.execute(_roots.insert(), {"root_key": root_key, "config": data})
             elif old != data:
                 raise StorageError(f"root {root_key!r} is registered with another config")
+        self._roots_seen[root_key] = data
 
     @_retried
     def root_config(self, root_key: str) -> dict[str, Any]:
@@ -644,6 +648,10 @@ class SQLPlanStorage(BasePlanStorage):
         request: bool = True,
     ) -> list[Insertion]:
         with self._lock:
+            if not request and not self.readonly:
+                known = self._inserted_already(root_key, items)
+                if known is not None:
+                    return known
             mark: int | None = None
             tree: TreeIndex | None = None
             try:
@@ -685,6 +693,19 @@ class SQLPlanStorage(BasePlanStorage):
                 for node in ins.new_nodes:
                     self._node_cache[node.id] = node
             return out
+
+    def _inserted_already(
+        self, root_key: str, items: Seq[tuple[Mapping[str, Sequence], int]]
+    ) -> list[Insertion] | None:
+        """The insertions of ``items`` when every one's path is in the tree already (a
+        resumed study submits its trials again), found in a read transaction; None when
+        one needs a node (then the write transaction does it all)."""
+        with self._tx(write=False) as conn:
+            tree = self._refresh(conn, root_key)
+            ends = [walk(tree, hp, steps).end for hp, steps in check_items(tree, items)]
+        if any(end is None for end in ends):
+            return None
+        return [Insertion(typed(int, end), steps) for end, (_, steps) in zip(ends, items)]
 
     def _load_requests(
         self, conn: Connection, keys: Collection[tuple[int, int]]
@@ -1201,6 +1222,12 @@ class SQLPlanStorage(BasePlanStorage):
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:
             changes["attrs"] = _codec.dumps(dict(attrs), "trial attrs")
+        with self._tx(write=False) as conn:  # a replayed trial changes nothing: no write
+            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+        if row is None:
+            raise PlanKeyError(f"no trial {trial_id}")
+        if all(getattr(row, k) == v for k, v in changes.items()):
+            return _trial(row)
         with self._tx(write=True) as conn:
             if changes:
                 conn.execute(_trials.update().where(_trials.c.id == trial_id).values(**changes))
@@ -1433,6 +1460,7 @@ class SQLPlanStorage(BasePlanStorage):
         self._trees.clear()
         self._node_cache.clear()
         self._trial_keys.clear()
+        self._roots_seen.clear()
 
 
 # The columns of an ActivityRecord, in its fields' order.
