@@ -932,16 +932,22 @@ class SQLPlanStorage(BasePlanStorage):
                 roots[node] = n.root_key
                 lo, hi = spans.get(node, (step, step))
                 spans[node] = (min(lo, step), max(hi, step))
-            # What is stored already, one query per node (a curve spans few nodes).
+            # What is stored already: one query per chunk of nodes (a batch of the
+            # engine's curve points spans many trials), over the steps the batch spans.
             stored: dict[tuple[int, int], dict[str, float]] = {}
-            for node, (lo, hi) in spans.items():
+            ids = sorted(spans)
+            for i in range(0, len(ids), _CHUNK):
+                chunk = ids[i : i + _CHUNK]
+                lo = min(spans[n][0] for n in chunk)
+                hi = max(spans[n][1] for n in chunk)
                 rows = conn.execute(
-                    select(_metrics.c.step, _metrics.c.data).where(
-                        (_metrics.c.node == node) & _metrics.c.step.between(lo, hi)
+                    select(_metrics.c.node, _metrics.c.step, _metrics.c.data).where(
+                        _metrics.c.node.in_(chunk) & _metrics.c.step.between(lo, hi)
                     )
-                )
-                for row in rows:
-                    stored[(node, row.step)] = _codec.loads(row.data)
+                ).all()
+                rows = [r for r in rows if spans[r[0]][0] <= r[1] <= spans[r[0]][1]]
+                datas = _codec.loads_many([r[2] for r in rows])
+                stored.update(((r[0], r[1]), data) for r, data in zip(rows, datas))
             merged: dict[tuple[int, int], dict[str, float]] = {}
             for node, step, values, evaluated in checked:
                 key = (node, step)

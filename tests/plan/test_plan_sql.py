@@ -336,3 +336,26 @@ def test_a_replayed_trial_takes_no_write_transaction(tmp_path: Path, kind: str) 
         b.register_root("r", {"x": 2})
     a.close()
     b.close()
+
+
+def test_metrics_of_many_trials_are_merged_with_one_read(tmp_path: Path) -> None:
+    """A batch of curve points over many nodes (the engine writes a batch per event
+    round) reads what is stored for them in one query, not one per node, and merges
+    the points as before."""
+    plan = SQLPlanStorage(f"sqlite:///{tmp_path}/plan.db")
+    nodes = [plan.insert_trial("r", {"lr": Constant(0.01 * i)}, 9).node for i in range(1, 40)]
+    plan.put_metrics_many([(n, 3, {"a": 1.0}, True) for n in nodes])
+    reads: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "FROM stagetree_metrics" in statement:
+            reads.append(statement)
+
+    event.listen(plan._engine, "before_cursor_execute", seen)
+    plan.put_metrics_many(
+        [(n, 3, {"b": 2.0}, True) for n in nodes] + [(n, 4, {"a": 0.5}, False) for n in nodes]
+    )
+    assert len(reads) == 1
+    for n in nodes:
+        assert plan.metrics("r", [n])[n] == {3: {"a": 1.0, "b": 2.0}, 4: {"a": 0.5}}
+    plan.close()
