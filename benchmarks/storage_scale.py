@@ -16,7 +16,13 @@ Reported: CPU seconds of the read and the growth of the process's peak RSS durin
 
 Run ``python benchmarks/storage_scale.py --sizes 1000 10000 100000 --storage memory
 sqlite postgresql --pg-url URL``; ``--profile READ`` prints a profile's top functions
-of that read at the largest size instead.
+of that read at the largest size instead. The PostgreSQL tables at URL are dropped and
+filled again: give it a database of its own.
+
+``--replay N ...`` instead runs a study (random search of N trials of ``--steps``
+steps on 40 simulated workers, SQLite plan) and then resumes it in a new process, which
+replays every logged decision: CPU and wall seconds and peak RSS growth of each run
+(``--profile best`` prints the resumed run's profile).
 """
 
 from __future__ import annotations
