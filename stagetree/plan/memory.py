@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
 from stagetree.exceptions import PlanKeyError, StorageError
@@ -20,6 +21,7 @@ from stagetree.plan.base import (
     BasePlanStorage,
     CheckpointRecord,
     MetricsItem,
+    TrialEnd,
     activity_row,
     after_add,
     after_release,
@@ -480,6 +482,21 @@ class MemoryPlanStorage(BasePlanStorage):
                 stored = self._metrics.get(t["node"], {}).get(t["steps"])
                 if stored is not None:
                     out[t["id"]] = shown_metrics(stored)
+            return out
+
+    def trial_ends(self, study: str) -> list[TrialEnd]:
+        with self._lock:
+            self._check_open()
+            out = []
+            for t in self._trials.values():
+                if t["study"] != study:
+                    continue
+                node, steps = t["node"], t["steps"]
+                stored = None if node is None or t["step"] != steps else self._metrics.get(node)
+                final = None if stored is None else stored.get(steps)
+                attrs = MappingProxyType(t["attrs"])  # the stored dict, read-only
+                shown = None if final is None else shown_metrics(final)
+                out.append(TrialEnd(t["id"], steps, node, t["step"], attrs, shown))
             return out
 
     @_writes

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import sqlite3
 import threading
@@ -62,6 +63,7 @@ from stagetree.plan.base import (
     BasePlanStorage,
     CheckpointRecord,
     MetricsItem,
+    TrialEnd,
     activity_row,
     after_add,
     after_release,
@@ -413,6 +415,7 @@ class SQLPlanStorage(BasePlanStorage):
         # add_trial(unique=True) looks its row up here and reads only the rows added
         # since, instead of comparing every row of the study
         self._trial_keys: dict[str, tuple[int, dict[int, int]]] = {}
+        self._roots_seen: dict[str, str] = {}  # root key -> config registered (committed)
         try:
             parsed = make_url(url)
         except ArgumentError as exc:
@@ -609,6 +612,8 @@ class SQLPlanStorage(BasePlanStorage):
     @_retried
     def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
         data = _codec.dumps(dict(config), "root config")
+        if self._roots_seen.get(root_key) == data:  # roots never change: no transaction
+            return
         with self._tx(write=True) as conn:
             old = conn.execute(
                 select(_roots.c.config).where(_roots.c.root_key == root_key)
@@ -617,6 +622,7 @@ class SQLPlanStorage(BasePlanStorage):
                 conn.execute(_roots.insert(), {"root_key": root_key, "config": data})
             elif old != data:
                 raise StorageError(f"root {root_key!r} is registered with another config")
+        self._roots_seen[root_key] = data
 
     @_retried
     def root_config(self, root_key: str) -> dict[str, Any]:
@@ -646,6 +652,10 @@ class SQLPlanStorage(BasePlanStorage):
         request: bool = True,
     ) -> list[Insertion]:
         with self._lock:
+            if not request and not self.readonly:
+                known = self._inserted_already(root_key, items)
+                if known is not None:
+                    return known
             mark: int | None = None
             tree: TreeIndex | None = None
             try:
@@ -687,6 +697,19 @@ class SQLPlanStorage(BasePlanStorage):
                 for node in ins.new_nodes:
                     self._node_cache[node.id] = node
             return out
+
+    def _inserted_already(
+        self, root_key: str, items: Seq[tuple[Mapping[str, Sequence], int]]
+    ) -> list[Insertion] | None:
+        """The insertions of ``items`` when every one's path is in the tree already (a
+        resumed study submits its trials again), found in a read transaction; None when
+        one needs a node (then the write transaction does it all)."""
+        with self._tx(write=False) as conn:
+            tree = self._refresh(conn, root_key)
+            ends = [walk(tree, hp, steps).end for hp, steps in check_items(tree, items)]
+        if any(end is None for end in ends):
+            return None
+        return [Insertion(typed(int, end), steps) for end, (_, steps) in zip(ends, items)]
 
     def _load_requests(
         self, conn: Connection, keys: Collection[tuple[int, int]]
@@ -769,9 +792,14 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def path(self, node_id: int) -> list[Node]:
+        # Up the parent links, each node read once and cached: a path is a few nodes,
+        # its tree may hold 100,000 (a study's best trial reads its own path only).
         with self._tx(write=False) as conn:
-            node = self._node(conn, node_id)
-            return self._refresh(conn, node.root_key).path(node_id)
+            out = [self._node(conn, node_id)]
+            while out[-1].parent is not None:
+                out.append(self._node(conn, out[-1].parent))
+        out.reverse()
+        return out
 
     # -- requests ------------------------------------------------------------------------
 
@@ -908,16 +936,22 @@ class SQLPlanStorage(BasePlanStorage):
                 roots[node] = n.root_key
                 lo, hi = spans.get(node, (step, step))
                 spans[node] = (min(lo, step), max(hi, step))
-            # What is stored already, one query per node (a curve spans few nodes).
+            # What is stored already: one query per chunk of nodes (a batch of the
+            # engine's curve points spans many trials), over the steps the batch spans.
             stored: dict[tuple[int, int], dict[str, float]] = {}
-            for node, (lo, hi) in spans.items():
+            ids = sorted(spans)
+            for i in range(0, len(ids), _CHUNK):
+                chunk = ids[i : i + _CHUNK]
+                lo = min(spans[n][0] for n in chunk)
+                hi = max(spans[n][1] for n in chunk)
                 rows = conn.execute(
-                    select(_metrics.c.step, _metrics.c.data).where(
-                        (_metrics.c.node == node) & _metrics.c.step.between(lo, hi)
+                    select(_metrics.c.node, _metrics.c.step, _metrics.c.data).where(
+                        _metrics.c.node.in_(chunk) & _metrics.c.step.between(lo, hi)
                     )
-                )
-                for row in rows:
-                    stored[(node, row.step)] = _codec.loads(row.data)
+                ).all()
+                rows = [r for r in rows if spans[r[0]][0] <= r[1] <= spans[r[0]][1]]
+                datas = _codec.loads_many([r[2] for r in rows])
+                stored.update(((r[0], r[1]), data) for r, data in zip(rows, datas))
             merged: dict[tuple[int, int], dict[str, float]] = {}
             for node, step, values, evaluated in checked:
                 key = (node, step)
@@ -1198,6 +1232,12 @@ class SQLPlanStorage(BasePlanStorage):
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:
             changes["attrs"] = _codec.dumps(dict(attrs), "trial attrs")
+        with self._tx(write=False) as conn:  # a replayed trial changes nothing: no write
+            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+        if row is None:
+            raise PlanKeyError(f"no trial {trial_id}")
+        if all(getattr(row, k) == v for k, v in changes.items()):
+            return _trial(row)
         with self._tx(write=True) as conn:
             if changes:
                 conn.execute(_trials.update().where(_trials.c.id == trial_id).values(**changes))
@@ -1235,8 +1275,35 @@ class SQLPlanStorage(BasePlanStorage):
         )
         with self._tx(write=False) as conn:
             rows = conn.execute(query).all()
-        datas = _codec.loads_many([r[1] for r in rows])
-        return {int(r[0]): _shown(data) for r, data in zip(rows, datas)}
+        datas = _codec.loads_many([data for _, data in rows])
+        return {tid: _shown(data) for (tid, _), data in zip(rows, datas)}
+
+    @_retried
+    def trial_ends(self, study: str) -> list[TrialEnd]:
+        t, m = _trials.c, _metrics.c
+        at_end = (m.node == t.node) & (m.step == t.steps) & (t.step == t.steps)
+        query = (
+            select(t.id, t.steps, t.node, t.step, t.attrs, m.data)
+            .select_from(_trials.outerjoin(_metrics, at_end))
+            .where(t.study == study)
+            .order_by(t.id)
+        )
+        with self._tx(write=False) as conn:
+            rows = conn.execute(query).all()
+        texts = list(dict.fromkeys(attrs for *_, attrs, _ in rows))  # a few distinct ones
+        attrs_of = dict(zip(texts, _codec.loads_many(texts)))
+        datas = iter(_codec.loads_many([data for *_, data in rows if data is not None]))
+        return [
+            TrialEnd(
+                tid,
+                steps,
+                node,
+                step,
+                attrs_of[attrs],
+                None if data is None else _shown(next(datas)),
+            )
+            for tid, steps, node, step, attrs, data in rows
+        ]
 
     @_retried
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
@@ -1403,6 +1470,7 @@ class SQLPlanStorage(BasePlanStorage):
         self._trees.clear()
         self._node_cache.clear()
         self._trial_keys.clear()
+        self._roots_seen.clear()
 
 
 # The columns of an ActivityRecord, in its fields' order.
@@ -1489,30 +1557,49 @@ def _replace_expiry(lease: Lease, expires: float) -> Lease:
 def _trials_of(
     rows: Seq[Any], decode_hp: Callable[[list[str]], list[dict[str, Sequence]]] | None
 ) -> list[dict[str, Any]]:
-    """:func:`_trial` of many rows, their JSON decoded in bulk; without ``config`` and
-    ``hp`` when ``decode_hp`` is None (the rows do not hold them)."""
-    attrs = _codec.loads_many([row.attrs for row in rows])
+    """:func:`_trial` of many rows (all ``_trials`` columns in table order, or without
+    ``config`` and ``hp`` when ``decode_hp`` is None), their JSON decoded in bulk. The
+    columns are taken by position: a named column of a SQLAlchemy row costs a
+    microsecond, and ten of them per row were most of a 100,000-trial read."""
     if decode_hp is None:
+        common, attrs_at = operator.itemgetter(0, 1, 2, 3, 4, 5, 6, 8), 7
         loaded: list[dict[str, Any]] = [{}] * len(rows)
     else:
-        configs = _codec.loads_many([row.config for row in rows])
-        hps = decode_hp([row.hp for row in rows])
+        common, attrs_at = operator.itemgetter(0, 1, 2, 5, 6, 7, 8, 10), 9
+        configs = _codec.loads_many([row[3] for row in rows])
+        hps = decode_hp([row[4] for row in rows])
         loaded = [{"config": c, "hp": h} for c, h in zip(configs, hps)]
+    attrs_all = _attrs_many([row[attrs_at] for row in rows])
     return [
         {
-            "id": row.id,
-            "study": row.study,
-            "root_key": row.root_key,
+            "id": tid,
+            "study": study,
+            "root_key": root_key,
             **config_hp,  # in _trial's key order
-            "steps": row.steps,
-            "node": row.node,
-            "step": row.step,
-            "state": row.state,
-            "attrs": attr,
-            "created": row.created,
+            "steps": steps,
+            "node": node,
+            "step": step,
+            "state": state,
+            "attrs": attrs,
+            "created": created,
         }
-        for row, attr, config_hp in zip(rows, attrs, loaded)
+        for (tid, study, root_key, steps, node, step, state, created), attrs, config_hp in zip(
+            map(common, rows), attrs_all, loaded
+        )
     ]
+
+
+def _attrs_many(texts: list[str]) -> list[dict[str, Any]]:
+    """The trial attributes of ``texts``, each text decoded once (a study's trials carry
+    a few distinct ones: the trainer version, when the run opened them), each row its
+    own copy."""
+    unique = list(dict.fromkeys(texts))
+    decoded = dict(zip(unique, _codec.loads_many(unique)))
+    flat = {
+        text: isinstance(d, dict) and not any(isinstance(v, (dict, list)) for v in d.values())
+        for text, d in decoded.items()
+    }
+    return [dict(decoded[t]) if flat[t] else _codec.detach(decoded[t]) for t in texts]
 
 
 def _trial(row: Any, decode_hp: Callable[[str], dict[str, Sequence]] = loads_hp) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from stagetree.exceptions import PlanKeyError
-from stagetree.identity import split_trials, trial_version
+from stagetree.identity import current_version, split_trials, trial_version
 from stagetree.plan.scopes import root_scope, study_scope
 from stagetree.ranking import MODES, best_key, check_mode, finite, guess_mode
 from stagetree.records import NO_ERROR, TrialError, TrialRecord, TrialState
@@ -45,6 +45,7 @@ __all__ = [
     "TreeCurves",
     "best_record",
     "best_trial",
+    "curve_of",
     "failures",
     "final_metrics",
     "final_records",
@@ -156,6 +157,18 @@ def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple
         if last >= first:
             out.append((n.id, first, last))
     return out
+
+
+def curve_of(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
+    """Every known metric on one ``trial``'s path up to its steps, by step (what
+    :meth:`BasePlanStorage.metrics_along` gives): the metrics of its path's nodes only
+    (:meth:`BasePlanStorage.path_metrics`), where ``metrics_along`` reads its whole
+    plan tree to walk it (a study of 100,000 trials in one tree, for the best one)."""
+    if trial.get("node") is None:
+        return {}
+    if trial.get("step") != trial["steps"]:  # the row's end lags: walk its values
+        return _along(storage, trial)
+    return storage.path_metrics(int(trial["node"]), int(trial["steps"]))
 
 
 class TreeCurves:
@@ -391,20 +404,28 @@ def best_record(
         ValueError: ``mode`` is not ``"max"`` or ``"min"``.
     """
     check_mode(mode)
-    rows = _trials(storage, study, version, light=True)[0]
-    finals = final_metrics(storage, rows, study=study)
+    record = _studies(storage).get(study)
+    if record is None:
+        return None
+    meta = record.get("meta") or {}
+    if version is None:
+        version = current_version(storage.trials(study, light=True), meta)
+    default = meta.get("version")  # trial_version's rule, without a dict per row
+    ends = [e for e in storage.trial_ends(study) if e.attrs.get("version", default) == version]
     best: tuple[tuple[int, float, int], int] | None = None
-    for t in rows:  # best_trial's rule, without a record per trial
-        tid = int(t["id"])
-        key = best_key(t["steps"], finals.get(tid, {}).get(metric), mode, tid)
+    for end in ends:  # best_trial's rule, without a record per trial
+        final = end.final
+        if final is None and end.node is not None and end.step != end.steps:
+            final = _along(storage, storage.trial(end.id)).get(end.steps)  # the end lags
+        key = best_key(end.steps, None if final is None else final.get(metric), mode, end.id)
         if key is not None and (best is None or key > best[0]):
-            best = (key, tid)
+            best = (key, end.id)
     if best is None:
         return None
     row = storage.trial(best[1])
-    record = _record(row, _along(storage, row) if row.get("node") is not None else {})
-    record.lineage = study_lineage(storage, study, rows).get(record.id, [])
-    return record
+    out = _record(row, curve_of(storage, row))
+    out.lineage = study_lineage(storage, study, [{"id": e.id} for e in ends]).get(out.id, [])
+    return out
 
 
 def hidden_trials(storage: BasePlanStorage, study: str | None = None) -> int:

@@ -476,6 +476,37 @@ def test_metrics_along_the_path(plan: BasePlanStorage) -> None:
     assert plan.metrics_along("empty", decay, 20) == {}
 
 
+def test_path_metrics_are_the_curve_of_the_trial_ending_there(plan: BasePlanStorage) -> None:
+    const, decay = lr(Constant(0.1)), lr(MultiStep(0.1, [10], 0.1))
+    deeper = lr(MultiStep(0.1, [10, 15], 0.1))
+    for hp in (const, decay, deeper, lr(Constant(0.3))):
+        plan.insert_trial(R, hp, 20)
+    for hp in (const, decay, deeper):
+        for step in range(0, 21, 3):
+            node, at = plan.locate(R, hp, step) or (0, 0)
+            plan.put_metrics(node, at, {"acc": node + step / 100, "loss": math.nan})
+    for hp in (const, decay, deeper):
+        for steps in (0, 9, 12, 16, 20):
+            at = plan.locate(R, hp, steps)
+            assert at is not None
+            got = plan.path_metrics(*at)
+            want = plan.metrics_along(R, hp, steps)
+            assert list(got) == list(want) and repr(got) == repr(want)
+    assert len(plan.path_metrics(*(plan.locate(R, deeper, 20) or (0, 0)))) > 3
+
+
+def test_light_rows_own_their_attrs(plan: BasePlanStorage) -> None:
+    plan.create_study("s", {})
+    attrs = {"version": "v1", "error": {"type": "E"}}
+    ids = [plan.add_trial("s", R, {}, lr(Constant(x)), 4, None, None, attrs=attrs) for x in (1, 2)]
+    for light in (True, False):
+        rows = plan.trials("s", light=light)
+        rows[0]["attrs"]["version"] = "changed"
+        rows[0]["attrs"]["error"]["type"] = "changed"
+        assert [r["attrs"] for r in rows[1:]] == [attrs]
+        assert plan.trial(ids[0])["attrs"] == attrs
+
+
 def test_metrics_of_a_whole_tree_in_one_read(plan: BasePlanStorage) -> None:
     const, decay = lr(Constant(0.1)), lr(MultiStep(0.1, [10], 0.1))
     root = plan.insert_trial(R, const, 20).node
@@ -794,8 +825,9 @@ def test_stats_of_several_scopes_are_added_in_one_write(plan: BasePlanStorage) -
     assert plan.stats("engine") == {"device_seconds": 1.5, "steps_executed": 5.0}
 
 
-def test_final_metrics_of_a_study_are_its_rows_final_points(backend: Backend) -> None:
-    plan = backend.storage
+def _final_points_study(plan: BasePlanStorage) -> dict[str, int]:
+    """Study ``s`` (and ``t``) with trials at their final points, one with a NaN there,
+    one whose row's end lags, one outside the tree, one ending early: their ids."""
     plan.create_study("s", {})
     plan.create_study("t", {})
     a = plan.insert_trial(R, lr(Constant(0.1)), 4)
@@ -804,17 +836,43 @@ def test_final_metrics_of_a_study_are_its_rows_final_points(backend: Backend) ->
         [(a.node, s, {"m": s / 10}, True) for s in range(1, 5)]
         + [(b.node, 6, {"m": math.nan}, False)]
     )
-    done = plan.add_trial("s", R, {}, lr(Constant(0.1)), 4, a.node, 4)
-    nan = plan.add_trial("s", R, {}, lr(Constant(0.2)), 6, b.node, 6)
-    plan.add_trial("s", R, {}, lr(Constant(0.1)), 8, a.node, 4)  # its row's end lags
-    plan.add_trial("s", R, {}, lr(Constant(0.3)), 4, None, None)  # not in the tree
-    early = plan.add_trial("s", R, {}, lr(Constant(0.1)), 2, a.node, 2)
+    version = {"version": "v1"}
+    ids = {
+        "done": plan.add_trial("s", R, {}, lr(Constant(0.1)), 4, a.node, 4, attrs=version),
+        "nan": plan.add_trial("s", R, {}, lr(Constant(0.2)), 6, b.node, 6, state="done"),
+        "lags": plan.add_trial("s", R, {}, lr(Constant(0.1)), 8, a.node, 4, attrs=version),
+        "out": plan.add_trial("s", R, {}, lr(Constant(0.3)), 4, None, None),
+        "early": plan.add_trial("s", R, {}, lr(Constant(0.1)), 2, a.node, 2, attrs={"v": [1]}),
+    }
     plan.add_trial("t", R, {}, lr(Constant(0.1)), 4, a.node, 4)  # another study's
+    return ids
+
+
+def test_final_metrics_of_a_study_are_its_rows_final_points(backend: Backend) -> None:
+    plan = backend.storage
+    ids = _final_points_study(plan)
     found = plan.final_metrics("s")
-    assert sorted(found) == [done, nan, early]
-    assert found[done] == {"m": 0.4} and found[early] == {"m": 0.2}
-    assert math.isnan(found[nan]["m"])
+    assert sorted(found) == [ids["done"], ids["nan"], ids["early"]]
+    assert found[ids["done"]] == {"m": 0.4} and found[ids["early"]] == {"m": 0.2}
+    assert math.isnan(found[ids["nan"]]["m"])
     assert plan.final_metrics("nosuch") == {}
+
+
+def test_trial_ends_are_the_light_rows_with_their_final_points(backend: Backend) -> None:
+    plan = backend.storage
+    ids = _final_points_study(plan)
+    ends = plan.trial_ends("s")
+    assert [e.id for e in ends] == list(ids.values())
+    rows = plan.trials("s", light=True)
+    assert [(e.steps, e.node, e.step, dict(e.attrs)) for e in ends] == [
+        (t["steps"], t["node"], t["step"], t["attrs"]) for t in rows
+    ]
+    finals = {e.id: e.final for e in ends}
+    assert finals[ids["done"]] == {"m": 0.4} and finals[ids["early"]] == {"m": 0.2}
+    assert finals[ids["lags"]] is None and finals[ids["out"]] is None
+    assert math.isnan((finals[ids["nan"]] or {})["m"])
+    assert {k for k, v in finals.items() if v is not None} == plan.final_metrics("s").keys()
+    assert plan.trial_ends("nosuch") == []
 
 
 def test_claim_is_all_or_nothing_and_respects_other_owners(backend: Backend) -> None:

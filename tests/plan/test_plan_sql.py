@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -291,3 +292,70 @@ def test_unique_add_trial_reads_only_the_rows_added_since(tmp_path: Path) -> Non
     assert a.add_trial("s", "r", {}, hp[7], 5, None, None, unique=True) == ids[7]
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_replayed_trial_takes_no_write_transaction(tmp_path: Path, kind: str) -> None:
+    """A resumed study submits each of its trials again: registering its root, inserting
+    its existing path without a request and setting the state it has are answered by
+    reads (a write transaction per call, 100,000 of each, was most of a replay), and
+    still see what another handle wrote."""
+    if kind == "postgres" and not PG_URL:
+        pytest.skip("set STAGETREE_TEST_DB_URL to run the PostgreSQL backend")
+    url = f"sqlite:///{tmp_path}/plan.db" if kind == "sqlite" else str(PG_URL)
+    if kind == "postgres":
+        SQLPlanStorage(url).drop_all()
+    a, b = SQLPlanStorage(url), SQLPlanStorage(url)
+    a.create_study("s", {})
+    hp = {"lr": Constant(0.1)}
+    a.register_root("r", {"x": 1})
+    ins = a.insert_trial("r", hp, 5, request=False)
+    tid = a.add_trial("s", "r", {}, hp, 5, ins.node, ins.step, state="done", attrs={"v": 1})
+    writes: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE", "BEGIN I")):
+            writes.append(statement)
+
+    event.listen(a._engine, "before_cursor_execute", seen)
+    revision = a.revision()
+    a.register_root("r", {"x": 1})
+    assert a.insert_trial("r", hp, 5, request=False) == dataclasses.replace(ins, new_nodes=())
+    assert a.insert_trial("r", hp, 3, request=False).node == ins.node
+    assert a.update_trial(tid, state="done", attrs={"v": 1}) == a.trial(tid)
+    assert a.revision() == revision and writes == []
+    # what another handle changed is seen, and a change is written
+    b.update_trial(tid, state="pending")
+    assert a.update_trial(tid, state="done")["state"] == "done"
+    assert b.trial(tid)["state"] == "done"
+    other = b.insert_trial("r", {"lr": MultiStep(0.1, [2], 0.5)}, 5, request=False)
+    assert a.insert_trial("r", {"lr": MultiStep(0.1, [2], 0.5)}, 5, request=False) == (
+        dataclasses.replace(other, new_nodes=())
+    )
+    with pytest.raises(StorageError, match="another config"):
+        b.register_root("r", {"x": 2})
+    a.close()
+    b.close()
+
+
+def test_metrics_of_many_trials_are_merged_with_one_read(tmp_path: Path) -> None:
+    """A batch of curve points over many nodes (the engine writes a batch per event
+    round) reads what is stored for them in one query, not one per node, and merges
+    the points as before."""
+    plan = SQLPlanStorage(f"sqlite:///{tmp_path}/plan.db")
+    nodes = [plan.insert_trial("r", {"lr": Constant(0.01 * i)}, 9).node for i in range(1, 40)]
+    plan.put_metrics_many([(n, 3, {"a": 1.0}, True) for n in nodes])
+    reads: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "FROM stagetree_metrics" in statement:
+            reads.append(statement)
+
+    event.listen(plan._engine, "before_cursor_execute", seen)
+    plan.put_metrics_many(
+        [(n, 3, {"b": 2.0}, True) for n in nodes] + [(n, 4, {"a": 0.5}, False) for n in nodes]
+    )
+    assert len(reads) == 1
+    for n in nodes:
+        assert plan.metrics("r", [n])[n] == {3: {"a": 1.0, "b": 2.0}, 4: {"a": 0.5}}
+    plan.close()

@@ -280,6 +280,46 @@ class _NoCurves:
         return getattr(self._storage, name)
 
 
+class _NoTrees:
+    """A storage whose plan trees cannot be listed whole (a study of 100,000 trials in
+    one tree), and that counts the trials walked through their trees (``walks``: what
+    a reader of a row whose end lags must do, and nothing else)."""
+
+    def __init__(self, storage: BasePlanStorage) -> None:
+        self._storage = storage
+        self.walks = 0
+
+    def metrics_along(self, *args: Any, **kw: Any) -> Any:
+        self.walks += 1
+        return self._storage.metrics_along(*args, **kw)
+
+    def nodes(self, *args: Any, **kw: Any) -> Any:
+        raise AssertionError("read a whole tree's nodes")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_best_reads_the_ends_of_the_trials_and_the_best_ones_path(
+    tmp_path: Path, kind: str
+) -> None:
+    """``Study.best()`` of a study's version ranks the trials by one read of their ends
+    (:meth:`BasePlanStorage.trial_ends`), reads the best one's curve along its path and
+    gives what :func:`reports.best_trial` of the full records gives."""
+    url = "memory://" if kind == "memory" else _url(tmp_path)
+    with open_storage(url) as storage:
+        _curves_study(storage)
+        full = reports.trial_records(storage, "s")
+        lags = sum(t["node"] is not None and t["step"] != t["steps"] for t in storage.trials("s"))
+        for mode in ("max", "min"):
+            quick = _NoTrees(storage)
+            best = reports.best_record(quick, "s", "m", mode)  # type: ignore[arg-type]
+            assert best == reports.best_trial(full, "m", mode)
+            assert best is not None and len(best.metrics) > 1
+            assert quick.walks == lags == 1  # not the best trial's
+
+
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_best_and_final_records_read_final_metrics_by_query(tmp_path: Path, kind: str) -> None:
     """``Study.best()`` (:func:`reports.best_record`) and ``Study.trials(history=False)``
