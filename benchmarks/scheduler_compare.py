@@ -13,9 +13,11 @@ THR on ASHA and similar on grid search. Studies here
 * ASHA: the same 147 trials, reduction 4, 15 to 120 epochs;
 * with ``--large``, also ASHA on the ResNet-56 space (448 trials, p = 2.45).
 
-Policies: ``critical_path`` (the product's: the longest remaining path, whole, as one
-batch), ``critical_path_unbatched`` (its first stage only: the thesis's setting),
-``bfs``, ``thr``.
+Policies: ``critical_path`` (the product's: the longest remaining path as one batch,
+up to its first branch point once the tree's depth bounds the study; see
+``CriticalPathPolicy``), ``critical_path_unbatched`` (its first stage only: the thesis's
+setting), ``bfs``, ``thr``; the matrix adds ``critical_path_whole`` (the whole path
+always, the default before issue 25).
 
 Columns: makespan (hours), device-hours, makespan / lower bound, makespan / tree-depth
 bound (grids: ``paper_studies.depth_bound``, which sees that no step starts before the
@@ -32,8 +34,11 @@ step costs that differ 16x with the batch size, deep trees that branch every few
 two studies on one pool), each over several seeds, and prints per workload the mean
 makespan of each policy and the default's ratio to the best of BFS and THR (min, mean,
 max over the seeds; above 1 the default is slower). ``--trace WORKLOAD,WORKERS,SEED``
-prints the decisions of the default and of the best baseline side by side (when each
-worker started which stages from which model), to see where the default falls behind.
+(``,POLICY`` for another than the default) prints the decisions of the default and of
+the best baseline side by side (when each worker started which stages from which
+model), to see where the default falls behind.
+``--known-costs`` gives the scheduler every step cost exactly instead of learning them
+(what the policy does with right estimates).
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ from paper_studies import (  # noqa: E402
 from stagetree.distributions import Choice  # noqa: E402
 from stagetree.executors.simulated import SimulatedExecutor, StepCost  # noqa: E402
 from stagetree.hp import Constant, MultiStep, Piecewise  # noqa: E402
+from stagetree.plan.model import Node  # noqa: E402
+from stagetree.scheduler.cost import CostEstimator  # noqa: E402
 from stagetree.scheduler.policies import BasePolicy, make_policy  # noqa: E402
 from stagetree.space import GridSpace, RandomSpace  # noqa: E402
 from stagetree.stages import Stage, StageTree, critical_path  # noqa: E402
@@ -235,7 +242,11 @@ def deep_random_space() -> RandomSpace:
     """The deep space drawn at random (a seed gives another subset of it)."""
     return RandomSpace(
         hp={
-            "lr": MultiStep(init=0.1, milestones=Choice([list(m) for m in _DEEP_LR]), gamma=0.5),
+            "lr": MultiStep(
+                init=0.1,
+                milestones=Choice([list(m) for m in _DEEP_LR]),  # type: ignore[arg-type]
+                gamma=0.5,
+            ),
             "batch_size": Choice(list(_DEEP_BS)),
         },
         fixed={"wd": 1e-4},
@@ -285,18 +296,39 @@ MATRIX_POLICIES = ("critical_path", "critical_path_whole", "critical_path_unbatc
 BASELINES = ("bfs", "thr")
 
 
+KNOWN_COSTS = False  # --known-costs
+
+
 def _simulate(workload: str, workers: int, seed: int, policy: str) -> SimResult:
     make, _workers, options = WORKLOADS[workload]
     chosen: Any = _policy(policy)
-    return simulate(None, make(seed), workers, True, policy=chosen, **options())
+    opts = options()
+    if not KNOWN_COSTS:
+        return simulate(None, make(seed), workers, True, policy=chosen, **opts)
+    # The scheduler predicts each node's step cost exactly (the simulator's own model at
+    # the node's branch step) instead of learning it: what the policy does with right
+    # estimates.
+    step_cost = opts.get("step_cost") or StepCost()
+    learnt = CostEstimator.cost
+
+    def known(self: CostEstimator, node: Node) -> float:
+        values = {n: q(node.branch_step) if callable(q) else q for n, q in node.hp.items()}
+        return float(step_cost(self._roots.get(node.root_key, {}), values))
+
+    CostEstimator.cost = known  # type: ignore[method-assign]
+    try:
+        return simulate(None, make(seed), workers, True, policy=chosen, **opts)
+    finally:
+        CostEstimator.cost = learnt  # type: ignore[method-assign]
 
 
-Spans = dict[str, list[tuple[float, int]]]  # policy -> (makespan, steps executed) per seed
+# policy -> (makespan, what the tuner ran: steps requested, unique, executed) per seed
+Spans = dict[str, list[tuple[float, tuple[int, int, int]]]]
 
 
 def matrix(seeds: Sequence[int], only: Sequence[str] = ()) -> list[tuple[str, int, Spans]]:
-    """Makespans (virtual seconds) and executed steps per workload, worker count and
-    policy, one per seed."""
+    """Makespans (virtual seconds) and the steps the tuner ran per workload, worker count
+    and policy, one per seed."""
     rows = []
     for name, (_make, counts, _options) in WORKLOADS.items():
         if only and name not in only:
@@ -306,7 +338,8 @@ def matrix(seeds: Sequence[int], only: Sequence[str] = ()) -> list[tuple[str, in
             for seed in seeds:
                 for policy in MATRIX_POLICIES:
                     r = _simulate(name, workers, seed, policy)
-                    spans[policy].append((r.makespan, r.steps_executed))
+                    ran = (r.steps_requested, r.steps_unique, r.steps_executed)
+                    spans[policy].append((r.makespan, ran))
             rows.append((name, workers, spans))
             print(f"  {name} W={workers}: done", file=sys.stderr)
     return rows
@@ -317,10 +350,10 @@ TIE = 0.005  # makespans within 0.5 % tie (a checkpoint load, a result's arrival
 
 def matrix_table(rows: Sequence[tuple[str, int, Spans]]) -> str:
     """Mean makespan per policy; the default's ratio to the best baseline per seed; its
-    wins, ties and losses, and of the losses those where the tuner ran other steps
-    (an adaptive tuner decides from the order results arrive in)."""
+    wins, ties and losses, and of the losses those where the tuner ran other trials or
+    steps (an adaptive tuner decides from the order results arrive in)."""
     headers = ["workload", "W", "seeds", *MATRIX_POLICIES, "cp / best(bfs,thr) min",
-               "mean", "max", "cp wins/ties/losses", "losses, other steps run"]  # fmt: skip
+               "mean", "max", "cp wins/ties/losses", "losses, tuner ran other steps"]  # fmt: skip
     body = []
     for name, workers, spans in rows:
         n = len(spans["critical_path"])
@@ -336,7 +369,7 @@ def matrix_table(rows: Sequence[tuple[str, int, Spans]]) -> str:
         body.append(
             [name, workers, n]
             + [round(sum(m for m, _ in spans[p]) / n, 1) for p in MATRIX_POLICIES]
-            + [round(min(ratios), 3), round(sum(ratios) / n, 3), round(max(ratios), 3)]
+            + [f"{min(ratios):.3f}", f"{sum(ratios) / n:.3f}", f"{max(ratios):.3f}"]
             + [f"{wins}/{n - wins - losses}/{losses}", other]
         )
     return format_table(headers, body)
@@ -366,14 +399,16 @@ def decisions(workload: str, workers: int, seed: int, policy: str) -> tuple[SimR
 
 
 def trace(spec: str) -> str:
-    """``WORKLOAD,WORKERS,SEED`` (the workload by a prefix of its name): the default's
-    decisions beside those of the best baseline."""
-    prefix, workers, seed = spec.rsplit(",", 2)
+    """``WORKLOAD,WORKERS,SEED[,POLICY]`` (the workload by a prefix of its name): the
+    decisions of ``POLICY`` (default: the default policy) beside those of the best
+    baseline."""
+    prefix, workers, seed, *rest = spec.split(",")
+    chosen = rest[0] if rest else "critical_path"
     name = next(n for n in WORKLOADS if n.startswith(prefix))
-    runs = {p: decisions(name, int(workers), int(seed), p) for p in ("critical_path", *BASELINES)}
+    runs = {p: decisions(name, int(workers), int(seed), p) for p in (chosen, *BASELINES)}
     best = min(BASELINES, key=lambda p: runs[p][0].makespan)
     lines = [f"{name}, W={workers}, seed {seed}"]
-    for policy in ("critical_path", best):
+    for policy in (chosen, best):
         r, log = runs[policy]
         lines += [
             f"\n{policy}: makespan {r.makespan:.2f} s, {len(log)} batches, "
@@ -391,8 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matrix", action="store_true", help="where the policy matters")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per workload (--matrix)")
     parser.add_argument("--only", action="append", default=[], help="workload (--matrix)")
-    parser.add_argument("--trace", help="WORKLOAD,WORKERS,SEED: the decisions, side by side")
+    parser.add_argument(
+        "--trace", help="WORKLOAD,WORKERS,SEED[,POLICY]: the decisions, side by side"
+    )
+    parser.add_argument(
+        "--known-costs", action="store_true", help="the scheduler knows every step cost"
+    )
     args = parser.parse_args(argv)
+    global KNOWN_COSTS
+    KNOWN_COSTS = args.known_costs
     if args.trace:
         print(trace(args.trace))
         return 0
