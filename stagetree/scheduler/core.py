@@ -1251,6 +1251,7 @@ class Scheduler:
         return batch if batch is not None else self._saving[batch_id]
 
     def _schedule(self, out: list[Instruction | Notice]) -> None:
+        self.policy.workers = len(self._workers)
         while True:
             tree = self._tree()
             self._split(tree, out)

@@ -36,9 +36,13 @@ class BasePolicy(ABC):
     When several studies have ready work, ``tree`` and ``roots`` are a view of one
     study's part of the tree (the stages its requests need; see
     :class:`~stagetree.scheduler.Scheduler`); the scheduler maps the chain back.
+
+    ``workers``: the number of workers the scheduler knows, set by it before its
+    decisions (None outside a scheduler); a policy may read it and must not set it.
     """
 
     name: str = ""
+    workers: int | None = None
 
     @abstractmethod
     def choose(self, tree: StageTree, roots: Sequence[Stage]) -> list[Stage]:
@@ -48,17 +52,65 @@ class BasePolicy(ABC):
         return f"{type(self).__name__}()"
 
 
+# The remaining work is bound by the tree's depth rather than by the workers (see
+# CriticalPathPolicy) once the longest remaining path times the workers exceeds this
+# share of the remaining work.
+_DEPTH_BOUND_SHARE = 0.5
+
+
 class CriticalPathPolicy(BasePolicy):
-    """Hippo's policy: the longest remaining root-to-leaf path by estimated cost, whole.
+    """Hippo's policy: the longest remaining root-to-leaf path by estimated cost, whole
+    while the study is bound by its work, up to its first branch point once it is bound
+    by the tree's depth.
 
     Consecutive stages on one worker need no checkpoint load, and starting the longest
-    chain first shortens the end-to-end time of the study.
+    chain first shortens the end-to-end time of the study. With few workers for the
+    work left (the longest remaining path times the workers is below half the remaining
+    work), the whole path is one batch: the workers are busy anyway, and every stage
+    that stays on its worker saves a checkpoint load. With many (deep trees, the end of
+    a study), the path stops at its first branch point and the worker chooses again
+    there: a worker committed to a long path through several branch points can no
+    longer take a branch that became critical elsewhere, and such a branch then waits
+    for a worker to finish its whole path (measured in ``benchmarks/scheduler_compare.py
+    --matrix``; the worker usually goes on from the model it holds, without a load).
     """
 
     name = "critical_path"
 
     def choose(self, tree: StageTree, roots: Sequence[Stage]) -> list[Stage]:
-        return critical_path(tree, roots)
+        path = critical_path(tree, roots)
+        workers = self.workers
+        branch = next((i for i, s in enumerate(path[:-1]) if len(s.children) > 1), None)
+        # One worker gains nothing from choosing again: no other takes what it leaves.
+        if branch is None or workers is None or workers < 2:
+            return path
+        longest, other, work = self._paths(tree, path[0])
+        if longest * workers <= _DEPTH_BOUND_SHARE * work:
+            return path  # bound by the work: keep the model on the worker
+        # Stop at the first branch point after which another root's path is longer than
+        # what is left of this one: that root may still wait for a worker by then.
+        left = sum(s.cost for s in path)
+        for i, stage in enumerate(path[:-1]):
+            left -= stage.cost
+            if len(stage.children) > 1 and left < other:
+                return path[: i + 1]
+        return path
+
+    @staticmethod
+    def _paths(tree: StageTree, root: Stage) -> tuple[float, float, float]:
+        """The longest remaining path of ``tree`` (ready and waiting work), the longest
+        from another root than ``root``, and the remaining work."""
+        below: dict[int, float] = {}  # the longest path from each stage down
+        work = longest = other = 0.0
+        for stage in reversed(tree.stages):  # children before parents
+            length = stage.cost + max((below[id(c)] for c in stage.children), default=0.0)
+            below[id(stage)] = length
+            work += stage.cost
+            if stage.parent is None:
+                longest = max(longest, length)
+                if stage is not root:
+                    other = max(other, length)
+        return longest, other, work
 
 
 class BFSPolicy(BasePolicy):
