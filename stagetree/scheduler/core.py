@@ -337,7 +337,8 @@ class Scheduler:
         self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
         # Starts of ready roots whose model an idle worker holds (see _held_first).
         self._held_starts: set[Key] = set()
-        self._held_count = 0  # how many ready roots _held_first moved to the front
+        # Ready roots that start at a model an idle worker holds (see _held_first).
+        self._held_roots: list[Stage] = []
         self._failures: dict[Key, int] = {}
         self._store_failures: Counter[Key] = Counter()  # see _MAX_STORE_FAILURES
         self._next_batch = 1
@@ -1059,10 +1060,11 @@ class Scheduler:
         the study with the lowest fair-share standing that has ready work."""
         if len(self._held) <= 1 and type(self.policy) is CriticalPathPolicy:
             # The same path, from the kept tree's values instead of a walk of every root.
-            path = self._forest.critical_path(tree, ready, self._held_count)
+            path = self._forest.critical_path(tree, ready, self._held_roots)
             if path is not None:
                 return path
         self._forest.ensure_costs()
+        ready = self._ordered(ready)
         if len(self._held) <= 1:
             return self.policy.choose(tree, ready)
         # Studies whose live requests lie in each stage or below it.
@@ -1218,15 +1220,20 @@ class Scheduler:
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
     def _held_first(self, ready: list[Stage]) -> list[Stage]:
+        """Notes the roots of ``ready`` that an idle worker holds the model of, and those
+        starts for :meth:`_pick_worker`; returns ``ready`` as it is (a policy gets it
+        through :meth:`_ordered`)."""
+        held = {k for w in self._idle if (k := self._worker_at.get(w)) is not None}
+        self._held_starts, self._held_roots = self._forest.held_starts(held)
+        return ready
+
+    def _ordered(self, ready: list[Stage]) -> list[Stage]:
         """``ready`` with the roots an idle worker holds the model of first (in their
         order), so that a policy's tie goes to work that continues a model in memory
-        without a load; notes those starts for :meth:`_pick_worker`."""
-        held = {k for w in self._idle if (k := self._worker_at.get(w)) is not None}
-        self._held_count = 0
-        self._held_starts, first = self._forest.held_starts(held)
+        without a load."""
+        first = self._held_roots
         if not first:
             return ready
-        self._held_count = len(first)
         moved = {id(r) for r in first}
         return first + [r for r in ready if id(r) not in moved]
 
@@ -1265,6 +1272,7 @@ class Scheduler:
         if self.max_fused <= 1 or fusible is None:
             return [path]
         self._forest.ensure_costs()
+        ready = self._ordered(ready)
         group = [self._cut(path)]
         origin = root.origin
         assert origin is not None

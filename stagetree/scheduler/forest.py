@@ -19,9 +19,10 @@ where they are read. :meth:`StageForest.critical_path` finds the critical-path p
 choice without a walk of every root: the ready roots' steps and nodes are kept in flat
 arrays, a leaf's value comes from the estimator's predictions as an array
 (:meth:`~stagetree.scheduler.cost.CostEstimator.cost_array`), and the value of a root
-with children is kept per plan tree until its costs change. The result equals a whole build over every input: the same
-stages, roots, covered requests, order and costs (``tests/stages/test_forest.py``
-checks it against :func:`~stagetree.stages.build_stage_tree`).
+with children is kept per plan tree until its costs change. The result equals a whole
+build over every input: the same stages, roots, covered requests, order and costs
+(``tests/stages/test_forest.py`` checks it against
+:func:`~stagetree.stages.build_stage_tree`).
 """
 
 from __future__ import annotations
@@ -416,11 +417,13 @@ class StageForest:
             got = part.values[id(root)] = best[id(root)]
         return got
 
-    def critical_path(self, tree: StageTree, ready: list[Stage], held: int) -> list[Stage] | None:
-        """``critical_path(tree, ready)`` without walking every root: ``ready`` is the
-        last :meth:`tree`'s ready roots, the first ``held`` of them moved to the front
-        (in root order each). Leaves' values come from the estimator as arrays, those
-        of roots with children from the kept parts. None: not possible here (no
+    def critical_path(
+        self, tree: StageTree, ready: list[Stage], first: list[Stage]
+    ) -> list[Stage] | None:
+        """``critical_path(tree, first + rest)`` without walking every root: ``ready``
+        is the last :meth:`tree`'s ready roots, ``first`` some of them (in root order)
+        and ``rest`` the others. Leaves' values come from the estimator as arrays,
+        those of roots with children from the kept parts. None: not possible here (no
         estimator with dense indices, or ``version`` is None).
         """
         if self._estimator is None or self._estimator.version is None:
@@ -430,6 +433,7 @@ class StageForest:
         r = self._ready
         if len(ready) != len(r.stages):
             return None
+        held = len(first)
         steps = r.numpy(r.steps)
         per_step = self._estimator.cost_array(r.numpy(r.dense))
         cost = steps * per_step + 0.0
@@ -438,7 +442,7 @@ class StageForest:
         chosen: Stage | None = None
         top: tuple[float, int] | None = None
         if held:
-            at = [r.index(root) for root in ready[:held]]
+            at = [r.index(root) for root in first]
             for i in at:
                 v = (float(cost[i]), int(steps[i]))
                 if top is None or v > top:

@@ -209,7 +209,7 @@ def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(seed: int) -> Non
         _, first = forest.held_starts(held)
         assert first == [r for r in from_ckpt if (r.origin.node, r.origin.step) in held]
         order = first + [r for r in ready if r not in first]
-        path = forest.critical_path(got, order, len(first))
+        path = forest.critical_path(got, ready, first)
         assert path is not None
         spans = {(s.node, s.start, s.stop): s for s in want.roots}
         want_order = [spans[(r.node, r.start, r.stop)] for r in order]
