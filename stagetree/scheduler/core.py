@@ -1372,7 +1372,8 @@ class Scheduler:
             checkpoint |= {
                 (n, t) for n, a, b in segments for t in range(a + 1, b) if t % every == 0
             }
-        checkpoint -= self._checkpoints.keys()
+        # Not ``-= keys()``: that walks every durable checkpoint of the study per batch.
+        checkpoint = {k for k in checkpoint if k not in self._checkpoints}
         # None from a fresh model, or from one in memory (see _tree): the worker has it.
         start_ref = None if start is None else self._checkpoints.get(start)
         last = path[-1]
