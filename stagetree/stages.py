@@ -59,6 +59,7 @@ __all__ = [
     "critical_path",
     "kwise_merge_rate",
     "merge_rate",
+    "path_values",
     "render_tree",
     "summarize",
     "total_steps",
@@ -509,6 +510,25 @@ def _build(
     return StageTree(ordered, roots, covered, nodes)
 
 
+def path_values(roots: Iterable[Stage]) -> dict[int, tuple[float, int]]:
+    """The best (cost, steps) of a path from each stage with children down to a leaf,
+    by ``id`` of the stage, over the subtrees of ``roots`` (a leaf's is its own: cost
+    and steps, not listed). What :func:`critical_path` compares."""
+    # Children first; most roots of a large study are leaves: no walk, no entry.
+    order: list[Stage] = []
+    stack = [r for r in roots if r.children]
+    while stack:
+        stage = stack.pop()
+        order.append(stage)
+        stack.extend(c for c in stage.children if c.children)
+    best: dict[int, tuple[float, int]] = {}
+    get = best.get
+    for stage in reversed(order):
+        below = max([get(id(c)) or (c.cost + 0.0, c.stop - c.start) for c in stage.children])
+        best[id(stage)] = (stage.cost + below[0], stage.stop - stage.start + below[1])
+    return best
+
+
 def critical_path(stage_tree: StageTree, roots: Iterable[Stage] | None = None) -> list[Stage]:
     """The longest remaining root-to-leaf path by estimated cost.
 
@@ -523,32 +543,16 @@ def critical_path(stage_tree: StageTree, roots: Iterable[Stage] | None = None) -
     roots = list(stage_tree.roots if roots is None else roots)
     if not roots:
         return []
-    # Best (cost, steps) below each stage with children, children first; a leaf's is
-    # its own (most roots of a large study are leaves: no walk, no entry).
-    order: list[Stage] = []
-    stack = [r for r in roots if r.children]
-    while stack:
-        stage = stack.pop()
-        order.append(stage)
-        stack.extend(c for c in stage.children if c.children)
-    best: dict[int, tuple[float, int]] = {}
+    best = path_values(roots)
+    get = best.get
 
-    def value(stage: Stage) -> tuple[float, int]:
-        got = best.get(id(stage))
-        return got if got is not None else (stage.cost + 0.0, stage.stop - stage.start)
-
-    for stage in reversed(order):
-        below = max(map(value, stage.children))
-        best[id(stage)] = (stage.cost + below[0], stage.stop - stage.start + below[1])
+    def values(stages: list[Stage]) -> list[tuple[float, int]]:
+        return [get(id(s)) or (s.cost + 0.0, s.stop - s.start) for s in stages]
 
     def pick(candidates: list[Stage]) -> Stage:
-        chosen = candidates[0]
-        top = value(chosen)
-        for c in candidates[1:]:
-            v = value(c)
-            if v > top:
-                chosen, top = c, v
-        return chosen
+        # The first of the greatest (``max`` keeps the first on a tie, as ``>`` does).
+        vals = values(candidates)
+        return candidates[max(range(len(vals)), key=vals.__getitem__)]
 
     path = [pick(roots)]
     while path[-1].children:

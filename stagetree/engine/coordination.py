@@ -156,10 +156,10 @@ class Coordinator:
     def claim(self, batch: RunBatch) -> list[Any]:
         """Lease the segments of ``batch``. Returns [] when granted (run it); otherwise
         the scheduler events that undo the batch and park its requests."""
-        live = self.engine.scheduler.live_requests
+        scheduler = self.engine.scheduler
         known = {}
         for key in batch.evaluate_at:  # another engine may have answered them meanwhile
-            metrics = self.storage.get_metrics(*key) if key in live else None
+            metrics = self.storage.get_metrics(*key) if scheduler.is_live(key) else None
             if metrics is not None and self.storage.checkpoint(*key) is not None:
                 known[key] = metrics
         if known:
@@ -184,6 +184,7 @@ class Coordinator:
             return []
         events: list[Any] = []
         claims = self.engine.scheduler.live_claims
+        live = self.engine.scheduler.live_requests
         for key in batch.evaluate_at:
             if live.get(key, 0):
                 parked = self._parked.setdefault(key, {})

@@ -101,7 +101,7 @@ from stagetree.scheduler.events import (
     StudyWeight,
 )
 from stagetree.scheduler.forest import StageForest
-from stagetree.scheduler.policies import BasePolicy, make_policy
+from stagetree.scheduler.policies import BasePolicy, CriticalPathPolicy, make_policy
 from stagetree.stages import (
     CHECKPOINT,
     FRESH,
@@ -353,6 +353,8 @@ class Scheduler:
         self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
         # Starts of ready roots whose model an idle worker holds (see _held_first).
         self._held_starts: set[Key] = set()
+        # Ready roots that start at a model an idle worker holds (see _held_first).
+        self._held_roots: list[Stage] = []
         self._failures: dict[Key, int] = {}
         self._store_failures: Counter[Key] = Counter()  # see _MAX_STORE_FAILURES
         self._next_batch = 1
@@ -433,6 +435,10 @@ class Scheduler:
     def live_requests(self) -> dict[Key, int]:
         """Unsettled requests and their reference counts."""
         return dict(self._requests)
+
+    def is_live(self, key: Key) -> bool:
+        """Whether request ``key`` is unsettled (:attr:`live_requests` without the copy)."""
+        return key in self._requests
 
     @property
     def live_claims(self) -> dict[Key, dict[str, int]]:
@@ -1149,6 +1155,13 @@ class Scheduler:
     def _choose(self, tree: StageTree, ready: list[Stage]) -> list[Stage]:
         """The next chain for an idle worker: the policy's choice among the stages of
         the study with the lowest fair-share standing that has ready work."""
+        if len(self._held) <= 1 and type(self.policy) is CriticalPathPolicy:
+            # The same path, from the kept tree's values instead of a walk of every root.
+            path = self._forest.critical_path(tree, ready, self._held_roots)
+            if path is not None:
+                return path
+        self._forest.ensure_costs()
+        ready = self._ordered(ready)
         if len(self._held) <= 1:
             return self.policy.choose(tree, ready)
         # Studies whose live requests lie in each stage or below it.
@@ -1223,7 +1236,9 @@ class Scheduler:
             out.update(batch.parked)
         return out
 
-    def _tree(self) -> StageTree:
+    def _tree(self, lazy: bool = False) -> StageTree:
+        """The stage tree now (``lazy``: stage costs left for
+        :meth:`StageForest.ensure_costs`)."""
         promised = self._promised()
         running = []
         for b in self._active():
@@ -1242,8 +1257,17 @@ class Scheduler:
         # A plain CostEstimator says when its predictions may have moved; costs from
         # any other estimator are computed again at every decision.
         estimator = self.estimator
-        version = estimator.version if type(estimator) is CostEstimator else None
-        return self._forest.tree(running, promised, self._memory.keys(), estimator.cost, version)
+        plain = type(estimator) is CostEstimator
+        return self._forest.tree(
+            running,
+            promised,
+            self._memory.keys(),
+            estimator.cost,
+            estimator.version if plain else None,
+            estimator.costs if plain else None,
+            estimator=estimator if plain else None,
+            lazy=lazy,
+        )
 
     def _any_batch(self, batch_id: int) -> _Batch:
         """A running or saving batch."""
@@ -1253,7 +1277,7 @@ class Scheduler:
     def _schedule(self, out: list[Instruction | Notice]) -> None:
         self.policy.workers = len(self._workers)
         while True:
-            tree = self._tree()
+            tree = self._tree(lazy=True)
             self._split(tree, out)
             ready = self._held_first(tree.ready_roots())
             if self._need and ready:
@@ -1324,21 +1348,22 @@ class Scheduler:
         return holder is None or self.worker_devices(holder) >= need
 
     def _held_first(self, ready: list[Stage]) -> list[Stage]:
+        """Notes the roots of ``ready`` that an idle worker holds the model of, and those
+        starts for :meth:`_pick_worker`; returns ``ready`` as it is (a policy gets it
+        through :meth:`_ordered`)."""
+        held = {k for w in self._idle if (k := self._worker_at.get(w)) is not None}
+        self._held_starts, self._held_roots = self._forest.held_starts(held)
+        return ready
+
+    def _ordered(self, ready: list[Stage]) -> list[Stage]:
         """``ready`` with the roots an idle worker holds the model of first (in their
         order), so that a policy's tie goes to work that continues a model in memory
-        without a load; notes those starts for :meth:`_pick_worker`."""
-        held = {self._worker_at.get(w) for w in self._idle} - {None}
-        self._held_starts = {
-            (r.origin.node, r.origin.step)
-            for r in ready
-            if r.origin is not None
-            and r.origin.kind == CHECKPOINT
-            and (r.origin.node, r.origin.step) in held
-        }
-        if not self._held_starts:
+        without a load."""
+        first = self._held_roots
+        if not first:
             return ready
-        first = [r for r in ready if r.origin is not None and self._starts_at_held(r)]
-        return first + [r for r in ready if not (r.origin is not None and self._starts_at_held(r))]
+        moved = {id(r) for r in first}
+        return first + [r for r in ready if id(r) not in moved]
 
     def _starts_at_held(self, root: Stage) -> bool:
         origin = root.origin
@@ -1380,6 +1405,8 @@ class Scheduler:
         fusible = self._fusible.get(root_key)
         if self.max_fused <= 1 or fusible is None:
             return [path]
+        self._forest.ensure_costs()
+        ready = self._ordered(ready)
         group = [self._cut(path)]
         origin = root.origin
         assert origin is not None
@@ -1481,7 +1508,8 @@ class Scheduler:
             checkpoint |= {
                 (n, t) for n, a, b in segments for t in range(a + 1, b) if t % every == 0
             }
-        checkpoint -= self._checkpoints.keys()
+        # Not ``-= keys()``: that walks every durable checkpoint of the study per batch.
+        checkpoint = {k for k in checkpoint if k not in self._checkpoints}
         # None from a fresh model, or from one in memory (see _tree): the worker has it.
         start_ref = None if start is None else self._checkpoints.get(start)
         last = path[-1]

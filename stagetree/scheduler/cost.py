@@ -55,6 +55,22 @@ class _Model:
     mean: float
 
 
+def _grown(array: np.ndarray, fill: Any) -> np.ndarray:
+    """``array`` twice as long, the new half ``fill``."""
+    out = np.full(2 * len(array), fill, dtype=array.dtype)
+    out[: len(array)] = array
+    return out
+
+
+def _bounded(value: np.ndarray, model: _Model) -> np.ndarray:
+    """Predictions as :meth:`CostEstimator.cost` bounds each (array version)."""
+    bad = ~np.isfinite(value) | (value <= 0)
+    if bad.any():
+        value = np.where(bad, model.mean, value)
+    # Extrapolation far outside what was seen is not trustworthy.
+    return np.minimum(np.maximum(value, model.lo / 10), model.hi * 10)
+
+
 class CostEstimator:
     """Learns seconds per step per configuration; ``cost(node)`` predicts it.
 
@@ -67,6 +83,24 @@ class CostEstimator:
         self._roots: dict[str, dict[str, Any]] = {}
         # configuration key -> [sum of seconds per step, count, numeric features]
         self._measured: dict[Any, tuple[float, int, dict[str, float]]] = {}
+        # The same, as columns for the fit (a row per key, in ``_measured``'s order):
+        # kept as measurements come, so that a fit is array work, not a walk in Python.
+        self._row: dict[Any, int] = {}
+        self._totals: list[float] = []
+        self._counts: list[int] = []
+        self._columns: dict[str, list[float]] = {}  # NaN: the row lacks the feature
+        # Nodes by a dense index, for predicting many at once (:meth:`cost_array`): their
+        # features as arrays (NaN: missing) and the row of their measured configuration
+        # (-1: none); kept up to date as configurations are measured and roots change.
+        self._dense: dict[int, int] = {}
+        self._dense_nodes: list[Node] = []
+        self._dense_keys: list[Any] = []
+        self._by_key: dict[Any, list[int]] = {}
+        self._by_root: dict[str, list[int]] = {}
+        self._feature_arrays: dict[str, np.ndarray] = {}
+        self._measured_row = np.full(16, -1, dtype=np.int64)
+        self._totals_array = np.zeros(16)
+        self._counts_array = np.zeros(16)
         self._keys: dict[int, tuple[Any, dict[str, float]]] = {}
         self._cache: dict[int, float] = {}
         self._model: _Model | None = None
@@ -83,6 +117,9 @@ class CostEstimator:
         self._keys.clear()  # configurations include the root config
         self._cache.clear()
         self.version += 1
+        for i in self._by_root.get(root_key, ()):
+            self._by_key[self._dense_keys[i]].remove(i)
+            self._place(i)
 
     def configuration(self, node: Node) -> dict[str, Any]:
         """The node's configuration: ``config.<name>`` and ``hp.<name>`` values."""
@@ -118,6 +155,24 @@ class CostEstimator:
         key, features = self._key(node)
         total, count, _ = self._measured.get(key, (0.0, 0, features))
         self._measured[key] = (total + sps, count + 1, features)
+        row = self._row.get(key)
+        if row is None:
+            row = self._row[key] = len(self._totals)
+            self._totals.append(0.0)
+            self._counts.append(0)
+            for name in features.keys() - self._columns.keys():
+                self._columns[name] = [math.nan] * row
+            for name, column in self._columns.items():
+                column.append(features.get(name, math.nan))
+            if row >= len(self._totals_array):
+                self._totals_array = _grown(self._totals_array, 0.0)
+                self._counts_array = _grown(self._counts_array, 0.0)
+            for i in self._by_key.get(key, ()):
+                self._measured_row[i] = row
+        self._totals[row] = total + sps
+        self._counts[row] = count + 1
+        self._totals_array[row] = total + sps
+        self._counts_array[row] = count + 1
         self._cache.clear()
         self._fitted = False
         self.version += 1
@@ -156,17 +211,30 @@ class CostEstimator:
         return len(self._measured)
 
     def _fit(self) -> None:
+        """The least-squares model over the measured configurations.
+
+        Array work over the kept columns; the result is, to the bit, that of the plain
+        computation over ``_measured``'s rows (means per row, each feature's mean over
+        the rows that have it as the fill, the features that vary once filled), so the
+        predictions, and the decisions made on them, do not depend on how it is done.
+        """
         self._fitted = True
-        rows = [(total / count, feats) for total, count, feats in self._measured.values()]
-        means = [y for y, _ in rows]
+        means_a = np.array(self._totals) / np.array(self._counts)
+        means = means_a.tolist()
         mean = sum(means) / len(means)
-        names = sorted({k for _, f in rows for k in f})
-        fill = {k: float(np.mean([f[k] for _, f in rows if k in f])) for k in names}
-        varying = [k for k in names if len({f.get(k, fill[k]) for _, f in rows}) > 1]
+        names = sorted(self._columns)
+        fill: dict[str, float] = {}
+        filled: dict[str, np.ndarray] = {}
+        for k in names:
+            column = np.array(self._columns[k])
+            missing = np.isnan(column)
+            fill[k] = float(np.mean(column[~missing] if missing.any() else column))
+            filled[k] = np.where(missing, fill[k], column)
+        varying = [k for k in names if bool((filled[k] != filled[k][0]).any())]
         coef = [mean]
-        if len(rows) >= 2 and varying:
-            x = np.array([[1.0] + [f.get(k, fill[k]) for k in varying] for _, f in rows])
-            solution, *_ = np.linalg.lstsq(x, np.array(means), rcond=None)
+        if len(means) >= 2 and varying:
+            x = np.column_stack([np.ones(len(means))] + [filled[k] for k in varying])
+            solution, *_ = np.linalg.lstsq(x, means_a, rcond=None)
             coef = [float(c) for c in solution]
         else:
             varying = []
@@ -197,3 +265,100 @@ class CostEstimator:
             value = min(max(value, model.lo / 10), model.hi * 10)
         self._cache[node.id] = value
         return value
+
+    def index(self, node: Node) -> int:
+        """The node's dense index for :meth:`cost_array` (given on first sight)."""
+        i = self._dense.get(node.id)
+        if i is None:
+            i = self._dense[node.id] = len(self._dense_nodes)
+            self._dense_nodes.append(node)
+            self._dense_keys.append(None)
+            self._by_root.setdefault(node.root_key, []).append(i)
+            if i >= len(self._measured_row):
+                self._measured_row = _grown(self._measured_row, -1)
+                for name, array in self._feature_arrays.items():
+                    self._feature_arrays[name] = _grown(array, math.nan)
+            self._place(i)
+        return i
+
+    def _place(self, i: int) -> None:
+        """Key, features and measured row of dense node ``i`` from its configuration."""
+        key, features = self._key(self._dense_nodes[i])
+        self._dense_keys[i] = key
+        self._by_key.setdefault(key, []).append(i)
+        for name in features.keys() - self._feature_arrays.keys():
+            self._feature_arrays[name] = np.full(len(self._measured_row), math.nan)
+        for name, array in self._feature_arrays.items():
+            array[i] = features.get(name, math.nan)
+        self._measured_row[i] = self._row.get(key, -1)
+
+    def cost_array(self, dense: np.ndarray) -> np.ndarray:
+        """``cost`` of the nodes at these dense indices (:meth:`index`), as an array of
+        the same floats."""
+        if not self._measured:
+            return np.full(len(dense), self.default)
+        rows = self._measured_row[dense]
+        measured = rows >= 0
+        if measured.all():
+            return self._totals_array[rows] / self._counts_array[rows]
+        if not self._fitted:
+            self._fit()
+        model = self._model
+        assert model is not None
+        guess = ~measured
+        at = dense[guess]
+        value = np.full(len(at), model.coef[0])
+        for k, c in zip(model.names, model.coef[1:]):
+            column = self._feature_arrays[k][at]
+            value = value + c * np.where(np.isnan(column), model.fill[k], column)
+        value = _bounded(value, model)
+        if not measured.any():
+            return value
+        out = np.empty(len(dense))
+        out[guess] = value
+        got = rows[measured]
+        out[measured] = self._totals_array[got] / self._counts_array[got]
+        return out
+
+    def costs(self, nodes: list[Node]) -> list[float]:
+        """``[cost(n) for n in nodes]``, the same floats, with the predictions of
+        unmeasured configurations computed as arrays (what keeps the scheduler's cost
+        refresh cheap over thousands of pending nodes after each measurement).
+        """
+        if not self._measured:
+            return [self.default] * len(nodes)
+        cache = self._cache
+        out: list[float] = []
+        todo: list[int] = []  # positions in ``out`` still to predict
+        rows: list[list[float]] = []
+        model: _Model | None = None
+        for node in nodes:
+            hit = cache.get(node.id)
+            if hit is None:
+                key, features = self._key(node)
+                measured = self._measured.get(key)
+                if measured is not None:
+                    hit = cache[node.id] = measured[0] / measured[1]
+                else:
+                    if model is None:
+                        if not self._fitted:
+                            self._fit()
+                        model = self._model
+                        assert model is not None
+                    todo.append(len(out))
+                    rows.append([features.get(k, model.fill[k]) for k in model.names])
+                    hit = 0.0
+            out.append(hit)
+        if not todo:
+            return out
+        assert model is not None
+        # The steps of ``cost``, element by element (each operation rounds as there).
+        value = np.full(len(todo), model.coef[0])
+        if model.names:
+            x = np.array(rows)
+            for i, c in enumerate(model.coef[1:]):
+                value = value + c * x[:, i]
+        value = _bounded(value, model)
+        for i, v in zip(todo, value.tolist()):
+            out[i] = cache[nodes[i].id] = v
+        return out

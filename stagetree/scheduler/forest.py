@@ -14,20 +14,38 @@ again only the plan trees whose inputs changed since the last decision:
 
 The roots of all plan trees stay sorted in one list (the order a whole build gives
 them), and the stages' costs are computed again only when the cost estimator's
-predictions may have moved. The result equals a whole build over every input: the same
-stages, roots, covered requests, order and costs (``tests/stages/test_forest.py``
-checks it against :func:`~stagetree.stages.build_stage_tree`).
+predictions may have moved, and then (:meth:`StageForest.tree` with ``lazy``) only
+where they are read. :meth:`StageForest.critical_path` finds the critical-path policy's
+choice without a walk of every root: the ready roots' steps and nodes are kept in flat
+arrays, a leaf's value comes from the estimator's predictions as an array
+(:meth:`~stagetree.scheduler.cost.CostEstimator.cost_array`), and the value of a root
+with children is kept per plan tree until its costs change. The result equals a whole
+build over every input: the same stages, roots, covered requests, order and costs
+(``tests/stages/test_forest.py`` checks it against
+:func:`~stagetree.stages.build_stage_tree`).
 """
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from stagetree.plan.model import Node
-from stagetree.stages import Covered, RunningPosition, Stage, StageTree, build_stage_tree
+from stagetree.stages import (
+    CHECKPOINT,
+    Covered,
+    RunningPosition,
+    Stage,
+    StageTree,
+    build_stage_tree,
+    critical_path,
+    path_values,
+)
 
 __all__ = ["StageForest"]
 
@@ -49,17 +67,78 @@ class _Sorted:
         self.keys: list[_Order] = []
         self.stages: list[Stage] = []
 
-    def add(self, stage: Stage) -> None:
+    def add(self, stage: Stage) -> int:
         key = _order(stage)
         i = bisect_left(self.keys, key)
         self.keys.insert(i, key)
         self.stages.insert(i, stage)
+        return i
 
-    def remove(self, stage: Stage) -> None:
+    def remove(self, stage: Stage) -> int:
         i = bisect_left(self.keys, _order(stage))
         assert self.stages[i] is stage
         del self.keys[i]
         del self.stages[i]
+        return i
+
+    def index(self, stage: Stage) -> int:
+        i = bisect_left(self.keys, _order(stage))
+        assert self.stages[i] is stage
+        return i
+
+
+class _Ready(_Sorted):
+    """Ready roots in root order, with what the critical path of a leaf needs kept in
+    flat arrays (cheap to insert into, read as numpy arrays): its node's dense index in
+    the cost estimator, its steps, and whether it has children."""
+
+    __slots__ = ("deep", "dense", "origins", "steps")
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Roots that start from a durable checkpoint, by its key.
+        self.origins: dict[Key, list[Stage]] = {}
+        self.dense = array("q")
+        self.steps = array("q")
+        self.deep = array("b")
+
+    def put(self, stage: Stage, dense: int) -> None:
+        i = self.add(stage)
+        origin = stage.origin
+        if origin is not None and origin.kind == CHECKPOINT:
+            self.origins.setdefault((origin.node, origin.step), []).append(stage)
+        self.dense.insert(i, dense)
+        self.steps.insert(i, stage.stop - stage.start)
+        self.deep.insert(i, 1 if stage.children else 0)
+
+    def take(self, stage: Stage) -> None:
+        i = self.remove(stage)
+        origin = stage.origin
+        if origin is not None and origin.kind == CHECKPOINT:
+            key = (origin.node, origin.step)
+            same = self.origins[key]
+            same.remove(stage)
+            if not same:
+                del self.origins[key]
+        del self.dense[i]
+        del self.steps[i]
+        del self.deep[i]
+
+    @staticmethod
+    def numpy(values: array[int]) -> np.ndarray:
+        """A copy of ``values`` as a numpy array (no view is left to block a resize)."""
+        return np.frombuffer(values, dtype=np.int64 if values.typecode == "q" else np.int8).copy()
+
+
+class Estimator(Protocol):
+    """What the kept critical path needs of a cost estimator
+    (:class:`~stagetree.scheduler.cost.CostEstimator`)."""
+
+    version: Any
+
+    def index(self, node: Node) -> int: ...
+
+    def cost_array(self, dense: np.ndarray) -> np.ndarray: ...
 
 
 @dataclass
@@ -71,6 +150,8 @@ class _Part:
     version: Any
     # Stages by plan node, for computing costs again.
     by_node: dict[int, list[Stage]] = field(default_factory=dict)
+    # Best (cost, steps) below each root with children, at ``version``'s costs.
+    values: dict[int, tuple[float, int]] = field(default_factory=dict)
 
 
 class StageForest:
@@ -98,8 +179,12 @@ class StageForest:
         self._covered: dict[str, list[Covered]] = {}
         self._volatile: dict[str, Any] = {}  # last signature of keys with running work
         self._all = _Sorted()
-        self._ready = _Sorted()
+        self._ready = _Ready()
         self._waiting = _Sorted()
+        # Costs not computed yet (a lazy :meth:`tree`): the arguments to compute them.
+        self._pending: tuple[Callable[[Node], float], Any, Any] | None = None
+        # The estimator whose dense indices ``_ready`` holds (None: no indices).
+        self._estimator: Estimator | None = None
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -142,11 +227,20 @@ class StageForest:
         memory: Iterable[Key],
         cost: Callable[[Node], float],
         version: Any,
+        costs: Callable[[list[Node]], list[float]] | None = None,
+        *,
+        estimator: Estimator | None = None,
+        lazy: bool = False,
     ) -> StageTree:
         """The stage tree of every live request not in ``promised``, from the durable
         checkpoints, the models in ``memory`` (counted as durable) and the ``running``
         positions; stage costs from ``cost``, whose predictions stay what they are
-        while ``version`` does (None: they may change at any call).
+        while ``version`` does (None: they may change at any call). ``costs``, when
+        given, is ``cost`` over a list of nodes at once (the same floats).
+
+        ``estimator``: the estimator behind ``cost`` and ``version``, for
+        :meth:`critical_path`. ``lazy``: leave the stages' costs as they are until
+        :meth:`ensure_costs` (or :meth:`critical_path`, for the path it returns).
 
         Raises:
             ValueError: a checkpoint on a node that is not among the plan nodes.
@@ -186,13 +280,19 @@ class StageForest:
             if self._volatile.get(k) != signatures.get(k):
                 dirty.add(k)
         self._volatile = signatures
+        if estimator is not self._estimator:
+            self._reindex(estimator)
         for root_key in dirty:
             running_k, promised_k, memory_k = volatile.get(root_key, ((), set(), set()))
             self._rebuild(root_key, running_k, promised_k, memory_k, cost, version)
         dirty.clear()
+        self._pending = None
         if version is None or version != self._version:
-            self._recost(cost, version)
-            self._version = version
+            if lazy:
+                self._pending = (cost, version, costs)
+            else:
+                self._recost(cost, version, costs)
+                self._version = version
         covered = [c for cs in self._covered.values() for c in cs]
         if len(self._covered) > 1:
             covered.sort(key=lambda c: self._seq[(c.node, c.step)])
@@ -218,9 +318,10 @@ class StageForest:
         if old is not None:
             for root in old.roots:
                 self._all.remove(root)
-                (self._ready if root.origin is None or root.origin.ready else self._waiting).remove(
-                    root
-                )
+                if root.origin is None or root.origin.ready:
+                    self._ready.take(root)
+                else:
+                    self._waiting.remove(root)
         self._covered.pop(root_key, None)
         requests = [k for k in self._requests.get(root_key, ()) if k not in promised]
         if not requests:
@@ -237,17 +338,126 @@ class StageForest:
             self._covered[root_key] = built.covered
         for root in built.roots:
             self._all.add(root)
-            (self._ready if root.origin is None or root.origin.ready else self._waiting).add(root)
+            if root.origin is None or root.origin.ready:
+                self._ready.put(root, self._dense(root))
+            else:
+                self._waiting.add(root)
 
-    def _recost(self, cost: Callable[[Node], float], version: Any) -> None:
-        """Costs of every stage from the estimator's current predictions (as a build
-        computes them: steps times the node's cost per step)."""
+    def held_starts(self, held: Iterable[Key]) -> tuple[set[Key], list[Stage]]:
+        """Of the models ``held`` (by idle workers), those some ready root starts from
+        as a durable checkpoint; and those roots, in root order."""
+        origins = self._ready.origins
+        starts = {k for k in held if k in origins}
+        roots = [r for k in starts for r in origins[k]]
+        roots.sort(key=self._ready.index)
+        return starts, roots
+
+    def _dense(self, root: Stage) -> int:
+        estimator = self._estimator
+        return -1 if estimator is None else estimator.index(self._nodes[root.node])
+
+    def _reindex(self, estimator: Estimator | None) -> None:
+        """Dense indices of the ready roots in ``estimator`` (another one than before)."""
+        self._estimator = estimator
+        self._ready.dense = array("q", [self._dense(r) for r in self._ready.stages])
+
+    def _recost(
+        self,
+        cost: Callable[[Node], float],
+        version: Any,
+        costs: Callable[[list[Node]], list[float]] | None = None,
+        parts: Iterable[_Part] | None = None,
+    ) -> None:
+        """Costs of every stage (of ``parts``: default all) from the estimator's current
+        predictions (as a build computes them: steps times the node's cost per step)."""
         nodes = self._nodes
-        for part in self._parts.values():
-            if version is not None and part.version == version:
-                continue
+        stale = [
+            part
+            for part in (self._parts.values() if parts is None else parts)
+            if version is None or part.version != version
+        ]
+        if costs is None:
+            costs = lambda ns: [float(cost(n)) for n in ns]  # noqa: E731
+        groups = [stages for part in stale for stages in part.by_node.values()]
+        per_step = costs([nodes[stages[0].node] for stages in groups])
+        for stages, c in zip(groups, per_step):
+            c = float(c)
+            for stage in stages:
+                stage.cost = (stage.stop - stage.start) * c
+        for part in stale:
             part.version = version
-            for node, stages in part.by_node.items():
-                c = float(cost(nodes[node]))
-                for stage in stages:
-                    stage.cost = (stage.stop - stage.start) * c
+            part.values.clear()
+
+    def ensure_costs(self) -> None:
+        """Compute the costs a lazy :meth:`tree` left as they were."""
+        if self._pending is not None:
+            cost, version, costs = self._pending
+            self._recost(cost, version, costs)
+            self._version = version
+            self._pending = None
+
+    def _part_of(self, root: Stage) -> _Part:
+        return self._parts[self._root_key(root.node)]
+
+    def _costed(self, part: _Part) -> None:
+        """``part``'s costs current (after a lazy :meth:`tree`)."""
+        if self._pending is not None:
+            cost, version, costs = self._pending
+            self._recost(cost, version, costs, [part])
+
+    def _deep_value(self, root: Stage) -> tuple[float, int]:
+        """Best (cost, steps) from ``root`` (with children) down, as
+        :func:`~stagetree.stages.critical_path` computes it; kept per part until its
+        costs change."""
+        part = self._part_of(root)
+        self._costed(part)
+        got = part.values.get(id(root))
+        if got is None:
+            best = path_values([root])
+            got = part.values[id(root)] = best[id(root)]
+        return got
+
+    def critical_path(
+        self, tree: StageTree, ready: list[Stage], first: list[Stage]
+    ) -> list[Stage] | None:
+        """``critical_path(tree, first + rest)`` without walking every root: ``ready``
+        is the last :meth:`tree`'s ready roots, ``first`` some of them (in root order)
+        and ``rest`` the others. Leaves' values come from the estimator as arrays,
+        those of roots with children from the kept parts. None: not possible here (no
+        estimator with dense indices, or ``version`` is None).
+        """
+        if self._estimator is None or self._estimator.version is None:
+            return None
+        if not ready:
+            return []
+        r = self._ready
+        if len(ready) != len(r.stages):
+            return None
+        held = len(first)
+        steps = r.numpy(r.steps)
+        per_step = self._estimator.cost_array(r.numpy(r.dense))
+        cost = steps * per_step + 0.0
+        for i in np.flatnonzero(r.numpy(r.deep)).tolist():
+            cost[i], steps[i] = self._deep_value(r.stages[i])
+        chosen: Stage | None = None
+        top: tuple[float, int] | None = None
+        if held:
+            at = [r.index(root) for root in first]
+            for i in at:
+                v = (float(cost[i]), int(steps[i]))
+                if top is None or v > top:
+                    chosen, top = r.stages[i], v
+            cost[at] = -np.inf
+        if held < len(ready):
+            m = cost.max()
+            tied = np.flatnonzero(cost == m)
+            if len(tied) > 1:
+                s = steps[tied]
+                tied = tied[s == s.max()]
+            i = int(tied[0])
+            v = (float(cost[i]), int(steps[i]))
+            if top is None or v > top:
+                chosen = r.stages[i]
+        assert chosen is not None
+        self._costed(self._part_of(chosen))
+        return critical_path(tree, [chosen])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import insort
 from typing import Any
 
 from stagetree.exceptions import TunerError
@@ -86,6 +87,16 @@ class MedianStopping(Tuner):
         self.stopped: list[tuple[int, int]] = []
         self._history: dict[int, dict[int, float]] = {}
         self._completed: set[int] = set()  # trials trained to ``steps``, not stopped
+        self._reset_samples()
+
+    def _reset_samples(self) -> None:
+        # compare="completed": completed trials in the order they completed, and per
+        # checked step the sorted running averages of the first ``n`` of them (their
+        # histories no longer change), so a check costs a bisect, not a scan of all.
+        self._done_order: list[int] = []
+        self._known: set[int] = set()
+        self._known_of: set[int] | None = None  # the ``_completed`` set they come from
+        self._samples: dict[int, tuple[int, list[float]]] = {}
 
     @property
     def horizon(self) -> int:
@@ -106,20 +117,70 @@ class MedianStopping(Tuner):
     def _rank_value(self, raw: Any) -> float:
         return signed_value(raw, self.mode)
 
+    def _complete(self, tid: int) -> None:
+        """Trial ``tid`` trained to ``steps`` without being stopped."""
+        self._completed.add(tid)
+        self._sync()
+
+    def _sync(self) -> None:
+        """``_done_order`` up to date with ``_completed`` (which may also be set as a
+        whole)."""
+        completed = self._completed
+        if completed is self._known_of and len(completed) == len(self._known):
+            return
+        if not self._known <= completed:
+            self._reset_samples()
+        self._known_of = completed
+        for tid in sorted(completed - self._known):
+            self._known.add(tid)
+            self._done_order.append(tid)
+
+    @staticmethod
+    def _average(hist: dict[int, float], step: int) -> float | None:
+        """Running average of a history at ``step`` (finite values only; None: none)."""
+        vals = [v for s, v in hist.items() if s <= step and v > -math.inf]
+        return sum(vals) / len(vals) if vals else None
+
+    def _completed_averages(self, tid: int, step: int) -> list[float]:
+        """Sorted running averages at ``step`` of the completed trials other than
+        ``tid`` that reached it (what the scan over every trial gives, sorted)."""
+        self._sync()
+        n, averages = self._samples.get(step, (0, []))
+        for other in self._done_order[n:]:
+            hist = self._history.get(other)
+            if hist and max(hist) >= step:
+                avg = self._average(hist, step)
+                if avg is not None:
+                    insort(averages, avg)
+        self._samples[step] = (len(self._done_order), averages)
+        if tid in self._completed:  # not the case in a run: a completed trial stops
+            hist = self._history.get(tid)
+            avg = None if not hist or max(hist) < step else self._average(hist, step)
+            if avg is not None:
+                averages = list(averages)
+                averages.remove(avg)
+        return averages
+
     def should_stop(self, tid: int, step: int) -> bool:
         """The median rule for trial ``tid`` after ``step`` steps (see the class doc)."""
         own = [v for s, v in self._history.get(tid, {}).items() if s <= step]
         best = max(own, default=-math.inf)
-        averages: list[float] = []
-        completed_only = self.compare == "completed"
+        if self.compare == "completed":
+            averages = self._completed_averages(tid, step)
+            if len(averages) < self.min_samples:
+                return False
+            # The median of sorted data, as ``statistics.median`` takes it.
+            n = len(averages)
+            i = n // 2
+            median = averages[i] if n % 2 else (averages[i - 1] + averages[i]) / 2
+            return best < median
+        averages = []
         for other, hist in self._history.items():
             if other == tid or not hist or max(hist) < step:
                 continue
-            if completed_only and other not in self._completed:
-                continue
-            vals = [v for s, v in hist.items() if s <= step and v > -math.inf]
-            if vals:
-                averages.append(sum(vals) / len(vals))
+            avg = self._average(hist, step)
+            if avg is not None:
+                averages.append(avg)
         if len(averages) < self.min_samples:
             return False
         return best < statistics.median(averages)
@@ -132,6 +193,7 @@ class MedianStopping(Tuner):
         self.stopped = []
         self._history = {}
         self._completed = set()
+        self._reset_samples()
         in_flight: set[Job] = set()
         while True:
             while len(in_flight) < self._workers(ctx) and len(self.trials) < len(specs):
@@ -150,7 +212,7 @@ class MedianStopping(Tuner):
                 continue
             self._merge(tid, job)
             if job.steps >= self.steps:
-                self._completed.add(tid)
+                self._complete(tid)
                 continue
             if job.steps >= self.grace_steps and self.should_stop(tid, job.steps):
                 self.stopped.append((tid, job.steps))

@@ -83,3 +83,49 @@ def test_predictions_stay_positive_and_bounded() -> None:
     est2.observe(node(1, bs=1), 1.0)
     est2.observe(node(2, bs=2), 2.0)
     assert est2.cost(node(3, bs=1000)) == pytest.approx(20.0)
+
+
+def _reference_fit(est: CostEstimator) -> tuple[list[str], list[float], dict[str, float]]:
+    """The fit as a plain walk over the measured rows (what the kept columns replace)."""
+    import numpy as np
+
+    rows = [(total / count, feats) for total, count, feats in est._measured.values()]
+    means = [y for y, _ in rows]
+    names = sorted({k for _, f in rows for k in f})
+    fill = {k: float(np.mean([f[k] for _, f in rows if k in f])) for k in names}
+    varying = [k for k in names if len({f.get(k, fill[k]) for _, f in rows}) > 1]
+    coef = [sum(means) / len(means)]
+    if len(rows) >= 2 and varying:
+        x = np.array([[1.0] + [f.get(k, fill[k]) for k in varying] for _, f in rows])
+        solution, *_ = np.linalg.lstsq(x, np.array(means), rcond=None)
+        coef = [float(c) for c in solution]
+    else:
+        varying = []
+    return varying, coef, fill
+
+
+def test_fit_and_bulk_costs_equal_the_plain_computation_to_the_bit() -> None:
+    import random
+
+    rng = random.Random(7)
+    est = CostEstimator()
+    nodes = []
+    for i in range(400):
+        hp: dict[str, object] = {"lr": rng.choice([0.1, 0.01, 0.3]) * rng.random()}
+        if i % 3:
+            hp["bs"] = rng.choice([64, 128, 256])
+        if i % 7 == 0:
+            hp["depth"] = rng.randint(1, 9)
+        nodes.append(node(i, **hp))
+    for round_ in range(60):
+        for _ in range(rng.randint(1, 4)):
+            n = rng.choice(nodes[: 40 + 5 * round_])
+            bs = n.hp["bs"](0) if "bs" in n.hp else 100  # type: ignore[operator]
+            est.observe(n, 0.001 * bs * (1 + 0.1 * rng.random()))
+        one_by_one = [CostEstimator.cost(est, n) for n in nodes]
+        est._cache.clear()
+        assert est.costs(nodes) == one_by_one  # exact, not approximate
+        est._fitted = False
+        est._fit()
+        assert est._model is not None
+        assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)

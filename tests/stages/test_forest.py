@@ -13,7 +13,7 @@ from stagetree.plan import MemoryPlanStorage
 from stagetree.plan.model import Node
 from stagetree.scheduler.cost import CostEstimator
 from stagetree.scheduler.forest import StageForest
-from stagetree.stages import RunningPosition, StageTree, build_stage_tree
+from stagetree.stages import RunningPosition, StageTree, build_stage_tree, critical_path
 
 Key = tuple[int, int]
 
@@ -80,6 +80,37 @@ def snapshot(tree: StageTree) -> dict[str, Any]:
     }
 
 
+def change(
+    rng: random.Random,
+    forest: StageForest,
+    keys: list[Key],
+    requests: dict[Key, None],
+    checkpoints: set[Key],
+    op: float,
+    cuts: tuple[float, float, float],
+) -> bool:
+    """A request added (``op`` below ``cuts[0]``) or settled (below ``cuts[1]``), or a
+    checkpoint added (below ``cuts[2]``), in the forest and the plain inputs alike.
+    False: ``op`` is above them all."""
+    if op < cuts[0]:
+        key = rng.choice(keys)
+        if key not in requests:
+            requests[key] = None
+            forest.add_request(key)
+    elif op < cuts[1] and requests:
+        key = rng.choice(list(requests))
+        del requests[key]
+        forest.remove_request(key)
+    elif op < cuts[2]:
+        key = rng.choice(keys)
+        if key not in checkpoints:
+            checkpoints.add(key)
+            forest.add_checkpoint(key)
+    else:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
     nodes, keys = plan(seed)
@@ -91,20 +122,8 @@ def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
     node_list = list(nodes.values())
     for _ in range(150):
         op = rng.random()
-        if op < 0.35:
-            key = rng.choice(keys)
-            if key not in requests:
-                requests[key] = None
-                forest.add_request(key)
-        elif op < 0.5 and requests:
-            key = rng.choice(list(requests))
-            del requests[key]
-            forest.remove_request(key)
-        elif op < 0.62:
-            key = rng.choice(keys)
-            if key not in checkpoints:
-                checkpoints.add(key)
-                forest.add_checkpoint(key)
+        if change(rng, forest, keys, requests, checkpoints, op, (0.35, 0.5, 0.62)):
+            pass
         elif op < 0.7 and checkpoints:
             key = rng.choice(sorted(checkpoints))
             checkpoints.discard(key)
@@ -147,3 +166,55 @@ def test_forest_refuses_what_a_whole_build_refuses() -> None:
     forest.add_checkpoint((10_000, 3))
     with pytest.raises(ValueError, match="not among the plan nodes"):
         forest.tree([], set(), (), lambda n: 1.0, None)
+
+
+def _spans(path: list[Any]) -> list[tuple[int, int, int]]:
+    return [(s.node, s.start, s.stop) for s in path]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(seed: int) -> None:
+    # The scheduler's critical path from the kept tree (leaf costs as arrays from the
+    # estimator, values of deeper roots kept per plan tree, costs computed only where
+    # read) is the path critical_path finds on a whole build, held-first order included.
+    nodes, keys = plan(seed)
+    rng = random.Random(100 + seed)
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    requests: dict[Key, None] = {}
+    checkpoints: set[Key] = set()
+    node_list = list(nodes.values())
+    for _ in range(150):
+        op = rng.random()
+        if change(rng, forest, keys, requests, checkpoints, op, (0.4, 0.55, 0.7)):
+            pass
+        elif op < 0.9:  # the costs move (a fit over the configurations' features)
+            estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
+        else:  # a root's config changes the configuration of its nodes
+            estimator.register_root(rng.choice("abcd"), {"depth": rng.randint(1, 4)})
+        got = forest.tree(
+            [],
+            set(),
+            (),
+            estimator.cost,
+            estimator.version,
+            estimator.costs,
+            estimator=estimator,
+            lazy=rng.random() < 0.7,
+        )
+        want = build_stage_tree(nodes, list(requests), checkpoints, [], estimator.cost)
+        ready = got.ready_roots()
+        from_ckpt = [r for r in ready if r.origin is not None and r.origin.kind == "checkpoint"]
+        held = {(r.origin.node, r.origin.step) for r in from_ckpt if rng.random() < 0.4}
+        _, first = forest.held_starts(held)
+        assert first == [r for r in from_ckpt if (r.origin.node, r.origin.step) in held]
+        order = first + [r for r in ready if r not in first]
+        path = forest.critical_path(got, ready, first)
+        assert path is not None
+        spans = {(s.node, s.start, s.stop): s for s in want.roots}
+        want_order = [spans[(r.node, r.start, r.stop)] for r in order]
+        assert _spans(path) == _spans(critical_path(want, want_order))
+        # The chosen path's costs are current even in a lazy tree.
+        assert [s.cost for s in path] == [s.cost for s in critical_path(want, want_order)]
+        forest.ensure_costs()
+        assert snapshot(got) == snapshot(want)

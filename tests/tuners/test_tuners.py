@@ -609,3 +609,33 @@ def test_early_stop_custom_schedule_on_a_grid() -> None:
     kept = {x_of(tuner.trials[t]) for t in tuner.rung_trials[0][1]}
     assert kept == {0.5, 0.7, 0.9}
     assert best is not None and x_of(best) == 0.7 and best.steps == 8
+
+
+def test_median_stopping_takes_each_completed_trials_average_once_per_step() -> None:
+    # The rule over completed trials keeps their running averages sorted per step (their
+    # histories no longer change): a check neither scans every trial nor re-averages.
+    import random
+    import statistics
+
+    rng = random.Random(3)
+    tuner = MedianStopping(SPACE, "acc", steps=8, num_trials=400, min_samples=3)
+    averaged: list[int] = []
+    plain = MedianStopping._average
+    tuner._average = lambda hist, step: (averaged.append(1), plain(hist, step))[1]  # type: ignore[method-assign]
+
+    def scan(tid: int, step: int) -> bool:  # the rule as a scan of every trial
+        best = max((v for s, v in tuner._history[tid].items() if s <= step), default=-1e9)
+        averages = []
+        for other in tuner._completed - {tid}:
+            vals = [v for s, v in tuner._history[other].items() if s <= step]
+            averages.append(sum(vals) / len(vals))
+        return len(averages) >= 3 and best < statistics.median(averages)
+
+    for tid in range(300):
+        tuner._history[tid] = {s: rng.random() for s in (2, 4, 6, 8)}
+        tuner._complete(tid)
+        probe = 1000 + tid
+        tuner._history[probe] = {s: rng.random() for s in (2, 4)}
+        before = len(averaged)
+        assert tuner.should_stop(probe, 4) == scan(probe, 4)
+        assert len(averaged) - before <= 1  # only the trial completed since the last check
