@@ -1158,7 +1158,9 @@ class Scheduler:
         if len(self._held) <= 1 and type(self.policy) is CriticalPathPolicy:
             # The same path, from the kept tree's values instead of a walk of every root.
             path = self._forest.critical_path(tree, ready, self._held_roots)
-            if path is not None:
+            # A path through a branch point may be cut there (CriticalPathPolicy reads
+            # the whole tree's work for that): the policy decides it on costed stages.
+            if path is not None and not self.policy.may_cut(path):
                 return path
         self._forest.ensure_costs()
         ready = self._ordered(ready)

@@ -77,14 +77,21 @@ class CriticalPathPolicy(BasePolicy):
 
     name = "critical_path"
 
+    def may_cut(self, path: Sequence[Stage]) -> bool:
+        """Whether :meth:`choose` may stop ``path`` (the longest path) short of its end:
+        it passes a branch point and more than one worker could take what it leaves."""
+        workers = self.workers
+        # One worker gains nothing from choosing again: no other takes what it leaves.
+        if workers is None or workers < 2:
+            return False
+        return any(len(s.children) > 1 for s in path[:-1])
+
     def choose(self, tree: StageTree, roots: Sequence[Stage]) -> list[Stage]:
         path = critical_path(tree, roots)
-        workers = self.workers
-        branch = next((i for i, s in enumerate(path[:-1]) if len(s.children) > 1), None)
-        # One worker gains nothing from choosing again: no other takes what it leaves.
-        if branch is None or workers is None or workers < 2:
+        if not self.may_cut(path):
             return path
         longest, other, work = self._paths(tree, path[0])
+        workers = self.workers or 1
         if longest * workers <= _DEPTH_BOUND_SHARE * work:
             return path  # bound by the work: keep the model on the worker
         # Stop at the first branch point after which another root's path is longer than
