@@ -59,40 +59,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+ROOT = Path(__file__).resolve().parent.parent
+# The trainer's base class and the proxy are the tests' (worker processes that import
+# this file by its path run this line too).
+sys.path.insert(0, str(ROOT / "tests" / "fakes"))
 
-from stagetree import Study, Trainer
-from stagetree.exceptions import StudyBusyError
-from stagetree.hp import Piecewise
-from stagetree.space import GridSpace
-from stagetree.tuners import GridSearch
+from study_trainers import LinearTrainer  # noqa: E402
+
+from stagetree import Study  # noqa: E402
+from stagetree.exceptions import StudyBusyError  # noqa: E402
+from stagetree.hp import Piecewise  # noqa: E402
+from stagetree.space import GridSpace  # noqa: E402
+from stagetree.tuners import GridSearch  # noqa: E402
 
 STEPS = 48
 LOG_ENV = "STAGETREE_CHAOS_LOG"
 SLEEP_ENV = "STAGETREE_CHAOS_STEP_SECONDS"
 
 
-class ChaosTrainer(Trainer):
-    """SGD on a generated linear regression; ``lr`` is its sequence. Every ``train()``
-    call appends ``<path>:<step>`` to the file ``$STAGETREE_CHAOS_LOG`` (an atomic
-    append), where ``<path>`` identifies the sequence values trained so far: steps that
-    trials share have one key, and a step trained twice appears twice."""
+class ChaosTrainer(LinearTrainer):
+    """The tests' ``LinearTrainer`` (SGD on a generated linear regression; ``lr`` is its
+    sequence), reporting only ``loss``. Every ``train()`` call appends
+    ``<path>:<step>`` to the file ``$STAGETREE_CHAOS_LOG`` (an atomic append), where
+    ``<path>`` identifies the sequence values trained so far: steps that trials share
+    have one key, and a step trained twice appears twice."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)
-        rng = np.random.default_rng(int(config.get("seed", 0)))
-        self.x = rng.normal(size=(64, 4))
-        self.y = self.x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.1 * rng.normal(size=64)
-        self.w = np.zeros(4)
-        self.lr = 0.01
-        self.t = 0
         self.path = 0  # a hash of the lr values trained so far
 
-    def setup(self, hp: Mapping[str, Any]) -> None:
-        if "lr" in hp:
-            self.lr = float(hp["lr"])
-
-    def train(self) -> None:
+    def train(self) -> dict[str, float]:
         seconds = float(os.environ.get(SLEEP_ENV, "0") or 0)
         if seconds:
             time.sleep(seconds)
@@ -104,20 +100,16 @@ class ChaosTrainer(Trainer):
                 os.write(fd, f"{self.path}:{self.t}\n".encode())
             finally:
                 os.close(fd)
-        grad = 2 * self.x.T @ (self.x @ self.w - self.y) / len(self.y)
-        self.w = self.w - self.lr * grad
-        self.t += 1
+        return super().train()
 
     def evaluate(self) -> dict[str, float]:
-        return {"loss": float(np.mean((self.x @ self.w - self.y) ** 2))}
+        return {"loss": super().evaluate()["loss"]}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"w": self.w.copy(), "t": self.t, "lr": self.lr, "path": self.path}
+        return {**super().state_dict(), "path": self.path}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.w = np.array(state["w"], dtype=float)
-        self.t = int(state["t"])
-        self.lr = float(state["lr"])
+        super().load_state_dict(state)
         self.path = int(state["path"])
 
 
@@ -147,7 +139,6 @@ def weights_lost(study: Study) -> int:
 
 # --------------------------------------------------------------------------- private services
 
-ROOT = Path(__file__).resolve().parent.parent
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "chaos",
     "AWS_SECRET_ACCESS_KEY": "chaos",
@@ -215,7 +206,6 @@ class PrivateS3:
     :meth:`outage` takes down (``tests/fakes/tcp_proxy.py``)."""
 
     def __init__(self) -> None:
-        sys.path.insert(0, str(ROOT / "tests" / "fakes"))
         import boto3
         from moto.server import ThreadedMotoServer
         from tcp_proxy import TCPProxy

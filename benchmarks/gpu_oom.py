@@ -32,7 +32,6 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -54,10 +53,13 @@ STEPS = 8
 try:  # the device part needs torch; the simulated one does not
     import torch
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "fakes"))
+    from fused_oom import WidthFused
+
     from stagetree.torch.examples import DigitsTrainer
 except ImportError:  # pragma: no cover
     torch = None
-    DigitsTrainer = object  # type: ignore[assignment,misc]
+    DigitsTrainer = WidthFused = object  # type: ignore[assignment,misc]
 
 
 def _device() -> str:
@@ -93,22 +95,14 @@ class Device:
             )
 
 
-class WideFused(DigitsTrainer):  # type: ignore[misc,valid-type]
+class WideFused(WidthFused):  # type: ignore[misc,valid-type]
     """Each member of a fused step allocates ``per_member`` bytes on the device."""
 
     per_member: ClassVar[int] = 0
-    widths: ClassVar[list[int]] = []
 
     @classmethod
-    def fuse(cls, members: Sequence[Any]) -> Any:
-        cls.widths.append(len(members))
-        return super().fuse(members)
-
-    def loss(self, batch: Any) -> Any:
-        weight = next(self.model.parameters())
-        if torch._C._functorch.is_batchedtensor(weight):
-            Device.allocate(type(self).widths[-1] * type(self).per_member)
-        return super().loss(batch)
+    def allocate_fused(cls, width: int) -> None:
+        Device.allocate(width * cls.per_member)
 
 
 class TooLarge(DigitsTrainer):  # type: ignore[misc,valid-type]

@@ -35,8 +35,8 @@ two studies on one pool), each over several seeds, and prints per workload the m
 makespan of each policy and the default's ratio to the best of BFS and THR (min, mean,
 max over the seeds; above 1 the default is slower). ``--trace WORKLOAD,WORKERS,SEED``
 (``,POLICY`` for another than the default) prints the decisions of the default and of
-the best baseline side by side (when each worker started which stages from which
-model), to see where the default falls behind.
+the best baseline side by side (when each worker started and ended which stages from
+which model, and each worker's idle stretches), to see where the default falls behind.
 ``--known-costs`` gives the scheduler every step cost exactly instead of learning them
 (what the policy does with right estimates).
 """
@@ -75,7 +75,7 @@ from stagetree.space import GridSpace, RandomSpace  # noqa: E402
 from stagetree.stages import Stage, StageTree, critical_path  # noqa: E402
 from stagetree.tools.simulate import SimResult, format_table, simulate  # noqa: E402
 from stagetree.tuners import ASHA, GridSearch, Hyperband, RandomSearch, Tuner  # noqa: E402
-from stagetree.work import RunBatch  # noqa: E402
+from stagetree.work import BatchDone, BatchFailed, RunBatch  # noqa: E402
 
 
 class UnbatchedCriticalPath(BasePolicy):
@@ -376,32 +376,62 @@ def matrix_table(rows: Sequence[tuple[str, int, Spans]]) -> str:
 
 
 def decisions(workload: str, workers: int, seed: int, policy: str) -> tuple[SimResult, list[str]]:
-    """The result and every batch the policy started: virtual time, worker, the model it
-    started from (node, step; "-" fresh) and its segments (node: start-stop)."""
-    log: list[str] = []
-    submit = SimulatedExecutor.submit
+    """The result and every batch the policy started: virtual time it started and ended,
+    worker, the model it started from (node, step; "-" fresh) and its segments (node:
+    start-stop); then each worker's idle stretches of at least ``IDLE_GAP`` seconds
+    (before its first batch, between batches, after its last until the makespan)."""
+    started: list[tuple[float, RunBatch]] = []
+    ended: dict[int, float] = {}  # batch id -> virtual time of its BatchDone/BatchFailed
+    submit, events = SimulatedExecutor.submit, SimulatedExecutor.events
 
     def recording(self: SimulatedExecutor, instruction: Any) -> None:
         if isinstance(instruction, RunBatch):
-            start = instruction.start_at
-            segments = " ".join(f"{s.node}:{s.start}-{s.stop}" for s in instruction.segments)
-            log.append(
-                f"{self.now:8.2f} w{instruction.worker} from {start if start else '-'} {segments}"
-            )
+            started.append((self.now, instruction))
         submit(self, instruction)
 
+    def ends(self: SimulatedExecutor, timeout: float | None = None) -> list[Any]:
+        out = events(self, timeout)
+        for event in out:
+            if isinstance(event, (BatchDone, BatchFailed)):
+                ended[event.batch_id] = self.now
+        return out
+
     SimulatedExecutor.submit = recording  # type: ignore[method-assign]
+    SimulatedExecutor.events = ends  # type: ignore[method-assign]
     try:
         result = _simulate(workload, workers, seed, policy)
     finally:
         SimulatedExecutor.submit = submit  # type: ignore[method-assign]
+        SimulatedExecutor.events = events  # type: ignore[method-assign]
+    log = []
+    free = dict.fromkeys(range(workers), 0.0)  # worker -> when its last batch ended
+    gaps: dict[int, list[str]] = {w: [] for w in range(workers)}
+    for now, batch in started:
+        start = batch.start_at
+        end = ended.get(batch.batch_id, result.makespan)
+        segments = " ".join(f"{s.node}:{s.start}-{s.stop}" for s in batch.segments)
+        log.append(
+            f"{now:8.2f}-{end:6.2f} w{batch.worker} from {start if start else '-'} {segments}"
+        )
+        if now - free[batch.worker] >= IDLE_GAP:
+            gaps[batch.worker].append(f"{free[batch.worker]:.2f}-{now:.2f}")
+        free[batch.worker] = end
+    for w, end in free.items():
+        if result.makespan - end >= IDLE_GAP:
+            gaps[w].append(f"{end:.2f}-{result.makespan:.2f}")
+    idle = workers * result.makespan - result.device_hours * 3600 / result.devices_per_worker
+    log.append(f"idle: {idle:.2f} worker-seconds; stretches of {IDLE_GAP} s or more:")
+    log += [f"  w{w}: {' '.join(g)}" for w, g in gaps.items() if g]
     return result, log
+
+
+IDLE_GAP = 0.5  # seconds: idle stretches the trace lists
 
 
 def trace(spec: str) -> str:
     """``WORKLOAD,WORKERS,SEED[,POLICY]`` (the workload by a prefix of its name): the
     decisions of ``POLICY`` (default: the default policy) beside those of the best
-    baseline."""
+    baseline, and where each left workers idle."""
     prefix, workers, seed, *rest = spec.split(",")
     chosen = rest[0] if rest else "critical_path"
     name = next(n for n in WORKLOADS if n.startswith(prefix))
@@ -411,8 +441,9 @@ def trace(spec: str) -> str:
     for policy in (chosen, best):
         r, log = runs[policy]
         lines += [
-            f"\n{policy}: makespan {r.makespan:.2f} s, {len(log)} batches, "
-            f"{r.steps_executed} steps executed",
+            f"\n{policy}: makespan {r.makespan:.2f} s, {int(r.stats['batches'])} "
+            f"batches, {r.steps_executed} steps executed, {int(r.stats['ckpt_loads'])} "
+            "checkpoint loads",
             *log,
         ]
     return "\n".join(lines)

@@ -25,31 +25,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stagetree import Study, Trainer
-from stagetree.hp import Constant
-from stagetree.space import GridSpace
-from stagetree.tuners import GridSearch
+FAKES = Path(__file__).resolve().parent.parent / "tests" / "fakes"
+sys.path.insert(0, str(FAKES))
+
+from failing_trainers import Counter  # noqa: E402  (tests/fakes)
+
+from stagetree import Study  # noqa: E402
+from stagetree.hp import Constant  # noqa: E402
+from stagetree.space import GridSpace  # noqa: E402
+from stagetree.tuners import GridSearch  # noqa: E402
 
 LOG_ENV = "STAGETREE_STOP_LOG"
 
 
-class StepTrainer(Trainer):
-    """20 ms steps; appends ``lr:step`` to ``$STAGETREE_STOP_LOG`` at every ``train()``;
-    never returns from ``train()`` at step ``config["hang_at"]`` when it is set."""
-
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__(config)
-        self.w = 0.0
-        self.t = 0
-        self.lr = 0.0
-
-    def setup(self, hp: Mapping[str, Any]) -> None:
-        if "lr" in hp:
-            self.lr = float(hp["lr"])
+class StepTrainer(Counter):
+    """The tests' ``Counter`` with 20 ms steps; appends ``lr:step`` to
+    ``$STAGETREE_STOP_LOG`` at every ``train()``; never returns from ``train()`` at step
+    ``config["hang_at"]`` when it is set."""
 
     def train(self) -> None:
         if self.config.get("hang_at") == self.t:
@@ -57,17 +52,7 @@ class StepTrainer(Trainer):
         time.sleep(0.02)
         with open(os.environ[LOG_ENV], "a") as fh:
             fh.write(f"{self.lr}:{self.t}\n")
-        self.w += self.lr
-        self.t += 1
-
-    def evaluate(self) -> dict[str, float]:
-        return {"w": self.w}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"w": self.w, "t": self.t}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.w, self.t = float(state["w"]), int(state["t"])
+        super().train()
 
 
 def _run(db: str, executor: str, steps: int, budget: str | None, hang: bool) -> None:
@@ -108,7 +93,9 @@ def measure(case: str, executor: str, steps: int) -> str:
     with tempfile.TemporaryDirectory(prefix="stagetree-stop-") as name:
         tmp = Path(name)
         log = tmp / "trained.log"
-        env = {**os.environ, LOG_ENV: str(log)}
+        # The workers import the trainer's base class from tests/fakes too.
+        path = os.pathsep.join(filter(None, (str(FAKES), os.environ.get("PYTHONPATH"))))
+        env = {**os.environ, LOG_ENV: str(log), "PYTHONPATH": path}
         budget = {"budget": "20 steps", "hung": "2s"}.get(case, "")
         command = _child(tmp, case, executor, steps, budget)
         proc = subprocess.Popen(

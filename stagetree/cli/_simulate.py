@@ -25,6 +25,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
         return value
 
+    def device_counts(text: str) -> int | list[int]:
+        """``K`` (every worker) or ``K1,K2,...`` (a mixed cluster, one worker an entry)."""
+        try:
+            counts = [int(part) for part in text.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected an int >= 1 or a comma-separated list of them (1,1,2,4), got {text!r}"
+            )
+        return counts if "," in text else counts[0]
+
     def handler(args: argparse.Namespace) -> int:
         simulate_script(
             args.script,
@@ -55,7 +67,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "trial by trial, and print device-hours, makespan and steps of both.",
     )
     p.add_argument("script", metavar="SCRIPT.py", help="file defining `study` and `tuner`")
-    p.add_argument("--workers", type=positive, default=40, help="simulated workers (40)")
+    p.add_argument(
+        "--workers",
+        type=positive,
+        default=None,
+        help="simulated workers (40; a mixed cluster: one per entry of its list)",
+    )
     p.add_argument("--policy", choices=["critical_path", "bfs", "thr"], default="critical_path")
     p.add_argument(
         "--step-seconds",
@@ -65,10 +82,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--devices-per-worker",
-        type=positive,
+        type=device_counts,
         default=None,
-        metavar="K",
-        help="devices per worker: every trial trains data-parallel on K devices (default: "
+        metavar="K[,K...]",
+        help="devices per worker: every trial trains data-parallel on all of its worker's "
+        "devices; a list (1,1,2,4) is a mixed cluster of one worker per entry (default: "
         "the study's devices_per_worker, 1)",
     )
     p.add_argument(

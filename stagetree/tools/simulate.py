@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from stagetree.engine.settings import Overrides, overriding
-from stagetree.executors.devices import check_devices_per_worker, check_parallel_efficiency
+from stagetree.exceptions import CommandError
+from stagetree.executors.devices import check_parallel_efficiency, check_worker_devices
 from stagetree.executors.simulated import (
     LearningCurve,
     SimulatedExecutor,
@@ -405,7 +406,7 @@ class LoadedScript:
     trainer: type[Trainer]
     version: str
     name: str
-    devices_per_worker: int = 1
+    devices_per_worker: int | tuple[int, ...] = 1
 
 
 def load_script(path: str | os.PathLike[str]) -> LoadedScript:
@@ -450,12 +451,12 @@ def format_table(headers: Seq[str], rows: Seq[Seq[Any]]) -> str:
 
 def simulate_script(
     script: str | os.PathLike[str],
-    workers: int = 40,
+    workers: int | None = None,
     *,
     policy: str = "critical_path",
     step_seconds: float = 1.0,
     out: TextIO | None = None,
-    devices_per_worker: int | None = None,
+    devices_per_worker: int | Seq[int] | None = None,
     parallel_efficiency: float = 1.0,
 ) -> tuple[SimResult, SimResult]:
     """``stagetree simulate``: estimate a script's study with and without sharing and
@@ -465,17 +466,23 @@ def simulate_script(
     device; with ``devices_per_worker`` devices per worker it is divided by ``1 +
     (devices_per_worker - 1) * parallel_efficiency`` (see :func:`simulate`);
     ``devices_per_worker`` None takes the script's study's (``Study(devices_per_worker=)``).
+    A list is a mixed cluster of one worker per entry; ``workers`` None is then its
+    length, else 40.
 
     Returns:
         ``(shared, trial-based)`` results.
+
+    Raises:
+        CommandError: ``workers`` disagrees with a mixed cluster's length.
     """
     stream = sys.stdout if out is None else out
     if devices_per_worker is not None:
-        check_devices_per_worker(devices_per_worker)  # before loading the script
+        workers = _cluster(workers, devices_per_worker)  # before loading the script
     check_parallel_efficiency(parallel_efficiency)
     loaded = load_script(script)
     if devices_per_worker is None:
         devices_per_worker = loaded.devices_per_worker
+    workers = _cluster(workers, devices_per_worker)
     cost = StepCost(base_seconds=step_seconds)
     results = []
     for share in (True, False):
@@ -507,11 +514,11 @@ def simulate_script(
         for label, r in (("stage-based (shared)", shared), ("trial-based (no sharing)", alone))
     ]
     devices = ""
-    if devices_per_worker > 1:
-        devices = (
-            f" x {devices_per_worker} devices ({shared.devices} devices, data-parallel "
-            f"efficiency {parallel_efficiency:g})"
-        )
+    detail = f"({shared.devices} devices, data-parallel efficiency {parallel_efficiency:g})"
+    if isinstance(devices_per_worker, Seq):
+        devices = f" of {', '.join(map(str, devices_per_worker))} devices {detail}"
+    elif devices_per_worker > 1:
+        devices = f" x {devices_per_worker} devices {detail}"
     print(
         f"simulated {script}: {shared.trials} trials on {workers} workers{devices}, "
         f"{step_seconds:g} s per step at batch size 128, policy {policy}",
@@ -524,3 +531,23 @@ def simulate_script(
     speedup = alone.makespan / shared.makespan if shared.makespan else math.inf
     print(f"sharing saves {saving:.2f}x device-hours and {speedup:.2f}x makespan", file=stream)
     return shared, alone
+
+
+def _cluster(workers: int | None, devices_per_worker: int | Seq[int]) -> int:
+    """The simulated workers: one per entry of a mixed cluster's list (``workers``, when
+    given, must agree), else ``workers`` (40 when None).
+
+    Raises:
+        ValueError: ``devices_per_worker`` is neither an int >= 1 nor a list of them.
+        CommandError: ``workers`` disagrees with the list.
+    """
+    mixed = check_worker_devices(devices_per_worker)
+    if mixed is None:
+        return 40 if workers is None else workers
+    if workers is not None and workers != len(mixed):
+        raise CommandError(
+            f"--workers {workers} disagrees with --devices-per-worker, a cluster of "
+            f"{len(mixed)} workers ({','.join(map(str, mixed))}): give one of them, or "
+            "make them agree"
+        )
+    return len(mixed)

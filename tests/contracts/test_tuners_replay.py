@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tuner_fakes import FakeRunner, curve, decisions
+from tuner_fakes import FakeRunner, curve, decisions, kill_after
 
 from stagetree.distributions import Uniform
 from stagetree.hp import Constant, dumps_hp
@@ -38,20 +37,6 @@ def asha(seed: int = 3, brackets: int = 1) -> ASHA:
     return ASHA(
         SPACE, "acc", min_steps=1, max_steps=64, num_trials=64, eta=4, seed=seed, brackets=brackets
     )
-
-
-async def _run_until(tuner: Tuner, runner: FakeRunner, completions: int) -> None:
-    task = asyncio.ensure_future(tuner.run(runner))
-    while runner.completed < completions and not task.done():
-        await asyncio.sleep(0)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-def kill_after(tuner: Tuner, runner: FakeRunner, completions: int) -> None:
-    """Run ``tuner`` and kill it (cancel its task) after ``completions`` results."""
-    asyncio.run(_run_until(tuner, runner, completions))
 
 
 def run(tuner: Tuner, runner: FakeRunner) -> TrialResult | None:

@@ -15,6 +15,7 @@ covered (``trained_steps`` counts them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -23,7 +24,7 @@ from typing import Any
 
 from stagetree.exceptions import TrialFailedError
 from stagetree.hp import dumps_hp
-from stagetree.tuners import TrialResult
+from stagetree.tuners import TrialResult, Tuner
 
 Predicate = Callable[[dict[str, Any], dict[str, Any]], bool]
 
@@ -155,3 +156,19 @@ class FakeRunner:
 def decisions(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The decision records of a log (everything but completions)."""
     return [r for r in log if r["event"] != "done"]
+
+
+def kill_after(tuner: Tuner, runner: FakeRunner, completions: int) -> None:
+    """Run ``tuner`` against ``runner`` and kill it (cancel its task) after
+    ``completions`` results, as a study killed mid-run: the next run replays
+    ``runner.log``."""
+
+    async def run_until() -> None:
+        task = asyncio.ensure_future(tuner.run(runner))
+        while runner.completed < completions and not task.done():
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run_until())

@@ -7,36 +7,17 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-from study_trainers import submit_together  # noqa: E402  (tests/fakes, see conftest)
+from fused_oom import FitsTwoFused  # tests/fakes, see conftest
+from study_trainers import submit_together
 
-from stagetree.hp import Piecewise  # noqa: E402
-from stagetree.study import Study  # noqa: E402
-from stagetree.torch.examples import DigitsTrainer  # noqa: E402
-
-
-class FitsTwoFused(DigitsTrainer):
-    """A fused step of more than two members runs out of (CUDA) memory, as a job too
-    wide for its device does; two fit, and so does one alone."""
-
-    widths: ClassVar[list[int]] = []
-
-    @classmethod
-    def fuse(cls, members: Sequence[Any]) -> Any:
-        cls.widths.append(len(members))
-        return super().fuse(members)
-
-    def loss(self, batch: Any) -> Any:
-        weight = next(self.model.parameters())
-        if torch._C._functorch.is_batchedtensor(weight) and type(self).widths[-1] > 2:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
-        return super().loss(batch)
+from stagetree.hp import Piecewise
+from stagetree.study import Study
 
 
 def _grid(fuse: bool, rates: Sequence[float], storage: str = "memory://") -> list[dict[str, float]]:

@@ -4,7 +4,7 @@ of changes it equals a whole build over the same inputs."""
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -111,15 +111,32 @@ def change(
     return True
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
+class Churn(NamedTuple):
+    """A forest over :func:`plan` with nothing requested yet, the requests and
+    checkpoints a test changes it by, and a fresh cost estimator."""
+
+    seed: int
+    nodes: dict[int, Node]
+    keys: list[Key]
+    forest: StageForest
+    estimator: CostEstimator
+    requests: dict[Key, None]
+    checkpoints: set[Key]
+    node_list: list[Node]
+
+
+@pytest.fixture(params=range(6))
+def churn(request: pytest.FixtureRequest) -> Churn:
+    """:class:`Churn` over ``plan(seed)``, one per seed 0-5."""
+    seed: int = request.param
     nodes, keys = plan(seed)
+    return Churn(seed, nodes, keys, StageForest(nodes), CostEstimator(), {}, set(),
+                 list(nodes.values()))  # fmt: skip
+
+
+def test_forest_equals_a_whole_build_after_every_change(churn: Churn) -> None:
+    seed, nodes, keys, forest, estimator, requests, checkpoints, node_list = churn
     rng = random.Random(seed)
-    forest = StageForest(nodes)
-    estimator = CostEstimator()
-    requests: dict[Key, None] = {}
-    checkpoints: set[Key] = set()
-    node_list = list(nodes.values())
     for _ in range(150):
         op = rng.random()
         if change(rng, forest, keys, requests, checkpoints, op, (0.35, 0.5, 0.62)):
@@ -172,18 +189,12 @@ def _spans(path: list[Any]) -> list[tuple[int, int, int]]:
     return [(s.node, s.start, s.stop) for s in path]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(seed: int) -> None:
+def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(churn: Churn) -> None:
     # The scheduler's critical path from the kept tree (leaf costs as arrays from the
     # estimator, values of deeper roots kept per plan tree, costs computed only where
     # read) is the path critical_path finds on a whole build, held-first order included.
-    nodes, keys = plan(seed)
+    seed, nodes, keys, forest, estimator, requests, checkpoints, node_list = churn
     rng = random.Random(100 + seed)
-    forest = StageForest(nodes)
-    estimator = CostEstimator()
-    requests: dict[Key, None] = {}
-    checkpoints: set[Key] = set()
-    node_list = list(nodes.values())
     for _ in range(150):
         op = rng.random()
         if change(rng, forest, keys, requests, checkpoints, op, (0.4, 0.55, 0.7)):

@@ -4,11 +4,11 @@ tuners, ``simulate()`` accounting and ``stagetree simulate``."""
 from __future__ import annotations
 
 import functools
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_script import tiny_script
 
 from stagetree.cli import main
 from stagetree.exceptions import StagetreeError
@@ -323,24 +323,7 @@ def test_simulate_arguments() -> None:
 
 def test_simulate_script_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "real.db"
-    script = tmp_path / "tiny.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            from stagetree import Study, Trainer
-            from stagetree.hp import Constant, MultiStep
-            from stagetree.space import GridSpace
-            from stagetree.tuners import GridSearch
-
-            class Tiny(Trainer):
-                pass
-
-            space = GridSpace(hp={{"lr": [Constant(0.1), MultiStep(0.1, [4], 0.1)]}})
-            tuner = GridSearch(space, "accuracy", steps=8)
-            study = Study("tiny", Tiny, storage="sqlite:///{db}")
-            """
-        )
-    )
+    script = tiny_script(tmp_path / "tiny.py", f'storage="sqlite:///{db}"')
     assert main(["simulate", str(script), "--workers", "2", "--step-seconds", "60"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if "-based" in line}
@@ -442,24 +425,7 @@ def test_devices_arguments_are_checked(kw: dict[str, Any], match: str) -> None:
 
 
 def test_simulate_cli_devices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    script = tmp_path / "tiny.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            from stagetree import Study, Trainer
-            from stagetree.hp import Constant, MultiStep
-            from stagetree.space import GridSpace
-            from stagetree.tuners import GridSearch
-
-            class Tiny(Trainer):
-                pass
-
-            space = GridSpace(hp={"lr": [Constant(0.1), MultiStep(0.1, [4], 0.1)]})
-            tuner = GridSearch(space, "accuracy", steps=8)
-            study = Study("tiny", Tiny, storage="memory://")
-            """
-        )
-    )
+    script = tiny_script(tmp_path / "tiny.py")
     args = ["simulate", str(script), "--workers", "2", "--step-seconds", "3600"]
     assert main([*args, "--devices-per-worker", "4", "--parallel-efficiency", "0.5"]) == 0
     out = capsys.readouterr().out

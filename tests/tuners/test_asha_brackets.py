@@ -6,14 +6,13 @@ asynchronous Hyperband looping through ASHA brackets, and infinite-horizon ASHA
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import warnings
 from typing import Any
 
 import pytest
 from branching_spaces import MIXED
-from tuner_fakes import FakeRunner
+from tuner_fakes import FakeRunner, kill_after
 
 from stagetree.distributions import Choice, Uniform
 from stagetree.exceptions import ReplayDivergedWarning, TunerError
@@ -287,15 +286,6 @@ def _exactness(max_steps: int | None, seed: int, brackets: int = 3) -> dict[str,
 # --------------------------------------------------------------------------- replay
 
 
-async def _run_until(tuner: Tuner, runner: FakeRunner, completions: int) -> None:
-    task = asyncio.ensure_future(tuner.run(runner))
-    while runner.completed < completions and not task.done():
-        await asyncio.sleep(0)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
 @pytest.mark.parametrize("max_steps", [64, None])
 def test_killed_and_resumed_production_asha_replays_its_decisions(max_steps: int | None) -> None:
     """The allocation is a function of the trials created so far: a study killed and
@@ -317,7 +307,7 @@ def test_killed_and_resumed_production_asha_replays_its_decisions(max_steps: int
     ref = FakeRunner(order_seed=1, workers=3)
     run(make(), ref)
     first = FakeRunner(order_seed=1, workers=3)
-    asyncio.run(_run_until(make(), first, 9))
+    kill_after(make(), first, 9)
     logged = list(first.log)
     assert 0 < len(logged) < len(ref.log)
     with warnings.catch_warnings():

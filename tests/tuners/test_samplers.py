@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 from study_trainers import LinearTrainer
-from tuner_fakes import FakeRunner
+from tuner_fakes import FakeRunner, kill_after
 
 from stagetree import Study
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
@@ -235,15 +234,6 @@ def test_a_second_tune_resumes_the_sampler_history_without_asking_twice(tmp_path
     assert len(optuna_trials(url, third, "r", third.version)) == 12  # type: ignore[attr-defined]
 
 
-async def _kill_after(tuner: Tuner, runner: FakeRunner, completions: int) -> None:
-    task = asyncio.ensure_future(tuner.run(runner))
-    while runner.completed < completions and not task.done():
-        await asyncio.sleep(0)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
 @pytest.mark.parametrize("sql", [True, False], ids=["sql", "memory"])
 def test_a_killed_asha_resumes_its_sampler_and_replays_without_diverging(
     tmp_path: Path, sql: bool
@@ -252,7 +242,7 @@ def test_a_killed_asha_resumes_its_sampler_and_replays_without_diverging(
     home = object() if sql else type("Plan", (), {})()  # the in-memory history's owner
     first = StoredRunner(url, home, order_seed=1)
     killed = asha(24)
-    asyncio.run(_kill_after(killed, first, 9))
+    kill_after(killed, first, 9)
     assert 0 < len(killed.trials) < 24
     second = StoredRunner(url, home, order_seed=2, log=list(first.log))
     resumed = asha(24)
