@@ -347,6 +347,14 @@ class Study(StudyAPI):
         checked = [self._normalise(config, hp, self._horizon) for config, hp in trials]
         self._engine.declare(self._study_slot, checked, self._horizon)
 
+    def plan_ahead(self, horizon: int, rungs: Iterable[int] = ()) -> None:
+        """The running tuner may train trials up to ``horizon`` steps from now on (trials
+        declared later are inserted that far) and asks for results at ``rungs`` (the
+        batches of its plan trees checkpoint there as they pass, see
+        :class:`~stagetree.scheduler.events.SaveSteps`)."""
+        self._horizon = max(self._horizon, int(horizon))
+        self._engine.save_at(self._study_slot, rungs)
+
     def eval(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], step: int
     ) -> dict[str, float] | None:

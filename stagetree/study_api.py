@@ -803,6 +803,11 @@ class StudyRunner:
     def declare(self, trials: list[tuple[dict[str, Any], dict[str, Sequence]]]) -> None:
         self.study.declare(trials)
 
+    def plan_ahead(self, horizon: int, rungs: list[int]) -> None:
+        plan = getattr(self.study, "plan_ahead", None)  # a remote study plans nothing ahead
+        if callable(plan):
+            plan(horizon, rungs)
+
     def check(self, config: dict[str, Any], hp: dict[str, Sequence]) -> None:
         self.study.check(config, hp)
 

@@ -72,7 +72,7 @@ from stagetree.scheduler import (
     Scheduler,
     StudyWeight,
 )
-from stagetree.scheduler.events import DevicesLearned
+from stagetree.scheduler.events import DevicesLearned, SaveSteps
 from stagetree.space import canonical_json
 from stagetree.work import WorkerEvent
 
@@ -128,6 +128,8 @@ class StudySlot:
             study does not fuse). A fusing study's trials live in plan trees of their own
             (``"fused"`` is part of the root key): fused results, equal to unfused ones
             only up to floating-point rounding, are never handed to an exact study.
+        save_steps: steps its tuner asks for results at (its rungs, see
+            :meth:`Engine.save_at`): batches of its plan trees checkpoint there.
     """
 
     name: str
@@ -141,6 +143,7 @@ class StudySlot:
     log_checked: bool = False
     trainer_key: str = ""
     fusible: frozenset[str] = frozenset()
+    save_steps: frozenset[int] = frozenset()
 
     def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence]) -> str:
         """The plan tree of a trial: trainer version + fixed config (+ the trial's own
@@ -241,6 +244,7 @@ class Engine:
         self._waiting_steps: dict[int, dict[int, None]] = {}
         self._known_roots: set[str] = set()
         self._known_nodes: set[int] = set()
+        self._root_saves: dict[str, frozenset[int]] = {}  # SaveSteps sent, by tree
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -665,7 +669,7 @@ class Engine:
             self._waiters.setdefault((node, step), []).append(waiter)
             self._waiting_steps.setdefault(node, {})[step] = None
             self._studies.add(slot.name)  # a study served: its meta records the workers
-            events = self._path_events(root_key, leaf)
+            events = self._path_events(root_key, leaf) + self._save_events(slot, root_key)
             events.append(RequestAdded(node, step, study=slot.name))
             self._enqueue(events)
         return waiter
@@ -707,7 +711,27 @@ class Engine:
         with self.lock:
             for cfg, seqs in trials:
                 root_key, ins = self._insert_path(slot, cfg, seqs, horizon)
-                self._enqueue(self._path_events(root_key, ins.node))
+                events = self._path_events(root_key, ins.node)
+                self._enqueue(events + self._save_events(slot, root_key))
+
+    def save_at(self, slot: StudySlot, steps: Iterable[int]) -> None:
+        """From now on, batches of the plan trees of study ``slot``'s trials checkpoint at
+        ``steps`` as they pass them (its tuner's rungs: a request at a rung may come after
+        a shared path was trained past it; see
+        :class:`~stagetree.scheduler.events.SaveSteps`). Sent with the next submission
+        or declaration into each tree."""
+        with self.lock:
+            slot.save_steps |= frozenset(int(s) for s in steps)
+
+    def _save_events(self, slot: StudySlot, root_key: str) -> list[Any]:
+        """A ``SaveSteps`` for the steps of ``slot`` the scheduler does not save tree
+        ``root_key`` at yet (lock held)."""
+        sent = self._root_saves.get(root_key, frozenset())
+        new = slot.save_steps - sent
+        if not new:
+            return []
+        self._root_saves[root_key] = sent | new
+        return [SaveSteps(root_key, new)]
 
     def _insert_path(
         self, slot: StudySlot, config: dict[str, Any], hp: dict[str, Sequence], steps: int

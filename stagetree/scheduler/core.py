@@ -98,6 +98,7 @@ from stagetree.scheduler.events import (
     RequestDone,
     RequestFailed,
     RootAdded,
+    SaveSteps,
     StudyWeight,
 )
 from stagetree.scheduler.forest import StageForest
@@ -242,7 +243,10 @@ class Scheduler:
     also where the batch itself goes on in the branching node. In a tree that gets
     nodes while it trains (configurations proposed from results, e.g. by a sampler),
     batches also checkpoint at the steps where the tree already branches elsewhere,
-    where later trials are likely to branch off (see ``_branch_points``).
+    where later trials are likely to branch off (see ``_branch_points``). And at the
+    steps a tree's tuner asks for results at (``SaveSteps``: its rungs), so that a
+    request there that comes after a batch trained past it (a lower bracket's trial on
+    the path of a higher bracket's one) starts from that checkpoint.
 
     Events accepted by :meth:`handle`: the plan events of
     :mod:`stagetree.scheduler.events` and the worker events of :mod:`stagetree.work`.
@@ -320,6 +324,8 @@ class Scheduler:
         self._branch_steps: dict[str, Counter[int]] = {}
         self._trained: set[str] = set()
         self._growing: set[str] = set()
+        # Steps where batches of each plan tree checkpoint as they pass (SaveSteps).
+        self._save_steps: dict[str, frozenset[int]] = {}
         self._roots: dict[str, dict[str, Any]] = {}
         self._nodes: dict[int, Node] = {}
         self._requests: dict[Key, int] = {}
@@ -367,6 +373,7 @@ class Scheduler:
             RequestAdded: self._on_request,
             RequestCancelled: self._on_cancel,
             StudyWeight: self._on_weight,
+            SaveSteps: self._on_save_steps,
             CheckpointAvailable: self._on_checkpoint,
             CheckpointSaved: self._on_checkpoint,
             CheckpointFailed: self._on_checkpoint_failed,
@@ -577,6 +584,19 @@ class Scheduler:
                 self._growing.add(node.root_key)
             if self.branch_checkpoints:
                 self._checkpoint_new_branch(node, out)
+
+    def _on_save_steps(self, e: SaveSteps, out: list[Instruction | Notice]) -> None:
+        self._save_steps[e.root_key] = self._save_steps.get(e.root_key, frozenset()) | e.steps
+
+    def _save_points(self, segments: tuple[tuple[int, int, int], ...]) -> set[Key]:
+        """Points inside a path at the steps its tree saves at (``SaveSteps``): a request
+        there that comes after the batch passed it starts from the checkpoint."""
+        if not segments:
+            return set()
+        steps = self._save_steps.get(self._nodes[segments[0][0]].root_key)
+        if not steps:
+            return set()
+        return {(n, t) for n, a, b in segments for t in steps if a < t <= b}
 
     def _branch_points(self, segments: Iterable[tuple[int, int, int]]) -> set[Key]:
         """Points of a path where known nodes branch off it, requested or not.
@@ -1504,7 +1524,7 @@ class Scheduler:
         checkpoint |= evaluate
         segments = tuple((s.node, s.start, s.stop) for s in path if s.stop > s.start)
         if self.branch_checkpoints:
-            checkpoint |= self._branch_points(segments)
+            checkpoint |= self._branch_points(segments) | self._save_points(segments)
         every = self.periodic_interval(self._nodes[root.node].root_key, path[-1].stop)
         if every is not None:  # bound what a crash loses (see periodic_interval)
             checkpoint |= {

@@ -29,6 +29,7 @@ __all__ = [
     "RequestDone",
     "RequestFailed",
     "RootAdded",
+    "SaveSteps",
     "StudyWeight",
 ]
 
@@ -93,6 +94,18 @@ class StudyWeight:
 
 
 @dataclass(frozen=True)
+class SaveSteps:
+    """Batches of plan tree ``root_key`` checkpoint at ``steps`` where they pass them
+    (added to the steps given before). A tuner's rung steps: a request there may come
+    after a batch trained past it (a lower bracket's configuration on a path that a
+    higher bracket's trial trains from step 0), and then starts from that checkpoint
+    instead of training the prefix again."""
+
+    root_key: str
+    steps: frozenset[int] = field(hash=False)
+
+
+@dataclass(frozen=True)
 class CheckpointAvailable:
     """A durable checkpoint of ``(node, step)`` under ``ref`` (at start-up from the plan,
     or after the study recorded a ``CheckpointSaved``; repeats are harmless)."""
@@ -149,6 +162,7 @@ PlanEvent = (
     | RequestAdded
     | RequestCancelled
     | StudyWeight
+    | SaveSteps
     | CheckpointAvailable
     | CheckpointLost
 )

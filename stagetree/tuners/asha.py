@@ -207,6 +207,13 @@ class ASHA(Tuner):
         return lambda tid: alloc.next()
 
     async def _search(self, ctx: ReplayingRunner) -> None:
+        eta = self.eta
+        infinite = self.max_steps is None
+        levels = self.levels = list(self.levels) if not infinite else [self.min_steps]
+        # The study checkpoints batches at the rungs: a bracket's trial trains a path from
+        # step 0 past the lower rungs, where other brackets' trials ask for results later.
+        # Infinite horizon: trials are declared up to the furthest rung so far (see grow).
+        ctx.plan_ahead(levels[-1], levels)
         specs: Any
         if self.bounded:
             specs = draw_specs(
@@ -217,9 +224,6 @@ class ASHA(Tuner):
             specs = SampledSpecs(self._bridge, sys.maxsize)
         else:
             specs = _Unbounded(self.space, self.seed)
-        eta = self.eta
-        infinite = self.max_steps is None
-        levels = self.levels = list(self.levels) if not infinite else [self.min_steps]
         top = len(levels) - 1
         self.rungs = [[{} for _ in levels] for _ in range(self.num_brackets)]
         self.promotions = []
@@ -228,11 +232,19 @@ class ASHA(Tuner):
 
         def grow(level: int) -> None:
             # infinite horizon: rung ``level`` exists once a trial may reach it
+            if len(levels) > level:
+                return
             while len(levels) <= level:
                 levels.append(levels[-1] * eta)
                 for b, rungs in enumerate(ranks):
                     rungs.append(_RungRank(eta))
                     self.rungs[b].append({})
+            # The insertion horizon: every trial's path up to the furthest rung, before
+            # a batch trains there, so that batches checkpoint where later promotions
+            # branch off their paths (their nodes are known) instead of training the
+            # prefix again.
+            ctx.plan_ahead(levels[-1], levels)
+            ctx.declare(self.trials.values() if getattr(specs, "lazy", False) else specs)
 
         in_flight: dict[Job, tuple[int, int]] = {}
         # With the default concurrency in a study that shares prefixes, a worker is busy

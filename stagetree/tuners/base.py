@@ -112,9 +112,11 @@ class TrialRunner(Protocol):
     study: it is called before a submission is logged, so refused input leaves no
     record. ``declare(trials)`` announces ``(config, hp)`` pairs the tuner may submit
     later (a study plans checkpoints where they will branch off; decisions never depend
-    on it). ``append_log`` stores one JSON-serialisable record durably for this study;
-    ``read_log`` returns the records of previous runs of this study in the order they
-    were appended.
+    on it); the optional ``plan_ahead(horizon, rungs)`` moves the horizon of later
+    declarations and names the steps results are asked at (see
+    :meth:`ReplayingRunner.plan_ahead`). ``append_log`` stores one JSON-serialisable
+    record durably for this study; ``read_log`` returns the records of previous runs of
+    this study in the order they were appended.
     """
 
     async def submit(
@@ -252,6 +254,18 @@ class ReplayingRunner:
         if getattr(specs, "lazy", False):
             return
         self._runner.declare([(dict(s.config), dict(s.hp)) for s in specs])
+
+    def plan_ahead(self, horizon: int, rungs: Iterable[int] = ()) -> None:
+        """Tell the runner that the tuner may train trials up to ``horizon`` steps from
+        now on (a study inserts the trials declared from then on that far) and asks for
+        results at steps ``rungs`` (a study's batches checkpoint there as they pass).
+        For tuners whose horizon grows while they run (infinite-horizon ASHA) and whose
+        requests at a step may come after a shared path was trained past it (ASHA's
+        brackets). Decisions never depend on it; ``plan_ahead`` is optional on a
+        :class:`TrialRunner`."""
+        plan = getattr(self._runner, "plan_ahead", None)
+        if callable(plan):
+            plan(int(horizon), sorted(set(rungs)))
 
     def num_workers(self) -> int:
         """The runner's worker count (at least 1), itself a logged input.

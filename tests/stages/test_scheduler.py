@@ -25,6 +25,7 @@ from stagetree.scheduler import (
     Scheduler,
     make_policy,
 )
+from stagetree.scheduler.events import SaveSteps
 from stagetree.stages import Stage, StageTree
 from stagetree.work import (
     Abort,
@@ -50,13 +51,17 @@ class Harness:
         self.sched = Scheduler(num_workers=workers, **kwargs)
         self.roots: set[str] = set()
 
+    def root(self, root: str) -> list[Any]:
+        """Add plan tree ``root`` (once)."""
+        if root in self.roots:
+            return []
+        self.roots.add(root)
+        return self.sched.handle(RootAdded(root, {"seed": 0, "root": root}))
+
     def trial(
         self, hp: Mapping[str, Any], steps: int, root: str = "r", count: int = 1
     ) -> tuple[tuple[int, int], list[Any]]:
-        out: list[Any] = []
-        if root not in self.roots:
-            self.roots.add(root)
-            out += self.sched.handle(RootAdded(root, {"seed": 0, "root": root}))
+        out = self.root(root)
         ins = self.plan.insert_trial(root, hp, steps, request=False)
         for node in ins.new_nodes:
             out += self.sched.handle(NodeAdded(node))
@@ -334,6 +339,55 @@ def test_request_on_a_passed_checkpoint_waits_for_it_to_be_durable() -> None:
         (2, (1, 50), [], ((1, 50),)),  # evaluation only
     ]
     assert only(out, AddCheckpoint) == []  # node 3 waits for worker 1's (1, 70)
+
+
+def _behind_a_batch(save_steps: frozenset[int]) -> tuple[Harness, RunBatch]:
+    """A batch trains node 1 to step 100 and has passed step 40 when a request for
+    step 40 of the same path comes (a lower ASHA bracket's rung on the path of a
+    higher bracket's trial)."""
+    h = Harness(workers=2)
+    if save_steps:
+        h.root("r")
+        h(SaveSteps("r", save_steps))
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    h(Progress(batch.batch_id, 0, 1, 60, 0.1))
+    return h, batch
+
+
+def test_a_request_behind_a_batch_at_a_save_step_starts_from_its_checkpoint() -> None:
+    h, batch = _behind_a_batch(frozenset({10, 40, 250}))
+    assert batch.checkpoint_at == ((1, 10), (1, 40), (1, 100))  # 250: not on the path
+    (key, out) = h.trial(CONST, 40)
+    assert key == (1, 40) and out == []  # waits for the checkpoint the batch took at 40
+    out = h(CheckpointSaved(batch.batch_id, 0, 1, 40, "ck-40", 1, 0.0))
+    (run,) = only(out, RunBatch)
+    assert (run.start_at, segs(run), run.evaluate_at) == ((1, 40), [], ((1, 40),))
+    assert h.sched.steps_planned == 100  # no step trained twice
+
+
+def test_without_save_steps_a_request_behind_a_batch_trains_its_prefix_again() -> None:
+    """What the save steps prevent: the batch passed step 40 without a checkpoint."""
+    h, batch = _behind_a_batch(frozenset())
+    assert batch.checkpoint_at == ((1, 100),)
+    (_, out) = h.trial(CONST, 40)
+    (run,) = only(out, RunBatch)
+    assert (run.start_at, segs(run)) == (None, [(1, 0, 40)])
+
+
+def test_save_steps_add_up_per_tree() -> None:
+    h = Harness(workers=1)
+    h.root("r")
+    h(SaveSteps("r", frozenset({30})))
+    h(SaveSteps("r", frozenset({60})))
+    h(SaveSteps("other", frozenset({50})))  # another tree's steps
+    (_, out) = h.trial(CONST, 100)
+    assert only(out, RunBatch)[0].checkpoint_at == ((1, 30), (1, 60), (1, 100))
+    off = Harness(workers=1, branch_checkpoints=False)  # no extra checkpoints at all
+    off.root("r")
+    off(SaveSteps("r", frozenset({30})))
+    (_, out) = off.trial(CONST, 100)
+    assert only(out, RunBatch)[0].checkpoint_at == ((1, 100),)
 
 
 def test_split_missed_keeps_what_the_batch_itself_promised() -> None:
