@@ -46,6 +46,18 @@ fused member's masks are not the ones it would have drawn alone. BatchNorm keeps
 statistics per member: the buffers are stacked like the parameters and its in-place
 updates land in each member's slice.
 
+**HFTA's form for CNN layers** (:attr:`FusibleTrainer.fused_kernels`, default
+``"grouped"``): inside the fused forward, each plain ``nn.Conv2d``, ``nn.BatchNorm2d``
+(with a ``momentum``) and ``nn.AdaptiveAvgPool2d`` of the fused modules runs as HFTA
+writes B models: one convolution with ``groups=B`` over ``[N, B*C, H, W]``, one
+BatchNorm over ``B*C`` channels (running statistics updated in place in each member's
+slice), one pooling (:mod:`stagetree.torch.grouped`; the user's ``loss`` is unchanged).
+On CUDA the activations between these layers stay channels_last
+(:attr:`FusibleTrainer.fused_channels_last`), and with AMP each convolution casts once.
+Members follow the members alone as closely as with vmap's rules (the same grouped
+convolution; BatchNorm per channel as alone). Other layers, subclasses of these and
+``"vmap"`` keep ``torch.func.vmap``'s own rules.
+
 **Mixed precision** (:meth:`FusibleTrainer.enable_amp`): ``loss`` runs under
 ``torch.autocast`` fused or not, and with float16 each member keeps its own
 ``GradScaler`` scale (:mod:`stagetree.torch.amp`).
@@ -81,6 +93,7 @@ from stagetree.exceptions import FusionError
 from stagetree.fusion import FusedGroup
 from stagetree.torch.amp import Amp, MemberScales, autocast
 from stagetree.torch.fused_optim import FusedAdadelta, FusedAdam, FusedOptimizer, FusedSGD
+from stagetree.torch.grouped import Kernels, install
 from stagetree.torch.rng import (
     GlobalRngState,
     get_rng_object_state,
@@ -151,6 +164,14 @@ class FusibleTrainer(TorchTrainer):
     #: Automatic mixed precision, ``(device type, dtype)`` of ``torch.autocast`` (None:
     #: off); set by :meth:`enable_amp`.
     amp: Amp | None = None
+    #: How a fused job computes the plain ``nn.Conv2d`` / ``nn.BatchNorm2d`` /
+    #: ``nn.AdaptiveAvgPool2d`` layers: ``"grouped"`` (HFTA's form: one grouped
+    #: convolution, one BatchNorm over the members' channels; see
+    #: :mod:`stagetree.torch.grouped`) or ``"vmap"`` (``torch.func.vmap``'s own rules).
+    fused_kernels: str = "grouped"
+    #: Grouped layers keep activations and convolution weights channels_last (None: on
+    #: CUDA only).
+    fused_channels_last: bool | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -537,6 +558,23 @@ class TorchFusedGroup(FusedGroup):
                 self._scales = MemberScales(self._scalers, device)
         except ValueError as exc:
             raise FusionError(f"{name}: {exc}") from exc
+
+        # HFTA's form for the layers it covers (the driver's modules are the templates);
+        # the first member's settings (instance attributes too).
+        kernels = first.fused_kernels
+        if kernels not in ("grouped", "vmap"):
+            raise FusionError(f"{name}.fused_kernels must be 'grouped' or 'vmap', not {kernels!r}")
+        self._grouped_layers = 0
+        if kernels == "grouped":
+            device = next(iter({**params, **buffers}.values())).device
+            channels_last = first.fused_channels_last
+            self._grouped_layers = install(
+                [objects[n] for n in fused],
+                Kernels(
+                    dtype=None if self._amp is None else self._amp[1],
+                    channels_last=device.type == "cuda" if channels_last is None else channels_last,
+                ),
+            )
 
         # Tied tensors (one parameter under two names) are stacked once, under their
         # first name; functional_call ties the others to it, at a cost per call worth
