@@ -12,8 +12,9 @@ different learning rates):
   training the B models one by one;
 * ``vmap fp32`` / ``vmap amp``: the fused job with ``fused_kernels = "vmap"`` (the path
   before the grouped kernels);
-* ``grouped fp32`` / ``grouped amp``: the fused job with the default grouped kernels
-  (channels_last on CUDA).
+* ``grouped fp32`` / ``grouped fp32+cl`` / ``grouped amp``: the fused job with the
+  default grouped kernels (NCHW in float32 unless ``fused_channels_last``; with AMP,
+  channels_last on CUDA).
 
 Throughput is training samples per second over the B models (median of ``--repeats``
 rounds of ``--steps`` steps, after ``--warmup`` steps; on CUDA every timed block ends
@@ -64,13 +65,15 @@ class BenchResNet(fusion_bench.SyntheticResNetTrainer):
         return super().loss((x, y))
 
 
-#: column -> (fused kernels, or None: sequential; AMP; channels_last model and input)
+#: column -> (fused kernels, or None: sequential; AMP; channels_last: the model and input,
+#: fused ``fused_channels_last = True``, which AMP on CUDA has by default)
 RUNS: dict[str, tuple[str | None, bool, bool]] = {
     "seq fp32": (None, False, False),
     "seq amp+cl": (None, True, True),
     "vmap fp32": ("vmap", False, False),
     "vmap amp": ("vmap", True, False),
     "grouped fp32": ("grouped", False, False),
+    "grouped fp32+cl": ("grouped", False, True),
     "grouped amp": ("grouped", True, False),
 }
 
@@ -93,7 +96,8 @@ def run(column: str, width: int, args: argparse.Namespace) -> float:
         "device": args.device,
         "batch_size": args.batch_size,
         "amp": amp,
-        "channels_last": channels_last,
+        # Fused, the members' own tensors stay NCHW; the grouped kernels pick the layout.
+        "channels_last": channels_last and kernels is None,
     }
     trainers = [BenchResNet(config) for _ in range(width)]
     lrs = [0.05 * (0.5 + i / width) for i in range(width)]
@@ -109,6 +113,8 @@ def run(column: str, width: int, args: argparse.Namespace) -> float:
     else:
         for trainer in trainers:
             trainer.fused_kernels = kernels
+            if channels_last:
+                trainer.fused_channels_last = True
         group = BenchResNet.fuse(trainers)
         for i, lr in enumerate(lrs):
             group.setup(i, {"lr": lr})

@@ -52,8 +52,8 @@ updates land in each member's slice.
 writes B models: one convolution with ``groups=B`` over ``[N, B*C, H, W]``, one
 BatchNorm over ``B*C`` channels (running statistics updated in place in each member's
 slice), one pooling (:mod:`stagetree.torch.grouped`; the user's ``loss`` is unchanged).
-On CUDA the activations between these layers stay channels_last
-(:attr:`FusibleTrainer.fused_channels_last`), and with AMP each convolution casts once.
+With AMP each convolution casts once, and on CUDA the activations between these
+layers stay channels_last (:attr:`FusibleTrainer.fused_channels_last`).
 Members follow the members alone as closely as with vmap's rules (the same grouped
 convolution; BatchNorm per channel as alone). Other layers, subclasses of these and
 ``"vmap"`` keep ``torch.func.vmap``'s own rules.
@@ -170,7 +170,8 @@ class FusibleTrainer(TorchTrainer):
     #: :mod:`stagetree.torch.grouped`) or ``"vmap"`` (``torch.func.vmap``'s own rules).
     fused_kernels: str = "grouped"
     #: Grouped layers keep activations and convolution weights channels_last (None: on
-    #: CUDA only).
+    #: CUDA with AMP, where cuDNN's half-precision convolutions are fastest in it; float32
+    #: keeps NCHW there, so that its kernels are the ones a member alone runs).
     fused_channels_last: bool | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -572,7 +573,11 @@ class TorchFusedGroup(FusedGroup):
                 [objects[n] for n in fused],
                 Kernels(
                     dtype=None if self._amp is None else self._amp[1],
-                    channels_last=device.type == "cuda" if channels_last is None else channels_last,
+                    channels_last=(
+                        device.type == "cuda" and self._amp is not None
+                        if channels_last is None
+                        else channels_last
+                    ),
                 ),
             )
 

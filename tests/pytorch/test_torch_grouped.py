@@ -28,6 +28,7 @@ from stagetree.torch.grouped import (  # noqa: E402
     GroupedAdaptiveAvgPool2d,
     GroupedBatchNorm2d,
     GroupedConv2d,
+    Kernels,
 )
 
 pytestmark = pytest.mark.torch
@@ -260,6 +261,10 @@ def test_amp_with_grouped_kernels_stays_within_amp_rounding(device: str) -> None
     group, _, _, worst_loss = compare(TinyResNet, {"amp": True, "device": device})
     print(f"\n{device} AMP: train loss {worst_loss:.2e}")
     assert group._grouped_layers == 9
+    # The convolutions cast to autocast's dtype; channels_last by default on CUDA only.
+    conv = group._driver.model[0]  # type: ignore[attr-defined]
+    dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    assert conv.stagetree_kernels == Kernels(dtype=dtype, channels_last=device == "cuda")
     assert worst_loss < 1e-2
 
 
