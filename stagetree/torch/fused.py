@@ -46,12 +46,13 @@ fused member's masks are not the ones it would have drawn alone. BatchNorm keeps
 statistics per member: the buffers are stacked like the parameters and its in-place
 updates land in each member's slice.
 
-**HFTA's form for CNN layers** (:attr:`FusibleTrainer.fused_kernels`, default
+**HFTA's form for standard layers** (:attr:`FusibleTrainer.fused_kernels`, default
 ``"grouped"``): inside the fused forward, each plain ``nn.Conv2d``, ``nn.BatchNorm2d``
-(with a ``momentum``) and ``nn.AdaptiveAvgPool2d`` of the fused modules runs as HFTA
-writes B models: one convolution with ``groups=B`` over ``[N, B*C, H, W]``, one
-BatchNorm over ``B*C`` channels (running statistics updated in place in each member's
-slice), one pooling (:mod:`stagetree.torch.grouped`; the user's ``loss`` is unchanged).
+(with a ``momentum``), ``nn.AdaptiveAvgPool2d`` and ``nn.Linear`` of the fused modules
+runs as HFTA writes B models: one convolution with ``groups=B`` over ``[N, B*C, H, W]``,
+one BatchNorm over ``B*C`` channels (running statistics updated in place in each
+member's slice), one pooling, one batched product (:mod:`stagetree.torch.grouped`; the
+user's ``loss`` is unchanged).
 With AMP each convolution casts once, and on CUDA the activations between these
 layers stay channels_last (:attr:`FusibleTrainer.fused_channels_last`).
 Members follow the members alone as closely as with vmap's rules (the same grouped
@@ -165,8 +166,8 @@ class FusibleTrainer(TorchTrainer):
     #: off); set by :meth:`enable_amp`.
     amp: Amp | None = None
     #: How a fused job computes the plain ``nn.Conv2d`` / ``nn.BatchNorm2d`` /
-    #: ``nn.AdaptiveAvgPool2d`` layers: ``"grouped"`` (HFTA's form: one grouped
-    #: convolution, one BatchNorm over the members' channels; see
+    #: ``nn.AdaptiveAvgPool2d`` / ``nn.Linear`` layers: ``"grouped"`` (HFTA's form: one
+    #: grouped convolution, one BatchNorm over the members' channels...; see
     #: :mod:`stagetree.torch.grouped`) or ``"vmap"`` (``torch.func.vmap``'s own rules).
     fused_kernels: str = "grouped"
     #: Grouped layers keep activations and convolution weights channels_last (None: on

@@ -1,4 +1,4 @@
-"""HFTA's form for the convolutions, BatchNorm and pooling of a fused job.
+"""HFTA's form for the convolutions, BatchNorm, pooling and linear layers of a fused job.
 
 A fused job runs the trainer's ``loss`` once under ``torch.func.vmap`` over B stacked
 members (:mod:`stagetree.torch.fused`). vmap's own rules are slow where HFTA is fast:
@@ -6,20 +6,23 @@ its BatchNorm with per-member weights applies the affine part as separate passes
 cannot keep activations channels_last (its BatchNorm refuses to query that layout), and
 autocast does not reach inside it. HFTA instead writes B models as one: a convolution
 of B members is one convolution with ``groups=B`` over ``[N, B*C, H, W]``, a BatchNorm
-is one BatchNorm over ``B*C`` channels.
+is one BatchNorm over ``B*C`` channels, a linear layer one batched product
+(``baddbmm``).
 
 :func:`install` gives the fused job's template modules that form without touching the
-user's code: each plain ``nn.Conv2d``, ``nn.BatchNorm2d`` and ``nn.AdaptiveAvgPool2d``
-becomes a subclass whose forward, under vmap, calls a ``torch.autograd.Function`` with a
-``vmap`` rule. The rule receives the *physical* tensors (the activations as
-``[N, B, C, H, W]`` or unbatched, the stacked weights ``[B, ...]``) and runs the grouped
-op on them; regular autograd records those ops, so the fused backward and optimizer are
-unchanged. The result goes back to vmap as ``[N, B, C', H', W']`` with the members'
-dimension at 1, a view of the grouped output, so that the next grouped layer reads it
-without a copy (elementwise ops between layers keep that layout).
+user's code: each plain ``nn.Conv2d``, ``nn.BatchNorm2d``, ``nn.AdaptiveAvgPool2d`` and
+``nn.Linear`` becomes a subclass whose forward, under vmap, calls a
+``torch.autograd.Function`` with a ``vmap`` rule. The rule receives the *physical*
+tensors (the activations as ``[N, B, C, H, W]`` or unbatched, the stacked weights
+``[B, ...]``) and runs the grouped op on them; regular autograd records those ops, so
+the fused backward and optimizer are unchanged. The result goes back to vmap as
+``[N, B, C', H', W']`` with the members' dimension at 1, a view of the grouped output,
+so that the next grouped layer reads it without a copy (elementwise ops between layers
+keep that layout).
 
 Per layer, the rule also does what autocast would do for a member alone (a convolution
-in the lower precision; BatchNorm of a lower-precision input with float32 statistics)
+or a linear layer, its bias included, in the lower precision; BatchNorm of a
+lower-precision input with float32 statistics)
 and, where :class:`Kernels` says so (on CUDA by default), keeps activations and
 convolution weights channels_last. A member's forward is the same arithmetic as alone:
 a grouped convolution computes each group as the member's own convolution, a BatchNorm
@@ -226,6 +229,47 @@ class _AdaptiveAvgPool2dFn(_VmapOnly):
         return y.unflatten(1, (size, grouped.shape[1] // size)), 1
 
 
+class _LinearFn(_VmapOnly):
+    """``F.linear`` whose vmap rule is one product of the B members (HFTA's
+    ``baddbmm``), the bias added inside it as a member alone adds it."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Kernels
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: Kernels,
+    ) -> tuple[torch.Tensor, int]:
+        size = info.batch_size
+        w = _members_first(weight, in_dims[1], size)
+        assert w is not None
+        b = _members_first(bias, in_dims[2], size)
+        out = w.shape[1]
+        with torch._C.DisableTorchFunction():  # no vmap-autocast casts on these
+            if kernels.dtype is not None:  # autocast casts all three
+                x, w = x.to(kernels.dtype), w.to(kernels.dtype)
+                b = None if b is None else b.to(kernels.dtype)
+            if in_dims[0] is None:
+                # The same input for every member: one product with B*O outputs.
+                y = F.linear(x, w.flatten(0, 1), None if b is None else b.flatten())
+                return y.unflatten(-1, (size, out)), y.dim() - 1
+            x = x.movedim(in_dims[0], 0)
+            flat = x.reshape(size, -1, x.shape[-1])
+            if b is None:
+                y = torch.bmm(flat, w.transpose(1, 2))
+            else:
+                y = torch.baddbmm(b.unsqueeze(1), flat, w.transpose(1, 2))
+        return y.reshape(size, *x.shape[1:-1], out), 0
+
+
 class GroupedConv2d(nn.Conv2d):
     """``nn.Conv2d`` that runs as one grouped convolution of the members under vmap."""
 
@@ -283,6 +327,17 @@ class GroupedAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
         return _AdaptiveAvgPool2dFn.apply(input, self.output_size)
 
 
+class GroupedLinear(nn.Linear):
+    """``nn.Linear`` that runs as one batched product of the members under vmap."""
+
+    stagetree_kernels: Kernels
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not _batched(input, self.weight, self.bias):
+            return super().forward(input)
+        return _LinearFn.apply(input, self.weight, self.bias, self.stagetree_kernels)
+
+
 def _grouped_class(module: nn.Module) -> type[nn.Module] | None:
     """The grouped class for ``module`` (None: vmap's rules stay)."""
     kind = type(module)
@@ -292,11 +347,14 @@ def _grouped_class(module: nn.Module) -> type[nn.Module] | None:
         return GroupedBatchNorm2d if module.momentum is not None else None
     if kind is nn.AdaptiveAvgPool2d:
         return GroupedAdaptiveAvgPool2d
+    if kind is nn.Linear:
+        return GroupedLinear
     return None
 
 
 def install(modules: Iterable[nn.Module], kernels: Kernels) -> int:
-    """Give the plain ``nn.Conv2d`` / ``nn.BatchNorm2d`` / ``nn.AdaptiveAvgPool2d`` in
+    """Give the plain ``nn.Conv2d`` / ``nn.BatchNorm2d`` / ``nn.AdaptiveAvgPool2d`` /
+    ``nn.Linear`` in
     ``modules`` (and their submodules) the grouped forward (their class becomes the
     grouped subclass; parameters, buffers and state-dict keys stay). Outside vmap they
     compute as before. Returns how many modules changed."""
@@ -311,6 +369,9 @@ def install(modules: Iterable[nn.Module], kernels: Kernels) -> int:
             if grouped is not None:
                 module.__class__ = grouped
                 count += 1
-            if isinstance(module, (GroupedConv2d, GroupedBatchNorm2d, GroupedAdaptiveAvgPool2d)):
+            if isinstance(
+                module,
+                (GroupedConv2d, GroupedBatchNorm2d, GroupedAdaptiveAvgPool2d, GroupedLinear),
+            ):
                 module.stagetree_kernels = kernels
     return count
