@@ -276,7 +276,8 @@ class GroupedConv2d(nn.Conv2d):
     stagetree_kernels: Kernels
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _batched(input, self.weight, self.bias):
+        # An unbatched image ([C, H, W]) keeps vmap's rule: the grouped form needs [N, ...].
+        if input.dim() != 4 or not _batched(input, self.weight, self.bias):
             return super().forward(input)
         return _Conv2dFn.apply(
             input,
@@ -322,7 +323,7 @@ class GroupedAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     stagetree_kernels: Kernels
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _batched(input):
+        if input.dim() != 4 or not _batched(input):
             return super().forward(input)
         return _AdaptiveAvgPool2dFn.apply(input, self.output_size)
 

@@ -10,7 +10,7 @@ the small ResNet below (stem, a block with a strided 1x1 shortcut, pooling, line
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from torch import nn  # noqa: E402
+from torch.func import functional_call, stack_module_state, vmap  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from stagetree.exceptions import FusionError  # noqa: E402
@@ -30,6 +31,7 @@ from stagetree.torch.grouped import (  # noqa: E402
     GroupedConv2d,
     GroupedLinear,
     Kernels,
+    install,
 )
 
 pytestmark = pytest.mark.torch
@@ -311,3 +313,34 @@ def test_grouped_modules_compute_as_before_outside_vmap() -> None:
     x = torch.randn(4, 3, 8, 8)
     model.eval(), plain.eval()
     assert torch.equal(model(x), plain(x))
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda: nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)), (5,)),
+        (lambda: nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)), (2, 7, 5)),
+        (lambda: nn.Conv2d(3, 4, 3), (3, 6, 6)),  # an unbatched image: vmap's rule
+        (
+            lambda: nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 6, 1, groups=2)),
+            (2, 4, 6, 6),
+        ),
+    ],
+)
+def test_grouped_layers_under_vmap_give_each_members_output(
+    make: Callable[[], nn.Module], shape: tuple[int, ...]
+) -> None:
+    """Inputs of other ranks than [N, C, H, W] / [N, I], and grouped convolutions."""
+    members = [make() for _ in range(3)]
+    params, buffers = stack_module_state(members)
+    template = make()
+    install([template], Kernels())
+    x = torch.randn(shape)
+
+    def run(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return functional_call(template, (p, b), (x,))
+
+    got = vmap(run)(params, buffers)
+    want = torch.stack([m(x) for m in members])
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
