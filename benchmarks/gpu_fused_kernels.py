@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     device = os.environ.get("DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
     tiny = device == "cpu"
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--widths", default="1,2" if tiny else "1,8,32")
+    parser.add_argument("--widths", default="2" if tiny else "1,8,32")
     parser.add_argument("--batch-size", type=int, default=2 if tiny else 64)
     parser.add_argument("--warmup", type=int, default=1 if tiny else 2)
     parser.add_argument("--steps", type=int, default=1 if tiny else 4)

@@ -66,10 +66,10 @@ convolution; BatchNorm per channel as alone). Other layers, subclasses of these 
 **When it pays** (``benchmarks/fusion_bench.py``, one CPU thread): vmap costs a fixed
 ~0.4 ms per update, so a fused job of one member is ~2.6x slower than training it alone,
 and the digits MLP gains from B = 4 on (1.35x at 4, 3.9x at 16, 6.9x at 64 members).
-The small CNN with BatchNorm does not gain on a CPU (0.9x): its convolutions get faster,
-but vmap's BatchNorm applies the affine part as separate broadcast passes. On a GPU a
-small model's step is mostly kernel launches, which fusion shares among the members
-(not measured yet: run the benchmark with ``--device cuda``).
+The small CNN with BatchNorm did not gain on a CPU with vmap's rules (0.9x): its
+convolutions get faster, but vmap's BatchNorm applies the affine part as separate
+broadcast passes (the grouped kernels, below, run it as one BatchNorm). On a GPU a small
+model's step is mostly kernel launches, which fusion shares among the members.
 
 **What cannot be fused** (:class:`~stagetree.exceptions.FusionError`): a subclass that
 overrides ``train()`` (its ``fusible`` is then empty, unless it sets it); another
