@@ -46,6 +46,19 @@ fused member's masks are not the ones it would have drawn alone. BatchNorm keeps
 statistics per member: the buffers are stacked like the parameters and its in-place
 updates land in each member's slice.
 
+**HFTA's form for standard layers** (:attr:`FusibleTrainer.fused_kernels`, default
+``"grouped"``): inside the fused forward, each plain ``nn.Conv2d``, ``nn.BatchNorm2d``
+(with a ``momentum``), ``nn.AdaptiveAvgPool2d`` and ``nn.Linear`` of the fused modules
+runs as HFTA writes B models: one convolution with ``groups=B`` over ``[N, B*C, H, W]``,
+one BatchNorm over ``B*C`` channels (running statistics updated in place in each
+member's slice), one pooling, one batched product (:mod:`stagetree.torch.grouped`; the
+user's ``loss`` is unchanged).
+With AMP each convolution casts once, and on CUDA the activations between these
+layers stay channels_last (:attr:`FusibleTrainer.fused_channels_last`).
+Members follow the members alone as closely as with vmap's rules (the same grouped
+convolution; BatchNorm per channel as alone). Other layers, subclasses of these and
+``"vmap"`` keep ``torch.func.vmap``'s own rules.
+
 **Mixed precision** (:meth:`FusibleTrainer.enable_amp`): ``loss`` runs under
 ``torch.autocast`` fused or not, and with float16 each member keeps its own
 ``GradScaler`` scale (:mod:`stagetree.torch.amp`).
@@ -53,10 +66,10 @@ updates land in each member's slice.
 **When it pays** (``benchmarks/fusion_bench.py``, one CPU thread): vmap costs a fixed
 ~0.4 ms per update, so a fused job of one member is ~2.6x slower than training it alone,
 and the digits MLP gains from B = 4 on (1.35x at 4, 3.9x at 16, 6.9x at 64 members).
-The small CNN with BatchNorm does not gain on a CPU (0.9x): its convolutions get faster,
-but vmap's BatchNorm applies the affine part as separate broadcast passes. On a GPU a
-small model's step is mostly kernel launches, which fusion shares among the members
-(not measured yet: run the benchmark with ``--device cuda``).
+The small CNN with BatchNorm did not gain on a CPU with vmap's rules (0.9x): its
+convolutions get faster, but vmap's BatchNorm applies the affine part as separate
+broadcast passes (the grouped kernels, below, run it as one BatchNorm). On a GPU a small
+model's step is mostly kernel launches, which fusion shares among the members.
 
 **What cannot be fused** (:class:`~stagetree.exceptions.FusionError`): a subclass that
 overrides ``train()`` (its ``fusible`` is then empty, unless it sets it); another
@@ -81,6 +94,7 @@ from stagetree.exceptions import FusionError
 from stagetree.fusion import FusedGroup
 from stagetree.torch.amp import Amp, MemberScales, autocast
 from stagetree.torch.fused_optim import FusedAdadelta, FusedAdam, FusedOptimizer, FusedSGD
+from stagetree.torch.grouped import Kernels, install
 from stagetree.torch.rng import (
     GlobalRngState,
     get_rng_object_state,
@@ -151,6 +165,15 @@ class FusibleTrainer(TorchTrainer):
     #: Automatic mixed precision, ``(device type, dtype)`` of ``torch.autocast`` (None:
     #: off); set by :meth:`enable_amp`.
     amp: Amp | None = None
+    #: How a fused job computes the plain ``nn.Conv2d`` / ``nn.BatchNorm2d`` /
+    #: ``nn.AdaptiveAvgPool2d`` / ``nn.Linear`` layers: ``"grouped"`` (HFTA's form: one
+    #: grouped convolution, one BatchNorm over the members' channels...; see
+    #: :mod:`stagetree.torch.grouped`) or ``"vmap"`` (``torch.func.vmap``'s own rules).
+    fused_kernels: str = "grouped"
+    #: Grouped layers keep activations and convolution weights channels_last (None: on
+    #: CUDA with AMP, where cuDNN's half-precision convolutions are fastest in it; float32
+    #: keeps NCHW there, so that its kernels are the ones a member alone runs).
+    fused_channels_last: bool | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -537,6 +560,27 @@ class TorchFusedGroup(FusedGroup):
                 self._scales = MemberScales(self._scalers, device)
         except ValueError as exc:
             raise FusionError(f"{name}: {exc}") from exc
+
+        # HFTA's form for the layers it covers (the driver's modules are the templates);
+        # the first member's settings (instance attributes too).
+        kernels = first.fused_kernels
+        if kernels not in ("grouped", "vmap"):
+            raise FusionError(f"{name}.fused_kernels must be 'grouped' or 'vmap', not {kernels!r}")
+        self._grouped_layers = 0
+        if kernels == "grouped":
+            device = next(iter({**params, **buffers}.values())).device
+            channels_last = first.fused_channels_last
+            self._grouped_layers = install(
+                [objects[n] for n in fused],
+                Kernels(
+                    dtype=None if self._amp is None else self._amp[1],
+                    channels_last=(
+                        device.type == "cuda" and self._amp is not None
+                        if channels_last is None
+                        else channels_last
+                    ),
+                ),
+            )
 
         # Tied tensors (one parameter under two names) are stacked once, under their
         # first name; functional_call ties the others to it, at a cost per call worth
