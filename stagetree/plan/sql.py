@@ -64,6 +64,7 @@ from stagetree.plan.base import (
     CheckpointRecord,
     MetricsItem,
     TrialEnd,
+    TrialFinal,
     activity_row,
     after_add,
     after_release,
@@ -1303,6 +1304,41 @@ class SQLPlanStorage(BasePlanStorage):
                 None if data is None else _shown(next(datas)),
             )
             for tid, steps, node, step, attrs, data in rows
+        ]
+
+    @_retried
+    def trial_finals(self, study: str) -> list[TrialFinal]:
+        t, m = _trials.c, _metrics.c
+        at_end = (m.node == t.node) & (m.step == t.steps) & (t.step == t.steps)
+        query = (
+            select(t.id, t.config, t.hp, t.steps, t.node, t.step, t.state, t.attrs, m.data)
+            .select_from(_trials.outerjoin(_metrics, at_end))
+            .where(t.study == study)
+            .order_by(t.id)
+        )
+        with self._tx(write=False) as conn:
+            rows = conn.execute(query).all()
+            # Decoded through the sequence cache (under the lock), as in trials().
+            hps = self._seqs.decode_hp_many([row[2] for row in rows])
+        configs = _codec.loads_many([row[1] for row in rows])
+        texts = list(dict.fromkeys(row[7] for row in rows))  # a few distinct ones
+        attrs_of = dict(zip(texts, _codec.loads_many(texts)))
+        datas = iter(_codec.loads_many([row[8] for row in rows if row[8] is not None]))
+        return [
+            TrialFinal(
+                tid,
+                config,
+                hp,
+                steps,
+                node,
+                step,
+                state,
+                attrs_of[attrs],
+                None if data is None else _shown(next(datas)),
+            )
+            for (tid, _, _, steps, node, step, state, attrs, data), config, hp in zip(
+                rows, configs, hps
+            )
         ]
 
     @_retried

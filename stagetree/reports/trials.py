@@ -382,12 +382,42 @@ def trial_records(
     metrics}``, empty when it has none there): one point per trial read by query instead
     of every learning curve (what a study of 100,000 trials can afford to list).
     """
+    if not history:
+        return _final_trial_records(storage, study, version)
     rows = _trials(storage, study, version)[0]
-    records = records_of(storage, rows) if history else final_records(storage, rows, study=study)
+    records = records_of(storage, rows)
     lineage = study_lineage(storage, study, rows) if rows else {}
     for record in records:
         record.lineage = lineage.get(record.id, [])
     return records
+
+
+def _final_trial_records(
+    storage: BasePlanStorage, study: str, version: Any = None
+) -> list[TrialRecord]:
+    """:func:`trial_records` with ``history=False``: what :func:`final_records` makes of
+    :func:`trial_rows`, from one read of the trials with their final metrics
+    (:meth:`BasePlanStorage.trial_finals`: one query on SQL, no row dicts)."""
+    record = _studies(storage).get(study)
+    if record is None:
+        return []
+    meta = record.get("meta") or {}
+    if version is None:
+        version = current_version(storage.trials(study, light=True), meta)
+    default = meta.get("version")  # trial_version's rule, without a dict per row
+    own = [f for f in storage.trial_finals(study) if f.attrs.get("version", default) == version]
+    out = []
+    for tid, config, hp, steps, node, step, state, attrs, final in own:
+        if final is None and node is not None and step != steps:  # the end lags
+            final = _along(storage, storage.trial(tid)).get(steps)
+        error = TrialError.from_attrs(attrs) if state == TrialState.FAILED else None
+        metrics = {steps: final} if final is not None else {}
+        out.append(TrialRecord(tid, config, hp, steps, str(state), metrics, error))
+    rows = ({"id": f.id, "config": f.config, "hp": f.hp} for f in own)
+    lineage = study_lineage(storage, study, rows) if own else {}
+    for rec in out if lineage else ():
+        rec.lineage = lineage.get(rec.id, [])
+    return out
 
 
 @quiet_gc

@@ -875,6 +875,29 @@ def test_trial_ends_are_the_light_rows_with_their_final_points(backend: Backend)
     assert plan.trial_ends("nosuch") == []
 
 
+def test_trial_finals_are_the_rows_with_their_final_points(backend: Backend) -> None:
+    plan = backend.storage
+    ids = _final_points_study(plan)
+    plan.add_trial("s", R, {"wd": [0.1, {"a": 1}]}, lr(Linear(0.1, 0.0, 10)), 4, None, None)
+    finals = plan.trial_finals("s")
+    rows = plan.trials("s")
+    assert [f.id for f in finals] == [t["id"] for t in rows]
+    fields = ("config", "hp", "steps", "node", "step", "state", "attrs")
+    assert [(f.config, f.hp, f.steps, f.node, f.step, f.state, dict(f.attrs)) for f in finals] == [
+        tuple(t[k] for k in fields) for t in rows
+    ]
+    assert all(type(v) is type(t["hp"][k]) for f, t in zip(finals, rows) for k, v in f.hp.items())
+    ends = {e.id: e.final for e in plan.trial_ends("s")}
+    by_id = {f.id: f.final for f in finals}
+    assert {k: v is None for k, v in by_id.items()} == {k: v is None for k, v in ends.items()}
+    assert by_id[ids["done"]] == {"m": 0.4} and by_id[ids["lags"]] is None
+    assert math.isnan((by_id[ids["nan"]] or {})["m"])
+    finals[0].config["changed"] = 1  # each row's own config and sequences
+    finals[0].hp.clear()
+    assert plan.trial_finals("s")[0].config == {} and plan.trial_finals("s")[0].hp
+    assert plan.trial_finals("nosuch") == []
+
+
 def test_claim_is_all_or_nothing_and_respects_other_owners(backend: Backend) -> None:
     a = backend.storage
     b = backend.reopen() if backend.reopen is not None else a
