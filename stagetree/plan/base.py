@@ -665,6 +665,17 @@ class BasePlanStorage(ABC):
     def read_log(self, study: str) -> list[dict[str, Any]]:
         """The study's log records in order."""
 
+    def last_log(self, study: str, event: str | None = None) -> dict[str, Any] | None:
+        """The study's last log record, or with ``event`` the last whose ``"event"``
+        field is ``event``; None when there is none. What a reader asks of a long log
+        (whether a study logged any decision, an exploit, where its latest run's
+        decisions start) without reading it whole: backends answer it from the end,
+        decoding only the records that may match."""
+        for record in reversed(self.read_log(study)):
+            if event is None or record.get("event") == event:
+                return record
+        return None
+
     # -- leases --------------------------------------------------------------------------
 
     @abstractmethod
@@ -705,6 +716,13 @@ class BasePlanStorage(ABC):
         """A counter that every change of the plan increases (every write transaction
         but a lease renewal), for readers that poll for changes (the dashboard). 0 on a
         storage that has never been written by a stagetree that keeps it."""
+
+    def writes_here(self) -> int:
+        """A counter that every change of the plan made through this handle increases
+        (as :meth:`revision` counts them), read without I/O: whether what a reader of
+        this process read is still what it wrote on (a resumed run's replay, answered
+        from one read of its trials, until the run writes)."""
+        return self.revision()
 
     @abstractmethod
     def record_activity(self, items: Iterable[Mapping[str, Any]]) -> None:

@@ -416,6 +416,7 @@ class SQLPlanStorage(BasePlanStorage):
         # add_trial(unique=True) looks its row up here and reads only the rows added
         # since, instead of comparing every row of the study
         self._trial_keys: dict[str, tuple[int, dict[int, int]]] = {}
+        self._changes = 0  # write transactions committed through this handle
         self._roots_seen: dict[str, str] = {}  # root key -> config registered (committed)
         try:
             parsed = make_url(url)
@@ -515,6 +516,8 @@ class SQLPlanStorage(BasePlanStorage):
                         if write and bump:
                             conn.execute(_BUMP)
                         committing = write
+                if write and bump:
+                    self._changes += 1
             except SQLAlchemyError as exc:
                 where = f"plan storage {self._url!r}"
                 if _transient(exc, self._pg) and not committing:
@@ -1361,6 +1364,25 @@ class SQLPlanStorage(BasePlanStorage):
             ).scalars()
             return [_codec.loads(r) for r in rows]
 
+    @_retried
+    def last_log(self, study: str, event: str | None = None) -> dict[str, Any] | None:
+        c = _logs.c
+        query = select(c.record).where(c.study == study).order_by(c.seq.desc())
+        needle = None if event is None else _codec.event_needle(event)
+        if needle is not None and needle.replace('"', "").replace(":", "").isalnum():
+            # LIKE's wildcards and escapes aside (an event name of letters and digits)
+            query = query.where(c.record.like(f"%{needle}%"))
+        elif needle is None:
+            query = query.limit(1)
+        with self._tx(write=False) as conn:
+            for (text,) in conn.execute(query):  # from the end, decoded one at a time
+                if needle is not None and needle not in text:
+                    continue
+                record: dict[str, Any] = _codec.loads(text)
+                if event is None or record.get("event") == event:
+                    return record
+        return None
+
     # -- leases --------------------------------------------------------------------------
 
     def _grant(
@@ -1447,6 +1469,9 @@ class SQLPlanStorage(BasePlanStorage):
     # -- change feed ---------------------------------------------------------------------
 
     @_retried
+    def writes_here(self) -> int:
+        return self._changes
+
     def revision(self) -> int:
         with self._tx(write=False) as conn:
             raw = conn.execute(

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from stagetree.exceptions import PlanKeyError
 from stagetree.identity import current_version, split_trials, trial_version
 from stagetree.plan.scopes import root_scope, study_scope
+from stagetree.plan.tree import curve_along, path_segments
 from stagetree.ranking import MODES, best_key, check_mode, finite, guess_mode
 from stagetree.records import NO_ERROR, TrialError, TrialRecord, TrialState
 from stagetree.reports.lineage import study_lineage
@@ -138,27 +139,6 @@ def _along(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict
     return storage.metrics_along(trial["root_key"], hp, trial["steps"])
 
 
-def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple[int, int, int]]:
-    """``(node, first, last)`` per node of the path that ends at the canonical
-    ``(node, step)``, root first: the steps ``first..last`` (inclusive) whose model is
-    keyed by that node (what :func:`stagetree.plan.tree.walk` returns for the trial).
-
-    Raises:
-        KeyError: a node of the path is not in ``nodes``.
-    """
-    chain = [nodes[node]]
-    while chain[-1].parent is not None:
-        chain.append(nodes[chain[-1].parent])
-    chain.reverse()
-    out: list[tuple[int, int, int]] = []
-    for i, n in enumerate(chain):
-        first = 0 if n.parent is None else n.branch_step + 1
-        last = chain[i + 1].branch_step if i + 1 < len(chain) else step
-        if last >= first:
-            out.append((n.id, first, last))
-    return out
-
-
 def curve_of(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
     """Every known metric on one ``trial``'s path up to its steps, by step (what
     :meth:`BasePlanStorage.metrics_along` gives): the metrics of its path's nodes only
@@ -215,18 +195,7 @@ class TreeCurves:
             segments = path_segments(nodes, int(trial["node"]), int(trial["steps"]))
         except KeyError:  # a node committed after the tree was read
             return _along(self.storage, trial)
-        out: dict[int, dict[str, float]] = {}
-        for node, first, last in segments:
-            points = metrics.get(node)
-            if not points:
-                continue
-            steps = self._steps.get(node)
-            if steps is None:
-                steps = self._steps[node] = sorted(points)
-            lo, hi = bisect.bisect_left(steps, first), bisect.bisect_right(steps, last)
-            for step in steps[lo:hi]:
-                out[step] = dict(points[step])
-        return out
+        return curve_along(segments, metrics, self._steps)
 
 
 @quiet_gc

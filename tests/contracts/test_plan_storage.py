@@ -706,6 +706,32 @@ def test_decision_log(plan: BasePlanStorage) -> None:
         plan.append_log("s", {"obj": object()})
 
 
+def test_last_log_record_of_an_event_is_read_from_the_end(backend: Backend) -> None:
+    plan = backend.storage
+    plan.create_study("s", {})
+    plan.create_study("t", {})
+    assert plan.last_log("s") is None and plan.last_log("s", "trainer") is None
+    records: list[dict[str, Any]] = [
+        {"event": "trainer", "version": "a"},
+        {"event": "submit", "key": 0, "note": {"event": "trainer", "version": "x"}},
+        {"event": "trainer", "version": "b"},
+        {"event": "submit", "key": 1, "config": {"event": "exploit"}},
+        {"event": "odd_name%", "n": 1},
+        {"event": "workers", "n": 4, "reason": '"event":"trainer" in a string'},
+    ]
+    for rec in records:
+        plan.append_log("s", rec)
+    plan.append_log("t", {"event": "exploit"})
+    reader = backend.reopen() if backend.reopen is not None else plan
+    assert reader.last_log("s") == records[-1]
+    assert reader.last_log("s", "trainer") == records[2]  # not the nested ones
+    assert reader.last_log("s", "submit") == records[3]
+    assert reader.last_log("s", "odd_name%") == records[4]
+    assert reader.last_log("s", "exploit") is None  # only nested in s; t's is t's
+    assert reader.last_log("t", "exploit") == {"event": "exploit"}
+    assert reader.last_log("unknown") is None and reader.last_log("unknown", "x") is None
+
+
 # -- life cycle ------------------------------------------------------------------------
 
 
