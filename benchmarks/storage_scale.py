@@ -22,7 +22,10 @@ filled again: give it a database of its own.
 ``--replay N ...`` instead runs a study (random search of N trials of ``--steps``
 steps on 40 simulated workers, SQLite plan) and then resumes it in a new process, which
 replays every logged decision: CPU and wall seconds and peak RSS growth of each run
-(``--profile best`` prints the resumed run's profile).
+(``--profile best`` prints the resumed run's profile). With ``--synthetic`` the finished
+study is written in bulk instead (the tuner's decisions against a runner that answers at
+once, then its trials, metrics and log as the engine writes them: a first run of 100,000
+trials takes hours), and only the resumed run is measured.
 """
 
 from __future__ import annotations
@@ -164,22 +167,18 @@ def measure(storage: Any, n: int, points: int, what: str, profile: bool) -> dict
     return out
 
 
-def run_study(path: str, n: int, steps: int, profile: bool) -> dict[str, Any]:
-    """Random search of ``n`` trials of ``steps`` steps on 40 simulated workers (virtual
-    time) with the SQLite plan at ``path``: the first run when the file is new, else a
-    resumed one, which replays every decision of the log (every trial's result is
-    stored). CPU and wall seconds of ``tune()``, the growth of peak RSS per trial."""
+def _study_and_tuner(path: str, n: int, steps: int) -> tuple[Any, Any]:
+    """The study and tuner of ``--replay``: random search of ``n`` trials of ``steps``
+    steps on 40 simulated workers, SQLite plan at ``path``."""
     from stagetree.distributions import LogUniform, Uniform
     from stagetree.executors.simulated import LearningCurve, SimulatedExecutor, SimulatedTrainer
     from stagetree.space import RandomSpace
     from stagetree.study import Study
     from stagetree.tuners import RandomSearch
 
-    resumed = os.path.exists(path)
     space = RandomSpace({"lr": LogUniform(1e-4, 1e-1), "wd": Uniform(0.0, 0.1)})
     tuner = RandomSearch(space, "acc", steps=steps, num_trials=n, seed=0)
     executor = SimulatedExecutor(40, curve=LearningCurve(aliases={"acc": "accuracy"}))
-    base = _rss_mb()
     study = Study(
         "scale",
         SimulatedTrainer,
@@ -188,6 +187,144 @@ def run_study(path: str, n: int, steps: int, profile: bool) -> dict[str, Any]:
         checkpoint_dir=path + ".ckpt",
         executor=lambda: executor,
     )
+    return study, tuner
+
+
+def _curve(hp: dict[str, Any], steps: int) -> dict[int, dict[str, float]]:
+    lr, wd = float(hp["lr"](0)), float(hp["wd"](0))
+    return {
+        s: {"acc": s / (s + 3) * (1 - wd) * (1 - abs(lr - 0.01)), "loss": lr}
+        for s in range(1, steps + 1)
+    }
+
+
+class _InstantRunner:
+    """A tuner's runner that answers every trial at once (a synthetic learning curve)
+    and keeps the log and the trials: the decisions of a finished run, without one."""
+
+    def __init__(self) -> None:
+        self.log: list[dict[str, Any]] = []
+        self.trials: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {}
+
+    async def submit(self, config: dict[str, Any], hp: dict[str, Any], steps: int) -> Any:
+        from stagetree.hp import dumps_hp
+        from stagetree.tuners.base import TrialResult
+
+        self.trials[dumps_hp(hp)] = (config, hp, steps)
+        history = _curve(hp, steps)
+        return TrialResult(config, hp, steps, dict(history[steps]), history)
+
+    def num_workers(self) -> int:
+        return 40
+
+    def check(self, config: dict[str, Any], hp: dict[str, Any]) -> None:
+        pass
+
+    def declare(self, trials: Any) -> None:
+        pass
+
+    def append_log(self, record: dict[str, Any]) -> None:
+        self.log.append(record)
+
+    def read_log(self) -> list[dict[str, Any]]:
+        return []
+
+
+def fill_run(path: str, n: int, steps: int) -> dict[str, Any]:
+    """A finished ``--replay`` study of ``n`` trials written in bulk (a first run of
+    100,000 trials takes hours here): the tuner's decisions against an instant runner,
+    their trials' paths, metrics at every step, trial rows and log records, as the
+    engine writes them."""
+    import asyncio
+
+    from stagetree.hp import dumps_hp
+    from stagetree.plan import sql
+    from stagetree.plan.model import RequestState
+
+    t0 = time.perf_counter()
+    study, tuner = _study_and_tuner(path, n, steps)
+    runner = _InstantRunner()
+    asyncio.run(tuner.run(runner))
+    study.open()
+    engine, slot = study._engine, study._study_slot
+    storage = engine.storage
+    trials = list(runner.trials.values())
+    names = frozenset(trials[0][1])
+    with engine.lock:
+        root = engine._tree_key(slot.root_key({}, trials[0][1]), names)
+        engine._ensure_row(slot)
+    storage.register_root(root, {})
+    inserted = storage.insert_trials(root, [(hp, st) for _, hp, st in trials])
+    attrs = json.dumps({"version": slot.version, "opened": time.time()}, sort_keys=True)
+    with storage._tx(write=True) as conn:
+        first = 1
+        for i in range(0, len(trials), 5000):
+            part = list(zip(trials, inserted))[i : i + 5000]
+            conn.execute(
+                sql._metrics.insert(),
+                [
+                    {"node": ins.node, "step": s, "root_key": root, "data": json.dumps(m)}
+                    for (_, hp, st), ins in part
+                    for s, m in _curve(hp, st).items()
+                ],
+            )
+            conn.execute(
+                sql._trials.insert(),
+                [
+                    {
+                        "id": first + i + j,
+                        "study": slot.name,
+                        "root_key": root,
+                        "config": json.dumps(cfg, sort_keys=True, separators=(",", ":")),
+                        "hp": dumps_hp(hp),
+                        "steps": st,
+                        "node": ins.node,
+                        "step": ins.step,
+                        "state": "done",
+                        "attrs": attrs,
+                        "created": time.time(),
+                    }
+                    for j, ((cfg, hp, st), ins) in enumerate(part)
+                ],
+            )
+        conn.execute(sql._requests.update().values(state=RequestState.DONE.value))
+        conn.execute(
+            sql._logs.insert(),
+            [
+                {
+                    "study": slot.name,
+                    "seq": k,
+                    "record": json.dumps(r, sort_keys=True, separators=(",", ":")),
+                }
+                for k, r in enumerate(runner.log)
+            ],
+        )
+    study.close()
+    return {"fill_s": time.perf_counter() - t0, "log": len(runner.log)}
+
+
+def _settle_longer() -> None:
+    """Let the simulated driver settle its loop for more rounds: its stall check
+    (``executors.simulated.drive``) counts two settles of 10,000 ready rounds without
+    new work as a stall, and a replay answers 100,000 trials from the storage in one
+    settle (more rounds than that, no work at all)."""
+    from stagetree.executors import base, simulated
+
+    def settle(max_rounds: int = 10_000_000) -> Any:
+        return base.settle_loop(max_rounds)
+
+    simulated.settle_loop = settle  # type: ignore[assignment]
+
+
+def run_study(path: str, n: int, steps: int, profile: bool) -> dict[str, Any]:
+    """Random search of ``n`` trials of ``steps`` steps on 40 simulated workers (virtual
+    time) with the SQLite plan at ``path``: the first run when the file is new, else a
+    resumed one, which replays every decision of the log (every trial's result is
+    stored). CPU and wall seconds of ``tune()``, the growth of peak RSS per trial."""
+    resumed = os.path.exists(path)
+    base = _rss_mb()
+    study, tuner = _study_and_tuner(path, n, steps)
+    _settle_longer()
     prof = None
     if profile and resumed:  # the replay's profile
         import cProfile
@@ -232,14 +369,21 @@ def _url(backend: str, n: int, data: str, pg_url: str | None) -> str:
     return pg_url
 
 
-def replay(sizes: list[int], steps: int, data: str, profile: bool) -> None:
-    """A study of each size run, then resumed (its log replayed), each in a process of
-    its own; a table of both."""
+def replay(sizes: list[int], steps: int, data: str, profile: bool, synthetic: bool) -> None:
+    """A study of each size run (or with ``synthetic``, written in bulk: see
+    :func:`fill_run`), then resumed (its log replayed), each in a process of its own; a
+    table of both."""
     print("| trials | run | CPU s | wall s | peak MB | KiB/trial |")
     print("|---:|---|---:|---:|---:|---:|")
     for n in sizes:
-        path = os.path.join(data, f"study-run-{n}-{steps}.db")
-        for _ in range(2):
+        path = os.path.join(data, f"study-{'bulk' if synthetic else 'run'}-{n}-{steps}.db")
+        if synthetic and not os.path.exists(path):
+            filled = _child([path, str(n), str(steps), "fillrun", "0"])
+            print(
+                f"filled {n}: {filled['fill_s']:.1f} s, {filled['log']} log records",
+                file=sys.stderr,
+            )
+        for _ in range(1 if synthetic else 2):
             r = _child([path, str(n), str(steps), "study", "1" if profile else "0"])
             run = "resumed" if r["resumed"] else "first"
             print(
@@ -261,7 +405,16 @@ def main() -> None:
     p.add_argument("--one", nargs=5, metavar=("URL", "N", "POINTS", "WHAT", "PROFILE"))
     p.add_argument("--replay", type=int, nargs="+", default=None, metavar="N")
     p.add_argument("--steps", type=int, default=4, help="steps per trial of --replay")
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="--replay: write the finished study in bulk instead of running it first",
+    )
     args = p.parse_args()
+    if args.one and args.one[3] == "fillrun":
+        path, n, steps, _, _ = args.one
+        print(json.dumps(fill_run(path, int(n), int(steps))))
+        return
     if args.one and args.one[3] == "study":
         path, n, steps, _, prof = args.one
         print(json.dumps(run_study(path, int(n), int(steps), prof == "1")))
@@ -276,7 +429,7 @@ def main() -> None:
     data = args.data or tempfile.mkdtemp(prefix="storage-scale-")
     os.makedirs(data, exist_ok=True)
     if args.replay:
-        replay(args.replay, args.steps, data, args.profile is not None)
+        replay(args.replay, args.steps, data, args.profile is not None, args.synthetic)
         return
     rows = []
     for backend in args.storage:

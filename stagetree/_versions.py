@@ -32,7 +32,7 @@ class StudyLike(Protocol):
     log_checked: bool
 
 
-__all__ = ["append_log", "open_trials", "read_log"]
+__all__ = ["append_log", "has_log", "open_trials", "read_log"]
 
 LOG_EVENT = "trainer"
 _ANNOUNCED: set[tuple[str, str, str]] = set()
@@ -100,12 +100,28 @@ def read_log(study: StudyLike, storage: BasePlanStorage) -> list[dict[str, Any]]
     return segment if study.log_checked else []
 
 
+def has_log(study: StudyLike, storage: BasePlanStorage) -> bool:
+    """Whether :func:`read_log` would return any decision (a run to replay, not a first
+    run), from the log's last record and its last version record
+    (:meth:`~stagetree.plan.BasePlanStorage.last_log`) instead of the whole log."""
+    last = storage.last_log(study.name)
+    if last is None or last.get("event") == LOG_EVENT:
+        return False  # no log, or the latest run logged no decision
+    return bool(_log_version(study.name, storage) == study.version)
+
+
+def _log_version(name: str, storage: BasePlanStorage) -> Any:
+    """The version of the log's latest run (:func:`_segment`'s), from its last version
+    record."""
+    mark = storage.last_log(name, LOG_EVENT)
+    return _meta(storage, name).get("version") if mark is None else mark.get("version")
+
+
 def append_log(study: StudyLike, storage: BasePlanStorage, record: dict[str, Any]) -> None:
     """Append ``record``, after a record that starts this version's decisions when the
     log's latest run used another version."""
     if not study.log_checked:
-        version, _ = _segment(storage.read_log(study.name), _meta(storage, study.name))
-        if version != study.version:
+        if _log_version(study.name, storage) != study.version:
             storage.append_log(study.name, {"event": LOG_EVENT, "version": study.version})
         study.log_checked = True
     storage.append_log(study.name, record)

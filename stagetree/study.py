@@ -378,8 +378,10 @@ class Study(StudyAPI):
         # The workers start with the first trial the storage cannot answer. A run with no
         # decision logged (a first run) will train: what its workers fork from starts now.
         self._engine.ensure_started(workers=False)
-        if not self.read_log():
+        if not self._engine.has_log(self._study_slot):
             self._engine.prepare_workers()
+        else:  # a re-run: its replay is answered from one read of the finished trials
+            self._engine.prepare_replay(self._study_slot)
 
     def _virtual_time(self) -> bool:
         return self._run_clock().virtual

@@ -36,6 +36,7 @@ from stagetree import _versions, work
 from stagetree.checkpoints.eviction import evict_to_budget
 from stagetree.engine.coordination import Coordinator
 from stagetree.engine.ledger import Ledger
+from stagetree.engine.replay import ReplayAnswers
 from stagetree.exceptions import (
     CheckpointUnreachableError,
     InvalidTrialError,
@@ -47,7 +48,7 @@ from stagetree.exceptions import (
 from stagetree.executors.base import WALL_CLOCK, BaseExecutor, Clock
 from stagetree.executors.devices import trainer_devices
 from stagetree.hp import Sequence, dumps_hp
-from stagetree.plan.base import BasePlanStorage
+from stagetree.plan.base import BasePlanStorage, TrialFinal
 from stagetree.plan.leases import host_pid
 from stagetree.plan.model import RequestState
 from stagetree.plan.scopes import (
@@ -283,6 +284,8 @@ class Engine:
         self._root_trainers: dict[str, str] = {}
         # (root key, hp names) -> the tree of those names (see BasePlanStorage.tree_key).
         self._tree_keys: dict[tuple[str, frozenset[str]], str] = {}
+        # study name -> its finished trials read at once, while its run replays its log
+        self._replays: dict[str, ReplayAnswers] = {}
         # Fusion: fusible names of the trees of fusing studies; trainer keys whose
         # workers could not fuse them (said once, never fused again).
         self._root_fusible: dict[str, frozenset[str]] = {}
@@ -590,6 +593,7 @@ class Engine:
         """Release the study's tuning lease; record when the run ended (``meta["run"]
         ["ended"]``) when the run wrote its study's row."""
         with self.lock:
+            self._replays.pop(slot.name, None)
             self.coord.release_study(slot.name)
             run = slot.meta.get("run")
             if not isinstance(run, dict) or "ended" in run or not slot.row_ready:
@@ -621,6 +625,40 @@ class Engine:
         with self.lock:
             return _versions.read_log(slot, self.storage)
 
+    def has_log(self, slot: StudySlot) -> bool:
+        """Whether :meth:`read_log` would return any decision (a run to replay), without
+        reading the whole log."""
+        with self.lock:
+            return _versions.has_log(slot, self.storage)
+
+    def prepare_replay(self, slot: StudySlot) -> None:
+        """A run that replays its log starts: read the study's finished trials at once
+        (:class:`~stagetree.engine.replay.ReplayAnswers`), so that :meth:`submit`,
+        :meth:`known` and :meth:`history` answer the replayed ones without a query each
+        (until this engine writes to the plan)."""
+        with self.lock:
+            self._ensure_row(slot)  # the run's first write, before the read
+            self._replays[slot.name] = ReplayAnswers(self.storage, slot.name, slot.version)
+
+    def _replayed(
+        self, slot: StudySlot, config: dict[str, Any], hp: dict[str, Sequence], steps: int
+    ) -> tuple[str, TrialFinal] | None:
+        """``(tree, trial)`` of a finished trial ``(config, hp)`` at ``steps`` from the
+        replay's read (lock held); None when there is none (or it no longer holds)."""
+        answers = self._replays.get(slot.name)
+        if answers is None:
+            return None
+        if not answers.valid:  # this engine wrote: the storage answers from now on
+            self._replays.clear()
+            return None
+        found = answers.finished(answers.ident(config, hp), steps)
+        if found is None:
+            return None
+        base, names = slot.root_key(config, hp), frozenset(hp)
+        tree = self._tree_key(base, names)
+        self._tree_keys[(base, names)] = tree  # settled: a finished trial is in it
+        return tree, found
+
     def append_log(self, slot: StudySlot, record: Mapping[str, Any]) -> None:
         with self.lock:
             self._ensure_row(slot)
@@ -648,6 +686,15 @@ class Engine:
         plan knows them). ``config`` and ``hp`` are checked by the caller."""
         storage = self.storage
         with self.lock:
+            replayed = self._replayed(slot, config, hp, steps)
+            if replayed is not None:  # a finished trial of the log: what the plan holds
+                tree, done = replayed
+                assert done.node is not None and done.step is not None and done.final is not None
+                self._own_root(slot, tree)
+                slot.trial_ids[self._replays[slot.name].ident(config, hp)] = done.id
+                waiter = Waiter(slot.name, done.id, tree, done.node, done.step)
+                waiter.future.set_result(dict(done.final))
+                return waiter
             root_key, ins = self._insert_path(slot, config, hp, max(steps, horizon))
             leaf = ins.node
             if horizon > steps:
@@ -761,11 +808,15 @@ class Engine:
         hp: dict[str, Sequence],
         steps: int,
     ) -> Insertion:
+        self._own_root(slot, root_key)
+        self.storage.register_root(root_key, config)
+        return self.storage.insert_trial(root_key, hp, steps, request=False)
+
+    def _own_root(self, slot: StudySlot, root_key: str) -> None:
+        """The tree ``root_key`` is trained by the study's trainer (lock held)."""
         self._root_trainers[root_key] = slot.trainer_key
         if slot.fusible and slot.trainer_key not in self._unfusible:
             self._root_fusible[root_key] = slot.fusible
-        self.storage.register_root(root_key, config)
-        return self.storage.insert_trial(root_key, hp, steps, request=False)
 
     def _tree_key(self, base: str, names: frozenset[str]) -> str:
         """The plan tree of trials with hyper-parameter ``names`` under the root key
@@ -784,6 +835,12 @@ class Engine:
         """What the plan holds of a trial at ``step``, without training: its metrics and
         its checkpoint's ref (each None when unknown)."""
         with self.lock:
+            replayed = self._replayed(slot, config, hp, step)
+            if replayed is not None:  # a finished trial of the log, at its end
+                tree, done = replayed
+                assert done.node is not None and done.step is not None and done.final is not None
+                ckpt = self._replays[slot.name].checkpoint(tree, done.node, done.step)
+                return dict(done.final), (ckpt.ref if ckpt is not None else None)
             tree = self._tree_key(slot.root_key(config, hp), frozenset(hp))
             where = self.storage.locate(tree, hp, step)
             if where is None:
@@ -796,6 +853,11 @@ class Engine:
     ) -> dict[int, dict[str, float]]:
         """Every known metric on the trial's path up to ``steps``, by step."""
         with self.lock:
+            replayed = self._replayed(slot, config, hp, steps)
+            if replayed is not None:
+                curve = self._replays[slot.name].curve(*replayed)
+                if curve is not None:
+                    return curve
             tree = self._tree_key(slot.root_key(config, hp), frozenset(hp))
             return self.storage.metrics_along(tree, hp, steps)
 

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["copy", "detach", "dumps", "loads", "loads_many"]
+__all__ = ["copy", "detach", "dumps", "event_needle", "loads", "loads_many"]
 
 
 def dumps(value: Any, what: str = "value") -> str:
@@ -57,3 +57,10 @@ def detach(value: Any) -> Any:
     if isinstance(value, list):
         return [detach(v) if isinstance(v, (dict, list)) else v for v in value]
     return value
+
+
+def event_needle(event: str) -> str:
+    """The text that :func:`dumps` of a record whose ``"event"`` field is ``event`` holds
+    (compact JSON, no space after the colon): a cheap filter before decoding a record
+    (a nested field of that name and value holds it too, so matches are checked)."""
+    return '"event":' + json.dumps(event)

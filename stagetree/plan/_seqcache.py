@@ -20,6 +20,8 @@ from stagetree.plan import _codec
 
 __all__ = ["SeqCache"]
 
+_SCALARS = frozenset({int, float, str, bool})
+
 
 class SeqCache:
     """Memoised values, differences, JSON and decoding of sequences.
@@ -40,7 +42,9 @@ class SeqCache:
         self.values: dict[tuple[int, int], tuple[type, Any]] = {}
         self.diffs: dict[tuple[int, int, int], int | None] = {}
         self._json: dict[int, str] = {}
-        self._decoded: dict[str, Sequence] = {}
+        self._decoded: dict[
+            Any, Sequence
+        ] = {}  # repr of a description, or a constant's (type, value)
         self._texts: dict[str, dict[str, Sequence]] = {}  # hp text -> decoded
 
     def _keep(self, seq: Sequence) -> int:
@@ -119,15 +123,36 @@ class SeqCache:
         trial's sequences are those of the node it created, and readers read the same
         rows over and over), the others in one bulk decode."""
         known = self._texts
-        found = {t: known[t] for t in texts if t in known}
-        missing = [t for t in dict.fromkeys(texts) if t not in found]
+        found: dict[str, dict[str, Sequence]] = {}
+        missing = []
+        for text in dict.fromkeys(texts):
+            hp = known.get(text)
+            if hp is None:
+                missing.append(text)
+            else:
+                found[text] = hp
         if missing:
+            intern, decoded = self._intern, self._decoded
             for text, data in zip(missing, _codec.loads_many(missing)):
-                found[text] = {name: self._intern(desc) for name, desc in data.items()}
-            if len(self._texts) + len(missing) > self._max:
-                self.clear()
-            self._texts.update((t, found[t]) for t in missing)
-        return [dict(found[t]) for t in texts]
+                hp = found[text] = {}
+                for name, desc in data.items():
+                    # A constant (what a random or grid search stores: 100,000 distinct
+                    # ones in a large study) is keyed by its value's type and value,
+                    # inline: ten times cheaper than the repr of a float.
+                    if desc.__class__ is dict and len(desc) == 2 and desc.get("type") == "Constant":
+                        value = desc.get("value")
+                        if value.__class__ in _SCALARS:
+                            key = (value.__class__, value)
+                            seq = decoded.get(key)
+                            if seq is None:
+                                seq = decoded[key] = from_json(desc)
+                            hp[name] = seq
+                            continue
+                    hp[name] = intern(desc)
+            if len(known) + len(missing) > self._max or len(decoded) > self._max:
+                self.clear()  # what this call decoded is handed out from ``found``
+            known.update((t, found[t]) for t in missing)
+        return [found[t].copy() for t in texts]
 
     def _intern(self, desc: Any) -> Sequence:
         # Keyed by the repr of the decoded canonical JSON (sorted keys): exact (1, 1.0
@@ -136,8 +161,5 @@ class SeqCache:
         key = repr(desc)
         seq = self._decoded.get(key)
         if seq is None:
-            seq = from_json(desc)
-            if len(self._decoded) >= self._max:
-                self.clear()
-            self._decoded[key] = seq
+            seq = self._decoded[key] = from_json(desc)
         return seq

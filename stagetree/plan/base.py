@@ -23,6 +23,7 @@ __all__ = [
     "PlanKeyError",
     "RequestError",
     "TrialEnd",
+    "TrialFinal",
     "activity_row",
     "after_add",
     "after_release",
@@ -41,6 +42,25 @@ class TrialEnd(NamedTuple):
     steps: int
     node: int | None
     step: int | None
+    attrs: Mapping[str, Any]
+    final: dict[str, float] | None
+
+
+class TrialFinal(NamedTuple):
+    """A trial as ``Study.trials(history=False)`` lists it
+    (:meth:`BasePlanStorage.trial_finals`): the fields of a :meth:`BasePlanStorage.trials`
+    row that it reads (``config`` and ``hp`` the trial's own; ``attrs`` read-only: rows
+    with the same attributes may share one dict) and ``final``, its stored metrics at
+    its final step (None when it has none there, or its row's end lags its steps), as
+    :class:`TrialEnd` gives them."""
+
+    id: int
+    config: dict[str, Any]
+    hp: dict[str, Sequence]
+    steps: int
+    node: int | None
+    step: int | None
+    state: str
     attrs: Mapping[str, Any]
     final: dict[str, float] | None
 
@@ -616,6 +636,26 @@ class BasePlanStorage(ABC):
             for t in self.trials(study, light=True)
         ]
 
+    def trial_finals(self, study: str) -> list[TrialFinal]:
+        """:class:`TrialFinal` of each trial of ``study``, in id order: the rows of
+        :meth:`trials` joined to :meth:`final_metrics`, as a backend reads them at once
+        (one query on SQL, no row dicts): what ``Study.trials(history=False)`` lists."""
+        finals = self.final_metrics(study)
+        return [
+            TrialFinal(
+                t["id"],
+                t["config"],
+                t["hp"],
+                t["steps"],
+                t["node"],
+                t["step"],
+                t["state"],
+                t["attrs"],
+                finals.get(t["id"]),
+            )
+            for t in self.trials(study)
+        ]
+
     @abstractmethod
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         """Append a JSON-able record to the study's decision log; returns its sequence
@@ -624,6 +664,17 @@ class BasePlanStorage(ABC):
     @abstractmethod
     def read_log(self, study: str) -> list[dict[str, Any]]:
         """The study's log records in order."""
+
+    def last_log(self, study: str, event: str | None = None) -> dict[str, Any] | None:
+        """The study's last log record, or with ``event`` the last whose ``"event"``
+        field is ``event``; None when there is none. What a reader asks of a long log
+        (whether a study logged any decision, an exploit, where its latest run's
+        decisions start) without reading it whole: backends answer it from the end,
+        decoding only the records that may match."""
+        for record in reversed(self.read_log(study)):
+            if event is None or record.get("event") == event:
+                return record
+        return None
 
     # -- leases --------------------------------------------------------------------------
 
@@ -665,6 +716,13 @@ class BasePlanStorage(ABC):
         """A counter that every change of the plan increases (every write transaction
         but a lease renewal), for readers that poll for changes (the dashboard). 0 on a
         storage that has never been written by a stagetree that keeps it."""
+
+    def writes_here(self) -> int:
+        """A counter that every change of the plan made through this handle increases
+        (as :meth:`revision` counts them), read without I/O: whether what a reader of
+        this process read is still what it wrote on (a resumed run's replay, answered
+        from one read of its trials, until the run writes)."""
+        return self.revision()
 
     @abstractmethod
     def record_activity(self, items: Iterable[Mapping[str, Any]]) -> None:

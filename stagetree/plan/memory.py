@@ -514,6 +514,18 @@ class MemoryPlanStorage(BasePlanStorage):
             self._check_open()
             return [_codec.loads(text) for text in self._logs.get(study, [])]
 
+    def last_log(self, study: str, event: str | None = None) -> dict[str, Any] | None:
+        needle = None if event is None else _codec.event_needle(event)
+        with self._lock:
+            self._check_open()
+            for text in reversed(self._logs.get(study, [])):
+                if needle is not None and needle not in text:
+                    continue  # canonical JSON: a record of the event holds the needle
+                record: dict[str, Any] = _codec.loads(text)
+                if event is None or record.get("event") == event:
+                    return record
+            return None
+
     # -- leases --------------------------------------------------------------------------
 
     def _grant(self, owner: str, scope: str, node: int | None, a: int, b: int, ttl: float) -> Lease:

@@ -64,6 +64,7 @@ from stagetree.plan.base import (
     CheckpointRecord,
     MetricsItem,
     TrialEnd,
+    TrialFinal,
     activity_row,
     after_add,
     after_release,
@@ -415,6 +416,7 @@ class SQLPlanStorage(BasePlanStorage):
         # add_trial(unique=True) looks its row up here and reads only the rows added
         # since, instead of comparing every row of the study
         self._trial_keys: dict[str, tuple[int, dict[int, int]]] = {}
+        self._changes = 0  # write transactions committed through this handle
         self._roots_seen: dict[str, str] = {}  # root key -> config registered (committed)
         try:
             parsed = make_url(url)
@@ -514,6 +516,8 @@ class SQLPlanStorage(BasePlanStorage):
                         if write and bump:
                             conn.execute(_BUMP)
                         committing = write
+                if write and bump:
+                    self._changes += 1
             except SQLAlchemyError as exc:
                 where = f"plan storage {self._url!r}"
                 if _transient(exc, self._pg) and not committing:
@@ -1306,6 +1310,41 @@ class SQLPlanStorage(BasePlanStorage):
         ]
 
     @_retried
+    def trial_finals(self, study: str) -> list[TrialFinal]:
+        t, m = _trials.c, _metrics.c
+        at_end = (m.node == t.node) & (m.step == t.steps) & (t.step == t.steps)
+        query = (
+            select(t.id, t.config, t.hp, t.steps, t.node, t.step, t.state, t.attrs, m.data)
+            .select_from(_trials.outerjoin(_metrics, at_end))
+            .where(t.study == study)
+            .order_by(t.id)
+        )
+        with self._tx(write=False) as conn:
+            rows = conn.execute(query).all()
+            # Decoded through the sequence cache (under the lock), as in trials().
+            hps = self._seqs.decode_hp_many([row[2] for row in rows])
+        configs = _codec.loads_many([row[1] for row in rows])
+        texts = list(dict.fromkeys(row[7] for row in rows))  # a few distinct ones
+        attrs_of = dict(zip(texts, _codec.loads_many(texts)))
+        datas = iter(_codec.loads_many([row[8] for row in rows if row[8] is not None]))
+        return [
+            TrialFinal(
+                tid,
+                config,
+                hp,
+                steps,
+                node,
+                step,
+                state,
+                attrs_of[attrs],
+                None if data is None else _shown(next(datas)),
+            )
+            for (tid, _, _, steps, node, step, state, attrs, data), config, hp in zip(
+                rows, configs, hps
+            )
+        ]
+
+    @_retried
     def append_log(self, study: str, record: Mapping[str, Any]) -> int:
         data = _codec.dumps(dict(record), "log record")
         with self._tx(write=True) as conn:
@@ -1324,6 +1363,25 @@ class SQLPlanStorage(BasePlanStorage):
                 select(_logs.c.record).where(_logs.c.study == study).order_by(_logs.c.seq)
             ).scalars()
             return [_codec.loads(r) for r in rows]
+
+    @_retried
+    def last_log(self, study: str, event: str | None = None) -> dict[str, Any] | None:
+        c = _logs.c
+        query = select(c.record).where(c.study == study).order_by(c.seq.desc())
+        needle = None if event is None else _codec.event_needle(event)
+        if needle is not None and needle.replace('"', "").replace(":", "").isalnum():
+            # LIKE's wildcards and escapes aside (an event name of letters and digits)
+            query = query.where(c.record.like(f"%{needle}%"))
+        elif needle is None:
+            query = query.limit(1)
+        with self._tx(write=False) as conn:
+            for (text,) in conn.execute(query):  # from the end, decoded one at a time
+                if needle is not None and needle not in text:
+                    continue
+                record: dict[str, Any] = _codec.loads(text)
+                if event is None or record.get("event") == event:
+                    return record
+        return None
 
     # -- leases --------------------------------------------------------------------------
 
@@ -1411,6 +1469,9 @@ class SQLPlanStorage(BasePlanStorage):
     # -- change feed ---------------------------------------------------------------------
 
     @_retried
+    def writes_here(self) -> int:
+        return self._changes
+
     def revision(self) -> int:
         with self._tx(write=False) as conn:
             raw = conn.execute(

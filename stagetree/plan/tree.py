@@ -23,6 +23,7 @@ walk memoise differences per pair of sequences over ``[0, T)``
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
@@ -42,9 +43,11 @@ __all__ = [
     "check_items",
     "check_steps",
     "check_trial",
+    "curve_along",
     "insert",
     "is_canonical",
     "names_key",
+    "path_segments",
     "walk",
 ]
 
@@ -367,3 +370,47 @@ def is_canonical(node: Node, step: int) -> bool:
     """Whether ``(node, step)`` is the canonical key of a model (``branch_step < step``,
     or the root at step 0)."""
     return step > node.branch_step or (node.parent is None and step == 0)
+
+
+def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple[int, int, int]]:
+    """``(node, first, last)`` per node of the path that ends at the canonical
+    ``(node, step)``, root first: the steps ``first..last`` (inclusive) whose model is
+    keyed by that node (what :func:`walk` returns for the trial).
+
+    Raises:
+        KeyError: a node of the path is not in ``nodes``.
+    """
+    chain = [nodes[node]]
+    while chain[-1].parent is not None:
+        chain.append(nodes[chain[-1].parent])
+    chain.reverse()
+    out: list[tuple[int, int, int]] = []
+    for i, n in enumerate(chain):
+        first = 0 if n.parent is None else n.branch_step + 1
+        last = chain[i + 1].branch_step if i + 1 < len(chain) else step
+        if last >= first:
+            out.append((n.id, first, last))
+    return out
+
+
+def curve_along(
+    segments: Iterable[tuple[int, int, int]],
+    metrics: Mapping[int, Mapping[int, Mapping[str, float]]],
+    steps_of: dict[int, list[int]],
+) -> dict[int, dict[str, float]]:
+    """The metrics of a tree (``{node: {step: metrics}}``) on a path's ``segments``
+    (:func:`path_segments`), by step, each a copy: what ``metrics_along`` gives for the
+    trial that path ends. ``steps_of`` caches each node's sorted metric steps between
+    calls (a reader cutting many paths from one read of a tree)."""
+    out: dict[int, dict[str, float]] = {}
+    for node, first, last in segments:
+        points = metrics.get(node)
+        if not points:
+            continue
+        steps = steps_of.get(node)
+        if steps is None:
+            steps = steps_of[node] = sorted(points)
+        lo, hi = bisect.bisect_left(steps, first), bisect.bisect_right(steps, last)
+        for step in steps[lo:hi]:
+            out[step] = dict(points[step])
+    return out

@@ -110,12 +110,13 @@ def study_lineage(
 ) -> dict[int, list[dict[str, int]]]:
     """:func:`lineages` of ``study``'s trial ``rows`` from its log in ``storage``.
 
-    Cheap when the study has no exploit (one log read); ``rows`` may be light (without
-    config and hp): they are then read in full, only when there are exploits.
+    Cheap when the study has no exploit (a query for one, not a read of the log);
+    ``rows`` may be light (without config and hp): they are then read in full, only
+    when there are exploits.
     """
-    records = storage.read_log(study)
-    if not any(r.get("event") == "exploit" for r in records):
+    if storage.last_log(study, "exploit") is None:  # not the whole log of a large study
         return {}
+    records = storage.read_log(study)
     rows = list(rows)
     if any("hp" not in r or r.get("hp") is None for r in rows):
         wanted = {int(r["id"]) for r in rows}

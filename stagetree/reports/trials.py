@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from stagetree.exceptions import PlanKeyError
 from stagetree.identity import current_version, split_trials, trial_version
 from stagetree.plan.scopes import root_scope, study_scope
+from stagetree.plan.tree import curve_along, path_segments
 from stagetree.ranking import MODES, best_key, check_mode, finite, guess_mode
 from stagetree.records import NO_ERROR, TrialError, TrialRecord, TrialState
 from stagetree.reports.lineage import study_lineage
@@ -138,27 +139,6 @@ def _along(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict
     return storage.metrics_along(trial["root_key"], hp, trial["steps"])
 
 
-def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple[int, int, int]]:
-    """``(node, first, last)`` per node of the path that ends at the canonical
-    ``(node, step)``, root first: the steps ``first..last`` (inclusive) whose model is
-    keyed by that node (what :func:`stagetree.plan.tree.walk` returns for the trial).
-
-    Raises:
-        KeyError: a node of the path is not in ``nodes``.
-    """
-    chain = [nodes[node]]
-    while chain[-1].parent is not None:
-        chain.append(nodes[chain[-1].parent])
-    chain.reverse()
-    out: list[tuple[int, int, int]] = []
-    for i, n in enumerate(chain):
-        first = 0 if n.parent is None else n.branch_step + 1
-        last = chain[i + 1].branch_step if i + 1 < len(chain) else step
-        if last >= first:
-            out.append((n.id, first, last))
-    return out
-
-
 def curve_of(storage: BasePlanStorage, trial: Mapping[str, Any]) -> dict[int, dict[str, float]]:
     """Every known metric on one ``trial``'s path up to its steps, by step (what
     :meth:`BasePlanStorage.metrics_along` gives): the metrics of its path's nodes only
@@ -215,18 +195,7 @@ class TreeCurves:
             segments = path_segments(nodes, int(trial["node"]), int(trial["steps"]))
         except KeyError:  # a node committed after the tree was read
             return _along(self.storage, trial)
-        out: dict[int, dict[str, float]] = {}
-        for node, first, last in segments:
-            points = metrics.get(node)
-            if not points:
-                continue
-            steps = self._steps.get(node)
-            if steps is None:
-                steps = self._steps[node] = sorted(points)
-            lo, hi = bisect.bisect_left(steps, first), bisect.bisect_right(steps, last)
-            for step in steps[lo:hi]:
-                out[step] = dict(points[step])
-        return out
+        return curve_along(segments, metrics, self._steps)
 
 
 @quiet_gc
@@ -382,12 +351,42 @@ def trial_records(
     metrics}``, empty when it has none there): one point per trial read by query instead
     of every learning curve (what a study of 100,000 trials can afford to list).
     """
+    if not history:
+        return _final_trial_records(storage, study, version)
     rows = _trials(storage, study, version)[0]
-    records = records_of(storage, rows) if history else final_records(storage, rows, study=study)
+    records = records_of(storage, rows)
     lineage = study_lineage(storage, study, rows) if rows else {}
     for record in records:
         record.lineage = lineage.get(record.id, [])
     return records
+
+
+def _final_trial_records(
+    storage: BasePlanStorage, study: str, version: Any = None
+) -> list[TrialRecord]:
+    """:func:`trial_records` with ``history=False``: what :func:`final_records` makes of
+    :func:`trial_rows`, from one read of the trials with their final metrics
+    (:meth:`BasePlanStorage.trial_finals`: one query on SQL, no row dicts)."""
+    record = _studies(storage).get(study)
+    if record is None:
+        return []
+    meta = record.get("meta") or {}
+    if version is None:
+        version = current_version(storage.trials(study, light=True), meta)
+    default = meta.get("version")  # trial_version's rule, without a dict per row
+    own = [f for f in storage.trial_finals(study) if f.attrs.get("version", default) == version]
+    out = []
+    for tid, config, hp, steps, node, step, state, attrs, final in own:
+        if final is None and node is not None and step != steps:  # the end lags
+            final = _along(storage, storage.trial(tid)).get(steps)
+        error = TrialError.from_attrs(attrs) if state == TrialState.FAILED else None
+        metrics = {steps: final} if final is not None else {}
+        out.append(TrialRecord(tid, config, hp, steps, str(state), metrics, error))
+    rows = ({"id": f.id, "config": f.config, "hp": f.hp} for f in own)
+    lineage = study_lineage(storage, study, rows) if own else {}
+    for rec in out if lineage else ():
+        rec.lineage = lineage.get(rec.id, [])
+    return out
 
 
 @quiet_gc

@@ -706,6 +706,32 @@ def test_decision_log(plan: BasePlanStorage) -> None:
         plan.append_log("s", {"obj": object()})
 
 
+def test_last_log_record_of_an_event_is_read_from_the_end(backend: Backend) -> None:
+    plan = backend.storage
+    plan.create_study("s", {})
+    plan.create_study("t", {})
+    assert plan.last_log("s") is None and plan.last_log("s", "trainer") is None
+    records: list[dict[str, Any]] = [
+        {"event": "trainer", "version": "a"},
+        {"event": "submit", "key": 0, "note": {"event": "trainer", "version": "x"}},
+        {"event": "trainer", "version": "b"},
+        {"event": "submit", "key": 1, "config": {"event": "exploit"}},
+        {"event": "odd_name%", "n": 1},
+        {"event": "workers", "n": 4, "reason": '"event":"trainer" in a string'},
+    ]
+    for rec in records:
+        plan.append_log("s", rec)
+    plan.append_log("t", {"event": "exploit"})
+    reader = backend.reopen() if backend.reopen is not None else plan
+    assert reader.last_log("s") == records[-1]
+    assert reader.last_log("s", "trainer") == records[2]  # not the nested ones
+    assert reader.last_log("s", "submit") == records[3]
+    assert reader.last_log("s", "odd_name%") == records[4]
+    assert reader.last_log("s", "exploit") is None  # only nested in s; t's is t's
+    assert reader.last_log("t", "exploit") == {"event": "exploit"}
+    assert reader.last_log("unknown") is None and reader.last_log("unknown", "x") is None
+
+
 # -- life cycle ------------------------------------------------------------------------
 
 
@@ -873,6 +899,29 @@ def test_trial_ends_are_the_light_rows_with_their_final_points(backend: Backend)
     assert math.isnan((finals[ids["nan"]] or {})["m"])
     assert {k for k, v in finals.items() if v is not None} == plan.final_metrics("s").keys()
     assert plan.trial_ends("nosuch") == []
+
+
+def test_trial_finals_are_the_rows_with_their_final_points(backend: Backend) -> None:
+    plan = backend.storage
+    ids = _final_points_study(plan)
+    plan.add_trial("s", R, {"wd": [0.1, {"a": 1}]}, lr(Linear(0.1, 0.0, 10)), 4, None, None)
+    finals = plan.trial_finals("s")
+    rows = plan.trials("s")
+    assert [f.id for f in finals] == [t["id"] for t in rows]
+    fields = ("config", "hp", "steps", "node", "step", "state", "attrs")
+    assert [(f.config, f.hp, f.steps, f.node, f.step, f.state, dict(f.attrs)) for f in finals] == [
+        tuple(t[k] for k in fields) for t in rows
+    ]
+    assert all(type(v) is type(t["hp"][k]) for f, t in zip(finals, rows) for k, v in f.hp.items())
+    ends = {e.id: e.final for e in plan.trial_ends("s")}
+    by_id = {f.id: f.final for f in finals}
+    assert {k: v is None for k, v in by_id.items()} == {k: v is None for k, v in ends.items()}
+    assert by_id[ids["done"]] == {"m": 0.4} and by_id[ids["lags"]] is None
+    assert math.isnan((by_id[ids["nan"]] or {})["m"])
+    finals[0].config["changed"] = 1  # each row's own config and sequences
+    finals[0].hp.clear()
+    assert plan.trial_finals("s")[0].config == {} and plan.trial_finals("s")[0].hp
+    assert plan.trial_finals("nosuch") == []
 
 
 def test_claim_is_all_or_nothing_and_respects_other_owners(backend: Backend) -> None:

@@ -385,6 +385,34 @@ def test_from_json_errors(data: Any, match: str) -> None:
         from_json(data)
 
 
+@pytest.mark.parametrize("seq", EXAMPLES, ids=IDS)
+def test_from_json_of_plain_json_skips_the_template_check(
+    seq: Sequence, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding stored sequences (100,000 in a large study's trials) never looks for a
+    distribution among arguments that JSON cannot hold one in, and builds what the
+    constructor builds."""
+
+    def no_check(value: Any) -> bool:
+        raise AssertionError("looked for a distribution in plain JSON")
+
+    monkeypatch.setattr(stagetree.hp, "_is_random", no_check)
+    back = from_json(json.loads(json.dumps(seq.to_json())))
+    assert type(back) is type(seq) and back == seq and repr(back) == repr(seq)
+
+
+def test_from_json_of_a_constant_is_the_checked_constant() -> None:
+    for value in (0.25, -0.0, 0.0, 3, -7, True, False, "adam", "", 1e300):
+        back = from_json({"type": "Constant", "value": value})
+        built = Constant(value)
+        assert type(back) is Constant and repr(back) == repr(built)
+        assert type(back.value) is type(built.value) and back == built
+    assert math.copysign(1.0, from_json({"type": "Constant", "value": -0.0}).value) == 1.0
+    for bad in (math.nan, math.inf, None, [1], {"a": 1}):
+        with pytest.raises(InvalidSequenceError):
+            from_json({"type": "Constant", "value": bad})
+
+
 def test_loads_hp_errors() -> None:
     with pytest.raises(InvalidSequenceError):
         loads_hp("[1, 2]")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from study_trainers import LinearTrainer
 
-from stagetree import Study
+from stagetree import Study, _versions
 from stagetree.exceptions import ReplayDivergedWarning, TrainerChangedWarning
 from stagetree.hp import Constant
 from stagetree.plan import open_storage
@@ -106,3 +106,67 @@ def test_stats_and_progress_count_only_this_version(tmp_path: Path) -> None:
         stats: dict[str, Any] = b.stats()
         assert stats["trials"] == 1 and stats["steps_requested"] == 2
         assert b.progress()["trials"] == 1
+
+
+@pytest.mark.parametrize(
+    ("created", "log"),
+    [
+        ("a", []),
+        ("a", [{"event": "submit", "key": 0}]),  # written before versions were logged
+        ("b", [{"event": "submit", "key": 0}]),
+        ("b", [{"event": "trainer", "version": "a"}, {"event": "submit", "key": 0}]),
+        ("a", [{"event": "trainer", "version": "b"}, {"event": "submit", "key": 0}]),
+        ("a", [{"event": "submit", "key": 0}, {"event": "trainer", "version": "a"}]),
+        (
+            "a",
+            [
+                {"event": "trainer", "version": "a"},
+                {"event": "submit", "key": 0},
+                {"event": "trainer", "version": "b"},
+                {"event": "submit", "key": 1, "hp": {"event": "trainer", "version": "a"}},
+            ],
+        ),
+    ],
+)
+def test_has_log_is_whether_read_log_gives_decisions(
+    tmp_path: Path, created: str, log: list[dict[str, Any]]
+) -> None:
+    """A run tells a first run from a re-run by the log's last records (the whole log of
+    a 100,000-trial study was read once more just for that)."""
+
+    class Slot:
+        name, version, log_checked = "s", "a", False
+
+    for url in ("memory://", f"sqlite:///{tmp_path}/plan.db"):
+        with open_storage(url) as plan:
+            plan.create_study("s", {"version": created})
+            for rec in log:
+                plan.append_log("s", rec)
+            reads: list[str] = []
+            real = plan.read_log
+
+            def counted(study: str, real: Any = real, reads: list[str] = reads) -> Any:
+                reads.append(study)
+                return real(study)
+
+            plan.read_log = counted  # type: ignore[method-assign]
+            assert _versions.has_log(Slot(), plan) is bool(_versions.read_log(Slot(), plan))
+            assert reads == ["s"]  # read_log's own read only
+
+
+def test_a_resumed_tune_reads_the_log_once(tmp_path: Path) -> None:
+    """A re-run of ``tune()`` reads the tuner's log once, to replay it: telling a first
+    run from a re-run reads only the log's last records."""
+    reads: list[str] = []
+    with _study(tmp_path, "a") as study:
+        study.tune(_tuner())
+        plan = study._engine.storage
+        real = plan.read_log
+
+        def counted(name: str) -> list[dict[str, Any]]:
+            reads.append(name)
+            return real(name)
+
+        plan.read_log = counted  # type: ignore[method-assign]
+        study.tune(_tuner())
+        assert reads == ["v"]
