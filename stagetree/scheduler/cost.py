@@ -6,6 +6,15 @@ their running mean; unmeasured ones get a least-squares fit over the numeric
 hyper-parameters that vary between measured configurations (batch size is the typical
 one), falling back to the mean of the measurements; before any measurement every node
 costs 1.0 per step.
+
+The fit is over every measured configuration, so fitting it again after every
+measurement would cost the study's size per decision. Up to ``EXACT_ROWS`` measured
+configurations it is (every prediction comes from the measurements so far); beyond,
+it is fitted again once the measurements since its last fit reach ``1 / REFIT_EVERY``
+of those it was fitted on, so a prediction of an unmeasured configuration lags by at
+most that fraction of the measurements, and a study of ``n`` trials fits it
+``O(log n)`` times past the threshold. Measured configurations always use their
+current mean.
 """
 
 from __future__ import annotations
@@ -19,7 +28,14 @@ import numpy as np
 
 from stagetree.plan.model import Node
 
-__all__ = ["CostEstimator"]
+__all__ = ["EXACT_ROWS", "REFIT_EVERY", "CostEstimator"]
+
+#: Measured configurations up to which the model is fitted again after every
+#: measurement (every prediction then is that of the plain fit over all of them).
+EXACT_ROWS = 4096
+#: Beyond ``EXACT_ROWS``: the model is fitted again once the measurements since its
+#: fit reach ``1 / REFIT_EVERY`` of those it was fitted on.
+REFIT_EVERY = 64
 
 
 def _hashable(value: Any) -> Any:
@@ -86,9 +102,14 @@ class CostEstimator:
         # The same, as columns for the fit (a row per key, in ``_measured``'s order):
         # kept as measurements come, so that a fit is array work, not a walk in Python.
         self._row: dict[Any, int] = {}
-        self._totals: list[float] = []
-        self._counts: list[int] = []
-        self._columns: dict[str, list[float]] = {}  # NaN: the row lacks the feature
+        self._means: list[float] = []  # mean seconds per step per row
+        # Per feature, its value per row (NaN: the row lacks it), in an array grown by
+        # doubling; the first ``len(self._means)`` entries are the rows.
+        self._columns: dict[str, np.ndarray] = {}
+        # What a fit derives from the columns alone (each feature's fill, the filled
+        # columns, the features that vary, the design matrix): it changes only when a
+        # row is added, not when a measured row's mean moves, so it is kept until then.
+        self._design: tuple[int, dict[str, float], list[str], np.ndarray | None] | None = None
         # Nodes by a dense index, for predicting many at once (:meth:`cost_array`): their
         # features as arrays (NaN: missing) and the row of their measured configuration
         # (-1: none); kept up to date as configurations are measured and roots change.
@@ -105,6 +126,13 @@ class CostEstimator:
         self._cache: dict[int, float] = {}
         self._model: _Model | None = None
         self._fitted = True
+        # Fits of the model, and builds of its design matrix, so far (for tests).
+        self.fits = 0
+        self.designs = 0
+        # Measurements so far, and the count at which the model is next fitted again
+        # (beyond ``EXACT_ROWS`` measured configurations).
+        self._observations = 0
+        self._refit_at = 0
         # root key -> fused width -> [sum of seconds per step, count]
         self._widths: dict[str, dict[int, tuple[float, int]]] = {}
         # Bumped whenever a prediction may change (a measurement, a root's config):
@@ -157,24 +185,27 @@ class CostEstimator:
         self._measured[key] = (total + sps, count + 1, features)
         row = self._row.get(key)
         if row is None:
-            row = self._row[key] = len(self._totals)
-            self._totals.append(0.0)
-            self._counts.append(0)
-            for name in features.keys() - self._columns.keys():
-                self._columns[name] = [math.nan] * row
-            for name, column in self._columns.items():
-                column.append(features.get(name, math.nan))
+            row = self._row[key] = len(self._means)
+            self._means.append(0.0)
             if row >= len(self._totals_array):
                 self._totals_array = _grown(self._totals_array, 0.0)
                 self._counts_array = _grown(self._counts_array, 0.0)
+            for name in features.keys() - self._columns.keys():
+                self._columns[name] = np.full(len(self._totals_array), math.nan)
+            for name, column in self._columns.items():
+                if len(column) <= row:
+                    column = self._columns[name] = _grown(column, math.nan)
+                column[row] = features.get(name, math.nan)
             for i in self._by_key.get(key, ()):
                 self._measured_row[i] = row
-        self._totals[row] = total + sps
-        self._counts[row] = count + 1
+            self._design = None
+        self._means[row] = (total + sps) / (count + 1)
         self._totals_array[row] = total + sps
         self._counts_array[row] = count + 1
         self._cache.clear()
-        self._fitted = False
+        self._observations += 1
+        if len(self._means) <= EXACT_ROWS or self._observations >= self._refit_at:
+            self._fitted = False
         self.version += 1
 
     def fused_step(self, root_key: str, width: int) -> float | None:
@@ -217,28 +248,47 @@ class CostEstimator:
         computation over ``_measured``'s rows (means per row, each feature's mean over
         the rows that have it as the fill, the features that vary once filled), so the
         predictions, and the decisions made on them, do not depend on how it is done.
+        What depends on the features alone is kept between fits until a row is added
+        (:meth:`_design_matrix`): a fit after a measured row's mean moved is the mean,
+        the bounds and the solve.
         """
         self._fitted = True
-        means_a = np.array(self._totals) / np.array(self._counts)
-        means = means_a.tolist()
+        self.fits += 1
+        self._refit_at = self._observations + self._observations // REFIT_EVERY
+        means = self._means
         mean = sum(means) / len(means)
-        names = sorted(self._columns)
+        rows = len(means)
+        means_a = self._totals_array[:rows] / self._counts_array[:rows]
+        fill, varying, x = self._design_matrix()
+        coef = [mean]
+        if x is not None:
+            solution, *_ = np.linalg.lstsq(x, means_a, rcond=None)
+            coef = [float(c) for c in solution]
+        self._model = _Model(varying, coef, fill, float(means_a.min()), float(means_a.max()), mean)
+
+    def _design_matrix(self) -> tuple[dict[str, float], list[str], np.ndarray | None]:
+        """Each feature's fill, the features that vary once filled and the design
+        matrix over them (None: fewer than two rows, or none varies), for the rows
+        measured now (kept until a row is added)."""
+        rows = len(self._means)
+        if self._design is not None and self._design[0] == rows:
+            return self._design[1], self._design[2], self._design[3]
+        self.designs += 1
         fill: dict[str, float] = {}
         filled: dict[str, np.ndarray] = {}
-        for k in names:
-            column = np.array(self._columns[k])
+        for k in sorted(self._columns):
+            column = self._columns[k][:rows]
             missing = np.isnan(column)
             fill[k] = float(np.mean(column[~missing] if missing.any() else column))
             filled[k] = np.where(missing, fill[k], column)
-        varying = [k for k in names if bool((filled[k] != filled[k][0]).any())]
-        coef = [mean]
-        if len(means) >= 2 and varying:
-            x = np.column_stack([np.ones(len(means))] + [filled[k] for k in varying])
-            solution, *_ = np.linalg.lstsq(x, means_a, rcond=None)
-            coef = [float(c) for c in solution]
+        varying = [k for k in fill if bool((filled[k] != filled[k][0]).any())]
+        x = None
+        if rows >= 2 and varying:
+            x = np.column_stack([np.ones(rows)] + [filled[k] for k in varying])
         else:
             varying = []
-        self._model = _Model(varying, coef, fill, min(means), max(means), mean)
+        self._design = (rows, fill, varying, x)
+        return fill, varying, x
 
     def cost(self, node: Node) -> float:
         """Estimated seconds per step of ``node`` (``default`` with no measurement)."""

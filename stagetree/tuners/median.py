@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import statistics
-from bisect import insort
+from bisect import bisect_left, insort
+from itertools import islice
 from typing import Any
 
 from stagetree.exceptions import TunerError
@@ -97,6 +97,19 @@ class MedianStopping(Tuner):
         self._known: set[int] = set()
         self._known_of: set[int] | None = None  # the ``_completed`` set they come from
         self._samples: dict[int, tuple[int, list[float]]] = {}
+        self._reset_reached()
+
+    def _reset_reached(self) -> None:
+        # compare="reached": per checked step the sorted running averages of the trials
+        # that reached it, and each trial's average per checked step it counts in; kept
+        # up to date from the trials whose history changed (``_changed``: trial -> the
+        # lowest step that changed) and the trials added since, so a check costs a
+        # bisect, not a scan of every trial.
+        self._reached_of: dict[int, dict[int, float]] | None = None
+        self._reached_count = 0  # trials of ``_reached_of`` seen
+        self._reached: dict[int, list[float]] = {}
+        self._counted: dict[int, dict[int, float]] = {}
+        self._changed: dict[int, int] = {}
 
     @property
     def horizon(self) -> int:
@@ -108,11 +121,14 @@ class MedianStopping(Tuner):
         if result is None:
             return
         hist = self._history.setdefault(tid, {})
+        low = math.inf  # the lowest step whose value changed
         for key, metrics in result.history.items():
             step = int(key)  # JSON storage may give string keys
             if step <= result.steps and self.metric in metrics:
-                hist[step] = self._rank_value(metrics[self.metric])
-        hist[result.steps] = self.value(result)
+                low = _put(hist, step, self._rank_value(metrics[self.metric]), low)
+        low = _put(hist, result.steps, self.value(result), low)
+        if low < self._changed.get(tid, math.inf):
+            self._changed[tid] = int(low)
 
     def _rank_value(self, raw: Any) -> float:
         return signed_value(raw, self.mode)
@@ -174,16 +190,63 @@ class MedianStopping(Tuner):
             i = n // 2
             median = averages[i] if n % 2 else (averages[i - 1] + averages[i]) / 2
             return best < median
-        averages = []
-        for other, hist in self._history.items():
-            if other == tid or not hist or max(hist) < step:
-                continue
-            avg = self._average(hist, step)
-            if avg is not None:
-                averages.append(avg)
-        if len(averages) < self.min_samples:
+        averages, mine = self._reached_averages(tid, step)
+        n = len(averages) - (mine is not None)
+        if n < self.min_samples:
             return False
-        return best < statistics.median(averages)
+        # The median of the sorted averages without the trial's own one (at ``skip``),
+        # as ``statistics.median`` takes it.
+        skip = len(averages) if mine is None else bisect_left(averages, mine)
+
+        def at(i: int) -> float:
+            return averages[i if i < skip else i + 1]
+
+        i = n // 2
+        median = at(i) if n % 2 else (at(i - 1) + at(i)) / 2
+        return best < median
+
+    def _reached_averages(self, tid: int, step: int) -> tuple[list[float], float | None]:
+        """The sorted running averages at ``step`` of every trial that reached it, and
+        trial ``tid``'s own among them (None: it has none): what a scan of every trial
+        gives, ``tid``'s included. Kept up to date from the histories that ``_merge``
+        changed and the trials added to ``_history`` since the last check (a run
+        changes them only so); a new ``_history`` dict is read from scratch."""
+        history = self._history
+        if history is not self._reached_of:
+            self._reset_reached()
+            self._reached_of = history
+        added = len(history) - self._reached_count
+        if added > 0:  # trials come to the end of the dict: the last ``added`` are new
+            for other in islice(reversed(history), added):
+                self._changed[other] = -1
+            self._reached_count = len(history)
+        for other, low in self._changed.items():
+            for s in self._reached:
+                if s >= low:
+                    self._recount(other, s)
+        self._changed.clear()
+        if step not in self._reached:
+            self._reached[step] = []
+            for other in history:
+                self._recount(other, step)
+        return self._reached[step], self._counted.get(tid, {}).get(step)
+
+    def _recount(self, tid: int, step: int) -> None:
+        """Trial ``tid``'s running average at ``step`` in the sorted averages of the
+        trials that reached it, as its history is now."""
+        hist = self._history.get(tid)
+        avg = None if not hist or max(hist) < step else self._average(hist, step)
+        counted = self._counted.setdefault(tid, {})
+        old = counted.get(step)
+        if old == avg:
+            return
+        averages = self._reached[step]
+        if old is not None:
+            del averages[bisect_left(averages, old)]
+            del counted[step]
+        if avg is not None:
+            insort(averages, avg)
+            counted[step] = avg
 
     async def _search(self, ctx: ReplayingRunner) -> None:
         specs = draw_specs(
@@ -221,3 +284,11 @@ class MedianStopping(Tuner):
                 continue
             nxt = min(job.steps + self.eval_every, self.steps)
             in_flight.add(ctx.submit(job.trial, nxt, "continue"))
+
+
+def _put(hist: dict[int, float], step: int, value: float, low: float) -> float:
+    """Set ``hist[step]``; the lowest changed step, ``low`` or ``step`` if it changed."""
+    if hist.get(step) != value or step not in hist:
+        hist[step] = value
+        return min(low, step)
+    return low

@@ -129,3 +129,70 @@ def test_fit_and_bulk_costs_equal_the_plain_computation_to_the_bit() -> None:
         est._fit()
         assert est._model is not None
         assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    """Count the calls of ``owner.name`` (still calling it)."""
+    calls = [0]
+    real = getattr(owner, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_a_fit_after_measured_means_moved_keeps_the_design_matrix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The design matrix depends on the measured configurations' features only: a new
+    # measurement of a configuration already measured moves its mean, not the matrix,
+    # so the fit after it is the solve alone, not a walk over every configuration.
+    import numpy as np
+
+    est = CostEstimator()
+    nodes = [node(i, bs=16 * (i + 1)) for i in range(50)]
+    for n in nodes:
+        est.observe(n, 0.01 * n.hp["bs"](0))  # type: ignore[operator]
+    unmeasured = node(99, bs=1000)
+    est.cost(unmeasured)
+    stacks = _counting(monkeypatch, np, "column_stack")
+    solves = _counting(monkeypatch, np.linalg, "lstsq")
+    for i in range(20):
+        est.observe(nodes[i], 0.02 * nodes[i].hp["bs"](0))  # type: ignore[operator]
+        est.cost(unmeasured)
+        assert solves[0] == 2 * i + 1  # every prediction from the measurements so far
+        assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)  # type: ignore[union-attr]
+    assert stacks[0] == 0
+
+
+def test_beyond_the_exact_rows_the_model_is_fitted_again_logarithmically_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A study of n trials measures about n configurations and asks a prediction for a
+    # new one at most decisions: a fit over all of them each time is O(n) per decision.
+    # Past EXACT_ROWS configurations the model is fitted again once the measurements
+    # since its fit reach 1 / REFIT_EVERY of those it was fitted on.
+    import math
+
+    import numpy as np
+
+    from stagetree.scheduler import cost as cost_module
+
+    monkeypatch.setattr(cost_module, "EXACT_ROWS", 64, raising=False)
+    every = getattr(cost_module, "REFIT_EVERY", 64)
+    solves = _counting(monkeypatch, np.linalg, "lstsq")
+    est = CostEstimator()
+    n = 3000
+    for i in range(n):
+        est.observe(node(i, bs=16 + i % 7, lr=0.1 / (1 + i)), 0.01 * (16 + i % 7))
+        est.cost(node(n + i, bs=20, lr=0.05))
+    # 63 exact fits (one row: no solve), then about every * ln(n / 64) refits (the
+    # first ones after every measurement while every / 64 rounds to one)
+    assert solves[0] <= 64 + 2 * every * math.log(n / 64)
+    # and what the model predicts lags by at most 1/REFIT_EVERY of the measurements
+    stale = est.cost(node(2 * n, bs=20, lr=0.05))
+    est._fitted = False
+    assert est.cost(node(2 * n + 1, bs=20, lr=0.05)) == pytest.approx(stale, rel=0.05)

@@ -96,3 +96,53 @@ def test_incremental_rung_ranks_as_the_sorted_rung_does() -> None:
                     break
                 rank.promote()
                 promoted.add(want)
+
+
+def test_median_reached_keeps_the_running_averages_per_step_as_trials_advance() -> None:
+    # compare="reached" takes the median over every trial that reached the step: the
+    # averages are kept sorted per checked step and updated from the trials whose
+    # history changed, so a check neither scans every trial nor re-averages them all.
+    import statistics
+    from types import SimpleNamespace
+
+    from stagetree.tuners import MedianStopping
+
+    rng = random.Random(5)
+    tuner = MedianStopping(None, "acc", steps=8, num_trials=10**6, compare="reached")
+    averaged: list[int] = []
+    plain = MedianStopping._average
+    tuner._average = lambda hist, step: (averaged.append(1), plain(hist, step))[1]  # type: ignore[method-assign]
+    curves: dict[int, dict[int, float]] = {}
+
+    def report(tid: int, steps: int) -> None:  # a chunk of trial ``tid`` ends at ``steps``
+        curve = curves.setdefault(tid, {})
+        for s in range(1, steps + 1):
+            curve.setdefault(s, rng.choice([rng.random(), -math.inf, 0.5]))
+        if rng.random() < 0.05:  # a point below the end reported again, changed
+            curve[rng.randint(1, steps)] = rng.random()
+        history = {s: {"acc": v} for s, v in curve.items()}
+        result = TrialResult({}, {}, steps, {"acc": curve[steps]}, history)
+        tuner._merge(tid, SimpleNamespace(result=lambda: result))  # type: ignore[arg-type]
+
+    def scan(tid: int, step: int) -> bool:  # the rule as a scan of every trial
+        own = [v for s, v in tuner._history.get(tid, {}).items() if s <= step]
+        best = max(own, default=-math.inf)
+        averages = []
+        for other, hist in tuner._history.items():
+            if other != tid and hist and max(hist) >= step:
+                avg = plain(hist, step)
+                if avg is not None:
+                    averages.append(avg)
+        return len(averages) >= tuner.min_samples and best < statistics.median(averages)
+
+    for tid in range(400):
+        report(tid, 2)
+        other = rng.randrange(tid + 1)
+        reached = max(curves[other])
+        if reached < 8:
+            report(other, reached + 2)
+        for probe in (tid, other):
+            step = max(curves[probe])
+            before = len(averaged)
+            assert tuner.should_stop(probe, step) == scan(probe, step)
+            assert len(averaged) - before <= 2 * 4  # the changed trials, per checked step
