@@ -100,11 +100,27 @@ def _rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def run_one(kind: str, n: int, workers: int, storage: str, profile: bool = False) -> dict[str, Any]:
-    """One study (in this process): its figures, and a profile's top with ``profile``."""
-    from stagetree.executors.simulated import LearningCurve, SimulatedExecutor, SimulatedTrainer
+def open_study(storage: str, tmp: str, workers: int, executor: Any) -> Any:
+    """The benchmark's study over ``executor``: its plan in memory, or in SQLite under
+    ``tmp`` (checkpoints under ``tmp`` either way)."""
+    from stagetree.executors.simulated import SimulatedTrainer
     from stagetree.plan.memory import MemoryPlanStorage
     from stagetree.study import Study
+
+    plan: Any = MemoryPlanStorage() if storage == "memory" else f"sqlite:///{Path(tmp) / 'plan.db'}"
+    return Study(
+        "scale",
+        SimulatedTrainer,
+        storage=plan,
+        workers=workers,
+        checkpoint_dir=str(Path(tmp) / "ckpt"),
+        executor=lambda: executor,
+    )
+
+
+def run_one(kind: str, n: int, workers: int, storage: str, profile: bool = False) -> dict[str, Any]:
+    """One study (in this process): its figures, and a profile's top with ``profile``."""
+    from stagetree.executors.simulated import LearningCurve, SimulatedExecutor
     from stagetree.work import RunBatch, RunFused
 
     tuner = _tuner(kind, n)
@@ -121,17 +137,7 @@ def run_one(kind: str, n: int, workers: int, storage: str, profile: bool = False
 
     executor.submit = counting  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
-        plan: Any = (
-            MemoryPlanStorage() if storage == "memory" else f"sqlite:///{Path(tmp) / 'plan.db'}"
-        )
-        study = Study(
-            "scale",
-            SimulatedTrainer,
-            storage=plan,
-            workers=workers,
-            checkpoint_dir=str(Path(tmp) / "ckpt"),
-            executor=lambda: executor,
-        )
+        study = open_study(storage, tmp, workers, executor)
         prof = cProfile.Profile() if profile else None
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if prof is not None:

@@ -286,6 +286,8 @@ class Engine:
         self._tree_keys: dict[tuple[str, frozenset[str]], str] = {}
         # study name -> its finished trials read at once, while its run replays its log
         self._replays: dict[str, ReplayAnswers] = {}
+        # One copy of each set of hp names: a study's trials share it in _tree_keys.
+        self._name_sets: dict[frozenset[str], frozenset[str]] = {}
         # Fusion: fusible names of the trees of fusing studies; trainer keys whose
         # workers could not fuse them (said once, never fused again).
         self._root_fusible: dict[str, frozenset[str]] = {}
@@ -786,7 +788,8 @@ class Engine:
         """Insert a trial's path up to ``steps`` without a request (lock held); returns
         its tree's root key and the insertion (the path's end, canonical). The tree is
         trained by the study's trainer."""
-        base, names = slot.root_key(config, hp), frozenset(hp)
+        names = frozenset(hp)
+        base, names = slot.root_key(config, hp), self._name_sets.setdefault(names, names)
         root_key = self._tree_key(base, names)
         try:
             ins = self._insert_into(slot, root_key, config, hp, steps)
@@ -797,7 +800,8 @@ class Engine:
             if again == root_key:
                 raise
             root_key, ins = again, self._insert_into(slot, again, config, hp, steps)
-        self._tree_keys[(base, names)] = root_key  # settled: a tree's root never changes
+        # Settled: a tree's root never changes (kept as ``base`` itself when the same).
+        self._tree_keys[(base, names)] = base if root_key == base else root_key
         return root_key, ins
 
     def _insert_into(

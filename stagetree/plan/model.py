@@ -26,7 +26,7 @@ class RequestState(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Node:
     """One configuration in a plan tree.
 

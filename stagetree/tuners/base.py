@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TrialResult:
     """What a trial trained to ``steps`` reports.
 
@@ -146,7 +146,7 @@ class TrialRunner(Protocol):
         ...
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Trial:
     """One configuration as a tuner sees it: a tuner-wide ``id`` (0, 1, ... in the order
     the tuner created them), fixed ``config`` and sequences ``hp``."""
@@ -154,14 +154,20 @@ class Trial:
     id: int
     config: dict[str, Any]
     hp: dict[str, Sequence]
+    # Slots, not an instance dict: a tuner keeps one Trial per trial of the study.
+    _fingerprint: str | None = field(default=None, init=False, repr=False)
 
-    @functools.cached_property
+    @property
     def fingerprint(self) -> str:
         """Short stable hash of the config and the sequences' JSON, for the replay log."""
-        return trial_fingerprint(self.config, self.hp)
+        fp = self._fingerprint
+        if fp is None:
+            fp = trial_fingerprint(self.config, self.hp)
+            object.__setattr__(self, "_fingerprint", fp)
+        return fp
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     """One submission: ``trial`` trained to ``steps``. ``key`` numbers submissions."""
 

@@ -1,0 +1,190 @@
+"""The driver's memory per trial: who holds the bytes that grow with the study.
+
+Each run is one study of ``scale_bench.py`` (N trials on W simulated workers, 64 steps
+a trial, in virtual time) in a process of its own, under ``tracemalloc``. When the
+tuner is done (the engine, scheduler, tuner and study still open), the live Python
+objects are counted by the line that allocated them: the innermost frame inside the
+package (an allocation in the standard library is charged to the package's line that
+called it). Between two sizes, a holder's slope is what it grew by per added trial; the
+sum of the slopes is the driver's memory per trial. With a SQLite plan the plan itself
+is on disk, so what grows is the driver's own; a memory plan adds the plan's objects.
+
+Run: ``python benchmarks/memory_scale.py [--n 1000 5000] [--tuners random asha]
+[--storage sqlite memory] [--workers 40] [--top 15] [--json FILE]``. A ``PYTHONPATH``
+naming another checkout measures that checkout's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # last: a PYTHONPATH naming another checkout wins
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from scale_bench import _rss_kib, _tuner, open_study  # noqa: E402
+
+FRAMES = 4
+
+
+def _holder(tb: tracemalloc.Traceback, package: str) -> str:
+    """The innermost frame inside the package, as ``module/path.py:line``."""
+    for frame in reversed(tb):  # most recent call first
+        name = frame.filename
+        if package in name:
+            return f"{name[name.rindex(package) :]}:{frame.lineno}"
+    frame = tb[-1]
+    return f"(outside) {Path(frame.filename).name}:{frame.lineno}"
+
+
+def run_one(kind: str, n: int, workers: int, storage: str) -> dict[str, Any]:
+    """One study under tracemalloc (in this process): bytes per holder at its end."""
+    from stagetree.executors.simulated import LearningCurve, SimulatedExecutor
+
+    package = str(Path(sys.modules["stagetree"].__file__ or "").parent.parent) + os.sep
+    tuner = _tuner(kind, n)
+    executor = SimulatedExecutor(workers, curve=LearningCurve(aliases={"acc": "accuracy"}))
+    tracemalloc.start(FRAMES)
+    with tempfile.TemporaryDirectory(prefix="memory-scale-") as tmp:
+        study = open_study(storage, tmp, workers, executor)
+        cpu0 = time.process_time()
+        try:
+            study.tune(tuner)
+            cpu = time.process_time() - cpu0
+            gc.collect()
+            snap = tracemalloc.take_snapshot()  # study, engine and tuner still open
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            study.close()
+    tracemalloc.stop()
+    holders: dict[str, list[int]] = {}
+    for stat in snap.statistics("traceback"):
+        got = holders.setdefault(_holder(stat.traceback, package), [0, 0])
+        got[0] += stat.size
+        got[1] += stat.count
+    return {
+        "code": package.rstrip(os.sep),
+        "tuner": kind,
+        "n": n,
+        "workers": workers,
+        "storage": storage,
+        "cpu_s": cpu,
+        "traced": sum(s for s, _ in holders.values()),
+        "peak_traced": peak,
+        "peak_rss_kib": _rss_kib(),
+        "holders": holders,
+    }
+
+
+def _child(args: list[str], timeout: float) -> dict[str, Any] | None:
+    cmd = [sys.executable, __file__, "--one", *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def slopes(small: dict[str, Any], large: dict[str, Any]) -> dict[str, float]:
+    """Bytes per added trial per holder between two runs."""
+    dn = large["n"] - small["n"]
+    keys = set(small["holders"]) | set(large["holders"])
+    return {
+        k: (large["holders"].get(k, [0, 0])[0] - small["holders"].get(k, [0, 0])[0]) / dn
+        for k in keys
+    }
+
+
+def report(rows: list[dict[str, Any]], top: int) -> str:
+    """Per tuner and storage: the sizes' totals, bytes per trial, and the top holders."""
+    out = []
+    for key in sorted({(r["tuner"], r["storage"], r["workers"]) for r in rows}):
+        runs = sorted(
+            (r for r in rows if (r["tuner"], r["storage"], r["workers"]) == key),
+            key=lambda r: r["n"],
+        )
+        out.append(f"\n### {key[0]}, {key[1]} plan, W = {key[2]} ({runs[0]['code']})\n")
+        out.append("| N | CPU s | traced MiB | peak traced MiB | peak RSS MiB |")
+        out.append("|---:|---:|---:|---:|---:|")
+        for r in runs:
+            out.append(
+                f"| {r['n']:,} | {r['cpu_s']:.1f} | {r['traced'] / 2**20:.1f} "
+                f"| {r['peak_traced'] / 2**20:.1f} | {r['peak_rss_kib'] / 1024:.0f} |"
+            )
+        if len(runs) < 2:
+            continue
+        small, large = runs[0], runs[-1]
+        dn = large["n"] - small["n"]
+        per = slopes(small, large)
+        total = (large["traced"] - small["traced"]) / dn
+        rss = (large["peak_rss_kib"] - small["peak_rss_kib"]) * 1024 / dn
+        out.append(
+            f"\nPer added trial (N {small['n']:,} -> {large['n']:,}): traced "
+            f"{total:,.0f} B, peak traced "
+            f"{(large['peak_traced'] - small['peak_traced']) / dn:,.0f} B, peak RSS {rss:,.0f} B\n"
+        )
+        by_module: dict[str, float] = {}
+        for k, v in per.items():
+            by_module[k.rsplit(":", 1)[0]] = by_module.get(k.rsplit(":", 1)[0], 0.0) + v
+        out.append("| module | B/trial | share |")
+        out.append("|---|---:|---:|")
+        for k, v in sorted(by_module.items(), key=lambda kv: -kv[1])[:top]:
+            out.append(f"| `{k}` | {v:,.0f} | {v / total if total else 0:.0%} |")
+        out.append("")
+        out.append("| holder (allocating line) | B/trial | share |")
+        out.append("|---|---:|---:|")
+        for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
+            out.append(f"| `{k}` | {v:,.0f} | {v / total if total else 0:.0%} |")
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--n", type=int, nargs="+", default=[1000, 5000])
+    p.add_argument("--tuners", nargs="+", default=["random", "asha"])
+    p.add_argument("--storage", nargs="+", choices=("memory", "sqlite"), default=["sqlite"])
+    p.add_argument("--workers", type=int, default=40)
+    p.add_argument("--top", type=int, default=15, help="holders shown per study")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
+    p.add_argument("--json", default=None, help="write every run's figures here")
+    p.add_argument("--one", nargs=4, metavar=("TUNER", "N", "W", "STORAGE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        kind, n, w, storage = args.one
+        print(json.dumps(run_one(kind, int(n), int(w), storage)))
+        return
+    rows = []
+    for kind in args.tuners:
+        for storage in args.storage:
+            for n in sorted(args.n):
+                got = _child([kind, str(n), str(args.workers), storage], args.timeout)
+                print(
+                    f"{kind} N={n} {storage}: {'timeout' if got is None else 'done'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if got is not None:
+                    rows.append(got)
+    print(report(rows, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
