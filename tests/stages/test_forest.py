@@ -13,6 +13,7 @@ from stagetree.plan import MemoryPlanStorage
 from stagetree.plan.model import Node
 from stagetree.scheduler.cost import CostEstimator
 from stagetree.scheduler.forest import StageForest
+from stagetree.scheduler.policies import CriticalPathPolicy
 from stagetree.stages import RunningPosition, StageTree, build_stage_tree, critical_path
 
 Key = tuple[int, int]
@@ -111,6 +112,32 @@ def change(
     return True
 
 
+def _running(rng: random.Random, nodes: dict[int, Node], keys: list[Key]) -> list[RunningPosition]:
+    """Up to three running batches on random paths (so that some roots wait for them),
+    with checkpoints promised at positions they passed (canonical, on their path)."""
+    running = []
+    for batch_id in range(rng.randint(0, 3)):
+        segments = path_of(nodes, rng.choice(keys))
+        if not segments:
+            continue
+        step = rng.randint(segments[0][1], segments[-1][2])
+        passed = [(n, t) for n, a, b in segments for t in range(a + 1, min(b, step) + 1)]
+        saving = tuple(k for k in passed if rng.random() < 0.2)
+        running.append(RunningPosition(batch_id + 1, segments, step, saving))
+    return running
+
+
+def _held(
+    rng: random.Random, forest: StageForest, ready: list[Any]
+) -> tuple[set[Key], list[Any], list[Any]]:
+    """Some starts of ready roots held by idle workers at random; the roots starting
+    there (the forest's ``held_starts``) and the policy's order (those first)."""
+    from_ckpt = [r for r in ready if r.origin is not None and r.origin.kind == "checkpoint"]
+    held = {(r.origin.node, r.origin.step) for r in from_ckpt if rng.random() < 0.4}
+    _, first = forest.held_starts(held)
+    return held, first, first + [r for r in ready if r not in first]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
     nodes, keys = plan(seed)
@@ -131,16 +158,7 @@ def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
         elif op < 0.8:  # the costs move
             estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
         # What running and saving batches contribute changes at every decision.
-        running = []
-        for batch_id in range(rng.randint(0, 3)):
-            segments = path_of(nodes, rng.choice(keys))
-            if not segments:
-                continue
-            step = rng.randint(segments[0][1], segments[-1][2])
-            # Checkpoints promised at positions it passed (canonical, on its path).
-            passed = [(n, t) for n, a, b in segments for t in range(a + 1, min(b, step) + 1)]
-            saving = tuple(k for k in passed if rng.random() < 0.2)
-            running.append(RunningPosition(batch_id + 1, segments, step, saving))
+        running = _running(rng, nodes, keys)
         promised = {k for k in requests if rng.random() < 0.1}
         memory = {k for k in rng.sample(keys, 3) if rng.random() < 0.3}
         got = forest.tree(running, promised, memory, estimator.cost, estimator.version)
@@ -204,11 +222,9 @@ def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(seed: int) -> Non
         )
         want = build_stage_tree(nodes, list(requests), checkpoints, [], estimator.cost)
         ready = got.ready_roots()
+        held, first, order = _held(rng, forest, ready)
         from_ckpt = [r for r in ready if r.origin is not None and r.origin.kind == "checkpoint"]
-        held = {(r.origin.node, r.origin.step) for r in from_ckpt if rng.random() < 0.4}
-        _, first = forest.held_starts(held)
         assert first == [r for r in from_ckpt if (r.origin.node, r.origin.step) in held]
-        order = first + [r for r in ready if r not in first]
         path = forest.critical_path(got, ready, first)
         assert path is not None
         spans = {(s.node, s.start, s.stop): s for s in want.roots}
@@ -218,3 +234,66 @@ def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(seed: int) -> Non
         assert [s.cost for s in path] == [s.cost for s in critical_path(want, want_order)]
         forest.ensure_costs()
         assert snapshot(got) == snapshot(want)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_kept_work_and_depth_bound_cut_equal_the_policy_on_a_whole_build(seed: int) -> None:
+    # The forest keeps the remaining work (steps per plan node, priced by the estimator
+    # as arrays) and the roots' path values, so that the critical-path policy's choice,
+    # its depth-bound cut at a branch point included, needs no walk of the tree: after
+    # any sequence of changes it is the policy's choice on a whole build.
+    nodes, keys = plan(seed)
+    rng = random.Random(200 + seed)
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    requests: dict[Key, None] = {}
+    checkpoints: set[Key] = set()
+    node_list = list(nodes.values())
+    cuts = undecided = 0
+    for _ in range(150):
+        op = rng.random()
+        if change(rng, forest, keys, requests, checkpoints, op, (0.4, 0.55, 0.65)):
+            pass
+        elif op < 0.72 and checkpoints:
+            key = rng.choice(sorted(checkpoints))
+            checkpoints.discard(key)
+            forest.remove_checkpoint(key)
+        elif op < 0.92:  # the costs move
+            estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
+        running = _running(rng, nodes, keys)
+        promised = {k for k in requests if rng.random() < 0.1}
+        got = forest.tree(
+            running,
+            promised,
+            (),
+            estimator.cost,
+            estimator.version,
+            estimator.costs,
+            estimator=estimator,
+            lazy=rng.random() < 0.7,
+        )
+        want = build_stage_tree(
+            nodes, [k for k in requests if k not in promised], checkpoints, running, estimator.cost
+        )
+        work, slack = forest.work()
+        exact = sum(s.cost for s in reversed(want.stages))  # as the policy adds it up
+        assert abs(work - exact) <= slack
+        if not estimator.measured:  # one per step: the kept steps, exactly
+            assert work == want.total_steps
+        ready = got.ready_roots()
+        if not ready:
+            continue
+        _, first, order = _held(rng, forest, ready)
+        policy = CriticalPathPolicy()
+        policy.workers = rng.choice([1, 2, 3, 8, 40])
+        path = forest.critical_path(got, ready, first, policy)
+        spans = {(s.node, s.start, s.stop): s for s in want.roots}
+        want_order = [spans[(r.node, r.start, r.stop)] for r in order]
+        want_path = policy.choose(want, want_order)
+        if path is None:  # too close to the rule's threshold for the kept work
+            undecided += 1
+            continue
+        assert _spans(path) == _spans(want_path)
+        cuts += len(want_path) < len(critical_path(want, want_order))
+    assert cuts > 0  # the rule did stop some paths at a branch point
+    assert undecided <= 2
