@@ -93,12 +93,17 @@ class _Sorted:
         return i
 
 
+_DTYPES = {"q": np.int64, "b": np.int8, "d": np.float64}
+
+
 class _Ready(_Sorted):
     """Ready roots in root order, with what the critical path of a leaf needs kept in
     flat arrays (cheap to insert into, read as numpy arrays): its node's dense index in
-    the cost estimator, its steps, and whether it has children."""
+    the cost estimator, its steps, and whether it has children; and for a root with
+    children its best (cost, steps) below, with the cost epoch it was computed at (-1:
+    not yet), so that a decision reads the values of unchanged roots as arrays."""
 
-    __slots__ = ("deep", "dense", "origins", "steps")
+    __slots__ = ("deep", "dense", "origins", "stamp", "steps", "value", "value_steps")
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,6 +112,9 @@ class _Ready(_Sorted):
         self.dense = array("q")
         self.steps = array("q")
         self.deep = array("b")
+        self.value = array("d")
+        self.value_steps = array("q")
+        self.stamp = array("q")
 
     def put(self, stage: Stage, dense: int) -> None:
         i = self.add(stage)
@@ -116,6 +124,9 @@ class _Ready(_Sorted):
         self.dense.insert(i, dense)
         self.steps.insert(i, stage.stop - stage.start)
         self.deep.insert(i, 1 if stage.children else 0)
+        self.value.insert(i, 0.0)
+        self.value_steps.insert(i, 0)
+        self.stamp.insert(i, -1)
 
     def take(self, stage: Stage) -> None:
         i = self.remove(stage)
@@ -129,11 +140,14 @@ class _Ready(_Sorted):
         del self.dense[i]
         del self.steps[i]
         del self.deep[i]
+        del self.value[i]
+        del self.value_steps[i]
+        del self.stamp[i]
 
     @staticmethod
-    def numpy(values: array[int]) -> np.ndarray:
+    def numpy(values: array[Any]) -> np.ndarray:
         """A copy of ``values`` as a numpy array (no view is left to block a resize)."""
-        return np.frombuffer(values, dtype=np.int64 if values.typecode == "q" else np.int8).copy()
+        return np.frombuffer(values, dtype=_DTYPES[values.typecode]).copy()
 
 
 class Estimator(Protocol):
@@ -196,6 +210,10 @@ class StageForest:
         self._pending: tuple[Callable[[Node], float], Any, Any] | None = None
         # The estimator whose dense indices ``_ready`` holds (None: no indices).
         self._estimator: Estimator | None = None
+        # Stage costs move together when the estimator's version does: the epoch counts
+        # those moves (the values ``_ready`` keeps are current at this epoch only).
+        self._epoch = 0
+        self._epoch_of: Any = None
         # The remaining work, kept for the critical-path policy's depth-bound cut: the
         # steps of every stage per plan node by dense index (integers, so += and -=
         # stay exact), the number of stages, and the work at (estimator version,
@@ -538,8 +556,20 @@ class StageForest:
         steps = r.numpy(r.steps)
         per_step = self._estimator.cost_array(r.numpy(r.dense))
         cost = steps * per_step + 0.0
-        for i in np.flatnonzero(r.numpy(r.deep)).tolist():
-            cost[i], steps[i] = self._deep_value(r.stages[i])
+        deep = r.numpy(r.deep).astype(bool)
+        if deep.any():
+            # The estimator version the stages' costs are (or will be) computed at.
+            at = self._version if self._pending is None else self._pending[1]
+            if at != self._epoch_of:
+                self._epoch += 1
+                self._epoch_of = at
+            epoch = self._epoch
+            for i in np.flatnonzero(deep & (r.numpy(r.stamp) != epoch)).tolist():
+                value = self._deep_value(r.stages[i])
+                r.value[i], r.value_steps[i] = value
+                r.stamp[i] = epoch
+            cost = np.where(deep, r.numpy(r.value), cost)
+            steps = np.where(deep, r.numpy(r.value_steps), steps)
         values = cost.copy() if policy is not None else cost
         chosen: Stage | None = None
         top: tuple[float, int] | None = None

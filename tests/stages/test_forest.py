@@ -297,3 +297,39 @@ def test_kept_work_and_depth_bound_cut_equal_the_policy_on_a_whole_build(seed: i
         cuts += len(want_path) < len(critical_path(want, want_order))
     assert cuts > 0  # the rule did stop some paths at a branch point
     assert undecided <= 2
+
+
+def test_roots_with_children_are_valued_again_only_when_their_costs_move() -> None:
+    # A decision reads the kept values of roots with children as arrays: the next one at
+    # the same costs values no root again; after a measurement every such root is.
+    nodes, keys = plan(3)
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    for key in keys[::5]:
+        forest.add_request(key)
+    valued: list[Any] = []
+    kept = forest._deep_value
+    forest._deep_value = lambda root: valued.append(root) or kept(root)  # type: ignore[method-assign]
+
+    def decide() -> list[Any]:
+        got = forest.tree(
+            [],
+            set(),
+            (),
+            estimator.cost,
+            estimator.version,
+            estimator.costs,
+            estimator=estimator,
+            lazy=True,
+        )
+        valued.clear()
+        path = forest.critical_path(got, got.ready_roots(), [])
+        assert path
+        return [r for r in got.ready_roots() if r.children]
+
+    deep = decide()
+    assert deep and len(valued) == len(deep)
+    decide()
+    assert valued == []
+    estimator.observe(next(iter(nodes.values())), 2.0)
+    assert len(decide()) == len(valued)
