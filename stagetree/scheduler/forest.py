@@ -219,6 +219,7 @@ class StageForest:
         # stay exact), the number of stages, and the work at (estimator version,
         # change count) once computed.
         self._steps_at = np.zeros(64)
+        self._dense_of: dict[int, int] = {}  # plan node -> dense index in the estimator
         self._count = 0
         self._changes = 0
         self._work_at: tuple[Any, int] | None = None
@@ -370,11 +371,19 @@ class StageForest:
         checkpoints = self._checkpoints.get(root_key, set()) | memory
         built = build_stage_tree(self._nodes, requests, checkpoints, running, cost)
         by_node: dict[int, list[Stage]] = {}
+        steps: dict[int, int] = {}  # per node, in ``by_node``'s order
         for stage in built.stages:
-            by_node.setdefault(stage.node, []).append(stage)
+            node = stage.node
+            group = by_node.get(node)
+            if group is None:
+                by_node[node] = [stage]
+                steps[node] = stage.stop - stage.start
+            else:
+                group.append(stage)
+                steps[node] += stage.stop - stage.start
         part = self._parts[root_key] = _Part(built.roots, built.covered, version, by_node)
         part.count = len(built.stages)
-        self._weigh(part)
+        self._weigh(part, list(steps.values()))
         self._tally(part, 1)
         if built.covered:
             self._covered[root_key] = built.covered
@@ -395,13 +404,27 @@ class StageForest:
         return starts, roots
 
     def _dense(self, root: Stage) -> int:
-        estimator = self._estimator
-        return -1 if estimator is None else estimator.index(self._nodes[root.node])
+        return -1 if self._estimator is None else self._index(root.node)
+
+    def _index(self, node: int) -> int:
+        """``node``'s dense index in the estimator (there must be one), with room for it
+        in the kept steps per node."""
+        got = self._dense_of.get(node)
+        if got is None:
+            assert self._estimator is not None
+            got = self._dense_of[node] = self._estimator.index(self._nodes[node])
+            size = len(self._steps_at)
+            if got >= size:
+                grown = np.zeros(max(2 * size, got + 1))
+                grown[:size] = self._steps_at
+                self._steps_at = grown
+        return got
 
     def _reindex(self, estimator: Estimator | None) -> None:
         """Dense indices of the ready roots and of every part's nodes in ``estimator``
         (another one than before)."""
         self._estimator = estimator
+        self._dense_of.clear()
         self._ready.dense = array("q", [self._dense(r) for r in self._ready.stages])
         self._steps_at[:] = 0.0
         self._changes += 1
@@ -409,19 +432,21 @@ class StageForest:
             self._weigh(part)
             self._add_steps(part, 1)
 
-    def _weigh(self, part: _Part) -> None:
-        """``part``'s steps per plan node and their dense indices in the estimator."""
-        estimator = self._estimator
-        if estimator is None:
+    def _weigh(self, part: _Part, steps: list[int] | None = None) -> None:
+        """``part``'s steps per plan node (``steps``, when known, in ``by_node``'s
+        order) and their dense indices in the estimator."""
+        if self._estimator is None:
             part.steps = part.dense = None
             return
-        nodes = self._nodes
         by_node = part.by_node
-        part.dense = np.array([estimator.index(nodes[n]) for n in by_node], dtype=np.int64)
-        part.steps = np.array(
-            [sum(s.stop - s.start for s in stages) for stages in by_node.values()],
-            dtype=np.float64,
-        )
+        if steps is None:
+            steps = [sum(s.stop - s.start for s in stages) for stages in by_node.values()]
+        dense_of = self._dense_of
+        index = [dense_of.get(n) for n in by_node]
+        if None in index:
+            index = [self._index(n) for n in by_node]
+        part.dense = np.array(index, dtype=np.int64)
+        part.steps = np.array(steps, dtype=np.float64)
 
     def _tally(self, part: _Part, sign: int) -> None:
         """Count ``part``'s stages and steps in (``sign`` 1) or out (-1) of the work."""
@@ -430,14 +455,8 @@ class StageForest:
         self._add_steps(part, sign)
 
     def _add_steps(self, part: _Part, sign: int) -> None:
-        if part.dense is None or part.steps is None or not len(part.dense):
+        if part.dense is None or part.steps is None:
             return
-        size = len(self._steps_at)
-        top = int(part.dense.max())
-        if top >= size:
-            grown = np.zeros(max(2 * size, top + 1))
-            grown[:size] = self._steps_at
-            self._steps_at = grown
         # A part's nodes are distinct: one index each, no repeated index to add up.
         self._steps_at[part.dense] += sign * part.steps
 
