@@ -425,6 +425,7 @@ class StageForest:
         (another one than before)."""
         self._estimator = estimator
         self._dense_of.clear()
+        self._epoch_of = object()  # another estimator: no kept value is current
         self._ready.dense = array("q", [self._dense(r) for r in self._ready.stages])
         self._steps_at[:] = 0.0
         self._changes += 1
