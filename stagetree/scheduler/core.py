@@ -1176,11 +1176,10 @@ class Scheduler:
         """The next chain for an idle worker: the policy's choice among the stages of
         the study with the lowest fair-share standing that has ready work."""
         if len(self._held) <= 1 and type(self.policy) is CriticalPathPolicy:
-            # The same path, from the kept tree's values instead of a walk of every root.
-            path = self._forest.critical_path(tree, ready, self._held_roots)
-            # A path through a branch point may be cut there (CriticalPathPolicy reads
-            # the whole tree's work for that): the policy decides it on costed stages.
-            if path is not None and not self.policy.may_cut(path):
+            # The policy's choice, cut included, from the kept tree's values and work
+            # instead of a walk of the tree (None: the kept work cannot tell the cut).
+            path = self._forest.critical_path(tree, ready, self._held_roots, self.policy)
+            if path is not None:
                 return path
         self._forest.ensure_costs()
         ready = self._ordered(ready)

@@ -19,7 +19,12 @@ where they are read. :meth:`StageForest.critical_path` finds the critical-path p
 choice without a walk of every root: the ready roots' steps and nodes are kept in flat
 arrays, a leaf's value comes from the estimator's predictions as an array
 (:meth:`~stagetree.scheduler.cost.CostEstimator.cost_array`), and the value of a root
-with children is kept per plan tree until its costs change. The result equals a whole
+with children is kept per plan tree until its costs change. For the critical-path
+policy's depth-bound cut, the forest also keeps every plan node's steps in its stages
+(updated as plan trees are built again): the remaining work is then one dot product
+with the estimator's predictions (:meth:`StageForest.work`), and the cut is decided
+with the policy's own rule (:meth:`~stagetree.scheduler.policies.CriticalPathPolicy.cut`)
+on kept values instead of a walk of every stage. The result equals a whole
 build over every input: the same stages, roots, covered requests, order and costs
 (``tests/stages/test_forest.py`` checks it against
 :func:`~stagetree.stages.build_stage_tree`).
@@ -36,6 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from stagetree.plan.model import Node
+from stagetree.scheduler.policies import CriticalPathPolicy
 from stagetree.stages import (
     CHECKPOINT,
     Covered,
@@ -87,12 +93,17 @@ class _Sorted:
         return i
 
 
+_DTYPES = {"q": np.int64, "b": np.int8, "d": np.float64}
+
+
 class _Ready(_Sorted):
     """Ready roots in root order, with what the critical path of a leaf needs kept in
     flat arrays (cheap to insert into, read as numpy arrays): its node's dense index in
-    the cost estimator, its steps, and whether it has children."""
+    the cost estimator, its steps, and whether it has children; and for a root with
+    children its best (cost, steps) below, with the cost epoch it was computed at (-1:
+    not yet), so that a decision reads the values of unchanged roots as arrays."""
 
-    __slots__ = ("deep", "dense", "origins", "steps")
+    __slots__ = ("deep", "dense", "origins", "stamp", "steps", "value", "value_steps")
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,6 +112,9 @@ class _Ready(_Sorted):
         self.dense = array("q")
         self.steps = array("q")
         self.deep = array("b")
+        self.value = array("d")
+        self.value_steps = array("q")
+        self.stamp = array("q")
 
     def put(self, stage: Stage, dense: int) -> None:
         i = self.add(stage)
@@ -110,6 +124,9 @@ class _Ready(_Sorted):
         self.dense.insert(i, dense)
         self.steps.insert(i, stage.stop - stage.start)
         self.deep.insert(i, 1 if stage.children else 0)
+        self.value.insert(i, 0.0)
+        self.value_steps.insert(i, 0)
+        self.stamp.insert(i, -1)
 
     def take(self, stage: Stage) -> None:
         i = self.remove(stage)
@@ -123,11 +140,14 @@ class _Ready(_Sorted):
         del self.dense[i]
         del self.steps[i]
         del self.deep[i]
+        del self.value[i]
+        del self.value_steps[i]
+        del self.stamp[i]
 
     @staticmethod
-    def numpy(values: array[int]) -> np.ndarray:
+    def numpy(values: array[Any]) -> np.ndarray:
         """A copy of ``values`` as a numpy array (no view is left to block a resize)."""
-        return np.frombuffer(values, dtype=np.int64 if values.typecode == "q" else np.int8).copy()
+        return np.frombuffer(values, dtype=_DTYPES[values.typecode]).copy()
 
 
 class Estimator(Protocol):
@@ -152,6 +172,11 @@ class _Part:
     by_node: dict[int, list[Stage]] = field(default_factory=dict)
     # Best (cost, steps) below each root with children, at ``version``'s costs.
     values: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # Its stages' steps per plan node (in ``by_node``'s order) and those nodes' dense
+    # indices in the estimator (None: no estimator): its share of the remaining work.
+    steps: np.ndarray | None = None
+    dense: np.ndarray | None = None
+    count: int = 0  # stages
 
 
 class StageForest:
@@ -185,6 +210,20 @@ class StageForest:
         self._pending: tuple[Callable[[Node], float], Any, Any] | None = None
         # The estimator whose dense indices ``_ready`` holds (None: no indices).
         self._estimator: Estimator | None = None
+        # Stage costs move together when the estimator's version does: the epoch counts
+        # those moves (the values ``_ready`` keeps are current at this epoch only).
+        self._epoch = 0
+        self._epoch_of: Any = None
+        # The remaining work, kept for the critical-path policy's depth-bound cut: the
+        # steps of every stage per plan node by dense index (integers, so += and -=
+        # stay exact), the number of stages, and the work at (estimator version,
+        # change count) once computed.
+        self._steps_at = np.zeros(64)
+        self._dense_of: dict[int, int] = {}  # plan node -> dense index in the estimator
+        self._count = 0
+        self._changes = 0
+        self._work_at: tuple[Any, int] | None = None
+        self._work = (0.0, 0)
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -316,6 +355,7 @@ class StageForest:
     ) -> None:
         old = self._parts.pop(root_key, None)
         if old is not None:
+            self._tally(old, -1)
             for root in old.roots:
                 self._all.remove(root)
                 if root.origin is None or root.origin.ready:
@@ -331,9 +371,20 @@ class StageForest:
         checkpoints = self._checkpoints.get(root_key, set()) | memory
         built = build_stage_tree(self._nodes, requests, checkpoints, running, cost)
         by_node: dict[int, list[Stage]] = {}
+        steps: dict[int, int] = {}  # per node, in ``by_node``'s order
         for stage in built.stages:
-            by_node.setdefault(stage.node, []).append(stage)
-        self._parts[root_key] = _Part(built.roots, built.covered, version, by_node)
+            node = stage.node
+            group = by_node.get(node)
+            if group is None:
+                by_node[node] = [stage]
+                steps[node] = stage.stop - stage.start
+            else:
+                group.append(stage)
+                steps[node] += stage.stop - stage.start
+        part = self._parts[root_key] = _Part(built.roots, built.covered, version, by_node)
+        part.count = len(built.stages)
+        self._weigh(part, list(steps.values()))
+        self._tally(part, 1)
         if built.covered:
             self._covered[root_key] = built.covered
         for root in built.roots:
@@ -353,13 +404,83 @@ class StageForest:
         return starts, roots
 
     def _dense(self, root: Stage) -> int:
-        estimator = self._estimator
-        return -1 if estimator is None else estimator.index(self._nodes[root.node])
+        return -1 if self._estimator is None else self._index(root.node)
+
+    def _index(self, node: int) -> int:
+        """``node``'s dense index in the estimator (there must be one), with room for it
+        in the kept steps per node."""
+        got = self._dense_of.get(node)
+        if got is None:
+            assert self._estimator is not None
+            got = self._dense_of[node] = self._estimator.index(self._nodes[node])
+            size = len(self._steps_at)
+            if got >= size:
+                grown = np.zeros(max(2 * size, got + 1))
+                grown[:size] = self._steps_at
+                self._steps_at = grown
+        return got
 
     def _reindex(self, estimator: Estimator | None) -> None:
-        """Dense indices of the ready roots in ``estimator`` (another one than before)."""
+        """Dense indices of the ready roots and of every part's nodes in ``estimator``
+        (another one than before)."""
         self._estimator = estimator
+        self._dense_of.clear()
+        self._epoch_of = object()  # another estimator: no kept value is current
         self._ready.dense = array("q", [self._dense(r) for r in self._ready.stages])
+        self._steps_at[:] = 0.0
+        self._changes += 1
+        for part in self._parts.values():
+            self._weigh(part)
+            self._add_steps(part, 1)
+
+    def _weigh(self, part: _Part, steps: list[int] | None = None) -> None:
+        """``part``'s steps per plan node (``steps``, when known, in ``by_node``'s
+        order) and their dense indices in the estimator."""
+        if self._estimator is None:
+            part.steps = part.dense = None
+            return
+        by_node = part.by_node
+        if steps is None:
+            steps = [sum(s.stop - s.start for s in stages) for stages in by_node.values()]
+        dense_of = self._dense_of
+        index = [dense_of.get(n) for n in by_node]
+        if None in index:
+            index = [self._index(n) for n in by_node]
+        part.dense = np.array(index, dtype=np.int64)
+        part.steps = np.array(steps, dtype=np.float64)
+
+    def _tally(self, part: _Part, sign: int) -> None:
+        """Count ``part``'s stages and steps in (``sign`` 1) or out (-1) of the work."""
+        self._count += sign * part.count
+        self._changes += 1
+        self._add_steps(part, sign)
+
+    def _add_steps(self, part: _Part, sign: int) -> None:
+        if part.dense is None or part.steps is None:
+            return
+        # A part's nodes are distinct: one index each, no repeated index to add up.
+        self._steps_at[part.dense] += sign * part.steps
+
+    def work(self) -> tuple[float, float]:
+        """The remaining work (the sum of every stage's cost at the estimator's current
+        predictions) and a bound on how far it may be from that sum added up stage by
+        stage in any order (each sum of n terms rounds by at most n units in the last
+        place of the total; this one and that one together, with a margin of 4).
+
+        Array work over the plan nodes with stages (no walk of the stages); kept until
+        the estimator's version or the forest changes. Needs the estimator of the last
+        :meth:`tree` (with dense indices).
+        """
+        estimator = self._estimator
+        assert estimator is not None
+        at = (estimator.version, self._changes)
+        if self._work_at != at:
+            live = np.flatnonzero(self._steps_at)
+            total = float(self._steps_at[live] @ estimator.cost_array(live)) if len(live) else 0.0
+            self._work = (total, len(live))
+            self._work_at = at
+        total, terms = self._work
+        return total, (self._count + terms + 4) * 2.0**-51 * total
 
     def _recost(
         self,
@@ -417,14 +538,32 @@ class StageForest:
             got = part.values[id(root)] = best[id(root)]
         return got
 
+    def _length(self, root: Stage) -> float:
+        """The longest path's cost from ``root`` down, as ``CriticalPathPolicy._paths``
+        computes it (the same floats as :func:`~stagetree.stages.path_values`)."""
+        if root.children:
+            return self._deep_value(root)[0]
+        self._costed(self._part_of(root))
+        return root.cost + 0.0
+
     def critical_path(
-        self, tree: StageTree, ready: list[Stage], first: list[Stage]
+        self,
+        tree: StageTree,
+        ready: list[Stage],
+        first: list[Stage],
+        policy: CriticalPathPolicy | None = None,
     ) -> list[Stage] | None:
         """``critical_path(tree, first + rest)`` without walking every root: ``ready``
         is the last :meth:`tree`'s ready roots, ``first`` some of them (in root order)
         and ``rest`` the others. Leaves' values come from the estimator as arrays,
-        those of roots with children from the kept parts. None: not possible here (no
-        estimator with dense indices, or ``version`` is None).
+        those of roots with children from the kept parts.
+
+        ``policy``: the path as that policy runs it (``policy.choose(tree, first +
+        rest)``), its depth-bound cut decided on the kept work and root values.
+
+        None: not possible here (no estimator with dense indices, or ``version`` is
+        None), or the kept work is too close to where the cut changes its answer to
+        tell (:meth:`work`'s slack): ask the policy on the whole tree.
         """
         if self._estimator is None or self._estimator.version is None:
             return None
@@ -437,8 +576,21 @@ class StageForest:
         steps = r.numpy(r.steps)
         per_step = self._estimator.cost_array(r.numpy(r.dense))
         cost = steps * per_step + 0.0
-        for i in np.flatnonzero(r.numpy(r.deep)).tolist():
-            cost[i], steps[i] = self._deep_value(r.stages[i])
+        deep = r.numpy(r.deep).astype(bool)
+        if deep.any():
+            # The estimator version the stages' costs are (or will be) computed at.
+            at = self._version if self._pending is None else self._pending[1]
+            if at != self._epoch_of:
+                self._epoch += 1
+                self._epoch_of = at
+            epoch = self._epoch
+            for i in np.flatnonzero(deep & (r.numpy(r.stamp) != epoch)).tolist():
+                value = self._deep_value(r.stages[i])
+                r.value[i], r.value_steps[i] = value
+                r.stamp[i] = epoch
+            cost = np.where(deep, r.numpy(r.value), cost)
+            steps = np.where(deep, r.numpy(r.value_steps), steps)
+        values = cost.copy() if policy is not None else cost
         chosen: Stage | None = None
         top: tuple[float, int] | None = None
         if held:
@@ -460,4 +612,17 @@ class StageForest:
                 chosen = r.stages[i]
         assert chosen is not None
         self._costed(self._part_of(chosen))
-        return critical_path(tree, [chosen])
+        path = critical_path(tree, [chosen])
+        if policy is None or not policy.may_cut(path):
+            return path
+        # The depth-bound cut's inputs, as CriticalPathPolicy._paths finds them on the
+        # whole tree: the longest path from every root (ready and waiting), from every
+        # root but the chosen one, and the remaining work.
+        i = r.index(chosen)
+        own = float(values[i])
+        values[i] = -np.inf
+        other = max(float(values.max()), 0.0)
+        for root in self._waiting.stages:
+            other = max(other, self._length(root))
+        work, slack = self.work()
+        return policy.cut(path, max(other, own), other, work, slack)

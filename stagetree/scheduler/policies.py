@@ -91,8 +91,36 @@ class CriticalPathPolicy(BasePolicy):
         if not self.may_cut(path):
             return path
         longest, other, work = self._paths(tree, path[0])
+        got = self.cut(path, longest, other, work)
+        assert got is not None  # exact inputs: the rule always tells
+        return got
+
+    def cut(
+        self, path: list[Stage], longest: float, other: float, work: float, slack: float = 0.0
+    ) -> list[Stage] | None:
+        """``path`` (the longest path, whose stages :meth:`may_cut`) as this policy runs
+        it: whole, or up to the branch point where the depth-bound rule stops it.
+
+        Args:
+            path: the longest path, with its stages' costs current.
+            longest: the longest remaining path of the tree by cost (ready and waiting
+                roots), as :meth:`_paths` computes it.
+            other: the longest from another root than ``path[0]`` (0.0: none).
+            work: the tree's remaining work (the sum of every stage's cost).
+            slack: a bound on how far ``work`` may be from that sum as :meth:`_paths`
+                adds it up (a sum kept another way rounds differently).
+
+        Returns:
+            The chain to run; None when ``work`` is within ``slack`` of the point where
+            the rule changes its answer (the caller then asks :meth:`choose` on the
+            whole tree).
+        """
         workers = self.workers or 1
-        if longest * workers <= _DEPTH_BOUND_SHARE * work:
+        bound = longest * workers
+        half = _DEPTH_BOUND_SHARE * work
+        if slack and abs(bound - half) <= _DEPTH_BOUND_SHARE * slack:
+            return None
+        if bound <= half:
             return path  # bound by the work: keep the model on the worker
         # Stop at the first branch point after which another root's path is longer than
         # what is left of this one: that root may still wait for a worker by then.

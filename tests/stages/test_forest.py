@@ -4,7 +4,7 @@ of changes it equals a whole build over the same inputs."""
 from __future__ import annotations
 
 import random
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
@@ -13,6 +13,7 @@ from stagetree.plan import MemoryPlanStorage
 from stagetree.plan.model import Node
 from stagetree.scheduler.cost import CostEstimator
 from stagetree.scheduler.forest import StageForest
+from stagetree.scheduler.policies import CriticalPathPolicy
 from stagetree.stages import RunningPosition, StageTree, build_stage_tree, critical_path
 
 Key = tuple[int, int]
@@ -111,32 +112,41 @@ def change(
     return True
 
 
-class Churn(NamedTuple):
-    """A forest over :func:`plan` with nothing requested yet, the requests and
-    checkpoints a test changes it by, and a fresh cost estimator."""
+def _running(rng: random.Random, nodes: dict[int, Node], keys: list[Key]) -> list[RunningPosition]:
+    """Up to three running batches on random paths (so that some roots wait for them),
+    with checkpoints promised at positions they passed (canonical, on their path)."""
+    running = []
+    for batch_id in range(rng.randint(0, 3)):
+        segments = path_of(nodes, rng.choice(keys))
+        if not segments:
+            continue
+        step = rng.randint(segments[0][1], segments[-1][2])
+        passed = [(n, t) for n, a, b in segments for t in range(a + 1, min(b, step) + 1)]
+        saving = tuple(k for k in passed if rng.random() < 0.2)
+        running.append(RunningPosition(batch_id + 1, segments, step, saving))
+    return running
 
-    seed: int
-    nodes: dict[int, Node]
-    keys: list[Key]
-    forest: StageForest
-    estimator: CostEstimator
-    requests: dict[Key, None]
-    checkpoints: set[Key]
-    node_list: list[Node]
+
+def _held(
+    rng: random.Random, forest: StageForest, ready: list[Any]
+) -> tuple[set[Key], list[Any], list[Any]]:
+    """Some starts of ready roots held by idle workers at random; the roots starting
+    there (the forest's ``held_starts``) and the policy's order (those first)."""
+    from_ckpt = [r for r in ready if r.origin is not None and r.origin.kind == "checkpoint"]
+    held = {(r.origin.node, r.origin.step) for r in from_ckpt if rng.random() < 0.4}
+    _, first = forest.held_starts(held)
+    return held, first, first + [r for r in ready if r not in first]
 
 
-@pytest.fixture(params=range(6))
-def churn(request: pytest.FixtureRequest) -> Churn:
-    """:class:`Churn` over ``plan(seed)``, one per seed 0-5."""
-    seed: int = request.param
+@pytest.mark.parametrize("seed", range(6))
+def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
     nodes, keys = plan(seed)
-    return Churn(seed, nodes, keys, StageForest(nodes), CostEstimator(), {}, set(),
-                 list(nodes.values()))  # fmt: skip
-
-
-def test_forest_equals_a_whole_build_after_every_change(churn: Churn) -> None:
-    seed, nodes, keys, forest, estimator, requests, checkpoints, node_list = churn
     rng = random.Random(seed)
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    requests: dict[Key, None] = {}
+    checkpoints: set[Key] = set()
+    node_list = list(nodes.values())
     for _ in range(150):
         op = rng.random()
         if change(rng, forest, keys, requests, checkpoints, op, (0.35, 0.5, 0.62)):
@@ -148,16 +158,7 @@ def test_forest_equals_a_whole_build_after_every_change(churn: Churn) -> None:
         elif op < 0.8:  # the costs move
             estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
         # What running and saving batches contribute changes at every decision.
-        running = []
-        for batch_id in range(rng.randint(0, 3)):
-            segments = path_of(nodes, rng.choice(keys))
-            if not segments:
-                continue
-            step = rng.randint(segments[0][1], segments[-1][2])
-            # Checkpoints promised at positions it passed (canonical, on its path).
-            passed = [(n, t) for n, a, b in segments for t in range(a + 1, min(b, step) + 1)]
-            saving = tuple(k for k in passed if rng.random() < 0.2)
-            running.append(RunningPosition(batch_id + 1, segments, step, saving))
+        running = _running(rng, nodes, keys)
         promised = {k for k in requests if rng.random() < 0.1}
         memory = {k for k in rng.sample(keys, 3) if rng.random() < 0.3}
         got = forest.tree(running, promised, memory, estimator.cost, estimator.version)
@@ -189,12 +190,18 @@ def _spans(path: list[Any]) -> list[tuple[int, int, int]]:
     return [(s.node, s.start, s.stop) for s in path]
 
 
-def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(churn: Churn) -> None:
+@pytest.mark.parametrize("seed", range(6))
+def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(seed: int) -> None:
     # The scheduler's critical path from the kept tree (leaf costs as arrays from the
     # estimator, values of deeper roots kept per plan tree, costs computed only where
     # read) is the path critical_path finds on a whole build, held-first order included.
-    seed, nodes, keys, forest, estimator, requests, checkpoints, node_list = churn
+    nodes, keys = plan(seed)
     rng = random.Random(100 + seed)
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    requests: dict[Key, None] = {}
+    checkpoints: set[Key] = set()
+    node_list = list(nodes.values())
     for _ in range(150):
         op = rng.random()
         if change(rng, forest, keys, requests, checkpoints, op, (0.4, 0.55, 0.7)):
@@ -215,11 +222,9 @@ def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(churn: Churn) -> 
         )
         want = build_stage_tree(nodes, list(requests), checkpoints, [], estimator.cost)
         ready = got.ready_roots()
+        held, first, order = _held(rng, forest, ready)
         from_ckpt = [r for r in ready if r.origin is not None and r.origin.kind == "checkpoint"]
-        held = {(r.origin.node, r.origin.step) for r in from_ckpt if rng.random() < 0.4}
-        _, first = forest.held_starts(held)
         assert first == [r for r in from_ckpt if (r.origin.node, r.origin.step) in held]
-        order = first + [r for r in ready if r not in first]
         path = forest.critical_path(got, ready, first)
         assert path is not None
         spans = {(s.node, s.start, s.stop): s for s in want.roots}
@@ -229,3 +234,102 @@ def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(churn: Churn) -> 
         assert [s.cost for s in path] == [s.cost for s in critical_path(want, want_order)]
         forest.ensure_costs()
         assert snapshot(got) == snapshot(want)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_kept_work_and_depth_bound_cut_equal_the_policy_on_a_whole_build(seed: int) -> None:
+    # The forest keeps the remaining work (steps per plan node, priced by the estimator
+    # as arrays) and the roots' path values, so that the critical-path policy's choice,
+    # its depth-bound cut at a branch point included, needs no walk of the tree: after
+    # any sequence of changes it is the policy's choice on a whole build.
+    nodes, keys = plan(seed)
+    rng = random.Random(200 + seed)
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    requests: dict[Key, None] = {}
+    checkpoints: set[Key] = set()
+    node_list = list(nodes.values())
+    cuts = undecided = 0
+    for _ in range(150):
+        op = rng.random()
+        if change(rng, forest, keys, requests, checkpoints, op, (0.4, 0.55, 0.65)):
+            pass
+        elif op < 0.72 and checkpoints:
+            key = rng.choice(sorted(checkpoints))
+            checkpoints.discard(key)
+            forest.remove_checkpoint(key)
+        elif op < 0.92:  # the costs move
+            estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
+        running = _running(rng, nodes, keys)
+        promised = {k for k in requests if rng.random() < 0.1}
+        got = forest.tree(
+            running,
+            promised,
+            (),
+            estimator.cost,
+            estimator.version,
+            estimator.costs,
+            estimator=estimator,
+            lazy=rng.random() < 0.7,
+        )
+        want = build_stage_tree(
+            nodes, [k for k in requests if k not in promised], checkpoints, running, estimator.cost
+        )
+        work, slack = forest.work()
+        exact = sum(s.cost for s in reversed(want.stages))  # as the policy adds it up
+        assert abs(work - exact) <= slack
+        if not estimator.measured:  # one per step: the kept steps, exactly
+            assert work == want.total_steps
+        ready = got.ready_roots()
+        if not ready:
+            continue
+        _, first, order = _held(rng, forest, ready)
+        policy = CriticalPathPolicy()
+        policy.workers = rng.choice([1, 2, 3, 8, 40])
+        path = forest.critical_path(got, ready, first, policy)
+        spans = {(s.node, s.start, s.stop): s for s in want.roots}
+        want_order = [spans[(r.node, r.start, r.stop)] for r in order]
+        want_path = policy.choose(want, want_order)
+        if path is None:  # too close to the rule's threshold for the kept work
+            undecided += 1
+            continue
+        assert _spans(path) == _spans(want_path)
+        cuts += len(want_path) < len(critical_path(want, want_order))
+    assert cuts > 0  # the rule did stop some paths at a branch point
+    assert undecided <= 2
+
+
+def test_roots_with_children_are_valued_again_only_when_their_costs_move() -> None:
+    # A decision reads the kept values of roots with children as arrays: the next one at
+    # the same costs values no root again; after a measurement every such root is.
+    nodes, keys = plan(3)
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    for key in keys[::5]:
+        forest.add_request(key)
+    valued: list[Any] = []
+    kept = forest._deep_value
+    forest._deep_value = lambda root: valued.append(root) or kept(root)  # type: ignore[method-assign]
+
+    def decide() -> list[Any]:
+        got = forest.tree(
+            [],
+            set(),
+            (),
+            estimator.cost,
+            estimator.version,
+            estimator.costs,
+            estimator=estimator,
+            lazy=True,
+        )
+        valued.clear()
+        path = forest.critical_path(got, got.ready_roots(), [])
+        assert path
+        return [r for r in got.ready_roots() if r.children]
+
+    deep = decide()
+    assert deep and len(valued) == len(deep)
+    decide()
+    assert valued == []
+    estimator.observe(next(iter(nodes.values())), 2.0)
+    assert len(decide()) == len(valued)

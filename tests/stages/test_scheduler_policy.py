@@ -81,3 +81,23 @@ def test_outside_a_scheduler_the_path_goes_whole() -> None:
     stages = [trunk, *trunk.children, other]
     tree = StageTree(stages, [trunk, other], [], {})
     assert CriticalPathPolicy().choose(tree, [trunk, other]) == [trunk, trunk.children[0]]
+
+
+def test_the_scheduler_cuts_the_path_without_walking_the_tree(monkeypatch: Any) -> None:
+    # The depth-bound cut's inputs (the longest paths from the roots, the remaining
+    # work) come from the scheduler's kept stage tree, not from a walk of every stage
+    # (CriticalPathPolicy._paths): the same decisions as the policy's on a whole tree.
+    def walk(*args: Any) -> None:
+        raise AssertionError("the scheduler walked the whole tree for the cut")
+
+    monkeypatch.setattr(CriticalPathPolicy, "_paths", staticmethod(walk))
+    assert _first_batches(2, {"b": 95}) == [[(1, 0, 10)], [(3, 0, 95)]]
+    assert _first_batches(2, {"b": 50}) == [[(1, 0, 10), (1, 10, 100)], [(3, 0, 50)]]
+    chains = {f"b{k}": 95 for k in range(6)}
+    assert _first_batches(2, chains)[0] == [(1, 0, 10), (1, 10, 100)]
+
+
+def test_at_the_threshold_the_work_bound_study_keeps_the_whole_path() -> None:
+    # 400 steps of work, the longest path 100, two workers: 100 x 2 is exactly half the
+    # work (kept work that cannot tell is checked on the whole tree): the whole path.
+    assert _first_batches(2, {"b": 100, "c": 100, "d": 10})[0] == [(1, 0, 10), (1, 10, 100)]
