@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from stagetree.exceptions import StorageError
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.leases import Lease, new_owner, outage_proof_ttl, overlaps
-from stagetree.plan.model import RequestState
+from stagetree.plan.model import Node, RequestState
 from stagetree.scheduler import CheckpointAvailable, NodeAdded, RequestAdded, RequestCancelled
 from stagetree.work import BatchDone
 
@@ -60,6 +60,7 @@ __all__ = ["DEFAULT_TTL", "CoordinationPort", "Coordinator", "lease_ttl", "runni
 _log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 15.0
+GAP_SECONDS = 120.0  # how long an id skipped by the node cursor is asked for again
 Key = tuple[int, int]
 
 
@@ -141,6 +142,14 @@ class Coordinator:
         self._waiting_on: set[int] = set()  # ids of the leases that stopped our claims
         self._adopted: set[Key] = set()
         self._last_beat = self._last_poll = time.monotonic()
+        # Polling for other processes' nodes reads what was appended since the last poll
+        # (ids grow with insertion), not every known tree again: a tree read whole once,
+        # when it becomes known, then a cursor. An id skipped below the cursor may belong
+        # to a transaction still open (PostgreSQL commits out of id order): it is asked
+        # for again until it shows up or GAP_SECONDS pass (a rolled-back insert).
+        self._node_cursor: int | None = None
+        self._node_gaps: dict[int, float] = {}
+        self._roots_read: set[str] = set()
 
     @property
     def storage(self) -> BasePlanStorage:
@@ -272,11 +281,34 @@ class Coordinator:
     def _new_nodes(self) -> list[Any]:
         """``NodeAdded`` for nodes other processes appended to trees this engine knows."""
         engine = self.engine
+        storage = self.storage
+        known = engine.known_roots()
+        if self._node_cursor is None:  # first poll: trees are read whole from here on
+            self._node_cursor = storage.last_node_id()
+        found: list[Node] = []
+        for root in known:
+            if root not in self._roots_read:  # newly known: its nodes so far, once
+                self._roots_read.add(root)
+                found.extend(storage.nodes(root))
+        now = time.monotonic()
+        appended = storage.nodes_after(self._node_cursor, self._node_gaps)
+        if appended:
+            seen = {node.id for node in appended}
+            for node_id in seen:
+                self._node_gaps.pop(node_id, None)
+            top = max(seen)
+            for node_id in range(self._node_cursor + 1, top):
+                if node_id not in seen:
+                    self._node_gaps[node_id] = now
+            self._node_cursor = max(self._node_cursor, top)
+        for node_id, since in list(self._node_gaps.items()):
+            if now - since > GAP_SECONDS:
+                del self._node_gaps[node_id]
+        roots = set(known)
         events: list[Any] = []
-        for root in engine.known_roots():
-            for node in self.storage.nodes(root):
-                if engine.learn_node(node.id):
-                    events.append(NodeAdded(node))
+        for node in found + appended:
+            if node.root_key in roots and engine.learn_node(node.id):
+                events.append(NodeAdded(node))
         return events
 
     def _new_checkpoints(self) -> list[Any]:

@@ -375,6 +375,17 @@ class BasePlanStorage(ABC):
     def nodes(self, root_key: str | None = None) -> list[Node]:
         """Nodes of one tree (or of all trees) in id order."""
 
+    def last_node_id(self) -> int:
+        """The largest node id in the storage (0 when it holds none)."""
+        return max((n.id for n in self.nodes()), default=0)
+
+    def nodes_after(self, after_id: int, also: Collection[int] = ()) -> list[Node]:
+        """Nodes of every tree with an id above ``after_id`` or in ``also``, in id order:
+        what other processes appended since a reader last looked (ids grow with
+        insertion). A storage should answer from an index, not by reading every tree."""
+        wanted = set(also)
+        return [n for n in self.nodes() if n.id > after_id or n.id in wanted]
+
     def path(self, node_id: int) -> list[Node]:
         """Nodes from the root of ``node_id``'s tree down to it."""
         out = [self.node(node_id)]

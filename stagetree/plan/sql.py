@@ -795,6 +795,27 @@ class SQLPlanStorage(BasePlanStorage):
         return sorted(out, key=lambda n: n.id)
 
     @_retried
+    def last_node_id(self) -> int:
+        with self._tx(write=False) as conn:
+            return int(conn.execute(select(func.max(_nodes.c.id))).scalar() or 0)
+
+    @_retried
+    def nodes_after(self, after_id: int, also: Collection[int] = ()) -> list[Node]:
+        # One range read on the primary key (plus the few ids asked again), not a read
+        # per tree: a poll costs what was appended since, whatever the storage holds.
+        wanted = sorted(set(also))
+        cond = _nodes.c.id > after_id
+        if wanted:
+            cond = or_(cond, _nodes.c.id.in_(wanted))
+        with self._tx(write=False) as conn:
+            rows = conn.execute(select(_nodes).where(cond).order_by(_nodes.c.id)).all()
+        cache = self._node_cache
+        fresh = [row for row in rows if row.id not in cache]
+        for row, hp in zip(fresh, self._seqs.decode_hp_many([row.hp for row in fresh])):
+            cache[row.id] = Node(row.id, row.root_key, row.parent, row.branch_step, hp)
+        return [cache[row.id] for row in rows]
+
+    @_retried
     def path(self, node_id: int) -> list[Node]:
         # Up the parent links, each node read once and cached: a path is a few nodes,
         # its tree may hold 100,000 (a study's best trial reads its own path only).

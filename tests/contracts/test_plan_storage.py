@@ -85,6 +85,26 @@ def test_first_trial_becomes_root(plan: BasePlanStorage) -> None:
     assert plan.nodes(R) == [root]
 
 
+def test_nodes_after_reads_what_was_appended_since_an_id(backend: Backend) -> None:
+    """Polling for other processes' nodes reads from an id on, across trees, in id
+    order, plus the ids asked again; a second handle sees the first one's nodes."""
+    plan = backend.storage
+    assert plan.last_node_id() == 0
+    a = plan.insert_trial(R, lr(MultiStep(0.1, [10], 0.1)), 20)
+    b = plan.insert_trial("other-root", lr(Constant(0.3)), 20)
+    c = plan.insert_trial(R, lr(Constant(0.1)), 20)
+    ids = [a.node, b.node, c.new_nodes[0].id]
+    assert plan.last_node_id() == max(ids)
+    reader = backend.reopen() if backend.reopen is not None else plan
+    assert [n.id for n in reader.nodes_after(0)] == sorted(ids)
+    assert [n.id for n in reader.nodes_after(ids[0])] == sorted(ids[1:])
+    assert [n.id for n in reader.nodes_after(max(ids), also=[ids[0]])] == [ids[0]]
+    assert reader.nodes_after(max(ids)) == []
+    got = {n.id: n for n in reader.nodes_after(0)}
+    assert got[b.node].root_key == "other-root" and got[ids[2]].parent == a.node
+    assert got[ids[2]].hp == {"lr": Constant(0.1)}
+
+
 def test_multistep_and_constant_share_until_the_milestone(plan: BasePlanStorage) -> None:
     a = plan.insert_trial(R, lr(MultiStep(0.1, [100], 0.1)), 120)
     b = plan.insert_trial(R, lr(Constant(0.1)), 120)
