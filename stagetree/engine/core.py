@@ -1021,6 +1021,7 @@ class Engine:
                         self._on_event(ev)
                 finally:
                     self.ledger.write_curves()
+                    self.ledger.write_counts()
                 self._record_workers(events)
         with self.lock:
             self.ledger.write_activity()
@@ -1032,8 +1033,9 @@ class Engine:
         :attr:`_handlers`), then the scheduler's decisions, then the studies' accounting
         of the steps the scheduler charged for it."""
         if not isinstance(ev, (work.CurveReported, work.Progress, work.CheckpointSaved)):
-            # Curves are written before anything that could read them.
+            # Curves and counts are written before anything that could read them.
             self.ledger.write_curves()
+            self.ledger.write_counts()
         batch_id = getattr(ev, "batch_id", None)
         batch = self._batches.get(batch_id) if batch_id is not None else None
         handler = self._handlers.get(type(ev))

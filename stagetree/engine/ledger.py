@@ -1,8 +1,9 @@
 """What an engine writes down besides results: the activity records of its batches (the
 dashboard's timeline), learning-curve points, and each study's share of the work.
 
-The :class:`Ledger` buffers records and writes them once per round of the engine's
-driver (one transaction each); it is called with the engine's lock held.
+The :class:`Ledger` buffers records, curve points and per-study counts and writes them
+once per round of the engine's driver (one transaction each), and before any event that
+could read them; it is called with the engine's lock held.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Ledger:
         self.study_versions: dict[str, str] = {}
         self._activity: list[dict[str, Any]] = []  # activity records not written yet
         self._curves: list[Any] = []  # learning-curve points not written yet
+        # per-study step counts not written yet, {scope: {counter: delta}}: one
+        # transaction per round of events, not one per progress report
+        self._counts: dict[str, dict[str, float]] = {}
 
     def note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
         """Keep one activity record for the storage (:class:`~stagetree.plan.model.ActivityRecord`),
@@ -80,6 +84,13 @@ class Ledger:
             points, self._curves = self._curves, []
             self.storage.put_metrics_many(points)
 
+    def write_counts(self) -> None:
+        """Store the per-study counts kept by :meth:`count_studies` since the last write
+        (one transaction)."""
+        if self._counts:
+            counts, self._counts = self._counts, {}
+            self.storage.add_stats_many(counts)
+
     def count_studies(
         self, before: Mapping[str, float], after: Mapping[str, float], rate: float
     ) -> dict[str, float]:
@@ -87,14 +98,15 @@ class Ledger:
         the scheduler charged to each study for the event just handled (its usage
         ``after`` minus ``before``; fair share's usage: a step every study needed counts
         for each), and their device-seconds at ``rate``, the rate of the batch the event
-        is about. Returns the steps charged to each study."""
+        is about. Returns the steps charged to each study. The counts are kept for
+        :meth:`write_counts`."""
         charged: dict[str, float] = {}
         for name, steps in after.items():
             delta = steps - before.get(name, 0.0)
             version = self.study_versions.get(name)
             if delta > 0 and version is not None:
-                self.storage.add_stats(
-                    study_scope(name, version), steps_executed=delta, device_seconds=delta * rate
-                )
+                kept = self._counts.setdefault(study_scope(name, version), {})
+                kept["steps_executed"] = kept.get("steps_executed", 0.0) + delta
+                kept["device_seconds"] = kept.get("device_seconds", 0.0) + delta * rate
                 charged[name] = delta
         return charged
