@@ -263,7 +263,7 @@ def test_amp_with_grouped_kernels_stays_within_amp_rounding(device: str) -> None
     """bfloat16 autocast on a CPU, float16 and a GradScaler per member on CUDA: the
     grouped convolutions and the linear layer run in the lower precision as each
     member's own do (with vmap's rules the linear layer's bias is added in float32: 2.5e-02
-    apart after 5 updates). On CUDA, test_torch_fused.py's AMP tolerance for
+    apart after 6 updates). On CUDA, test_torch_fused.py's AMP tolerance for
     convolutions: train losses within 1e-2."""
     group, worst_abs, worst_rel, worst_loss = compare(TinyResNet, {"amp": True, "device": device})
     print(f"\n{device} AMP: {worst_abs:.2e} abs, {worst_rel:.2e} rel, loss {worst_loss:.2e}")
