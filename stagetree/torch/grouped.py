@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._C._functorch import TransformType, _add_batch_dim, _unwrap_batched
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
 __all__ = ["Kernels", "install"]
 
@@ -64,6 +66,43 @@ class Kernels:
 def _batched(*tensors: torch.Tensor | None) -> bool:
     """Whether any of ``tensors`` is a vmap-batched tensor (the forward runs fused)."""
     return any(t is not None and torch._C._functorch.is_batchedtensor(t) for t in tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Info:
+    """What a vmap rule reads of ``torch.func``'s ``VmapInfo``."""
+
+    batch_size: int
+
+
+def _vmap() -> Any:
+    """The innermost ``torch.func`` transform if it is a vmap (else None: the grouped
+    modules fall back to their plain forward)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:  # no transform at all
+        return None
+    interpreter = retrieve_current_functorch_interpreter()
+    return interpreter if interpreter.key() == TransformType.Vmap else None
+
+
+def _fused(vmap: Any, rule: Any, *args: Any) -> torch.Tensor:
+    """``rule(info, in_dims, *physical args)`` run on the physical tensors of the vmap
+    level ``vmap``, its result wrapped back at that level.
+
+    This is what ``autograd.Function.apply`` does for a function with a ``vmap``
+    staticmethod, without its generic argument handling (pytrees, identity checks),
+    which costs ~1 ms a call: more than a layer's kernels on a GPU."""
+    level = vmap.level()
+    physical, dims = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a, dim = _unwrap_batched(a, level)
+        else:
+            dim = None
+        physical.append(a)
+        dims.append(dim)
+    with vmap.lower():
+        y, out_dim = rule(_Info(vmap.batch_size()), tuple(dims), *physical)
+    return y if out_dim is None else _add_batch_dim(y, out_dim, level)
 
 
 def _members_first(t: torch.Tensor | None, dim: int | None, size: int) -> torch.Tensor | None:
@@ -277,9 +316,12 @@ class GroupedConv2d(nn.Conv2d):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # An unbatched image ([C, H, W]) keeps vmap's rule: the grouped form needs [N, ...].
-        if input.dim() != 4 or not _batched(input, self.weight, self.bias):
+        vmap = _vmap()
+        if vmap is None or input.dim() != 4 or not _batched(input, self.weight, self.bias):
             return super().forward(input)
-        return _Conv2dFn.apply(
+        return _fused(
+            vmap,
+            _Conv2dFn.vmap,
             input,
             self.weight,
             self.bias,
@@ -298,14 +340,17 @@ class GroupedBatchNorm2d(nn.BatchNorm2d):
     stagetree_kernels: Kernels
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _batched(input, self.weight, self.bias, self.running_mean):
+        vmap = _vmap()
+        if vmap is None or not _batched(input, self.weight, self.bias, self.running_mean):
             return super().forward(input)
         self._check_input_dim(input)
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         training = self.training or (self.running_mean is None and self.running_var is None)
         stats = not self.training or self.track_running_stats
-        return _BatchNormFn.apply(
+        return _fused(
+            vmap,
+            _BatchNormFn.vmap,
             input,
             self.running_mean if stats else None,
             self.running_var if stats else None,
@@ -323,9 +368,10 @@ class GroupedAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     stagetree_kernels: Kernels
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dim() != 4 or not _batched(input):
+        vmap = _vmap()
+        if vmap is None or input.dim() != 4 or not _batched(input):
             return super().forward(input)
-        return _AdaptiveAvgPool2dFn.apply(input, self.output_size)
+        return _fused(vmap, _AdaptiveAvgPool2dFn.vmap, input, self.output_size)
 
 
 class GroupedLinear(nn.Linear):
@@ -334,9 +380,10 @@ class GroupedLinear(nn.Linear):
     stagetree_kernels: Kernels
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _batched(input, self.weight, self.bias):
+        vmap = _vmap()
+        if vmap is None or not _batched(input, self.weight, self.bias):
             return super().forward(input)
-        return _LinearFn.apply(input, self.weight, self.bias, self.stagetree_kernels)
+        return _fused(vmap, _LinearFn.vmap, input, self.weight, self.bias, self.stagetree_kernels)
 
 
 def _grouped_class(module: nn.Module) -> type[nn.Module] | None:
