@@ -42,8 +42,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._C._functorch import TransformType, _add_batch_dim, _unwrap_batched
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+try:  # torch.func's internals (since torch 2.0), which autograd.Function's vmap uses
+    from torch._C._functorch import (
+        TransformType,
+        _add_batch_dim,
+        _unwrap_batched,
+        peek_interpreter_stack,
+    )
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    _AVAILABLE = True
+except ImportError:  # a torch without them: vmap's rules stay
+    _AVAILABLE = False
 
 __all__ = ["Kernels", "install"]
 
@@ -71,7 +82,7 @@ def _batched(*tensors: torch.Tensor | None) -> bool:
 def _vmap() -> Any:
     """The innermost ``torch.func`` transform if it is a vmap (else None: the grouped
     modules fall back to their plain forward)."""
-    if torch._C._functorch.peek_interpreter_stack() is None:  # no transform at all
+    if peek_interpreter_stack() is None:  # no transform at all
         return None
     interpreter = retrieve_current_functorch_interpreter()
     return interpreter if interpreter.key() == TransformType.Vmap else None
@@ -331,6 +342,8 @@ def install(modules: Iterable[nn.Module], kernels: Kernels) -> int:
     ``modules`` (and their submodules) the grouped forward (their class becomes the
     grouped subclass; parameters, buffers and state-dict keys stay). Outside vmap they
     compute as before. Returns how many modules changed."""
+    if not _AVAILABLE:
+        return 0
     count = 0
     seen: set[int] = set()
     for root in modules:
