@@ -138,14 +138,20 @@ def _held(
     return held, first, first + [r for r in ready if r not in first]
 
 
+def _churn(
+    seed: int, rng_seed: int
+) -> tuple[
+    dict[int, Node], list[Key], random.Random, StageForest, CostEstimator, dict[Key, None], set[Key]
+]:
+    """What the churn tests change: ``plan(seed)``'s nodes and keys, their random stream,
+    a forest with nothing requested, a fresh estimator, and no requests or checkpoints."""
+    nodes, keys = plan(seed)
+    return nodes, keys, random.Random(rng_seed), StageForest(nodes), CostEstimator(), {}, set()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
-    nodes, keys = plan(seed)
-    rng = random.Random(seed)
-    forest = StageForest(nodes)
-    estimator = CostEstimator()
-    requests: dict[Key, None] = {}
-    checkpoints: set[Key] = set()
+    nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(seed, seed)
     node_list = list(nodes.values())
     for _ in range(150):
         op = rng.random()
@@ -195,12 +201,7 @@ def test_kept_critical_path_and_lazy_costs_equal_a_whole_build(seed: int) -> Non
     # The scheduler's critical path from the kept tree (leaf costs as arrays from the
     # estimator, values of deeper roots kept per plan tree, costs computed only where
     # read) is the path critical_path finds on a whole build, held-first order included.
-    nodes, keys = plan(seed)
-    rng = random.Random(100 + seed)
-    forest = StageForest(nodes)
-    estimator = CostEstimator()
-    requests: dict[Key, None] = {}
-    checkpoints: set[Key] = set()
+    nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(seed, 100 + seed)
     node_list = list(nodes.values())
     for _ in range(150):
         op = rng.random()
@@ -242,12 +243,7 @@ def test_kept_work_and_depth_bound_cut_equal_the_policy_on_a_whole_build(seed: i
     # as arrays) and the roots' path values, so that the critical-path policy's choice,
     # its depth-bound cut at a branch point included, needs no walk of the tree: after
     # any sequence of changes it is the policy's choice on a whole build.
-    nodes, keys = plan(seed)
-    rng = random.Random(200 + seed)
-    forest = StageForest(nodes)
-    estimator = CostEstimator()
-    requests: dict[Key, None] = {}
-    checkpoints: set[Key] = set()
+    nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(seed, 200 + seed)
     node_list = list(nodes.values())
     cuts = undecided = 0
     for _ in range(150):
