@@ -55,10 +55,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "fakes"))
 
 import torch
 import torch.nn.functional as F
 from _common import fmt, load_average, machine_info, markdown_table, write_plot
+from resnet_block import BasicBlock
 from torch import nn
 
 from stagetree.torch import FusibleTrainer, StageLoader, TorchFusedGroup
@@ -69,25 +71,6 @@ QUICK_WIDTHS = (1, 4, 16)
 
 
 # ---------------------------------------------------------------------- ResNet-18
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
 
 
 def resnet18(classes: int = 10) -> nn.Sequential:

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
+from resnet_block import BasicBlock  # noqa: E402 (tests/fakes, see conftest)
 from torch import nn  # noqa: E402
 from torch.func import functional_call, stack_module_state, vmap  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
@@ -63,28 +64,6 @@ def _deterministic() -> Iterator[None]:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
-class Block(nn.Module):
-    """ResNet's basic block: two 3x3 convolutions with BatchNorm, and a 1x1 shortcut
-    with BatchNorm where the stride or the width changes."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
-
-
 class TinyResNet(FusibleTrainer):
     """A stem (conv with bias + in-place ReLU + BatchNorm), a block with a strided 1x1
     shortcut, average pooling and a linear layer, on random 3x8x8 images.
@@ -102,7 +81,7 @@ class TinyResNet(FusibleTrainer):
             nn.Conv2d(3, 8, 3, 1, 1),  # a bias (no BatchNorm right after it: it would
             nn.ReLU(inplace=True),  # get ~0 gradients, all rounding noise)
             nn.BatchNorm2d(8),
-            Block(8, 16, 2),
+            BasicBlock(8, 16, 2),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
             nn.Linear(16, 10, bias=bool(config.get("bias", True))),
