@@ -658,7 +658,7 @@ class Engine:
             return None
         base, names = slot.root_key(config, hp), frozenset(hp)
         tree = self._tree_key(base, names)
-        self._tree_keys[(base, names)] = tree  # settled: a finished trial is in it
+        self._settle_tree(base, names, tree)  # a finished trial is in it
         return tree, found
 
     def append_log(self, slot: StudySlot, record: Mapping[str, Any]) -> None:
@@ -788,8 +788,7 @@ class Engine:
         """Insert a trial's path up to ``steps`` without a request (lock held); returns
         its tree's root key and the insertion (the path's end, canonical). The tree is
         trained by the study's trainer."""
-        names = frozenset(hp)
-        base, names = slot.root_key(config, hp), self._name_sets.setdefault(names, names)
+        base, names = slot.root_key(config, hp), frozenset(hp)
         root_key = self._tree_key(base, names)
         try:
             ins = self._insert_into(slot, root_key, config, hp, steps)
@@ -800,9 +799,15 @@ class Engine:
             if again == root_key:
                 raise
             root_key, ins = again, self._insert_into(slot, again, config, hp, steps)
-        # Settled: a tree's root never changes (kept as ``base`` itself when the same).
-        self._tree_keys[(base, names)] = base if root_key == base else root_key
+        self._settle_tree(base, names, root_key)
         return root_key, ins
+
+    def _settle_tree(self, base: str, names: frozenset[str], root_key: str) -> None:
+        """Remember that trials with hp ``names`` under ``base`` live in tree ``root_key``
+        (lock held): settled, a tree's root never changes. One copy of each name set,
+        and ``base`` itself when it is the tree (memory per trial)."""
+        names = self._name_sets.setdefault(names, names)
+        self._tree_keys[(base, names)] = base if root_key == base else root_key
 
     def _insert_into(
         self,
