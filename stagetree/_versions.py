@@ -32,14 +32,15 @@ class StudyLike(Protocol):
     log_checked: bool
 
 
-__all__ = ["append_log", "has_log", "open_trials", "read_log"]
+__all__ = ["append_log", "has_log", "open_trials", "read_log", "study_meta"]
 
 LOG_EVENT = "trainer"
 _ANNOUNCED: set[tuple[str, str, str]] = set()
 _ANNOUNCED_LOCK = threading.Lock()
 
 
-def _meta(storage: BasePlanStorage, name: str) -> dict[str, Any]:
+def study_meta(storage: BasePlanStorage, name: str) -> dict[str, Any]:
+    """The stored meta of study ``name`` (empty when it has none or no row)."""
     for record in storage.studies():
         if record["name"] == name:
             return dict(record.get("meta") or {})
@@ -55,7 +56,7 @@ def open_trials(
     trials will train again, and mark this version's own trials (if it ran before) as
     the latest run, so that ``stagetree status`` and ``export`` show them.
     """
-    meta = _meta(storage, study.name)
+    meta = study_meta(storage, study.name)
     trials = storage.trials(study.name)
     own = [t for t in trials if trial_version(t, meta) == study.version]
     latest = current_version(trials, meta)
@@ -95,7 +96,7 @@ def _segment(records: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[Any, 
 def read_log(study: StudyLike, storage: BasePlanStorage) -> list[dict[str, Any]]:
     """The decisions logged by the latest run if it used the study's trainer version;
     none otherwise (decisions taken on another version's results are not replayed)."""
-    version, segment = _segment(storage.read_log(study.name), _meta(storage, study.name))
+    version, segment = _segment(storage.read_log(study.name), study_meta(storage, study.name))
     study.log_checked = version == study.version
     return segment if study.log_checked else []
 
@@ -114,7 +115,7 @@ def _log_version(name: str, storage: BasePlanStorage) -> Any:
     """The version of the log's latest run (:func:`_segment`'s), from its last version
     record."""
     mark = storage.last_log(name, LOG_EVENT)
-    return _meta(storage, name).get("version") if mark is None else mark.get("version")
+    return study_meta(storage, name).get("version") if mark is None else mark.get("version")
 
 
 def append_log(study: StudyLike, storage: BasePlanStorage, record: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from stagetree._versions import study_meta
 from stagetree.hp import Sequence, dumps_hp
 from stagetree.plan.tree import curve_along, path_segments
 from stagetree.records import TrialState
@@ -42,11 +43,7 @@ class ReplayAnswers:
     def __init__(self, storage: BasePlanStorage, study: str, version: str) -> None:
         self.storage = storage
         self._mark = storage.writes_here()
-        meta: dict[str, Any] = {}
-        for record in storage.studies():
-            if record["name"] == study:
-                meta = dict(record.get("meta") or {})
-        default = meta.get("version")  # trial_version's rule
+        default = study_meta(storage, study).get("version")  # trial_version's rule
         self._done: dict[tuple[str, str], TrialFinal] = {}
         for f in storage.trial_finals(study):
             if (
