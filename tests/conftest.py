@@ -1,5 +1,6 @@
 """Shared fixtures: an S3 service on 127.0.0.1 (moto in server mode) for the checkpoint
-store suite and the end-to-end S3 study.
+store suite and the end-to-end S3 study; deterministic torch for the fused-vs-unfused
+modules (the only conftest: a second one in a subfolder would shadow this module).
 
 Also puts ``tests/fakes`` (the shared trainers and fakes) on ``sys.path``, so that every
 test folder imports them by bare name (``from study_trainers import LinearTrainer``)."""
@@ -81,3 +82,22 @@ def s3() -> Iterator[S3Service]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def fused_vs_unfused_determinism() -> Iterator[None]:
+    """Deterministic kernels on one thread, with TF32 off, for a module that compares
+    fused members with members trained alone.
+
+    TF32 convolutions would make fused (grouped) and unfused convolutions round
+    differently on GPUs that have it. warn_only: some batched kernels fusion picks on
+    CUDA may have no deterministic implementation, and fused-vs-unfused comparisons do
+    not need one (the bit-for-bit comparisons are of unfused runs)."""
+    torch = pytest.importorskip("torch")
+    from stagetree.torch import deterministic
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    with deterministic(threads=1, warn_only=True):
+        yield
+    torch.backends.cudnn.allow_tf32 = tf32

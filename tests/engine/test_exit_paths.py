@@ -79,13 +79,13 @@ def script(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_tune_without_close_exits_promptly_every_time(script: Path) -> None:
-    exits = run_many(script, 20, ["end"], timeout=30.0)
+    exits = run_many(script, 20, ["end"], timeout=120.0)
     bad = [e for e in exits if not e.clean(0)]
     assert not bad, "\n".join(f"run {e.run}: rc={e.returncode}\n{e.stderr}" for e in bad)
 
 
 def test_a_script_that_fails_after_tune_exits_promptly(script: Path) -> None:
-    exits = run_many(script, 4, ["error"], timeout=30.0)
+    exits = run_many(script, 4, ["error"], timeout=120.0)
     bad = [e for e in exits if e.returncode != 1 or "Exception ignored" in e.stderr]
     assert not bad, "\n".join(f"run {e.run}: rc={e.returncode}\n{e.stderr}" for e in bad)
     assert all("the script fails after tuning" in e.stderr for e in exits)

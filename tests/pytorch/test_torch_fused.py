@@ -36,11 +36,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from stagetree.exceptions import FusionError  # noqa: E402
-from stagetree.torch import FusibleTrainer, TorchFusedGroup, deterministic  # noqa: E402
+from stagetree.torch import FusibleTrainer, TorchFusedGroup  # noqa: E402
 from stagetree.torch.examples import DigitsConvTrainer, DigitsTrainer  # noqa: E402
 from stagetree.torch.fused_optim import FusedSGD  # noqa: E402
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("fused_vs_unfused_determinism")]
 
 DEVICES = [
     "cpu",
@@ -59,19 +59,6 @@ def within(device: str, kind: str, worst_abs: float, worst_rel: float) -> bool:
     factor = 1.0 if device == "cpu" else 2.0
     bound_abs, bound_rel = BOUNDS[kind]
     return worst_abs < bound_abs * factor and worst_rel < bound_rel * factor
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _deterministic() -> Iterator[None]:
-    # TF32 convolutions would make fused (grouped) and unfused convolutions round
-    # differently on GPUs that have it. warn_only: some batched kernels vmap picks on
-    # CUDA may have no deterministic implementation, and fused-vs-unfused comparisons
-    # do not need one (the bit-for-bit comparisons here are of unfused runs).
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    with deterministic(threads=1, warn_only=True):
-        yield
-    torch.backends.cudnn.allow_tf32 = tf32
 
 
 class NesterovDigits(DigitsTrainer):

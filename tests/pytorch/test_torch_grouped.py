@@ -10,7 +10,7 @@ the small ResNet below (stem, a block with a strided 1x1 shortcut, pooling, line
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -24,7 +24,7 @@ from torch.func import functional_call, stack_module_state, vmap  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from stagetree.exceptions import FusionError  # noqa: E402
-from stagetree.torch import FusibleTrainer, StageLoader, TorchFusedGroup, deterministic  # noqa: E402
+from stagetree.torch import FusibleTrainer, StageLoader, TorchFusedGroup  # noqa: E402
 from stagetree.torch.examples import DigitsConvTrainer, DigitsTrainer  # noqa: E402
 from stagetree.torch.grouped import (  # noqa: E402
     GroupedAdaptiveAvgPool2d,
@@ -35,7 +35,7 @@ from stagetree.torch.grouped import (  # noqa: E402
     install,
 )
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("fused_vs_unfused_determinism")]
 
 STEPS = 6
 LRS = (0.01, 0.05, 0.1)
@@ -52,16 +52,6 @@ DEVICES = [
         marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     ),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _deterministic() -> Iterator[None]:
-    # No TF32: grouped and per-member convolutions would round differently.
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    with deterministic(threads=1, warn_only=True):
-        yield
-    torch.backends.cudnn.allow_tf32 = tf32
 
 
 class TinyResNet(FusibleTrainer):
