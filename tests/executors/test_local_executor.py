@@ -301,7 +301,9 @@ def test_live_split_and_abort_reach_the_running_batch(tmp_path: Path) -> None:
         _wait_for(_waiting(gate12))  # inside train() of step 12: no poll before it ends
         ex.submit(Abort(7, 0))
         gate12.touch()
-        events += _until(ex, _ended({7}))
+        # BatchDone may come before the background write's CheckpointSaved (the module's
+        # contract): wait for both.
+        events += _until(ex, lambda ev: _ended({7})(ev) and bool(_of(events + ev, CheckpointSaved)))
         saved = _of(events, CheckpointSaved)
         assert [(e.node, e.step) for e in saved] == [(1, 8)]
         assert CheckpointStore(tmp_path / "ckpt").load(saved[0].ref)["t"] == 8
