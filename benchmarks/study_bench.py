@@ -48,11 +48,20 @@ so ``busy`` of a batch and variant is the fastest of its ``--rounds`` runs (the 
 from the mean over rounds are printed too). The fraction is applied to the study's own
 ``ckpt_save_seconds``.
 
+**(d) Start-checkpoint loads** (``--loads N``). A worker keeps the checkpoints it wrote in
+memory (:mod:`stagetree.executors.kept`) and starts a batch from one of them without
+reading the file back. In this process, two workers (``Worker``, no subprocess) start
+the same one-step batch from the same checkpoint of the grid's model, alternately, N
+times each: the one that wrote it (kept) and one that keeps nothing (it reads the file:
+read, sha256, decode). Reported: the medians of the load (trainer build + restore) and of
+the batch's one training step after it, each side.
+
 Run::
 
     .venv/bin/python benchmarks/study_bench.py                 # full: ~4 minutes
     .venv/bin/python benchmarks/study_bench.py --quick         # 12 trials, ~1.5 minutes
     .venv/bin/python benchmarks/study_bench.py --plot study_bench.png
+    .venv/bin/python benchmarks/study_bench.py --no-replay --repeats 0 --loads 40
 """
 
 from __future__ import annotations
@@ -75,7 +84,8 @@ from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
 from stagetree.cli import efficiency_line
 from stagetree.executors import LocalExecutor
-from stagetree.hp import Piecewise
+from stagetree.executors.worker import Worker
+from stagetree.hp import Constant, Piecewise
 from stagetree.space import GridSpace
 from stagetree.torch.examples import DigitsTrainer
 from stagetree.tuners import GridSearch
@@ -84,6 +94,7 @@ from stagetree.work import (
     BatchFailed,
     CheckpointSaved,
     RunBatch,
+    Segment,
     WorkerLost,
     WorkerReady,
 )
@@ -392,6 +403,62 @@ def checkpoint_critical_path(
     }
 
 
+# ---------------------------------------------------------------------- (d) loads
+
+
+def start_loads(rounds: int, threads: int, batches_per_step: int) -> dict[str, Any]:
+    """(d): the paired start-checkpoint loads; see the module docstring."""
+    import torch
+
+    torch.set_num_threads(threads)
+    space, _ = lr_space(False, batches_per_step)
+    config = dict(space.trials()[0].config)
+    hp = {"lr": Constant(0.1)}
+    events: list[Any] = []
+    out: dict[str, list[tuple[float, float]]] = {"kept": [], "file": []}
+    with tempfile.TemporaryDirectory(prefix="stagetree-loads-") as tmp:
+        store = CheckpointStore(tmp)
+        kept = Worker(0, DigitsTrainer, store, events.append)
+        bare = Worker(1, DigitsTrainer, store, events.append, keep_bytes=0)
+        first = RunBatch(1, 0, "r", config, 0, None, None, (Segment(1, 0, 1, hp),), (), ((1, 1),))
+        kept.run(first)
+        kept.flush()
+        ref = next(e.ref for e in events if isinstance(e, CheckpointSaved))
+        batch = RunBatch(2, 0, "r", config, 1, (1, 1), ref, (Segment(2, 1, 2, hp),), (), ())
+        for i in range(rounds + 1):  # the first round warms both up
+            pair = [("kept", kept), ("file", bare)]
+            for name, worker in pair if i % 2 else pair[::-1]:
+                events.clear()
+                worker.run(batch)
+                done = next(e for e in events if isinstance(e, BatchDone))
+                if i:
+                    out[name].append((done.load_seconds, done.busy_seconds - done.load_seconds))
+        kept_loads = kept.stats.kept_loads
+        kept.close()
+        bare.close()
+    return {
+        "rounds": rounds,
+        "kept_loads": kept_loads,
+        **{f"{k}_load": median(x[0] for x in v) for k, v in out.items()},
+        **{f"{k}_step": median(x[1] for x in v) for k, v in out.items()},
+    }
+
+
+def loads_report(loads: dict[str, Any]) -> str:
+    """The table of (d)."""
+    rows = [
+        [side, loads[f"{key}_load"] * 1e3, loads[f"{key}_step"] * 1e3]
+        for side, key in (("kept in the worker's memory", "kept"), ("read from the file", "file"))
+    ]
+    ratio = loads["file_load"] / loads["kept_load"] if loads["kept_load"] else None
+    return (
+        f"\nStart-checkpoint loads, {loads['rounds']} paired rounds (medians; "
+        f"{loads['kept_loads']} kept loads):\n\n"
+        + markdown_table(["start from", "load ms", "first step ms"], rows)
+        + f"\n\nload from the file / from the kept copy: {fmt(ratio)}"
+    )
+
+
 # ---------------------------------------------------------------------- report
 
 
@@ -567,9 +634,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--batches-per-step", type=int, default=21)
     parser.add_argument("--no-replay", action="store_true", help="skip the (c) replay")
+    parser.add_argument(
+        "--loads", type=int, default=0, help="(d): paired start-checkpoint loads, N rounds"
+    )
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     rounds = args.rounds or (1 if args.quick else 3)
     space, steps = lr_space(args.quick, args.batches_per_step)
     print(f"{len(space)} trials x {steps} steps, {args.repeats} repeat(s)", file=sys.stderr)
@@ -594,10 +665,12 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = checkpoint_critical_path(
                 last_share[0], last_share[1], args.workers, args.threads, rounds
             )
-    text = report(rows, ckpt, args)
-    print(text)
-    if args.plot:
-        write_plot(args.plot, plot, rows, ckpt)
+    if rows:
+        print(report(rows, ckpt, args))
+        if args.plot:
+            write_plot(args.plot, plot, rows, ckpt)
+    if args.loads:
+        print(loads_report(start_loads(args.loads, args.threads, args.batches_per_step)))
     return 0
 
 

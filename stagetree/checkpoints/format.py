@@ -24,8 +24,9 @@ those two allow. torch is imported only when a state holds tensors, so plain sta
 and load without torch installed. Format 1 (no raw section) is still read. The sha256
 covers the section lengths and the body; bytes that fail it are reported as
 :class:`~stagetree.exceptions.CheckpointError`, which callers treat as a missing
-checkpoint (and recompute). Sections are serialised in memory (peak memory about twice
-the state's size while writing).
+checkpoint (and recompute). Sections are serialised in memory, except the raw tensors:
+their parts are views of the tensors' own memory (on the CPU), written as they are, so
+that a save copies a state's raw tensors once, into the file.
 
 Integrity: a checkpoint says what it is (``"of"``: the plan tree's root key, the node
 and the step it was saved at), and its ref (the object's name the plan records) ends
@@ -105,7 +106,8 @@ def check_state(state: Any, what: str = "the state") -> None:
 def encode(state: Mapping[str, Any], of: Mapping[str, Any] | None = None) -> list[bytes]:
     """The bytes of a checkpoint of ``state``, as parts (header first); ``of`` (what the
     checkpoint is: ``{"root": root_key, "node": node, "step": step}``) goes in its
-    header.
+    header. The parts of its raw tensors are views of the memory of ``state``'s CPU
+    tensors: write them before ``state`` changes.
 
     Raises:
         CheckpointError: ``state`` holds something the format cannot hold.
@@ -134,45 +136,50 @@ def encode(state: Mapping[str, Any], of: Mapping[str, Any] | None = None) -> lis
     return pack(skel, arr, ten, _raw_section(raw), of)
 
 
-def _raw_section(raw: list[Any]) -> bytes:
+def _raw_section(raw: list[Any]) -> list[bytes]:
     """The raw tensors' bytes at the offsets their skeleton nodes say (see
-    :func:`_raw_node`)."""
-    if not raw:
-        return b""
-    end = raw[-1][1] + raw[-1][0].numel() * raw[-1][0].element_size()
-    out = bytearray(end)
-    view = memoryview(out)
+    :func:`_raw_node`), as parts: zero padding, and views of each tensor's memory (no
+    copy; a view keeps its tensor alive)."""
+    parts: list[Any] = []
+    at = 0
     for tensor, offset in raw:
         nbytes = tensor.numel() * tensor.element_size()
+        if offset > at:
+            parts.append(bytes(offset - at))
+            at = offset
         if nbytes:
-            flat = tensor.reshape(-1).view(_torch().uint8).numpy()
-            view[offset : offset + nbytes] = memoryview(flat).cast("B")
-    return bytes(out)
+            parts.append(memoryview(tensor.reshape(-1).view(_torch().uint8).numpy()).cast("B"))
+            at += nbytes
+    return parts
 
 
 def pack(
     skeleton: bytes,
     arrays: bytes,
     tensors: bytes,
-    raw: bytes | None = None,
+    raw: bytes | list[bytes] | None = None,
     of: Mapping[str, Any] | None = None,
 ) -> list[bytes]:
     """Header and sections of a checkpoint from its serialised sections (format 1 when
-    ``raw`` is None, else 2); ``of`` names the tree, node and step it holds."""
-    parts = [skeleton, arrays, tensors] if raw is None else [skeleton, arrays, tensors, raw]
-    lengths = struct.pack(f"<{len(parts)}Q", *(len(p) for p in parts))
-    digest = hashlib.sha256(lengths)
-    for part in parts:
-        digest.update(part)
+    ``raw`` is None, else 2; the raw section may come in parts); ``of`` names the tree,
+    node and step it holds. Returns the header, then the sections' parts."""
+    sections: list[list[bytes]] = [[skeleton], [arrays], [tensors]]
+    if raw is not None:
+        sections.append([raw] if isinstance(raw, bytes) else raw)
+    sizes = [sum(len(p) for p in section) for section in sections]
+    digest = hashlib.sha256(struct.pack(f"<{len(sizes)}Q", *sizes))
+    for section in sections:
+        for part in section:
+            digest.update(part)
     fields: dict[str, Any] = {
         "format": 1 if raw is None else _FORMAT,
         "sha256": digest.hexdigest(),
-        "sections": [len(p) for p in parts],
+        "sections": sizes,
     }
     if of is not None:
         fields["of"] = dict(of)
     header = json.dumps(fields).encode()
-    return [_MAGIC + struct.pack("<Q", len(header)) + header, *parts]
+    return [_MAGIC + struct.pack("<Q", len(header)) + header, *(p for s in sections for p in s)]
 
 
 def read_meta(prefix: bytes) -> dict[str, Any] | None:

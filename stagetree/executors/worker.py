@@ -15,7 +15,10 @@ of ``train()`` the trainer has been given the value at step t of every sequence,
 them after construction or restore, only the changed ones otherwise.
 
 Checkpoints are captured synchronously (a deep copy of ``state_dict()``: tensors cloned,
-arrays copied) and written by a background thread while training goes on.
+arrays copied) and written by a background thread while training goes on. The worker
+keeps the copies it wrote in memory (bounded, host memory only, see
+:mod:`stagetree.executors.kept`): a later batch that starts from one of them restores it
+from there instead of reading the file back.
 
 Events of a batch, in order: ``Progress`` (throttled, always at segment ends and at
 evaluation/checkpoint points), ``CurveReported`` (the learning curve since the previous
@@ -72,6 +75,7 @@ from typing import Any
 from stagetree.checkpoints import CheckpointStore, check_state
 from stagetree.exceptions import CheckpointError, FusionError, StagetreeError, TrainerError
 from stagetree.executors.devices import is_out_of_memory
+from stagetree.executors.kept import DEFAULT_KEEP_BYTES, KeptStates
 from stagetree.hp import step_values
 from stagetree.names import HpReadWatch
 from stagetree.trainer import Trainer
@@ -118,6 +122,8 @@ class WorkerStats:
         batches: batches run (finished, aborted or failed).
         steps: ``train()`` calls.
         loads: checkpoint loads (fresh trainer restored from a checkpoint).
+        kept_loads: those of ``loads`` restored from the state the worker kept in memory
+            when it wrote that checkpoint (no file read).
         reuses: batches that continued the in-memory trainer without loading.
         load_seconds: total seconds spent building trainers and loading checkpoints.
         last_load_seconds: the same for the latest batch (0 when it reused the trainer).
@@ -127,6 +133,7 @@ class WorkerStats:
     batches: int = 0
     steps: int = 0
     loads: int = 0
+    kept_loads: int = 0
     reuses: int = 0
     load_seconds: float = 0.0
     last_load_seconds: float = 0.0
@@ -209,6 +216,8 @@ class Worker:
         progress_interval: seconds between throttled ``Progress`` events.
         max_pending_saves: captured checkpoints waiting for the writer before training
             blocks (bounds the memory held by snapshots).
+        keep_bytes: bound of the checkpoints it wrote that it keeps in memory to start
+            later batches from (0: none).
     """
 
     def __init__(
@@ -220,6 +229,7 @@ class Worker:
         *,
         progress_interval: float = 0.2,
         max_pending_saves: int = 2,
+        keep_bytes: int = DEFAULT_KEEP_BYTES,
     ) -> None:
         if max_pending_saves < 1:
             raise ValueError(f"max_pending_saves must be >= 1, got {max_pending_saves}")
@@ -244,6 +254,7 @@ class Worker:
         self._given: dict[str, Any] = {}
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
+        self._kept = KeptStates(keep_bytes)  # the checkpoints it wrote, by ref
         self._lock = threading.Lock()  # a job's write_error/ended, shared with the writer
         self._reads = HpReadWatch()  # names a fresh trainer's first setup() never reads
         # Trainer keys whose fused jobs failed to fuse: their members run one by one.
@@ -295,6 +306,7 @@ class Worker:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        self._kept.clear()
         self.drop_trainer()
 
     def run(
@@ -583,10 +595,16 @@ class Worker:
             if batch.start_checkpoint is not None:
                 # Node ids are unique in a storage: the node and step name the point
                 # (its ref names the content, see CheckpointStore.load).
+                ref = batch.start_checkpoint
+                kept = self._kept.get(ref, batch.start_at)
+                # Kept while its file exists: a missing checkpoint still fails the batch.
+                if kept is not None and self.store.exists(ref):
+                    self.stats.kept_loads += 1
+                    return snapshot_state(kept)  # the trainer may change what it gets
                 of = None
                 if batch.start_at is not None:
                     of = {"node": batch.start_at[0], "step": batch.start_at[1]}
-                return self.store.load(batch.start_checkpoint, of=of)
+                return self.store.load(ref, of=of)
             if self._held is not None and self._held[0] == self._where(batch):
                 return snapshot_state(self._held[1])  # a fused job's in-memory start
             if batch.start_step != 0:
@@ -855,6 +873,7 @@ class Worker:
                 logger.warning("worker %s: checkpoint write failed: %s", self.worker_id, error)
                 self.emit(CheckpointFailed(batch_id, self.worker_id, node, step, error))
             return
+        self._kept.put(info.ref, (node, step), state)
         seconds = capture + info.seconds
         self.stats.saves += 1
         self.stats.save_seconds += seconds

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import struct
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,23 @@ def test_a_trials_checkpoint_swapped_for_anothers_is_recomputed(tmp_path: Path) 
             study.state({"seed": 0}, hp, 4)
         result = study.run({"seed": 0}, hp, 8)  # the 4 steps behind the file, again
     assert result.metrics == expected
+
+
+@pytest.mark.torch
+def test_a_save_writes_raw_tensors_from_their_own_memory(tmp_path: Path) -> None:
+    """The raw section's parts are views of the tensors (a save copies them once, into
+    the file): encoding allocates no buffer of their size (it built the section twice)."""
+    torch = pytest.importorskip("torch")
+    state = {"w": torch.randn(1 << 20), "b": torch.arange(5), "none": torch.zeros(0)}
+    tracemalloc.start()
+    try:
+        parts = fmt.encode(state, {"node": 1, "step": 1})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # the state's tensors hold 4 MiB
+    store = CheckpointStore(tmp_path)
+    info = store.save("n", state, {"node": 1, "step": 1})
+    assert info.nbytes == sum(len(p) for p in parts)
+    back = store.load(info.ref, of={"node": 1, "step": 1})
+    assert all(torch.equal(back[k], v) for k, v in state.items())

@@ -626,3 +626,115 @@ def test_digits_trainer_split_run_is_bit_exact(tmp_path: Path) -> None:
     a = solo._trainer.model.state_dict()  # type: ignore[union-attr]
     b = resumed._trainer.model.state_dict()  # type: ignore[union-attr]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _CountingStore(CheckpointStore):
+    """A checkpoint store that counts the files it reads back."""
+
+    reads = 0
+
+    def load(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.reads += 1
+        return super().load(*args, **kwargs)
+
+
+def test_a_batch_starts_from_the_checkpoint_its_worker_kept_without_reading_it(
+    tmp_path: Path,
+) -> None:
+    store = _CountingStore(tmp_path)
+    events = Collector()
+    worker = Worker(0, Noisy, store, events)
+    worker.run(_batch(1, [(1, 0, 6, HP)], checkpoint_at=((1, 3), (1, 6))))
+    refs = {e.step: e.ref for e in events.of(CheckpointSaved)}
+    # The siblings of branch point 3, on the worker that wrote it: no file read.
+    for bid in (2, 3):
+        worker.run(
+            _batch(bid, [(bid, 3, 5, HP)], start_at=(1, 3), start_checkpoint=refs[3],
+                   evaluate_at=((bid, 5),))
+        )  # fmt: skip
+    assert store.reads == 0
+    assert worker.stats.loads == 2 and worker.stats.kept_loads == 2
+    # Another worker reads the file: the same results, step for step.
+    other_events = Collector()
+    other = Worker(1, Noisy, store, other_events)
+    other.run(
+        _batch(4, [(2, 3, 5, HP)], start_at=(1, 3), start_checkpoint=refs[3],
+               evaluate_at=((2, 5),))
+    )  # fmt: skip
+    assert store.reads == 1 and other.stats.kept_loads == 0
+    kept = [e.metrics for e in events.of(MetricsReported)]
+    assert kept[0] == kept[1] == other_events.of(MetricsReported)[0].metrics
+    # A position that does not match the ref's, or no bytes to keep: read from the store.
+    worker.run(_batch(5, [(9, 6, 7, HP)], start_at=(1, 6), start_checkpoint=refs[6]))
+    assert worker.stats.kept_loads == 3 and store.reads == 1
+    bare_events = Collector()
+    bare = Worker(2, Noisy, store, bare_events, keep_bytes=0)
+    bare.run(_batch(1, [(1, 0, 4, HP)], checkpoint_at=((1, 3),)))
+    bare.run(
+        _batch(2, [(2, 3, 4, HP)], start_at=(1, 3),
+               start_checkpoint=bare_events.of(CheckpointSaved)[0].ref)
+    )  # fmt: skip
+    assert bare.stats.kept_loads == 0 and store.reads == 2
+
+
+def test_kept_states_are_bounded_and_match_their_position() -> None:
+    from stagetree.executors.kept import KeptStates, host_nbytes
+
+    kept = KeptStates(max_bytes=200)
+    a, b, c = ({"w": np.zeros(10), "t": i} for i in range(3))  # 80 bytes each
+    assert kept.put("a", (1, 2), a) and kept.put("b", (1, 3), b)
+    assert kept.get("a", (1, 2)) is a  # a is now the most recent
+    assert kept.get("a", (1, 3)) is None and kept.get("x", (1, 2)) is None
+    assert kept.put("c", (2, 3), c)  # 240 > 200: b (least recently used) goes
+    assert kept.get("b", (1, 3)) is None and kept.get("c", None) is c
+    assert kept.nbytes == 160 and len(kept) == 2
+    assert not kept.put("d", (1, 1), {"w": np.zeros(30)})  # larger than the bound
+    assert host_nbytes({"f": object()}) is None
+    assert not kept.put("e", (1, 1), {"f": object()})
+    kept.clear()
+    assert len(kept) == 0 and kept.nbytes == 0
+
+
+@pytest.mark.torch
+def test_digits_trainer_restored_from_a_kept_checkpoint_is_bit_exact(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    from stagetree.torch.examples import DigitsTrainer
+
+    torch.set_num_threads(1)
+    config = {"seed": 0, "batches_per_step": 2, "hidden": 16, "optimizer": "momentum",
+              "dropout": 0.1}  # fmt: skip
+    hp = {"lr": MultiStep(0.1, [3], 0.5), "batch_size": Constant(32)}
+    hp_b = {"lr": Constant(0.02), "batch_size": Step(16, 2, 2.0)}
+    store = _CountingStore(tmp_path)
+    events = Collector()
+    worker = Worker(0, DigitsTrainer, store, events)
+    # Root 0..4 with a checkpoint at 4, continued to 6: the worker no longer holds 4.
+    worker.run(_batch(1, [(1, 0, 6, hp)], config=config, checkpoint_at=((1, 4),)))
+    ref = events.of(CheckpointSaved)[0].ref
+    branch = _batch(2, [(2, 4, 7, hp_b)], config=config, start_at=(1, 4),
+                    start_checkpoint=ref, evaluate_at=((2, 7),))  # fmt: skip
+    models = []
+    for w in (worker, worker, Worker(1, DigitsTrainer, store, events)):
+        w.run(branch)
+        models.append(w._trainer.state_dict())  # type: ignore[union-attr]
+    # Twice from the kept state (the first run did not change it), once from the file.
+    assert worker.stats.kept_loads == 2 and store.reads == 1
+    metrics = [e.metrics for e in events.of(MetricsReported)]
+    assert metrics[0] == metrics[1] == metrics[2]
+    # Every tensor and array of the trainers' states (model, optimizer, generators).
+    flat = [dict(_tensors(m)) for m in models]
+    assert flat[0].keys() == flat[1].keys() == flat[2].keys()
+    assert any(k.startswith("/objects/optimizer") for k in flat[0])
+    for key, value in flat[0].items():
+        same = np.array_equal if isinstance(value, np.ndarray) else torch.equal
+        assert same(value, flat[1][key]) and same(value, flat[2][key]), key
+
+
+def _tensors(obj: Any, path: str = "") -> list[tuple[str, Any]]:
+    """The tensors of a nested state with their paths."""
+    if isinstance(obj, Mapping):
+        return [t for k, v in obj.items() for t in _tensors(v, f"{path}/{k}")]
+    if isinstance(obj, (list, tuple)):
+        return [t for i, v in enumerate(obj) for t in _tensors(v, f"{path}/{i}")]
+    return [(path, obj)] if hasattr(obj, "dtype") and hasattr(obj, "shape") else []
