@@ -303,6 +303,30 @@ def test_the_first_trials_are_submitted_before_the_database_storage_opens(
         assert t.value == t.intermediate_values[max(t.intermediate_values)]
 
 
+def test_a_budget_stop_leaves_the_asked_trials_in_the_database_and_continues(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    seen = []
+    for budget in ("6 steps", None):
+        tuner = ASHA(
+            LR_SPACE, "score", min_steps=1, max_steps=8, num_trials=12, eta=2, sampler=tpe()
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ReplayDivergedWarning)
+            with Study("b", LinearTrainer, storage=url, executor="inline") as study:
+                study.tune(tuner, budget=budget)
+                stopped, version = study.last_run.stopped_by, study.version
+        trials = optuna_trials(url, tuner, "b", version)
+        seen.append((stopped, len(tuner.trials), trials))
+    (stopped, asked, trials), (_, _, final) = seen
+    assert stopped == "steps" and 0 < asked < 12
+    assert [t.number for t in trials] == list(range(asked))  # written when stopped
+    assert [t.number for t in final] == list(range(12))
+    assert all(t.state.is_finished() for t in final)
+    assert [t.params for t in final[:asked]] == [t.params for t in trials]
+
+
 def suggest(trial: Any) -> Trial:
     spec = suggest_trial(FAKE_SPACE, optuna.trial.FixedTrial(trial.params))
     return Trial(trial.number, spec.config, spec.hp)
