@@ -23,7 +23,14 @@ learning rate and momentum, up to 8 steps) with TPE and successive halving (stag
 Optuna: ``TPESampler(seed=0)`` and ``SuccessiveHalvingPruner(reduction_factor=2)``, its
 default of one trial at a time, in-memory storage), each reporting after every step.
 Seconds from the process's start: imports done, the first ``evaluate()`` result (any
-process), the whole run (process end); the systems alternate order between repeats.
+process), the whole run (the process's exit), all processes gone (its output closed:
+the processes it started, which hold its output, exited too, as a pipeline such as
+``python script.py | tee log`` waits for); the systems alternate order between repeats.
+"main process CPU s": the CPU-seconds of the script's own process up to its end, all
+its threads (stagetree's driver; for Optuna, also the training).
+``--checkout NAME=PATH`` (repeatable) runs stagetree from each checkout in turn (a
+before and an after in one session), e.g. ``--checkout before=../main --checkout
+after=.``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -138,7 +146,7 @@ def first_result_child(system: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         {"stagetree": first_result_stagetree, "optuna": first_result_optuna}[system](root)
-    print(json.dumps({"imported": imported}), flush=True)
+    print(json.dumps({"imported": imported, "cpu": time.process_time()}), flush=True)
 
 
 def _run_child(args: list[str], env: dict[str, str]) -> str:
@@ -149,11 +157,38 @@ def _run_child(args: list[str], env: dict[str, str]) -> str:
     ).stdout
 
 
-def first_result(repeats: int) -> None:
-    """Runs ``--vs-optuna``: both systems, ``repeats`` fresh processes each."""
+def _run_timed(args: list[str], env: dict[str, str]) -> tuple[str, float, float]:
+    """``(stdout, its exit, all gone)`` of this script run in a fresh process with
+    ``args``: the seconds until the process exited, and until its output closed (the
+    processes it started, which inherit its output, gone too)."""
+    cmd = [sys.executable, __file__, *args]
+    started = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    exited: list[float] = []
+
+    def watch() -> None:
+        proc.wait()
+        exited.append(time.time())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    out, err = proc.communicate(timeout=600)
+    closed = time.time()
+    watcher.join()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
+    return out, exited[0] - started, closed - started
+
+
+def first_result(repeats: int, checkouts: list[str]) -> None:
+    """Runs ``--vs-optuna``: both systems, ``repeats`` fresh processes each; stagetree
+    once per ``NAME=PATH`` of ``checkouts`` (``PYTHONPATH=PATH``: a before and an after
+    measured alternately in one session), or as installed when there is none."""
     from _common import fmt, load_average, machine_info, markdown_table
 
-    systems = ["stagetree", "optuna"]
+    paths = dict(c.split("=", 1) for c in checkouts)
+    stagetrees = [f"stagetree {name}" for name in paths] or ["stagetree"]
+    systems = [*stagetrees, "optuna"]
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     load = [load_average()]
     for repeat in range(repeats):
@@ -162,16 +197,20 @@ def first_result(repeats: int) -> None:
                 stamps = Path(tmp) / "stamps"
                 stamps.touch()
                 env = dict(os.environ, **{STAMPS_ENV: str(stamps)})
+                name = system.removeprefix("stagetree ")
+                if name in paths:
+                    env["PYTHONPATH"] = os.path.abspath(paths[name])
                 started = time.time()
-                out = _run_child(["--first-result", system], env)
-                ended = time.time()
+                out, exited, gone = _run_timed(["--first-result", system.split()[0]], env)
                 times = [float(line.split()[1]) for line in stamps.read_text().splitlines()]
-            imported = json.loads(out.strip().splitlines()[-1])["imported"]
+            child = json.loads(out.strip().splitlines()[-1])
             runs[system].append(
                 {
-                    "imports": imported - started,
+                    "imports": child["imported"] - started,
                     "first": min(times) - started,
-                    "whole": ended - started,
+                    "whole": exited,
+                    "gone": gone,
+                    "cpu": child["cpu"],
                 }
             )
     load.append(load_average())
@@ -186,20 +225,33 @@ def first_result(repeats: int) -> None:
             fmt(med(system, "first")),
             fmt(statistics.median(r["first"] - r["imports"] for r in runs[system])),
             fmt(med(system, "whole")),
+            fmt(med(system, "gone")),
+            fmt(med(system, "cpu")),
         ]
         for system in systems
     ]
-    rows.append(
-        [
-            "stagetree / optuna",
-            *(fmt(med("stagetree", k) / med("optuna", k)) for k in ("imports", "first")),
-            "",
-            fmt(med("stagetree", "whole") / med("optuna", "whole")),
-        ]
-    )
+    for system in stagetrees:
+        rows.append(
+            [
+                f"{system} / optuna",
+                *(fmt(med(system, k) / med("optuna", k)) for k in ("imports", "first")),
+                "",
+                fmt(med(system, "whole") / med("optuna", "whole")),
+                fmt(med(system, "gone") / med("optuna", "gone")),
+                "",
+            ]
+        )
     print(", ".join(f"{k}: {v}" for k, v in machine_info().items()))
     print(f"load average before / after: {load[0]} / {load[1]}; median of {repeats}\n")
-    header = ["system", "imports s", "first result s", "first result - imports s", "whole run s"]
+    header = [
+        "system",
+        "imports s",
+        "first result s",
+        "first result - imports s",
+        "whole run s",
+        "all processes gone s",
+        "main process CPU s",
+    ]
     print(markdown_table(header, rows))
 
 
@@ -255,6 +307,13 @@ def main() -> None:
         help="of the workers",
     )
     parser.add_argument("--vs-optuna", action="store_true", help="time to the first result")
+    parser.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="with --vs-optuna: stagetree from this checkout (PYTHONPATH=PATH), repeatable",
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--first-result", choices=["stagetree", "optuna"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -262,7 +321,7 @@ def main() -> None:
         first_result_child(args.first_result)
         return
     if args.vs_optuna:
-        first_result(args.repeats)
+        first_result(args.repeats, args.checkout)
         return
     if args.child:
         child(args.child)

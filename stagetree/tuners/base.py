@@ -28,6 +28,7 @@ live from there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import json
@@ -704,7 +705,12 @@ class Tuner(ABC):
             if self._bridge is not None:
                 self._bridge.close()
         finally:
-            self._bridge = None
+            bridge, self._bridge = self._bridge, None
+            if bridge is not None and not finished:
+                # An interrupted search keeps in the storage what its sampler was asked
+                # and told (its resume re-reads it); the interruption itself propagates.
+                with contextlib.suppress(Exception):
+                    bridge.flush()
             await ctx.aclose(finished)
         return self.best()
 

@@ -25,6 +25,17 @@ class and the space (:func:`optuna_study_name`). Tuner trial ``i`` is Optuna tri
 number ``i``: a resumed tuner (replaying its log) re-reads the configuration of the
 trials Optuna already holds instead of asking again, and a trial already finished in
 Optuna is never told again.
+
+Opening an ``RDBStorage`` (importing SQLAlchemy's ORM and Alembic, creating and
+stamping Optuna's tables) costs seconds, more than a small task's first step. When the
+database holds no trial of the study yet (a first run: one SQL query says so), the
+bridge works on an in-memory Optuna study and writes it behind into the database
+(:class:`_WriteBehind`): the storage is opened in a thread from the first result on,
+and once it is open every bridge call copies what changed, as the direct storage
+would have written it. The search's end (or its interruption) waits for the copy.
+Decisions are those of the direct storage (the sampler reads the same trials); a run
+killed before the copy began leaves the database without its trials, and its resume
+asks a fresh copy of the sampler again: the same configurations for a seeded sampler.
 """
 
 from __future__ import annotations
@@ -32,9 +43,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import threading
 import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
@@ -215,21 +228,197 @@ def optuna_study_name(study: str, version: str, tuner: str, space: Any) -> str:
     return f"stagetree:{study}:{tuner}:{digest}"
 
 
-def _storage_for(runner: Any) -> tuple[Any, str, str]:
-    """``(Optuna storage, study name, version)`` for ``runner``: the plan's SQL database
-    when the runner says where it is (``sampler_storage()``), else in memory."""
+def _rdb_kwargs(url: str) -> dict[str, Any]:
+    """SQLAlchemy engine arguments for the plan's database: SQLite waits for the plan's
+    writers instead of failing at once."""
+    return {"connect_args": {"timeout": 60.0}} if url.startswith("sqlite") else {}
+
+
+def _open_rdb(url: str) -> Any:
+    return _optuna().storages.RDBStorage(url, engine_kwargs=_rdb_kwargs(url))
+
+
+def _holds_trials(url: str, study_name: str) -> bool | None:
+    """Whether the database at ``url`` holds trials of the Optuna study ``study_name``
+    (False: no Optuna tables, no such study, or no trial in it), read with one query
+    through SQLAlchemy Core instead of opening an ``RDBStorage``; None when it cannot
+    tell (the caller then opens the storage)."""
+    try:
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(url, **_rdb_kwargs(url))
+        try:
+            with engine.connect() as conn:
+                tables = sa.inspect(conn)
+                if not (tables.has_table("studies") and tables.has_table("trials")):
+                    return False
+                count = conn.execute(
+                    sa.text(
+                        "SELECT COUNT(*) FROM trials JOIN studies "
+                        "ON trials.study_id = studies.study_id "
+                        "WHERE studies.study_name = :name"
+                    ),
+                    {"name": study_name},
+                ).scalar()
+                return bool(count)
+        finally:
+            engine.dispose()
+    except Exception:  # an unexpected schema or driver: open the storage as before
+        return None
+
+
+def _storage_for(runner: Any) -> tuple[Any, str | None, str, str]:
+    """``(Optuna storage or None, SQL URL or None, study name, version)`` for ``runner``:
+    the plan's SQL database when the runner says where it is (``sampler_storage()``;
+    the storage is None there, opened by the caller), else an in-memory storage."""
     optuna = _optuna()
     where = getattr(runner, "sampler_storage", None)
     if where is None:  # a runner that keeps nothing (test fakes, remote clients)
-        return optuna.storages.InMemoryStorage(), "study", ""
+        return optuna.storages.InMemoryStorage(), None, "study", ""
     url, plan, name, version = where()
     if url is None:
         storage = _MEMORY.get(plan)
         if storage is None:
             storage = _MEMORY[plan] = optuna.storages.InMemoryStorage()
-        return storage, name, version
-    args = {"connect_args": {"timeout": 60.0}} if url.startswith("sqlite") else {}
-    return optuna.storages.RDBStorage(url, engine_kwargs=args), name, version
+        return storage, None, name, version
+    return None, url, name, version
+
+
+class _WriteBehind:
+    """The database copy of a bridge's in-memory Optuna study (see the module doc).
+
+    :meth:`start` opens the ``RDBStorage`` and the study in a thread; :meth:`write`
+    copies the trials that changed since the last copy (new trials in number order,
+    so numbers agree), or nothing while the storage is still opening.
+    """
+
+    def __init__(self, url: str, study_name: str, direction: str) -> None:
+        self._url = url
+        self._name = study_name
+        self._direction = direction
+        self._thread: threading.Thread | None = None
+        self._study: Any = None  # the Optuna study in the database, once open
+        self._error: BaseException | None = None
+        # By number: the in-memory trial object last copied (an unchanged trial is the
+        # same object: the in-memory storage replaces a trial on every write), what was
+        # written of it (a copy: an optuna.Trial updates its first object in place),
+        # and its id in the database.
+        self._seen: list[Any] = []
+        self._written: list[_Written] = []
+        self._ids: list[int] = []
+        self._attrs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+
+    def start(self) -> None:
+        """Start opening the database storage (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._open, name="stagetree-optuna-storage", daemon=True
+            )
+            self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            self._study = _optuna().create_study(
+                storage=_open_rdb(self._url),
+                study_name=self._name,
+                direction=self._direction,
+                load_if_exists=True,
+            )
+        except BaseException as exc:  # raised in the tuner's thread by write()
+            self._error = exc
+
+    def write(self, memory: Any, wait: bool = False) -> None:
+        """Copy what changed in ``memory`` (the in-memory Optuna study) to the database;
+        with ``wait``, open the storage first if need be, else skip while it opens.
+
+        Raises:
+            TunerError: the storage could not be opened, or someone else added trials
+                to the study in the database.
+        """
+        if wait:
+            self.start()
+        if self._thread is None or (self._thread.is_alive() and not wait):
+            return
+        self._thread.join()
+        if self._error is not None:
+            raise TunerError(
+                f"the Optuna study {self._name!r} could not be opened in the plan's "
+                f"database: {self._error}"
+            ) from self._error
+        storage, study_id = self._study._storage, self._study._study_id
+        if not self._ids and storage.get_all_trials(study_id, deepcopy=False):
+            raise TunerError(
+                f"Optuna study {self._name!r} received trials from elsewhere while "
+                "stagetree opened it: another process adds trials to it; give this "
+                "study its own name"
+            )
+        self._write_attrs(memory, storage, study_id)
+        for trial in memory.get_trials(deepcopy=False):
+            n = trial.number
+            if n == len(self._ids):
+                self._ids.append(storage.create_new_trial(study_id, template_trial=trial))
+                self._seen.append(trial)
+                self._written.append(_Written.of(trial))
+            elif self._seen[n] is not trial:
+                self._written[n] = _write_changes(storage, self._ids[n], self._written[n], trial)
+                self._seen[n] = trial
+
+    def _write_attrs(self, memory: Any, storage: Any, study_id: int) -> None:
+        user = memory._storage.get_study_user_attrs(memory._study_id)
+        system = memory._storage.get_study_system_attrs(memory._study_id)
+        for key, value in user.items():
+            if self._attrs[0].get(key, _MISSING) != value:
+                storage.set_study_user_attr(study_id, key, value)
+        for key, value in system.items():
+            if self._attrs[1].get(key, _MISSING) != value:
+                storage.set_study_system_attr(study_id, key, value)
+        self._attrs = (dict(user), dict(system))
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What was written of one trial to the database."""
+
+    state: Any
+    params: frozenset[str]
+    intermediate_values: dict[int, float]
+    user_attrs: dict[str, Any]
+    system_attrs: dict[str, Any]
+
+    @classmethod
+    def of(cls, trial: Any) -> _Written:
+        return cls(
+            trial.state,
+            frozenset(trial.params),
+            dict(trial.intermediate_values),
+            dict(trial.user_attrs),
+            dict(trial.system_attrs),
+        )
+
+
+def _write_changes(storage: Any, trial_id: int, old: _Written, new: Any) -> _Written:
+    """Write to ``storage``'s trial ``trial_id`` what changed in ``new`` (the in-memory
+    trial) since ``old``: parameters, reported values and attributes first, then the
+    state (a finished trial takes no more writes). Returns what is written now."""
+    for name, value in new.params.items():
+        if name not in old.params:
+            dist = new.distributions[name]
+            storage.set_trial_param(trial_id, name, dist.to_internal_repr(value), dist)
+    for step, value in new.intermediate_values.items():
+        if old.intermediate_values.get(step, _MISSING) != value:
+            storage.set_trial_intermediate_value(trial_id, step, value)
+    for key, value in new.user_attrs.items():
+        if old.user_attrs.get(key, _MISSING) != value:
+            storage.set_trial_user_attr(trial_id, key, value)
+    for key, value in new.system_attrs.items():
+        if old.system_attrs.get(key, _MISSING) != value:
+            storage.set_trial_system_attr(trial_id, key, value)
+    if new.state != old.state:
+        storage.set_trial_state_values(trial_id, new.state, new.values)
+    return _Written.of(new)
 
 
 # --------------------------------------------------------------------------- the bridge
@@ -244,12 +433,20 @@ class SamplerBridge:
     """
 
     def __init__(
-        self, sampler: Any, space: Any, mode: str, storage: Any, study_name: str, horizon: int
+        self,
+        sampler: Any,
+        space: Any,
+        mode: str,
+        storage: Any,
+        study_name: str,
+        horizon: int,
+        behind: _WriteBehind | None = None,
     ) -> None:
         optuna = _optuna()
         self._optuna = optuna
         self.space = space
         self.horizon = horizon
+        self._behind = behind  # the database copy of an in-memory ``storage``
         self.study = optuna.create_study(
             storage=storage,
             sampler=sampler,
@@ -270,12 +467,20 @@ class SamplerBridge:
     def open(cls, tuner: Any, runner: Any) -> SamplerBridge:
         """The bridge of ``tuner`` (with ``sampler``, ``space``, ``mode``, ``horizon``)
         running on ``runner``."""
-        storage, name, version = _storage_for(runner)
+        storage, url, name, version = _storage_for(runner)
         study_name = optuna_study_name(name, version, type(tuner).__name__, tuner.space)
+        behind = None
+        if url is not None:
+            if _holds_trials(url, study_name) is False:  # a first run: write behind
+                storage = _optuna().storages.InMemoryStorage()
+                direction = "maximize" if tuner.mode == "max" else "minimize"
+                behind = _WriteBehind(url, study_name, direction)
+            else:  # trials to re-read (or no telling): the database itself
+                storage = _open_rdb(url)
         # Each run starts from the sampler as given (a seeded tuner run twice, as
         # ``stagetree simulate`` does with and without sharing, proposes the same trials).
         sampler = copy.deepcopy(tuner.sampler)
-        return cls(sampler, tuner.space, tuner.mode, storage, study_name, tuner.horizon)
+        return cls(sampler, tuner.space, tuner.mode, storage, study_name, tuner.horizon, behind)
 
     def ask(self, tid: int) -> TrialSpec:
         """Configuration of tuner trial ``tid`` (Optuna trial number ``tid``): the one
@@ -296,11 +501,17 @@ class SamplerBridge:
                 )
             trial.set_user_attr("stagetree_trial", tid)
         self._open[tid] = trial
-        return suggest_trial(self.space, trial)
+        spec = suggest_trial(self.space, trial)
+        self._write_behind()
+        return spec
 
     def result(self, tid: int, steps: int, value: float | None, failed: bool) -> None:
         """A result of trial ``tid`` at ``steps`` (``value``: the raw metric, None when
         it is missing or not finite); ``failed``: its job failed."""
+        self._result(tid, steps, value, failed)
+        self._write_behind(start=True)
+
+    def _result(self, tid: int, steps: int, value: float | None, failed: bool) -> None:
         trial = self._open.get(tid)
         if trial is None:
             return
@@ -322,11 +533,28 @@ class SamplerBridge:
         """Trial ``tid`` was stopped by a rung: ``PRUNED`` with its last reported value."""
         if tid in self._open:
             self._tell(tid, state=self._optuna.trial.TrialState.PRUNED)
+        self._write_behind(start=True)
 
     def close(self) -> None:
-        """The search ended: every trial still open is ``PRUNED``."""
+        """The search ended: every trial still open is ``PRUNED``, and the study is in
+        its storage."""
         for tid in list(self._open):
             self.prune(tid)
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until the database holds what the sampler was asked and told (a search
+        that ends or is interrupted): see :class:`_WriteBehind`."""
+        if self._behind is not None:
+            self._behind.write(self.study, wait=True)
+
+    def _write_behind(self, start: bool = False) -> None:
+        """Copy what changed to the database once its storage is open; ``start``: a
+        result came in, the first submissions are out, so start opening it."""
+        if self._behind is not None:
+            if start:
+                self._behind.start()
+            self._behind.write(self.study)
 
     def _tell(self, tid: int, **kwargs: Any) -> None:
         trial = self._open.pop(tid)

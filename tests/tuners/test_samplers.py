@@ -31,7 +31,8 @@ from stagetree.tuners import (
     ReplayDivergedWarning,
     Tuner,
 )
-from stagetree.tuners.optuna_bridge import optuna_study_name
+from stagetree.tuners.base import Trial
+from stagetree.tuners.optuna_bridge import optuna_study_name, suggest_trial
 
 optuna = pytest.importorskip("optuna")
 TrialState = optuna.trial.TrialState
@@ -266,6 +267,92 @@ def test_a_killed_asha_resumes_its_sampler_and_replays_without_diverging(
     assert run(asha(24), third) == best
     assert third.log == second.log
     assert len(study.get_trials(deepcopy=False)) == 24
+
+
+def test_the_first_trials_are_submitted_before_the_database_storage_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening Optuna's RDBStorage (SQLAlchemy's ORM, Alembic, its tables) takes seconds:
+    a first run asks its first trials from memory and copies them to the database
+    from the first result on; at the end the database holds the whole study."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    runner = StoredRunner(url, object(), order_seed=4, workers=3)
+    opened: list[tuple[int, int]] = []  # (submissions, results) when a storage opened
+    rdb = optuna.storages.RDBStorage
+    init = rdb.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        opened.append((len(runner.calls), runner.completed))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(rdb, "__init__", spy)
+    tuner = asha(12)
+    run(tuner, runner)
+    assert len(opened) == 1
+    submitted, results = opened[0]
+    assert submitted >= 3 and results >= 1  # one trial per worker, and a result
+    monkeypatch.setattr(rdb, "__init__", init)
+    trials = optuna_trials(url, tuner)
+    assert [t.number for t in trials] == list(range(12))
+    assert all(t.state.is_finished() for t in trials)
+    for t in trials:
+        assert t.user_attrs["stagetree_trial"] == t.number
+        assert tuner.trials[t.number].fingerprint == suggest(t).fingerprint
+        seen = {r.steps: r.metrics["acc"] for tid, r in tuner.results if tid == t.number}
+        assert dict(t.intermediate_values) == {s: seen[s] for s in t.intermediate_values}
+        assert t.value == t.intermediate_values[max(t.intermediate_values)]
+
+
+def test_a_budget_stop_leaves_the_asked_trials_in_the_database_and_continues(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    seen = []
+    for budget in ("6 steps", None):
+        tuner = ASHA(
+            LR_SPACE, "score", min_steps=1, max_steps=8, num_trials=12, eta=2, sampler=tpe()
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ReplayDivergedWarning)
+            with Study("b", LinearTrainer, storage=url, executor="inline") as study:
+                study.tune(tuner, budget=budget)
+                stopped, version = study.last_run.stopped_by, study.version
+        trials = optuna_trials(url, tuner, "b", version)
+        seen.append((stopped, len(tuner.trials), trials))
+    (stopped, asked, trials), (_, _, final) = seen
+    assert stopped == "steps" and 0 < asked < 12
+    assert [t.number for t in trials] == list(range(asked))  # written when stopped
+    assert [t.number for t in final] == list(range(12))
+    assert all(t.state.is_finished() for t in final)
+    assert [t.params for t in final[:asked]] == [t.params for t in trials]
+
+
+def suggest(trial: Any) -> Trial:
+    spec = suggest_trial(FAKE_SPACE, optuna.trial.FixedTrial(trial.params))
+    return Trial(trial.number, spec.config, spec.hp)
+
+
+def test_a_run_killed_before_its_database_copy_resumes_with_the_same_decisions(
+    tmp_path: Path,
+) -> None:
+    """An interrupted search writes what its sampler was asked to the database; a run
+    killed before anything reached it (the Optuna study missing) replays the same
+    decisions with a seeded sampler, asked again from a fresh copy."""
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    first = StoredRunner(url, object(), order_seed=1)
+    killed = asha(24)
+    kill_after(killed, first, 9)
+    assert 0 < len(killed.trials) < 24
+    name = optuna_study_name("fake", "v1", "ASHA", FAKE_SPACE)
+    stored = optuna.load_study(study_name=name, storage=url).get_trials(deepcopy=False)
+    assert [t.number for t in stored] == sorted(killed.trials)  # flushed when killed
+    optuna.delete_study(study_name=name, storage=url)
+    second = StoredRunner(url, object(), order_seed=2, log=list(first.log))
+    resumed = asha(24)
+    assert run(resumed, second) is not None  # no ReplayDivergedWarning (an error here)
+    asked = [t.fingerprint for t in killed.trials.values()]
+    assert [t.fingerprint for t in resumed.trials.values()][: len(asked)] == asked
+    assert len(optuna_trials(url, resumed)) == 24
 
 
 def _memory(home: object) -> Any:
