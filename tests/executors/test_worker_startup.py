@@ -1,0 +1,112 @@
+"""A worker process's start and end (issue 22, start-up): what its fork server and the
+worker itself keep out of the garbage collector's way, and a fork server that ends
+without tearing its interpreter down when the program that started it exits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_local_executor import _batch, _ended, _of, _until
+
+import stagetree
+from stagetree.executors import LocalExecutor
+from stagetree.executors.local import shutdown_pool
+from stagetree.trainer import Trainer
+from stagetree.work import MetricsReported, WorkerReady
+
+
+class FrozenCount(Trainer):
+    """Reports how many objects its process keeps out of the garbage collector's
+    traversals (:func:`gc.get_freeze_count`)."""
+
+    def train(self) -> None:
+        pass
+
+    def evaluate(self) -> dict[str, float]:
+        import gc
+
+        return {"frozen": float(gc.get_freeze_count())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _empty_pool() -> Iterator[None]:
+    shutdown_pool()
+    yield
+    shutdown_pool()
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_worker_keeps_what_it_imported_before_serving_out_of_collections(
+    tmp_path: Path, method: str
+) -> None:
+    # What a worker imported before its first lease (a forked one: its server's torch)
+    # is frozen: the collections of its warm-up, of training and of each release (which
+    # close() waits for) do not traverse it.
+    with LocalExecutor(
+        FrozenCount, 1, checkpoint_dir=tmp_path, devices=[], start_method=method
+    ) as ex:
+        _until(ex, lambda ev: bool(_of(ev, WorkerReady)))
+        ex.submit(_batch(1, 0, 1, evaluate_at=((1, 1),)))
+        [metrics] = _of(_until(ex, _ended({1})), MetricsReported)
+    assert metrics.metrics["frozen"] > 1000
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing, sys
+    from multiprocessing import forkserver
+    sys.path[:0] = [{here!r}, {tests!r}]
+    from stagetree.executors.local import _preload_modules, _start_forkserver
+    from test_local_executor import Counter
+
+    if __name__ == "__main__":
+        # A module of the server's that registers an exit hook before the executor's
+        # preloads do (the server's interpreter teardown would run it).
+        _start_forkserver(["exit_marker", *_preload_modules(Counter)])
+        child = multiprocessing.get_context("forkserver").Process(target=print)
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+        print("SERVER", forkserver._forkserver._forkserver_pid, flush=True)
+    """
+)
+
+
+def test_the_fork_server_ends_without_its_teardown_when_the_program_exits(
+    tmp_path: Path,
+) -> None:
+    mark = tmp_path / "torn-down"
+    (tmp_path / "exit_marker.py").write_text(
+        f"import atexit\natexit.register(lambda: open({str(mark)!r}, 'w').close())\n"
+    )
+    script = tmp_path / "server.py"
+    script.write_text(
+        SERVER_SCRIPT.format(here=str(tmp_path), tests=str(Path(__file__).resolve().parent))
+    )
+    # The server's imports follow PYTHONPATH (not the parent's sys.path): this checkout's
+    # stagetree, and the marker.
+    path = os.pathsep.join([str(tmp_path), str(Path(stagetree.__file__).parents[1])])
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=path),
+    ).stdout
+    # capture_output read until the server (which holds the output pipes) ended too.
+    assert "SERVER" in out
+    assert not mark.exists()  # it ended before its teardown's exit hooks
