@@ -110,3 +110,82 @@ def test_the_fork_server_ends_without_its_teardown_when_the_program_exits(
     # capture_output read until the server (which holds the output pipes) ended too.
     assert "SERVER" in out
     assert not mark.exists()  # it ended before its teardown's exit hooks
+
+
+TRAINER_MODULE = textwrap.dedent(
+    """
+    import os
+    from stagetree.trainer import Trainer
+
+
+    class Imports(Trainer):
+        warmup_imports = ("imported_once",)
+
+        @classmethod
+        def warmup(cls):
+            import imported_once  # noqa: F401
+
+        def train(self):
+            pass
+
+        def evaluate(self):
+            return {{}}
+
+        def state_dict(self):
+            return {{}}
+
+        def load_state_dict(self, state):
+            pass
+    """
+)
+
+WORKERS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from stagetree.executors.local import LocalExecutor
+    from stagetree.work import WorkerReady
+    from imports_trainer import Imports
+
+    if __name__ == "__main__":
+        ex = LocalExecutor(Imports, 2, checkpoint_dir=sys.argv[1], start_method="forkserver")
+        ex.start()
+        ready = set()
+        while len(ready) < 2:
+            ready |= {{e.worker for e in ex.events(timeout=30) if isinstance(e, WorkerReady)}}
+        print("WORKERS", ex.pid(0), ex.pid(1), flush=True)
+        ex.close()
+    """
+)
+
+
+def test_what_a_trainer_says_its_warmup_imports_is_imported_once_in_the_fork_server(
+    tmp_path: Path,
+) -> None:
+    imported = tmp_path / "imported-by"
+    (tmp_path / "imported_once.py").write_text(
+        f"import os\nwith open({str(imported)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n"
+    )
+    (tmp_path / "imports_trainer.py").write_text(TRAINER_MODULE.format())
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS_SCRIPT.format())
+    path = os.pathsep.join([str(tmp_path), str(Path(stagetree.__file__).parents[1])])
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=path),
+    ).stdout
+    workers = {int(p) for p in out.split("WORKERS", 1)[1].split()}
+    [importer] = [int(p) for p in imported.read_text().split()]  # once, for both workers
+    assert importer not in workers  # by the server the workers were forked from
+
+
+def test_the_fork_server_of_the_digits_trainers_imports_scikit_learn() -> None:
+    pytest.importorskip("torch")
+    from stagetree.executors.local import _preload_modules
+    from stagetree.torch.examples import DigitsConvTrainer, DigitsTrainer
+
+    for trainer in (DigitsTrainer, DigitsConvTrainer):
+        assert {"torch._dynamo", "sklearn.datasets"} <= set(_preload_modules(trainer))
