@@ -64,6 +64,22 @@ def test_a_worker_keeps_what_it_imported_before_serving_out_of_collections(
     assert metrics.metrics["frozen"] > 1000
 
 
+def _run(script: Path, modules: Path, *args: str) -> str:
+    """The output of ``script`` run in a fresh interpreter, with ``modules`` and this
+    checkout's stagetree on PYTHONPATH: a fork server imports through it (not through
+    the sys.path of the program that started it). Returns once the fork server, which
+    holds the output pipes, ended too."""
+    path = os.pathsep.join([str(modules), str(Path(stagetree.__file__).parents[1])])
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=path),
+    ).stdout
+
+
 SERVER_SCRIPT = textwrap.dedent(
     """
     import multiprocessing, sys
@@ -96,18 +112,7 @@ def test_the_fork_server_ends_without_its_teardown_when_the_program_exits(
     script.write_text(
         SERVER_SCRIPT.format(here=str(tmp_path), tests=str(Path(__file__).resolve().parent))
     )
-    # The server's imports follow PYTHONPATH (not the parent's sys.path): this checkout's
-    # stagetree, and the marker.
-    path = os.pathsep.join([str(tmp_path), str(Path(stagetree.__file__).parents[1])])
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        env=dict(os.environ, PYTHONPATH=path),
-    ).stdout
-    # capture_output read until the server (which holds the output pipes) ended too.
+    out = _run(script, tmp_path)
     assert "SERVER" in out
     assert not mark.exists()  # it ended before its teardown's exit hooks
 
@@ -168,15 +173,7 @@ def test_what_a_trainer_says_its_warmup_imports_is_imported_once_in_the_fork_ser
     (tmp_path / "imports_trainer.py").write_text(TRAINER_MODULE.format())
     script = tmp_path / "workers.py"
     script.write_text(WORKERS_SCRIPT.format())
-    path = os.pathsep.join([str(tmp_path), str(Path(stagetree.__file__).parents[1])])
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "ckpt")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        env=dict(os.environ, PYTHONPATH=path),
-    ).stdout
+    out = _run(script, tmp_path, str(tmp_path / "ckpt"))
     workers = {int(p) for p in out.split("WORKERS", 1)[1].split()}
     [importer] = [int(p) for p in imported.read_text().split()]  # once, for both workers
     assert importer not in workers  # by the server the workers were forked from
