@@ -105,6 +105,11 @@ def worker_main(cfg: ChildConfig, inbox: Connection, outbox: Connection) -> None
     """Entry point of a worker process: serve leases until told to exit."""
     # The parent handles Ctrl-C and stops workers through close().
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # What the process imported so far (a forked worker: its server's torch) lives as
+    # long as it does: the collections that the warm-up's imports trigger, training's
+    # and the one at each release (which the driver's close() waits for) skip it. Not
+    # later: a lease's objects (a by-value trainer class, its cached data) must go.
+    gc.freeze()
     if cfg.env is not None:
         os.environ.clear()
         os.environ.update(cfg.env)

@@ -159,26 +159,29 @@ _DEFAULT_START = (
 )
 
 
-_TORCH_TRAINER = "stagetree.torch.trainer"
+_SERVER_HOOKS = "stagetree.executors._forkserver"
 
 
 def _preload_modules(trainer: Any) -> list[str]:
     """What the fork server imports once for its children: torch (when this process has
-    it), stagetree's modules the trainer class is made of (``stagetree.torch``...) and,
-    for a :class:`~stagetree.torch.TorchTrainer`, what its ``warmup`` imports
-    (``torch._dynamo``: seconds per worker otherwise, and it starts no thread). Other
-    libraries are left to the workers: a module that starts a thread when imported would
-    make forking from the server unsafe."""
+    it), :mod:`stagetree.executors._forkserver` (the server's own garbage-collector and
+    exit settings), stagetree's modules the trainer class is made of
+    (``stagetree.torch``...) and what the class says its ``warmup`` imports
+    (``warmup_imports``; a :class:`~stagetree.torch.TorchTrainer`'s: ``torch._dynamo``,
+    seconds per worker otherwise). Other libraries are left to the workers: a module that
+    leaves a lock held by a thread it starts would make forking from the server unsafe."""
     modules = ["stagetree.executors._process"]
     if "torch" in sys.modules:
         modules.append("torch")
+    modules.append(_SERVER_HOOKS)  # after torch: its objects are frozen
     if isinstance(trainer, type):
         for cls in trainer.__mro__:
             name = cls.__module__
             if name.startswith("stagetree.") and name not in modules:
                 modules.append(name)
-    if "torch" in modules and _TORCH_TRAINER in modules:
-        modules.append("torch._dynamo")
+        imports = getattr(trainer, "warmup_imports", ())
+        if isinstance(imports, (tuple, list)):
+            modules += [m for m in imports if isinstance(m, str) and m not in modules]
     return modules
 
 

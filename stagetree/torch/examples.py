@@ -126,6 +126,8 @@ class _DigitsBase(FusibleTrainer):
     (:meth:`build_model`)."""
 
     defaults: ClassVar[dict[str, Any]] = DIGITS_DEFAULTS
+    # The fork server imports scikit-learn once for every worker (seconds each).
+    warmup_imports = (*FusibleTrainer.warmup_imports, "sklearn.datasets")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)

@@ -241,6 +241,14 @@ class TorchTrainer(Trainer):
     checkpoint_attributes: ClassVar[tuple[str, ...] | None] = None
     checkpoint_exclude: ClassVar[tuple[str, ...]] = ()
     evaluate_in_eval_mode: ClassVar[bool] = True
+    #: Modules that :meth:`warmup` imports and that a worker process may inherit from
+    #: the fork server it is forked from (imported there once for all workers, before
+    #: any starts, instead of once in each worker while the others start too). Only
+    #: imports, and only of modules that are safe to fork after: none may leave a lock
+    #: held by a thread it starts (scikit-learn's, whose BLAS and allocator threads
+    #: handle forks, is). A subclass adds to it:
+    #: ``warmup_imports = (*TorchTrainer.warmup_imports, "sklearn.datasets")``.
+    warmup_imports: ClassVar[tuple[str, ...]] = ("torch._dynamo",)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
