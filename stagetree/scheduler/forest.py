@@ -12,6 +12,13 @@ again only the plan trees whose inputs changed since the last decision:
   pending checkpoints, models idle workers hold): few, so compared per plan tree at
   every decision.
 
+A plan tree whose inputs changed is built again only if the build would read them
+differently: a build asks, at a fixed set of steps per plan node (the requests' steps
+and the branch points above them), for the latest available model at or before that
+step, so a running batch that moved between two such steps, or a checkpoint that no
+such step sees, leaves the kept tree as it is (:func:`_queries`, :func:`_spans`,
+:func:`_visible`).
+
 The roots of all plan trees stay sorted in one list (the order a whole build gives
 them), and the stages' costs are computed again only when the cost estimator's
 predictions may have moved, and then (:meth:`StageForest.tree` with ``lazy``) only
@@ -33,7 +40,7 @@ build over every input: the same stages, roots, covered requests, order and cost
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -177,6 +184,74 @@ class _Part:
     steps: np.ndarray | None = None
     dense: np.ndarray | None = None
     count: int = 0  # stages
+    # What the build read: the requests in order, and the checkpoints (durable and held
+    # in memory, :func:`_visible`) and the running spans (:func:`_spans`) as the build's
+    # queries see them; an equal reading builds an equal tree, so it is kept.
+    requests: tuple[Key, ...] = ()
+    visible: frozenset[Key] = frozenset()
+    spans: tuple[tuple[int, int, int, int], ...] = ()
+    # Per plan node, the sorted steps the build may ask for an available model at.
+    queries: dict[int, list[int]] = field(default_factory=dict)
+
+
+def _queries(nodes: Mapping[int, Node], requests: Iterable[Key]) -> dict[int, list[int]]:
+    """Per plan node, the sorted steps ``upper`` at which a build over ``requests`` may
+    ask for the latest available model at or before ``upper`` on that node: each
+    request's step on its node, then the branch step on every node above it."""
+    seen: set[Key] = set()
+    at: dict[int, set[int]] = {}
+    for m, upper in requests:
+        while (m, upper) not in seen:
+            seen.add((m, upper))
+            at.setdefault(m, set()).add(upper)
+            node = nodes[m]
+            if node.parent is None:
+                break
+            m, upper = node.parent, node.branch_step
+    return {m: sorted(steps) for m, steps in at.items()}
+
+
+def _visible(checkpoints: Iterable[Key], queries: Mapping[int, list[int]]) -> frozenset[Key]:
+    """The checkpoints a build over ``queries`` (:func:`_queries`) can start from: on
+    each node, the latest at or before each query step. A build reads no other (it
+    asks for the latest checkpoint at or before a query step), so two sets with the
+    same visible checkpoints build equal trees."""
+    by_node: dict[int, list[int]] = {}
+    for m, t in checkpoints:
+        if m in queries:
+            by_node.setdefault(m, []).append(t)
+    out: list[Key] = []
+    for m, steps in by_node.items():
+        steps.sort()
+        for upper in queries[m]:
+            i = bisect_right(steps, upper)
+            if i:
+                out.append((m, steps[i - 1]))
+    return frozenset(out)
+
+
+def _spans(
+    running: Iterable[RunningPosition], queries: Mapping[int, list[int]]
+) -> tuple[tuple[int, int, int, int], ...]:
+    """The running batches' spans ``(node, lo, hi, batch)`` as a build sees them: the
+    positions ``lo..hi`` a batch will pass or has promised a checkpoint at, in the
+    build's order (by batch, segments then promised checkpoints). A build reads a span
+    only through ``lo <= upper`` for its query steps ``upper`` on the span's node
+    (:func:`_queries`), so ``lo`` is given as the first query step at or after it, and a
+    span no query step reaches is left out: two readings that are equal build equal
+    trees, however far the batches moved in between."""
+    out: list[tuple[int, int, int, int]] = []
+    for r in sorted(running, key=lambda r: r.batch_id):
+        batch = r.batch_id
+        spans = [(m, max(s0, r.step) + 1, s1) for m, s0, s1 in r.segments]
+        spans.extend((m, t, t) for m, t in r.saving)
+        for m, lo, hi in spans:
+            steps = queries.get(m)
+            if lo <= hi and steps:
+                i = bisect_left(steps, lo)
+                if i < len(steps):
+                    out.append((m, steps[i], hi, batch))
+    return tuple(out)
 
 
 class StageForest:
@@ -224,6 +299,12 @@ class StageForest:
         self._changes = 0
         self._work_at: tuple[Any, int] | None = None
         self._work = (0.0, 0)
+        self._builds = 0
+
+    @property
+    def builds(self) -> int:
+        """Plan trees built so far (a kept tree whose inputs read the same is not)."""
+        return self._builds
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -353,8 +434,21 @@ class StageForest:
         cost: Callable[[Node], float],
         version: Any,
     ) -> None:
-        old = self._parts.pop(root_key, None)
+        """Build ``root_key``'s stage tree again, unless the build would read what the
+        kept one read (a running batch moved between the steps the build asks about)."""
+        running = tuple(running)
+        requests = tuple(k for k in self._requests.get(root_key, ()) if k not in promised)
+        checkpoints = self._checkpoints.get(root_key, set()) | memory
+        old = self._parts.get(root_key)
+        if (
+            old is not None
+            and requests == old.requests
+            and _spans(running, old.queries) == old.spans
+            and _visible(checkpoints, old.queries) == old.visible
+        ):
+            return
         if old is not None:
+            del self._parts[root_key]
             self._tally(old, -1)
             for root in old.roots:
                 self._all.remove(root)
@@ -363,12 +457,11 @@ class StageForest:
                 else:
                     self._waiting.remove(root)
         self._covered.pop(root_key, None)
-        requests = [k for k in self._requests.get(root_key, ()) if k not in promised]
         if not requests:
             if not self._requests.get(root_key, True):
                 del self._requests[root_key]
             return
-        checkpoints = self._checkpoints.get(root_key, set()) | memory
+        self._builds += 1
         built = build_stage_tree(self._nodes, requests, checkpoints, running, cost)
         by_node: dict[int, list[Stage]] = {}
         steps: dict[int, int] = {}  # per node, in ``by_node``'s order
@@ -383,6 +476,10 @@ class StageForest:
                 steps[node] += stage.stop - stage.start
         part = self._parts[root_key] = _Part(built.roots, built.covered, version, by_node)
         part.count = len(built.stages)
+        part.requests = requests
+        part.queries = _queries(self._nodes, requests)
+        part.spans = _spans(running, part.queries)
+        part.visible = _visible(checkpoints, part.queries)
         self._weigh(part, list(steps.values()))
         self._tally(part, 1)
         if built.covered:

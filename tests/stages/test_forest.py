@@ -329,3 +329,61 @@ def test_roots_with_children_are_valued_again_only_when_their_costs_move() -> No
     assert valued == []
     estimator.observe(next(iter(nodes.values())), 2.0)
     assert len(decide()) == len(valued)
+
+
+def _reads(nodes: dict[int, Node], requests: list[Key]) -> set[Key]:
+    """The (node, step) pairs at which a build over ``requests`` may look for the
+    latest available model: each request, then the branch point of every node above."""
+    out: set[Key] = set()
+    for m, upper in requests:
+        while (m, upper) not in out:
+            out.add((m, upper))
+            node = nodes[m]
+            if node.parent is None:
+                break
+            m, upper = node.parent, node.branch_step
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_moving_batch_builds_its_plan_tree_again_only_where_a_build_reads(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A running batch's position moves at every Progress. The kept tree is built again
+    # only when the move passes a step the build looks at (a request, a branch point on
+    # the batch's path, a checkpoint it was asked for); after every move it equals a
+    # whole build.
+    import stagetree.scheduler.forest as forest_module
+
+    builds = []
+    whole = forest_module.build_stage_tree
+    monkeypatch.setattr(forest_module, "build_stage_tree", lambda *a: builds.append(1) or whole(*a))
+    nodes, keys = plan(seed)
+    rng = random.Random(seed)
+    forest = StageForest(nodes)
+    own = [k for k in keys if nodes[k[0]].root_key == "a"]
+    requests = rng.sample(own, 6)
+    for key in requests:
+        forest.add_request(key)
+    target = max(requests, key=lambda k: (len(path_of(nodes, k)), k))
+    segments = path_of(nodes, target)
+    on_path = {m for m, _, _ in segments}
+    asked: set[Key] = set()  # checkpoints the batch was asked for (as Scheduler._split)
+    crossings = 0
+    first, last = segments[0][1], segments[-1][2]
+    for step in range(first, last + 1):
+        saving = tuple(sorted(k for k in asked if k[1] <= step))
+        running = [RunningPosition(1, segments, step, saving)]
+        before = len(builds)
+        got = forest.tree(running, set(), (), lambda n: 1.0, 0)
+        want = build_stage_tree(nodes, requests, set(), running, lambda n: 1.0)
+        assert snapshot(got) == snapshot(want)
+        read = {(m, t) for m, t in _reads(nodes, requests) if m in on_path} | asked
+        if step > first and not any(t in (step, step + 1) for _, t in read):
+            assert len(builds) == before  # a move no build can see
+        crossings += len(builds) > before
+        for root in got.waiting_roots():
+            assert root.origin is not None
+            asked.add((root.origin.node, root.origin.step))
+        asked.update((c.node, c.step) for c in got.covered)
+    assert crossings < last - first
