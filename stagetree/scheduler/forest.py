@@ -635,6 +635,20 @@ class StageForest:
             got = part.values[id(root)] = best[id(root)]
         return got
 
+    def _deep_values(self, roots: list[Stage]) -> list[tuple[float, int]]:
+        """:meth:`_deep_value` of each of ``roots``, their parts' costs computed at once
+        (one prediction over all their nodes) and the values not kept in one walk."""
+        parts = [self._part_of(root) for root in roots]
+        if self._pending is not None:
+            cost, version, costs = self._pending
+            self._recost(cost, version, costs, list({id(p): p for p in parts}.values()))
+        todo = [root for root, part in zip(roots, parts) if id(root) not in part.values]
+        if todo:
+            best = path_values(todo)
+            for root in todo:
+                self._part_of(root).values[id(root)] = best[id(root)]
+        return [self._deep_value(root) for root in roots]
+
     def _length(self, root: Stage) -> float:
         """The longest path's cost from ``root`` down, as ``CriticalPathPolicy._paths``
         computes it (the same floats as :func:`~stagetree.stages.path_values`)."""
@@ -681,8 +695,8 @@ class StageForest:
                 self._epoch += 1
                 self._epoch_of = at
             epoch = self._epoch
-            for i in np.flatnonzero(deep & (r.numpy(r.stamp) != epoch)).tolist():
-                value = self._deep_value(r.stages[i])
+            todo = np.flatnonzero(deep & (r.numpy(r.stamp) != epoch)).tolist()
+            for i, value in zip(todo, self._deep_values([r.stages[i] for i in todo])):
                 r.value[i], r.value_steps[i] = value
                 r.stamp[i] = epoch
             cost = np.where(deep, r.numpy(r.value), cost)
