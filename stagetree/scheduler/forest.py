@@ -13,11 +13,15 @@ again only the plan trees whose inputs changed since the last decision:
   every decision.
 
 A plan tree whose inputs changed is built again only if the build would read them
-differently: a build asks, at a fixed set of steps per plan node (the requests' steps
-and the branch points above them), for the latest available model at or before that
-step, so a running batch that moved between two such steps, or a checkpoint that no
-such step sees, leaves the kept tree as it is (:func:`_queries`, :func:`_spans`,
-:func:`_visible`).
+differently. A build asks, at a fixed set of steps per plan node (the requests' steps
+and the branch points above them, :func:`_queries`), for the latest available model at
+or before that step (:func:`~stagetree.stages.available_at`); where every answer is
+the same (a running batch moved between two such steps, a checkpoint no such step
+sees), the kept tree is the tree a build gives. Where the answers differ only in that a
+model a running batch promised is now a durable checkpoint at the same position, a
+build gives the kept tree with those roots starting from the checkpoint: they are
+moved from waiting to ready instead (the path that changed), unless the model is
+itself requested (then a build covers it differently, and builds).
 
 The roots of all plan trees stay sorted in one list (the order a whole build gives
 them), and the stages' costs are computed again only when the cost estimator's
@@ -40,7 +44,7 @@ build over every input: the same stages, roots, covered requests, order and cost
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -51,10 +55,13 @@ from stagetree.plan.model import Node
 from stagetree.scheduler.policies import CriticalPathPolicy
 from stagetree.stages import (
     CHECKPOINT,
+    RUNNING,
     Covered,
+    Origin,
     RunningPosition,
     Stage,
     StageTree,
+    available_at,
     build_stage_tree,
     critical_path,
     path_values,
@@ -184,74 +191,26 @@ class _Part:
     steps: np.ndarray | None = None
     dense: np.ndarray | None = None
     count: int = 0  # stages
-    # What the build read: the requests in order, and the checkpoints (durable and held
-    # in memory, :func:`_visible`) and the running spans (:func:`_spans`) as the build's
-    # queries see them; an equal reading builds an equal tree, so it is kept.
+    # What the build read: the requests in order, the steps it may ask for an
+    # available model at (:func:`_queries`) and the answers there.
     requests: tuple[Key, ...] = ()
-    visible: frozenset[Key] = frozenset()
-    spans: tuple[tuple[int, int, int, int], ...] = ()
-    # Per plan node, the sorted steps the build may ask for an available model at.
-    queries: dict[int, list[int]] = field(default_factory=dict)
+    queries: list[Key] = field(default_factory=list)
+    answers: list[Origin | None] = field(default_factory=list)
 
 
-def _queries(nodes: Mapping[int, Node], requests: Iterable[Key]) -> dict[int, list[int]]:
-    """Per plan node, the sorted steps ``upper`` at which a build over ``requests`` may
-    ask for the latest available model at or before ``upper`` on that node: each
-    request's step on its node, then the branch step on every node above it."""
-    seen: set[Key] = set()
-    at: dict[int, set[int]] = {}
+def _queries(nodes: Mapping[int, Node], requests: Iterable[Key]) -> list[Key]:
+    """The ``(node, upper)`` pairs at which a build over ``requests`` may ask for the
+    latest available model at or before ``upper`` on that node: each request, then the
+    branch point on every node above it."""
+    seen: dict[Key, None] = {}
     for m, upper in requests:
         while (m, upper) not in seen:
-            seen.add((m, upper))
-            at.setdefault(m, set()).add(upper)
+            seen[(m, upper)] = None
             node = nodes[m]
             if node.parent is None:
                 break
             m, upper = node.parent, node.branch_step
-    return {m: sorted(steps) for m, steps in at.items()}
-
-
-def _visible(checkpoints: Iterable[Key], queries: Mapping[int, list[int]]) -> frozenset[Key]:
-    """The checkpoints a build over ``queries`` (:func:`_queries`) can start from: on
-    each node, the latest at or before each query step. A build reads no other (it
-    asks for the latest checkpoint at or before a query step), so two sets with the
-    same visible checkpoints build equal trees."""
-    by_node: dict[int, list[int]] = {}
-    for m, t in checkpoints:
-        if m in queries:
-            by_node.setdefault(m, []).append(t)
-    out: list[Key] = []
-    for m, steps in by_node.items():
-        steps.sort()
-        for upper in queries[m]:
-            i = bisect_right(steps, upper)
-            if i:
-                out.append((m, steps[i - 1]))
-    return frozenset(out)
-
-
-def _spans(
-    running: Iterable[RunningPosition], queries: Mapping[int, list[int]]
-) -> tuple[tuple[int, int, int, int], ...]:
-    """The running batches' spans ``(node, lo, hi, batch)`` as a build sees them: the
-    positions ``lo..hi`` a batch will pass or has promised a checkpoint at, in the
-    build's order (by batch, segments then promised checkpoints). A build reads a span
-    only through ``lo <= upper`` for its query steps ``upper`` on the span's node
-    (:func:`_queries`), so ``lo`` is given as the first query step at or after it, and a
-    span no query step reaches is left out: two readings that are equal build equal
-    trees, however far the batches moved in between."""
-    out: list[tuple[int, int, int, int]] = []
-    for r in sorted(running, key=lambda r: r.batch_id):
-        batch = r.batch_id
-        spans = [(m, max(s0, r.step) + 1, s1) for m, s0, s1 in r.segments]
-        spans.extend((m, t, t) for m, t in r.saving)
-        for m, lo, hi in spans:
-            steps = queries.get(m)
-            if lo <= hi and steps:
-                i = bisect_left(steps, lo)
-                if i < len(steps):
-                    out.append((m, steps[i], hi, batch))
-    return tuple(out)
+    return list(seen)
 
 
 class StageForest:
@@ -300,11 +259,17 @@ class StageForest:
         self._work_at: tuple[Any, int] | None = None
         self._work = (0.0, 0)
         self._builds = 0
+        self._settled = 0
 
     @property
     def builds(self) -> int:
         """Plan trees built so far (a kept tree whose inputs read the same is not)."""
         return self._builds
+
+    @property
+    def settled(self) -> int:
+        """Plan trees updated in place where running batches' models became durable."""
+        return self._settled
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -440,13 +405,10 @@ class StageForest:
         requests = tuple(k for k in self._requests.get(root_key, ()) if k not in promised)
         checkpoints = self._checkpoints.get(root_key, set()) | memory
         old = self._parts.get(root_key)
-        if (
-            old is not None
-            and requests == old.requests
-            and _spans(running, old.queries) == old.spans
-            and _visible(checkpoints, old.queries) == old.visible
-        ):
-            return
+        if old is not None and requests == old.requests:
+            answers = available_at(self._nodes, old.queries, checkpoints, running)
+            if answers == old.answers or self._settle(old, answers):
+                return
         if old is not None:
             del self._parts[root_key]
             self._tally(old, -1)
@@ -478,8 +440,7 @@ class StageForest:
         part.count = len(built.stages)
         part.requests = requests
         part.queries = _queries(self._nodes, requests)
-        part.spans = _spans(running, part.queries)
-        part.visible = _visible(checkpoints, part.queries)
+        part.answers = available_at(self._nodes, part.queries, checkpoints, running)
         self._weigh(part, list(steps.values()))
         self._tally(part, 1)
         if built.covered:
@@ -490,6 +451,36 @@ class StageForest:
                 self._ready.put(root, self._dense(root))
             else:
                 self._waiting.add(root)
+
+    def _settle(self, part: _Part, answers: list[Origin | None]) -> bool:
+        """Update ``part`` in place where ``answers`` differ from its own only in models
+        of running batches that are now durable checkpoints at the same positions (and
+        not requested themselves): its roots waiting there become ready, from the
+        checkpoint, as a build gives them. False: another change (build again)."""
+        durable: dict[Origin, Origin] = {}
+        for was, now in zip(part.answers, answers):
+            if was != now:
+                if (
+                    was is None
+                    or now is None
+                    or was.kind != RUNNING
+                    or now.kind != CHECKPOINT
+                    or (was.node, was.step) != (now.node, now.step)
+                ):
+                    return False
+                durable[was] = now
+        requested = set(part.requests)
+        if any((o.node, o.step) in requested for o in durable):
+            return False  # a covered request becomes an evaluation from the checkpoint
+        for root in part.roots:
+            now = durable.get(root.origin) if root.origin is not None else None
+            if now is not None:
+                self._waiting.remove(root)
+                root.origin = now
+                self._ready.put(root, self._dense(root))
+        part.answers = answers
+        self._settled += 1
+        return True
 
     def held_starts(self, held: Iterable[Key]) -> tuple[set[Key], list[Stage]]:
         """Of the models ``held`` (by idle workers), those some ready root starts from

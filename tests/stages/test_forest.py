@@ -345,6 +345,27 @@ def _reads(nodes: dict[int, Node], requests: list[Key]) -> set[Key]:
     return out
 
 
+def _one_batch(
+    seed: int, root: str, count: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[int, Node], StageForest, list[Key], tuple[tuple[int, int, int], ...], list[int]]:
+    """``count`` requests on plan tree ``root`` of ``plan(seed)`` in a new forest, the
+    path of the deepest (a batch's segments) and the builds the forest makes from now
+    on (one entry each)."""
+    import stagetree.scheduler.forest as forest_module
+
+    builds: list[int] = []
+    whole = forest_module.build_stage_tree
+    monkeypatch.setattr(forest_module, "build_stage_tree", lambda *a: builds.append(1) or whole(*a))
+    nodes, keys = plan(seed)
+    forest = StageForest(nodes)
+    own = [k for k in keys if nodes[k[0]].root_key == root]
+    requests = random.Random(seed).sample(own, count)
+    for key in requests:
+        forest.add_request(key)
+    target = max(requests, key=lambda k: (len(path_of(nodes, k)), k))
+    return nodes, forest, requests, path_of(nodes, target), builds
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_a_moving_batch_builds_its_plan_tree_again_only_where_a_build_reads(
     seed: int, monkeypatch: pytest.MonkeyPatch
@@ -353,20 +374,7 @@ def test_a_moving_batch_builds_its_plan_tree_again_only_where_a_build_reads(
     # only when the move passes a step the build looks at (a request, a branch point on
     # the batch's path, a checkpoint it was asked for); after every move it equals a
     # whole build.
-    import stagetree.scheduler.forest as forest_module
-
-    builds = []
-    whole = forest_module.build_stage_tree
-    monkeypatch.setattr(forest_module, "build_stage_tree", lambda *a: builds.append(1) or whole(*a))
-    nodes, keys = plan(seed)
-    rng = random.Random(seed)
-    forest = StageForest(nodes)
-    own = [k for k in keys if nodes[k[0]].root_key == "a"]
-    requests = rng.sample(own, 6)
-    for key in requests:
-        forest.add_request(key)
-    target = max(requests, key=lambda k: (len(path_of(nodes, k)), k))
-    segments = path_of(nodes, target)
+    nodes, forest, requests, segments, builds = _one_batch(seed, "a", 6, monkeypatch)
     on_path = {m for m, _, _ in segments}
     asked: set[Key] = set()  # checkpoints the batch was asked for (as Scheduler._split)
     crossings = 0
@@ -387,3 +395,42 @@ def test_a_moving_batch_builds_its_plan_tree_again_only_where_a_build_reads(
             asked.add((root.origin.node, root.origin.step))
         asked.update((c.node, c.step) for c in got.covered)
     assert crossings < last - first
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_promised_model_made_durable_readies_its_roots_without_a_build(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A running batch passes positions where waiting roots start and is asked for
+    # checkpoints there; once one is durable, the roots waiting for it start from it.
+    # The kept tree is updated in place (no build), unless the model is requested
+    # itself, and equals a whole build.
+    nodes, forest, requests, segments, builds = _one_batch(seed, "b", 8, monkeypatch)
+    asked: set[Key] = set()
+    durable: set[Key] = set()
+    promoted = 0
+    for step in range(segments[0][1], segments[-1][2] + 1):
+        for made in (False, True):
+            if made:  # the checkpoints it passed are written
+                passed = {k for k in asked if k[1] < step}
+                if not passed:
+                    continue
+                for key in passed:
+                    forest.add_checkpoint(key)
+                durable |= passed
+                asked -= passed
+            saving = tuple(sorted(k for k in asked if k[1] <= step))
+            running = [RunningPosition(1, segments, step, saving)]
+            before = len(builds)
+            got = forest.tree(running, set(), (), lambda n: 1.0, 0)
+            want = build_stage_tree(nodes, requests, durable, running, lambda n: 1.0)
+            assert snapshot(got) == snapshot(want)
+            if made and not passed & set(requests):
+                assert len(builds) == before
+                promoted += 1
+            for root in got.waiting_roots():
+                assert root.origin is not None
+                asked.add((root.origin.node, root.origin.step))
+            asked.update((c.node, c.step) for c in got.covered if c.step > step)
+    # Each in-place update was one of those decisions (the others read alike).
+    assert forest.settled <= promoted
