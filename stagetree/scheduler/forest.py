@@ -30,7 +30,8 @@ where they are read. :meth:`StageForest.critical_path` finds the critical-path p
 choice without a walk of every root: the ready roots' steps and nodes are kept in flat
 arrays, a leaf's value comes from the estimator's predictions as an array
 (:meth:`~stagetree.scheduler.cost.CostEstimator.cost_array`), and the value of a root
-with children is kept per plan tree until its costs change. For the critical-path
+with children is kept until the costs move, then computed again for all such roots at
+once as arrays over their stages (kept per plan tree as arrays when it is built). For the critical-path
 policy's depth-bound cut, the forest also keeps every plan node's steps in its stages
 (updated as plan trees are built again): the remaining work is then one dot product
 with the estimator's predictions (:meth:`StageForest.work`), and the cut is decided
@@ -186,6 +187,10 @@ class _Part:
     by_node: dict[int, list[Stage]] = field(default_factory=dict)
     # Best (cost, steps) below each root with children, at ``version``'s costs.
     values: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # Each root with children's stages (by ``id`` of the root), parents first, as
+    # arrays: the index of its node in ``by_node``'s order, its steps, its parent's
+    # position (-1: the root) and its height (0: a leaf).
+    shapes: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
     # Its stages' steps per plan node (in ``by_node``'s order) and those nodes' dense
     # indices in the estimator (None: no estimator): its share of the remaining work.
     steps: np.ndarray | None = None
@@ -211,6 +216,24 @@ def _queries(nodes: Mapping[int, Node], requests: Iterable[Key]) -> list[Key]:
                 break
             m, upper = node.parent, node.branch_step
     return list(seen)
+
+
+def _shape(root: Stage, local: Mapping[int, int]) -> tuple[np.ndarray, ...]:
+    """``root``'s subtree as :attr:`_Part.shapes` keeps it (``local``: node -> its
+    index in the part's ``by_node`` order)."""
+    stages = list(root.subtree())  # parents first
+    at = {id(s): i for i, s in enumerate(stages)}
+    parent = [-1] + [at[id(s.parent)] for s in stages[1:]]
+    height = [0] * len(stages)
+    for i in range(len(stages) - 1, 0, -1):
+        p = parent[i]
+        height[p] = max(height[p], height[i] + 1)
+    return (
+        np.array([local[s.node] for s in stages], dtype=np.int64),
+        np.array([float(s.stop - s.start) for s in stages]),
+        np.array(parent, dtype=np.int64),
+        np.array(height, dtype=np.int64),
+    )
 
 
 class StageForest:
@@ -438,6 +461,8 @@ class StageForest:
                 steps[node] += stage.stop - stage.start
         part = self._parts[root_key] = _Part(built.roots, built.covered, version, by_node)
         part.count = len(built.stages)
+        local = {node: i for i, node in enumerate(by_node)}
+        part.shapes = {id(r): _shape(r, local) for r in built.roots if r.children}
         part.requests = requests
         part.queries = _queries(self._nodes, requests)
         part.answers = available_at(self._nodes, part.queries, checkpoints, running)
@@ -627,18 +652,44 @@ class StageForest:
         return got
 
     def _deep_values(self, roots: list[Stage]) -> list[tuple[float, int]]:
-        """:meth:`_deep_value` of each of ``roots``, their parts' costs computed at once
-        (one prediction over all their nodes) and the values not kept in one walk."""
+        """:meth:`_deep_value` of each of ``roots`` at the estimator's current
+        predictions, as array work over all their stages at once (their parts' stage
+        costs are left for :meth:`_costed`): the same floats as
+        :func:`~stagetree.stages.path_values` (a stage's cost is its steps times its
+        node's prediction, and its value its cost plus the greatest (cost, steps) of its
+        children's, level by level from the leaves up). Needs the estimator's dense
+        indices."""
+        estimator = self._estimator
+        assert estimator is not None
+        if not roots:
+            return []
         parts = [self._part_of(root) for root in roots]
-        if self._pending is not None:
-            cost, version, costs = self._pending
-            self._recost(cost, version, costs, list({id(p): p for p in parts}.values()))
-        todo = [root for root, part in zip(roots, parts) if id(root) not in part.values]
-        if todo:
-            best = path_values(todo)
-            for root in todo:
-                self._part_of(root).values[id(root)] = best[id(root)]
-        return [self._deep_value(root) for root in roots]
+        shapes = [part.shapes[id(root)] for root, part in zip(roots, parts)]
+        sizes = [len(shape[1]) for shape in shapes]
+        starts = np.zeros(len(shapes), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        dense = np.concatenate(
+            [part.dense[shape[0]] for part, shape in zip(parts, shapes)]  # type: ignore[index]
+        )
+        steps = np.concatenate([shape[1] for shape in shapes])
+        parent = np.concatenate([shape[2] for shape in shapes])
+        height = np.concatenate([shape[3] for shape in shapes])
+        cost = steps * estimator.cost_array(dense)
+        value, count = cost + 0.0, steps.copy()
+        child = np.flatnonzero(parent >= 0)
+        above = parent[child] + np.repeat(starts, sizes)[child]
+        level = height[above]
+        for h in range(1, int(height.max()) + 1):
+            at = level == h
+            kids, up = child[at], above[at]
+            # The greatest (cost, steps) of each parent's children: last in its group.
+            order = np.lexsort((count[kids], value[kids], up))
+            kids, up = kids[order], up[order]
+            last = np.append(up[1:] != up[:-1], True)
+            kids, up = kids[last], up[last]
+            value[up] = cost[up] + value[kids]
+            count[up] = steps[up] + count[kids]
+        return list(zip(value[starts].tolist(), count[starts].astype(np.int64).tolist()))
 
     def _length(self, root: Stage) -> float:
         """The longest path's cost from ``root`` down, as ``CriticalPathPolicy._paths``

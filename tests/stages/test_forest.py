@@ -14,7 +14,13 @@ from stagetree.plan.model import Node
 from stagetree.scheduler.cost import CostEstimator
 from stagetree.scheduler.forest import StageForest
 from stagetree.scheduler.policies import CriticalPathPolicy
-from stagetree.stages import RunningPosition, StageTree, build_stage_tree, critical_path
+from stagetree.stages import (
+    RunningPosition,
+    StageTree,
+    build_stage_tree,
+    critical_path,
+    path_values,
+)
 
 Key = tuple[int, int]
 
@@ -295,6 +301,22 @@ def test_kept_work_and_depth_bound_cut_equal_the_policy_on_a_whole_build(seed: i
     assert undecided <= 2
 
 
+def _lazy_tree(
+    forest: StageForest, estimator: CostEstimator, running: list[RunningPosition]
+) -> StageTree:
+    """The forest's tree with ``estimator``'s costs left to compute where read."""
+    return forest.tree(
+        running,
+        set(),
+        (),
+        estimator.cost,
+        estimator.version,
+        estimator.costs,
+        estimator=estimator,
+        lazy=True,
+    )
+
+
 def test_roots_with_children_are_valued_again_only_when_their_costs_move() -> None:
     # A decision reads the kept values of roots with children as arrays: the next one at
     # the same costs values no root again; after a measurement every such root is.
@@ -304,20 +326,11 @@ def test_roots_with_children_are_valued_again_only_when_their_costs_move() -> No
     for key in keys[::5]:
         forest.add_request(key)
     valued: list[Any] = []
-    kept = forest._deep_value
-    forest._deep_value = lambda root: valued.append(root) or kept(root)  # type: ignore[method-assign]
+    kept = forest._deep_values
+    forest._deep_values = lambda roots: valued.extend(roots) or kept(roots)  # type: ignore[method-assign]
 
     def decide() -> list[Any]:
-        got = forest.tree(
-            [],
-            set(),
-            (),
-            estimator.cost,
-            estimator.version,
-            estimator.costs,
-            estimator=estimator,
-            lazy=True,
-        )
+        got = _lazy_tree(forest, estimator, [])
         valued.clear()
         path = forest.critical_path(got, got.ready_roots(), [])
         assert path
@@ -434,3 +447,23 @@ def test_a_promised_model_made_durable_readies_its_roots_without_a_build(
             asked.update((c.node, c.step) for c in got.covered if c.step > step)
     # Each in-place update was one of those decisions (the others read alike).
     assert forest.settled <= promoted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_roots_valued_as_arrays_equal_path_values_to_the_bit(seed: int) -> None:
+    # The values of roots with children, computed over all their stages at once from
+    # the estimator's predictions, are the floats path_values gives on costed stages.
+    nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(seed, 300 + seed)
+    node_list = list(nodes.values())
+    compared = 0
+    for _ in range(60):
+        if not change(rng, forest, keys, requests, checkpoints, rng.random(), (0.5, 0.6, 0.7)):
+            estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
+        got = _lazy_tree(forest, estimator, _running(rng, nodes, keys))
+        deep = [r for r in got.ready_roots() if r.children]
+        values = forest._deep_values(deep)
+        forest.ensure_costs()
+        best = path_values(deep)
+        assert values == [best[id(r)] for r in deep]
+        compared += len(deep)
+    assert compared > 0
