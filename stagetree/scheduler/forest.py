@@ -31,15 +31,15 @@ choice without a walk of every root: the ready roots' steps and nodes are kept i
 arrays, a leaf's value comes from the estimator's predictions as an array
 (:meth:`~stagetree.scheduler.cost.CostEstimator.cost_array`), and the value of a root
 with children is kept until the costs move, then computed again for all such roots at
-once as arrays over their stages (kept per plan tree as arrays when it is built). For the critical-path
-policy's depth-bound cut, the forest also keeps every plan node's steps in its stages
-(updated as plan trees are built again): the remaining work is then one dot product
-with the estimator's predictions (:meth:`StageForest.work`), and the cut is decided
-with the policy's own rule (:meth:`~stagetree.scheduler.policies.CriticalPathPolicy.cut`)
-on kept values instead of a walk of every stage. The result equals a whole
-build over every input: the same stages, roots, covered requests, order and costs
-(``tests/stages/test_forest.py`` checks it against
-:func:`~stagetree.stages.build_stage_tree`).
+once as arrays over their stages (kept per plan tree as arrays when it is built). For
+the critical-path policy's depth-bound cut, the forest also keeps every plan node's
+steps in its stages (updated as plan trees are built again): the remaining work is then
+one dot product with the estimator's predictions (:meth:`StageForest.work`), and the
+cut is decided with the policy's own rule
+(:meth:`~stagetree.scheduler.policies.CriticalPathPolicy.cut`) on kept values instead
+of a walk of every stage. The result equals a whole build over every input: the same
+stages, roots, covered requests, order and costs (``tests/stages/test_forest.py``
+checks it against :func:`~stagetree.stages.build_stage_tree`).
 """
 
 from __future__ import annotations
