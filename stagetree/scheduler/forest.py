@@ -187,20 +187,22 @@ class _Part:
     by_node: dict[int, list[Stage]] = field(default_factory=dict)
     # Best (cost, steps) below each root with children, at ``version``'s costs.
     values: dict[int, tuple[float, int]] = field(default_factory=dict)
-    # Each root with children's stages (by ``id`` of the root), parents first, as
-    # arrays: the index of its node in ``by_node``'s order, its steps, its parent's
-    # position (-1: the root) and its height (0: a leaf).
+    # Each root with children's stages (by ``id`` of the root, once valued), parents
+    # first, as arrays: the index of its node in ``by_node``'s order, its steps, its
+    # parent's position (-1: the root) and its height (0: a leaf).
     shapes: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
     # Its stages' steps per plan node (in ``by_node``'s order) and those nodes' dense
     # indices in the estimator (None: no estimator): its share of the remaining work.
     steps: np.ndarray | None = None
     dense: np.ndarray | None = None
     count: int = 0  # stages
-    # What the build read: the requests in order, the steps it may ask for an
-    # available model at (:func:`_queries`) and the answers there.
+    # What the build read: the requests in order, the checkpoints and running
+    # positions; the steps it may ask for an available model at (:func:`_queries`) and
+    # the answers there, worked out when first compared (None: not yet).
     requests: tuple[Key, ...] = ()
-    queries: list[Key] = field(default_factory=list)
-    answers: list[Origin | None] = field(default_factory=list)
+    read: tuple[set[Key], tuple[RunningPosition, ...]] = (set(), ())
+    queries: list[Key] | None = None
+    answers: list[Origin | None] | None = None
 
 
 def _queries(nodes: Mapping[int, Node], requests: Iterable[Key]) -> list[Key]:
@@ -429,8 +431,11 @@ class StageForest:
         checkpoints = self._checkpoints.get(root_key, set()) | memory
         old = self._parts.get(root_key)
         if old is not None and requests == old.requests:
+            if old.queries is None or old.answers is None:
+                old.queries = _queries(self._nodes, requests)
+                old.answers = available_at(self._nodes, old.queries, *old.read)
             answers = available_at(self._nodes, old.queries, checkpoints, running)
-            if answers == old.answers or self._settle(old, answers):
+            if answers == old.answers or self._settle(old, old.answers, answers):
                 return
         if old is not None:
             del self._parts[root_key]
@@ -461,11 +466,7 @@ class StageForest:
                 steps[node] += stage.stop - stage.start
         part = self._parts[root_key] = _Part(built.roots, built.covered, version, by_node)
         part.count = len(built.stages)
-        local = {node: i for i, node in enumerate(by_node)}
-        part.shapes = {id(r): _shape(r, local) for r in built.roots if r.children}
-        part.requests = requests
-        part.queries = _queries(self._nodes, requests)
-        part.answers = available_at(self._nodes, part.queries, checkpoints, running)
+        part.requests, part.read = requests, (checkpoints, running)
         self._weigh(part, list(steps.values()))
         self._tally(part, 1)
         if built.covered:
@@ -477,13 +478,15 @@ class StageForest:
             else:
                 self._waiting.add(root)
 
-    def _settle(self, part: _Part, answers: list[Origin | None]) -> bool:
+    def _settle(
+        self, part: _Part, before: list[Origin | None], answers: list[Origin | None]
+    ) -> bool:
         """Update ``part`` in place where ``answers`` differ from its own only in models
         of running batches that are now durable checkpoints at the same positions (and
         not requested themselves): its roots waiting there become ready, from the
         checkpoint, as a build gives them. False: another change (build again)."""
         durable: dict[Origin, Origin] = {}
-        for was, now in zip(part.answers, answers):
+        for was, now in zip(before, answers):
             if was != now:
                 if (
                     was is None
@@ -664,7 +667,13 @@ class StageForest:
         if not roots:
             return []
         parts = [self._part_of(root) for root in roots]
-        shapes = [part.shapes[id(root)] for root, part in zip(roots, parts)]
+        shapes = []
+        for root, part in zip(roots, parts):
+            shape = part.shapes.get(id(root))
+            if shape is None:
+                local = {node: i for i, node in enumerate(part.by_node)}
+                shape = part.shapes[id(root)] = _shape(root, local)
+            shapes.append(shape)
         sizes = [len(shape[1]) for shape in shapes]
         starts = np.zeros(len(shapes), dtype=np.int64)
         np.cumsum(sizes[:-1], out=starts[1:])
