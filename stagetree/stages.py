@@ -54,6 +54,7 @@ __all__ = [
     "StageTree",
     "Summary",
     "Work",
+    "available_at",
     "bench_build",
     "build_stage_tree",
     "critical_path",
@@ -324,14 +325,23 @@ def build_stage_tree(
             gc.enable()
 
 
-def _build(
+_Ckpts = dict[int, list[int]]
+_Runs = dict[int, list[tuple[int, int, int]]]
+
+
+def _sources(
     nodes: Mapping[int, Node],
-    requests: Iterable[tuple[int, int]],
     checkpoints: Iterable[tuple[int, int]],
     running: Iterable[RunningPosition],
-    cost: Callable[[Node], float] | None,
-) -> StageTree:
-    ckpts: dict[int, list[int]] = defaultdict(list)
+) -> tuple[_Ckpts, _Runs]:
+    """The models a build may start from: durable checkpoint steps per node (sorted),
+    and per node the positions ``(lo, hi, batch)`` running batches will pass or have
+    promised a checkpoint at (in batch order).
+
+    Raises:
+        ValueError: a checkpoint on an unknown node or not canonical.
+    """
+    ckpts: _Ckpts = defaultdict(list)
     for m, t in checkpoints:
         if not _is_canonical(_node(nodes, m, "a checkpoint"), t):
             raise ValueError(f"checkpoint (node {m}, step {t}) is not canonical")
@@ -339,7 +349,7 @@ def _build(
     for steps in ckpts.values():
         steps.sort()
     # node -> (lo, hi, batch) positions lo..hi (canonical on node) a batch will pass.
-    runs: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    runs: _Runs = defaultdict(list)
     for r in sorted(running, key=lambda r: r.batch_id):
         for m, s0, s1 in r.segments:
             lo = max(s0, r.step) + 1
@@ -347,27 +357,57 @@ def _build(
                 runs[m].append((lo, s1, r.batch_id))
         for m, t in r.saving:
             runs[m].append((t, t, r.batch_id))
+    return ckpts, runs
 
-    def available(m: int, node: Node, upper: int) -> Origin | None:
-        """Latest available model on ``m`` at a position in its interval, <= upper."""
-        best: Origin | None = None
-        best_p = -1
-        steps = ckpts.get(m)
-        if steps:
-            i = bisect_right(steps, upper)
-            if i:
-                p = steps[i - 1]
-                if p > node.branch_step or (node.parent is None and p == 0):
-                    best, best_p = Origin(CHECKPOINT, m, p), p
-        spans = runs.get(m)
-        if spans:
-            for lo, hi, batch in spans:
-                if lo <= upper:
-                    p = min(hi, upper)
-                    if p > best_p:  # strict: a checkpoint wins a tie
-                        best, best_p = Origin(RUNNING, m, p, batch), p
-        return best
 
+def _available(ckpts: _Ckpts, runs: _Runs, m: int, node: Node, upper: int) -> Origin | None:
+    """Latest available model on ``m`` at a position in its interval, <= upper."""
+    best: Origin | None = None
+    best_p = -1
+    steps = ckpts.get(m)
+    if steps:
+        i = bisect_right(steps, upper)
+        if i:
+            p = steps[i - 1]
+            if p > node.branch_step or (node.parent is None and p == 0):
+                best, best_p = Origin(CHECKPOINT, m, p), p
+    spans = runs.get(m)
+    if spans:
+        for lo, hi, batch in spans:
+            if lo <= upper:
+                p = min(hi, upper)
+                if p > best_p:  # strict: a checkpoint wins a tie
+                    best, best_p = Origin(RUNNING, m, p, batch), p
+    return best
+
+
+def available_at(
+    nodes: Mapping[int, Node],
+    queries: Iterable[tuple[int, int]],
+    checkpoints: Iterable[tuple[int, int]],
+    running: Iterable[RunningPosition],
+) -> list[Origin | None]:
+    """What a build over ``checkpoints`` and ``running`` finds as the latest available
+    model on node ``m`` at or before step ``upper``, for each ``(m, upper)`` of
+    ``queries`` (None: none on ``m``). A build asks this along each request's path,
+    from the request up to where it finds one; two sets of inputs that answer every
+    such question alike build equal trees over the same requests.
+
+    Raises:
+        ValueError: a checkpoint on an unknown node or not canonical.
+    """
+    ckpts, runs = _sources(nodes, checkpoints, running)
+    return [_available(ckpts, runs, m, nodes[m], upper) for m, upper in queries]
+
+
+def _build(
+    nodes: Mapping[int, Node],
+    requests: Iterable[tuple[int, int]],
+    checkpoints: Iterable[tuple[int, int]],
+    running: Iterable[RunningPosition],
+    cost: Callable[[Node], float] | None,
+) -> StageTree:
+    ckpts, runs = _sources(nodes, checkpoints, running)
     memo: dict[tuple[int, int], Origin] = {}
     intervals: dict[int, dict[int, int]] = defaultdict(dict)  # node -> lo -> hi
     origins: dict[tuple[int, int], Origin] = {}
@@ -388,7 +428,7 @@ def _build(
                 break
             trail.append((m, upper))
             node = nodes[m]
-            origin = available(m, node, upper)
+            origin = _available(ckpts, runs, m, node, upper)
             if origin is not None:
                 break
             if node.parent is None:

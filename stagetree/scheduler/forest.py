@@ -12,6 +12,17 @@ again only the plan trees whose inputs changed since the last decision:
   pending checkpoints, models idle workers hold): few, so compared per plan tree at
   every decision.
 
+A plan tree whose inputs changed is built again only if the build would read them
+differently. A build asks, at a fixed set of steps per plan node (the requests' steps
+and the branch points above them, :func:`_queries`), for the latest available model at
+or before that step (:func:`~stagetree.stages.available_at`); where every answer is
+the same (a running batch moved between two such steps, a checkpoint no such step
+sees), the kept tree is the tree a build gives. Where the answers differ only in that a
+model a running batch promised is now a durable checkpoint at the same position, a
+build gives the kept tree with those roots starting from the checkpoint: they are
+moved from waiting to ready instead (the path that changed), unless the model is
+itself requested (then a build covers it differently, and builds).
+
 The roots of all plan trees stay sorted in one list (the order a whole build gives
 them), and the stages' costs are computed again only when the cost estimator's
 predictions may have moved, and then (:meth:`StageForest.tree` with ``lazy``) only
@@ -19,15 +30,16 @@ where they are read. :meth:`StageForest.critical_path` finds the critical-path p
 choice without a walk of every root: the ready roots' steps and nodes are kept in flat
 arrays, a leaf's value comes from the estimator's predictions as an array
 (:meth:`~stagetree.scheduler.cost.CostEstimator.cost_array`), and the value of a root
-with children is kept per plan tree until its costs change. For the critical-path
-policy's depth-bound cut, the forest also keeps every plan node's steps in its stages
-(updated as plan trees are built again): the remaining work is then one dot product
-with the estimator's predictions (:meth:`StageForest.work`), and the cut is decided
-with the policy's own rule (:meth:`~stagetree.scheduler.policies.CriticalPathPolicy.cut`)
-on kept values instead of a walk of every stage. The result equals a whole
-build over every input: the same stages, roots, covered requests, order and costs
-(``tests/stages/test_forest.py`` checks it against
-:func:`~stagetree.stages.build_stage_tree`).
+with children is kept until the costs move, then computed again for all such roots at
+once as arrays over their stages (kept per plan tree as arrays when it is built). For
+the critical-path policy's depth-bound cut, the forest also keeps every plan node's
+steps in its stages (updated as plan trees are built again): the remaining work is then
+one dot product with the estimator's predictions (:meth:`StageForest.work`), and the
+cut is decided with the policy's own rule
+(:meth:`~stagetree.scheduler.policies.CriticalPathPolicy.cut`) on kept values instead
+of a walk of every stage. The result equals a whole build over every input: the same
+stages, roots, covered requests, order and costs (``tests/stages/test_forest.py``
+checks it against :func:`~stagetree.stages.build_stage_tree`).
 """
 
 from __future__ import annotations
@@ -44,10 +56,13 @@ from stagetree.plan.model import Node
 from stagetree.scheduler.policies import CriticalPathPolicy
 from stagetree.stages import (
     CHECKPOINT,
+    RUNNING,
     Covered,
+    Origin,
     RunningPosition,
     Stage,
     StageTree,
+    available_at,
     build_stage_tree,
     critical_path,
     path_values,
@@ -172,11 +187,55 @@ class _Part:
     by_node: dict[int, list[Stage]] = field(default_factory=dict)
     # Best (cost, steps) below each root with children, at ``version``'s costs.
     values: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # Each root with children's stages (by ``id`` of the root, once valued), parents
+    # first, as arrays: the index of its node in ``by_node``'s order, its steps, its
+    # parent's position (-1: the root) and its height (0: a leaf).
+    shapes: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
     # Its stages' steps per plan node (in ``by_node``'s order) and those nodes' dense
     # indices in the estimator (None: no estimator): its share of the remaining work.
     steps: np.ndarray | None = None
     dense: np.ndarray | None = None
     count: int = 0  # stages
+    # What the build read: the requests in order, the checkpoints and running
+    # positions; the steps it may ask for an available model at (:func:`_queries`) and
+    # the answers there, worked out when first compared (None: not yet).
+    requests: tuple[Key, ...] = ()
+    read: tuple[set[Key], tuple[RunningPosition, ...]] = (set(), ())
+    queries: list[Key] | None = None
+    answers: list[Origin | None] | None = None
+
+
+def _queries(nodes: Mapping[int, Node], requests: Iterable[Key]) -> list[Key]:
+    """The ``(node, upper)`` pairs at which a build over ``requests`` may ask for the
+    latest available model at or before ``upper`` on that node: each request, then the
+    branch point on every node above it."""
+    seen: dict[Key, None] = {}
+    for m, upper in requests:
+        while (m, upper) not in seen:
+            seen[(m, upper)] = None
+            node = nodes[m]
+            if node.parent is None:
+                break
+            m, upper = node.parent, node.branch_step
+    return list(seen)
+
+
+def _shape(root: Stage, local: Mapping[int, int]) -> tuple[np.ndarray, ...]:
+    """``root``'s subtree as :attr:`_Part.shapes` keeps it (``local``: node -> its
+    index in the part's ``by_node`` order)."""
+    stages = list(root.subtree())  # parents first
+    at = {id(s): i for i, s in enumerate(stages)}
+    parent = [-1] + [at[id(s.parent)] for s in stages[1:]]
+    height = [0] * len(stages)
+    for i in range(len(stages) - 1, 0, -1):
+        p = parent[i]
+        height[p] = max(height[p], height[i] + 1)
+    return (
+        np.array([local[s.node] for s in stages], dtype=np.int64),
+        np.array([float(s.stop - s.start) for s in stages]),
+        np.array(parent, dtype=np.int64),
+        np.array(height, dtype=np.int64),
+    )
 
 
 class StageForest:
@@ -224,6 +283,18 @@ class StageForest:
         self._changes = 0
         self._work_at: tuple[Any, int] | None = None
         self._work = (0.0, 0)
+        self._builds = 0
+        self._settled = 0
+
+    @property
+    def builds(self) -> int:
+        """Plan trees built so far (a kept tree whose inputs read the same is not)."""
+        return self._builds
+
+    @property
+    def settled(self) -> int:
+        """Plan trees updated in place where running batches' models became durable."""
+        return self._settled
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -353,8 +424,21 @@ class StageForest:
         cost: Callable[[Node], float],
         version: Any,
     ) -> None:
-        old = self._parts.pop(root_key, None)
+        """Build ``root_key``'s stage tree again, unless the build would read what the
+        kept one read (a running batch moved between the steps the build asks about)."""
+        running = tuple(running)
+        requests = tuple(k for k in self._requests.get(root_key, ()) if k not in promised)
+        checkpoints = self._checkpoints.get(root_key, set()) | memory
+        old = self._parts.get(root_key)
+        if old is not None and requests == old.requests:
+            if old.queries is None or old.answers is None:
+                old.queries = _queries(self._nodes, requests)
+                old.answers = available_at(self._nodes, old.queries, *old.read)
+            answers = available_at(self._nodes, old.queries, checkpoints, running)
+            if answers == old.answers or self._settle(old, old.answers, answers):
+                return
         if old is not None:
+            del self._parts[root_key]
             self._tally(old, -1)
             for root in old.roots:
                 self._all.remove(root)
@@ -363,12 +447,11 @@ class StageForest:
                 else:
                     self._waiting.remove(root)
         self._covered.pop(root_key, None)
-        requests = [k for k in self._requests.get(root_key, ()) if k not in promised]
         if not requests:
             if not self._requests.get(root_key, True):
                 del self._requests[root_key]
             return
-        checkpoints = self._checkpoints.get(root_key, set()) | memory
+        self._builds += 1
         built = build_stage_tree(self._nodes, requests, checkpoints, running, cost)
         by_node: dict[int, list[Stage]] = {}
         steps: dict[int, int] = {}  # per node, in ``by_node``'s order
@@ -383,6 +466,7 @@ class StageForest:
                 steps[node] += stage.stop - stage.start
         part = self._parts[root_key] = _Part(built.roots, built.covered, version, by_node)
         part.count = len(built.stages)
+        part.requests, part.read = requests, (checkpoints, running)
         self._weigh(part, list(steps.values()))
         self._tally(part, 1)
         if built.covered:
@@ -393,6 +477,38 @@ class StageForest:
                 self._ready.put(root, self._dense(root))
             else:
                 self._waiting.add(root)
+
+    def _settle(
+        self, part: _Part, before: list[Origin | None], answers: list[Origin | None]
+    ) -> bool:
+        """Update ``part`` in place where ``answers`` differ from its own only in models
+        of running batches that are now durable checkpoints at the same positions (and
+        not requested themselves): its roots waiting there become ready, from the
+        checkpoint, as a build gives them. False: another change (build again)."""
+        durable: dict[Origin, Origin] = {}
+        for was, now in zip(before, answers):
+            if was != now:
+                if (
+                    was is None
+                    or now is None
+                    or was.kind != RUNNING
+                    or now.kind != CHECKPOINT
+                    or (was.node, was.step) != (now.node, now.step)
+                ):
+                    return False
+                durable[was] = now
+        requested = set(part.requests)
+        if any((o.node, o.step) in requested for o in durable):
+            return False  # a covered request becomes an evaluation from the checkpoint
+        for root in part.roots:
+            now = durable.get(root.origin) if root.origin is not None else None
+            if now is not None:
+                self._waiting.remove(root)
+                root.origin = now
+                self._ready.put(root, self._dense(root))
+        part.answers = answers
+        self._settled += 1
+        return True
 
     def held_starts(self, held: Iterable[Key]) -> tuple[set[Key], list[Stage]]:
         """Of the models ``held`` (by idle workers), those some ready root starts from
@@ -538,6 +654,52 @@ class StageForest:
             got = part.values[id(root)] = best[id(root)]
         return got
 
+    def _deep_values(self, roots: list[Stage]) -> list[tuple[float, int]]:
+        """:meth:`_deep_value` of each of ``roots`` at the estimator's current
+        predictions, as array work over all their stages at once (their parts' stage
+        costs are left for :meth:`_costed`): the same floats as
+        :func:`~stagetree.stages.path_values` (a stage's cost is its steps times its
+        node's prediction, and its value its cost plus the greatest (cost, steps) of its
+        children's, level by level from the leaves up). Needs the estimator's dense
+        indices."""
+        estimator = self._estimator
+        assert estimator is not None
+        if not roots:
+            return []
+        parts = [self._part_of(root) for root in roots]
+        shapes = []
+        for root, part in zip(roots, parts):
+            shape = part.shapes.get(id(root))
+            if shape is None:
+                local = {node: i for i, node in enumerate(part.by_node)}
+                shape = part.shapes[id(root)] = _shape(root, local)
+            shapes.append(shape)
+        sizes = [len(shape[1]) for shape in shapes]
+        starts = np.zeros(len(shapes), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        dense = np.concatenate(
+            [part.dense[shape[0]] for part, shape in zip(parts, shapes)]  # type: ignore[index]
+        )
+        steps = np.concatenate([shape[1] for shape in shapes])
+        parent = np.concatenate([shape[2] for shape in shapes])
+        height = np.concatenate([shape[3] for shape in shapes])
+        cost = steps * estimator.cost_array(dense)
+        value, count = cost + 0.0, steps.copy()
+        child = np.flatnonzero(parent >= 0)
+        above = parent[child] + np.repeat(starts, sizes)[child]
+        level = height[above]
+        for h in range(1, int(height.max()) + 1):
+            at = level == h
+            kids, up = child[at], above[at]
+            # The greatest (cost, steps) of each parent's children: last in its group.
+            order = np.lexsort((count[kids], value[kids], up))
+            kids, up = kids[order], up[order]
+            last = np.append(up[1:] != up[:-1], True)
+            kids, up = kids[last], up[last]
+            value[up] = cost[up] + value[kids]
+            count[up] = steps[up] + count[kids]
+        return list(zip(value[starts].tolist(), count[starts].astype(np.int64).tolist()))
+
     def _length(self, root: Stage) -> float:
         """The longest path's cost from ``root`` down, as ``CriticalPathPolicy._paths``
         computes it (the same floats as :func:`~stagetree.stages.path_values`)."""
@@ -584,8 +746,8 @@ class StageForest:
                 self._epoch += 1
                 self._epoch_of = at
             epoch = self._epoch
-            for i in np.flatnonzero(deep & (r.numpy(r.stamp) != epoch)).tolist():
-                value = self._deep_value(r.stages[i])
+            todo = np.flatnonzero(deep & (r.numpy(r.stamp) != epoch)).tolist()
+            for i, value in zip(todo, self._deep_values([r.stages[i] for i in todo])):
                 r.value[i], r.value_steps[i] = value
                 r.stamp[i] = epoch
             cost = np.where(deep, r.numpy(r.value), cost)

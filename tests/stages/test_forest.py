@@ -14,7 +14,13 @@ from stagetree.plan.model import Node
 from stagetree.scheduler.cost import CostEstimator
 from stagetree.scheduler.forest import StageForest
 from stagetree.scheduler.policies import CriticalPathPolicy
-from stagetree.stages import RunningPosition, StageTree, build_stage_tree, critical_path
+from stagetree.stages import (
+    RunningPosition,
+    StageTree,
+    build_stage_tree,
+    critical_path,
+    path_values,
+)
 
 Key = tuple[int, int]
 
@@ -295,6 +301,22 @@ def test_kept_work_and_depth_bound_cut_equal_the_policy_on_a_whole_build(seed: i
     assert undecided <= 2
 
 
+def _lazy_tree(
+    forest: StageForest, estimator: CostEstimator, running: list[RunningPosition]
+) -> StageTree:
+    """The forest's tree with ``estimator``'s costs left to compute where read."""
+    return forest.tree(
+        running,
+        set(),
+        (),
+        estimator.cost,
+        estimator.version,
+        estimator.costs,
+        estimator=estimator,
+        lazy=True,
+    )
+
+
 def test_roots_with_children_are_valued_again_only_when_their_costs_move() -> None:
     # A decision reads the kept values of roots with children as arrays: the next one at
     # the same costs values no root again; after a measurement every such root is.
@@ -304,20 +326,11 @@ def test_roots_with_children_are_valued_again_only_when_their_costs_move() -> No
     for key in keys[::5]:
         forest.add_request(key)
     valued: list[Any] = []
-    kept = forest._deep_value
-    forest._deep_value = lambda root: valued.append(root) or kept(root)  # type: ignore[method-assign]
+    kept = forest._deep_values
+    forest._deep_values = lambda roots: valued.extend(roots) or kept(roots)  # type: ignore[method-assign]
 
     def decide() -> list[Any]:
-        got = forest.tree(
-            [],
-            set(),
-            (),
-            estimator.cost,
-            estimator.version,
-            estimator.costs,
-            estimator=estimator,
-            lazy=True,
-        )
+        got = _lazy_tree(forest, estimator, [])
         valued.clear()
         path = forest.critical_path(got, got.ready_roots(), [])
         assert path
@@ -329,3 +342,128 @@ def test_roots_with_children_are_valued_again_only_when_their_costs_move() -> No
     assert valued == []
     estimator.observe(next(iter(nodes.values())), 2.0)
     assert len(decide()) == len(valued)
+
+
+def _reads(nodes: dict[int, Node], requests: list[Key]) -> set[Key]:
+    """The (node, step) pairs at which a build over ``requests`` may look for the
+    latest available model: each request, then the branch point of every node above."""
+    out: set[Key] = set()
+    for m, upper in requests:
+        while (m, upper) not in out:
+            out.add((m, upper))
+            node = nodes[m]
+            if node.parent is None:
+                break
+            m, upper = node.parent, node.branch_step
+    return out
+
+
+def _one_batch(
+    seed: int, root: str, count: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[int, Node], StageForest, list[Key], tuple[tuple[int, int, int], ...], list[int]]:
+    """``count`` requests on plan tree ``root`` of ``plan(seed)`` in a new forest, the
+    path of the deepest (a batch's segments) and the builds the forest makes from now
+    on (one entry each)."""
+    import stagetree.scheduler.forest as forest_module
+
+    builds: list[int] = []
+    whole = forest_module.build_stage_tree
+    monkeypatch.setattr(forest_module, "build_stage_tree", lambda *a: builds.append(1) or whole(*a))
+    nodes, keys = plan(seed)
+    forest = StageForest(nodes)
+    own = [k for k in keys if nodes[k[0]].root_key == root]
+    requests = random.Random(seed).sample(own, count)
+    for key in requests:
+        forest.add_request(key)
+    target = max(requests, key=lambda k: (len(path_of(nodes, k)), k))
+    return nodes, forest, requests, path_of(nodes, target), builds
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_moving_batch_builds_its_plan_tree_again_only_where_a_build_reads(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A running batch's position moves at every Progress. The kept tree is built again
+    # only when the move passes a step the build looks at (a request, a branch point on
+    # the batch's path, a checkpoint it was asked for); after every move it equals a
+    # whole build.
+    nodes, forest, requests, segments, builds = _one_batch(seed, "a", 6, monkeypatch)
+    on_path = {m for m, _, _ in segments}
+    asked: set[Key] = set()  # checkpoints the batch was asked for (as Scheduler._split)
+    crossings = 0
+    first, last = segments[0][1], segments[-1][2]
+    for step in range(first, last + 1):
+        saving = tuple(sorted(k for k in asked if k[1] <= step))
+        running = [RunningPosition(1, segments, step, saving)]
+        before = len(builds)
+        got = forest.tree(running, set(), (), lambda n: 1.0, 0)
+        want = build_stage_tree(nodes, requests, set(), running, lambda n: 1.0)
+        assert snapshot(got) == snapshot(want)
+        read = {(m, t) for m, t in _reads(nodes, requests) if m in on_path} | asked
+        if step > first and not any(t in (step, step + 1) for _, t in read):
+            assert len(builds) == before  # a move no build can see
+        crossings += len(builds) > before
+        for root in got.waiting_roots():
+            assert root.origin is not None
+            asked.add((root.origin.node, root.origin.step))
+        asked.update((c.node, c.step) for c in got.covered)
+    assert crossings < last - first
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_promised_model_made_durable_readies_its_roots_without_a_build(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A running batch passes positions where waiting roots start and is asked for
+    # checkpoints there; once one is durable, the roots waiting for it start from it.
+    # The kept tree is updated in place (no build), unless the model is requested
+    # itself, and equals a whole build.
+    nodes, forest, requests, segments, builds = _one_batch(seed, "b", 8, monkeypatch)
+    asked: set[Key] = set()
+    durable: set[Key] = set()
+    promoted = 0
+    for step in range(segments[0][1], segments[-1][2] + 1):
+        for made in (False, True):
+            if made:  # the checkpoints it passed are written
+                passed = {k for k in asked if k[1] < step}
+                if not passed:
+                    continue
+                for key in passed:
+                    forest.add_checkpoint(key)
+                durable |= passed
+                asked -= passed
+            saving = tuple(sorted(k for k in asked if k[1] <= step))
+            running = [RunningPosition(1, segments, step, saving)]
+            before = len(builds)
+            got = forest.tree(running, set(), (), lambda n: 1.0, 0)
+            want = build_stage_tree(nodes, requests, durable, running, lambda n: 1.0)
+            assert snapshot(got) == snapshot(want)
+            if made and not passed & set(requests):
+                assert len(builds) == before
+                promoted += 1
+            for root in got.waiting_roots():
+                assert root.origin is not None
+                asked.add((root.origin.node, root.origin.step))
+            asked.update((c.node, c.step) for c in got.covered if c.step > step)
+    # Each in-place update was one of those decisions (the others read alike).
+    assert forest.settled <= promoted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_roots_valued_as_arrays_equal_path_values_to_the_bit(seed: int) -> None:
+    # The values of roots with children, computed over all their stages at once from
+    # the estimator's predictions, are the floats path_values gives on costed stages.
+    nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(seed, 300 + seed)
+    node_list = list(nodes.values())
+    compared = 0
+    for _ in range(60):
+        if not change(rng, forest, keys, requests, checkpoints, rng.random(), (0.5, 0.6, 0.7)):
+            estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
+        got = _lazy_tree(forest, estimator, _running(rng, nodes, keys))
+        deep = [r for r in got.ready_roots() if r.children]
+        values = forest._deep_values(deep)
+        forest.ensure_costs()
+        best = path_values(deep)
+        assert values == [best[id(r)] for r in deep]
+        compared += len(deep)
+    assert compared > 0
