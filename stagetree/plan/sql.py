@@ -1489,8 +1489,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- change feed ---------------------------------------------------------------------
 
-    @_retried
-    def writes_here(self) -> int:
+    def writes_here(self) -> int:  # a counter in this process: nothing to retry
         return self._changes
 
     def revision(self) -> int:
