@@ -5,9 +5,10 @@ and the storage answers each from what it holds (its metrics at its final step, 
 learning curve, its checkpoint), one query per question and trial: minutes for a study
 of 100,000 trials. :class:`ReplayAnswers` reads the study's finished trials once (their
 final metrics with them, :meth:`~stagetree.plan.BasePlanStorage.trial_finals`) and, on
-the first question about a plan tree, that tree's nodes, metrics and checkpoints, and
-answers the replay's questions about finished trials from them: the same answers, since
-a finished trial's final metrics and its path never change.
+the first question about a plan tree, where its nodes hang (not their sequences:
+:meth:`~stagetree.plan.BasePlanStorage.node_links`), its metrics and its checkpoints,
+and answers the replay's questions about finished trials from them: the same answers,
+since a finished trial's final metrics and its path never change.
 
 The answers hold while this process writes nothing to the plan
 (:meth:`~stagetree.plan.BasePlanStorage.writes_here`): once it trains (a trial the log
@@ -27,7 +28,7 @@ from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage, CheckpointRecord, TrialFinal
-    from stagetree.plan.model import Node
+    from stagetree.plan.model import NodeLink
 
 __all__ = ["ReplayAnswers", "trial_key"]
 
@@ -55,7 +56,9 @@ class ReplayAnswers:
                 and f.attrs.get("version", default) == version
             ):
                 self._done.setdefault(trial_key(f.config, f.hp), f)
-        self._trees: dict[str, tuple[dict[int, Node], dict[int, dict[int, dict[str, float]]]]] = {}
+        self._trees: dict[
+            str, tuple[dict[int, NodeLink], dict[int, dict[int, dict[str, float]]]]
+        ] = {}
         self._steps: dict[int, list[int]] = {}
         self._checkpoints: dict[str, dict[tuple[int, int], CheckpointRecord]] = {}
 
@@ -80,8 +83,8 @@ class ReplayAnswers:
         path is not in what was read."""
         read = self._trees.get(tree)
         if read is None:
-            nodes = {n.id: n for n in self.storage.nodes(tree)}
-            read = self._trees[tree] = (nodes, self.storage.metrics(tree))
+            links = self.storage.node_links(tree)  # no node's sequences decoded
+            read = self._trees[tree] = (links, self.storage.metrics(tree))
         nodes, metrics = read
         assert trial.node is not None
         try:
