@@ -26,6 +26,11 @@ replays every logged decision: CPU and wall seconds and peak RSS growth of each 
 study is written in bulk instead (the tuner's decisions against a runner that answers at
 once, then its trials, metrics and log as the engine writes them: a first run of 100,000
 trials takes hours), and only the resumed run is measured.
+
+``--before DIR --reads final best replay --sizes N`` times each read and the resumed run
+with the stagetree of another checkout (DIR, say the main branch's) and with this one,
+alternately (``--rounds``), on the same files: a before/after table with the load
+average (the replay of the ``--synthetic`` file, on a fresh copy each run).
 """
 
 from __future__ import annotations
@@ -348,9 +353,12 @@ def run_study(path: str, n: int, steps: int, profile: bool) -> dict[str, Any]:
     return {"resumed": resumed, "cpu_s": cpu, "wall_s": wall, "peak_mb": grown}
 
 
-def _child(args: list[str]) -> dict[str, Any]:
+def _child(args: list[str], code: str | None = None) -> dict[str, Any]:
+    """``--one args`` in a fresh process; with ``code``, against the stagetree of that
+    checkout (``--before``)."""
     cmd = [sys.executable, __file__, "--one", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = None if code is None else {**os.environ, "PYTHONPATH": os.path.abspath(code)}
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         sys.stderr.write(done.stderr)
         raise SystemExit(f"{' '.join(args)} failed")
@@ -393,11 +401,62 @@ def replay(sizes: list[int], steps: int, data: str, profile: bool, synthetic: bo
             )
 
 
+def before_after(
+    sizes: list[int], reads: list[str], data: str, before: str, rounds: int, steps: int
+) -> None:
+    """Each read (``final``, ``best``: SQLite, ``--points`` 16) and the resumed run of
+    ``--replay`` sizes (``replay`` in ``reads``; ``--synthetic`` file) timed with the
+    stagetree of checkout ``before`` and with this one, alternately, ``rounds`` times,
+    each run in a fresh process (a replay on a fresh copy of the same filled file);
+    CPU seconds, wall seconds, peak MB growth and the ratio of the CPU medians."""
+    import shutil
+    import statistics
+
+    print(f"load average at the start: {os.getloadavg()[0]:.1f}")
+    print(
+        "| trials | what | CPU s before | CPU s after | ratio | wall s before / after "
+        "| peak MB before / after |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for n in sizes:
+        for what in reads:
+            if what == "replay":
+                filled = os.path.join(data, f"study-bulk-{n}-{steps}.db")
+                if not os.path.exists(filled):
+                    _child([filled, str(n), str(steps), "fillrun", "0"])
+                path = os.path.join(data, f"resumed-{n}-{steps}.db")
+                args = [path, str(n), str(steps), "study", "0"]
+            else:
+                url = _url("sqlite", n, data, None)
+                if not os.path.exists(url.split("///", 1)[1]):
+                    _child([url, str(n), "16", "fill", "0"])
+                args = [url, str(n), "16", what, "0"]
+            runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+            for _ in range(rounds):
+                for side, code in (("before", before), ("after", None)):
+                    if what == "replay":
+                        shutil.copyfile(filled, path)
+                    runs[side].append(_child(args, code))
+            cpu = {k: statistics.median(r["cpu_s"] for r in v) for k, v in runs.items()}
+
+            def listed(side: str, key: str, fmt: str, runs: dict[str, Any] = runs) -> str:
+                return ", ".join(format(r[key], fmt) for r in runs[side])
+
+            print(
+                f"| {n:,} | {what} | {listed('before', 'cpu_s', '.2f')} | "
+                f"{listed('after', 'cpu_s', '.2f')} | {cpu['before'] / cpu['after']:.2f}x | "
+                f"{listed('before', 'wall_s', '.0f')} / {listed('after', 'wall_s', '.0f')} | "
+                f"{listed('before', 'peak_mb', '.0f')} / {listed('after', 'peak_mb', '.0f')} |",
+                flush=True,
+            )
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
     p.add_argument("--storage", nargs="+", default=["memory", "sqlite"])
-    p.add_argument("--reads", nargs="+", default=["best", "final"], choices=READS)
+    p.add_argument("--reads", nargs="+", default=["best", "final"], choices=(*READS, "replay"))
     p.add_argument("--points", type=int, default=16)
     p.add_argument("--data", default=None, help="folder of the SQLite files (kept)")
     p.add_argument("--pg-url", default=None)
@@ -410,6 +469,14 @@ def main() -> None:
         action="store_true",
         help="--replay: write the finished study in bulk instead of running it first",
     )
+    p.add_argument(
+        "--before",
+        default=None,
+        metavar="DIR",
+        help="time --reads (final, best, replay) with the stagetree of checkout DIR and "
+        "with this one, alternately (--rounds times), on the same SQLite files",
+    )
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     if args.one and args.one[3] == "fillrun":
         path, n, steps, _, _ = args.one
@@ -428,6 +495,9 @@ def main() -> None:
         return
     data = args.data or tempfile.mkdtemp(prefix="storage-scale-")
     os.makedirs(data, exist_ok=True)
+    if args.before:
+        before_after(args.sizes, args.reads, data, args.before, args.rounds, args.steps)
+        return
     if args.replay:
         replay(args.replay, args.steps, data, args.profile is not None, args.synthetic)
         return

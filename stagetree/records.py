@@ -70,8 +70,12 @@ def trial_fingerprint(config: Mapping[str, Any], hp: Mapping[str, Sequence]) -> 
     """The short stable hash of a trial's config and sequences that names it in a
     tuner's replay log (``Trial.fingerprint``; the lineage of PBT trials is read back
     by it)."""
-    text = json.dumps(config, sort_keys=True, default=repr) + dumps_hp(hp)
+    text = _CONFIG_ENCODER.encode(config) + dumps_hp(hp)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# json.dumps(config, sort_keys=True, default=repr), without an encoder built per call
+_CONFIG_ENCODER = json.JSONEncoder(sort_keys=True, default=repr)
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,11 @@ def canonical_json(value: Any) -> str:
     Sequences (frozen, hashable) are written through ``repr`` so that a mapping holding
     them still has one canonical text.
     """
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+    return _CANONICAL.encode(value)
+
+
+# json.dumps would build an encoder per call (most of the cost of a small config's text)
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=repr)
 
 
 def config_key(config: Mapping[str, Any], salt: str = "") -> str:

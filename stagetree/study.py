@@ -372,7 +372,7 @@ class Study(StudyAPI):
 
     def _device_seconds(self) -> float:
         with self._engine.reading() as storage:
-            return report_costs.study_accounting(storage, self.name, self.version)["device_seconds"]
+            return report_trials.device_seconds(storage, self.name, self.version)
 
     def _ensure_started(self) -> None:
         # The workers start with the first trial the storage cannot answer. A run with no

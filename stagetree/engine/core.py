@@ -653,7 +653,7 @@ class Engine:
         if not answers.valid:  # this engine wrote: the storage answers from now on
             self._replays.clear()
             return None
-        found = answers.finished(answers.ident(config, hp), steps)
+        found = answers.finished(config, hp, steps)
         if found is None:
             return None
         base, names = slot.root_key(config, hp), frozenset(hp)
@@ -693,7 +693,7 @@ class Engine:
                 tree, done = replayed
                 assert done.node is not None and done.step is not None and done.final is not None
                 self._own_root(slot, tree)
-                slot.trial_ids[self._replays[slot.name].ident(config, hp)] = done.id
+                slot.trial_ids[(canonical_json(config), dumps_hp(hp))] = done.id
                 waiter = Waiter(slot.name, done.id, tree, done.node, done.step)
                 waiter.future.set_result(dict(done.final))
                 return waiter

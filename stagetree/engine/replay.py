@@ -5,9 +5,10 @@ and the storage answers each from what it holds (its metrics at its final step, 
 learning curve, its checkpoint), one query per question and trial: minutes for a study
 of 100,000 trials. :class:`ReplayAnswers` reads the study's finished trials once (their
 final metrics with them, :meth:`~stagetree.plan.BasePlanStorage.trial_finals`) and, on
-the first question about a plan tree, that tree's nodes, metrics and checkpoints, and
-answers the replay's questions about finished trials from them: the same answers, since
-a finished trial's final metrics and its path never change.
+the first question about a plan tree, where its nodes hang (not their sequences:
+:meth:`~stagetree.plan.BasePlanStorage.node_links`), its metrics and its checkpoints,
+and answers the replay's questions about finished trials from them: the same answers,
+since a finished trial's final metrics and its path never change.
 
 The answers hold while this process writes nothing to the plan
 (:meth:`~stagetree.plan.BasePlanStorage.writes_here`): once it trains (a trial the log
@@ -16,19 +17,20 @@ left unfinished), the engine asks the storage again, question by question.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagetree._versions import study_meta
-from stagetree.hp import Sequence, dumps_hp
+from stagetree.hp import Constant, Sequence, dumps_hp
 from stagetree.plan.tree import curve_along, path_segments
 from stagetree.records import TrialState
 from stagetree.space import canonical_json
 
 if TYPE_CHECKING:
     from stagetree.plan.base import BasePlanStorage, CheckpointRecord, TrialFinal
-    from stagetree.plan.model import Node
+    from stagetree.plan.model import NodeLink
 
-__all__ = ["ReplayAnswers"]
+__all__ = ["ReplayAnswers", "trial_key"]
 
 
 class ReplayAnswers:
@@ -44,7 +46,7 @@ class ReplayAnswers:
         self.storage = storage
         self._mark = storage.writes_here()
         default = study_meta(storage, study).get("version")  # trial_version's rule
-        self._done: dict[tuple[str, str], TrialFinal] = {}
+        self._done: dict[tuple[str, Any], TrialFinal] = {}
         for f in storage.trial_finals(study):
             if (
                 f.state == TrialState.DONE
@@ -53,12 +55,10 @@ class ReplayAnswers:
                 and f.step == f.steps
                 and f.attrs.get("version", default) == version
             ):
-                self._done.setdefault((canonical_json(f.config), dumps_hp(f.hp)), f)
-        # (config JSON, names, ids of the sequences) -> (the sequences, kept alive so
-        # that their ids stay theirs; dumps_hp):
-        # a replayed trial is asked about three times with the same sequence objects
-        self._hp_texts: dict[tuple[str, tuple[str, ...], tuple[int, ...]], tuple[Any, str]] = {}
-        self._trees: dict[str, tuple[dict[int, Node], dict[int, dict[int, dict[str, float]]]]] = {}
+                self._done.setdefault(trial_key(f.config, f.hp), f)
+        self._trees: dict[
+            str, tuple[dict[int, NodeLink], dict[int, dict[int, dict[str, float]]]]
+        ] = {}
         self._steps: dict[int, list[int]] = {}
         self._checkpoints: dict[str, dict[tuple[int, int], CheckpointRecord]] = {}
 
@@ -69,24 +69,12 @@ class ReplayAnswers:
         that read it a moment earlier would not have)."""
         return self.storage.writes_here() == self._mark
 
-    def ident(self, config: dict[str, Any], hp: dict[str, Sequence]) -> tuple[str, str]:
-        """A trial's identity in its study, ``(canonical config JSON, dumps_hp(hp))``
-        (as the engine's ``trial_ids`` key it), its sequences encoded once per replayed
-        trial."""
-        text = canonical_json(config)
-        seqs = tuple(hp.values())
-        key = (text, tuple(hp), tuple(map(id, seqs)))
-        hit = self._hp_texts.get(key)
-        if hit is None:
-            if len(self._hp_texts) >= 4096:
-                self._hp_texts.clear()
-            hit = self._hp_texts[key] = (seqs, dumps_hp(hp))
-        return text, hit[1]
-
-    def finished(self, ident: tuple[str, str], steps: int) -> TrialFinal | None:
-        """The finished trial ``ident`` (``(canonical config JSON, dumps_hp(hp))``)
-        whose final step is ``steps``, or None (not finished, other steps, unknown)."""
-        found = self._done.get(ident)
+    def finished(
+        self, config: dict[str, Any], hp: dict[str, Sequence], steps: int
+    ) -> TrialFinal | None:
+        """The finished trial ``(config, hp)`` whose final step is ``steps``, or None
+        (not finished, other steps, unknown)."""
+        found = self._done.get(trial_key(config, hp))
         return found if found is not None and found.steps == steps else None
 
     def curve(self, tree: str, trial: TrialFinal) -> dict[int, dict[str, float]] | None:
@@ -95,8 +83,8 @@ class ReplayAnswers:
         path is not in what was read."""
         read = self._trees.get(tree)
         if read is None:
-            nodes = {n.id: n for n in self.storage.nodes(tree)}
-            read = self._trees[tree] = (nodes, self.storage.metrics(tree))
+            links = self.storage.node_links(tree)  # no node's sequences decoded
+            read = self._trees[tree] = (links, self.storage.metrics(tree))
         nodes, metrics = read
         assert trial.node is not None
         try:
@@ -111,3 +99,21 @@ class ReplayAnswers:
         if found is None:
             found = self._checkpoints[tree] = self.storage.checkpoints(tree)
         return found.get((node, step))
+
+
+def trial_key(config: Mapping[str, Any], hp: Mapping[str, Sequence]) -> tuple[str, Any]:
+    """A key of a trial that two trials share exactly when their identities in a study,
+    ``(canonical config JSON, dumps_hp(hp))`` (the engine's ``trial_ids``), are equal:
+    constants (what random and grid searches make) by their names, their values' types
+    and their values, without writing their JSON (a replay asks about each of its
+    trials three times); other sequences by ``dumps_hp``."""
+    seqs = []
+    for name in sorted(hp):
+        seq = hp[name]
+        if seq.__class__ is not Constant:
+            return canonical_json(config), dumps_hp(hp)
+        value = seq.value
+        if value == 0 and value.__class__ is float:  # JSON tells -0.0 from 0.0
+            value = repr(value)
+        seqs.append((name, value.__class__, value))
+    return canonical_json(config), tuple(seqs)

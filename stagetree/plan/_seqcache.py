@@ -123,36 +123,34 @@ class SeqCache:
         trial's sequences are those of the node it created, and readers read the same
         rows over and over), the others in one bulk decode."""
         known = self._texts
+        hits = list(map(known.get, texts))
+        if None not in hits:
+            return [hp.copy() for hp in hits]  # type: ignore[union-attr]
+        missing = list(dict.fromkeys([t for t, hp in zip(texts, hits) if hp is None]))
         found: dict[str, dict[str, Sequence]] = {}
-        missing = []
-        for text in dict.fromkeys(texts):
-            hp = known.get(text)
-            if hp is None:
-                missing.append(text)
-            else:
-                found[text] = hp
-        if missing:
-            intern, decoded = self._intern, self._decoded
-            for text, data in zip(missing, _codec.loads_many(missing)):
-                hp = found[text] = {}
-                for name, desc in data.items():
-                    # A constant (what a random or grid search stores: 100,000 distinct
-                    # ones in a large study) is keyed by its value's type and value,
-                    # inline: ten times cheaper than the repr of a float.
-                    if desc.__class__ is dict and len(desc) == 2 and desc.get("type") == "Constant":
-                        value = desc.get("value")
-                        if value.__class__ in _SCALARS:
-                            key = (value.__class__, value)
-                            seq = decoded.get(key)
-                            if seq is None:
-                                seq = decoded[key] = from_json(desc)
-                            hp[name] = seq
-                            continue
-                    hp[name] = intern(desc)
-            if len(known) + len(missing) > self._max or len(decoded) > self._max:
-                self.clear()  # what this call decoded is handed out from ``found``
-            known.update((t, found[t]) for t in missing)
-        return [found[t].copy() for t in texts]
+        intern, decoded = self._intern, self._decoded
+        for text, data in zip(missing, _codec.loads_many(missing)):
+            hp = found[text] = {}
+            for name, desc in data.items():
+                # A constant (what a random or grid search stores: 100,000 distinct
+                # ones in a large study) is keyed by its value's type and value,
+                # inline: ten times cheaper than the repr of a float.
+                if desc.__class__ is dict and len(desc) == 2 and desc.get("type") == "Constant":
+                    value = desc.get("value")
+                    if value.__class__ in _SCALARS:
+                        key = (value.__class__, value)
+                        seq = decoded.get(key)
+                        if seq is None:
+                            seq = decoded[key] = from_json(desc)
+                        hp[name] = seq
+                        continue
+                hp[name] = intern(desc)
+        if len(known) + len(missing) > self._max or len(decoded) > self._max:
+            self.clear()  # what this call decoded is handed out from ``found``
+        known.update(found)
+        new = found.get
+        # each caller its own dict (the cache keeps one), hits and new texts alike
+        return [(hp if hp is not None else new(t)).copy() for t, hp in zip(texts, hits)]  # type: ignore[union-attr]
 
     def _intern(self, desc: Any) -> Sequence:
         # Keyed by the repr of the decoded canonical JSON (sorted keys): exact (1, 1.0

@@ -11,7 +11,14 @@ from typing import Any, NamedTuple
 from stagetree.exceptions import PlanKeyError, RequestError
 from stagetree.hp import Sequence
 from stagetree.plan.leases import ClaimResult, Lease
-from stagetree.plan.model import ACTIVITY_KINDS, ActivityRecord, Node, Request, RequestState
+from stagetree.plan.model import (
+    ACTIVITY_KINDS,
+    ActivityRecord,
+    Node,
+    NodeLink,
+    Request,
+    RequestState,
+)
 from stagetree.plan.tree import Insertion, is_canonical, names_key
 
 __all__ = [
@@ -374,6 +381,13 @@ class BasePlanStorage(ABC):
     @abstractmethod
     def nodes(self, root_key: str | None = None) -> list[Node]:
         """Nodes of one tree (or of all trees) in id order."""
+
+    def node_links(self, root_key: str) -> dict[int, NodeLink]:
+        """Where each node of one tree hangs, by id (:class:`NodeLink`: id, parent,
+        branch step), without the nodes' sequences: what cutting learning curves from a
+        tree's metrics walks (:func:`~stagetree.plan.tree.path_segments`; a replay of a
+        study's 100,000 trials). A backend reads those columns only."""
+        return {n.id: NodeLink(n.id, n.parent, n.branch_step) for n in self.nodes(root_key)}
 
     def last_node_id(self) -> int:
         """The largest node id in the storage (0 when it holds none)."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["ACTIVITY_KINDS", "ActivityRecord", "Node", "Request", "RequestState"]
+__all__ = ["ACTIVITY_KINDS", "ActivityRecord", "Node", "NodeLink", "Request", "RequestState"]
 
 
 class RequestState(str, enum.Enum):
@@ -50,6 +50,17 @@ class Node:
     parent: int | None
     branch_step: int
     hp: Mapping[str, Any] = field(hash=False, compare=False)
+
+
+class NodeLink(NamedTuple):
+    """Where a node of a plan tree hangs (:meth:`BasePlanStorage.node_links
+    <stagetree.plan.BasePlanStorage.node_links>`): its ``id``, ``parent`` and
+    ``branch_step`` as :class:`Node` has them, without its sequences: all that
+    :func:`~stagetree.plan.tree.path_segments` walks."""
+
+    id: int
+    parent: int | None
+    branch_step: int
 
 
 @dataclass

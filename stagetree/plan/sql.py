@@ -75,7 +75,7 @@ from stagetree.plan.base import (
     trial_changes,
 )
 from stagetree.plan.leases import ClaimResult, Lease, host_pid, stage_conflicts, study_conflicts
-from stagetree.plan.model import Node, Request, RequestState
+from stagetree.plan.model import Node, NodeLink, Request, RequestState
 from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
 from stagetree.retry import DB_RETRY_ENV, Outage, RideThrough, window_from_env
 
@@ -795,6 +795,13 @@ class SQLPlanStorage(BasePlanStorage):
         return sorted(out, key=lambda n: n.id)
 
     @_retried
+    def node_links(self, root_key: str) -> dict[int, NodeLink]:
+        c = _nodes.c
+        query = select(c.id, c.parent, c.branch_step).where(c.root_key == root_key)
+        with self._tx(write=False) as conn:
+            return {row[0]: NodeLink(*row) for row in conn.execute(query)}
+
+    @_retried
     def last_node_id(self) -> int:
         with self._tx(write=False) as conn:
             return int(conn.execute(select(func.max(_nodes.c.id))).scalar() or 0)
@@ -1489,8 +1496,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     # -- change feed ---------------------------------------------------------------------
 
-    @_retried
-    def writes_here(self) -> int:
+    def writes_here(self) -> int:  # a counter in this process: nothing to retry
         return self._changes
 
     def revision(self) -> int:

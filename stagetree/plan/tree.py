@@ -33,7 +33,7 @@ from typing import Any
 from stagetree.exceptions import InvalidSequenceError, InvalidTrialError
 from stagetree.hp import Sequence, as_sequence, written_value
 from stagetree.plan._seqcache import SeqCache
-from stagetree.plan.model import Node
+from stagetree.plan.model import Node, NodeLink
 
 __all__ = [
     "MAX_STEPS",
@@ -372,7 +372,9 @@ def is_canonical(node: Node, step: int) -> bool:
     return step > node.branch_step or (node.parent is None and step == 0)
 
 
-def path_segments(nodes: Mapping[int, Node], node: int, step: int) -> list[tuple[int, int, int]]:
+def path_segments(
+    nodes: Mapping[int, Node] | Mapping[int, NodeLink], node: int, step: int
+) -> list[tuple[int, int, int]]:
     """``(node, first, last)`` per node of the path that ends at the canonical
     ``(node, step)``, root first: the steps ``first..last`` (inclusive) whose model is
     keyed by that node (what :func:`walk` returns for the trial).

@@ -47,6 +47,7 @@ __all__ = [
     "best_record",
     "best_trial",
     "curve_of",
+    "device_seconds",
     "failures",
     "final_metrics",
     "final_records",
@@ -489,6 +490,15 @@ def trained_counters(
     if trees is None:
         trees = tree_counters(storage, {str(t["root_key"]) for t in trials})
     return trees, "steps_executed" in trees
+
+
+def device_seconds(storage: BasePlanStorage, study: str, version: Any = None) -> float:
+    """The device seconds trained for ``study``'s trials of ``version`` (as in
+    :func:`trial_records`): the ``device_seconds`` of
+    :func:`stagetree.reports.costs.study_accounting`, from the counters alone (no plan
+    tree read: a run's budget asks at its start and its end)."""
+    trials = _trials(storage, study, version, light=True)[0]
+    return float(trained_counters(storage, study, trials)[0].get("device_seconds", 0.0))
 
 
 def progress(storage: BasePlanStorage, study: str, version: Any = None) -> dict[str, float]:

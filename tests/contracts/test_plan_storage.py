@@ -24,6 +24,7 @@ from stagetree.plan import (
     RequestState,
     SQLPlanStorage,
 )
+from stagetree.plan.tree import path_segments
 
 PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")
 R = "root-a"
@@ -513,6 +514,21 @@ def test_path_metrics_are_the_curve_of_the_trial_ending_there(plan: BasePlanStor
             want = plan.metrics_along(R, hp, steps)
             assert list(got) == list(want) and repr(got) == repr(want)
     assert len(plan.path_metrics(*(plan.locate(R, deeper, 20) or (0, 0)))) > 3
+
+
+def test_node_links_are_where_the_nodes_hang(plan: BasePlanStorage) -> None:
+    """``node_links`` gives each node of one tree its id, parent and branch step, as
+    ``nodes`` has them (without their sequences), and cuts the same paths."""
+    for hp in (lr(Constant(0.1)), lr(MultiStep(0.1, [10], 0.1)), lr(MultiStep(0.1, [10, 15], 0.1))):
+        plan.insert_trial(R, hp, 20)
+    plan.insert_trial("other", lr(Constant(0.2)), 5)
+    nodes = {n.id: n for n in plan.nodes(R)}
+    links = plan.node_links(R)
+    assert links == {i: (n.id, n.parent, n.branch_step) for i, n in nodes.items()}
+    assert all(link.id == i for i, link in links.items())
+    for node in nodes:
+        assert path_segments(links, node, 20) == path_segments(nodes, node, 20)
+    assert plan.node_links("absent") == {}
 
 
 def test_light_rows_own_their_attrs(plan: BasePlanStorage) -> None:

@@ -13,7 +13,8 @@ from sqlalchemy import event
 from stagetree.distributions import LogUniform, Uniform
 from stagetree.exceptions import ReplayDivergedWarning
 from stagetree.executors.simulated import LearningCurve, SimulatedExecutor, SimulatedTrainer
-from stagetree.space import RandomSpace
+from stagetree.hp import dumps_hp
+from stagetree.space import RandomSpace, canonical_json
 from stagetree.study import Study
 from stagetree.tuners import RandomSearch
 
@@ -33,10 +34,15 @@ def _study(path: Path) -> Study:
 
 
 def _tune(
-    path: Path, trials: int, statements: list[str] | None = None, budget: str | None = None
+    path: Path,
+    trials: int,
+    statements: list[str] | None = None,
+    budget: str | None = None,
+    records: bool = True,
 ) -> Any:
     """Run (or resume) a random search of ``trials`` trials; the SQL statements of the
-    run in ``statements``; its best result, records and run report."""
+    run in ``statements``; its best result, records (unless not ``records``) and run
+    report."""
     with _study(path) as study, warnings.catch_warnings():
         warnings.simplefilter("error", ReplayDivergedWarning)
         study.open()
@@ -48,7 +54,7 @@ def _tune(
             event.listen(study._engine.storage._engine, "before_cursor_execute", seen)
         tuner = RandomSearch(SPACE, "acc", steps=3, num_trials=trials, seed=0)
         best = study.tune(tuner, budget=budget)
-        return best, study.trials(), study.last_run
+        return best, study.trials() if records else None, study.last_run
 
 
 def test_replayed_trials_take_no_query_each(tmp_path: Path) -> None:
@@ -80,3 +86,94 @@ def test_a_replay_that_trains_again_reads_the_storage(tmp_path: Path) -> None:
     assert [(r.hp, r.steps, r.state, r.metrics) for r in records] == [
         (r.hp, r.steps, r.state, r.metrics) for r in once[1]
     ]
+
+
+def test_replayed_trials_are_not_encoded_to_json_per_question(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The replay finds a random search's trials (constants) by their values: its
+    read of the finished trials and its three questions per replayed trial write no
+    sequence JSON (they wrote one per finished trial and one or two per question:
+    about a fifth of a 100,000-trial replay). Same answers (the first test)."""
+    from stagetree.engine import replay
+
+    path = tmp_path / "plan.db"
+    first = _tune(path, 8)
+    encoded: list[Any] = []
+
+    def counted(hp: Any) -> str:
+        encoded.append(hp)
+        return dumps_hp(hp)
+
+    monkeypatch.setattr(replay, "dumps_hp", counted)
+    again = _tune(path, 8)
+    assert again[0] == first[0] and again[1] == first[1]
+    assert again[2].trials_answered == 8
+    assert encoded == []
+
+
+def test_trial_key_is_equal_exactly_when_the_identities_are() -> None:
+    """``trial_key`` tells trials apart as ``(canonical config JSON, dumps_hp)`` does:
+    1, 1.0 and True apart, 0.0 and -0.0 apart, other sequences by their JSON."""
+    from stagetree.engine.replay import trial_key
+    from stagetree.hp import Constant, Cosine
+
+    def zero(negative: bool) -> Constant:
+        c = Constant(0.0)
+        object.__setattr__(c, "value", -0.0 if negative else 0.0)  # as an old plan's
+        return c
+
+    trials = [
+        ({}, {"x": Constant(1)}),
+        ({}, {"x": Constant(1.0)}),
+        ({}, {"x": Constant(True)}),
+        ({}, {"x": Constant("1")}),
+        ({}, {"x": zero(False)}),
+        ({}, {"x": zero(True)}),
+        ({"a": 1}, {"x": Constant(1)}),
+        ({}, {"y": Constant(1)}),
+        ({}, {"x": Constant(1), "y": Constant(2.5)}),
+        ({}, {"y": Constant(2.5), "x": Constant(1)}),
+        ({}, {"x": Cosine(1.0, 10)}),
+        ({}, {"x": Cosine(1.0, 10), "y": Constant(1)}),
+    ]
+    for c1, h1 in trials:
+        for c2, h2 in trials:
+            same_ident = (canonical_json(c1), dumps_hp(h1)) == (canonical_json(c2), dumps_hp(h2))
+            assert (trial_key(c1, h1) == trial_key(c2, h2)) == same_ident, (h1, h2)
+
+
+def test_dumps_hp_of_constants_is_their_to_json() -> None:
+    """``dumps_hp`` writes a constant without ``to_json`` (a replay writes 100,000 of
+    them several times): the same text as the generic way."""
+    import json
+
+    from stagetree.hp import Constant, Linear
+
+    for value in (0, 1, -7, 2**70, 0.1, 1e-300, 1.0, True, False, "lr", 'é\n"x', 0.0):
+        hp = {"b": Constant(value), "a": Linear(1.0, 0.0, 5)}
+        generic = {name: seq.to_json() for name, seq in hp.items()}
+        text = json.dumps(generic, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        assert dumps_hp(hp) == text
+
+
+def test_a_replay_reads_no_nodes_sequences(tmp_path: Path, monkeypatch: Any) -> None:
+    """A resumed run cuts its replayed trials' curves from where the nodes hang
+    (``node_links``) and its budget reads the counters: no node of the plan is read
+    with its sequences (it read the whole tree, every node's sequences decoded, three
+    times). Same answers (the first test)."""
+    from stagetree.plan.sql import SQLPlanStorage
+
+    path = tmp_path / "plan.db"
+    first = _tune(path, 8)
+    read: list[Any] = []
+    nodes = SQLPlanStorage.nodes
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        read.append(args)
+        return nodes(self, *args, **kwargs)
+
+    monkeypatch.setattr(SQLPlanStorage, "nodes", counted)
+    again = _tune(path, 8, records=False)
+    assert again[0] == first[0] and again[2].trials_answered == 8
+    assert read == []

@@ -162,6 +162,22 @@ def test_seqcache_interns_and_memoises() -> None:
     assert cache.first_difference(x, y, 20) == 7
 
 
+def test_seqcache_decodes_many_texts_each_caller_its_own_dicts() -> None:
+    """A bulk decode (a study's trial rows) with repeated, known and new texts: each
+    row gets its own dict (changing one changes no other, nor the cache), equal
+    sequences one object, and a cache filled past its bound keeps answering right."""
+    cache = SeqCache(max_entries=4)
+    texts = [dumps_hp({"lr": Constant(i / 8), "bs": Constant(32)}) for i in range(6)]
+    first = cache.decode_hp_many(texts[:2])
+    rows = cache.decode_hp_many([texts[0], texts[2], texts[0], *texts[3:], texts[1]])
+    assert [loads_hp(t) for t in (texts[0], texts[2], texts[0], *texts[3:], texts[1])] == rows
+    assert rows[0] is not rows[2] and rows[0] is not first[0]
+    assert rows[0]["bs"] is rows[1]["bs"] and rows[0]["lr"] is rows[2]["lr"]
+    rows[0]["lr"] = Constant(9)
+    assert cache.decode_hp_many([texts[0]]) == [loads_hp(texts[0])]
+    assert cache.decode_hp_many([]) == []
+
+
 def test_legacy_siblings_spelled_apart_load_and_share() -> None:
     # A plan written while 1 and 1.0 were different values holds both as siblings: it
     # still loads, new trials walk into the older one, the other keeps its trials.

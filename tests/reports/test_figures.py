@@ -220,3 +220,26 @@ def test_two_studies_on_one_storage_agree_everywhere_and_add_up(tmp_path: Path) 
     # Device-seconds: the workers' busy time, each batch's charged to the studies whose
     # steps it trained.
     assert totals["device_seconds"] == pytest.approx(f["device_seconds"] + r["device_seconds"])
+
+
+def test_a_runs_device_seconds_read_no_plan_tree(tmp_path: Path, monkeypatch: Any) -> None:
+    """What a run's budget reads of the device seconds at its start and end is
+    ``Study.stats()["device_seconds"]``, from the counters alone: no plan tree is read
+    (it read every node of the study's trees twice a run: seconds for a resumed study of
+    100,000 trials)."""
+    from stagetree.plan.sql import SQLPlanStorage
+
+    with Study("s", LinearTrainer, storage=_url(tmp_path), executor="inline") as study:
+        study.tune(_grid(0.01, 0.02, 0.03))
+        trees: list[Any] = []
+        nodes = SQLPlanStorage.nodes
+
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            trees.append(args)
+            return nodes(self, *args, **kwargs)
+
+        monkeypatch.setattr(SQLPlanStorage, "nodes", counted)
+        seconds = study._device_seconds()
+        assert trees == []
+        monkeypatch.undo()
+        assert seconds > 0 and seconds == pytest.approx(study.stats()["device_seconds"])
