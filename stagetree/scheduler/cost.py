@@ -61,8 +61,20 @@ def _entry(name: str, value: Any) -> tuple[Any, Any, Any]:
             hash(value)
         except TypeError:
             return name, "", repr(value)
-        return name, type(value).__name__, value
+        return name, _type_name(type(value)), value
     return name, "", _hashable(value)
+
+
+_TYPE_NAMES: dict[type, str] = {}
+
+
+def _type_name(kind: type) -> str:
+    """``kind.__name__``, one string per type (a builtin type makes a new one on each
+    read, and a key per node holds it)."""
+    name = _TYPE_NAMES.get(kind)
+    if name is None:
+        name = _TYPE_NAMES[kind] = kind.__name__
+    return name
 
 
 def _numeric(value: Any) -> float | None:
