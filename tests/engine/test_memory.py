@@ -144,6 +144,9 @@ def test_the_cost_estimator_keeps_one_key_per_configuration() -> None:
     keys = est._dense_keys
     assert keys[est.index(a)] is keys[est.index(b)]
     assert keys[est.index(c)] != keys[est.index(a)]
+    # (name, type name, value) per entry: one string per name and per type name
+    assert keys[est.index(c)][3] is keys[est.index(a)][3] == "hp.lr"
+    assert keys[est.index(c)][4] is keys[est.index(a)][4] == "float"
     est.observe(b, 0.5)
     assert est.cost(a) == est.cost(b) == 0.5
 
