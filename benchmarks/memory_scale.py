@@ -9,9 +9,24 @@ called it). Between two sizes, a holder's slope is what it grew by per added tri
 sum of the slopes is the driver's memory per trial. With a SQLite plan the plan itself
 is on disk, so what grows is the driver's own; a memory plan adds the plan's objects.
 
+``tracemalloc`` makes a study about 5x slower, so it bounds the sizes. ``--sizing walk``
+runs the study untraced and, at its end, sizes what each holder reaches
+(``sys.getsizeof`` over ``gc.get_referents``, each object counted once, with the first
+holder that reaches it; classes, modules and functions are not followed): the plan,
+the bounded caches, the simulated workers and checkpoint store, then the driver's own
+(cost estimator, scheduler, engine, tuner, study). Its "driver's own" per trial is the
+figure of the goal "driver memory under 2 KiB per trial plus the plan's own size", at
+sizes ``tracemalloc`` cannot reach. Every run (either sizing) reports these groups.
+
+A bounded cache (``hp._chunk``, an LRU cache of at most 512 chunks of a sequence's
+values) grows while it fills and then stays at its bound: it is a constant, not memory
+per trial, so it is a group of its own, reported with its size and left out of the
+driver's per-trial figure (between two sizes where it is still filling its slope is
+that of the filling, not of the study).
+
 Run: ``python benchmarks/memory_scale.py [--n 1000 5000] [--tuners random asha]
-[--storage sqlite memory] [--workers 40] [--top 15] [--json FILE]``. A ``PYTHONPATH``
-naming another checkout measures that checkout's code.
+[--storage sqlite memory] [--workers 40] [--sizing tracemalloc|walk] [--top 15]
+[--json FILE]``. A ``PYTHONPATH`` naming another checkout measures that checkout's code.
 """
 
 from __future__ import annotations
@@ -25,7 +40,8 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Sequence
+import types
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +56,52 @@ from scale_bench import _rss_kib, _tuner, open_study  # noqa: E402
 
 FRAMES = 4
 
+# Not followed by the walk: shared by everything, not a holder's.
+_SHARED = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.CodeType,
+    types.FrameType,
+)
+# The driver's own holders, in the order the walk gives them the objects they reach.
+DRIVER = ("estimator", "scheduler", "engine", "tuner", "study")
+
+
+def _walk(roots: Iterable[Any], seen: set[int]) -> tuple[int, int]:
+    """Bytes and count of the objects ``roots`` reach that ``seen`` lacks (added)."""
+    size = count = 0
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _SHARED):
+            continue
+        seen.add(id(obj))
+        size += sys.getsizeof(obj)
+        count += 1
+        stack.extend(gc.get_referents(obj))
+    return size, count
+
+
+def holder_sizes(study: Any, tuner: Any) -> dict[str, list[int]]:
+    """``[bytes, objects]`` per holder at the end of a study (see the module doc)."""
+    engine = study._engine
+    hp = sys.modules["stagetree.hp"]
+    groups: list[tuple[str, list[Any]]] = [
+        ("plan", [engine.storage]),
+        ("bounded caches", [c for c in (getattr(hp, "_chunk", None),) if c is not None]),
+        ("workers and store", [engine.executor, engine.store]),
+        ("estimator", [engine.scheduler.estimator]),
+        ("scheduler", [engine.scheduler]),
+        ("engine", [engine]),
+        ("tuner", [tuner]),
+        ("study", [study]),
+    ]
+    seen: set[int] = set()
+    gc.collect()
+    return {name: list(_walk(roots, seen)) for name, roots in groups}
+
 
 def _holder(tb: tracemalloc.Traceback, package: str) -> str:
     """The innermost frame inside the package, as ``module/path.py:line``."""
@@ -51,14 +113,20 @@ def _holder(tb: tracemalloc.Traceback, package: str) -> str:
     return f"(outside) {Path(frame.filename).name}:{frame.lineno}"
 
 
-def run_one(kind: str, n: int, workers: int, storage: str) -> dict[str, Any]:
-    """One study under tracemalloc (in this process): bytes per holder at its end."""
+def run_one(
+    kind: str, n: int, workers: int, storage: str, sizing: str = "tracemalloc"
+) -> dict[str, Any]:
+    """One study (in this process), under tracemalloc unless ``sizing`` is ``walk``:
+    bytes per allocating line (tracemalloc) and per holder at its end."""
     from stagetree.executors.simulated import LearningCurve, SimulatedExecutor
 
     package = str(Path(sys.modules["stagetree"].__file__ or "").parent.parent) + os.sep
     tuner = _tuner(kind, n)
     executor = SimulatedExecutor(workers, curve=LearningCurve(aliases={"acc": "accuracy"}))
-    tracemalloc.start(FRAMES)
+    traced = sizing == "tracemalloc"
+    if traced:
+        tracemalloc.start(FRAMES)
+    snap, peak = None, 0
     with tempfile.TemporaryDirectory(prefix="memory-scale-") as tmp:
         study = open_study(storage, tmp, workers, executor)
         cpu0 = time.process_time()
@@ -66,13 +134,15 @@ def run_one(kind: str, n: int, workers: int, storage: str) -> dict[str, Any]:
             study.tune(tuner)
             cpu = time.process_time() - cpu0
             gc.collect()
-            snap = tracemalloc.take_snapshot()  # study, engine and tuner still open
-            _, peak = tracemalloc.get_traced_memory()
+            if traced:  # study, engine and tuner still open
+                snap = tracemalloc.take_snapshot()
+                _, peak = tracemalloc.get_traced_memory()
+                tracemalloc.stop()
+            groups = holder_sizes(study, tuner)
         finally:
             study.close()
-    tracemalloc.stop()
     holders: dict[str, list[int]] = {}
-    for stat in snap.statistics("traceback"):
+    for stat in snap.statistics("traceback") if snap is not None else ():
         got = holders.setdefault(_holder(stat.traceback, package), [0, 0])
         got[0] += stat.size
         got[1] += stat.count
@@ -82,11 +152,13 @@ def run_one(kind: str, n: int, workers: int, storage: str) -> dict[str, Any]:
         "n": n,
         "workers": workers,
         "storage": storage,
+        "sizing": sizing,
         "cpu_s": cpu,
         "traced": sum(s for s, _ in holders.values()),
         "peak_traced": peak,
         "peak_rss_kib": _rss_kib(),
         "holders": holders,
+        "groups": groups,
     }
 
 
@@ -111,6 +183,23 @@ def slopes(small: dict[str, Any], large: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _groups_report(runs: list[dict[str, Any]]) -> list[str]:
+    """The holders' sizes per N and, between the smallest and the largest N, per added
+    trial, with the driver's own (the bounded caches, the plan and the workers apart)."""
+    names = list(runs[0]["groups"])
+    out = ["", "| holder (walk) | " + " | ".join(f"N = {r['n']:,}" for r in runs) + " | B/trial |"]
+    out.append("|---|" + "---:|" * (len(runs) + 1))
+    small, large = runs[0], runs[-1]
+    dn = (large["n"] - small["n"]) or 1
+    rows = [(k, [r["groups"][k][0] for r in runs]) for k in names]
+    rows.append(("**driver's own**", [sum(r["groups"][k][0] for k in DRIVER) for r in runs]))
+    for k, sizes in rows:
+        per = (sizes[-1] - sizes[0]) / dn if len(runs) > 1 else float("nan")
+        cells = " | ".join(f"{b / 2**20:,.2f} MiB" for b in sizes)
+        out.append(f"| {k} | {cells} | {per:,.0f} |")
+    return out
+
+
 def report(rows: list[dict[str, Any]], top: int) -> str:
     """Per tuner and storage: the sizes' totals, bytes per trial, and the top holders."""
     out = []
@@ -120,14 +209,22 @@ def report(rows: list[dict[str, Any]], top: int) -> str:
             key=lambda r: r["n"],
         )
         out.append(f"\n### {key[0]}, {key[1]} plan, W = {key[2]} ({runs[0]['code']})\n")
-        out.append("| N | CPU s | traced MiB | peak traced MiB | peak RSS MiB |")
-        out.append("|---:|---:|---:|---:|---:|")
-        for r in runs:
-            out.append(
-                f"| {r['n']:,} | {r['cpu_s']:.1f} | {r['traced'] / 2**20:.1f} "
-                f"| {r['peak_traced'] / 2**20:.1f} | {r['peak_rss_kib'] / 1024:.0f} |"
-            )
-        if len(runs) < 2:
+        out.append(f"sizing: {runs[0]['sizing']}\n")
+        if runs[0]["sizing"] == "tracemalloc":
+            out.append("| N | CPU s | traced MiB | peak traced MiB | peak RSS MiB |")
+            out.append("|---:|---:|---:|---:|---:|")
+            for r in runs:
+                out.append(
+                    f"| {r['n']:,} | {r['cpu_s']:.1f} | {r['traced'] / 2**20:.1f} "
+                    f"| {r['peak_traced'] / 2**20:.1f} | {r['peak_rss_kib'] / 1024:.0f} |"
+                )
+        else:
+            out.append("| N | CPU s | peak RSS MiB |")
+            out.append("|---:|---:|---:|")
+            for r in runs:
+                out.append(f"| {r['n']:,} | {r['cpu_s']:.1f} | {r['peak_rss_kib'] / 1024:.0f} |")
+        out.extend(_groups_report(runs))
+        if len(runs) < 2 or runs[0]["sizing"] != "tracemalloc":
             continue
         small, large = runs[0], runs[-1]
         dn = large["n"] - small["n"]
@@ -160,20 +257,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--tuners", nargs="+", default=["random", "asha"])
     p.add_argument("--storage", nargs="+", choices=("memory", "sqlite"), default=["sqlite"])
     p.add_argument("--workers", type=int, default=40)
+    p.add_argument(
+        "--sizing",
+        choices=("tracemalloc", "walk"),
+        default="tracemalloc",
+        help="tracemalloc: per allocating line (slow); walk: per holder only, untraced",
+    )
     p.add_argument("--top", type=int, default=15, help="holders shown per study")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     p.add_argument("--json", default=None, help="write every run's figures here")
-    p.add_argument("--one", nargs=4, metavar=("TUNER", "N", "W", "STORAGE"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--one", nargs=5, metavar=("TUNER", "N", "W", "STORAGE", "SIZING"), help=argparse.SUPPRESS
+    )
     args = p.parse_args(argv)
     if args.one:
-        kind, n, w, storage = args.one
-        print(json.dumps(run_one(kind, int(n), int(w), storage)))
+        kind, n, w, storage, sizing = args.one
+        print(json.dumps(run_one(kind, int(n), int(w), storage, sizing)))
         return
     rows = []
     for kind in args.tuners:
         for storage in args.storage:
             for n in sorted(args.n):
-                got = _child([kind, str(n), str(args.workers), storage], args.timeout)
+                got = _child([kind, str(n), str(args.workers), storage, args.sizing], args.timeout)
                 print(
                     f"{kind} N={n} {storage}: {'timeout' if got is None else 'done'}",
                     file=sys.stderr,

@@ -62,6 +62,12 @@ if TYPE_CHECKING:
 __all__ = ["Study", "TrialError", "TrialRecord", "trainer_fingerprint"]
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether metric value ``b`` may stand for ``a`` to the bit (same type and text:
+    ``0.0`` is not ``-0.0``, ``1`` not ``1.0``, NaN only itself)."""
+    return a is b or (type(a) is type(b) and a == b and str(a) == str(b))
+
+
 class Study(StudyAPI):
     """One optimization run: a trainer, a storage, and the trials submitted to it.
 
@@ -334,9 +340,12 @@ class Study(StudyAPI):
             engine.cancel(waiter)
             raise
         history = engine.history(self._study_slot, cfg, seqs, steps)
-        # What the plan holds at ``steps``: train() metrics of that step too.
-        metrics = {**history.get(steps, {}), **metrics}
-        return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=metrics, history=history)
+        # What the plan holds at ``steps``: train() metrics of that step too; the
+        # history's entry itself when that is all (one dict per result, not two).
+        at = history.get(steps, {})
+        if not all(k in at and _same_value(at[k], v) for k, v in metrics.items()):
+            at = {**at, **metrics}
+        return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=at, history=history)
 
     def declare(self, trials: Iterable[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> None:
         trials = list(trials)

@@ -119,7 +119,8 @@ class StudySlot:
         share: False: every trial gets its own plan tree (the trial-based baseline).
         weight: its fair share of the workers against other studies.
         names: the config and hp names of its trials (set by the first one).
-        trial_ids: ``(config json, hp json) -> trial id`` of its known trials.
+        trial_ids: ``trial_digest((config json, hp json)) -> trial id`` of its known
+            trials (a digest of the pair, not the pair: memory per trial).
         meta: the running tuner's metric, mode and name, recorded with the next write.
         row_ready: whether its row in the plan exists with ``meta``.
         log_checked: whether the tuner log's latest run is this version's.
@@ -138,25 +139,45 @@ class StudySlot:
     share: bool = True
     weight: float = 1.0
     names: tuple[frozenset[str], frozenset[str]] | None = None
-    trial_ids: dict[tuple[str, str], int] = field(default_factory=dict)
+    trial_ids: dict[bytes, int] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     row_ready: bool = False
     log_checked: bool = False
     trainer_key: str = ""
     fusible: frozenset[str] = frozenset()
     save_steps: frozenset[int] = frozenset()
+    # The last root key computed, by its identity text: a trial's key is computed by
+    # each call about it (known, submit, history) and the plan keeps the string the
+    # first one gave; one string per tree, not one per call.
+    _last_key: tuple[str, str] = field(default=("", ""), repr=False)
 
     def root_key(self, config: Mapping[str, Any], hp: Mapping[str, Sequence]) -> str:
         """The plan tree of a trial: trainer version + fixed config (+ the trial's own
         sequences when ``share=False``, so that nothing is shared; + ``"fused"`` when the
         study fuses, so that fused and exact results never mix)."""
-        ident: dict[str, Any] = {"version": self.version, "config": dict(config)}
+        config = config if type(config) is dict else dict(config)  # no copy to drop
+        ident: dict[str, Any] = {"version": self.version, "config": config}
         if self.fusible:
             ident["fused"] = True
         text = canonical_json(ident)
         if not self.share:
             text += "|trial|" + dumps_hp(hp)
-        return hashlib.sha256(text.encode()).hexdigest()[:20]
+        if self._last_key[0] == text:
+            return self._last_key[1]
+        key = hashlib.sha256(text.encode()).hexdigest()[:20]
+        self._last_key = (text, key)
+        return key
+
+
+def trial_digest(ident: tuple[str, str]) -> bytes:
+    """A trial's key in :attr:`StudySlot.trial_ids`: a 128-bit digest of its identity
+    ``(canonical config JSON, dumps_hp(hp))`` (16 bytes a trial instead of both texts)."""
+    config, hp = ident
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{len(config)}:".encode())
+    digest.update(config.encode())
+    digest.update(hp.encode())
+    return digest.digest()
 
 
 @dataclass(eq=False)
@@ -246,6 +267,7 @@ class Engine:
         self._known_roots: set[str] = set()
         self._known_nodes: set[int] = set()
         self._root_saves: dict[str, frozenset[int]] = {}  # SaveSteps sent, by tree
+        self._save_sets: dict[frozenset[int], frozenset[int]] = {}  # one of each set
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -281,6 +303,8 @@ class Engine:
         self.default_trainer: type | None = None
         self.settings: dict[str, Any] = {}  # the front end's arguments it was made with
         self._trainers: dict[str, type] = {}
+        # Trees trained by another trainer than the executor's default (key ""): one
+        # entry per tree only where it is not the default (memory per trial).
         self._root_trainers: dict[str, str] = {}
         # (root key, hp names) -> the tree of those names (see BasePlanStorage.tree_key).
         self._tree_keys: dict[tuple[str, frozenset[str]], str] = {}
@@ -507,7 +531,7 @@ class Engine:
                 trainer_name = getattr(trainer, "__qualname__", "")
                 for t in _versions.open_trials(slot, trainer_name, self.storage, url):
                     ident = (canonical_json(t["config"]), dumps_hp(t["hp"]))
-                    slot.trial_ids[ident] = t["id"]
+                    slot.trial_ids[trial_digest(ident)] = t["id"]
                     if slot.names is None:
                         slot.names = (frozenset(t["config"]), frozenset(t["hp"]))
                 self._slots[(name, version)] = slot
@@ -693,7 +717,7 @@ class Engine:
                 tree, done = replayed
                 assert done.node is not None and done.step is not None and done.final is not None
                 self._own_root(slot, tree)
-                slot.trial_ids[(canonical_json(config), dumps_hp(hp))] = done.id
+                slot.trial_ids[trial_digest((canonical_json(config), dumps_hp(hp)))] = done.id
                 waiter = Waiter(slot.name, done.id, tree, done.node, done.step)
                 waiter.future.set_result(dict(done.final))
                 return waiter
@@ -733,7 +757,7 @@ class Engine:
         node: int,
         step: int,
     ) -> int:
-        ident = (canonical_json(cfg), dumps_hp(seqs))
+        ident = trial_digest((canonical_json(cfg), dumps_hp(seqs)))
         tid = slot.trial_ids.get(ident)
         self._ensure_row(slot)
         if tid is None:
@@ -779,7 +803,8 @@ class Engine:
         new = slot.save_steps - sent
         if not new:
             return []
-        self._root_saves[root_key] = sent | new
+        steps = sent | new
+        self._root_saves[root_key] = self._save_sets.setdefault(steps, steps)
         return [SaveSteps(root_key, new)]
 
     def _insert_path(
@@ -807,7 +832,9 @@ class Engine:
         (lock held): settled, a tree's root never changes. One copy of each name set,
         and ``base`` itself when it is the tree (memory per trial)."""
         names = self._name_sets.setdefault(names, names)
-        self._tree_keys[(base, names)] = base if root_key == base else root_key
+        if root_key == base:  # the tree's own string, the one the plan holds
+            base = root_key
+        self._tree_keys[(base, names)] = root_key
 
     def _insert_into(
         self,
@@ -823,7 +850,10 @@ class Engine:
 
     def _own_root(self, slot: StudySlot, root_key: str) -> None:
         """The tree ``root_key`` is trained by the study's trainer (lock held)."""
-        self._root_trainers[root_key] = slot.trainer_key
+        if slot.trainer_key:
+            self._root_trainers[root_key] = slot.trainer_key
+        else:
+            self._root_trainers.pop(root_key, None)
         if slot.fusible and slot.trainer_key not in self._unfusible:
             self._root_fusible[root_key] = slot.fusible
 
@@ -1140,7 +1170,8 @@ class Engine:
         if ev.trainer in self._unfusible:
             return
         self._unfusible.add(ev.trainer)
-        trees = [r for r, key in self._root_trainers.items() if key == ev.trainer]
+        # Only the trees with fusible names can fuse (the others have none to take).
+        trees = [r for r in self._root_fusible if self._root_trainers.get(r, "") == ev.trainer]
         for root in trees:
             self._root_fusible.pop(root, None)
             self.scheduler.disable_fusion(root)

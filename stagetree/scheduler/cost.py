@@ -39,6 +39,8 @@ REFIT_EVERY = 64
 
 
 def _hashable(value: Any) -> Any:
+    """A hashable stand-in for ``value`` equal exactly when the values are (type
+    included: ``1``, ``1.0`` and ``True`` differ)."""
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), _hashable(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
@@ -48,6 +50,31 @@ def _hashable(value: Any) -> Any:
     except TypeError:
         return repr(value)
     return (type(value).__name__, value)
+
+
+def _entry(name: str, value: Any) -> tuple[Any, Any, Any]:
+    """``name``'s part of a configuration key: ``(name, type name, value)`` for a
+    hashable value, ``(name, "", _hashable(value))`` for a mapping, a list or an
+    unhashable value (each value's part equal exactly when its ``_hashable`` is)."""
+    if not isinstance(value, (Mapping, list, tuple)):
+        try:
+            hash(value)
+        except TypeError:
+            return name, "", repr(value)
+        return name, _type_name(type(value)), value
+    return name, "", _hashable(value)
+
+
+_TYPE_NAMES: dict[type, str] = {}
+
+
+def _type_name(kind: type) -> str:
+    """``kind.__name__``, one string per type (a builtin type makes a new one on each
+    read, and a key per node holds it)."""
+    name = _TYPE_NAMES.get(kind)
+    if name is None:
+        name = _TYPE_NAMES[kind] = kind.__name__
+    return name
 
 
 def _numeric(value: Any) -> float | None:
@@ -90,39 +117,48 @@ def _bounded(value: np.ndarray, model: _Model) -> np.ndarray:
 class CostEstimator:
     """Learns seconds per step per configuration; ``cost(node)`` predicts it.
 
+    What it keeps grows with the study (a study of many trials has many nodes), so it
+    keeps it compact: a node it has seen has a dense index, its configuration key
+    (equal configurations share one key object) and its numeric features in arrays
+    by index; a measured configuration a row of arrays.
+
     Args:
         default: cost per step before anything is measured.
     """
 
     def __init__(self, default: float = 1.0) -> None:
         self.default = float(default)
-        self._roots: dict[str, dict[str, Any]] = {}
-        # configuration key -> [sum of seconds per step, count, numeric features]
-        self._measured: dict[Any, tuple[float, int, dict[str, float]]] = {}
-        # The same, as columns for the fit (a row per key, in ``_measured``'s order):
-        # kept as measurements come, so that a fit is array work, not a walk in Python.
+        # root key -> its config as a flat (name, value, name, value, ...) tuple, the
+        # names as in ``configuration`` ("config.<name>", one string per name).
+        self._roots: dict[str, tuple[Any, ...]] = {}
+        # One string per prefixed name ("config.<k>", "hp.<k>") for every node's key.
+        self._names: dict[tuple[str, Any], str] = {}
+        # Measured configurations: key -> row. A row's mean seconds per step, sum and
+        # count, and its numeric features as columns for the fit (NaN: the row lacks
+        # it), kept as measurements come, so that a fit is array work, not a walk in
+        # Python; columns and sums are arrays grown by doubling (the first
+        # ``len(self._means)`` entries are the rows).
         self._row: dict[Any, int] = {}
-        self._means: list[float] = []  # mean seconds per step per row
-        # Per feature, its value per row (NaN: the row lacks it), in an array grown by
-        # doubling; the first ``len(self._means)`` entries are the rows.
+        self._means: list[float] = []
         self._columns: dict[str, np.ndarray] = {}
         # What a fit derives from the columns alone (each feature's fill, the filled
         # columns, the features that vary, the design matrix): it changes only when a
         # row is added, not when a measured row's mean moves, so it is kept until then.
         self._design: tuple[int, dict[str, float], list[str], np.ndarray | None] | None = None
-        # Nodes by a dense index, for predicting many at once (:meth:`cost_array`): their
+        # Nodes by a dense index (given on first sight): their configuration key, their
         # features as arrays (NaN: missing) and the row of their measured configuration
-        # (-1: none); kept up to date as configurations are measured and roots change.
+        # (-1: none), kept up to date as configurations are measured and roots change;
+        # the nodes of each key (an int for one, a list for several: most keys have
+        # one node), and those placed before their root's config was known.
         self._dense: dict[int, int] = {}
         self._dense_nodes: list[Node] = []
         self._dense_keys: list[Any] = []
-        self._by_key: dict[Any, list[int]] = {}
-        self._by_root: dict[str, list[int]] = {}
+        self._by_key: dict[Any, int | list[int]] = {}
+        self._unrooted: dict[str, list[int]] = {}
         self._feature_arrays: dict[str, np.ndarray] = {}
         self._measured_row = np.full(16, -1, dtype=np.int64)
         self._totals_array = np.zeros(16)
         self._counts_array = np.zeros(16)
-        self._keys: dict[int, tuple[Any, dict[str, float]]] = {}
         self._cache: dict[int, float] = {}
         self._model: _Model | None = None
         self._fitted = True
@@ -133,39 +169,44 @@ class CostEstimator:
         # (beyond ``EXACT_ROWS`` measured configurations).
         self._observations = 0
         self._refit_at = 0
-        # root key -> fused width -> [sum of seconds per step, count]
-        self._widths: dict[str, dict[int, tuple[float, int]]] = {}
+        # root key -> (fused width, sum of seconds per step, count, width, ...): flat,
+        # a tree is mostly measured at one width.
+        self._widths: dict[str, tuple[Any, ...]] = {}
         # Bumped whenever a prediction may change (a measurement, a root's config):
         # a caller may keep costs computed at one version until it moves.
         self.version = 0
 
+    def _name(self, prefix: str, key: Any) -> str:
+        """``f"{prefix}.{key}"``, one string per name."""
+        name = self._names.get((prefix, key))
+        if name is None:
+            name = self._names[(prefix, key)] = f"{prefix}.{key}"
+        return name
+
     def register_root(self, root_key: str, config: Mapping[str, Any]) -> None:
         """Make ``config`` part of the configuration of ``root_key``'s nodes."""
-        self._roots[root_key] = dict(config)
-        self._keys.clear()  # configurations include the root config
+        flat = tuple(x for k, v in config.items() for x in (self._name("config", k), v))
+        old = self._roots.get(root_key)
+        self._roots[root_key] = flat
         self._cache.clear()
         self.version += 1
-        for i in self._by_root.get(root_key, ()):
-            self._by_key[self._dense_keys[i]].remove(i)
+        if old is None:
+            redo = self._unrooted.pop(root_key, [])
+        elif tuple(map(_hashable, old)) == tuple(map(_hashable, flat)):
+            return  # the same config again: every key stays what it is
+        else:
+            redo = [i for i, n in enumerate(self._dense_nodes) if n.root_key == root_key]
+        for i in redo:
+            self._unplace(i)
             self._place(i)
 
     def configuration(self, node: Node) -> dict[str, Any]:
         """The node's configuration: ``config.<name>`` and ``hp.<name>`` values."""
-        out: dict[str, Any] = {
-            f"config.{k}": v for k, v in self._roots.get(node.root_key, {}).items()
-        }
+        flat = self._roots.get(node.root_key, ())
+        out: dict[str, Any] = dict(zip(flat[::2], flat[1::2]))
         for name, seq in node.hp.items():
-            out[f"hp.{name}"] = seq(node.branch_step) if callable(seq) else seq
+            out[self._name("hp", name)] = seq(node.branch_step) if callable(seq) else seq
         return out
-
-    def _key(self, node: Node) -> tuple[Any, dict[str, float]]:
-        hit = self._keys.get(node.id)
-        if hit is None:
-            conf = self.configuration(node)
-            key = _hashable(conf)
-            features = {k: f for k, v in conf.items() if (f := _numeric(v)) is not None}
-            hit = self._keys[node.id] = (key, features)
-        return hit
 
     def observe(self, node: Node, seconds_per_step: float, width: int = 1) -> None:
         """Record a measured time per step of ``node`` (non-positive or NaN is ignored).
@@ -177,28 +218,38 @@ class CostEstimator:
         sps = float(seconds_per_step)
         if not (math.isfinite(sps) and sps > 0):
             return
-        by_width = self._widths.setdefault(node.root_key, {})
-        total, count = by_width.get(width, (0.0, 0))
-        by_width[width] = (total + sps, count + 1)
-        key, features = self._key(node)
-        total, count, _ = self._measured.get(key, (0.0, 0, features))
-        self._measured[key] = (total + sps, count + 1, features)
+        by_width = self._widths.get(node.root_key, ())
+        at = by_width[::3].index(width) * 3 if width in by_width[::3] else len(by_width)
+        total, count = by_width[at + 1 : at + 3] or (0.0, 0)
+        self._widths[node.root_key] = (
+            *by_width[:at],
+            width,
+            total + sps,
+            count + 1,
+            *by_width[at + 3 :],
+        )
+        i = self.index(node)
+        key = self._dense_keys[i]
         row = self._row.get(key)
         if row is None:
+            total, count = 0.0, 0
             row = self._row[key] = len(self._means)
             self._means.append(0.0)
             if row >= len(self._totals_array):
                 self._totals_array = _grown(self._totals_array, 0.0)
                 self._counts_array = _grown(self._counts_array, 0.0)
+            features = self._features(i)
             for name in features.keys() - self._columns.keys():
                 self._columns[name] = np.full(len(self._totals_array), math.nan)
             for name, column in self._columns.items():
                 if len(column) <= row:
                     column = self._columns[name] = _grown(column, math.nan)
                 column[row] = features.get(name, math.nan)
-            for i in self._by_key.get(key, ()):
-                self._measured_row[i] = row
+            for j in self._nodes_of(key):
+                self._measured_row[j] = row
             self._design = None
+        else:
+            total, count = float(self._totals_array[row]), int(self._counts_array[row])
         self._means[row] = (total + sps) / (count + 1)
         self._totals_array[row] = total + sps
         self._counts_array[row] = count + 1
@@ -234,18 +285,30 @@ class CostEstimator:
     def widths(self, root_key: str) -> dict[int, float]:
         """Mean measured seconds per step of plan tree ``root_key`` by fused width (1:
         unfused)."""
-        return {w: t / n for w, (t, n) in sorted(self._widths.get(root_key, {}).items()) if n}
+        flat = self._widths.get(root_key, ())
+        return {w: t / n for w, t, n in sorted(zip(flat[::3], flat[1::3], flat[2::3])) if n}
 
     @property
     def measured(self) -> int:
         """Number of distinct configurations measured so far."""
-        return len(self._measured)
+        return len(self._row)
+
+    def measured_rows(self) -> list[tuple[float, int, dict[str, float]]]:
+        """Each measured configuration's sum of seconds per step, count and numeric
+        features, in the order they were first measured (what the fit is over)."""
+        out = []
+        for row in range(len(self._means)):
+            features = {
+                k: float(c[row]) for k, c in self._columns.items() if not math.isnan(c[row])
+            }
+            out.append((float(self._totals_array[row]), int(self._counts_array[row]), features))
+        return out
 
     def _fit(self) -> None:
         """The least-squares model over the measured configurations.
 
         Array work over the kept columns; the result is, to the bit, that of the plain
-        computation over ``_measured``'s rows (means per row, each feature's mean over
+        computation over the measured rows (means per row, each feature's mean over
         the rows that have it as the fill, the features that vary once filled), so the
         predictions, and the decisions made on them, do not depend on how it is done.
         What depends on the features alone is kept between fits until a row is added
@@ -295,12 +358,12 @@ class CostEstimator:
         hit = self._cache.get(node.id)
         if hit is not None:
             return hit
-        if not self._measured:
+        if not self._row:
             return self.default
-        key, features = self._key(node)
-        measured = self._measured.get(key)
-        if measured is not None:
-            value = measured[0] / measured[1]
+        i = self.index(node)
+        row = int(self._measured_row[i])
+        if row >= 0:
+            value = self._means[row]
         else:
             if not self._fitted:
                 self._fit()
@@ -308,7 +371,8 @@ class CostEstimator:
             assert model is not None
             value = model.coef[0]
             for k, c in zip(model.names, model.coef[1:]):
-                value += c * features.get(k, model.fill[k])
+                feature = float(self._feature_arrays[k][i])
+                value += c * (model.fill[k] if math.isnan(feature) else feature)
             if not math.isfinite(value) or value <= 0:
                 value = model.mean
             # Extrapolation far outside what was seen is not trustworthy.
@@ -323,7 +387,8 @@ class CostEstimator:
             i = self._dense[node.id] = len(self._dense_nodes)
             self._dense_nodes.append(node)
             self._dense_keys.append(None)
-            self._by_root.setdefault(node.root_key, []).append(i)
+            if node.root_key not in self._roots:
+                self._unrooted.setdefault(node.root_key, []).append(i)
             if i >= len(self._measured_row):
                 self._measured_row = _grown(self._measured_row, -1)
                 for name, array in self._feature_arrays.items():
@@ -333,19 +398,53 @@ class CostEstimator:
 
     def _place(self, i: int) -> None:
         """Key, features and measured row of dense node ``i`` from its configuration."""
-        key, features = self._key(self._dense_nodes[i])
+        conf = self.configuration(self._dense_nodes[i])
+        key = tuple(x for name in sorted(conf) for x in _entry(name, conf[name]))
+        first = self._by_key.get(key)
+        if first is None:
+            self._by_key[key] = i
+        else:  # one key object per configuration
+            if isinstance(first, int):
+                first = self._by_key[key] = [first]
+            key = self._dense_keys[first[0]]
+            first.append(i)
         self._dense_keys[i] = key
-        self._by_key.setdefault(key, []).append(i)
-        for name in features.keys() - self._feature_arrays.keys():
-            self._feature_arrays[name] = np.full(len(self._measured_row), math.nan)
+        for name, value in conf.items():
+            f = _numeric(value)
+            if f is not None and name not in self._feature_arrays:
+                self._feature_arrays[name] = np.full(len(self._measured_row), math.nan)
         for name, array in self._feature_arrays.items():
-            array[i] = features.get(name, math.nan)
+            f = _numeric(conf[name]) if name in conf else None
+            array[i] = math.nan if f is None else f
         self._measured_row[i] = self._row.get(key, -1)
+
+    def _unplace(self, i: int) -> None:
+        """Dense node ``i`` no longer has its key (its root's config changed)."""
+        key = self._dense_keys[i]
+        got = self._by_key[key]
+        if isinstance(got, list):
+            got.remove(i)
+        if isinstance(got, int) or not got:
+            del self._by_key[key]
+
+    def _nodes_of(self, key: Any) -> list[int]:
+        """The dense nodes whose configuration key is ``key``."""
+        got = self._by_key.get(key, [])
+        return [got] if isinstance(got, int) else got
+
+    def _features(self, i: int) -> dict[str, float]:
+        """Dense node ``i``'s numeric features."""
+        out = {}
+        for name, array in self._feature_arrays.items():
+            f = float(array[i])
+            if not math.isnan(f):
+                out[name] = f
+        return out
 
     def cost_array(self, dense: np.ndarray) -> np.ndarray:
         """``cost`` of the nodes at these dense indices (:meth:`index`), as an array of
         the same floats."""
-        if not self._measured:
+        if not self._row:
             return np.full(len(dense), self.default)
         rows = self._measured_row[dense]
         measured = rows >= 0
@@ -371,44 +470,17 @@ class CostEstimator:
         return out
 
     def costs(self, nodes: list[Node]) -> list[float]:
-        """``[cost(n) for n in nodes]``, the same floats, with the predictions of
-        unmeasured configurations computed as arrays (what keeps the scheduler's cost
-        refresh cheap over thousands of pending nodes after each measurement).
+        """``[cost(n) for n in nodes]``, the same floats, computed as arrays
+        (:meth:`cost_array`: what keeps the scheduler's cost refresh cheap over
+        thousands of pending nodes after each measurement).
         """
-        if not self._measured:
+        if not self._row:
             return [self.default] * len(nodes)
         cache = self._cache
-        out: list[float] = []
-        todo: list[int] = []  # positions in ``out`` still to predict
-        rows: list[list[float]] = []
-        model: _Model | None = None
-        for node in nodes:
-            hit = cache.get(node.id)
-            if hit is None:
-                key, features = self._key(node)
-                measured = self._measured.get(key)
-                if measured is not None:
-                    hit = cache[node.id] = measured[0] / measured[1]
-                else:
-                    if model is None:
-                        if not self._fitted:
-                            self._fit()
-                        model = self._model
-                        assert model is not None
-                    todo.append(len(out))
-                    rows.append([features.get(k, model.fill[k]) for k in model.names])
-                    hit = 0.0
-            out.append(hit)
-        if not todo:
-            return out
-        assert model is not None
-        # The steps of ``cost``, element by element (each operation rounds as there).
-        value = np.full(len(todo), model.coef[0])
-        if model.names:
-            x = np.array(rows)
-            for i, c in enumerate(model.coef[1:]):
-                value = value + c * x[:, i]
-        value = _bounded(value, model)
-        for i, v in zip(todo, value.tolist()):
-            out[i] = cache[nodes[i].id] = v
-        return out
+        out: list[float | None] = [cache.get(node.id) for node in nodes]
+        todo = [j for j, hit in enumerate(out) if hit is None]
+        if todo:
+            dense = np.array([self.index(nodes[j]) for j in todo], dtype=np.int64)
+            for j, v in zip(todo, self.cost_array(dense).tolist()):
+                out[j] = cache[nodes[j].id] = v
+        return out  # type: ignore[return-value]

@@ -168,6 +168,28 @@ class Trial:
         return fp
 
 
+def _same_items(a: Mapping[Any, Any], b: Mapping[Any, Any]) -> bool:
+    """Whether two mappings hold equal keys in the same order with the very same
+    values (then one may stand for the other, to the bit)."""
+    return len(a) == len(b) and all(
+        type(k) is type(j) and k == j and v is w for (k, v), (j, w) in zip(a.items(), b.items())
+    )
+
+
+def _sharing(result: TrialResult, trial: Trial) -> TrialResult:
+    """``result`` with its trial's ``config`` and ``hp`` dicts in place of equal copies
+    (a tuner keeps every result: memory per trial)."""
+    config = result.config
+    if config is not trial.config and _same_items(config, trial.config):
+        config = trial.config
+    hp = result.hp
+    if hp is not trial.hp and _same_items(hp, trial.hp):
+        hp = trial.hp
+    if config is result.config and hp is result.hp:
+        return result
+    return TrialResult(config, hp, result.steps, result.metrics, result.history)
+
+
 @dataclass(eq=False, slots=True)
 class Job:
     """One submission: ``trial`` trained to ``steps``. ``key`` numbers submissions."""
@@ -654,7 +676,10 @@ class Tuner(ABC):
       (:meth:`_prune`).
 
     After ``run``, :attr:`results` holds ``(trial id, result)`` for every result
-    observed, in observation order, and :attr:`trials` every trial by id.
+    observed, in observation order, and :attr:`trials` every trial by id. A result
+    whose config and sequences are its trial's (the same values) holds the trial's
+    ``config`` and ``hp`` dicts themselves, not copies: one of each per trial, however
+    many results it has.
     """
 
     def __init__(
@@ -763,7 +788,7 @@ class Tuner(ABC):
         if result is None:
             return -math.inf
         v = self.value(result)
-        self.results.append((job.trial.id, result))
+        self.results.append((job.trial.id, _sharing(result, job.trial)))
         return v
 
     def _prune(self, tid: int) -> None:

@@ -89,7 +89,7 @@ def _reference_fit(est: CostEstimator) -> tuple[list[str], list[float], dict[str
     """The fit as a plain walk over the measured rows (what the kept columns replace)."""
     import numpy as np
 
-    rows = [(total / count, feats) for total, count, feats in est._measured.values()]
+    rows = [(total / count, feats) for total, count, feats in est.measured_rows()]
     means = [y for y, _ in rows]
     names = sorted({k for _, f in rows for k in f})
     fill = {k: float(np.mean([f[k] for _, f in rows if k in f])) for k in names}
