@@ -1120,7 +1120,7 @@ class Engine:
         )
         if batch is not None:
             batch.durable = max(batch.durable or 0, ev.step)
-        self.storage.add_stats(
+        self.ledger.count(
             "engine", ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
         )
         self._idle.notify_all()  # settle() also waits for the writes of ended batches
@@ -1194,7 +1194,8 @@ class Engine:
             counted[root_scope(batch.root_key)] = dict(counted["engine"])
         if ev.load_seconds:
             counted["engine"].update(ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
-        self.storage.add_stats_many(counted)  # one transaction
+        for scope, deltas in counted.items():  # written with the round's counts
+            self.ledger.count(scope, **deltas)
         if batch is not None and ev.steps:
             batch.rate = ev.busy_seconds * self._devices(ev.worker) / ev.steps
 
@@ -1221,7 +1222,7 @@ class Engine:
         for name, delta in owed.items():
             version = self.ledger.study_versions.get(name)
             if version is not None and delta:
-                self.storage.add_stats(study_scope(name, version), device_seconds=delta)
+                self.ledger.count(study_scope(name, version), device_seconds=delta)
         batch.charged.clear()
 
     def _on_batch_failed(self, ev: work.BatchFailed, batch: RunningBatch | None) -> None:

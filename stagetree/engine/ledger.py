@@ -89,6 +89,15 @@ class Ledger:
             points, self._curves = self._curves, []
             self.storage.put_metrics_many(points)
 
+    def count(self, scope: str, **deltas: float) -> None:
+        """Add ``deltas`` to the counters of ``scope`` with the round's other counts
+        (written by :meth:`write_counts`): what a checkpoint or a batch's end adds to
+        the storage's, the tree's and the studies' counters is then no transaction of
+        its own."""
+        kept = self._counts.setdefault(scope, {})
+        for key, delta in deltas.items():
+            kept[key] = kept.get(key, 0.0) + float(delta)
+
     def write_counts(self, every: float = 0.0) -> None:
         """Store the per-study counts kept by :meth:`count_studies` since the last write
         (one transaction). With ``every``, only once ``every`` seconds have passed on
