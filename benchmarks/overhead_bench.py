@@ -16,13 +16,27 @@ steps of a run, then the median over repeats; "over floor" subtracts the bare lo
 computed once per 1024 steps and throttled Progress events.
 
 Run: ``.venv/bin/python benchmarks/overhead_bench.py [--steps N] [--repeats R]``.
+
+``--trials 300 1000 3000`` measures the driver's cost per trial instead (issue 24): a
+``RandomSearch`` study of N trials of ``--trial-steps`` steps each (every trial its own
+plan tree) with a trivial trainer (``TrivialTrainer``: no work, its metric is its
+learning rate) on 2 real local worker processes, against Optuna's ask/tell loop of the
+same N trials (``RandomSampler``, one ``suggest_float``, a ``report`` per step), each on
+the in-memory and the SQLite storage, each (system, storage, N) in a fresh process.
+Measured: CPU seconds of the driver's process (the engine, scheduler, tuner and plan
+storage; not the workers) per trial, and the growth exponent of CPU in N (1: constant
+cost per trial). With ``--per-step S2`` the stagetree study also runs with ``S2`` steps
+a trial at the smallest N: the driver's cost per step is the difference per extra step.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -96,6 +110,102 @@ HP_THREE: dict[str, Any] = {
 }
 
 
+class TrivialTrainer(Trainer):
+    """A trainer that does nothing: a step costs no time, its metric is its lr."""
+
+    def setup(self, hp: Mapping[str, Any]) -> None:
+        self.lr = float(hp["lr"])
+
+    def train(self) -> None:
+        pass
+
+    def evaluate(self) -> dict[str, float]:
+        return {"loss": self.lr}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+def stagetree_trials(n: int, steps: int, storage: str, tmp: str) -> float:
+    """Driver CPU seconds of a random search of ``n`` trials on 2 local workers."""
+    from stagetree.distributions import LogUniform
+    from stagetree.space import RandomSpace
+    from stagetree.study import Study
+    from stagetree.tuners import RandomSearch
+
+    url = "memory://" if storage == "memory" else f"sqlite:///{tmp}/plan.db"
+    space = RandomSpace(hp={"lr": Constant(LogUniform(1e-4, 1.0))})  # type: ignore[arg-type]
+    tuner = RandomSearch(space, "loss", mode="min", steps=steps, num_trials=n, seed=0)
+    with Study(
+        "overhead", TrivialTrainer, storage=url, workers=2, checkpoint_dir=f"{tmp}/ckpt"
+    ) as study:
+        study.open()
+        cpu = time.process_time()
+        study.tune(tuner, progress=False)
+        return time.process_time() - cpu
+
+
+def optuna_trials(n: int, steps: int, storage: str, tmp: str) -> float:
+    """CPU seconds of Optuna's ask/tell loop over ``n`` trials (random sampler)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = None if storage == "memory" else f"sqlite:///{tmp}/optuna.db"
+    study = optuna.create_study(storage=url, sampler=optuna.samplers.RandomSampler(seed=0))
+    cpu = time.process_time()
+    for _ in range(n):
+        trial = study.ask()
+        lr = trial.suggest_float("lr", 1e-4, 1.0, log=True)
+        for step in range(steps):
+            trial.report(lr, step)
+        study.tell(trial, lr)
+    return time.process_time() - cpu
+
+
+def growth(points: list[tuple[int, float]]) -> float:
+    """Least-squares exponent k of cpu ~ n^k."""
+    xs = [math.log(n) for n, _ in points]
+    ys = [math.log(max(c, 1e-9)) for _, c in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 1.0
+
+
+def _one(system: str, n: int, steps: int, storage: str) -> float:
+    """One measurement in a fresh process (its own imports, caches and memory)."""
+    cmd = [sys.executable, __file__, "--child", system, str(n), str(steps), storage]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{system} {n} {storage} failed:\n{done.stderr[-3000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def per_trial(sizes: list[int], steps: int, more_steps: int | None) -> None:
+    """The driver's cost per trial against Optuna's (see the module docstring)."""
+    print(f"driver CPU per trial, ms ({steps} steps a trial; 2 local workers for stagetree)")
+    print(f"{'system':<10} {'storage':<7} " + " ".join(f"{n:>9}" for n in sizes) + "  exponent")
+    for storage in ("memory", "sqlite"):
+        for system in ("stagetree", "optuna"):
+            points = [(n, _one(system, n, steps, storage)) for n in sizes]
+            cells = " ".join(f"{cpu / n * 1e3:>9.3f}" for n, cpu in points)
+            k = growth(points) if len(points) > 1 else float("nan")
+            print(f"{system:<10} {storage:<7} {cells}  {k:8.2f}", flush=True)
+    if more_steps:
+        n = sizes[0]
+        for storage in ("memory", "sqlite"):
+            base = _one("stagetree", n, steps, storage)
+            more = _one("stagetree", n, more_steps, storage)
+            us = (more - base) / (n * (more_steps - steps)) * 1e6
+            print(
+                f"stagetree {storage}: driver per step {us:.1f} us ({n} trials, {steps} vs "
+                f"{more_steps} steps)",
+                flush=True,
+            )
+
+
 def bare_loop(steps: int) -> dict[str, float]:
     trainer = NoOpTrainer({})
     for _ in range(steps):
@@ -131,7 +241,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--trials", type=int, nargs="+", help="the per-trial benchmark's sizes")
+    parser.add_argument("--trial-steps", type=int, default=4)
+    parser.add_argument("--per-step", type=int, default=None, metavar="S2")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        system, n, trial_steps, storage = args.child
+        run = stagetree_trials if system == "stagetree" else optuna_trials
+        with tempfile.TemporaryDirectory() as tmp:
+            print(run(int(n), int(trial_steps), storage, tmp))
+        return
+    if args.trials:
+        per_trial(args.trials, args.trial_steps, args.per_step)
+        return
     steps, repeats = args.steps, args.repeats
 
     rows: list[tuple[str, list[Mapping[str, float]]]] = []

@@ -373,13 +373,22 @@ class Coordinator:
 
     def _adopt(self) -> list[Any]:
         """Pending requests of other engines on stages this engine holds (see the module
-        docstring); and adopted requests nobody wants any more are dropped."""
+        docstring); and adopted requests nobody wants any more are dropped.
+
+        One read a poll: the requests on the leased nodes and on those of the adopted
+        requests (a lease covers steps of one node, so no other request can lie inside
+        it), by the requests' primary key, whatever the number of trees or the study's
+        size."""
         engine = self.engine
         live = engine.scheduler.live_requests
         self._adopted &= set(live)
+        leases = [lease for held in self._batch_leases.values() for lease in held]
+        nodes = {lease.node for lease in leases if lease.node is not None}
+        found = self.storage.requests_on(nodes | {key[0] for key in self._adopted})
+        by_key = {(req.node, req.step): req for req in found}
         events: list[Any] = []
         for key in sorted(self._adopted):
-            req = self.storage.request(*key)
+            req = by_key.get(key)
             if (req is None or req.state == RequestState.CANCELLED) and not engine.has_waiters(
                 *key
             ):
@@ -389,17 +398,17 @@ class Coordinator:
                     RequestCancelled(key[0], key[1], n, study=study)
                     for study, n in sorted(claims.items())
                 )
-        leases = [lease for held in self._batch_leases.values() for lease in held]
-        states = [RequestState.PENDING, RequestState.SCHEDULED]
-        for root in sorted({lease.scope for lease in leases}):
-            for req in self.storage.requests(root, states=states):
-                key = (req.node, req.step)
-                if key in live or engine.has_waiters(*key) or not engine.knows_node(key[0]):
-                    continue
-                if any(overlaps(lease, req.node, req.step - 1, req.step) for lease in leases):
-                    self._adopted.add(key)
-                    events.append(RequestAdded(key[0], key[1]))
-                    _log.debug("adopt request %s", key)
+        wanted = (RequestState.PENDING, RequestState.SCHEDULED)
+        for req in found:
+            key = (req.node, req.step)
+            if req.state not in wanted or req.node not in nodes:
+                continue
+            if key in live or engine.has_waiters(*key) or not engine.knows_node(key[0]):
+                continue
+            if any(overlaps(lease, req.node, req.step - 1, req.step) for lease in leases):
+                self._adopted.add(key)
+                events.append(RequestAdded(key[0], key[1]))
+                _log.debug("adopt request %s", key)
         return events
 
     # -- life cycle ----------------------------------------------------------------------

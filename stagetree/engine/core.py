@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from stagetree import _versions, work
 from stagetree.checkpoints.eviction import evict_to_budget
 from stagetree.engine.coordination import Coordinator
-from stagetree.engine.ledger import Ledger
+from stagetree.engine.ledger import COUNTS_EVERY, Ledger
 from stagetree.engine.replay import ReplayAnswers
 from stagetree.exceptions import (
     CheckpointUnreachableError,
@@ -217,6 +217,9 @@ _MAX_DELAY = 0.25
 # insertion took on a loaded machine; an end never announced stops counting after
 # _BURST_MAX seconds without a submission.
 _BURST_MAX = 5.0
+# Events that end nothing: what they charge may be written after them (the others find
+# the studies' counts written before they are handled).
+_STEADY = (work.CurveReported, work.Progress, work.CheckpointSaved)
 
 
 _FINAL = (RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED)
@@ -429,6 +432,7 @@ class Engine:
                 if left <= 0:
                     break
                 self._idle.wait(left)
+            self.ledger.write_counts()
             self.ledger.write_activity()  # the ends just learnt of, not at the next round
 
     def close(self) -> None:
@@ -453,6 +457,7 @@ class Engine:
             else:
                 self.executor.close()
         with self.lock:
+            self.ledger.write_counts()
             self.ledger.write_activity()
             self.coord.close()
             for (node, step), waiters in self._waiters.items():
@@ -1056,9 +1061,11 @@ class Engine:
                         self._on_event(ev)
                 finally:
                     self.ledger.write_curves()
-                    self.ledger.write_counts()
+                    steady = all(isinstance(ev, _STEADY) for ev in events)
+                    self.ledger.write_counts(COUNTS_EVERY if steady else 0.0)
                 self._record_workers(events)
         with self.lock:
+            self.ledger.write_counts(COUNTS_EVERY)  # an idle round: kept ones in time
             self.ledger.write_activity()
             self.coord.tick()
         return len(events)
@@ -1067,7 +1074,7 @@ class Engine:
         """Apply one executor event: the engine's own bookkeeping (its kind's handler in
         :attr:`_handlers`), then the scheduler's decisions, then the studies' accounting
         of the steps the scheduler charged for it."""
-        if not isinstance(ev, (work.CurveReported, work.Progress, work.CheckpointSaved)):
+        if not isinstance(ev, _STEADY):
             # Curves and counts are written before anything that could read them.
             self.ledger.write_curves()
             self.ledger.write_counts()
@@ -1143,7 +1150,7 @@ class Engine:
         )
         if batch is not None:
             batch.durable = max(batch.durable or 0, ev.step)
-        self.storage.add_stats(
+        self.ledger.count(
             "engine", ckpt_saves=1, ckpt_save_seconds=ev.seconds, ckpt_bytes=ev.nbytes
         )
         self._idle.notify_all()  # settle() also waits for the writes of ended batches
@@ -1218,7 +1225,8 @@ class Engine:
             counted[root_scope(batch.root_key)] = dict(counted["engine"])
         if ev.load_seconds:
             counted["engine"].update(ckpt_loads=1, ckpt_load_seconds=ev.load_seconds)
-        self.storage.add_stats_many(counted)  # one transaction
+        for scope, deltas in counted.items():  # written with the round's counts
+            self.ledger.count(scope, **deltas)
         if batch is not None and ev.steps:
             batch.rate = ev.busy_seconds * self._devices(ev.worker) / ev.steps
 
@@ -1245,7 +1253,7 @@ class Engine:
         for name, delta in owed.items():
             version = self.ledger.study_versions.get(name)
             if version is not None and delta:
-                self.storage.add_stats(study_scope(name, version), device_seconds=delta)
+                self.ledger.count(study_scope(name, version), device_seconds=delta)
         batch.charged.clear()
 
     def _on_batch_failed(self, ev: work.BatchFailed, batch: RunningBatch | None) -> None:

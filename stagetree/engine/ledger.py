@@ -2,7 +2,8 @@
 dashboard's timeline), learning-curve points, and each study's share of the work.
 
 The :class:`Ledger` buffers records, curve points and per-study counts and writes them
-once per round of the engine's driver (one transaction each), and before any event that
+once per round of the engine's driver (one transaction each; counts at most every
+:data:`COUNTS_EVERY` seconds while only progress is reported), and before any event that
 could read them; it is called with the engine's lock held.
 """
 
@@ -16,9 +17,12 @@ from stagetree.exceptions import StagetreeError
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.scopes import study_scope
 
-__all__ = ["Ledger"]
+__all__ = ["COUNTS_EVERY", "Ledger"]
 
 logger = logging.getLogger("stagetree")
+
+#: Seconds between writes of the per-study counts while a round brings progress only.
+COUNTS_EVERY = 1.0
 
 
 class Ledger:
@@ -45,6 +49,7 @@ class Ledger:
         # per-study step counts not written yet, {scope: {counter: delta}}: one
         # transaction per round of events, not one per progress report
         self._counts: dict[str, dict[str, float]] = {}
+        self._counts_at = float("-inf")  # clock time of the last write of counts
 
     def note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
         """Keep one activity record for the storage (:class:`~stagetree.plan.model.ActivityRecord`),
@@ -84,12 +89,29 @@ class Ledger:
             points, self._curves = self._curves, []
             self.storage.put_metrics_many(points)
 
-    def write_counts(self) -> None:
+    def count(self, scope: str, **deltas: float) -> None:
+        """Add ``deltas`` to the counters of ``scope`` with the round's other counts
+        (written by :meth:`write_counts`): what a checkpoint or a batch's end adds to
+        the storage's, the tree's and the studies' counters is then no transaction of
+        its own."""
+        kept = self._counts.setdefault(scope, {})
+        for key, delta in deltas.items():
+            kept[key] = kept.get(key, 0.0) + float(delta)
+
+    def write_counts(self, every: float = 0.0) -> None:
         """Store the per-study counts kept by :meth:`count_studies` since the last write
-        (one transaction)."""
-        if self._counts:
-            counts, self._counts = self._counts, {}
-            self.storage.add_stats_many(counts)
+        (one transaction). With ``every``, only once ``every`` seconds have passed on
+        the engine's clock since the last write: a round of progress reports alone is
+        then not a transaction (workers that report at different times made one a
+        report); what ends a trial writes them first, unthrottled."""
+        if not self._counts:
+            return
+        now = self._clock()
+        if every > 0 and now - self._counts_at < every:
+            return
+        self._counts_at = now
+        counts, self._counts = self._counts, {}
+        self.storage.add_stats_many(counts)
 
     def count_studies(
         self, before: Mapping[str, float], after: Mapping[str, float], rate: float

@@ -447,6 +447,14 @@ class BasePlanStorage(ABC):
     ) -> list[Request]:
         """Requests of one tree (or all), optionally only in ``states``, by (node, step)."""
 
+    def requests_on(self, nodes: Collection[int]) -> list[Request]:
+        """Every request on the given ``nodes`` (of any tree), by (node, step): what an
+        engine polls for the stages it leases (another engine's requests it may answer
+        on its way). A storage should answer from the requests' primary key, in one
+        read, not by reading the nodes' trees."""
+        wanted = set(nodes)
+        return [req for req in self.requests() if req.node in wanted] if wanted else []
+
     # -- checkpoints ---------------------------------------------------------------------
 
     @abstractmethod

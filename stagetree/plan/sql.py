@@ -49,6 +49,8 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
@@ -1102,32 +1104,15 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def add_stats_many(self, deltas: Mapping[str, Mapping[str, float]]) -> None:
-        scopes = {scope: values for scope, values in deltas.items() if values}
-        if not scopes:
+        rows = [
+            {"scope": scope, "key": key, "value": float(delta)}
+            for scope, values in deltas.items()
+            for key, delta in values.items()
+        ]
+        if not rows:
             return
-        with self._tx(write=True) as conn:
-            for scope, values in scopes.items():
-                self._add_stats(conn, scope, values)
-
-    @staticmethod
-    def _add_stats(conn: Connection, scope: str, deltas: Mapping[str, float]) -> None:
-        """Add ``deltas`` to ``scope``'s counters inside the transaction ``conn``."""
-        old = dict(
-            conn.execute(
-                select(_stats.c.key, _stats.c.value).where(
-                    _stats.c.scope == scope, _stats.c.key.in_(list(deltas))
-                )
-            ).all()
-        )
-        for key, delta in deltas.items():
-            if key in old:
-                conn.execute(
-                    _stats.update()
-                    .where(_stats.c.scope == scope, _stats.c.key == key)
-                    .values(value=_stats.c.value + float(delta))
-                )
-            else:
-                conn.execute(_stats.insert(), {"scope": scope, "key": key, "value": float(delta)})
+        with self._tx(write=True) as conn:  # one statement, whatever the counters
+            conn.execute(_add_stats_query(self._pg), rows)
 
     @_retried
     def stats(self, scope: str | None = None) -> dict[str, float]:
@@ -1483,6 +1468,19 @@ class SQLPlanStorage(BasePlanStorage):
             return int(conn.execute(query).rowcount or 0)
 
     @_retried
+    def requests_on(self, nodes: Collection[int]) -> list[Request]:
+        wanted = sorted(set(nodes))
+        if not wanted:
+            return []
+        with self._tx(write=False) as conn:  # the primary key (node, step) answers it
+            rows = conn.execute(_requests_on_query(), {"nodes": wanted}).all()
+        known = _STATES
+        return [
+            Request(node, step, refcount, known[state], error)
+            for node, step, refcount, state, error in rows
+        ]
+
+    @_retried
     def leases(self, scope: str | None = None, live_only: bool = True) -> list[Lease]:
         if _leases.name in self._absent:
             return []
@@ -1581,6 +1579,29 @@ def _metrics_at_query() -> Select[Any]:
                 for j in range(_AT_CHUNK)
             )
         )
+    )
+
+
+@functools.cache
+def _add_stats_query(pg: bool) -> Any:
+    """Adds the bound ``value`` to counter (``scope``, ``key``), created at 0: an
+    upsert, so that a round's counters take one statement (built once)."""
+    stmt = (pg_insert if pg else sqlite_insert)(_stats)
+    return stmt.on_conflict_do_update(
+        index_elements=[_stats.c.scope, _stats.c.key],
+        set_={"value": _stats.c.value + stmt.excluded.value},
+    )
+
+
+@functools.cache
+def _requests_on_query() -> Select[Any]:
+    """Requests on the nodes bound as ``nodes`` (built once: a poll's statement is
+    compiled from the cache, not put together again)."""
+    c = _requests.c
+    return (
+        select(c.node, c.step, c.refcount, c.state, c.error)
+        .where(c.node.in_(bindparam("nodes", expanding=True)))
+        .order_by(c.node, c.step)
     )
 
 

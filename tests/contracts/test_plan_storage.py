@@ -106,6 +106,25 @@ def test_nodes_after_reads_what_was_appended_since_an_id(backend: Backend) -> No
     assert got[ids[2]].hp == {"lr": Constant(0.1)}
 
 
+def test_requests_on_reads_the_requests_of_given_nodes(backend: Backend) -> None:
+    """An engine polls the requests on the nodes it leases, across trees, in (node,
+    step) order, whatever their state; a second handle sees the first one's."""
+    plan = backend.storage
+    a = plan.insert_trial(R, lr(MultiStep(0.1, [10], 0.1)), 20)
+    b = plan.insert_trial("other-root", lr(Constant(0.3)), 20)
+    plan.add_request(a.node, 5)
+    plan.release_request(b.node, 20)  # cancelled
+    reader = backend.reopen() if backend.reopen is not None else plan
+    got = [(r.node, r.step, r.state) for r in reader.requests_on([b.node, a.node])]
+    assert got == [
+        (a.node, 5, RequestState.PENDING),
+        (a.node, 20, RequestState.PENDING),
+        (b.node, 20, RequestState.CANCELLED),
+    ]
+    assert [(r.node, r.step) for r in reader.requests_on([b.node])] == [(b.node, 20)]
+    assert reader.requests_on([]) == [] and reader.requests_on([10**6]) == []
+
+
 def test_multistep_and_constant_share_until_the_milestone(plan: BasePlanStorage) -> None:
     a = plan.insert_trial(R, lr(MultiStep(0.1, [100], 0.1)), 120)
     b = plan.insert_trial(R, lr(Constant(0.1)), 120)

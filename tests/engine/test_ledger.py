@@ -38,3 +38,18 @@ def test_counts_of_a_round_are_written_once_and_add_up() -> None:
     assert (b["steps_executed"], b["device_seconds"]) == (5, 2.5)
     ledger.write_counts()  # nothing new: no transaction
     assert plan.writes == 1
+
+
+def test_counts_are_written_at_most_every_given_seconds_of_the_clock() -> None:
+    plan = CountingPlan()
+    now = [0.0]
+    ledger = Ledger(plan, "owner", lambda: now[0])
+    ledger.study_versions["a"] = "v1"
+    for step in range(1, 31):  # a report every 0.1 s for 3 s, written at most once a second
+        ledger.count_studies({"a": step - 1.0}, {"a": float(step)}, rate=1.0)
+        ledger.write_counts(every=1.0)
+        now[0] += 0.1
+    assert plan.writes == 3
+    ledger.write_counts()  # unthrottled: what is kept is written at once
+    assert plan.writes == 4
+    assert plan.stats(study_scope("a", "v1"))["steps_executed"] == 30

@@ -1,0 +1,54 @@
+"""The SQL plan's writes on an engine's hot path take a fixed number of statements,
+whatever the number of rows they carry (a statement a row, or a read before each
+write, made every round of events cost more as studies and counters grew)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+from stagetree.plan import SQLPlanStorage
+
+PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'plan.db'}"
+    if not PG_URL:
+        pytest.skip("set STAGETREE_TEST_DB_URL to run the PostgreSQL backend")
+    SQLPlanStorage(PG_URL).drop_all()
+    return PG_URL
+
+
+def _statements(plan: SQLPlanStorage) -> list[str]:
+    seen: list[str] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    event.listen(plan._engine, "before_cursor_execute", note)
+    return seen
+
+
+def test_counters_of_many_scopes_take_one_statement(url: str) -> None:
+    plan = SQLPlanStorage(url)
+    try:
+        plan.add_stats("s0", steps=1.0)
+        seen = _statements(plan)
+        plan.add_stats_many({"s0": {"steps": 2.0}})
+        one = len(seen)
+        seen.clear()
+        many = {f"s{i}": {"steps": 1.0, "device_seconds": 0.5, "other": 3.0} for i in range(8)}
+        plan.add_stats_many(many)
+        assert len(seen) == one  # 24 counters, 8 of them new: as many statements as one
+        assert plan.stats("s0") == {"device_seconds": 0.5, "other": 3.0, "steps": 4.0}
+        assert plan.stats("s7") == {"device_seconds": 0.5, "other": 3.0, "steps": 1.0}
+        assert plan.stats()["steps"] == 11.0
+    finally:
+        plan.close()
