@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -43,10 +44,17 @@ PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")
 
 class SlowDigits(DigitsTrainer):
     """Steps long enough for a node to be removed while the study runs (the sleep does
-    not touch training)."""
+    not touch training). While the file ``HOLD`` exists every worker waits before its
+    next step (at most a minute), so a test can freeze the study where it wants the
+    node gone (the class travels by value: the path with it)."""
+
+    HOLD = Path(tempfile.gettempdir()) / f"stagetree-ray-hold-{os.getpid()}-{uuid.uuid4().hex}"
 
     def train(self) -> dict[str, float]:
         time.sleep(0.1)
+        deadline = time.monotonic() + 60
+        while self.HOLD.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         return super().train()
 
 
@@ -174,22 +182,30 @@ def test_node_removed_mid_study(cluster: Any, references: Any, tmp_path: Path) -
             running = executor._slots[1].running if isinstance(executor, RayExecutor) else set()
             batch = min(running, default=None)
             if batch is not None and study.progress()["steps_executed"] >= 6:
+                # Freeze the workers (the batch must not end before the node is gone),
+                # then check that the doomed worker's batch has steps past its last
+                # durable checkpoint; else let it go on and try again.
+                SlowDigits.HOLD.touch()
+                await asyncio.sleep(0.5)
                 with engine.lock:
                     rec = engine._batches.get(batch)
                     start, last = (rec.start_step, rec.last_step) if rec else (0, 0)
                     durable = rec.durable if rec and rec.durable is not None else start
-                if last - max(start, durable) >= 2:  # steps that will be lost
+                still = rec is not None and batch in executor._slots[1].running
+                if still and last - max(start, durable) >= 2:  # steps that will be lost
                     break
+                SlowDigits.HOLD.unlink()
             await asyncio.sleep(0.05)
         finished_before.update(_known_metrics(study))
         cluster.remove_node(doomed)
+        SlowDigits.HOLD.unlink(missing_ok=True)
 
     try:
         results = _run_all(study, remove_node)
         _check_exact(study, results, references)
         stats = study.stats()
         assert stats["workers_lost"] >= 1
-        assert stats["steps_lost"] >= 1
+        assert stats["steps_lost"] >= 1, stats
         # Every lost step is recomputed, nothing else (live splits aside: none here).
         assert stats["splits_missed"] == 0
         assert stats["steps_executed"] == stats["steps_unique"] + stats["steps_lost"]
