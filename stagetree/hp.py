@@ -182,7 +182,10 @@ class Sequence(ABC):
     numbers of numeric families become floats) and raises
     :class:`~stagetree.exceptions.InvalidSequenceError`, and which implements
     ``_value(t)``; it may override ``_values(start, stop)`` with a faster equivalent
-    that returns exactly ``[self._value(t) for t in range(start, stop)]``.
+    that returns exactly ``[self._value(t) for t in range(start, stop)]``, and
+    ``_canonical_values(start, stop)`` with one that returns exactly
+    ``[canonical_value(v) for v in self._values(start, stop)]`` (a subclass of a family
+    that overrides both, overriding ``_values``, overrides ``_canonical_values`` too).
     """
 
     is_template: ClassVar[bool] = False
@@ -429,12 +432,20 @@ class Step(Sequence):
             raise InvalidSequenceError(f"{self!r} overflows after {k} decays") from None
 
     def _values(self, start: int, stop: int) -> list[Value]:
+        return self._levels(start, stop, self._level)
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        # One canonical_value per level, not per step.
+        level = self._level
+        return self._levels(start, stop, lambda k: canonical_value(level(k)))
+
+    def _levels(self, start: int, stop: int, level: Any) -> list[Value]:
         out: list[Value] = []
         t = start
         while t < stop:
             k = t // self.step_size
             end = min((k + 1) * self.step_size, stop)
-            out.extend([self._level(k)] * (end - t))
+            out.extend([level(k)] * (end - t))
             t = end
         return out
 
@@ -464,6 +475,11 @@ class MultiStep(Sequence):
     def _values(self, start: int, stop: int) -> list[Value]:
         k = bisect.bisect_right(self.milestones, start)
         return _segments(start, stop, self.milestones, self._level, k)
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        k = bisect.bisect_right(self.milestones, start)
+        level = self._level
+        return _segments(start, stop, self.milestones, lambda i: canonical_value(level(i)), k)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -504,6 +520,11 @@ class Piecewise(Sequence):
         k = bisect.bisect_right(self.milestones, start)
         return _segments(start, stop, self.milestones, self.levels.__getitem__, k)
 
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        k = bisect.bisect_right(self.milestones, start)
+        levels = self.levels
+        return _segments(start, stop, self.milestones, lambda i: canonical_value(levels[i]), k)
+
 
 @dataclass(frozen=True, eq=False)
 class Then(Sequence):
@@ -522,12 +543,19 @@ class Then(Sequence):
         return self.first._value(t) if t < self.at else self.second._value(t - self.at)
 
     def _values(self, start: int, stop: int) -> list[Value]:
+        return self._joined(start, stop, "_values")
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        # Canonical forms are per value: each part's own (faster) form, concatenated.
+        return self._joined(start, stop, "_canonical_values")
+
+    def _joined(self, start: int, stop: int, method: str) -> list[Value]:
         at = self.at
         out: list[Value] = []
         if start < at:
-            out = self.first._values(start, min(stop, at))
+            out = getattr(self.first, method)(start, min(stop, at))
         if stop > at:
-            out.extend(self.second._values(max(start, at) - at, stop - at))
+            out.extend(getattr(self.second, method)(max(start, at) - at, stop - at))
         return out
 
 
@@ -552,6 +580,9 @@ class Shifted(Sequence):
 
     def _values(self, start: int, stop: int) -> list[Value]:
         return self.base._values(start + self.offset, stop + self.offset)
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        return self.base._canonical_values(start + self.offset, stop + self.offset)
 
 
 @dataclass(frozen=True, eq=False)

@@ -238,6 +238,44 @@ def test_values_are_canonical() -> None:
     assert type(canonical_value(2.5)) is float and canonical_value(True) is True
 
 
+PIECEWISE = [
+    MultiStep(128, [40], 2),
+    MultiStep(0.1, [3, 5], 0.1),
+    MultiStep(1.0, [], 0.5),
+    Step(2.0, 3, 0.5),
+    Step(0.1, 30, 0.1),
+    Piecewise([128.0, 256, 0.5, True, "x"], [2, 4, 6, 8]),
+    Then(MultiStep(4.0, [3], 0.5), Piecewise([1.0, 1.5], [2]), 5),
+    H.Shifted(MultiStep(8.0, [5, 9], 0.5), 3),
+]
+
+
+@pytest.mark.parametrize(
+    "seq", [*PIECEWISE, Then(Warmup(4, 2.0), Step(2.0, 2, 0.5), 4), *EXAMPLES], ids=repr
+)
+def test_canonical_values_are_the_values_canonicalised(seq: Sequence) -> None:
+    """Every family's canonical form is exactly its values, each canonicalised."""
+    for start, stop in ((0, 1), (0, 13), (2, 11), (7, 2100)):
+        want = [canonical_value(v) for v in seq._values(start, stop)]
+        got = seq._canonical_values(start, stop)
+        assert [(type(v), v) for v in got] == [(type(v), v) for v in want]
+
+
+@pytest.mark.parametrize("seq", PIECEWISE, ids=repr)
+def test_piecewise_families_canonicalise_per_piece(
+    seq: Sequence, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of a piecewise-constant sequence (and of one made of them) takes one
+    canonical form per piece, not one per step: ASHA's work keys and the study's
+    inserts build a chunk for each of 100,000 drawn sequences."""
+
+    def per_step(values: list[Any]) -> list[Any]:
+        raise AssertionError("canonicalised step by step")
+
+    monkeypatch.setattr(stagetree.hp, "_canonical_list", per_step)
+    assert len(H._chunk.__wrapped__(seq, 0)) == H._CHUNK
+
+
 def test_first_difference_matches_brute_force() -> None:
     seqs = [s for s in EXAMPLES if not isinstance(s.values(0, 1)[0], str)]
     for a in seqs[:12]:
