@@ -158,16 +158,47 @@ def _canonical_list(values: list[Value]) -> list[Value]:
     return [int(v) if v.__class__ is float and v.is_integer() else v for v in values]
 
 
-def _typed(value: Any) -> Any:
-    """Key for equality by value: scalars carry the type of their canonical form (so
-    ``1 == 1.0`` but ``1 != True``), tuples recurse, sequences stand for themselves."""
-    tp = type(value)
-    if tp is tuple:
-        return tuple(_typed(v) for v in value)
-    if tp in _SCALARS:
-        value = canonical_value(value)
-        return (type(value), value)
-    return value
+class _Mark:
+    """A marker in a flat identity key; equal to itself only (so never to a value)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+_BOOL, _TUPLE, _OTHER = _Mark("bool"), _Mark("tuple"), _Mark("other")
+
+
+def _flat_key(values: tuple[Any, ...], out: list[Any]) -> list[Any]:
+    """Append to ``out`` a flat key for equality by value of ``values``: ``a == b``
+    exactly when, value by value, the canonical forms (:func:`canonical_value`) have the
+    same type and are equal (``1 == 1.0`` but ``1 != True``); tuples compare element by
+    element, anything else (a sequence) by its own ``==``.
+
+    Flat (one tuple, no pair per value): a drawn sequence's key costs a few words per
+    value. Canonical ints, floats and strs go in as they are: equal values of two of
+    those types are equal canonical forms of one type (an integral float is an int by
+    then). A bool is marked (``True == 1`` otherwise), a tuple by its length, anything
+    else by a marker (it never equals a plain value).
+    """
+    for v in values:
+        tp = v.__class__
+        if tp is float:
+            out.append(int(v) if v.is_integer() else v)
+        elif tp is int or tp is str:
+            out.append(v)
+        elif tp is bool:
+            out += (_BOOL, v)
+        elif tp is tuple:
+            out += (_TUPLE, len(v))
+            _flat_key(v, out)
+        else:
+            out += (_OTHER, v)
+    return out
 
 
 # --------------------------------------------------------------------------- base
@@ -255,14 +286,15 @@ class Sequence(ABC):
 
     # -- identity
 
-    def _key(self) -> tuple[Any, int]:
-        """``(typed field values, hash)``, cached in the instance (it is frozen); not
-        pickled, since the hash of a str differs between processes."""
+    def _key(self) -> tuple[Any, ...]:
+        """``(hash, *flat key of the field values)`` (:func:`_flat_key`), cached in the
+        instance (it is frozen); not pickled, since the hash of a str differs between
+        processes. One flat tuple: a study keeps one per drawn sequence."""
         key = self.__dict__.get("_cached_key")
         if key is None:
             fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
-            typed = _typed(fields)
-            key = (typed, hash((type(self).__name__, typed)))
+            flat = tuple(_flat_key(fields, []))
+            key = (hash((type(self).__name__, flat)), *flat)
             _set(self, "_cached_key", key)
         return key
 
@@ -277,10 +309,10 @@ class Sequence(ABC):
         if type(self) is not type(other):
             return False
         a, b = self._key(), other._key()
-        return a[1] == b[1] and a[0] == b[0]
+        return a[0] == b[0] and a == b
 
     def __hash__(self) -> int:
-        return self._key()[1]
+        return self._key()[0]
 
     # -- JSON
 

@@ -11,6 +11,7 @@ import json
 import math
 import pickle
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -305,6 +306,74 @@ def test_equality_and_hash() -> None:
     assert Then(Constant(1), Constant(2), 5) == Then(Constant(1.0), Constant(2), 5)
     assert Constant(1.0).to_json() == {"type": "Constant", "value": 1.0}  # as written
     assert len(set(EXAMPLES)) == len(EXAMPLES)
+
+
+def _typed(value: Any) -> Any:
+    """The identity key's rule as it was first written (nested ``(type, value)`` pairs):
+    the reference the flat key must agree with."""
+    if type(value) is tuple:
+        return tuple(_typed(v) for v in value)
+    if type(value) in (int, float, str, bool):
+        value = canonical_value(value)
+        return (type(value), value)
+    return value
+
+
+def _reference_eq(a: Sequence, b: Sequence) -> bool:
+    fields = [tuple(getattr(s, f.name) for f in dataclasses.fields(s)) for s in (a, b)]  # type: ignore[arg-type]
+    return type(a) is type(b) and _typed(fields[0]) == _typed(fields[1])
+
+
+def test_flat_identity_key_agrees_with_typed_pairs() -> None:
+    """Equality (and so sharing) is what the nested typed key gave, pair by pair, over
+    values that differ by type only (1, 1.0, True, "1"), nested sequences and tuples."""
+    seqs = [
+        *EXAMPLES,
+        Constant(1),
+        Constant(1.0),
+        Constant(True),
+        Constant("1"),
+        Constant(0),
+        Constant(False),
+        Constant(0.0),
+        Piecewise([1, True], [3]),
+        Piecewise([1.0, 1], [3]),
+        Piecewise([1, 1], [3]),
+        Piecewise([True, 1], [3]),
+        Piecewise([1, 1, 1], [3, 4]),
+        MultiStep(1, [3], 1),
+        MultiStep(1.0, [3], 1.0),
+        MultiStep(1.0, [3, 4], 1.0),
+        Then(Constant(1), Constant(2), 5),
+        Then(Constant(1.0), Constant(2), 5),
+        Then(Constant(True), Constant(2), 5),
+        H.Shifted(Constant(1), 2),
+        H.Shifted(Constant(1.0), 2),
+    ]
+    for a in seqs:
+        for b in seqs:
+            assert (a == b) is _reference_eq(a, b), (a, b)
+            if a == b:
+                assert hash(a) == hash(b)
+
+
+def _deep_size(obj: Any) -> int:
+    """Bytes of a key: its tuples and the numbers made for it (not shared singletons)."""
+    if type(obj) is tuple:
+        return sys.getsizeof(obj) + sum(_deep_size(v) for v in obj)
+    if type(obj) in (int, float) and not -5 <= obj <= 256:
+        return sys.getsizeof(obj)
+    return 0
+
+
+def test_identity_key_is_one_flat_tuple() -> None:
+    """A drawn sequence's cached identity key is one tuple of its values (a study keeps
+    one per trial): no (type, value) pair per value."""
+    seq = MultiStep(0.0123, [32, 48], 0.1)
+    hash(seq)
+    key = seq.__dict__["_cached_key"]
+    assert not any(type(v) is tuple for v in key)
+    assert _deep_size(key) <= 200
 
 
 def test_frozen() -> None:
