@@ -20,10 +20,13 @@ Studies (64 steps a trial, as a ResNet-style run of 64 epochs):
 
 Run: ``python benchmarks/scale_bench.py [--n 1000 10000 100000] [--max-n 3000]
 [--workers 40 200 1000] [--tuners grid random asha hyperband] [--storage memory
-sqlite] [--profile] [--plot PNG] [--json FILE]``. ``--max-n`` caps the sizes for a
-quick run; ``--timeout`` stops a run that takes longer (shown as ``>T``). ``--profile``
-runs the largest size of each tuner once more under cProfile and prints its top 10
-functions by own time.
+sqlite] [--profile] [--plot PNG] [--json FILE] [--progress BATCHES]``. ``--max-n`` caps
+the sizes for a quick run; ``--timeout`` stops a run that takes longer (shown as
+``>T``). ``--profile`` runs the largest size of each tuner once more under cProfile and
+prints its top 10 functions by own time. ``--progress B`` prints each run's batches started and CPU
+seconds every ``B`` batches (a long run stopped by ``--timeout`` still says how far it
+got). One run alone: ``--one TUNER N W STORAGE PROFILE`` (PROFILE 0 or 1) prints its
+figures as JSON.
 """
 
 from __future__ import annotations
@@ -118,8 +121,13 @@ def open_study(storage: str, tmp: str, workers: int, executor: Any) -> Any:
     )
 
 
-def run_one(kind: str, n: int, workers: int, storage: str, profile: bool = False) -> dict[str, Any]:
-    """One study (in this process): its figures, and a profile's top with ``profile``."""
+def run_one(
+    kind: str, n: int, workers: int, storage: str, profile: bool = False, progress: int = 0
+) -> dict[str, Any]:
+    """One study (in this process): its figures, and a profile's top with ``profile``.
+    ``progress``: print the batches started and the CPU seconds so far to stderr every
+    ``progress`` batches (0: never), so that a run stopped early still says how far it
+    got."""
     from stagetree.executors.simulated import LearningCurve, SimulatedExecutor
     from stagetree.work import RunBatch, RunFused
 
@@ -133,6 +141,10 @@ def run_one(kind: str, n: int, workers: int, storage: str, profile: bool = False
         nonlocal decisions
         if isinstance(instruction, (RunBatch, RunFused)):
             decisions += 1
+            if progress and decisions % progress == 0:
+                cpu = time.process_time() - cpu0
+                print(f"{kind} N={n} W={workers}: {decisions} batches, {cpu:.1f} s CPU",
+                      file=sys.stderr, flush=True)  # fmt: skip
         submit(instruction)
 
     executor.submit = counting  # type: ignore[method-assign]
@@ -169,16 +181,18 @@ def run_one(kind: str, n: int, workers: int, storage: str, profile: bool = False
     return out
 
 
-def _child(args: list[str], timeout: float) -> dict[str, Any] | None:
-    cmd = [sys.executable, __file__, "--one", *args]
+def _child(args: list[str], timeout: float, progress: int = 0) -> dict[str, Any] | None:
+    cmd = [sys.executable, __file__, "--one", *args, "--progress", str(progress)]
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, str(ROOT)]))
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(
+            cmd, stdout=subprocess.PIPE, text=True, timeout=timeout, env=env, check=False
+        )  # stderr (progress, errors) passes through
     except subprocess.TimeoutExpired:
         return None
     if done.returncode:
-        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(args)} failed (its stderr is above)")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -268,12 +282,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--plot", default=None, help="write a log-log plot of CPU against N here")
     p.add_argument("--json", default=None, help="write every run's figures here")
     p.add_argument(
+        "--progress",
+        type=int,
+        default=0,
+        help="print batches started and CPU seconds every this many batches (0: never)",
+    )
+    p.add_argument(
         "--one", nargs=5, metavar=("TUNER", "N", "W", "STORAGE", "PROFILE"), help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
     if args.one:
         kind, n, w, storage, prof = args.one
-        print(json.dumps(run_one(kind, int(n), int(w), storage, prof == "1")))
+        print(json.dumps(run_one(kind, int(n), int(w), storage, prof == "1", args.progress)))
         return
     sizes = sorted(n for n in args.n if args.max_n is None or n <= args.max_n)
     rows: list[dict[str, Any]] = []
@@ -281,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for storage in args.storage:
             for w in args.workers:
                 for n in sizes:
-                    got = _child([kind, str(n), str(w), storage, "0"], args.timeout)
+                    got = _child([kind, str(n), str(w), storage, "0"], args.timeout, args.progress)
                     row = got or {
                         "tuner": kind,
                         "n": n,

@@ -308,19 +308,6 @@ def fill_run(path: str, n: int, steps: int) -> dict[str, Any]:
     return {"fill_s": time.perf_counter() - t0, "log": len(runner.log)}
 
 
-def _settle_longer() -> None:
-    """Let the simulated driver settle its loop for more rounds: its stall check
-    (``executors.simulated.drive``) counts two settles of 10,000 ready rounds without
-    new work as a stall, and a replay answers 100,000 trials from the storage in one
-    settle (more rounds than that, no work at all)."""
-    from stagetree.executors import base, simulated
-
-    def settle(max_rounds: int = 10_000_000) -> Any:
-        return base.settle_loop(max_rounds)
-
-    simulated.settle_loop = settle  # type: ignore[assignment]
-
-
 def run_study(path: str, n: int, steps: int, profile: bool) -> dict[str, Any]:
     """Random search of ``n`` trials of ``steps`` steps on 40 simulated workers (virtual
     time) with the SQLite plan at ``path``: the first run when the file is new, else a
@@ -329,7 +316,6 @@ def run_study(path: str, n: int, steps: int, profile: bool) -> dict[str, Any]:
     resumed = os.path.exists(path)
     base = _rss_mb()
     study, tuner = _study_and_tuner(path, n, steps)
-    _settle_longer()
     prof = None
     if profile and resumed:  # the replay's profile
         import cProfile

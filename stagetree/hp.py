@@ -158,16 +158,47 @@ def _canonical_list(values: list[Value]) -> list[Value]:
     return [int(v) if v.__class__ is float and v.is_integer() else v for v in values]
 
 
-def _typed(value: Any) -> Any:
-    """Key for equality by value: scalars carry the type of their canonical form (so
-    ``1 == 1.0`` but ``1 != True``), tuples recurse, sequences stand for themselves."""
-    tp = type(value)
-    if tp is tuple:
-        return tuple(_typed(v) for v in value)
-    if tp in _SCALARS:
-        value = canonical_value(value)
-        return (type(value), value)
-    return value
+class _Mark:
+    """A marker in a flat identity key; equal to itself only (so never to a value)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+_BOOL, _TUPLE, _OTHER = _Mark("bool"), _Mark("tuple"), _Mark("other")
+
+
+def _flat_key(values: tuple[Any, ...], out: list[Any]) -> list[Any]:
+    """Append to ``out`` a flat key for equality by value of ``values``: ``a == b``
+    exactly when, value by value, the canonical forms (:func:`canonical_value`) have the
+    same type and are equal (``1 == 1.0`` but ``1 != True``); tuples compare element by
+    element, anything else (a sequence) by its own ``==``.
+
+    Flat (one tuple, no pair per value): a drawn sequence's key costs a few words per
+    value. Canonical ints, floats and strs go in as they are: equal values of two of
+    those types are equal canonical forms of one type (an integral float is an int by
+    then). A bool is marked (``True == 1`` otherwise), a tuple by its length, anything
+    else by a marker (it never equals a plain value).
+    """
+    for v in values:
+        tp = v.__class__
+        if tp is float:
+            out.append(int(v) if v.is_integer() else v)
+        elif tp is int or tp is str:
+            out.append(v)
+        elif tp is bool:
+            out += (_BOOL, v)
+        elif tp is tuple:
+            out += (_TUPLE, len(v))
+            _flat_key(v, out)
+        else:
+            out += (_OTHER, v)
+    return out
 
 
 # --------------------------------------------------------------------------- base
@@ -182,7 +213,10 @@ class Sequence(ABC):
     numbers of numeric families become floats) and raises
     :class:`~stagetree.exceptions.InvalidSequenceError`, and which implements
     ``_value(t)``; it may override ``_values(start, stop)`` with a faster equivalent
-    that returns exactly ``[self._value(t) for t in range(start, stop)]``.
+    that returns exactly ``[self._value(t) for t in range(start, stop)]``, and
+    ``_canonical_values(start, stop)`` with one that returns exactly
+    ``[canonical_value(v) for v in self._values(start, stop)]`` (a subclass of a family
+    that overrides both, overriding ``_values``, overrides ``_canonical_values`` too).
     """
 
     is_template: ClassVar[bool] = False
@@ -252,14 +286,15 @@ class Sequence(ABC):
 
     # -- identity
 
-    def _key(self) -> tuple[Any, int]:
-        """``(typed field values, hash)``, cached in the instance (it is frozen); not
-        pickled, since the hash of a str differs between processes."""
+    def _key(self) -> tuple[Any, ...]:
+        """``(hash, *flat key of the field values)`` (:func:`_flat_key`), cached in the
+        instance (it is frozen); not pickled, since the hash of a str differs between
+        processes. One flat tuple: a study keeps one per drawn sequence."""
         key = self.__dict__.get("_cached_key")
         if key is None:
             fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
-            typed = _typed(fields)
-            key = (typed, hash((type(self).__name__, typed)))
+            flat = tuple(_flat_key(fields, []))
+            key = (hash((type(self).__name__, flat)), *flat)
             _set(self, "_cached_key", key)
         return key
 
@@ -274,10 +309,10 @@ class Sequence(ABC):
         if type(self) is not type(other):
             return False
         a, b = self._key(), other._key()
-        return a[1] == b[1] and a[0] == b[0]
+        return a[0] == b[0] and a == b
 
     def __hash__(self) -> int:
-        return self._key()[1]
+        return self._key()[0]
 
     # -- JSON
 
@@ -429,12 +464,20 @@ class Step(Sequence):
             raise InvalidSequenceError(f"{self!r} overflows after {k} decays") from None
 
     def _values(self, start: int, stop: int) -> list[Value]:
+        return self._levels(start, stop, self._level)
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        # One canonical_value per level, not per step.
+        level = self._level
+        return self._levels(start, stop, lambda k: canonical_value(level(k)))
+
+    def _levels(self, start: int, stop: int, level: Any) -> list[Value]:
         out: list[Value] = []
         t = start
         while t < stop:
             k = t // self.step_size
             end = min((k + 1) * self.step_size, stop)
-            out.extend([self._level(k)] * (end - t))
+            out.extend([level(k)] * (end - t))
             t = end
         return out
 
@@ -464,6 +507,11 @@ class MultiStep(Sequence):
     def _values(self, start: int, stop: int) -> list[Value]:
         k = bisect.bisect_right(self.milestones, start)
         return _segments(start, stop, self.milestones, self._level, k)
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        k = bisect.bisect_right(self.milestones, start)
+        level = self._level
+        return _segments(start, stop, self.milestones, lambda i: canonical_value(level(i)), k)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -504,6 +552,11 @@ class Piecewise(Sequence):
         k = bisect.bisect_right(self.milestones, start)
         return _segments(start, stop, self.milestones, self.levels.__getitem__, k)
 
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        k = bisect.bisect_right(self.milestones, start)
+        levels = self.levels
+        return _segments(start, stop, self.milestones, lambda i: canonical_value(levels[i]), k)
+
 
 @dataclass(frozen=True, eq=False)
 class Then(Sequence):
@@ -522,12 +575,19 @@ class Then(Sequence):
         return self.first._value(t) if t < self.at else self.second._value(t - self.at)
 
     def _values(self, start: int, stop: int) -> list[Value]:
+        return self._joined(start, stop, "_values")
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        # Canonical forms are per value: each part's own (faster) form, concatenated.
+        return self._joined(start, stop, "_canonical_values")
+
+    def _joined(self, start: int, stop: int, method: str) -> list[Value]:
         at = self.at
         out: list[Value] = []
         if start < at:
-            out = self.first._values(start, min(stop, at))
+            out = getattr(self.first, method)(start, min(stop, at))
         if stop > at:
-            out.extend(self.second._values(max(start, at) - at, stop - at))
+            out.extend(getattr(self.second, method)(max(start, at) - at, stop - at))
         return out
 
 
@@ -552,6 +612,9 @@ class Shifted(Sequence):
 
     def _values(self, start: int, stop: int) -> list[Value]:
         return self.base._values(start + self.offset, stop + self.offset)
+
+    def _canonical_values(self, start: int, stop: int) -> list[Value]:
+        return self.base._canonical_values(start + self.offset, stop + self.offset)
 
 
 @dataclass(frozen=True, eq=False)

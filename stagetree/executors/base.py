@@ -99,18 +99,25 @@ class VirtualClock(Clock):
 WALL_CLOCK: Clock = WallClock()
 
 
-async def settle_loop(max_rounds: int = 10_000) -> None:
+async def settle_loop(max_rounds: int = 10_000) -> bool:
     """Let every ready callback of the running loop run (tuners react to results),
-    until the loop has nothing ready but this task."""
+    until the loop has nothing ready but this task.
+
+    Returns:
+        False when ``max_rounds`` rounds ran out with callbacks still ready (the loop
+        is busy, not settled: a replay answering thousands of trials at one instant),
+        else True.
+    """
     loop = asyncio.get_running_loop()
     ready = getattr(loop, "_ready", None)  # CPython's queue of ready callbacks
     for i in range(max_rounds):
         await asyncio.sleep(0)
         if ready is not None:
             if not ready and i >= 1:
-                return
+                return True
         elif i >= 200:
-            return
+            return True
+    return ready is None or not ready
 
 
 @dataclass(frozen=True)

@@ -856,10 +856,13 @@ async def drive(
     engine's :meth:`pump`) plans what was submitted and delivers the next instant.
     When ``main`` returns, :attr:`SimulatedExecutor.done_at` records the virtual time
     and the work still in flight (cancelled batches, background saves) is pumped to
-    its end so that accounting is complete.
+    its end so that accounting is complete. A settle that ends with callbacks still
+    ready (:func:`settle_loop` ran out of rounds: a resumed study's replay answers
+    thousands of trials at one instant) goes on settling: a busy loop is not a stall.
 
     Raises:
-        StagetreeError: ``main`` waits while nothing is scheduled (a stall).
+        StagetreeError: ``main`` waits while nothing is scheduled (a stall: the loop
+            settled twice with nothing new to deliver).
     """
 
     def pending() -> bool:
@@ -869,7 +872,8 @@ async def drive(
     idle = 0
     try:
         while not task.done():
-            await settle_loop()
+            if not await settle_loop():
+                continue  # still busy (a replay answers many trials at once): not a stall
             if task.done():
                 break
             if pump(0):
@@ -889,7 +893,8 @@ async def drive(
         executor.done_at = executor.now
     # Cancelled submissions release their requests (aborts follow); run what is left.
     while True:
-        await settle_loop()
+        if not await settle_loop():
+            continue
         if not pump(0) and not pending():
             break
     return result

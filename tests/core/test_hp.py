@@ -11,6 +11,7 @@ import json
 import math
 import pickle
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -238,6 +239,44 @@ def test_values_are_canonical() -> None:
     assert type(canonical_value(2.5)) is float and canonical_value(True) is True
 
 
+PIECEWISE = [
+    MultiStep(128, [40], 2),
+    MultiStep(0.1, [3, 5], 0.1),
+    MultiStep(1.0, [], 0.5),
+    Step(2.0, 3, 0.5),
+    Step(0.1, 30, 0.1),
+    Piecewise([128.0, 256, 0.5, True, "x"], [2, 4, 6, 8]),
+    Then(MultiStep(4.0, [3], 0.5), Piecewise([1.0, 1.5], [2]), 5),
+    H.Shifted(MultiStep(8.0, [5, 9], 0.5), 3),
+]
+
+
+@pytest.mark.parametrize(
+    "seq", [*PIECEWISE, Then(Warmup(4, 2.0), Step(2.0, 2, 0.5), 4), *EXAMPLES], ids=repr
+)
+def test_canonical_values_are_the_values_canonicalised(seq: Sequence) -> None:
+    """Every family's canonical form is exactly its values, each canonicalised."""
+    for start, stop in ((0, 1), (0, 13), (2, 11), (7, 2100)):
+        want = [canonical_value(v) for v in seq._values(start, stop)]
+        got = seq._canonical_values(start, stop)
+        assert [(type(v), v) for v in got] == [(type(v), v) for v in want]
+
+
+@pytest.mark.parametrize("seq", PIECEWISE, ids=repr)
+def test_piecewise_families_canonicalise_per_piece(
+    seq: Sequence, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of a piecewise-constant sequence (and of one made of them) takes one
+    canonical form per piece, not one per step: ASHA's work keys and the study's
+    inserts build a chunk for each of 100,000 drawn sequences."""
+
+    def per_step(values: list[Any]) -> list[Any]:
+        raise AssertionError("canonicalised step by step")
+
+    monkeypatch.setattr(stagetree.hp, "_canonical_list", per_step)
+    assert len(H._chunk.__wrapped__(seq, 0)) == H._CHUNK
+
+
 def test_first_difference_matches_brute_force() -> None:
     seqs = [s for s in EXAMPLES if not isinstance(s.values(0, 1)[0], str)]
     for a in seqs[:12]:
@@ -267,6 +306,74 @@ def test_equality_and_hash() -> None:
     assert Then(Constant(1), Constant(2), 5) == Then(Constant(1.0), Constant(2), 5)
     assert Constant(1.0).to_json() == {"type": "Constant", "value": 1.0}  # as written
     assert len(set(EXAMPLES)) == len(EXAMPLES)
+
+
+def _typed(value: Any) -> Any:
+    """The identity key's rule as it was first written (nested ``(type, value)`` pairs):
+    the reference the flat key must agree with."""
+    if type(value) is tuple:
+        return tuple(_typed(v) for v in value)
+    if type(value) in (int, float, str, bool):
+        value = canonical_value(value)
+        return (type(value), value)
+    return value
+
+
+def _reference_eq(a: Sequence, b: Sequence) -> bool:
+    fields = [tuple(getattr(s, f.name) for f in dataclasses.fields(s)) for s in (a, b)]  # type: ignore[arg-type]
+    return type(a) is type(b) and _typed(fields[0]) == _typed(fields[1])
+
+
+def test_flat_identity_key_agrees_with_typed_pairs() -> None:
+    """Equality (and so sharing) is what the nested typed key gave, pair by pair, over
+    values that differ by type only (1, 1.0, True, "1"), nested sequences and tuples."""
+    seqs = [
+        *EXAMPLES,
+        Constant(1),
+        Constant(1.0),
+        Constant(True),
+        Constant("1"),
+        Constant(0),
+        Constant(False),
+        Constant(0.0),
+        Piecewise([1, True], [3]),
+        Piecewise([1.0, 1], [3]),
+        Piecewise([1, 1], [3]),
+        Piecewise([True, 1], [3]),
+        Piecewise([1, 1, 1], [3, 4]),
+        MultiStep(1, [3], 1),
+        MultiStep(1.0, [3], 1.0),
+        MultiStep(1.0, [3, 4], 1.0),
+        Then(Constant(1), Constant(2), 5),
+        Then(Constant(1.0), Constant(2), 5),
+        Then(Constant(True), Constant(2), 5),
+        H.Shifted(Constant(1), 2),
+        H.Shifted(Constant(1.0), 2),
+    ]
+    for a in seqs:
+        for b in seqs:
+            assert (a == b) is _reference_eq(a, b), (a, b)
+            if a == b:
+                assert hash(a) == hash(b)
+
+
+def _deep_size(obj: Any) -> int:
+    """Bytes of a key: its tuples and the numbers made for it (not shared singletons)."""
+    if type(obj) is tuple:
+        return sys.getsizeof(obj) + sum(_deep_size(v) for v in obj)
+    if type(obj) in (int, float) and not -5 <= obj <= 256:
+        return sys.getsizeof(obj)
+    return 0
+
+
+def test_identity_key_is_one_flat_tuple() -> None:
+    """A drawn sequence's cached identity key is one tuple of its values (a study keeps
+    one per trial): no (type, value) pair per value."""
+    seq = MultiStep(0.0123, [32, 48], 0.1)
+    hash(seq)
+    key = seq.__dict__["_cached_key"]
+    assert not any(type(v) is tuple for v in key)
+    assert _deep_size(key) <= 200
 
 
 def test_frozen() -> None:

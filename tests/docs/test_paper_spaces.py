@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_module import bench_module
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location(
-        "paper_spaces", ROOT / "benchmarks" / "paper_spaces.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("paper_spaces", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-ps = _module()
+ps = bench_module("paper_spaces")
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ tuners, ``simulate()`` accounting and ``stagetree simulate``."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from stagetree.executors.simulated import (
     SimulatedExecutor,
     SimulatedTrainer,
     StepCost,
+    drive,
 )
 from stagetree.hp import Constant, MultiStep, Piecewise
 from stagetree.plan import MemoryPlanStorage
@@ -351,6 +353,25 @@ def test_stall_is_reported() -> None:
         pytest.raises(StagetreeError, match="stalled"),
     ):
         study.tune(GridSearch(space(), "accuracy", steps=3))
+
+
+def test_a_busy_loop_is_not_a_stall() -> None:
+    """A tuner that reacts for more ready rounds than one settle allows, with nothing
+    for the executor meanwhile (a resumed study's replay answering thousands of trials
+    at one instant), runs to its end: two settles that ran out of rounds are not a
+    stall."""
+
+    async def replaying() -> int:
+        for _ in range(25_000):  # more than two settles of 10,000 rounds
+            await asyncio.sleep(0)
+        return 7
+
+    async def waiting() -> None:
+        await asyncio.get_running_loop().create_future()  # never answered
+
+    assert asyncio.run(drive(replaying(), lambda _: 0, None)) == 7
+    with pytest.raises(StagetreeError, match="stalled"):
+        asyncio.run(drive(waiting(), lambda _: 0, None))
 
 
 def test_progress_lets_the_scheduler_learn_costs() -> None:
