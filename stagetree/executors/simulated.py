@@ -844,6 +844,12 @@ def _point_done(point: _Point) -> bool:
 # --------------------------------------------------------------------------- driving
 
 
+# Settles (of settle_loop's 10,000 rounds each) in a row that may end busy before drive
+# calls it a stall: far more than a 100,000-trial replay needs, and a bound on a tuner
+# that spins forever.
+BUSY_SETTLES = 5_000
+
+
 async def drive(
     main: Coroutine[Any, Any, Any],
     pump: Callable[[float], int],
@@ -869,11 +875,20 @@ async def drive(
         return bool(getattr(executor, "pending", False))
 
     task = asyncio.ensure_future(main)
-    idle = 0
+    idle = busy = 0
     try:
         while not task.done():
             if not await settle_loop():
-                continue  # still busy (a replay answers many trials at once): not a stall
+                # Still busy (a replay answers many trials at once): not a stall, unless
+                # it never ends (a tuner that spins without ever waiting for a result).
+                busy += 1
+                if busy > BUSY_SETTLES:
+                    raise StagetreeError(
+                        f"simulation stalled: the event loop stayed busy for {busy} settles "
+                        "without waiting for any result (a tuner that never awaits one?)"
+                    )
+                continue
+            busy = 0
             if task.done():
                 break
             if pump(0):

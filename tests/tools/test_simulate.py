@@ -13,6 +13,7 @@ from tiny_script import tiny_script
 
 from stagetree.cli import main
 from stagetree.exceptions import StagetreeError
+from stagetree.executors import simulated
 from stagetree.executors.simulated import (
     LearningCurve,
     SimulatedExecutor,
@@ -372,6 +373,19 @@ def test_a_busy_loop_is_not_a_stall() -> None:
     assert asyncio.run(drive(replaying(), lambda _: 0, None)) == 7
     with pytest.raises(StagetreeError, match="stalled"):
         asyncio.run(drive(waiting(), lambda _: 0, None))
+
+
+def test_a_loop_that_never_stops_spinning_is_a_stall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tuner that spins without ever awaiting a result stops with an error after
+    ``BUSY_SETTLES`` busy settles, instead of running forever."""
+
+    async def spinning() -> None:
+        while True:
+            await asyncio.sleep(0)
+
+    monkeypatch.setattr(simulated, "BUSY_SETTLES", 3)
+    with pytest.raises(StagetreeError, match="stayed busy for 4 settles"):
+        asyncio.run(drive(spinning(), lambda _: 0, None))
 
 
 def test_progress_lets_the_scheduler_learn_costs() -> None:
