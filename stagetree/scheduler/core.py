@@ -364,6 +364,9 @@ class Scheduler:
         self._failures: dict[Key, int] = {}
         self._store_failures: Counter[Key] = Counter()  # see _MAX_STORE_FAILURES
         self._next_batch = 1
+        # Running batches whose position or promises may have changed since the forest
+        # last heard of them (see _tree).
+        self._touched: set[int] = set()
         self._steps_executed = 0
         self._steps_planned = 0
         self._dirty = False
@@ -412,6 +415,9 @@ class Scheduler:
             handler = self._handlers.get(type(event))
             if handler is None:
                 raise SchedulerError(f"the scheduler does not accept {type(event).__name__} events")
+            batch_id = getattr(event, "batch_id", None)
+            if batch_id is not None:
+                self._touched.add(batch_id)
             handler(event, out)
         if self._dirty:
             self._dirty = False
@@ -662,6 +668,7 @@ class Scheduler:
                 continue
             if key in self._branch_points(batch.segments) and node.branch_step > batch.position:
                 batch.checkpoint.add(key)
+                self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
     def _check_key(self, node_id: int, step: int, count: int) -> Key:
@@ -779,7 +786,9 @@ class Scheduler:
             self._save_total += seconds
             self._save_count += 1
         for batch in (*self._batches.values(), *self._saving.values()):
-            batch.checkpoint.discard(key)
+            if key in batch.checkpoint or key in batch.parked:
+                batch.checkpoint.discard(key)
+                self._touched.add(batch.batch_id)
             metrics = batch.parked.pop(key, None)
             if metrics is not None:
                 batch.evaluate.discard(key)
@@ -879,6 +888,7 @@ class Scheduler:
 
     def _release(self, batch_id: int) -> _Batch | None:
         batch = self._batches.pop(batch_id, None)
+        self._touched.add(batch_id)
         if batch is not None:
             self._dirty = True
             # A worker of a fused job is free once every member ended.
@@ -1093,6 +1103,7 @@ class Scheduler:
             if b.worker == e.worker or b.batch_id == e.batch_id
         ]:
             batch = self._batches.pop(batch_id)
+            self._touched.add(batch_id)
             self._charge(batch, batch.position)
             if not batch.aborted:
                 self._count_death(batch, e, out)
@@ -1247,6 +1258,23 @@ class Scheduler:
     def _active(self) -> list[_Batch]:
         return [b for b in self._batches.values() if not b.aborted]
 
+    def _report_batches(self) -> None:
+        """Tell the forest what the running batches touched since the last decision
+        offer now (the others offer what they did)."""
+        forest = self._forest
+        for batch_id in self._touched:
+            b = self._batches.get(batch_id)
+            if b is None or b.aborted:
+                forest.set_batch(batch_id, None)
+            else:
+                forest.set_batch(batch_id, self._running_position(b), b.evaluate)
+        self._touched.clear()
+
+    @staticmethod
+    def _running_position(b: _Batch) -> RunningPosition:
+        saving = tuple(k for k in b.checkpoint if k[1] <= b.position)
+        return RunningPosition(b.batch_id, b.segments, b.position, saving)
+
     def _promised(self) -> set[Key]:
         """Requests evaluated by a running batch, or whose metrics wait for the write of
         a saving batch's checkpoint."""
@@ -1260,11 +1288,13 @@ class Scheduler:
     def _tree(self, lazy: bool = False) -> StageTree:
         """The stage tree now (``lazy``: stage costs left for
         :meth:`StageForest.ensure_costs`)."""
-        promised = self._promised()
+        # Running batches' positions and promises are kept in the forest (only those
+        # of batches touched since are reported); saving batches, few, are listed here.
+        self._report_batches()
+        promised: set[Key] = set()
+        for b in self._saving.values():
+            promised.update(b.parked)
         running = []
-        for b in self._active():
-            saving = tuple(k for k in b.checkpoint if k[1] <= b.position)
-            running.append(RunningPosition(b.batch_id, b.segments, b.position, saving))
         # An idle worker that holds the model of a pending checkpoint can start from it
         # now (no load): for this decision that model counts as durable.
         self._memory = {}
@@ -1327,6 +1357,7 @@ class Scheduler:
             if key not in batch.evaluate:
                 batch.evaluate.add(key)
                 batch.checkpoint.add(key)
+                self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, c.node, c.step, True))
         for root in tree.waiting_roots():
             origin = root.origin
@@ -1338,6 +1369,7 @@ class Scheduler:
                     batch.downstream[(stage.node, t)] = origin.step
             if key not in batch.checkpoint:
                 batch.checkpoint.add(key)
+                self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
     def _fitting(self, ready: list[Stage], out: list[Instruction | Notice]) -> list[Stage]:
@@ -1552,6 +1584,7 @@ class Scheduler:
             charged=root.start,
         )
         self._positions[batch_id] = root.start
+        self._touched.add(batch_id)
         self._steps_planned += sum(b - a for _, a, b in segments)
         return RunBatch(
             batch_id=batch_id,
@@ -1603,4 +1636,5 @@ class Scheduler:
             if any(k in self._requests for k in batch.evaluate):
                 continue
             batch.aborted = True
+            self._touched.add(batch.batch_id)
             out.append(Abort(batch.batch_id, batch.worker))

@@ -8,9 +8,12 @@ again only the plan trees whose inputs changed since the last decision:
 
 * live requests and durable checkpoints, which the scheduler reports as they come and
   go (:meth:`StageForest.add_request`, ...);
-* what running and saving batches contribute (their positions, promised evaluations,
-  pending checkpoints, models idle workers hold): few, so compared per plan tree at
-  every decision.
+* running batches' positions and promised evaluations, which the scheduler reports
+  for the batches that changed since the last decision (:meth:`StageForest.set_batch`):
+  kept per plan tree, so that one batch's progress marks its own plan tree only, not
+  every plan tree with a running batch;
+* what saving batches contribute (pending checkpoints, models idle workers hold, parked
+  evaluations): few, so compared per plan tree at every decision.
 
 A plan tree whose inputs changed is built again only if the build would read them
 differently. A build asks, at a fixed set of steps per plan node (the requests' steps
@@ -261,7 +264,14 @@ class StageForest:
         self._dirty: set[str] = set()
         self._parts: dict[str, _Part] = {}
         self._covered: dict[str, list[Covered]] = {}
-        self._volatile: dict[str, Any] = {}  # last signature of keys with running work
+        self._volatile: dict[str, Any] = {}  # last signature of saving batches' inputs
+        # Running batches' inputs, kept per plan tree as the scheduler reports them
+        # (:meth:`set_batch`): positions by batch id, and promised evaluations with the
+        # number of batches that promise each; and what each batch last reported.
+        self._positions: dict[str, dict[int, RunningPosition]] = {}
+        self._promises: dict[str, dict[Key, int]] = {}
+        self._batches: dict[int, tuple[str | None, RunningPosition | None, frozenset[Key]]] = {}
+        self._compared = 0
         self._all = _Sorted()
         self._ready = _Ready()
         self._waiting = _Sorted()
@@ -296,6 +306,12 @@ class StageForest:
         """Plan trees updated in place where running batches' models became durable."""
         return self._settled
 
+    @property
+    def compared(self) -> int:
+        """Plan trees whose inputs the last :meth:`tree` looked at again (those whose
+        requests, checkpoints or batches' inputs changed since the decision before)."""
+        return self._compared
+
     # -- inputs ----------------------------------------------------------------------
 
     def _root_key(self, node: int) -> str:
@@ -328,6 +344,60 @@ class StageForest:
             self._checkpoints.get(node.root_key, set()).discard(key)
             self._dirty.add(node.root_key)
 
+    def set_batch(
+        self, batch_id: int, position: RunningPosition | None, evaluate: Iterable[Key] = ()
+    ) -> None:
+        """What running batch ``batch_id`` offers now: its ``position`` (None: none, it
+        ended or was aborted) and the evaluations it promised. Only the plan trees whose
+        inputs change are compared at the next :meth:`tree`."""
+        was = self._batches.get(batch_id)
+        promised = frozenset(evaluate)
+        root_key = None
+        if position is not None and (position.segments or position.saving):
+            first = position.segments[0][0] if position.segments else position.saving[0][0]
+            root_key = self._root_key(first)
+        else:
+            position = None  # it offers no position
+        if was is not None:
+            old_key, old_position, old_promised = was
+            if old_key == root_key and old_position == position and old_promised == promised:
+                return
+            if old_key is not None:
+                del self._positions[old_key][batch_id]
+                self._dirty.add(old_key)
+            self._promise(old_promised, -1)
+        if root_key is not None and position is not None:
+            self._positions.setdefault(root_key, {})[batch_id] = position
+            self._dirty.add(root_key)
+        self._promise(promised, 1)
+        if root_key is None and not promised:
+            self._batches.pop(batch_id, None)
+        else:
+            self._batches[batch_id] = (root_key, position, promised)
+
+    def _promise(self, keys: frozenset[Key], sign: int) -> None:
+        for key in keys:
+            root_key = self._root_key(key[0])
+            counts = self._promises.setdefault(root_key, {})
+            n = counts.get(key, 0) + sign
+            if n:
+                counts[key] = n
+            else:
+                del counts[key]
+            self._dirty.add(root_key)
+
+    def batch_inputs(self) -> dict[str, tuple[tuple[RunningPosition, ...], frozenset[Key]]]:
+        """The running batches' inputs per plan tree as kept: positions in batch order,
+        promised evaluations (plan trees with neither left out)."""
+        out = {}
+        for root_key in self._positions.keys() | self._promises.keys():
+            positions = self._positions.get(root_key, {})
+            running = tuple(positions[b] for b in sorted(positions))
+            promised = frozenset(self._promises.get(root_key, ()))
+            if running or promised:
+                out[root_key] = (running, promised)
+        return out
+
     # -- the tree --------------------------------------------------------------------
 
     def tree(
@@ -344,7 +414,9 @@ class StageForest:
     ) -> StageTree:
         """The stage tree of every live request not in ``promised``, from the durable
         checkpoints, the models in ``memory`` (counted as durable) and the ``running``
-        positions; stage costs from ``cost``, whose predictions stay what they are
+        positions, after those of the running batches (:meth:`set_batch`, whose promised
+        evaluations are left out too: ``running`` and ``promised`` hold the others, few,
+        compared at every call); stage costs from ``cost``, whose predictions stay what they are
         while ``version`` does (None: they may change at any call). ``costs``, when
         given, is ``cost`` over a list of nodes at once (the same floats).
 
@@ -392,8 +464,21 @@ class StageForest:
         self._volatile = signatures
         if estimator is not self._estimator:
             self._reindex(estimator)
+        self._compared = len(dirty)
         for root_key in dirty:
             running_k, promised_k, memory_k = volatile.get(root_key, ((), set(), set()))
+            # The running batches' positions come first, in batch order (the order a
+            # scheduler lists its running batches before its saving ones).
+            positions = self._positions.get(root_key)
+            if positions:
+                running_k = [positions[b] for b in sorted(positions)] + list(running_k)
+            elif positions is not None:
+                del self._positions[root_key]
+            promises = self._promises.get(root_key)
+            if promises:
+                promised_k = promised_k | promises.keys()
+            elif promises is not None:
+                del self._promises[root_key]
             self._rebuild(root_key, running_k, promised_k, memory_k, cost, version)
         dirty.clear()
         self._pending = None
