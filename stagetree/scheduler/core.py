@@ -364,9 +364,17 @@ class Scheduler:
         self._failures: dict[Key, int] = {}
         self._store_failures: Counter[Key] = Counter()  # see _MAX_STORE_FAILURES
         self._next_batch = 1
-        # Running batches whose position or promises may have changed since the forest
-        # last heard of them (see _tree).
+        # Running and saving batches whose position or promises may have changed since
+        # the forest last heard of them (see _report_batches).
         self._touched: set[int] = set()
+        # Saving batches: their place in ``_saving``'s order, the checkpoints each had
+        # when last reported and the saving batches by those checkpoints, and the models
+        # in memory (``_memory``) with the place of the first batch that holds each.
+        self._saving_seq: dict[int, int] = {}
+        self._next_saving = 0
+        self._saving_keys: dict[int, frozenset[Key]] = {}
+        self._holding: dict[Key, set[int]] = {}
+        self._first: dict[Key, int] = {}
         self._steps_executed = 0
         self._steps_planned = 0
         self._dirty = False
@@ -834,6 +842,7 @@ class Scheduler:
         latest durable checkpoint (steps lost to the worker, as for a running batch)."""
         for batch in list(self._saving.values()):
             if worker is not None and batch.worker == worker:
+                self._touched.add(batch.batch_id)
                 for key in list(batch.checkpoint):
                     batch.checkpoint.discard(key)
                     batch.parked.pop(key, None)
@@ -841,6 +850,7 @@ class Scheduler:
                 for key, metrics in batch.parked.items():
                     self._settle(key, metrics, out)
                 del self._saving[batch.batch_id]
+                self._touched.add(batch.batch_id)
                 self._dirty = True
 
     def _on_checkpoint_lost(self, e: CheckpointLost, out: list[Instruction | Notice]) -> None:
@@ -913,6 +923,8 @@ class Scheduler:
                 self._settle(key, batch.parked.pop(key), out)
             if batch.checkpoint:
                 self._saving[batch.batch_id] = batch
+                self._saving_seq[batch.batch_id] = self._next_saving
+                self._next_saving += 1
         if batch is not None and not batch.aborted and batch.position >= batch.end[1]:
             self._worker_at[batch.worker] = batch.end
         else:
@@ -1259,16 +1271,73 @@ class Scheduler:
         return [b for b in self._batches.values() if not b.aborted]
 
     def _report_batches(self) -> None:
-        """Tell the forest what the running batches touched since the last decision
-        offer now (the others offer what they did)."""
+        """Tell the forest what the batches touched since the last decision offer now
+        (the others offer what they did), and work out the models in memory.
+
+        The same inputs as listing every batch: the running batches' positions in batch
+        order, then the saving batches' in ``_saving``'s order, each saving batch's
+        pending checkpoints less the models in memory that it or a saving batch before
+        it holds (an idle worker that holds the model of its pending checkpoint can
+        start from it now: for this decision that model counts as durable)."""
         forest = self._forest
+        todo: set[int] = set()
         for batch_id in self._touched:
             b = self._batches.get(batch_id)
             if b is None or b.aborted:
-                forest.set_batch(batch_id, None)
+                forest.set_batch((0, batch_id), None)
             else:
-                forest.set_batch(batch_id, self._running_position(b), b.evaluate)
+                forest.set_batch((0, batch_id), self._running_position(b), b.evaluate)
+            if batch_id in self._saving_seq:
+                todo.add(batch_id)
+                saving = self._saving.get(batch_id)
+                self._index_saving(batch_id, None if saving is None else saving.checkpoint)
         self._touched.clear()
+        held = []
+        for w in self._idle:
+            at = self._worker_at.get(w)
+            if at is not None:
+                for batch_id in self._holding.get(at, ()):
+                    if self._saving[batch_id].worker == w:
+                        held.append((self._saving_seq[batch_id], at, w))
+        held.sort()
+        memory: dict[Key, int] = {}
+        first: dict[Key, int] = {}
+        for seq, at, w in held:
+            memory[at] = w
+            first.setdefault(at, seq)
+        for key in first.keys() | self._first.keys():
+            if first.get(key) != self._first.get(key):
+                todo.update(self._holding.get(key, ()))
+        self._memory, self._first = memory, first
+        for batch_id in todo:
+            seq = self._saving_seq[batch_id]
+            b = self._saving.get(batch_id)
+            if b is None:
+                forest.set_batch((1, seq), None)
+                del self._saving_seq[batch_id]
+                continue
+            keys = tuple(k for k in b.checkpoint if first.get(k, seq + 1) > seq)
+            position = RunningPosition(batch_id, (), b.position, keys) if keys else None
+            forest.set_batch((1, seq), position, b.parked)
+
+    def _index_saving(self, batch_id: int, checkpoint: set[Key] | None) -> None:
+        """Saving batch ``batch_id``'s pending checkpoints are ``checkpoint`` now (None:
+        it ended) in ``_holding``."""
+        old = self._saving_keys.get(batch_id, frozenset())
+        new = frozenset(checkpoint or ())
+        if old == new:
+            return
+        for key in old - new:
+            holders = self._holding[key]
+            holders.discard(batch_id)
+            if not holders:
+                del self._holding[key]
+        for key in new - old:
+            self._holding.setdefault(key, set()).add(batch_id)
+        if new:
+            self._saving_keys[batch_id] = new
+        else:
+            self._saving_keys.pop(batch_id, None)
 
     @staticmethod
     def _running_position(b: _Batch) -> RunningPosition:
@@ -1288,30 +1357,16 @@ class Scheduler:
     def _tree(self, lazy: bool = False) -> StageTree:
         """The stage tree now (``lazy``: stage costs left for
         :meth:`StageForest.ensure_costs`)."""
-        # Running batches' positions and promises are kept in the forest (only those
-        # of batches touched since are reported); saving batches, few, are listed here.
+        # Batches' positions and promises are kept in the forest: only those of
+        # batches touched since the last decision are reported.
         self._report_batches()
-        promised: set[Key] = set()
-        for b in self._saving.values():
-            promised.update(b.parked)
-        running = []
-        # An idle worker that holds the model of a pending checkpoint can start from it
-        # now (no load): for this decision that model counts as durable.
-        self._memory = {}
-        for b in self._saving.values():
-            at = self._worker_at.get(b.worker)
-            if at is not None and b.worker in self._idle and at in b.checkpoint:
-                self._memory[at] = b.worker
-            keys = tuple(k for k in b.checkpoint if k not in self._memory)
-            if keys:
-                running.append(RunningPosition(b.batch_id, (), b.position, keys))
         # A plain CostEstimator says when its predictions may have moved; costs from
         # any other estimator are computed again at every decision.
         estimator = self.estimator
         plain = type(estimator) is CostEstimator
         return self._forest.tree(
-            running,
-            promised,
+            (),
+            set(),
             self._memory.keys(),
             estimator.cost,
             estimator.version if plain else None,

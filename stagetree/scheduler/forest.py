@@ -8,12 +8,12 @@ again only the plan trees whose inputs changed since the last decision:
 
 * live requests and durable checkpoints, which the scheduler reports as they come and
   go (:meth:`StageForest.add_request`, ...);
-* running batches' positions and promised evaluations, which the scheduler reports
-  for the batches that changed since the last decision (:meth:`StageForest.set_batch`):
-  kept per plan tree, so that one batch's progress marks its own plan tree only, not
-  every plan tree with a running batch;
-* what saving batches contribute (pending checkpoints, models idle workers hold, parked
-  evaluations): few, so compared per plan tree at every decision.
+* running and saving batches' positions and promised evaluations, which the scheduler
+  reports for the batches that changed since the last decision
+  (:meth:`StageForest.set_batch`): kept per plan tree, so that one batch's progress
+  marks its own plan tree only, not every plan tree with a running batch;
+* the models idle workers hold that count as durable (compared with the last
+  decision's: only the plan trees of those that came or went are marked).
 
 A plan tree whose inputs changed is built again only if the build would read them
 differently. A build asks, at a fixed set of steps per plan node (the requests' steps
@@ -74,6 +74,7 @@ from stagetree.stages import (
 __all__ = ["StageForest"]
 
 Key = tuple[int, int]
+Slot = tuple[int, int]  # a batch's place in the order a build lists running positions
 _Order = tuple[int, int, int]
 
 
@@ -264,14 +265,17 @@ class StageForest:
         self._dirty: set[str] = set()
         self._parts: dict[str, _Part] = {}
         self._covered: dict[str, list[Covered]] = {}
-        self._volatile: dict[str, Any] = {}  # last signature of saving batches' inputs
-        # Running batches' inputs, kept per plan tree as the scheduler reports them
-        # (:meth:`set_batch`): positions by batch id, and promised evaluations with the
-        # number of batches that promise each; and what each batch last reported.
-        self._positions: dict[str, dict[int, RunningPosition]] = {}
+        self._volatile: dict[str, Any] = {}  # last signature of the per-call inputs
+        # Batches' inputs, kept per plan tree as the scheduler reports them
+        # (:meth:`set_batch`): positions by slot, and promised evaluations with the
+        # number of batches that promise each; and what each slot last reported.
+        self._positions: dict[str, dict[Slot, RunningPosition]] = {}
         self._promises: dict[str, dict[Key, int]] = {}
-        self._batches: dict[int, tuple[str | None, RunningPosition | None, frozenset[Key]]] = {}
+        self._batches: dict[Slot, tuple[str | None, RunningPosition | None, frozenset[Key]]] = {}
         self._compared = 0
+        # The models in memory at the last decision, and by plan tree.
+        self._memory: set[Key] = set()
+        self._memory_by_tree: dict[str, set[Key]] = {}
         self._all = _Sorted()
         self._ready = _Ready()
         self._waiting = _Sorted()
@@ -345,12 +349,13 @@ class StageForest:
             self._dirty.add(node.root_key)
 
     def set_batch(
-        self, batch_id: int, position: RunningPosition | None, evaluate: Iterable[Key] = ()
+        self, slot: Slot, position: RunningPosition | None, evaluate: Iterable[Key] = ()
     ) -> None:
-        """What running batch ``batch_id`` offers now: its ``position`` (None: none, it
-        ended or was aborted) and the evaluations it promised. Only the plan trees whose
-        inputs change are compared at the next :meth:`tree`."""
-        was = self._batches.get(batch_id)
+        """What the batch in ``slot`` offers now: its ``position`` (None: none, it ended
+        or was aborted) and the evaluations it promised. A plan tree's positions are
+        listed in slot order. Only the plan trees whose inputs change are compared at
+        the next :meth:`tree`."""
+        was = self._batches.get(slot)
         promised = frozenset(evaluate)
         root_key = None
         if position is not None and (position.segments or position.saving):
@@ -363,17 +368,17 @@ class StageForest:
             if old_key == root_key and old_position == position and old_promised == promised:
                 return
             if old_key is not None:
-                del self._positions[old_key][batch_id]
+                del self._positions[old_key][slot]
                 self._dirty.add(old_key)
             self._promise(old_promised, -1)
         if root_key is not None and position is not None:
-            self._positions.setdefault(root_key, {})[batch_id] = position
+            self._positions.setdefault(root_key, {})[slot] = position
             self._dirty.add(root_key)
         self._promise(promised, 1)
         if root_key is None and not promised:
-            self._batches.pop(batch_id, None)
+            self._batches.pop(slot, None)
         else:
-            self._batches[batch_id] = (root_key, position, promised)
+            self._batches[slot] = (root_key, position, promised)
 
     def _promise(self, keys: frozenset[Key], sign: int) -> None:
         for key in keys:
@@ -414,8 +419,8 @@ class StageForest:
     ) -> StageTree:
         """The stage tree of every live request not in ``promised``, from the durable
         checkpoints, the models in ``memory`` (counted as durable) and the ``running``
-        positions, after those of the running batches (:meth:`set_batch`, whose promised
-        evaluations are left out too: ``running`` and ``promised`` hold the others, few,
+        positions, after those of the batches (:meth:`set_batch`, whose promised
+        evaluations are left out too: ``running`` and ``promised`` hold any others, few,
         compared at every call); stage costs from ``cost``, whose predictions stay what they are
         while ``version`` does (None: they may change at any call). ``costs``, when
         given, is ``cost`` over a list of nodes at once (the same floats).
@@ -438,12 +443,26 @@ class StageForest:
             self._unchecked.discard(key)
             self._checkpoints.setdefault(node.root_key, set()).add(key)
             self._dirty.add(node.root_key)
-        volatile: dict[str, tuple[list[RunningPosition], set[Key], set[Key]]] = {}
+        dirty = self._dirty
+        # The models in memory: only the plan trees of those that came or went.
+        now = set(memory)
+        for key in now ^ self._memory:
+            root_key = self._root_key(key[0])
+            held = self._memory_by_tree.setdefault(root_key, set())
+            if key in now:
+                held.add(key)
+            else:
+                held.discard(key)
+                if not held:
+                    del self._memory_by_tree[root_key]
+            dirty.add(root_key)
+        self._memory = now
+        volatile: dict[str, tuple[list[RunningPosition], set[Key]]] = {}
 
-        def part(root_key: str) -> tuple[list[RunningPosition], set[Key], set[Key]]:
+        def part(root_key: str) -> tuple[list[RunningPosition], set[Key]]:
             got = volatile.get(root_key)
             if got is None:
-                got = volatile[root_key] = ([], set(), set())
+                got = volatile[root_key] = ([], set())
             return got
 
         for pos in running:
@@ -452,12 +471,7 @@ class StageForest:
                 part(self._root_key(first))[0].append(pos)
         for key in promised:
             part(self._root_key(key[0]))[1].add(key)
-        for key in memory:
-            part(self._root_key(key[0]))[2].add(key)
-        signatures = {
-            k: (tuple(r), frozenset(p), frozenset(m)) for k, (r, p, m) in volatile.items()
-        }
-        dirty = self._dirty
+        signatures = {k: (tuple(r), frozenset(p)) for k, (r, p) in volatile.items()}
         for k in self._volatile.keys() | signatures.keys():
             if self._volatile.get(k) != signatures.get(k):
                 dirty.add(k)
@@ -466,9 +480,9 @@ class StageForest:
             self._reindex(estimator)
         self._compared = len(dirty)
         for root_key in dirty:
-            running_k, promised_k, memory_k = volatile.get(root_key, ((), set(), set()))
-            # The running batches' positions come first, in batch order (the order a
-            # scheduler lists its running batches before its saving ones).
+            running_k, promised_k = volatile.get(root_key, ((), set()))
+            memory_k = self._memory_by_tree.get(root_key, set())
+            # The batches' positions come first, in slot order.
             positions = self._positions.get(root_key)
             if positions:
                 running_k = [positions[b] for b in sorted(positions)] + list(running_k)

@@ -1,6 +1,7 @@
-"""A check that the forest's kept inputs of running batches equal the ones listed from
-scratch at every decision (loaded as a fixture by ``conftest.py``; a pytest plugin for
-other suites: ``-p tests.stages.forest_check``)."""
+"""A check that the batches' inputs the scheduler keeps in its forest (and the models in
+memory) equal the ones listed from scratch, before every stage tree: the fixture
+``checked_forest`` (imported by ``test_forest_batches.py``), or a pytest plugin for any
+suite (``-p forest_check`` with ``tests/stages`` on the path)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,42 @@ import pytest
 from stagetree.scheduler import core
 
 
-def scratch_inputs(scheduler: core.Scheduler) -> dict[str, Any]:
-    """The running batches' inputs per plan tree, listed from the batches themselves."""
+def scratch_inputs(scheduler: core.Scheduler) -> tuple[dict[str, Any], dict[Any, int]]:
+    """The batches' inputs per plan tree and the models in memory, listed from the
+    running and saving batches themselves (as the scheduler listed them per decision
+    before it kept them)."""
     nodes = scheduler.nodes
-    out: dict[str, tuple[list[Any], set[Any]]] = {}
+    running: list[Any] = []
+    promised: set[Any] = set()
     for b in scheduler._active():
-        pos = core.Scheduler._running_position(b)
+        running.append(core.Scheduler._running_position(b))
+        promised |= b.evaluate
+    memory: dict[Any, int] = {}
+    for b in scheduler._saving.values():
+        promised.update(b.parked)
+        at = scheduler._worker_at.get(b.worker)
+        if at is not None and b.worker in scheduler._idle and at in b.checkpoint:
+            memory[at] = b.worker
+        keys = tuple(k for k in b.checkpoint if k not in memory)
+        if keys:
+            running.append(core.RunningPosition(b.batch_id, (), b.position, keys))
+    out: dict[str, tuple[list[Any], set[Any]]] = {}
+    for pos in running:
         if pos.segments or pos.saving:
             first = pos.segments[0][0] if pos.segments else pos.saving[0][0]
             out.setdefault(nodes[first].root_key, ([], set()))[0].append(pos)
-        for key in b.evaluate:
-            out.setdefault(nodes[key[0]].root_key, ([], set()))[1].add(key)
-    return {k: (tuple(r), frozenset(p)) for k, (r, p) in out.items() if r or p}
+    for key in promised:
+        out.setdefault(nodes[key[0]].root_key, ([], set()))[1].add(key)
+    inputs = {k: (tuple(r), frozenset(p)) for k, (r, p) in out.items() if r or p}
+    return inputs, memory
 
 
 def check(scheduler: core.Scheduler) -> None:
     """Raise AssertionError where the forest's kept inputs differ from scratch."""
     scheduler._report_batches()
-    assert scheduler._forest.batch_inputs() == scratch_inputs(scheduler)
+    inputs, memory = scratch_inputs(scheduler)
+    assert scheduler._forest.batch_inputs() == inputs
+    assert list(scheduler._memory.items()) == list(memory.items())
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The running batches' inputs the forest keeps across decisions (``StageForest.
+"""The batches' inputs the forest keeps across decisions (``StageForest.
 set_batch``): equal to the ones listed from scratch after random event sequences, and a
 decision after one batch's progress looks at that batch's plan tree only."""
 
@@ -22,7 +22,8 @@ __all__ = ["checked_forest"]  # the fixture, used by name below
 @pytest.mark.parametrize("seed", range(6))
 def test_kept_batch_inputs_equal_scratch_at_every_decision(seed: int) -> None:
     """Arrivals, cancellations, live splits, lost workers: before every stage tree the
-    kept positions and promises per plan tree equal the ones listed from scratch."""
+    kept positions and promises per plan tree (running and saving batches) and the
+    models in memory equal the ones listed from scratch."""
     rng = random.Random(300 + seed)
     sim = Sim(workers=rng.randint(1, 4))
     trials = random_trials(rng, 20, horizon=150)
