@@ -734,16 +734,16 @@ class Engine:
                 node, step = where
             else:
                 node, step = ins.node, ins.step
-            tid = self._trial_id(slot, root_key, config, hp, steps, node, step)
-            waiter = Waiter(slot.name, tid, root_key, node, step)
             known = storage.get_metrics(node, step)
             if known is not None:
-                storage.update_trial(tid, state="done")
+                tid = self._record_trial(slot, root_key, config, hp, steps, node, step, known)
+                waiter = Waiter(slot.name, tid, root_key, node, step)
                 waiter.future.set_result(known)
                 return waiter
         self.ensure_started()
         with self.lock:
-            storage.add_request(node, step)
+            tid = self._record_trial(slot, root_key, config, hp, steps, node, step, None)
+            waiter = Waiter(slot.name, tid, root_key, node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
             self._waiting_steps.setdefault(node, {})[step] = None
             self._studies.add(slot.name)  # a study served: its meta records the workers
@@ -752,7 +752,7 @@ class Engine:
             self._enqueue(events)
         return waiter
 
-    def _trial_id(
+    def _record_trial(
         self,
         slot: StudySlot,
         root_key: str,
@@ -761,20 +761,34 @@ class Engine:
         steps: int,
         node: int,
         step: int,
+        known: dict[str, float] | None,
     ) -> int:
+        """Record a submitted trial and, unless the plan ``known`` its metrics (then it
+        is done), its request: one transaction, so that a crash leaves neither a trial
+        without its request nor a request without its trial (lock held)."""
         ident = trial_digest((canonical_json(cfg), dumps_hp(seqs)))
-        tid = slot.trial_ids.get(ident)
+        cached = slot.trial_ids.get(ident)
         self._ensure_row(slot)
-        if tid is None:
-            # unique: another process may have recorded the same trial meanwhile
-            attrs = {"version": slot.version}
-            tid = self.storage.add_trial(
-                slot.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
-            )
-            slot.trial_ids[ident] = tid
-        rec = self.storage.trial(tid)
-        if steps > rec["steps"]:
-            self.storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
+
+        def write() -> int:
+            tid = cached
+            if tid is None:
+                # unique: another process may have recorded the same trial meanwhile
+                attrs = {"version": slot.version}
+                tid = self.storage.add_trial(
+                    slot.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
+                )
+            rec = self.storage.trial(tid)
+            if steps > rec["steps"]:
+                self.storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
+            if known is not None:
+                self.storage.update_trial(tid, state="done")
+            else:
+                self.storage.add_request(node, step)
+            return tid
+
+        tid = self.storage.atomically(write)
+        slot.trial_ids[ident] = tid  # once committed: a retried write() adds it again
         return tid
 
     def declare(
@@ -1459,32 +1473,48 @@ class Engine:
         metrics: dict[str, float] | None = None,
         error: tuple[str, str, str] | None = None,
     ) -> None:
-        req = self.storage.request(node, step)
         held = self._unstored.pop((node, step), None)
-        if error is None and held is not None:
-            self.storage.put_metrics(node, step, held)
+        waiters = [w for w in self._waiters.get((node, step), []) if not w.future.done()]
+        failure = None
         if error is not None:
-            if req is not None:
-                self.storage.set_request_state(node, step, RequestState.FAILED, error=error[0])
-        else:
-            if metrics is None:
-                metrics = self.storage.get_metrics(node, step) or {}
-            if req is not None:
+            text, tb, where = error
+            failure = failure_record(text, tb, where)
+
+        def write() -> dict[str, float] | None:
+            # The request's metrics and state and its trials' states in one transaction,
+            # durable before any trial is answered: a trial reported finished survives a
+            # crash, and none is stored half finished.
+            req = self.storage.request(node, step)
+            if error is None and held is not None:
+                self.storage.put_metrics(node, step, held)
+            if error is not None:
+                if req is not None:
+                    self.storage.set_request_state(node, step, RequestState.FAILED, error=error[0])
+            elif req is not None:
                 self.storage.set_request_state(node, step, RequestState.DONE)
+            for w in waiters:
+                self._set_trial_state(w, "failed" if failure else "done", error=failure)
+            if error is None and metrics is None:
+                return self.storage.get_metrics(node, step) or {}
+            return metrics
+
+        try:
+            metrics = self.storage.atomically(write)
+        except BaseException:
+            if held is not None:  # kept for the next try
+                self._unstored[(node, step)] = held
+            raise
         if (node, step) in self._waiters:
             self._unwait(node, step)
-        for w in self._waiters.pop((node, step), []):
-            if w.future.done():
-                continue
+        self._waiters.pop((node, step), None)
+        for w in waiters:
             if error is not None:
                 text, tb, where = error
                 message = f"trial {w.trial_id} failed {where}: {text}" if where else text
                 w.future.set_exception(TrialFailedError(message, tb))
-                self._set_trial_state(w, "failed", error=failure_record(text, tb, where))
             else:
                 assert metrics is not None
                 w.future.set_result(metrics)
-                self._set_trial_state(w, "done")
 
     def _set_trial_state(
         self,
