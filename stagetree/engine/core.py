@@ -726,23 +726,54 @@ class Engine:
                 waiter = Waiter(slot.name, done.id, tree, done.node, done.step)
                 waiter.future.set_result(dict(done.final))
                 return waiter
-            root_key, ins = self._insert_path(slot, config, hp, max(steps, horizon))
-            leaf = ins.node
-            if horizon > steps:
-                where = storage.locate(root_key, hp, steps)
-                assert where is not None
-                node, step = where
+            self._ensure_row(slot)
+            ident = trial_digest((canonical_json(config), dumps_hp(hp)))
+
+            def plan() -> tuple[str, int, int, int, dict[str, float] | None]:
+                root_key, ins = self._insert_path(slot, config, hp, max(steps, horizon))
+                if horizon > steps:
+                    where = storage.locate(root_key, hp, steps)
+                    assert where is not None
+                    return (root_key, ins.node, *where, storage.get_metrics(*where))
+                return (
+                    root_key,
+                    ins.node,
+                    ins.node,
+                    ins.step,
+                    storage.get_metrics(ins.node, ins.step),
+                )
+
+            def record(root_key: str, node: int, step: int, known: Any) -> int:
+                return self._record_trial(
+                    slot, ident, root_key, config, hp, steps, node, step, known
+                )
+
+            if self._serving():
+                # Workers up: the trial's path, row and request in one transaction.
+                def whole() -> tuple[str, int, int, int, dict[str, float] | None, int]:
+                    root_key, leaf, node, step, known = plan()
+                    return root_key, leaf, node, step, known, record(root_key, node, step, known)
+
+                root_key, leaf, node, step, known, tid = storage.atomically(whole)
+                slot.trial_ids[ident] = tid  # once committed: a rerun whole() adds it again
+                recorded: int | None = tid
             else:
-                node, step = ins.node, ins.step
-            known = storage.get_metrics(node, step)
+                root_key, leaf, node, step, known = plan()
+                if known is not None:
+                    tid = storage.atomically(lambda: record(root_key, node, step, known))
+                    slot.trial_ids[ident] = tid
+                    recorded = tid
+                else:
+                    recorded = None
             if known is not None:
-                tid = self._record_trial(slot, root_key, config, hp, steps, node, step, known)
                 waiter = Waiter(slot.name, tid, root_key, node, step)
                 waiter.future.set_result(known)
                 return waiter
         self.ensure_started()
         with self.lock:
-            tid = self._record_trial(slot, root_key, config, hp, steps, node, step, None)
+            if recorded is None:  # the workers started for it: its row and request now
+                tid = storage.atomically(lambda: record(root_key, node, step, None))
+                slot.trial_ids[ident] = tid
             waiter = Waiter(slot.name, tid, root_key, node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
             self._waiting_steps.setdefault(node, {})[step] = None
@@ -755,6 +786,7 @@ class Engine:
     def _record_trial(
         self,
         slot: StudySlot,
+        ident: bytes,
         root_key: str,
         cfg: dict[str, Any],
         seqs: dict[str, Sequence],
@@ -764,32 +796,32 @@ class Engine:
         known: dict[str, float] | None,
     ) -> int:
         """Record a submitted trial and, unless the plan ``known`` its metrics (then it
-        is done), its request: one transaction, so that a crash leaves neither a trial
-        without its request nor a request without its trial (lock held)."""
-        ident = trial_digest((canonical_json(cfg), dumps_hp(seqs)))
-        cached = slot.trial_ids.get(ident)
-        self._ensure_row(slot)
-
-        def write() -> int:
-            tid = cached
-            if tid is None:
-                # unique: another process may have recorded the same trial meanwhile
-                attrs = {"version": slot.version}
-                tid = self.storage.add_trial(
-                    slot.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
-                )
-            rec = self.storage.trial(tid)
-            if steps > rec["steps"]:
-                self.storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
-            if known is not None:
-                self.storage.update_trial(tid, state="done")
-            else:
-                self.storage.add_request(node, step)
-            return tid
-
-        tid = self.storage.atomically(write)
-        slot.trial_ids[ident] = tid  # once committed: a retried write() adds it again
+        is done), its request; returns its id. The caller makes it one transaction, so
+        that a crash leaves neither a trial without its request nor a request without
+        its trial, and caches the id once committed (lock held)."""
+        tid = slot.trial_ids.get(ident)
+        if tid is None:
+            # unique: another process may have recorded the same trial meanwhile
+            attrs = {"version": slot.version}
+            tid = self.storage.add_trial(
+                slot.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
+            )
+        rec = self.storage.trial(tid)
+        if steps > rec["steps"]:
+            self.storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
+        if known is not None:
+            self.storage.update_trial(tid, state="done")
+        else:
+            self.storage.add_request(node, step)
         return tid
+
+    def _serving(self) -> bool:
+        """Whether the workers and the driver run (lock held): a submission then needs
+        nothing started between its path's insertion and its request."""
+        executor = self.executor
+        if self.error is not None or executor is None:
+            return False
+        return executor.clock.virtual or self._thread is not None
 
     def declare(
         self,

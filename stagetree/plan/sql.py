@@ -546,12 +546,21 @@ class SQLPlanStorage(BasePlanStorage):
             with self._lock:
                 if getattr(self._joined, "conn", None) is not None:
                     return fn()  # already inside one
-                with self._tx(write=True) as conn:
-                    self._joined.conn = conn
-                    try:
-                        return fn()
-                    finally:
-                        self._joined.conn = None
+                try:
+                    with self._tx(write=True) as conn:
+                        self._joined.conn = conn
+                        try:
+                            return fn()
+                        finally:
+                            self._joined.conn = None
+                except BaseException:
+                    # What the calls cached may be rolled back (nodes, trees, trial
+                    # rows, roots): read again from the database.
+                    self._trees.clear()
+                    self._node_cache.clear()
+                    self._trial_keys.clear()
+                    self._roots_seen.clear()
+                    raise
 
         return typed(T, self._retrying(run))
 

@@ -92,6 +92,8 @@ def test_a_trial_is_submitted_and_ended_in_one_transaction_each(url: str, tmp_pa
     assert len(new_trials) == TRIALS
     for tx in new_trials:  # the trial's row and its request go in together
         assert _writes(tx, "requests")
+    # Once the workers run (from the first submission on), its path's new node too.
+    assert sum(_writes(tx, "nodes") for tx in new_trials) >= TRIALS - 1
     trial_ends = [tx for tx in seen if _writes(tx, "trials") and _writes(tx, "requests")]
     # Each end writes the request's state and the trial's state together (and the
     # metrics held for the checkpoint, when there are any).

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
+from stagetree.hp import Constant
 from stagetree.plan import SQLPlanStorage
 
 PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")
@@ -84,5 +85,18 @@ def test_atomically_commits_its_calls_once_or_not_at_all(url: str) -> None:
         assert len(plan.trials("s")) == 1  # nothing of it was written
         assert plan.get_metrics(ins.node, ins.step) is None
         assert plan.revision() == before + 1
+
+        plan.insert_trial("q", {"lr": Constant(0.2)}, 4, request=False)
+
+        def planted() -> None:  # a new path, then a crash: the tree holds no trace of it
+            plan.insert_trial("q", {"lr": Constant(0.1)}, 4, request=False)
+            raise RuntimeError("crash")
+
+        with pytest.raises(RuntimeError):
+            plan.atomically(planted)
+        assert plan.locate("q", {"lr": Constant(0.1)}, 4) is None
+        again = plan.insert_trial("q", {"lr": Constant(0.1)}, 4, request=False)
+        assert plan.locate("q", {"lr": Constant(0.1)}, 4) == (again.node, 4)
+        assert plan.node(again.node).root_key == "q"
     finally:
         plan.close()
