@@ -726,24 +726,55 @@ class Engine:
                 waiter = Waiter(slot.name, done.id, tree, done.node, done.step)
                 waiter.future.set_result(dict(done.final))
                 return waiter
-            root_key, ins = self._insert_path(slot, config, hp, max(steps, horizon))
-            leaf = ins.node
-            if horizon > steps:
-                where = storage.locate(root_key, hp, steps)
-                assert where is not None
-                node, step = where
+            self._ensure_row(slot)
+            ident = trial_digest((canonical_json(config), dumps_hp(hp)))
+
+            def plan() -> tuple[str, int, int, int, dict[str, float] | None]:
+                root_key, ins = self._insert_path(slot, config, hp, max(steps, horizon))
+                if horizon > steps:
+                    where = storage.locate(root_key, hp, steps)
+                    assert where is not None
+                    return (root_key, ins.node, *where, storage.get_metrics(*where))
+                return (
+                    root_key,
+                    ins.node,
+                    ins.node,
+                    ins.step,
+                    storage.get_metrics(ins.node, ins.step),
+                )
+
+            def record(root_key: str, node: int, step: int, known: Any) -> int:
+                return self._record_trial(
+                    slot, ident, root_key, config, hp, steps, node, step, known
+                )
+
+            if self._serving():
+                # Workers up: the trial's path, row and request in one transaction.
+                def whole() -> tuple[str, int, int, int, dict[str, float] | None, int]:
+                    root_key, leaf, node, step, known = plan()
+                    return root_key, leaf, node, step, known, record(root_key, node, step, known)
+
+                root_key, leaf, node, step, known, tid = storage.atomically(whole)
+                slot.trial_ids[ident] = tid  # once committed: a rerun whole() adds it again
+                recorded: int | None = tid
             else:
-                node, step = ins.node, ins.step
-            tid = self._trial_id(slot, root_key, config, hp, steps, node, step)
-            waiter = Waiter(slot.name, tid, root_key, node, step)
-            known = storage.get_metrics(node, step)
+                root_key, leaf, node, step, known = plan()
+                if known is not None:
+                    tid = storage.atomically(lambda: record(root_key, node, step, known))
+                    slot.trial_ids[ident] = tid
+                    recorded = tid
+                else:
+                    recorded = None
             if known is not None:
-                storage.update_trial(tid, state="done")
+                waiter = Waiter(slot.name, tid, root_key, node, step)
                 waiter.future.set_result(known)
                 return waiter
         self.ensure_started()
         with self.lock:
-            storage.add_request(node, step)
+            if recorded is None:  # the workers started for it: its row and request now
+                tid = storage.atomically(lambda: record(root_key, node, step, None))
+                slot.trial_ids[ident] = tid
+            waiter = Waiter(slot.name, tid, root_key, node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
             self._waiting_steps.setdefault(node, {})[step] = None
             self._studies.add(slot.name)  # a study served: its meta records the workers
@@ -752,30 +783,45 @@ class Engine:
             self._enqueue(events)
         return waiter
 
-    def _trial_id(
+    def _record_trial(
         self,
         slot: StudySlot,
+        ident: bytes,
         root_key: str,
         cfg: dict[str, Any],
         seqs: dict[str, Sequence],
         steps: int,
         node: int,
         step: int,
+        known: dict[str, float] | None,
     ) -> int:
-        ident = trial_digest((canonical_json(cfg), dumps_hp(seqs)))
+        """Record a submitted trial and, unless the plan ``known`` its metrics (then it
+        is done), its request; returns its id. The caller makes it one transaction, so
+        that a crash leaves neither a trial without its request nor a request without
+        its trial, and caches the id once committed (lock held)."""
         tid = slot.trial_ids.get(ident)
-        self._ensure_row(slot)
         if tid is None:
             # unique: another process may have recorded the same trial meanwhile
             attrs = {"version": slot.version}
             tid = self.storage.add_trial(
                 slot.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
             )
-            slot.trial_ids[ident] = tid
         rec = self.storage.trial(tid)
         if steps > rec["steps"]:
             self.storage.update_trial(tid, steps=steps, node=node, step=step, state="pending")
+        if known is not None:
+            self.storage.update_trial(tid, state="done")
+        else:
+            self.storage.add_request(node, step)
         return tid
+
+    def _serving(self) -> bool:
+        """Whether the workers and the driver run (lock held): a submission then needs
+        nothing started between its path's insertion and its request."""
+        executor = self.executor
+        if self.error is not None or executor is None:
+            return False
+        return executor.clock.virtual or self._thread is not None
 
     def declare(
         self,
@@ -1459,32 +1505,48 @@ class Engine:
         metrics: dict[str, float] | None = None,
         error: tuple[str, str, str] | None = None,
     ) -> None:
-        req = self.storage.request(node, step)
         held = self._unstored.pop((node, step), None)
-        if error is None and held is not None:
-            self.storage.put_metrics(node, step, held)
+        waiters = [w for w in self._waiters.get((node, step), []) if not w.future.done()]
+        failure = None
         if error is not None:
-            if req is not None:
-                self.storage.set_request_state(node, step, RequestState.FAILED, error=error[0])
-        else:
-            if metrics is None:
-                metrics = self.storage.get_metrics(node, step) or {}
-            if req is not None:
+            text, tb, where = error
+            failure = failure_record(text, tb, where)
+
+        def write() -> dict[str, float] | None:
+            # The request's metrics and state and its trials' states in one transaction,
+            # durable before any trial is answered: a trial reported finished survives a
+            # crash, and none is stored half finished.
+            req = self.storage.request(node, step)
+            if error is None and held is not None:
+                self.storage.put_metrics(node, step, held)
+            if error is not None:
+                if req is not None:
+                    self.storage.set_request_state(node, step, RequestState.FAILED, error=error[0])
+            elif req is not None:
                 self.storage.set_request_state(node, step, RequestState.DONE)
+            for w in waiters:
+                self._set_trial_state(w, "failed" if failure else "done", error=failure)
+            if error is None and metrics is None:
+                return self.storage.get_metrics(node, step) or {}
+            return metrics
+
+        try:
+            metrics = self.storage.atomically(write)
+        except BaseException:
+            if held is not None:  # kept for the next try
+                self._unstored[(node, step)] = held
+            raise
         if (node, step) in self._waiters:
             self._unwait(node, step)
-        for w in self._waiters.pop((node, step), []):
-            if w.future.done():
-                continue
+        self._waiters.pop((node, step), None)
+        for w in waiters:
             if error is not None:
                 text, tb, where = error
                 message = f"trial {w.trial_id} failed {where}: {text}" if where else text
                 w.future.set_exception(TrialFailedError(message, tb))
-                self._set_trial_state(w, "failed", error=failure_record(text, tb, where))
             else:
                 assert metrics is not None
                 w.future.set_result(metrics)
-                self._set_trial_state(w, "done")
 
     def _set_trial_state(
         self,

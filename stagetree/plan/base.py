@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from stagetree.exceptions import PlanKeyError, RequestError
 from stagetree.hp import Sequence
@@ -20,6 +20,8 @@ from stagetree.plan.model import (
     RequestState,
 )
 from stagetree.plan.tree import Insertion, is_canonical, names_key
+
+T = TypeVar("T")
 
 __all__ = [
     "ActivityRecord",
@@ -243,9 +245,11 @@ class BasePlanStorage(ABC):
       ``(node, S)``: the deepest node of the path with ``branch_step < S`` (the root for
       ``S == 0``). Requests, checkpoints and metrics only accept canonical keys
       (``ValueError`` otherwise) of existing nodes (:class:`PlanKeyError` otherwise).
-    * **Atomicity**: every method is one transaction. ``insert_trials`` validates every
-      item before writing: a trial whose hyper-parameter names differ from its tree's
-      raises :class:`~stagetree.exceptions.InvalidTrialError` and nothing is written.
+    * **Atomicity**: every method is one transaction; :meth:`atomically` makes one of
+      several calls (the engine's writes of one trial's submission, or of its end).
+      ``insert_trials`` validates every item before writing: a trial whose
+      hyper-parameter names differ from its tree's raises
+      :class:`~stagetree.exceptions.InvalidTrialError` and nothing is written.
       Backends shared between processes (SQL) serialise write transactions, and read
       the tree inside the write transaction that extends it, so concurrent inserts never
       duplicate nodes or lose references.
@@ -285,6 +289,14 @@ class BasePlanStorage(ABC):
         """The full database URL (password included) another library may connect to,
         or None when the plan lives in this process only."""
         return None
+
+    def atomically(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (calls of this storage's methods only) as one transaction: its
+        writes are durable together or not at all, and cost one commit. On a transient
+        failure a backend may run ``fn`` again from the start (its writes rolled back),
+        so ``fn`` must not change anything but the plan. This default runs ``fn`` as it
+        is (each call its own transaction): for a plan held in this process only."""
+        return fn()
 
     # -- roots ---------------------------------------------------------------------------
 

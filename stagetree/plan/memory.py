@@ -39,6 +39,7 @@ from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, 
 __all__ = ["MemoryPlanStorage"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _writes(method: _F) -> _F:
@@ -79,6 +80,11 @@ class MemoryPlanStorage(BasePlanStorage):
         self._activity: list[ActivityRecord] = []
         self._revision = 0
         self._closed = False
+
+    def atomically(self, fn: Callable[[], T]) -> T:
+        # One lock around the calls: no other thread sees them half done.
+        with self._lock:
+            return fn()
 
     def _check_open(self) -> None:
         if self._closed:

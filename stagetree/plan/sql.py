@@ -242,6 +242,7 @@ def _transient(exc: SQLAlchemyError, pg: bool) -> bool:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _retried(method: F) -> F:
@@ -409,6 +410,7 @@ class SQLPlanStorage(BasePlanStorage):
     ) -> None:
         self._lock = threading.RLock()
         self._outer = threading.local()  # the retried call this thread is in, if any
+        self._joined = threading.local()  # the transaction of atomically(), if any
         self._closed = False
         self._absent: set[str] = set()  # tables a read-only handle found missing
         self._trees: dict[str, TreeIndex] = {}
@@ -498,6 +500,10 @@ class SQLPlanStorage(BasePlanStorage):
         runs again), unless it struck the COMMIT of a write, which may have been applied.
         """
         with self._lock:
+            joined = getattr(self._joined, "conn", None)
+            if joined is not None:  # inside atomically(): its transaction, its commit
+                yield joined
+                return
             if self._closed:
                 raise StorageError(f"plan storage {self._url!r} is closed")
             if write and self.readonly:
@@ -530,6 +536,33 @@ class SQLPlanStorage(BasePlanStorage):
 
                     raise Outage(cause, final) from exc
                 raise StorageError(f"{where}: {exc}") from exc
+
+    def atomically(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in one write transaction: the storage calls it makes join it (one
+        commit, one revision); on a transient failure it is rolled back and ``fn`` runs
+        again, within the ride-through window."""
+
+        def run() -> T:
+            with self._lock:
+                if getattr(self._joined, "conn", None) is not None:
+                    return fn()  # already inside one
+                try:
+                    with self._tx(write=True) as conn:
+                        self._joined.conn = conn
+                        try:
+                            return fn()
+                        finally:
+                            self._joined.conn = None
+                except BaseException:
+                    # What the calls cached may be rolled back (nodes, trees, trial
+                    # rows, roots): read again from the database.
+                    self._trees.clear()
+                    self._node_cache.clear()
+                    self._trial_keys.clear()
+                    self._roots_seen.clear()
+                    raise
+
+        return typed(T, self._retrying(run))
 
     def _init_schema(self) -> None:
         # Check the version with a read first, so that a newer database is not touched.

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
+from stagetree.hp import Constant
 from stagetree.plan import SQLPlanStorage
 
 PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")
@@ -50,5 +51,52 @@ def test_counters_of_many_scopes_take_one_statement(url: str) -> None:
         assert plan.stats("s0") == {"device_seconds": 0.5, "other": 3.0, "steps": 4.0}
         assert plan.stats("s7") == {"device_seconds": 0.5, "other": 3.0, "steps": 1.0}
         assert plan.stats()["steps"] == 11.0
+    finally:
+        plan.close()
+
+
+def test_atomically_commits_its_calls_once_or_not_at_all(url: str) -> None:
+    plan = SQLPlanStorage(url)
+    try:
+        plan.create_study("s", {})
+        ins = plan.insert_trial("r", {}, 4, request=False)
+        before = plan.revision()
+        commits: list[int] = []  # every transaction, reads too
+        event.listen(plan._engine, "commit", lambda conn: commits.append(1))
+
+        def write() -> int:
+            tid = plan.add_trial("s", "r", {}, {}, 4, ins.node, ins.step)
+            plan.add_request(ins.node, ins.step)
+            plan.update_trial(tid, state="running")
+            return tid
+
+        tid = plan.atomically(write)
+        assert len(commits) == 1 and plan.revision() == before + 1
+        assert plan.trial(tid)["state"] == "running"
+        assert plan.request(ins.node, ins.step) is not None
+
+        def broken() -> None:
+            plan.add_trial("s", "r", {"x": 1}, {}, 4, ins.node, ins.step)
+            plan.put_metrics(ins.node, ins.step, {"acc": 1.0})
+            raise RuntimeError("crash")
+
+        with pytest.raises(RuntimeError):
+            plan.atomically(broken)
+        assert len(plan.trials("s")) == 1  # nothing of it was written
+        assert plan.get_metrics(ins.node, ins.step) is None
+        assert plan.revision() == before + 1
+
+        plan.insert_trial("q", {"lr": Constant(0.2)}, 4, request=False)
+
+        def planted() -> None:  # a new path, then a crash: the tree holds no trace of it
+            plan.insert_trial("q", {"lr": Constant(0.1)}, 4, request=False)
+            raise RuntimeError("crash")
+
+        with pytest.raises(RuntimeError):
+            plan.atomically(planted)
+        assert plan.locate("q", {"lr": Constant(0.1)}, 4) is None
+        again = plan.insert_trial("q", {"lr": Constant(0.1)}, 4, request=False)
+        assert plan.locate("q", {"lr": Constant(0.1)}, 4) == (again.node, 4)
+        assert plan.node(again.node).root_key == "q"
     finally:
         plan.close()
