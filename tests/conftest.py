@@ -101,3 +101,21 @@ def fused_vs_unfused_determinism() -> Iterator[None]:
     with deterministic(threads=1, warn_only=True):
         yield
     torch.backends.cudnn.allow_tf32 = tf32
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def sql_plan_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A plan database URL per SQL backend: a fresh SQLite file, or the PostgreSQL
+    database of ``STAGETREE_TEST_DB_URL`` emptied first (skipped when unset)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'plan.db'}"
+        return
+    url = os.environ.get("STAGETREE_TEST_DB_URL")
+    if not url:
+        pytest.skip("set STAGETREE_TEST_DB_URL to run the PostgreSQL backend")
+    from stagetree.plan.sql import SQLPlanStorage  # the root conftest imports no stagetree
+
+    fresh = SQLPlanStorage(url)
+    fresh.drop_all()
+    fresh.close()
+    yield url

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from stagetree.plan import SQLPlanStorage
 from stagetree.reports import study_status
 
 SCRIPT = Path(__file__).resolve().parents[1] / "fakes" / "coop_script.py"
-PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")
 TTL = 2.0
 
 # Two overlapping studies: lr 0.05 constant, or halved at a milestone, 12 steps each.
@@ -31,17 +29,9 @@ TRIALS_B = [[None, 12], [6, 12], [8, 12]]
 UNIQUE_AB = 30
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'plan.db'}"
-        return
-    if not PG_URL:
-        pytest.skip("set STAGETREE_TEST_DB_URL to run the PostgreSQL backend")
-    fresh = SQLPlanStorage(PG_URL)
-    fresh.drop_all()
-    fresh.close()
-    yield PG_URL
+@pytest.fixture
+def url(sql_plan_url: str) -> str:
+    return sql_plan_url
 
 
 def launch(

@@ -6,12 +6,9 @@ reported finished whose state or metrics are not stored yet."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlalchemy import event
 
 from stagetree.distributions import LogUniform
@@ -22,21 +19,7 @@ from stagetree.space import RandomSpace
 from stagetree.study import Study
 from stagetree.tuners import RandomSearch
 
-PG_URL = os.environ.get("STAGETREE_TEST_DB_URL")
 TRIALS = 12
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'plan.db'}"
-        return
-    if not PG_URL:
-        pytest.skip("set STAGETREE_TEST_DB_URL to run the PostgreSQL backend")
-    fresh = SQLPlanStorage(PG_URL)
-    fresh.drop_all()
-    fresh.close()
-    yield PG_URL
 
 
 def _transactions(plan: SQLPlanStorage) -> list[list[str]]:
@@ -66,8 +49,10 @@ def _writes(tx: list[str], table: str) -> bool:
     )
 
 
-def test_a_trial_is_submitted_and_ended_in_one_transaction_each(url: str, tmp_path: Path) -> None:
-    plan = SQLPlanStorage(url)
+def test_a_trial_is_submitted_and_ended_in_one_transaction_each(
+    sql_plan_url: str, tmp_path: Path
+) -> None:
+    plan = SQLPlanStorage(sql_plan_url)
     seen = _transactions(plan)
     executor = SimulatedExecutor(4, curve=LearningCurve(aliases={"acc": "accuracy"}))
     space = RandomSpace(hp={"lr": Constant(LogUniform(1e-3, 0.3))})  # type: ignore[arg-type]
