@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from stagetree.exceptions import FusionError, TrainerError
@@ -12,6 +14,8 @@ from stagetree.exceptions import FusionError, TrainerError
 __all__ = [
     "FusedGroup",
     "Trainer",
+    "building_to_restore",
+    "built_to_restore",
     "caller_rng_kept",
     "check_checkpointable",
     "keep_caller_rng",
@@ -37,6 +41,32 @@ def keep_caller_rng(kept: bool) -> None:
 def caller_rng_kept() -> bool:
     """See :func:`keep_caller_rng`."""
     return _caller_rng["kept"]
+
+
+# Whether the trainers this thread constructs now are restored right after: see
+# built_to_restore.
+_restoring = threading.local()
+
+
+@contextlib.contextmanager
+def built_to_restore() -> Iterator[None]:
+    """Trainers constructed in this block (by this thread) get ``load_state_dict`` right
+    after, before any other call: a trainer class that says so may skip the part of its
+    construction the restore overwrites (see
+    :attr:`stagetree.torch.TorchTrainer.restore_skips_init`); the others build as
+    always. A worker builds the trainer of a batch that starts from a checkpoint in it.
+    """
+    before = building_to_restore()
+    _restoring.on = True
+    try:
+        yield
+    finally:
+        _restoring.on = before
+
+
+def building_to_restore() -> bool:
+    """Whether this thread is inside :func:`built_to_restore`."""
+    return bool(getattr(_restoring, "on", False))
 
 
 class Trainer:

@@ -212,6 +212,8 @@ class RunningBatch:
 # racing past branch points of trials that were submitted at the same moment.
 _QUIET = 0.02
 _MAX_DELAY = 0.25
+# Seconds the driver waits for the executor's events in one round.
+_POLL = 0.01
 # A burst a front end announces (begin_burst/end_burst: Study.submit, the submissions of
 # one pass of its event loop) is planned once all of it arrived, however long each
 # insertion took on a loaded machine; an end never announced stops counting after
@@ -1044,10 +1046,15 @@ class Engine:
         try:
             while not self._stop.is_set():
                 self._coalesce()
-                if not self.pump(timeout=0.01, coalesce=True) and not self._queued:
-                    # Nothing happened: sleep until a submission or the next poll.
-                    self._wake.wait(0.01)
-                    self._wake.clear()
+                began = time.monotonic()
+                if not self.pump(timeout=_POLL, coalesce=True) and not self._queued:
+                    # Nothing happened: sleep until a submission or the next poll, unless
+                    # the executor already waited the poll out watching its workers (a
+                    # sleep here would not see a worker's event until it ends).
+                    rest = _POLL - (time.monotonic() - began)
+                    if rest > 0:
+                        self._wake.wait(rest)
+                        self._wake.clear()
         except BaseException as exc:  # keep the error for every waiter and later calls
             self.error = exc
             tb = traceback.format_exc()

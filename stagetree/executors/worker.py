@@ -78,7 +78,7 @@ from stagetree.executors.devices import is_out_of_memory
 from stagetree.executors.kept import DEFAULT_KEEP_BYTES, KeptStates
 from stagetree.hp import step_values
 from stagetree.names import HpReadWatch
-from stagetree.trainer import Trainer
+from stagetree.trainer import Trainer, built_to_restore
 from stagetree.work import (
     Abort,
     AddCheckpoint,
@@ -504,10 +504,7 @@ class Worker:
         trainers = []
         try:
             for _ in range(n):
-                trainer = factory(batch.config)
-                if state is not None:
-                    trainer.load_state_dict(state)
-                trainers.append(trainer)
+                trainers.append(_built(factory, batch.config, state))
         except Exception as exc:
             raise _Failed(node, batch.start_step, exc, phase="start") from exc
         if state is not None:
@@ -570,12 +567,11 @@ class Worker:
             raise _Failed(node, batch.start_step, exc, phase="start") from exc
         state = self._start_state(batch, node)
         try:
-            trainer = factory(batch.config)
-            if state is not None:
-                trainer.load_state_dict(state)
-                self.stats.loads += 1
+            trainer = _built(factory, batch.config, state)
         except Exception as exc:
             raise _Failed(node, batch.start_step, exc, phase="start") from exc
+        if state is not None:
+            self.stats.loads += 1
         seconds = _perf() - begin
         self.stats.load_seconds += seconds
         self.stats.last_load_seconds = seconds
@@ -1283,6 +1279,18 @@ class _Missing:
 
 
 _MISSING: Any = _Missing()
+
+
+def _built(factory: TrainerFactory, config: Mapping[str, Any], state: Any) -> Trainer:
+    """A trainer built from ``config`` and restored from ``state`` (None: fresh). One
+    to be restored is built under :func:`~stagetree.trainer.built_to_restore`, so that
+    a trainer class that says so skips what the restore overwrites."""
+    if state is None:
+        return factory(config)
+    with built_to_restore():
+        trainer = factory(config)
+    trainer.load_state_dict(state)
+    return trainer
 
 
 def _train_metrics(raw: Any) -> dict[str, float]:

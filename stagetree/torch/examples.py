@@ -128,6 +128,9 @@ class _DigitsBase(FusibleTrainer):
     defaults: ClassVar[dict[str, Any]] = DIGITS_DEFAULTS
     # The fork server imports scikit-learn once for every worker (seconds each).
     warmup_imports = (*FusibleTrainer.warmup_imports, "sklearn.datasets")
+    # Construction draws only the model's initial weights (the split is fixed, the
+    # loader has its own seeded generator): a trainer built to be restored skips them.
+    restore_skips_init = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)

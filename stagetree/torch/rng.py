@@ -97,7 +97,13 @@ def seed_rng(seed: int) -> None:
     seed = operator.index(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed % 2**64)  # also seeds every CUDA device
+    if torch.accelerator.is_available():
+        torch.manual_seed(seed % 2**64)  # also seeds every CUDA device
+    else:
+        # The same for a process without accelerators, where torch.manual_seed would
+        # also queue a seed for each accelerator kind's lazy initialisation (with the
+        # stack that called it: most of the cost of seeding a trainer).
+        torch.default_generator.manual_seed(seed % 2**64)
 
 
 # -- encoding for checkpoints -------------------------------------------------------------

@@ -108,7 +108,7 @@ from stagetree.torch.rng import (
     seed_rng,
     set_rng_object_state,
 )
-from stagetree.trainer import Trainer, caller_rng_kept
+from stagetree.trainer import Trainer, building_to_restore, caller_rng_kept
 
 __all__ = ["TorchTrainer"]
 
@@ -181,15 +181,65 @@ def _seed_of(config: Any) -> int:
         raise ValueError(f"config['seed'] must be an integer, got {seed!r}") from None
 
 
+# The in-place random fills (tensor methods and torch.nn.init functions) that a trainer
+# built to be restored skips on its parameters: see TorchTrainer.restore_skips_init.
+_RANDOM_FILLS = frozenset(
+    {
+        "bernoulli_",
+        "cauchy_",
+        "exponential_",
+        "geometric_",
+        "kaiming_normal_",
+        "kaiming_uniform_",
+        "log_normal_",
+        "normal_",
+        "orthogonal_",
+        "random_",
+        "sparse_",
+        "trunc_normal_",
+        "uniform_",
+        "xavier_normal_",
+        "xavier_uniform_",
+    }
+)
+
+
+class _SkipParameterFills(torch.overrides.TorchFunctionMode):
+    """Inside: a random fill of an ``nn.Parameter`` does nothing (and draws nothing)."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _RANDOM_FILLS:
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.nn.Parameter):
+                return target
+        return func(*args, **kwargs)
+
+
 def _in_rng_scope(fn: F) -> F:
     """Run ``fn`` with the trainer's RNG streams swapped in; keep what it draws."""
 
     @functools.wraps(fn)
     def wrapper(self: TorchTrainer, *args: Any, **kwargs: Any) -> Any:
         seed = None
+        skip = False
         if fn.__name__ == "__init__" and _RNG not in self.__dict__:
             seed = _seed_of(args[0] if args else kwargs.get("config"))
+            skip = (
+                not self.__dict__.get(_DEPTH, 0)
+                and type(self).restore_skips_init
+                and building_to_restore()
+            )
         with self._rng_scope(seed=seed):
+            if skip:
+                with _SkipParameterFills():
+                    return fn(self, *args, **kwargs)
             return fn(self, *args, **kwargs)
 
     setattr(wrapper, _WRAPPED, True)
@@ -249,6 +299,16 @@ class TorchTrainer(Trainer):
     #: handle forks, is). A subclass adds to it:
     #: ``warmup_imports = (*TorchTrainer.warmup_imports, "sklearn.datasets")``.
     warmup_imports: ClassVar[tuple[str, ...]] = ("torch._dynamo",)
+    #: True in a subclass whose ``__init__`` draws random numbers only for the initial
+    #: values of parameters it checkpoints (``torch.nn.init``'s fills, or a
+    #: ``Tensor.uniform_``/``normal_``/... on an ``nn.Parameter``) and for objects it
+    #: checkpoints (a :class:`StageLoader` seeded from the config): built to be
+    #: restored from a checkpoint (:func:`stagetree.trainer.built_to_restore`, as a
+    #: worker does), it skips those fills, which the restore overwrites (two thirds of
+    #: building a small MLP). False by default: a later draw in ``__init__`` (a random
+    #: split of the data, a random buffer that is not checkpointed) would see other
+    #: numbers with the fills skipped, and the restored trainer would not be exact.
+    restore_skips_init: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
