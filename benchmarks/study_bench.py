@@ -155,7 +155,8 @@ def cpu_seconds(ex: LocalExecutor) -> float:
 
 
 class _RecordingExecutor(LocalExecutor):
-    """A LocalExecutor that keeps the RunBatch instructions and the checkpoint saves."""
+    """A LocalExecutor that keeps the RunBatch instructions and the checkpoint saves,
+    and when it sent each batch and received its end (``perf_counter``)."""
 
     def __init__(self, log: dict[str, list[Any]], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -165,13 +166,47 @@ class _RecordingExecutor(LocalExecutor):
     def submit(self, instruction: Any) -> None:
         if isinstance(instruction, RunBatch):
             self.log["batches"].append(instruction)
+            self.log["sent"].append((instruction.batch_id, instruction.worker, _perf()))
         super().submit(instruction)
 
     def events(self, timeout: float | None = None) -> list[Any]:
         out = super().events(timeout)
+        now = _perf()
         self.log["saves"].extend(e for e in out if isinstance(e, CheckpointSaved))
-        self.log["done"].extend(e for e in out if isinstance(e, BatchDone))
+        done = [e for e in out if isinstance(e, BatchDone)]
+        self.log["done"].extend(done)
+        self.log["received"].extend((e.batch_id, now) for e in done)
         return out
+
+
+def batch_gaps(log: Mapping[str, list[Any]]) -> dict[str, float]:
+    """Per batch, in ms, what a worker spent between batches, from the driver's side:
+    ``decision`` (a batch's end received -> the worker's next batch sent) and ``round
+    trip`` (a batch sent -> its end received, less the worker's ``busy_seconds``: the
+    instruction's and the end's way through the pipes, and the worker's own work
+    outside the batch); ``gap`` is their sum, over the batches that follow another on
+    the same worker."""
+    received = dict(log["received"])
+    busy = {e.batch_id: e.busy_seconds for e in log["done"]}
+    by_worker: dict[int, list[tuple[float, int]]] = {}
+    for bid, worker, at in log["sent"]:
+        if bid in received:
+            by_worker.setdefault(worker, []).append((at, bid))
+    decision = trip = 0.0
+    count = 0
+    for sent in by_worker.values():
+        sent.sort()
+        for (began, prev), (at, _) in itertools.pairwise(sent):
+            decision += at - received[prev]
+            trip += received[prev] - began - busy[prev]
+            count += 1
+    if not count:
+        return {"gap_ms": 0.0, "decision_ms": 0.0, "round_trip_ms": 0.0}
+    return {
+        "gap_ms": (decision + trip) / count * 1e3,
+        "decision_ms": decision / count * 1e3,
+        "round_trip_ms": trip / count * 1e3,
+    }
 
 
 def run_study(
@@ -181,7 +216,9 @@ def run_study(
     RunBatch instructions it issued."""
     url = f"sqlite:///{root / 'plan.db'}"
     ckdir = root / "checkpoints"
-    log: dict[str, list[Any]] = {"batches": [], "saves": [], "done": [], "executor": []}
+    log: dict[str, list[Any]] = {
+        "batches": [], "saves": [], "done": [], "executor": [], "sent": [], "received": [],
+    }  # fmt: skip
 
     def factory() -> LocalExecutor:
         return _RecordingExecutor(
@@ -207,7 +244,7 @@ def run_study(
         asyncio.run(warm_up())
         startup = _perf() - begin
         warm.stats()  # waits for the warm-up batches to report their end
-        for key in ("batches", "saves", "done"):
+        for key in ("batches", "saves", "done", "sent", "received"):
             log[key].clear()
         [executor] = log["executor"]
         cpu_before = cpu_seconds(executor)
@@ -244,6 +281,7 @@ def run_study(
         # stagetree.reports.costs.efficiency of the run (None: none recorded)
         "efficiency": stats.get("efficiency"),
         "efficiency_line": efficiency_line(stats) or "not recorded",
+        **batch_gaps(log),
     }
     if stats["steps_executed"] != row["steps_executed"]:
         print(
@@ -488,7 +526,8 @@ def report(rows: list[dict[str, Any]], ckpt: dict[str, Any] | None, args: Any) -
     headers = [
         "run", "mode", "wall s", "start-up s", "device-s", "worker CPU-s", "engine CPU-s",
         "steps executed", "steps requested", "unique", "merge rate", "batches", "ckpt saves",
-        "ckpt save s", "ckpt load s", "best acc", "load 1m",
+        "ckpt save s", "ckpt load s", "gap ms/batch (decision + round trip)", "best acc",
+        "load 1m",
     ]  # fmt: skip
     table = []
     for i, r in enumerate(rows):
@@ -497,8 +536,9 @@ def report(rows: list[dict[str, Any]], ckpt: dict[str, Any] | None, args: Any) -
             r["cpu_seconds"], r["engine_cpu"], int(r["steps_executed"]),
             int(r["steps_requested"]),
             int(r["steps_unique"]), r["merge_rate"], r["batches"], r["ckpt_saves"],
-            r["ckpt_save_seconds"], r["ckpt_load_seconds"], fmt(r["best_accuracy"], 4),
-            r["load"],
+            r["ckpt_save_seconds"], r["ckpt_load_seconds"],
+            f"{r['gap_ms']:.1f} ({r['decision_ms']:.1f} + {r['round_trip_ms']:.1f})",
+            fmt(r["best_accuracy"], 4), r["load"],
         ])  # fmt: skip
     out.append("Per run:\n")
     out.append(markdown_table(headers, table))
@@ -656,7 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(
                     f"repeat {rep + 1} {row['mode']}: wall {row['wall']:.1f} s, "
-                    f"device {row['device_seconds']:.1f} s, efficiency {row['efficiency_line']}",
+                    f"device {row['device_seconds']:.1f} s, efficiency {row['efficiency_line']}, "
+                    f"gap {row['gap_ms']:.1f} ms/batch (decision {row['decision_ms']:.1f} + "
+                    f"round trip {row['round_trip_ms']:.1f})",
                     file=sys.stderr,
                 )
                 if share:
