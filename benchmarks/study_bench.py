@@ -54,7 +54,14 @@ reading the file back. In this process, two workers (``Worker``, no subprocess) 
 the same one-step batch from the same checkpoint of the grid's model, alternately, N
 times each: the one that wrote it (kept) and one that keeps nothing (it reads the file:
 read, sha256, decode). Reported: the medians of the load (trainer build + restore) and of
-the batch's one training step after it, each side.
+the batch's one training step after it, each side, and of a file load's parts: reading
+the file's bytes alone, ``CheckpointStore.load`` (read, verify, decode) and the trainer's
+build as a worker does it before a load.
+
+Per study run, also the gap per batch between a worker's batches, from the driver's side
+(the times the executor sent each batch and received its end): the decision (an end
+received -> that worker's next batch sent) and the round trip (a batch sent -> its end
+received, less the worker's busy time).
 
 Run::
 
@@ -68,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -80,6 +88,7 @@ from typing import Any
 
 from _common import bar_plot, fmt, load_average, machine_info, markdown_table, median, write_plot
 
+import stagetree.trainer
 from stagetree import Study
 from stagetree.checkpoints import CheckpointStore
 from stagetree.cli import efficiency_line
@@ -454,6 +463,9 @@ def start_loads(rounds: int, threads: int, batches_per_step: int) -> dict[str, A
     hp = {"lr": Constant(0.1)}
     events: list[Any] = []
     out: dict[str, list[tuple[float, float]]] = {"kept": [], "file": []}
+    # What a file load costs beside reading its bytes: read alone, read + verify +
+    # decode (CheckpointStore.load), and the trainer's build (built to be restored).
+    parts: dict[str, list[float]] = {"read": [], "store_load": [], "build": []}
     with tempfile.TemporaryDirectory(prefix="stagetree-loads-") as tmp:
         store = CheckpointStore(tmp)
         kept = Worker(0, DigitsTrainer, store, events.append)
@@ -471,6 +483,15 @@ def start_loads(rounds: int, threads: int, batches_per_step: int) -> dict[str, A
                 done = next(e for e in events if isinstance(e, BatchDone))
                 if i:
                     out[name].append((done.load_seconds, done.busy_seconds - done.load_seconds))
+            if i:
+                for part, call in (
+                    ("read", lambda: store.bytes.get(ref)),
+                    ("store_load", lambda: store.load(ref)),
+                    ("build", lambda: _build_to_restore(config)),
+                ):
+                    began = _perf()
+                    call()
+                    parts[part].append(_perf() - began)
         kept_loads = kept.stats.kept_loads
         kept.close()
         bare.close()
@@ -479,7 +500,15 @@ def start_loads(rounds: int, threads: int, batches_per_step: int) -> dict[str, A
         "kept_loads": kept_loads,
         **{f"{k}_load": median(x[0] for x in v) for k, v in out.items()},
         **{f"{k}_step": median(x[1] for x in v) for k, v in out.items()},
+        **{f"{k}_ms": (median(v) or 0.0) * 1e3 for k, v in parts.items()},
     }
+
+
+def _build_to_restore(config: Mapping[str, Any]) -> None:
+    """Build the trainer as a worker does before a load (in full where this checkout of
+    stagetree has no ``built_to_restore``)."""
+    with getattr(stagetree.trainer, "built_to_restore", contextlib.nullcontext)():
+        DigitsTrainer(config)
 
 
 def loads_report(loads: dict[str, Any]) -> str:
@@ -494,6 +523,9 @@ def loads_report(loads: dict[str, Any]) -> str:
         f"{loads['kept_loads']} kept loads):\n\n"
         + markdown_table(["start from", "load ms", "first step ms"], rows)
         + f"\n\nload from the file / from the kept copy: {fmt(ratio)}"
+        + f"\n\nparts of a file load (medians, ms): reading its bytes {loads['read_ms']:.2f}, "
+        f"read + verify + decode (CheckpointStore.load) {loads['store_load_ms']:.2f}, "
+        f"the trainer's build before a load {loads['build_ms']:.2f}"
     )
 
 
