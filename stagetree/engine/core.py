@@ -169,6 +169,36 @@ class StudySlot:
         return key
 
 
+class NodeIds:
+    """A set of plan node ids as bits (ids are small ints counted up by the plan): the
+    engine's nodes known to the scheduler, an eighth of a byte each instead of a set
+    entry (memory per trial). Ids outside ``0 .. 2**32`` go to a plain set."""
+
+    __slots__ = ("_bits", "_other")
+
+    _LIMIT = 1 << 32
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self._other: set[int] = set()
+
+    def __contains__(self, node: object) -> bool:
+        if type(node) is int and 0 <= node < self._LIMIT:
+            byte = node >> 3
+            return byte < len(self._bits) and bool(self._bits[byte] >> (node & 7) & 1)
+        return node in self._other
+
+    def add(self, node: int) -> None:
+        """Add ``node``."""
+        if type(node) is int and 0 <= node < self._LIMIT:
+            byte = node >> 3
+            if byte >= len(self._bits):  # grow by half again: amortised O(1)
+                self._bits.extend(bytes(max(byte + 1, len(self._bits) * 3 // 2) - len(self._bits)))
+            self._bits[byte] |= 1 << (node & 7)
+        else:
+            self._other.add(node)
+
+
 def trial_digest(ident: tuple[str, str]) -> bytes:
     """A trial's key in :attr:`StudySlot.trial_ids`: a 128-bit digest of its identity
     ``(canonical config JSON, dumps_hp(hp))`` (16 bytes a trial instead of both texts)."""
@@ -268,7 +298,7 @@ class Engine:
         # nodes' trials running without a scan of every waiter).
         self._waiting_steps: dict[int, dict[int, None]] = {}
         self._known_roots: set[str] = set()
-        self._known_nodes: set[int] = set()
+        self._known_nodes = NodeIds()
         self._root_saves: dict[str, frozenset[int]] = {}  # SaveSteps sent, by tree
         self._save_sets: dict[frozenset[int], frozenset[int]] = {}  # one of each set
         self._thread: threading.Thread | None = None
@@ -1488,10 +1518,16 @@ class Engine:
         return [w.study for w in self._waiters.get((node, step), []) if not w.future.done()]
 
     def _unwait(self, node: int, step: int) -> None:
+        """Forget request ``(node, step)``'s submissions (lock held). Emptied, both
+        tables are made again: a dict keeps the table of its largest size (random
+        search's trials all wait at once), a new one is small."""
+        self._waiters.pop((node, step), None)
         steps = self._waiting_steps[node]
         del steps[step]
         if not steps:
             del self._waiting_steps[node]
+            if not self._waiting_steps:
+                self._waiters, self._waiting_steps = {}, {}
 
     def _mark_running(self, node: int) -> None:
         for step in list(self._waiting_steps.get(node, ())):
