@@ -158,18 +158,13 @@ class Trial:
     id: int
     config: dict[str, Any]
     hp: dict[str, Sequence]
-    # Slots, not an instance dict: a tuner keeps one Trial per trial of the study. The
-    # fingerprint's 16 hex digits are kept as their int (36 bytes, not a 65-byte str).
-    _fingerprint: int | None = field(default=None, init=False, repr=False)
+    # Slots, not an instance dict: a tuner keeps one Trial per trial of the study; the
+    # fingerprint is computed when a submission is logged, not kept (memory per trial).
 
     @property
     def fingerprint(self) -> str:
         """Short stable hash of the config and the sequences' JSON, for the replay log."""
-        fp = self._fingerprint
-        if fp is None:
-            fp = int(trial_fingerprint(self.config, self.hp), 16)
-            object.__setattr__(self, "_fingerprint", fp)
-        return f"{fp:016x}"
+        return trial_fingerprint(self.config, self.hp)
 
 
 def _same_items(a: Mapping[Any, Any], b: Mapping[Any, Any]) -> bool:

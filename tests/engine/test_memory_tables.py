@@ -1,16 +1,17 @@
 """The engine's per-node and per-request tables (issue 24, item 3): the nodes known to
 the scheduler are bits, and the tables of waiting submissions do not keep the size of
-their peak once every submission is answered."""
+their peak once every submission is answered; a study's trial digests are one table."""
 
 from __future__ import annotations
 
 import sys
 import tempfile
 
+import pytest
 from memory_helpers import simulated_study
 
 from stagetree.distributions import LogUniform
-from stagetree.engine.core import NodeIds
+from stagetree.engine.core import DigestIds, NodeIds, trial_digest
 from stagetree.space import RandomSpace
 from stagetree.tuners import RandomSearch
 
@@ -49,3 +50,22 @@ def test_waiting_tables_shrink_when_every_submission_is_answered() -> None:
             assert not engine.knows_node(max(nodes) + 1)
         finally:
             study.close()
+
+
+def test_digest_ids_map_digests_to_trial_ids_in_a_table() -> None:
+    ids = DigestIds()
+    keys = [trial_digest((f'{{"wd": {i}}}', "{}")) for i in range(3000)]
+    for tid, key in enumerate(keys):
+        ids[key] = tid
+    ids[keys[5]] = 7  # a key set again keeps one slot
+    assert len(ids) == 3000 and ids.get(keys[5]) == 7 and keys[5] in ids
+    assert all(ids.get(k) == t for t, k in enumerate(keys) if t != 5)
+    assert ids.get(bytes(16)) is None and ids.get(bytes(16), -1) == -1
+    assert sorted(ids) == sorted(keys)
+    # A dict of 16-byte keys holds about 100 bytes a trial; the table at most 72.
+    assert sys.getsizeof(ids._table) / len(ids) < 75
+    for bad in (b"short", "x" * 16):
+        with pytest.raises(TypeError):
+            ids.get(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ids[keys[0]] = -1

@@ -1,6 +1,7 @@
 """The tuner's memory per trial (issue 24, item 3): ``Tuner.results`` keeps its
 results' metrics in columns (no metrics and history dict per result) and gives back
-results equal to those observed; a trial keeps its fingerprint as an int."""
+results equal to those observed; a trial keeps no fingerprint (computed when asked); ASHA's rungs
+keep their members in columns."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from stagetree.hp import Constant, MultiStep
 from stagetree.records import trial_fingerprint
 from stagetree.space import RandomSpace
 from stagetree.tuners import ASHA, RandomSearch, Trial, TrialResult
+from stagetree.tuners.asha import RungValues
 from stagetree.tuners.base import ResultLog
 
 TRIALS = 40
@@ -28,20 +30,26 @@ def _space() -> RandomSpace:
     )
 
 
-def test_results_hold_no_dict_per_result() -> None:
-    # Was about 500 bytes a result beyond its trial: a pair, a TrialResult, a metrics
-    # and a history dict; now a few columns' entries.
+def _asha() -> ASHA:
+    """An ASHA run of ``TRIALS`` trials (its study closed: what the tuner keeps)."""
     with tempfile.TemporaryDirectory() as tmp:
         study = simulated_study(tmp)
         tuner = ASHA(_space(), "accuracy", min_steps=2, max_steps=8, num_trials=TRIALS, eta=2)
         try:
             study.tune(tuner)
-            gc.collect()
-            seen: set[int] = set()
-            reached_bytes([tuner.trials], seen)  # configs, sequences, fingerprints
-            per_result = reached_bytes([tuner.results], seen) / len(tuner.results)
         finally:
             study.close()
+    gc.collect()
+    return tuner
+
+
+def test_results_hold_no_dict_per_result() -> None:
+    # Was about 500 bytes a result beyond its trial: a pair, a TrialResult, a metrics
+    # and a history dict; now a few columns' entries.
+    tuner = _asha()
+    seen: set[int] = set()
+    reached_bytes([tuner.trials], seen)  # configs, sequences
+    per_result = reached_bytes([tuner.results], seen) / len(tuner.results)
     assert len(tuner.results) > TRIALS  # promotions: several results per trial
     assert per_result < 200, per_result
 
@@ -106,8 +114,34 @@ def test_a_result_the_columns_cannot_give_back_is_kept_as_it_came() -> None:
     assert log == list(log) and log != [] and ResultLog({}) == []
 
 
-def test_a_trial_keeps_its_fingerprint_as_an_int() -> None:
+def test_a_trial_keeps_no_fingerprint() -> None:
     trial = Trial(0, {"wd": 1e-4}, {"lr": MultiStep(0.1, [4], 0.1)})
     assert trial.fingerprint == trial_fingerprint(trial.config, trial.hp)
-    assert trial.fingerprint == trial.fingerprint  # the cached one
-    assert isinstance(trial._fingerprint, int)
+    assert Trial.__slots__ == ("id", "config", "hp")  # computed when asked
+
+
+def test_asha_rungs_keep_their_members_in_columns() -> None:
+    tuner = _asha()
+    (rungs,) = tuner.rungs
+    seen: set[int] = set()
+    reached_bytes([tuner.trials, tuner.results], seen)  # ids and values: the results'
+    members = sum(len(r) for r in rungs)
+    per_member = reached_bytes([tuner.rungs], seen) / members
+    assert len(rungs[0]) == TRIALS and members > TRIALS
+    assert per_member < 40, per_member  # a dict entry, its id and its value: over 70
+
+
+def test_rung_values_are_a_mapping_in_entry_order() -> None:
+    rung = RungValues()
+    for tid, value in ((5, 0.5), (2, -math.inf), (9, 0.75)):
+        rung.add(tid, value)
+    assert list(rung) == [5, 2, 9] and len(rung) == 3 and 2 in rung and 3 not in rung
+    assert rung == {5: 0.5, 2: -math.inf, 9: 0.75} and rung[9] == 0.75
+    rung.add(7, 0.25)  # after the index was built
+    assert rung[7] == 0.25 and list(rung.items())[-1] == (7, 0.25)
+    try:
+        rung.add(5, 1.0)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a trial enters a rung once")
