@@ -28,7 +28,7 @@ import time
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -268,6 +268,40 @@ class DigestIds:
                 yield bytes(table[at : at + 16])
 
 
+class TreeKeys(MutableMapping[tuple[str, frozenset[str]], str]):
+    """The engine's ``(root key, hp names) -> plan tree`` index, kept as
+    ``{names: {root key: tree}}``: one entry per tree and no ``(root key, names)``
+    tuple (memory per trial: a study has one set of names, and a tree per config)."""
+
+    __slots__ = ("_by_names",)
+
+    def __init__(self) -> None:
+        self._by_names: dict[frozenset[str], dict[str, str]] = {}
+
+    def __getitem__(self, key: tuple[str, frozenset[str]]) -> str:
+        base, names = key
+        return self._by_names[names][base]
+
+    def __setitem__(self, key: tuple[str, frozenset[str]], tree: str) -> None:
+        base, names = key
+        self._by_names.setdefault(names, {})[base] = tree
+
+    def __delitem__(self, key: tuple[str, frozenset[str]]) -> None:
+        base, names = key
+        trees = self._by_names[names]
+        del trees[base]
+        if not trees:
+            del self._by_names[names]
+
+    def __iter__(self) -> Iterator[tuple[str, frozenset[str]]]:
+        for names, trees in self._by_names.items():
+            for base in trees:
+                yield base, names
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_names.values()))
+
+
 def trial_digest(ident: tuple[str, str]) -> bytes:
     """A trial's key in :attr:`StudySlot.trial_ids`: a 128-bit digest of its identity
     ``(canonical config JSON, dumps_hp(hp))`` (16 bytes a trial instead of both texts)."""
@@ -409,7 +443,7 @@ class Engine:
         # entry per tree only where it is not the default (memory per trial).
         self._root_trainers: dict[str, str] = {}
         # (root key, hp names) -> the tree of those names (see BasePlanStorage.tree_key).
-        self._tree_keys: dict[tuple[str, frozenset[str]], str] = {}
+        self._tree_keys = TreeKeys()
         # study name -> its finished trials read at once, while its run replays its log
         self._replays: dict[str, ReplayAnswers] = {}
         # One copy of each set of hp names: a study's trials share it in _tree_keys.

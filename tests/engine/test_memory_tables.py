@@ -1,6 +1,7 @@
 """The engine's per-node and per-request tables (issue 24, item 3): the nodes known to
 the scheduler are bits, and the tables of waiting submissions do not keep the size of
-their peak once every submission is answered; a study's trial digests are one table."""
+their peak once every submission is answered; a study's trial digests are one table;
+the tree index keeps no (root key, names) tuple per tree."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from memory_helpers import simulated_study
 
 from stagetree.distributions import LogUniform
-from stagetree.engine.core import DigestIds, NodeIds, trial_digest
+from stagetree.engine.core import DigestIds, NodeIds, TreeKeys, trial_digest
 from stagetree.space import RandomSpace
 from stagetree.tuners import RandomSearch
 
@@ -48,6 +49,11 @@ def test_waiting_tables_shrink_when_every_submission_is_answered() -> None:
             nodes = engine.scheduler._nodes
             assert len(nodes) >= TRIALS and all(engine.knows_node(n) for n in nodes)
             assert not engine.knows_node(max(nodes) + 1)
+            # the tree index: one entry per tree, no (root key, names) tuple each
+            keys = engine._tree_keys
+            assert len(keys) == TRIALS and len(keys._by_names) == 1
+            trees = next(iter(keys._by_names.values()))
+            assert all(type(k) is str and type(v) is str for k, v in trees.items())
         finally:
             study.close()
 
@@ -69,3 +75,19 @@ def test_digest_ids_map_digests_to_trial_ids_in_a_table() -> None:
             ids.get(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         ids[keys[0]] = -1
+
+
+def test_tree_keys_are_a_mapping_of_root_key_and_names() -> None:
+    keys = TreeKeys()
+    a, b = frozenset({"lr"}), frozenset({"lr", "bs"})
+    keys[("r1", a)] = "r1"
+    keys[("r2", a)] = "r2"
+    keys[("r1", b)] = "t1"
+    assert len(keys) == 3 and keys[("r1", b)] == "t1" and keys.get(("r3", a)) is None
+    assert sorted(keys.items(), key=lambda kv: kv[1]) == [
+        (("r1", a), "r1"),
+        (("r2", a), "r2"),
+        (("r1", b), "t1"),
+    ]
+    assert keys.pop(("r1", b), None) == "t1" and keys.pop(("r1", b), None) is None
+    assert len(keys) == 2 and len(keys._by_names) == 1  # an emptied name set goes
