@@ -16,7 +16,10 @@ holder that reaches it; classes, modules and functions are not followed): the pl
 the bounded caches, the simulated workers and checkpoint store, then the driver's own
 (cost estimator, scheduler, engine, tuner, study). Its "driver's own" per trial is the
 figure of the goal "driver memory under 2 KiB per trial plus the plan's own size", at
-sizes ``tracemalloc`` cannot reach. Every run (either sizing) reports these groups.
+sizes ``tracemalloc`` cannot reach. ``--sizing detail`` is the walk with the driver's
+holders also sized per attribute (``tuner.results``, ``engine._tree_keys``...: what
+that attribute reaches that nothing walked before it did), largest growth per trial
+first. Every run (any sizing) reports these groups.
 
 A bounded cache (``hp._chunk``, an LRU cache of at most 512 chunks of a sequence's
 values) grows while it fills and then stays at its bound: it is a constant, not memory
@@ -25,7 +28,7 @@ driver's per-trial figure (between two sizes where it is still filling its slope
 that of the filling, not of the study).
 
 Run: ``python benchmarks/memory_scale.py [--n 1000 5000] [--tuners random asha]
-[--storage sqlite memory] [--workers 40] [--sizing tracemalloc|walk] [--top 15]
+[--storage sqlite memory] [--workers 40] [--sizing tracemalloc|walk|detail] [--top 15]
 [--json FILE]``. A ``PYTHONPATH`` naming another checkout measures that checkout's code.
 """
 
@@ -84,8 +87,22 @@ def _walk(roots: Iterable[Any], seen: set[int]) -> tuple[int, int]:
     return size, count
 
 
-def holder_sizes(study: Any, tuner: Any) -> dict[str, list[int]]:
-    """``[bytes, objects]`` per holder at the end of a study (see the module doc)."""
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    """An object's attributes (instance dict, then slots), for a walk per attribute."""
+    out = list(getattr(obj, "__dict__", {}).items())
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                out.append((name, getattr(obj, name)))
+    return out
+
+
+def holder_sizes(
+    study: Any, tuner: Any, detail: dict[str, list[int]] | None = None
+) -> dict[str, list[int]]:
+    """``[bytes, objects]`` per holder at the end of a study (see the module doc); with
+    ``detail``, the driver's holders are also sized per attribute into it
+    (``"engine._tree_keys"``: what that attribute reaches that nothing before it did)."""
     engine = study._engine
     hp = sys.modules["stagetree.hp"]
     groups: list[tuple[str, list[Any]]] = [
@@ -100,7 +117,25 @@ def holder_sizes(study: Any, tuner: Any) -> dict[str, list[int]]:
     ]
     seen: set[int] = set()
     gc.collect()
-    return {name: list(_walk(roots, seen)) for name, roots in groups}
+    out: dict[str, list[int]] = {}
+    for name, roots in groups:
+        if detail is not None and name in DRIVER:
+            size = count = 0
+            for root in roots:
+                seen.add(id(root))
+                size, count = size + sys.getsizeof(root), count + 1
+                own = getattr(root, "__dict__", None)
+                if own is not None:
+                    seen.add(id(own))
+                    size, count = size + sys.getsizeof(own), count + 1
+                for attr, value in _attributes(root):
+                    got = _walk([value], seen)
+                    detail[f"{name}.{attr}"] = list(got)
+                    size, count = size + got[0], count + got[1]
+            out[name] = [size, count]
+        else:
+            out[name] = list(_walk(roots, seen))
+    return out
 
 
 def _holder(tb: tracemalloc.Traceback, package: str) -> str:
@@ -124,6 +159,7 @@ def run_one(
     tuner = _tuner(kind, n)
     executor = SimulatedExecutor(workers, curve=LearningCurve(aliases={"acc": "accuracy"}))
     traced = sizing == "tracemalloc"
+    detail: dict[str, list[int]] | None = {} if sizing == "detail" else None
     if traced:
         tracemalloc.start(FRAMES)
     snap, peak = None, 0
@@ -138,7 +174,7 @@ def run_one(
                 snap = tracemalloc.take_snapshot()
                 _, peak = tracemalloc.get_traced_memory()
                 tracemalloc.stop()
-            groups = holder_sizes(study, tuner)
+            groups = holder_sizes(study, tuner, detail)
         finally:
             study.close()
     holders: dict[str, list[int]] = {}
@@ -159,6 +195,7 @@ def run_one(
         "peak_rss_kib": _rss_kib(),
         "holders": holders,
         "groups": groups,
+        "detail": detail or {},
     }
 
 
@@ -200,6 +237,22 @@ def _groups_report(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _detail_report(runs: list[dict[str, Any]], top: int) -> list[str]:
+    """The driver's holders per attribute, largest growth per added trial first."""
+    small, large = runs[0], runs[-1]
+    dn = (large["n"] - small["n"]) or 1
+    keys = set(small["detail"]) | set(large["detail"])
+    per = {
+        k: (large["detail"].get(k, [0, 0])[0] - small["detail"].get(k, [0, 0])[0]) / dn
+        for k in keys
+    }
+    out = ["", "| attribute (walk) | B/trial | objects/trial |", "|---|---:|---:|"]
+    for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
+        objs = (large["detail"].get(k, [0, 0])[1] - small["detail"].get(k, [0, 0])[1]) / dn
+        out.append(f"| `{k}` | {v:,.0f} | {objs:,.2f} |")
+    return out
+
+
 def report(rows: list[dict[str, Any]], top: int) -> str:
     """Per tuner and storage: the sizes' totals, bytes per trial, and the top holders."""
     out = []
@@ -224,6 +277,8 @@ def report(rows: list[dict[str, Any]], top: int) -> str:
             for r in runs:
                 out.append(f"| {r['n']:,} | {r['cpu_s']:.1f} | {r['peak_rss_kib'] / 1024:.0f} |")
         out.extend(_groups_report(runs))
+        if runs[0]["sizing"] == "detail":
+            out.extend(_detail_report(runs, top))
         if len(runs) < 2 or runs[0]["sizing"] != "tracemalloc":
             continue
         small, large = runs[0], runs[-1]
@@ -259,9 +314,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=40)
     p.add_argument(
         "--sizing",
-        choices=("tracemalloc", "walk"),
+        choices=("tracemalloc", "walk", "detail"),
         default="tracemalloc",
-        help="tracemalloc: per allocating line (slow); walk: per holder only, untraced",
+        help="tracemalloc: per allocating line (slow); walk: per holder only, untraced; "
+        "detail: the walk, the driver's holders also per attribute",
     )
     p.add_argument("--top", type=int, default=15, help="holders shown per study")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")

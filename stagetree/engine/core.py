@@ -28,7 +28,7 @@ import time
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +120,8 @@ class StudySlot:
         weight: its fair share of the workers against other studies.
         names: the config and hp names of its trials (set by the first one).
         trial_ids: ``trial_digest((config json, hp json)) -> trial id`` of its known
-            trials (a digest of the pair, not the pair: memory per trial).
+            trials (a digest of the pair, not the pair, in a :class:`DigestIds` table:
+            memory per trial).
         meta: the running tuner's metric, mode and name, recorded with the next write.
         row_ready: whether its row in the plan exists with ``meta``.
         log_checked: whether the tuner log's latest run is this version's.
@@ -139,7 +140,7 @@ class StudySlot:
     share: bool = True
     weight: float = 1.0
     names: tuple[frozenset[str], frozenset[str]] | None = None
-    trial_ids: dict[bytes, int] = field(default_factory=dict)
+    trial_ids: DigestIds = field(default_factory=lambda: DigestIds())
     meta: dict[str, Any] = field(default_factory=dict)
     row_ready: bool = False
     log_checked: bool = False
@@ -167,6 +168,138 @@ class StudySlot:
         key = hashlib.sha256(text.encode()).hexdigest()[:20]
         self._last_key = (text, key)
         return key
+
+
+class NodeIds:
+    """A set of plan node ids as bits (ids are small ints counted up by the plan): the
+    engine's nodes known to the scheduler, an eighth of a byte each instead of a set
+    entry (memory per trial). Ids outside ``0 .. 2**32`` go to a plain set."""
+
+    __slots__ = ("_bits", "_other")
+
+    _LIMIT = 1 << 32
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self._other: set[int] = set()
+
+    def __contains__(self, node: object) -> bool:
+        if type(node) is int and 0 <= node < self._LIMIT:
+            byte = node >> 3
+            return byte < len(self._bits) and bool(self._bits[byte] >> (node & 7) & 1)
+        return node in self._other
+
+    def add(self, node: int) -> None:
+        """Add ``node``."""
+        if type(node) is int and 0 <= node < self._LIMIT:
+            byte = node >> 3
+            if byte >= len(self._bits):  # grow by half again: amortised O(1)
+                self._bits.extend(bytes(max(byte + 1, len(self._bits) * 3 // 2) - len(self._bits)))
+            self._bits[byte] |= 1 << (node & 7)
+        else:
+            self._other.add(node)
+
+
+class DigestIds:
+    """:attr:`StudySlot.trial_ids`: trial digest (16 bytes, :func:`trial_digest`) ->
+    trial id (an int from 0 to 2**63 - 1), as one table of 24-byte slots (the digest,
+    then the id plus one: a zero there is a free slot), found by linear probing from
+    the digest's first 8 bytes and at most two thirds full: about 50 bytes a trial
+    instead of a bytes object and a dict entry (about 100)."""
+
+    __slots__ = ("_size", "_table")
+
+    _SLOT = 24
+    _FREE = bytes(8)
+
+    def __init__(self) -> None:
+        self._table = bytearray(8 * self._SLOT)
+        self._size = 0
+
+    def _find(self, key: bytes) -> int:
+        """The offset of ``key``'s slot, or of the free slot where it would go."""
+        if type(key) is not bytes or len(key) != 16:
+            raise TypeError(f"a trial digest is 16 bytes, got {key!r}")
+        table, slot = self._table, self._SLOT
+        mask = len(table) // slot - 1
+        i = int.from_bytes(key[:8], "little") & mask
+        while True:
+            at = i * slot
+            if table[at + 16 : at + 24] == self._FREE or table[at : at + 16] == key:
+                return at
+            i = (i + 1) & mask
+
+    def __setitem__(self, key: bytes, tid: int) -> None:
+        if type(tid) is not int or not 0 <= tid < 2**63:
+            raise ValueError(f"a trial id is an int from 0 to 2**63 - 1, got {tid!r}")
+        at = self._find(key)
+        if self._table[at + 16 : at + 24] == self._FREE:
+            self._size += 1
+            if 3 * self._size > 2 * (len(self._table) // self._SLOT):
+                self._grow()
+                at = self._find(key)
+        self._table[at : at + 16] = key
+        self._table[at + 16 : at + 24] = (tid + 1).to_bytes(8, "little")
+
+    def _grow(self) -> None:
+        old, slot = self._table, self._SLOT
+        self._table = bytearray(2 * len(old))
+        for at in range(0, len(old), slot):
+            if old[at + 16 : at + 24] != self._FREE:
+                new = self._find(bytes(old[at : at + 16]))
+                self._table[new : new + slot] = old[at : at + slot]
+
+    def get(self, key: bytes, default: int | None = None) -> int | None:
+        """The trial id of digest ``key``, else ``default``."""
+        at = self._find(key)
+        found = self._table[at + 16 : at + 24]
+        return default if found == self._FREE else int.from_bytes(found, "little") - 1
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.get(key) is not None
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[bytes]:
+        table, slot = self._table, self._SLOT
+        for at in range(0, len(table), slot):
+            if table[at + 16 : at + 24] != self._FREE:
+                yield bytes(table[at : at + 16])
+
+
+class TreeKeys(MutableMapping[tuple[str, frozenset[str]], str]):
+    """The engine's ``(root key, hp names) -> plan tree`` index, kept as
+    ``{names: {root key: tree}}``: one entry per tree and no ``(root key, names)``
+    tuple (memory per trial: a study has one set of names, and a tree per config)."""
+
+    __slots__ = ("_by_names",)
+
+    def __init__(self) -> None:
+        self._by_names: dict[frozenset[str], dict[str, str]] = {}
+
+    def __getitem__(self, key: tuple[str, frozenset[str]]) -> str:
+        base, names = key
+        return self._by_names[names][base]
+
+    def __setitem__(self, key: tuple[str, frozenset[str]], tree: str) -> None:
+        base, names = key
+        self._by_names.setdefault(names, {})[base] = tree
+
+    def __delitem__(self, key: tuple[str, frozenset[str]]) -> None:
+        base, names = key
+        trees = self._by_names[names]
+        del trees[base]
+        if not trees:
+            del self._by_names[names]
+
+    def __iter__(self) -> Iterator[tuple[str, frozenset[str]]]:
+        for names, trees in self._by_names.items():
+            for base in trees:
+                yield base, names
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_names.values()))
 
 
 def trial_digest(ident: tuple[str, str]) -> bytes:
@@ -270,7 +403,7 @@ class Engine:
         # nodes' trials running without a scan of every waiter).
         self._waiting_steps: dict[int, dict[int, None]] = {}
         self._known_roots: set[str] = set()
-        self._known_nodes: set[int] = set()
+        self._known_nodes = NodeIds()
         self._root_saves: dict[str, frozenset[int]] = {}  # SaveSteps sent, by tree
         self._save_sets: dict[frozenset[int], frozenset[int]] = {}  # one of each set
         self._thread: threading.Thread | None = None
@@ -312,7 +445,7 @@ class Engine:
         # entry per tree only where it is not the default (memory per trial).
         self._root_trainers: dict[str, str] = {}
         # (root key, hp names) -> the tree of those names (see BasePlanStorage.tree_key).
-        self._tree_keys: dict[tuple[str, frozenset[str]], str] = {}
+        self._tree_keys = TreeKeys()
         # study name -> its finished trials read at once, while its run replays its log
         self._replays: dict[str, ReplayAnswers] = {}
         # One copy of each set of hp names: a study's trials share it in _tree_keys.
@@ -1495,10 +1628,16 @@ class Engine:
         return [w.study for w in self._waiters.get((node, step), []) if not w.future.done()]
 
     def _unwait(self, node: int, step: int) -> None:
+        """Forget request ``(node, step)``'s submissions (lock held). Emptied, both
+        tables are made again: a dict keeps the table of its largest size (random
+        search's trials all wait at once), a new one is small."""
+        self._waiters.pop((node, step), None)
         steps = self._waiting_steps[node]
         del steps[step]
         if not steps:
             del self._waiting_steps[node]
+            if not self._waiting_steps:
+                self._waiters, self._waiting_steps = {}, {}
 
     def _mark_running(self, node: int) -> None:
         for step in list(self._waiting_steps.get(node, ())):

@@ -23,7 +23,9 @@ import json
 import math
 import random
 import sys
+from array import array
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from stagetree.exceptions import TunerError
@@ -39,7 +41,7 @@ from stagetree.tuners.base import (
 from stagetree.tuners.optuna_bridge import SampledSpecs
 from stagetree.tuners.sha import check_halving, halving_settings
 
-__all__ = ["ALLOCATIONS", "ASHA", "AsyncHyperband", "bracket_shares"]
+__all__ = ["ALLOCATIONS", "ASHA", "AsyncHyperband", "RungValues", "bracket_shares"]
 
 #: How new configurations are assigned to brackets: ``"budget"`` (in proportion to the
 #: inverse of a bracket's budget per configuration, the paper's production rule) or
@@ -67,6 +69,44 @@ def bracket_shares(brackets: int, num_rungs: int | None, eta: int) -> list[float
         weights = [eta ** (num_rungs - s - 1) / (num_rungs - s) for s in range(brackets)]
     total = sum(weights)
     return [w / total for w in weights]
+
+
+class RungValues(Mapping[int, float]):
+    """One rung's members: trial id -> value at the rung, in the order they entered.
+
+    Kept as two columns, not a dict (memory per trial at 100,000 trials); reading a
+    value by id builds an index of the ids the first time.
+    """
+
+    __slots__ = ("_ids", "_index", "_values")
+
+    def __init__(self) -> None:
+        self._ids = array("q")
+        self._values = array("d")
+        self._index: dict[int, int] | None = None
+
+    def add(self, tid: int, value: float) -> None:
+        """Trial ``tid`` entered the rung with ``value`` (a trial enters a rung once)."""
+        if self._index is not None:
+            if tid in self._index:
+                raise ValueError(f"trial {tid} is in the rung already")
+            self._index[tid] = len(self._ids)
+        self._ids.append(tid)
+        self._values.append(value)
+
+    def __getitem__(self, tid: int) -> float:
+        if self._index is None:
+            self._index = {t: i for i, t in enumerate(self._ids)}
+        return self._values[self._index[tid]]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __repr__(self) -> str:
+        return repr(dict(zip(self._ids, self._values)))
 
 
 class _Allocator:
@@ -122,7 +162,8 @@ class ASHA(Tuner):
     shuffled by ``seed``.
 
     After ``run``: :attr:`rungs` ``[bracket][level]`` maps trial id to its value at
-    that level, :attr:`promotions` lists ``(trial id, bracket, from level)`` in order.
+    that level (a :class:`RungValues`, in the order trials entered),
+    :attr:`promotions` lists ``(trial id, bracket, from level)`` in order.
 
     ``sampler``: an Optuna sampler (``optuna.samplers.TPESampler(seed=0)``, ...) that
     proposes each new configuration when a worker frees, after every result before it
@@ -180,7 +221,7 @@ class ASHA(Tuner):
         if allocation not in ALLOCATIONS:
             raise TunerError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         self.allocation = allocation
-        self.rungs: list[list[dict[int, float]]] = []
+        self.rungs: list[list[RungValues]] = []
         self.promotions: list[tuple[int, int, int]] = []
 
     @property
@@ -225,7 +266,7 @@ class ASHA(Tuner):
         else:
             specs = _Unbounded(self.space, self.seed)
         top = len(levels) - 1
-        self.rungs = [[{} for _ in levels] for _ in range(self.num_brackets)]
+        self.rungs = [[RungValues() for _ in levels] for _ in range(self.num_brackets)]
         self.promotions = []
         ranks = [[_RungRank(eta) for _ in levels] for _ in self.rungs]
         bracket_of = self._assigner()
@@ -238,7 +279,7 @@ class ASHA(Tuner):
                 levels.append(levels[-1] * eta)
                 for b, rungs in enumerate(ranks):
                     rungs.append(_RungRank(eta))
-                    self.rungs[b].append({})
+                    self.rungs[b].append(RungValues())
             # The insertion horizon: every trial's path up to the furthest rung, before
             # a batch trains there, so that batches checkpoint where later promotions
             # branch off their paths (their nodes are known) instead of training the
@@ -300,7 +341,8 @@ class ASHA(Tuner):
                 paths[key] -= 1
                 if not paths[key]:
                     del paths[key]
-            value = self.rungs[b][level][job.trial.id] = self._observe(job)
+            value = self._observe(job)
+            self.rungs[b][level].add(job.trial.id, value)
             ranks[b][level].add(job.trial.id, value)
             # Optuna's SuccessiveHalvingPruner rule, ties kept: trials sharing a prefix
             # tie at early rungs, and one of them may well be promoted later

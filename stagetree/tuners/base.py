@@ -36,8 +36,10 @@ import math
 import random
 import warnings
 from abc import ABC, abstractmethod
+from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Set
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -66,6 +68,7 @@ __all__ = [
     "JobQueue",
     "ReplayDivergedWarning",
     "ReplayingRunner",
+    "ResultLog",
     "Trial",
     "TrialResult",
     "TrialRunner",
@@ -155,17 +158,13 @@ class Trial:
     id: int
     config: dict[str, Any]
     hp: dict[str, Sequence]
-    # Slots, not an instance dict: a tuner keeps one Trial per trial of the study.
-    _fingerprint: str | None = field(default=None, init=False, repr=False)
+    # Slots, not an instance dict: a tuner keeps one Trial per trial of the study; the
+    # fingerprint is computed when a submission is logged, not kept (memory per trial).
 
     @property
     def fingerprint(self) -> str:
         """Short stable hash of the config and the sequences' JSON, for the replay log."""
-        fp = self._fingerprint
-        if fp is None:
-            fp = trial_fingerprint(self.config, self.hp)
-            object.__setattr__(self, "_fingerprint", fp)
-        return fp
+        return trial_fingerprint(self.config, self.hp)
 
 
 def _same_items(a: Mapping[Any, Any], b: Mapping[Any, Any]) -> bool:
@@ -188,6 +187,166 @@ def _sharing(result: TrialResult, trial: Trial) -> TrialResult:
     if config is result.config and hp is result.hp:
         return result
     return TrialResult(config, hp, result.steps, result.metrics, result.history)
+
+
+def _float_values(metrics: Mapping[str, float]) -> tuple[float, ...] | None:
+    """A step's metric values when every one is a finite ``float`` (a column of
+    doubles gives them back equal and of the same type), else None."""
+    values = tuple(metrics.values())
+    if all(type(v) is float for v in values) and all(map(math.isfinite, values)):
+        return values
+    return None
+
+
+class ResultLog(SequenceABC[tuple[int, TrialResult]]):
+    """:attr:`Tuner.results`: ``(trial id, result)`` per observed result, in order,
+    kept in columns instead of one result with a metrics and a history dict each
+    (memory per trial at 100,000 trials).
+
+    A result whose config and sequences are its trial's (the same values), whose
+    metrics are its history's entry at its steps, and whose metric values are finite
+    floats is kept as its trial id, its steps and its history's steps, names (one tuple
+    per distinct set) and values (a column of doubles); reading it builds a
+    :class:`TrialResult` with the trial's ``config`` and ``hp`` dicts and fresh
+    ``metrics`` and ``history`` dicts of the same values (``metrics`` is the history's
+    entry). Any other result is kept as it came. Reading a result builds it each time:
+    equal results, not one object.
+    """
+
+    __slots__ = (
+        "_at",
+        "_first",
+        "_kept",
+        "_name_ids",
+        "_names",
+        "_names_of",
+        "_off",
+        "_steps",
+        "_tid",
+        "_trials",
+        "_values",
+    )  # fmt: skip
+
+    def __init__(self, trials: Mapping[int, Trial]) -> None:
+        self._trials = trials
+        # per result: trial id, steps, first history entry, first value
+        self._tid = array("q")
+        self._steps = array("q")
+        self._first = array("q")
+        self._off = array("q")
+        # per history entry: its step and its names (an index into _names)
+        self._at = array("q")
+        self._names_of = array("q")
+        self._values = array("d")
+        self._names: list[tuple[str, ...]] = []
+        self._name_ids: dict[tuple[str, ...], int] = {}
+        self._kept: dict[int, TrialResult] = {}  # results kept as they came, by index
+
+    def append(self, item: tuple[int, TrialResult]) -> None:
+        """Add ``(trial id, result)`` at the end (a trial id is an int)."""
+        tid, result = item
+        i = len(self._tid)
+        rows = self._rows(tid, result) if type(result.steps) is int else None
+        self._tid.append(tid)
+        self._steps.append(result.steps if rows is not None else 0)
+        self._first.append(len(self._at))
+        self._off.append(len(self._values))
+        if rows is None:
+            trial = self._trials.get(tid)
+            self._kept[i] = result if trial is None else _sharing(result, trial)
+            return
+        for step, names, values in rows:
+            nid = self._name_ids.setdefault(names, len(self._names))
+            if nid == len(self._names):
+                self._names.append(names)
+            self._at.append(step)
+            self._names_of.append(nid)
+            self._values.extend(values)
+
+    def _rows(
+        self, tid: int, result: TrialResult
+    ) -> list[tuple[int, tuple[str, ...], tuple[float, ...]]] | None:
+        """The history's entries as ``(step, names, values)`` when the result can be
+        built again from them and its trial (see the class doc), else None."""
+        trial = self._trials.get(tid)
+        history = result.history
+        at = history.get(result.steps)
+        if (
+            trial is None
+            or at is None
+            or not _same_items(result.config, trial.config)
+            or not _same_items(result.hp, trial.hp)
+            or not (result.metrics is at or _same_items(result.metrics, at))
+        ):
+            return None
+        rows = []
+        for step, metrics in history.items():
+            values = _float_values(metrics)
+            if type(step) is not int or values is None:
+                return None
+            rows.append((step, tuple(metrics), values))
+        return rows
+
+    def __len__(self) -> int:
+        return len(self._tid)
+
+    def _result(self, i: int) -> TrialResult:
+        kept = self._kept.get(i)
+        if kept is not None:
+            return kept
+        trial = self._trials[self._tid[i]]
+        end = self._first[i + 1] if i + 1 < len(self._first) else len(self._at)
+        off = self._off[i]
+        history: dict[int, dict[str, float]] = {}
+        for e in range(self._first[i], end):
+            names = self._names[self._names_of[e]]
+            history[self._at[e]] = dict(zip(names, self._values[off : off + len(names)]))
+            off += len(names)
+        steps = self._steps[i]
+        return TrialResult(trial.config, trial.hp, steps, history[steps], history)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("result index out of range")
+        i %= n
+        return self._tid[i], self._result(i)
+
+    def __iter__(self) -> Iterator[tuple[int, TrialResult]]:
+        for i in range(len(self)):
+            yield self._tid[i], self._result(i)
+
+    def metric_items(self, metric: str) -> Iterator[tuple[int, int, int, Any]]:
+        """``(index, trial id, steps, value of metric at steps or None)`` per result,
+        without building the results."""
+        kept = self._kept
+        for i in range(len(self)):
+            tid, steps = self._tid[i], self._steps[i]
+            result = kept.get(i)
+            if result is not None:
+                yield i, tid, result.steps, result.metrics.get(metric)
+                continue
+            end = self._first[i + 1] if i + 1 < len(self._first) else len(self._at)
+            off = self._off[i]
+            value = None
+            for e in range(self._first[i], end):
+                names = self._names[self._names_of[e]]
+                if self._at[e] == steps and metric in names:
+                    value = self._values[off + names.index(metric)]
+                off += len(names)
+            yield i, tid, steps, value
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ResultLog, list)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ResultLog({list(self)!r})"
 
 
 @dataclass(eq=False, slots=True)
@@ -679,7 +838,9 @@ class Tuner(ABC):
     observed, in observation order, and :attr:`trials` every trial by id. A result
     whose config and sequences are its trial's (the same values) holds the trial's
     ``config`` and ``hp`` dicts themselves, not copies: one of each per trial, however
-    many results it has.
+    many results it has. :attr:`results` is a :class:`ResultLog` (a sequence; it keeps
+    the results' metrics in columns and builds a result, equal each time, when it is
+    read); setting it to a list of pairs works too.
     """
 
     def __init__(
@@ -697,8 +858,8 @@ class Tuner(ABC):
         self.mode = mode
         self.seed = seed
         self.max_concurrent = max_concurrent
-        self.results: list[tuple[int, TrialResult]] = []
         self.trials: dict[int, Trial] = {}
+        self.results: SequenceABC[tuple[int, TrialResult]] = ResultLog(self.trials)
         self.sampler: Any = None
         self._bridge: Any = None  # the SamplerBridge of the current run
 
@@ -718,8 +879,8 @@ class Tuner(ABC):
 
     async def run(self, runner: TrialRunner) -> TrialResult | None:
         """Run the search to its end and return the best result (see the class doc)."""
-        self.results = []
         self.trials = {}
+        self.results = ResultLog(self.trials)
         ctx = ReplayingRunner(runner)
         if self.sampler is not None:
             self._bridge = SamplerBridge.open(self, runner)
@@ -788,7 +949,11 @@ class Tuner(ABC):
         if result is None:
             return -math.inf
         v = self.value(result)
-        self.results.append((job.trial.id, _sharing(result, job.trial)))
+        results = self.results
+        if isinstance(results, ResultLog):
+            results.append((job.trial.id, result))
+        else:  # a list set by hand
+            results.append((job.trial.id, _sharing(result, job.trial)))  # type: ignore[attr-defined]
         return v
 
     def _prune(self, tid: int) -> None:
@@ -805,9 +970,17 @@ class Tuner(ABC):
         """Best observed result (see the class doc), None without a finite one: the
         rule of :func:`stagetree.ranking.best_key`, with trials in creation order as the
         tie-break (what ``Study.best`` and ``stagetree status`` rank by too)."""
-        best: tuple[tuple[int, float, int], TrialResult] | None = None
-        for tid, result in self.results:
-            key = best_key(result.steps, result.metrics.get(self.metric), self.mode, tid)
+        results = self.results
+        items: Iterable[tuple[int, int, int, Any]]
+        if isinstance(results, ResultLog):  # no result built but the best
+            items = results.metric_items(self.metric)
+        else:
+            items = (
+                (i, tid, r.steps, r.metrics.get(self.metric)) for i, (tid, r) in enumerate(results)
+            )
+        best: tuple[tuple[int, float, int], int] | None = None
+        for i, tid, steps, value in items:
+            key = best_key(steps, value, self.mode, tid)
             if key is not None and (best is None or key > best[0]):
-                best = (key, result)
-        return best[1] if best is not None else None
+                best = (key, i)
+        return results[best[1]][1] if best is not None else None
