@@ -166,3 +166,54 @@ def test_a_driver_whose_torch_thread_pool_runs_does_not_fork(tmp_path: Path) -> 
     out = _run(tmp_path, "omp")
     assert out["DONE"] == ["2"]
     assert out["SERVER"] == ["None"]
+
+
+STUDY_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from stagetree import Study
+    from stagetree.executors import _driverfork
+    from stagetree.hp import Constant, MultiStep
+    from stagetree.space import GridSpace
+    from stagetree.torch.examples import DigitsTrainer
+    from stagetree.tuners import GridSearch
+
+    if __name__ == "__main__":
+        space = GridSpace(
+            {"lr": [Constant(0.05), MultiStep(0.05, [3], 0.1)], "momentum": [Constant(0.9)]},
+            fixed={"hidden": [16], "optimizer": ["momentum"], "batches_per_step": [2],
+                   "seed": [3]},
+        )
+        with Study("s", DigitsTrainer, storage=f"sqlite:///{sys.argv[1]}", workers=2) as s:
+            s.tune(GridSearch(space, "accuracy", steps=6), progress=False)
+            print("SERVER", _driverfork.server_pid(), flush=True)
+            for trial in sorted(s.trials(), key=lambda t: t.id):
+                for step, metrics in sorted(trial.metrics.items()):
+                    values = [f"{k}={v.hex()}" for k, v in sorted(metrics.items())]
+                    print("M", trial.id, step, *values)
+    """
+)
+
+
+def test_a_study_trains_bit_identical_on_workers_forked_from_the_driver(tmp_path: Path) -> None:
+    # The same study with workers forked from the driver and from a fresh fork server:
+    # every metric of every step the same to the bit.
+    pytest.importorskip("torch")
+    script = tmp_path / "study.py"
+    script.write_text(STUDY_SCRIPT)
+    path = str(Path(stagetree.__file__).parents[1])
+    outs = {}
+    for fork in ("1", "0"):
+        out = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / f"plan{fork}.db")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            cwd=tmp_path,
+            env=dict(os.environ, PYTHONPATH=path, STAGETREE_FORK_DRIVER=fork),
+        ).stdout.splitlines()
+        outs[fork] = out
+    assert outs["1"][0] != "SERVER None" and outs["0"][0] == "SERVER None"
+    assert outs["1"][1:] == outs["0"][1:]
+    assert len(outs["1"]) > 6
