@@ -207,8 +207,12 @@ def _preload(modules: list[str]) -> None:
 
 
 def _leave_driver(keep: set[int]) -> None:
-    """Drop what the child must not hold of the driver: Python signal handlers, and
-    sockets and pipes (replaced with ``/dev/null``, their numbers kept taken)."""
+    """Drop what the child must not hold of the driver: its fork server, Python signal
+    handlers, and sockets and pipes (replaced with ``/dev/null``, their numbers kept
+    taken)."""
+    # The driver's own fork server (if it started one) is not the child's: a worker
+    # that asks for one starts its own, as one forked from a fresh server would.
+    _ForkServer.__init__(forkserver._forkserver)
     with contextlib.suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
     for sig in signal.valid_signals():

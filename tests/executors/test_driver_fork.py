@@ -33,10 +33,20 @@ TRAINER_MODULE = textwrap.dedent(
                 a = torch.ones(400, 400)
                 for _ in range(3):
                     a = (a @ a) / 400  # several threads: torch's OpenMP pool
+            if self.config.get("child"):  # a process of the trainer's own
+                import multiprocessing
+
+                child = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+                child.start()
+                child.join()
+                self.child = child.exitcode
             self.t = getattr(self, "t", 0) + 1
 
         def evaluate(self):
-            return {"ppid": float(os.getppid()), "pid": float(os.getpid())}
+            return {
+                "ppid": float(os.getppid()),
+                "child": float(getattr(self, "child", 0)),
+            }
 
         def state_dict(self):
             return {"t": getattr(self, "t", 0)}
@@ -74,6 +84,12 @@ DRIVER_SCRIPT = textwrap.dedent(
             for _ in range(3):
                 a = a @ a / 400
             threads = 2
+        if case == "server":  # the driver started multiprocessing's fork server itself
+            import multiprocessing
+
+            child = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+            child.start()
+            child.join()
         r, w = os.pipe()  # the driver's: no server or worker may hold its write end
         ex = LocalExecutor(
             Parent, 2, checkpoint_dir=sys.argv[1], start_method="forkserver", devices=[],
@@ -84,11 +100,12 @@ DRIVER_SCRIPT = textwrap.dedent(
         for worker in range(2):
             ex.submit(RunBatch(
                 batch_id=worker + 1, worker=worker, root_key="r",
-                config={"matmul": case == "omp"}, start_step=0, start_at=None,
+                config={"matmul": case == "omp", "child": case == "server"},
+                start_step=0, start_at=None,
                 start_checkpoint=None, segments=(Segment(1, 0, 1, {"lr": Constant(0.1)}),),
                 evaluate_at=((1, 1),), checkpoint_at=(),
             ))
-        done, parents = set(), set()
+        done, parents, codes = set(), set(), []
         deadline = time.monotonic() + 60
         while len(done) < 2 and time.monotonic() < deadline:
             for e in ex.events(timeout=1):
@@ -96,9 +113,11 @@ DRIVER_SCRIPT = textwrap.dedent(
                     done.add(e.batch_id)
                 if isinstance(e, MetricsReported):
                     parents.add(int(e.metrics["ppid"]))
+                    codes.append(int(e.metrics["child"]))
         print("DONE", len(done), flush=True)
         print("SERVER", _driverfork.server_pid(), flush=True)
         print("PARENTS", *sorted(parents), flush=True)
+        print("CODES", *codes, flush=True)
         os.close(w)
         readable = select.select([r], [], [], 10)[0]
         print("PIPE", "closed" if readable and os.read(r, 1) == b"" else "held", flush=True)
@@ -156,6 +175,15 @@ def test_a_driver_that_may_not_fork_falls_back_to_a_fresh_fork_server(
     assert out["SERVER"] == ["None"]
     assert len(out["imported"]) == 2  # the driver, and the fresh server
     assert out["PIPE"] == ["closed"]
+
+
+def test_a_worker_forked_from_the_driver_starts_processes_of_its_own(tmp_path: Path) -> None:
+    # The driver's own fork server (started before the workers) is not the workers':
+    # a trainer that starts a forkserver process gets a server of its own.
+    out = _run(tmp_path, "server")
+    assert out["DONE"] == ["2"]
+    assert out["SERVER"] != ["None"]
+    assert out["CODES"] == ["0", "0"]
 
 
 def test_a_driver_whose_torch_thread_pool_runs_does_not_fork(tmp_path: Path) -> None:
