@@ -203,9 +203,9 @@ def _server_context(preload: list[str]) -> Any:
     """The context of forkserver workers: those of the fork server forked from this
     process (:mod:`stagetree.executors._driverfork`: no fresh interpreter imports torch
     first), where this process may fork now or forked it already; else multiprocessing's
-    own fork server, started with ``preload``."""
-    with _FORKSERVER_LOCK:
-        ctx = driver_context(preload)
+    own fork server, started with ``preload``. (No lock of this module is held while
+    this process forks: its children would hold it for ever.)"""
+    ctx = driver_context(preload)
     if ctx is not None:
         return ctx
     _start_forkserver(preload)
@@ -396,8 +396,9 @@ class LocalExecutor(BaseExecutor):
             slot.trainers.add(key)
 
     def prepare(self) -> None:
-        """Start the fork server (it imports torch in its own process while this one
-        builds the tuner); no worker starts."""
+        """Start the fork server (forked from this process where that is safe; it
+        imports what the workers need in its own process while this one builds the
+        tuner); no worker starts."""
         if self._preload and not self._closed and not self._started:
             self._ctx = _server_context(self._preload)
 
