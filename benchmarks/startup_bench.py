@@ -30,7 +30,8 @@ the processes it started, which hold its output, exited too, as a pipeline such 
 its threads (stagetree's driver; for Optuna, also the training).
 ``--checkout NAME=PATH`` (repeatable) runs stagetree from each checkout in turn (a
 before and an after in one session), e.g. ``--checkout before=../main --checkout
-after=.``.
+after=.``. ``STAGETREE_FORK_DRIVER=0`` in the environment: the workers fork from a fresh
+fork server, not from one forked from the script's process.
 """
 
 from __future__ import annotations

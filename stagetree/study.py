@@ -384,12 +384,11 @@ class Study(StudyAPI):
             return report_trials.device_seconds(storage, self.name, self.version)
 
     def _ensure_started(self) -> None:
-        # The workers start with the first trial the storage cannot answer. A run with no
-        # decision logged (a first run) will train: what its workers fork from starts now.
+        # The workers start with the first trial the storage cannot answer (what they fork
+        # from started in begin_tuning for a first run, which will train).
         self._engine.ensure_started(workers=False)
-        if not self._engine.has_log(self._study_slot):
-            self._engine.prepare_workers()
-        else:  # a re-run: its replay is answered from one read of the finished trials
+        if self._engine.has_log(self._study_slot):
+            # a re-run: its replay is answered from one read of the finished trials
             self._engine.prepare_replay(self._study_slot)
 
     def _virtual_time(self) -> bool:
@@ -429,6 +428,11 @@ class Study(StudyAPI):
     def begin_tuning(self, metric: str, mode: str, tuner: str, horizon: int = 0) -> None:
         engine = self._engine
         meta = {"metric": metric, "mode": mode, "tuner": tuner}
+        if not engine.has_log(self._study_slot):
+            # A run with no decision logged (a first run) will train: what its workers
+            # fork from starts now, while the tuner is built, and before the engine's
+            # thread (see stagetree.executors._driverfork: forked from this process).
+            engine.prepare_workers()
         holder = engine.begin_tuning(self._study_slot, meta)
         if holder is not None:
             left = max(0.0, holder.expires - time.time())

@@ -53,6 +53,7 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError
+from stagetree.executors._driverfork import driver_context
 from stagetree.executors._events import (
     accept_event,
     admit,
@@ -198,6 +199,19 @@ def _start_forkserver(preload: list[str]) -> None:
         forkserver.ensure_running()
 
 
+def _server_context(preload: list[str]) -> Any:
+    """The context of forkserver workers: those of the fork server forked from this
+    process (:mod:`stagetree.executors._driverfork`: no fresh interpreter imports torch
+    first), where this process may fork now or forked it already; else multiprocessing's
+    own fork server, started with ``preload``. (No lock of this module is held while
+    this process forks: its children would hold it for ever.)"""
+    ctx = driver_context(preload)
+    if ctx is not None:
+        return ctx
+    _start_forkserver(preload)
+    return multiprocessing.get_context("forkserver")
+
+
 def _stop_workers(
     lock: threading.Lock, closing: threading.Event, slots: list[Slot], timeout: float, pid: int
 ) -> None:
@@ -247,8 +261,11 @@ class LocalExecutor(BaseExecutor):
             ``import torch`` however many workers start (each worker still sets its own
             devices and threads, and imports the trainer's module and runs
             ``Trainer.warmup`` itself; the server is shared with the rest of the
-            program's forkserver use). ``"spawn"``: each worker is a fresh interpreter
-            that imports torch and the trainer itself.
+            program's forkserver use). Where this process may fork safely, the server
+            is a fork of it instead, which imports nothing it has already
+            (:mod:`stagetree.executors._driverfork`; ``$STAGETREE_FORK_DRIVER=0``: never).
+            ``"spawn"``: each worker is a fresh interpreter that imports torch and the
+            trainer itself.
         step_timeout: seconds a training step may take (None: no limit). A worker
             whose step runs longer reports its batch failed
             (``StepTimeout: step N took longer than step_timeout=Xs``) and exits; it
@@ -379,10 +396,11 @@ class LocalExecutor(BaseExecutor):
             slot.trainers.add(key)
 
     def prepare(self) -> None:
-        """Start the fork server (it imports torch in its own process while this one
-        builds the tuner); no worker starts."""
+        """Start the fork server (forked from this process where that is safe; it
+        imports what the workers need in its own process while this one builds the
+        tuner); no worker starts."""
         if self._preload and not self._closed and not self._started:
-            _start_forkserver(self._preload)
+            self._ctx = _server_context(self._preload)
 
     def start(self) -> None:
         if self._closed:
@@ -390,8 +408,6 @@ class LocalExecutor(BaseExecutor):
         if self._started:
             return
         self._started = True
-        if self._preload:
-            _start_forkserver(self._preload)
         for slot in self._slots:
             self._start_worker(slot)
 
@@ -513,6 +529,8 @@ class LocalExecutor(BaseExecutor):
         self._spawn(slot)
 
     def _spawn(self, slot: Slot) -> None:
+        if self._preload:  # the server forked from this process, while it runs
+            self._ctx = _server_context(self._preload)
         inbox_recv, inbox_send = self._ctx.Pipe(duplex=False)
         outbox_recv, outbox_send = self._ctx.Pipe(duplex=False)
         forked = self._ctx.get_start_method() == "forkserver"
