@@ -357,6 +357,17 @@ class Scheduler:
         self._fused_width: dict[str, int] = {}  # widest fused job known to fit, by tree
         self._idle: set[int] = set(self._workers)
         self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
+        # Idle workers by where their trainer stands, kept by _place whenever a worker's
+        # idleness or position changes (not walked per decision), and the positions
+        # whose models in memory may have changed since the last decision.
+        self._idle_at: dict[Key, set[int]] = {}
+        self._idle_key: dict[int, Key] = {}
+        self._moved: set[Key] = set()
+        # Running batches by the evaluations they promise, and those of them whose
+        # promised evaluations are none a live request (what _preempt may abort), kept
+        # as evaluations and requests come and go instead of walked per decision.
+        self._evaluators: dict[Key, set[int]] = {}
+        self._unneeded: set[int] = set()
         # Starts of ready roots whose model an idle worker holds (see _held_first).
         self._held_starts: set[Key] = set()
         # Ready roots that start at a model an idle worker holds (see _held_first).
@@ -703,6 +714,7 @@ class Scheduler:
         claims[study] = claims.get(study, 0) + e.count
         if key not in self._requests:
             self._forest.add_request(key)
+            self._unneeded.difference_update(self._evaluators.get(key, ()))
         self._requests[key] = self._requests.get(key, 0) + e.count
         self._dirty = True
 
@@ -731,6 +743,7 @@ class Scheduler:
         else:
             del self._requests[key]
             self._forest.remove_request(key)
+            self._recheck(key)
             del self._claims[key]
         self._dirty = True
 
@@ -739,6 +752,7 @@ class Scheduler:
         if self._requests.pop(key, None) is None:
             return False
         self._forest.remove_request(key)
+        self._recheck(key)
         for study in self._claims.pop(key, {}):
             self._unhold(study)
         return True
@@ -799,7 +813,7 @@ class Scheduler:
                 self._touched.add(batch.batch_id)
             metrics = batch.parked.pop(key, None)
             if metrics is not None:
-                batch.evaluate.discard(key)
+                self._unevaluate(batch, key)
                 self._settle(key, metrics, out)
         self._end_saving(out)
         self._dirty = True
@@ -884,7 +898,7 @@ class Scheduler:
                 # a finished request must find its checkpoint.
                 batch.parked[key] = dict(e.metrics)
                 return
-            batch.evaluate.discard(key)
+            self._unevaluate(batch, key)
         self._settle(key, e.metrics, out)
 
     def _settle(
@@ -900,12 +914,14 @@ class Scheduler:
         batch = self._batches.pop(batch_id, None)
         self._touched.add(batch_id)
         if batch is not None:
+            self._forget(batch)
             self._dirty = True
             # A worker of a fused job is free once every member ended.
             if batch.worker in self._workers and not any(
                 b.worker == batch.worker for b in self._batches.values()
             ):
                 self._idle.add(batch.worker)
+                self._place(batch.worker)
         return batch
 
     def _on_done(self, e: BatchDone, out: list[Instruction | Notice]) -> None:
@@ -927,14 +943,17 @@ class Scheduler:
                 self._next_saving += 1
         if batch is not None and not batch.aborted and batch.position >= batch.end[1]:
             self._worker_at[batch.worker] = batch.end
+            self._place(batch.worker)
         else:
             self._worker_at.pop(e.worker, None)
+            self._place(e.worker)
 
     def _on_failed(self, e: BatchFailed, out: list[Instruction | Notice]) -> None:
         batch = self._release(e.batch_id)
         if batch is not None:  # the model at ``e.step`` was made
             self._charge(batch, max(batch.position, e.step))
         self._worker_at.pop(e.worker, None)
+        self._place(e.worker)
         self._dirty = True
         key = (e.node, e.step)
         if getattr(e, "kind", "trainer") == "oom" and self._out_of_memory(e, batch, out):
@@ -1093,7 +1112,7 @@ class Scheduler:
         key = (e.node, e.step)
         if key not in batch.planned:  # what the RunBatch itself asked for stays promised
             batch.checkpoint.discard(key)
-            batch.evaluate.discard(key)
+            self._unevaluate(batch, key)
         batch.position = max(batch.position, e.step + 1)
         self._dirty = True
 
@@ -1102,12 +1121,14 @@ class Scheduler:
         self._devices[e.worker] = getattr(e, "devices", 1)
         if not any(b.worker == e.worker for b in self._batches.values()):
             self._idle.add(e.worker)
+            self._place(e.worker)
         self._dirty = True
 
     def _on_worker_lost(self, e: WorkerLost, out: list[Instruction | Notice]) -> None:
         self._workers.discard(e.worker)
         self._idle.discard(e.worker)
         self._worker_at.pop(e.worker, None)
+        self._place(e.worker)
         self._end_saving(out, worker=e.worker)  # its pending writes died with it
         for batch_id in [
             b.batch_id
@@ -1115,6 +1136,7 @@ class Scheduler:
             if b.worker == e.worker or b.batch_id == e.batch_id
         ]:
             batch = self._batches.pop(batch_id)
+            self._forget(batch)
             self._touched.add(batch_id)
             self._charge(batch, batch.position)
             if not batch.aborted:
@@ -1292,23 +1314,28 @@ class Scheduler:
                 saving = self._saving.get(batch_id)
                 self._index_saving(batch_id, None if saving is None else saving.checkpoint)
         self._touched.clear()
-        held = []
-        for w in self._idle:
-            at = self._worker_at.get(w)
-            if at is not None:
-                for batch_id in self._holding.get(at, ()):
-                    if self._saving[batch_id].worker == w:
-                        held.append((self._saving_seq[batch_id], at, w))
-        held.sort()
-        memory: dict[Key, int] = {}
-        first: dict[Key, int] = {}
-        for seq, at, w in held:
-            memory[at] = w
-            first.setdefault(at, seq)
-        for key in first.keys() | self._first.keys():
-            if first.get(key) != self._first.get(key):
+        # Only where an idle worker or a saving batch's checkpoints came or went: the
+        # model at ``key`` is in memory on the idle workers there whose saving batch
+        # holds it (the last such batch's worker has it; the first one counts it).
+        memory, first = self._memory, self._first
+        for key in self._moved:
+            workers = self._idle_at.get(key)
+            held = []
+            if workers:
+                for batch_id in self._holding.get(key, ()):
+                    w = self._saving[batch_id].worker
+                    if w in workers:
+                        held.append((self._saving_seq[batch_id], w))
+            old = first.get(key)
+            if held:
+                memory[key] = max(held)[1]
+                first[key] = min(held)[0]
+            else:
+                memory.pop(key, None)
+                first.pop(key, None)
+            if first.get(key) != old:
                 todo.update(self._holding.get(key, ()))
-        self._memory, self._first = memory, first
+        self._moved.clear()
         for batch_id in todo:
             seq = self._saving_seq[batch_id]
             b = self._saving.get(batch_id)
@@ -1327,6 +1354,7 @@ class Scheduler:
         new = frozenset(checkpoint or ())
         if old == new:
             return
+        self._moved |= old ^ new
         for key in old - new:
             holders = self._holding[key]
             holders.discard(batch_id)
@@ -1338,6 +1366,65 @@ class Scheduler:
             self._saving_keys[batch_id] = new
         else:
             self._saving_keys.pop(batch_id, None)
+
+    def _evaluates(self, batch: _Batch, key: Key) -> None:
+        """Running ``batch`` promises an evaluation at ``key`` too."""
+        batch.evaluate.add(key)
+        if self._batches.get(batch.batch_id) is not batch:
+            return  # an ended batch: not indexed
+        self._evaluators.setdefault(key, set()).add(batch.batch_id)
+        if key in self._requests:
+            self._unneeded.discard(batch.batch_id)
+
+    def _unevaluate(self, batch: _Batch, key: Key) -> None:
+        """``batch`` (running, or ended) no longer promises an evaluation at ``key``."""
+        if key not in batch.evaluate:
+            return
+        batch.evaluate.discard(key)
+        batch_id = batch.batch_id
+        if self._batches.get(batch_id) is not batch:
+            return  # ended: no longer indexed
+        holders = self._evaluators[key]
+        holders.discard(batch_id)
+        if not holders:
+            del self._evaluators[key]
+        if key in self._requests and not any(k in self._requests for k in batch.evaluate):
+            self._unneeded.add(batch_id)
+
+    def _recheck(self, key: Key) -> None:
+        """Request ``key`` was settled or cancelled: the running batches that promise
+        it may promise nothing live now."""
+        for batch_id in self._evaluators.get(key, ()):
+            if not any(k in self._requests for k in self._batches[batch_id].evaluate):
+                self._unneeded.add(batch_id)
+
+    def _forget(self, batch: _Batch) -> None:
+        """``batch`` left the running batches: out of the evaluation index."""
+        batch_id = batch.batch_id
+        for key in batch.evaluate:
+            holders = self._evaluators[key]
+            holders.discard(batch_id)
+            if not holders:
+                del self._evaluators[key]
+        self._unneeded.discard(batch_id)
+
+    def _place(self, worker: int) -> None:
+        """Keep ``_idle_at`` after ``worker``'s idleness or position may have changed."""
+        new = self._worker_at.get(worker) if worker in self._idle else None
+        old = self._idle_key.get(worker)
+        if old == new:
+            return
+        if old is not None:
+            bucket = self._idle_at[old]
+            bucket.discard(worker)
+            if not bucket:
+                del self._idle_at[old]
+            del self._idle_key[worker]
+            self._moved.add(old)
+        if new is not None:
+            self._idle_at.setdefault(new, set()).add(worker)
+            self._idle_key[worker] = new
+            self._moved.add(new)
 
     @staticmethod
     def _running_position(b: _Batch) -> RunningPosition:
@@ -1410,7 +1497,7 @@ class Scheduler:
                 # evaluated from it once it is durable.
                 continue
             if key not in batch.evaluate:
-                batch.evaluate.add(key)
+                self._evaluates(batch, key)
                 batch.checkpoint.add(key)
                 self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, c.node, c.step, True))
@@ -1459,8 +1546,7 @@ class Scheduler:
         """Notes the roots of ``ready`` that an idle worker holds the model of, and those
         starts for :meth:`_pick_worker`; returns ``ready`` as it is (a policy gets it
         through :meth:`_ordered`)."""
-        held = {k for w in self._idle if (k := self._worker_at.get(w)) is not None}
-        self._held_starts, self._held_roots = self._forest.held_starts(held)
+        self._held_starts, self._held_roots = self._forest.held_starts(self._idle_at.keys())
         return ready
 
     def _ordered(self, ready: list[Stage]) -> list[Stage]:
@@ -1595,6 +1681,7 @@ class Scheduler:
         worker = self._pick_worker(start, need)
         self._idle.discard(worker)
         self._worker_at.pop(worker, None)
+        self._place(worker)
         batches = [self._batch(path, worker, start) for path in group]
         out.append(batches[0] if len(batches) == 1 else RunFused(worker, tuple(batches)))
 
@@ -1640,6 +1727,10 @@ class Scheduler:
         )
         self._positions[batch_id] = root.start
         self._touched.add(batch_id)
+        for key in evaluate:
+            self._evaluators.setdefault(key, set()).add(batch_id)
+        if not any(k in self._requests for k in evaluate):
+            self._unneeded.add(batch_id)
         self._steps_planned += sum(b - a for _, a, b in segments)
         return RunBatch(
             batch_id=batch_id,
@@ -1681,14 +1772,24 @@ class Scheduler:
         return interval if interval < end else None
 
     def _preempt(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
+        """Abort the running batches no live request needs (in batch order): none of
+        their promised evaluations is live, and no pending work waits for them."""
+        if not self._unneeded:
+            return
+        batches = self._batches
+        idle = [
+            b
+            for b in (batches[i] for i in sorted(self._unneeded))
+            if not b.aborted and b.position < b.end[1]
+        ]
+        if not idle:
+            return
         needed = {c.batch_id for c in tree.covered}
         for root in tree.waiting_roots():
             assert root.origin is not None and root.origin.batch_id is not None
             needed.add(root.origin.batch_id)
-        for batch in self._active():
-            if batch.batch_id in needed or batch.position >= batch.end[1]:
-                continue
-            if any(k in self._requests for k in batch.evaluate):
+        for batch in idle:
+            if batch.batch_id in needed:
                 continue
             batch.aborted = True
             self._touched.add(batch.batch_id)

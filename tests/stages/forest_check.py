@@ -1,7 +1,8 @@
 """A check that the batches' inputs the scheduler keeps in its forest (and the models in
-memory) equal the ones listed from scratch, before every stage tree: the fixture
-``checked_forest`` (imported by ``test_forest_batches.py``), or a pytest plugin for any
-suite (``-p forest_check`` with ``tests/stages`` on the path)."""
+memory, the idle workers by position, the running batches by promised evaluation and
+those that promise nothing live) equal the ones listed from scratch, before every stage
+tree: the fixture ``checked_forest`` (imported by ``test_forest_batches.py``), or a
+pytest plugin for any suite (``-p forest_check`` with ``tests/stages`` on the path)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,28 @@ def check(scheduler: core.Scheduler) -> None:
     scheduler._report_batches()
     inputs, memory = scratch_inputs(scheduler)
     assert scheduler._forest.batch_inputs() == inputs
-    assert list(scheduler._memory.items()) == list(memory.items())
+    # The models in memory are kept per position across decisions: their order carries
+    # no meaning (every reader looks them up), so they are compared as a mapping.
+    assert scheduler._memory == memory
+    idle_at: dict[Any, set[int]] = {}
+    for w in scheduler._idle:
+        at = scheduler._worker_at.get(w)
+        if at is not None:
+            idle_at.setdefault(at, set()).add(w)
+    assert scheduler._idle_at == idle_at
+    assert scheduler._idle_key == {w: at for at, ws in idle_at.items() for w in ws}
+    evaluators: dict[Any, set[int]] = {}
+    for b in scheduler._batches.values():
+        for key in b.evaluate:
+            evaluators.setdefault(key, set()).add(b.batch_id)
+    assert scheduler._evaluators == evaluators
+    live = scheduler._requests
+    unneeded = {
+        b.batch_id
+        for b in scheduler._batches.values()
+        if not any(key in live for key in b.evaluate)
+    }
+    assert scheduler._unneeded == unneeded
 
 
 @pytest.fixture(autouse=True)
