@@ -1132,8 +1132,8 @@ class Engine:
         charged = self.scheduler.usage
         self._apply(self.scheduler.handle(ev))
         if self._unreleased:
-            saving = self.scheduler.saving
-            for ended in [b for b in self._unreleased if b not in saving]:
+            is_saving = self.scheduler.is_saving
+            for ended in [b for b in self._unreleased if not is_saving(b)]:
                 self._unreleased.discard(ended)
                 self.coord.batch_ended(ended)
         rate = batch.rate if batch is not None else 0.0

@@ -368,6 +368,12 @@ class Scheduler:
         # as evaluations and requests come and go instead of walked per decision.
         self._evaluators: dict[Key, set[int]] = {}
         self._unneeded: set[int] = set()
+        # Running batches per worker (a fused job's members share one), and whether
+        # the known workers differ in devices (None: not worked out since they changed).
+        self._on_worker: Counter[int] = Counter()
+        self._mixed: bool | None = None
+        # Batches given a ``downstream`` by the last _split (the others have none).
+        self._downstream: set[int] = set()
         # Starts of ready roots whose model an idle worker holds (see _held_first).
         self._held_starts: set[Key] = set()
         # Ready roots that start at a model an idle worker holds (see _held_first).
@@ -549,6 +555,10 @@ class Scheduler:
         """Ended batches whose checkpoints are still being written: the pending
         ``(node, step)`` keys by batch id."""
         return {b.batch_id: frozenset(b.checkpoint) for b in self._saving.values()}
+
+    def is_saving(self, batch_id: int) -> bool:
+        """Whether ended batch ``batch_id`` is in :attr:`saving` (without the copy)."""
+        return batch_id in self._saving
 
     # -- plan events -----------------------------------------------------------------------
 
@@ -917,9 +927,7 @@ class Scheduler:
             self._forget(batch)
             self._dirty = True
             # A worker of a fused job is free once every member ended.
-            if batch.worker in self._workers and not any(
-                b.worker == batch.worker for b in self._batches.values()
-            ):
+            if batch.worker in self._workers and not self._on_worker[batch.worker]:
                 self._idle.add(batch.worker)
                 self._place(batch.worker)
         return batch
@@ -1027,6 +1035,12 @@ class Scheduler:
         announced = max((self.worker_devices(w) for w in self._workers), default=0)
         return max(announced, self._expected_devices)
 
+    def _mixed_devices(self) -> bool:
+        """Whether the known workers differ in devices (idle ones can only if they do)."""
+        if self._mixed is None:
+            self._mixed = len({self.worker_devices(w) for w in self._workers}) > 1
+        return self._mixed
+
     def worker_devices(self, worker: int) -> int:
         """Devices worker ``worker`` owns (as its ``WorkerReady`` said; 1 if unknown)."""
         return self._devices.get(worker, 1)
@@ -1119,13 +1133,15 @@ class Scheduler:
     def _on_worker_ready(self, e: WorkerReady, out: list[Instruction | Notice]) -> None:
         self._workers.add(e.worker)
         self._devices[e.worker] = getattr(e, "devices", 1)
-        if not any(b.worker == e.worker for b in self._batches.values()):
+        self._mixed = None
+        if not self._on_worker[e.worker]:
             self._idle.add(e.worker)
             self._place(e.worker)
         self._dirty = True
 
     def _on_worker_lost(self, e: WorkerLost, out: list[Instruction | Notice]) -> None:
         self._workers.discard(e.worker)
+        self._mixed = None
         self._idle.discard(e.worker)
         self._worker_at.pop(e.worker, None)
         self._place(e.worker)
@@ -1407,6 +1423,11 @@ class Scheduler:
             if not holders:
                 del self._evaluators[key]
         self._unneeded.discard(batch_id)
+        left = self._on_worker[batch.worker] - 1
+        if left:
+            self._on_worker[batch.worker] = left
+        else:
+            del self._on_worker[batch.worker]
 
     def _place(self, worker: int) -> None:
         """Keep ``_idle_at`` after ``worker``'s idleness or position may have changed."""
@@ -1486,12 +1507,17 @@ class Scheduler:
     def _split(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
         """Ask running batches for the checkpoints and evaluations pending work needs
         (and note, for fair-share accounting, which pending requests wait for them)."""
-        for batch in self._batches.values():
-            batch.downstream.clear()
+        batches = self._batches
+        for batch_id in self._downstream:
+            running = batches.get(batch_id)
+            if running is not None:
+                running.downstream.clear()
+        self._downstream.clear()
         for c in tree.covered:
             batch = self._any_batch(c.batch_id)
             key = (c.node, c.step)
             batch.downstream[key] = c.step
+            self._downstream.add(c.batch_id)
             if c.step <= batch.position:
                 # A promised checkpoint the worker already passed: the request is
                 # evaluated from it once it is durable.
@@ -1509,6 +1535,7 @@ class Scheduler:
             for stage in root.subtree():
                 for t in stage.evaluate_at:
                     batch.downstream[(stage.node, t)] = origin.step
+            self._downstream.add(origin.batch_id)
             if key not in batch.checkpoint:
                 batch.checkpoint.add(key)
                 self._touched.add(batch.batch_id)
@@ -1568,7 +1595,11 @@ class Scheduler:
         if start in self._memory:  # only that worker has the model
             return self._memory[start]
         idle = sorted(self._idle)
-        if self._devices and len({self.worker_devices(w) for w in idle}) > 1:
+        if (
+            self._devices
+            and self._mixed_devices()
+            and len({self.worker_devices(w) for w in idle}) > 1
+        ):
             # A mixed cluster: the smallest workers that have the devices, so that the
             # larger ones stay free for the trees that need them.
             idle = [w for w in idle if self.worker_devices(w) >= need]
@@ -1727,6 +1758,7 @@ class Scheduler:
         )
         self._positions[batch_id] = root.start
         self._touched.add(batch_id)
+        self._on_worker[worker] += 1
         for key in evaluate:
             self._evaluators.setdefault(key, set()).add(batch_id)
         if not any(k in self._requests for k in evaluate):

@@ -1,11 +1,13 @@
 """A check that the batches' inputs the scheduler keeps in its forest (and the models in
-memory, the idle workers by position, the running batches by promised evaluation and
-those that promise nothing live) equal the ones listed from scratch, before every stage
-tree: the fixture ``checked_forest`` (imported by ``test_forest_batches.py``), or a
-pytest plugin for any suite (``-p forest_check`` with ``tests/stages`` on the path)."""
+memory, the idle workers by position, the running batches by promised evaluation, those
+that promise nothing live, by worker and with a downstream, whether workers differ in
+devices) equal the ones listed from scratch, before every stage tree: the fixture
+``checked_forest`` (imported by ``test_forest_batches.py``), or a pytest plugin for any
+suite (``-p forest_check`` with ``tests/stages`` on the path)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,6 +73,15 @@ def check(scheduler: core.Scheduler) -> None:
         if not any(key in live for key in b.evaluate)
     }
     assert scheduler._unneeded == unneeded
+    mixed = len({scheduler.worker_devices(w) for w in scheduler._workers}) > 1
+    assert scheduler._mixed in (None, mixed)
+    on_worker = Counter(b.worker for b in scheduler._batches.values())
+    assert scheduler._on_worker == on_worker
+    assert all(
+        not b.downstream
+        for b in scheduler._batches.values()
+        if b.batch_id not in scheduler._downstream
+    )
 
 
 @pytest.fixture(autouse=True)

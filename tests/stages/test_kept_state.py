@@ -5,9 +5,12 @@ that the simulated runs rarely produce, and the decisions that depend on it."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
-from forest_check import check
+import pytest
+from forest_check import check, checked_forest
+from test_scheduler_sim import Sim, random_trials
 
 from stagetree.plan import MemoryPlanStorage
 from stagetree.scheduler import (
@@ -25,19 +28,25 @@ from stagetree.work import (
     Progress,
     RunBatch,
     WorkerLost,
+    WorkerReady,
 )
+
+__all__ = ["checked_forest"]  # the fixture, used by name below
 
 
 def _one_trial(
-    workers: int, steps: tuple[int, ...], plan: MemoryPlanStorage | None = None
+    workers: int,
+    steps: tuple[int, ...],
+    plan: MemoryPlanStorage | None = None,
+    sched: Scheduler | None = None,
 ) -> tuple[Scheduler, int, RunBatch]:
-    """A scheduler with one trial of 20 steps that asks for results at ``steps``, and
-    the batch it started."""
+    """A scheduler (``sched``, or one with ``workers`` workers) with one trial of 20
+    steps that asks for results at ``steps``, and the batch it started."""
     plan = plan or MemoryPlanStorage()
     ins = plan.insert_trial("r", {"lr": 0.1}, 20, request=False)
     events: list[Any] = [RootAdded("r", {}), *(NodeAdded(n) for n in ins.new_nodes)]
     events += [RequestAdded(ins.node, t) for t in steps]
-    sched = Scheduler(num_workers=workers)
+    sched = sched or Scheduler(num_workers=workers)
     out = sched.handle_all(events)
     (batch,) = [b for b in out if isinstance(b, RunBatch)]
     check(sched)
@@ -89,3 +98,41 @@ def test_metrics_after_the_checkpoint_is_durable() -> None:
     out = sched.handle(RequestCancelled(node, 20))
     assert Abort(b, w) in out
     check(sched)
+
+
+def test_workers_that_come_later_with_more_devices_make_a_mixed_cluster() -> None:
+    """Whether the workers differ in devices is kept, and worked out again when a worker
+    comes: a stage goes to the smallest idle worker that fits once they differ."""
+    plan = MemoryPlanStorage()
+    sched = Scheduler(num_workers=None)
+    sched.handle(WorkerReady(0, devices=1))
+    sched, _, first = _one_trial(0, (20,), plan, sched)
+    assert first.worker == 0
+    sched.handle_all([WorkerReady(1, devices=4), WorkerReady(2, devices=1)])
+    check(sched)
+    other = plan.insert_trial("r", {"lr": 0.2}, 20, request=False)
+    events: list[Any] = [NodeAdded(n) for n in other.new_nodes]
+    out = sched.handle_all([*events, RequestAdded(other.node, 20)])
+    (second,) = [b for b in out if isinstance(b, RunBatch)]
+    assert second.worker == 2
+    check(sched)
+
+
+@pytest.mark.usefixtures("checked_forest")
+def test_kept_state_equals_scratch_with_live_splits() -> None:
+    """Trials that ask for their last step only (so running batches are split for the
+    ones that branch off ahead of them), cancellations and lost workers: before every
+    stage tree the kept state equals the state listed from scratch."""
+    splits = 0
+    for seed in range(6):
+        rng = random.Random(700 + seed)
+        sim = Sim(workers=rng.randint(1, 4))
+        trials = random_trials(rng, 15, horizon=100)
+        for trial in trials:
+            trial.rungs = (trial.steps,)
+        for trial in rng.sample(trials, 3):
+            trial.leave = trial.arrive + rng.randint(0, 40)
+        sim.run(trials, rng=rng, lose_prob=0.01)
+        check(sim.sched)
+        splits += sim.splits
+    assert splits > 0
