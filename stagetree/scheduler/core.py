@@ -157,6 +157,8 @@ class _Batch:
     # roots and covered requests), with that position: refreshed at every decision.
     charged: int = 0
     downstream: dict[Key, int] = field(default_factory=dict)
+    # Every key it was ever asked to checkpoint (its entries in ``_promising``).
+    indexed: set[Key] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -344,6 +346,7 @@ class Scheduler:
         # Ended batches whose captured checkpoints are not durable yet (see the module
         # docstring); ``checkpoint`` holds the pending keys, ``parked`` their metrics.
         self._saving: dict[int, _Batch] = {}
+        self._saving_left = 0  # batches that left ``_saving`` so far
         # Pending checkpoints whose model an idle worker holds in memory (refreshed by
         # every stage-tree build): work from there may start on that worker at once.
         self._memory: dict[Key, int] = {}
@@ -372,6 +375,10 @@ class Scheduler:
         # the known workers differ in devices (None: not worked out since they changed).
         self._on_worker: Counter[int] = Counter()
         self._mixed: bool | None = None
+        # Running and saving batches by the checkpoints they were asked for (a superset
+        # of those whose ``checkpoint`` or ``parked`` hold the key: a key is let go when
+        # its checkpoint is durable or the batch is gone), for _on_checkpoint.
+        self._promising: dict[Key, set[int]] = {}
         # Batches given a ``downstream`` by the last _split (the others have none).
         self._downstream: set[int] = set()
         # Starts of ready roots whose model an idle worker holds (see _held_first).
@@ -556,6 +563,12 @@ class Scheduler:
         ``(node, step)`` keys by batch id."""
         return {b.batch_id: frozenset(b.checkpoint) for b in self._saving.values()}
 
+    @property
+    def saving_left(self) -> int:
+        """How many batches left :attr:`saving` so far (their writes all ended): while it
+        and the batches that ended stay the same, :attr:`saving` has lost none."""
+        return self._saving_left
+
     def is_saving(self, batch_id: int) -> bool:
         """Whether ended batch ``batch_id`` is in :attr:`saving` (without the copy)."""
         return batch_id in self._saving
@@ -696,7 +709,7 @@ class Scheduler:
             if key in batch.checkpoint or key in self._checkpoints:
                 continue
             if key in self._branch_points(batch.segments) and node.branch_step > batch.position:
-                batch.checkpoint.add(key)
+                self._promise(batch, key)
                 self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
@@ -817,7 +830,7 @@ class Scheduler:
         if seconds is not None and math.isfinite(seconds) and seconds > 0:
             self._save_total += seconds
             self._save_count += 1
-        for batch in (*self._batches.values(), *self._saving.values()):
+        for batch in self._promised_at(key):
             if key in batch.checkpoint or key in batch.parked:
                 batch.checkpoint.discard(key)
                 self._touched.add(batch.batch_id)
@@ -874,6 +887,8 @@ class Scheduler:
                 for key, metrics in batch.parked.items():
                     self._settle(key, metrics, out)
                 del self._saving[batch.batch_id]
+                self._unpromise_all(batch)
+                self._saving_left += 1
                 self._touched.add(batch.batch_id)
                 self._dirty = True
 
@@ -949,6 +964,8 @@ class Scheduler:
                 self._saving[batch.batch_id] = batch
                 self._saving_seq[batch.batch_id] = self._next_saving
                 self._next_saving += 1
+            else:
+                self._unpromise_all(batch)
         if batch is not None and not batch.aborted and batch.position >= batch.end[1]:
             self._worker_at[batch.worker] = batch.end
             self._place(batch.worker)
@@ -959,6 +976,7 @@ class Scheduler:
     def _on_failed(self, e: BatchFailed, out: list[Instruction | Notice]) -> None:
         batch = self._release(e.batch_id)
         if batch is not None:  # the model at ``e.step`` was made
+            self._unpromise_all(batch)
             self._charge(batch, max(batch.position, e.step))
         self._worker_at.pop(e.worker, None)
         self._place(e.worker)
@@ -1153,6 +1171,7 @@ class Scheduler:
         ]:
             batch = self._batches.pop(batch_id)
             self._forget(batch)
+            self._unpromise_all(batch)
             self._touched.add(batch_id)
             self._charge(batch, batch.position)
             if not batch.aborted:
@@ -1383,6 +1402,44 @@ class Scheduler:
         else:
             self._saving_keys.pop(batch_id, None)
 
+    def _promise(self, batch: _Batch, key: Key) -> None:
+        """``batch`` is asked for a checkpoint at ``key`` too."""
+        batch.checkpoint.add(key)
+        if key not in batch.indexed:
+            batch.indexed.add(key)
+            self._promising.setdefault(key, set()).add(batch.batch_id)
+
+    def _unpromise_all(self, batch: _Batch) -> None:
+        """``batch`` is gone (neither running nor saving): out of ``_promising``."""
+        batch_id = batch.batch_id
+        for key in batch.indexed:
+            holders = self._promising.get(key)
+            if holders is not None:
+                holders.discard(batch_id)
+                if not holders:
+                    del self._promising[key]
+        batch.indexed.clear()
+
+    def _promised_at(self, key: Key) -> list[_Batch]:
+        """The running then the saving batches that may hold ``key`` in ``checkpoint``
+        or ``parked``, in the order of ``_batches`` then ``_saving`` (batch ids, then
+        the order they ended in); ``key`` is let go (its checkpoint is durable now)."""
+        ids = self._promising.pop(key, None)
+        if not ids:
+            return []
+        running: list[_Batch] = []
+        saving: list[tuple[int, _Batch]] = []
+        for batch_id in sorted(ids):
+            batch = self._batches.get(batch_id)
+            if batch is not None:
+                running.append(batch)
+            else:
+                saving.append((self._saving_seq[batch_id], self._saving[batch_id]))
+            batch = running[-1] if batch is not None else saving[-1][1]
+            batch.indexed.discard(key)
+        saving.sort(key=lambda x: x[0])
+        return running + [b for _, b in saving]
+
     def _evaluates(self, batch: _Batch, key: Key) -> None:
         """Running ``batch`` promises an evaluation at ``key`` too."""
         batch.evaluate.add(key)
@@ -1524,7 +1581,7 @@ class Scheduler:
                 continue
             if key not in batch.evaluate:
                 self._evaluates(batch, key)
-                batch.checkpoint.add(key)
+                self._promise(batch, key)
                 self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, c.node, c.step, True))
         for root in tree.waiting_roots():
@@ -1537,7 +1594,7 @@ class Scheduler:
                     batch.downstream[(stage.node, t)] = origin.step
             self._downstream.add(origin.batch_id)
             if key not in batch.checkpoint:
-                batch.checkpoint.add(key)
+                self._promise(batch, key)
                 self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
@@ -1755,7 +1812,10 @@ class Scheduler:
             start,
             start_ref,
             charged=root.start,
+            indexed=set(checkpoint),
         )
+        for key in checkpoint:
+            self._promising.setdefault(key, set()).add(batch_id)
         self._positions[batch_id] = root.start
         self._touched.add(batch_id)
         self._on_worker[worker] += 1

@@ -1,7 +1,8 @@
-"""A check that the batches' inputs the scheduler keeps in its forest (and the models in
+"""A check that the state the scheduler keeps across decisions equals the state listed
+from scratch, before every stage tree: the batches' inputs in its forest, the models in
 memory, the idle workers by position, the running batches by promised evaluation, those
-that promise nothing live, by worker and with a downstream, whether workers differ in
-devices) equal the ones listed from scratch, before every stage tree: the fixture
+that promise nothing live, by worker and with a downstream, the batches by the
+checkpoints asked of them, and whether the workers differ in devices. The fixture
 ``checked_forest`` (imported by ``test_forest_batches.py``), or a pytest plugin for any
 suite (``-p forest_check`` with ``tests/stages`` on the path)."""
 
@@ -73,6 +74,14 @@ def check(scheduler: core.Scheduler) -> None:
         if not any(key in live for key in b.evaluate)
     }
     assert scheduler._unneeded == unneeded
+    for b in (*scheduler._batches.values(), *scheduler._saving.values()):
+        assert b.checkpoint <= b.indexed and b.parked.keys() <= b.indexed
+        for key in b.indexed:
+            assert b.batch_id in scheduler._promising[key]
+    alive = scheduler._batches.keys() | scheduler._saving.keys()
+    for key, ids in scheduler._promising.items():
+        assert ids and ids <= alive
+        assert all(key in scheduler._any_batch(i).indexed for i in ids)
     mixed = len({scheduler.worker_devices(w) for w in scheduler._workers}) > 1
     assert scheduler._mixed in (None, mixed)
     on_worker = Counter(b.worker for b in scheduler._batches.values())

@@ -12,6 +12,7 @@ import pytest
 from forest_check import check, checked_forest
 from test_scheduler_sim import Sim, random_trials
 
+from stagetree.hp import Piecewise
 from stagetree.plan import MemoryPlanStorage
 from stagetree.scheduler import (
     NodeAdded,
@@ -23,6 +24,9 @@ from stagetree.scheduler import (
 )
 from stagetree.work import (
     Abort,
+    AddCheckpoint,
+    BatchDone,
+    BatchFailed,
     CheckpointSaved,
     MetricsReported,
     Progress,
@@ -116,6 +120,62 @@ def test_workers_that_come_later_with_more_devices_make_a_mixed_cluster() -> Non
     (second,) = [b for b in out if isinstance(b, RunBatch)]
     assert second.worker == 2
     check(sched)
+
+
+def test_a_failed_batch_lets_go_of_its_checkpoints() -> None:
+    """A batch that fails is planned again (a retry): the failed one no longer stands
+    for the checkpoints it was asked for, the retry does."""
+    sched = Scheduler(num_workers=1, max_retries=1)
+    sched, node, batch = _one_trial(1, (10, 20), sched=sched)
+    sched.handle(Progress(batch.batch_id, batch.worker, node, 3, 0.1))
+    out = sched.handle(BatchFailed(batch.batch_id, batch.worker, node, 3, "boom", ""))
+    (retry,) = [b for b in out if isinstance(b, RunBatch)]
+    assert retry.batch_id != batch.batch_id
+    check(sched)
+    assert sched._promising[(node, 10)] == {retry.batch_id}
+
+
+def test_a_lost_worker_takes_its_saving_batches_with_it() -> None:
+    """A batch ended with its last checkpoint still being written, then its worker is
+    lost: the write never comes, the batch is forgotten, its request planned again."""
+    sched, node, batch = _one_trial(2, (20,))
+    w, b = batch.worker, batch.batch_id
+    for t in range(1, 21):
+        sched.handle(Progress(b, w, node, t, 0.1))
+    sched.handle(MetricsReported(b, w, node, 20, {"loss": 0.5}))
+    sched.handle(BatchDone(b, w, 1.0, 20))
+    assert sched.is_saving(b)
+    check(sched)
+    out = sched.handle(WorkerLost(w, None, "gone"))
+    assert not sched.is_saving(b)
+    assert [x.evaluate_at for x in out if isinstance(x, RunBatch)] == [((node, 20),)]
+    check(sched)
+
+
+def test_a_trial_that_waits_for_a_running_batch_asks_it_for_a_checkpoint() -> None:
+    """Without branch checkpoints, a trial that branches off ahead of a running batch
+    waits for it: the batch is asked for a checkpoint at the branch point, and that
+    checkpoint, once durable, is no longer pending."""
+    plan = MemoryPlanStorage()
+    sched = Scheduler(num_workers=2, branch_checkpoints=False)
+    ins = plan.insert_trial("r", {"lr": Piecewise([0.1, 0.1], [15])}, 20, request=False)
+    events: list[Any] = [RootAdded("r", {}), *(NodeAdded(n) for n in ins.new_nodes)]
+    out = sched.handle_all([*events, RequestAdded(ins.node, 20)])
+    (batch,) = [b for b in out if isinstance(b, RunBatch)]
+    w, b = batch.worker, batch.batch_id
+    sched.handle(Progress(b, w, ins.node, 2, 0.1))
+    other = plan.insert_trial("r", {"lr": Piecewise([0.1, 0.01], [10])}, 20, request=False)
+    events = [NodeAdded(n) for n in other.new_nodes]
+    out = sched.handle_all([*events, RequestAdded(other.node, 20)])
+    (asked,) = [x for x in out if isinstance(x, AddCheckpoint)]
+    assert (asked.batch_id, asked.step) == (b, 10)
+    check(sched)
+    for t in range(3, 11):
+        sched.handle(Progress(b, w, asked.node, t, 0.1))
+    out = sched.handle(CheckpointSaved(b, w, asked.node, 10, "ck", 1, 0.0))
+    check(sched)
+    assert (asked.node, 10) not in sched.running[b].checkpoint_at
+    assert [x.start_at for x in out if isinstance(x, RunBatch)] == [(asked.node, 10)]
 
 
 @pytest.mark.usefixtures("checked_forest")
