@@ -1651,12 +1651,19 @@ class Scheduler:
     def _pick_worker(self, start: Key | None, need: int = 1) -> int:
         if start in self._memory:  # only that worker has the model
             return self._memory[start]
+        if not (self._devices and self._mixed_devices()):
+            # One kind of worker: the lowest idle one that stands at ``start``, else the
+            # lowest whose model no other ready work continues (the walk below, from the
+            # idle workers by position instead of every idle worker sorted).
+            here = self._idle_at.get(start) if start is not None else None
+            if here:
+                return min(here)
+            kept = {w for k in self._held_starts for w in self._idle_at.get(k, ())}
+            if kept and len(kept) < len(self._idle):
+                return min(w for w in self._idle if w not in kept)
+            return min(self._idle)
         idle = sorted(self._idle)
-        if (
-            self._devices
-            and self._mixed_devices()
-            and len({self.worker_devices(w) for w in idle}) > 1
-        ):
+        if len({self.worker_devices(w) for w in idle}) > 1:
             # A mixed cluster: the smallest workers that have the devices, so that the
             # larger ones stay free for the trees that need them.
             idle = [w for w in idle if self.worker_devices(w) >= need]

@@ -196,3 +196,70 @@ def test_kept_state_equals_scratch_with_live_splits() -> None:
         check(sim.sched)
         splits += sim.splits
     assert splits > 0
+
+
+def _pick_from_scratch(sched: Scheduler, start: Any, need: int) -> int:
+    """The worker ``_pick_worker`` chose before it read the idle workers by position: a
+    walk of every idle worker, sorted."""
+    if start in sched._memory:
+        return sched._memory[start]
+    idle = sorted(sched._idle)
+    if sched._devices and len({sched.worker_devices(w) for w in idle}) > 1:
+        idle = [w for w in idle if sched.worker_devices(w) >= need]
+        idle.sort(key=sched.worker_devices)
+    if start is not None:
+        for worker in idle:
+            if sched._worker_at.get(worker) == start:
+                return worker
+    for worker in idle:
+        if sched._worker_at.get(worker) not in sched._held_starts:
+            return worker
+    return idle[0]
+
+
+def test_picked_workers_equal_the_walk_of_every_idle_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many workers, trials that continue models idle workers hold: every worker picked
+    is the one the walk of every idle worker picks."""
+    pick = Scheduler._pick_worker
+    picks: list[int] = []
+
+    def checked(self: Scheduler, start: Any, need: int = 1) -> int:
+        want = _pick_from_scratch(self, start, need)
+        got = pick(self, start, need)
+        assert got == want
+        picks.append(got)
+        return got
+
+    monkeypatch.setattr(Scheduler, "_pick_worker", checked)
+    for seed in range(6):
+        rng = random.Random(900 + seed)
+        sim = Sim(workers=rng.randint(4, 10))
+        sim.run(random_trials(rng, 30, horizon=120))
+        assert sim.metrics.keys() == sim.requested
+    assert len(picks) > 100
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_picked_worker_equals_the_walk_on_random_idle_workers(mixed: bool) -> None:
+    """Idle and busy workers at random positions (several at one), random held starts
+    and devices: the worker picked is the one the walk of every idle worker picks."""
+    rng = random.Random(11 + mixed)
+    positions: list[Any] = [(1, 4), (1, 8), (2, 8)]
+    for _ in range(400):
+        n = rng.randint(1, 12)
+        sched = Scheduler(num_workers=n)
+        if mixed:
+            sched._devices = {w: rng.choice((1, 2)) for w in range(n)}
+        for w in range(n):
+            if w and rng.random() < 0.3:
+                sched._idle.discard(w)
+            at = rng.choice([*positions, None])
+            if at is not None:
+                sched._worker_at[w] = at
+            sched._place(w)
+        sched._held_starts = set(rng.sample(positions, rng.randint(0, 3)))
+        start = rng.choice([*positions, None])
+        need = rng.choice((1, 2))
+        assert sched._pick_worker(start, need) == _pick_from_scratch(sched, start, need)
