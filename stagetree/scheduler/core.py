@@ -371,10 +371,10 @@ class Scheduler:
         # as evaluations and requests come and go instead of walked per decision.
         self._evaluators: dict[Key, set[int]] = {}
         self._unneeded: set[int] = set()
-        # Running batches per worker (a fused job's members share one), and whether
-        # the known workers differ in devices (None: not worked out since they changed).
+        # Running batches per worker (a fused job's members share one), and the known
+        # workers by their devices (whether they differ, without a walk of them all).
         self._on_worker: Counter[int] = Counter()
-        self._mixed: bool | None = None
+        self._kinds: Counter[int] = Counter({1: len(self._workers)} if self._workers else {})
         # Running and saving batches by the checkpoints they were asked for (a superset
         # of those whose ``checkpoint`` or ``parked`` hold the key: a key is let go when
         # its checkpoint is durable or the batch is gone), for _on_checkpoint.
@@ -1055,9 +1055,16 @@ class Scheduler:
 
     def _mixed_devices(self) -> bool:
         """Whether the known workers differ in devices (idle ones can only if they do)."""
-        if self._mixed is None:
-            self._mixed = len({self.worker_devices(w) for w in self._workers}) > 1
-        return self._mixed
+        return len(self._kinds) > 1
+
+    def _count_kind(self, worker: int, by: int) -> None:
+        """Count known worker ``worker``'s devices in ``_kinds`` (``by`` 1) or no more (-1)."""
+        devices = self.worker_devices(worker)
+        left = self._kinds[devices] + by
+        if left:
+            self._kinds[devices] = left
+        else:
+            del self._kinds[devices]
 
     def worker_devices(self, worker: int) -> int:
         """Devices worker ``worker`` owns (as its ``WorkerReady`` said; 1 if unknown)."""
@@ -1149,17 +1156,20 @@ class Scheduler:
         self._dirty = True
 
     def _on_worker_ready(self, e: WorkerReady, out: list[Instruction | Notice]) -> None:
+        if e.worker in self._workers:
+            self._count_kind(e.worker, -1)
         self._workers.add(e.worker)
         self._devices[e.worker] = getattr(e, "devices", 1)
-        self._mixed = None
+        self._count_kind(e.worker, 1)
         if not self._on_worker[e.worker]:
             self._idle.add(e.worker)
             self._place(e.worker)
         self._dirty = True
 
     def _on_worker_lost(self, e: WorkerLost, out: list[Instruction | Notice]) -> None:
-        self._workers.discard(e.worker)
-        self._mixed = None
+        if e.worker in self._workers:
+            self._count_kind(e.worker, -1)
+            self._workers.discard(e.worker)
         self._idle.discard(e.worker)
         self._worker_at.pop(e.worker, None)
         self._place(e.worker)

@@ -2,7 +2,7 @@
 from scratch, before every stage tree: the batches' inputs in its forest, the models in
 memory, the idle workers by position, the running batches by promised evaluation, those
 that promise nothing live, by worker and with a downstream, the batches by the
-checkpoints asked of them, and whether the workers differ in devices. The fixture
+checkpoints asked of them, and the workers by their devices. The fixture
 ``checked_forest`` (imported by ``test_forest_batches.py``), or a pytest plugin for any
 suite (``-p forest_check`` with ``tests/stages`` on the path)."""
 
@@ -82,8 +82,7 @@ def check(scheduler: core.Scheduler) -> None:
     for key, ids in scheduler._promising.items():
         assert ids and ids <= alive
         assert all(key in scheduler._any_batch(i).indexed for i in ids)
-    mixed = len({scheduler.worker_devices(w) for w in scheduler._workers}) > 1
-    assert scheduler._mixed in (None, mixed)
+    assert scheduler._kinds == Counter(scheduler.worker_devices(w) for w in scheduler._workers)
     on_worker = Counter(b.worker for b in scheduler._batches.values())
     assert scheduler._on_worker == on_worker
     assert all(

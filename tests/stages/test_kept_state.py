@@ -251,7 +251,7 @@ def test_picked_worker_equals_the_walk_on_random_idle_workers(mixed: bool) -> No
         n = rng.randint(1, 12)
         sched = Scheduler(num_workers=n)
         if mixed:
-            sched._devices = {w: rng.choice((1, 2)) for w in range(n)}
+            sched.handle_all([WorkerReady(w, devices=rng.choice((1, 2))) for w in range(n)])
         for w in range(n):
             if w and rng.random() < 0.3:
                 sched._idle.discard(w)
