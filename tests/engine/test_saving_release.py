@@ -5,6 +5,7 @@ engine looks again only when a batch ended or the scheduler's saving batches los
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from stagetree.distributions import LogUniform
 from stagetree.executors.simulated import LearningCurve, SimulatedExecutor, SimulatedTrainer
@@ -42,9 +43,9 @@ def test_every_batch_is_let_go_once_its_writes_end(tmp_path: Path) -> None:
         ended: list[int] = []
         batch_ended = engine.coord.batch_ended
 
-        def noting(batch_id: int) -> None:
+        def noting(batch_id: int, *args: Any) -> None:
             ended.append(batch_id)
-            batch_ended(batch_id)
+            batch_ended(batch_id, *args)
 
         engine.coord.batch_ended = noting  # type: ignore[method-assign]
         study.tune(tuner)
