@@ -419,6 +419,7 @@ class Engine:
         # Ended batches whose stage leases wait for their checkpoint writes (a batch's
         # checkpoints may be written after its end: this outlives its record).
         self._unreleased: set[int] = set()
+        self._released = (0, 0)  # _unreleased's size and saving_left at the last look
         # Metrics held back until the checkpoint promised at their point is durable.
         self._unstored: dict[tuple[int, int], dict[str, float]] = {}
         self._queued: list[Any] = []
@@ -1271,11 +1272,16 @@ class Engine:
             handler(ev, batch)
         charged = self.scheduler.usage
         self._apply(self.scheduler.handle(ev))
-        if self._unreleased:
-            saving = self.scheduler.saving
-            for ended in [b for b in self._unreleased if b not in saving]:
+        # Only when a batch ended or a saving batch's writes did (not per event).
+        if self._unreleased and self._released != (
+            len(self._unreleased),
+            self.scheduler.saving_left,
+        ):
+            is_saving = self.scheduler.is_saving
+            for ended in [b for b in self._unreleased if not is_saving(b)]:
                 self._unreleased.discard(ended)
                 self.coord.batch_ended(ended)
+            self._released = (len(self._unreleased), self.scheduler.saving_left)
         rate = batch.rate if batch is not None else 0.0
         steps = self.ledger.count_studies(charged, self.scheduler.usage, rate)
         if batch is not None:

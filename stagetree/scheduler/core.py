@@ -157,6 +157,8 @@ class _Batch:
     # roots and covered requests), with that position: refreshed at every decision.
     charged: int = 0
     downstream: dict[Key, int] = field(default_factory=dict)
+    # Every key it was ever asked to checkpoint (its entries in ``_promising``).
+    indexed: set[Key] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -344,6 +346,7 @@ class Scheduler:
         # Ended batches whose captured checkpoints are not durable yet (see the module
         # docstring); ``checkpoint`` holds the pending keys, ``parked`` their metrics.
         self._saving: dict[int, _Batch] = {}
+        self._saving_left = 0  # batches that left ``_saving`` so far
         # Pending checkpoints whose model an idle worker holds in memory (refreshed by
         # every stage-tree build): work from there may start on that worker at once.
         self._memory: dict[Key, int] = {}
@@ -357,6 +360,27 @@ class Scheduler:
         self._fused_width: dict[str, int] = {}  # widest fused job known to fit, by tree
         self._idle: set[int] = set(self._workers)
         self._worker_at: dict[int, Key] = {}  # where an idle worker's trainer stands
+        # Idle workers by where their trainer stands, kept by _place whenever a worker's
+        # idleness or position changes (not walked per decision), and the positions
+        # whose models in memory may have changed since the last decision.
+        self._idle_at: dict[Key, set[int]] = {}
+        self._idle_key: dict[int, Key] = {}
+        self._moved: set[Key] = set()
+        # Running batches by the evaluations they promise, and those of them whose
+        # promised evaluations are none a live request (what _preempt may abort), kept
+        # as evaluations and requests come and go instead of walked per decision.
+        self._evaluators: dict[Key, set[int]] = {}
+        self._unneeded: set[int] = set()
+        # Running batches per worker (a fused job's members share one), and the known
+        # workers by their devices (whether they differ, without a walk of them all).
+        self._on_worker: Counter[int] = Counter()
+        self._kinds: Counter[int] = Counter({1: len(self._workers)} if self._workers else {})
+        # Running and saving batches by the checkpoints they were asked for (a superset
+        # of those whose ``checkpoint`` or ``parked`` hold the key: a key is let go when
+        # its checkpoint is durable or the batch is gone), for _on_checkpoint.
+        self._promising: dict[Key, set[int]] = {}
+        # Batches given a ``downstream`` by the last _split (the others have none).
+        self._downstream: set[int] = set()
         # Starts of ready roots whose model an idle worker holds (see _held_first).
         self._held_starts: set[Key] = set()
         # Ready roots that start at a model an idle worker holds (see _held_first).
@@ -539,6 +563,16 @@ class Scheduler:
         ``(node, step)`` keys by batch id."""
         return {b.batch_id: frozenset(b.checkpoint) for b in self._saving.values()}
 
+    @property
+    def saving_left(self) -> int:
+        """How many batches left :attr:`saving` so far (their writes all ended): while it
+        and the batches that ended stay the same, :attr:`saving` has lost none."""
+        return self._saving_left
+
+    def is_saving(self, batch_id: int) -> bool:
+        """Whether ended batch ``batch_id`` is in :attr:`saving` (without the copy)."""
+        return batch_id in self._saving
+
     # -- plan events -----------------------------------------------------------------------
 
     def _on_root(self, e: RootAdded, out: list[Instruction | Notice]) -> None:
@@ -675,7 +709,7 @@ class Scheduler:
             if key in batch.checkpoint or key in self._checkpoints:
                 continue
             if key in self._branch_points(batch.segments) and node.branch_step > batch.position:
-                batch.checkpoint.add(key)
+                self._promise(batch, key)
                 self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
@@ -703,6 +737,7 @@ class Scheduler:
         claims[study] = claims.get(study, 0) + e.count
         if key not in self._requests:
             self._forest.add_request(key)
+            self._unneeded.difference_update(self._evaluators.get(key, ()))
         self._requests[key] = self._requests.get(key, 0) + e.count
         self._dirty = True
 
@@ -731,6 +766,7 @@ class Scheduler:
         else:
             del self._requests[key]
             self._forest.remove_request(key)
+            self._recheck(key)
             del self._claims[key]
         self._dirty = True
 
@@ -739,6 +775,7 @@ class Scheduler:
         if self._requests.pop(key, None) is None:
             return False
         self._forest.remove_request(key)
+        self._recheck(key)
         for study in self._claims.pop(key, {}):
             self._unhold(study)
         return True
@@ -793,13 +830,13 @@ class Scheduler:
         if seconds is not None and math.isfinite(seconds) and seconds > 0:
             self._save_total += seconds
             self._save_count += 1
-        for batch in (*self._batches.values(), *self._saving.values()):
+        for batch in self._promised_at(key):
             if key in batch.checkpoint or key in batch.parked:
                 batch.checkpoint.discard(key)
                 self._touched.add(batch.batch_id)
             metrics = batch.parked.pop(key, None)
             if metrics is not None:
-                batch.evaluate.discard(key)
+                self._unevaluate(batch, key)
                 self._settle(key, metrics, out)
         self._end_saving(out)
         self._dirty = True
@@ -850,6 +887,8 @@ class Scheduler:
                 for key, metrics in batch.parked.items():
                     self._settle(key, metrics, out)
                 del self._saving[batch.batch_id]
+                self._unpromise_all(batch)
+                self._saving_left += 1
                 self._touched.add(batch.batch_id)
                 self._dirty = True
 
@@ -884,7 +923,7 @@ class Scheduler:
                 # a finished request must find its checkpoint.
                 batch.parked[key] = dict(e.metrics)
                 return
-            batch.evaluate.discard(key)
+            self._unevaluate(batch, key)
         self._settle(key, e.metrics, out)
 
     def _settle(
@@ -900,12 +939,12 @@ class Scheduler:
         batch = self._batches.pop(batch_id, None)
         self._touched.add(batch_id)
         if batch is not None:
+            self._forget(batch)
             self._dirty = True
             # A worker of a fused job is free once every member ended.
-            if batch.worker in self._workers and not any(
-                b.worker == batch.worker for b in self._batches.values()
-            ):
+            if batch.worker in self._workers and not self._on_worker[batch.worker]:
                 self._idle.add(batch.worker)
+                self._place(batch.worker)
         return batch
 
     def _on_done(self, e: BatchDone, out: list[Instruction | Notice]) -> None:
@@ -925,16 +964,22 @@ class Scheduler:
                 self._saving[batch.batch_id] = batch
                 self._saving_seq[batch.batch_id] = self._next_saving
                 self._next_saving += 1
+            else:
+                self._unpromise_all(batch)
         if batch is not None and not batch.aborted and batch.position >= batch.end[1]:
             self._worker_at[batch.worker] = batch.end
+            self._place(batch.worker)
         else:
             self._worker_at.pop(e.worker, None)
+            self._place(e.worker)
 
     def _on_failed(self, e: BatchFailed, out: list[Instruction | Notice]) -> None:
         batch = self._release(e.batch_id)
         if batch is not None:  # the model at ``e.step`` was made
+            self._unpromise_all(batch)
             self._charge(batch, max(batch.position, e.step))
         self._worker_at.pop(e.worker, None)
+        self._place(e.worker)
         self._dirty = True
         key = (e.node, e.step)
         if getattr(e, "kind", "trainer") == "oom" and self._out_of_memory(e, batch, out):
@@ -1007,6 +1052,19 @@ class Scheduler:
         """Devices of the largest worker, announced or expected (0: none known)."""
         announced = max((self.worker_devices(w) for w in self._workers), default=0)
         return max(announced, self._expected_devices)
+
+    def _mixed_devices(self) -> bool:
+        """Whether the known workers differ in devices (idle ones can only if they do)."""
+        return len(self._kinds) > 1
+
+    def _count_kind(self, worker: int, by: int) -> None:
+        """Count known worker ``worker``'s devices in ``_kinds`` (``by`` 1) or no more (-1)."""
+        devices = self.worker_devices(worker)
+        left = self._kinds[devices] + by
+        if left:
+            self._kinds[devices] = left
+        else:
+            del self._kinds[devices]
 
     def worker_devices(self, worker: int) -> int:
         """Devices worker ``worker`` owns (as its ``WorkerReady`` said; 1 if unknown)."""
@@ -1093,21 +1151,28 @@ class Scheduler:
         key = (e.node, e.step)
         if key not in batch.planned:  # what the RunBatch itself asked for stays promised
             batch.checkpoint.discard(key)
-            batch.evaluate.discard(key)
+            self._unevaluate(batch, key)
         batch.position = max(batch.position, e.step + 1)
         self._dirty = True
 
     def _on_worker_ready(self, e: WorkerReady, out: list[Instruction | Notice]) -> None:
+        if e.worker in self._workers:
+            self._count_kind(e.worker, -1)
         self._workers.add(e.worker)
         self._devices[e.worker] = getattr(e, "devices", 1)
-        if not any(b.worker == e.worker for b in self._batches.values()):
+        self._count_kind(e.worker, 1)
+        if not self._on_worker[e.worker]:
             self._idle.add(e.worker)
+            self._place(e.worker)
         self._dirty = True
 
     def _on_worker_lost(self, e: WorkerLost, out: list[Instruction | Notice]) -> None:
-        self._workers.discard(e.worker)
+        if e.worker in self._workers:
+            self._count_kind(e.worker, -1)
+            self._workers.discard(e.worker)
         self._idle.discard(e.worker)
         self._worker_at.pop(e.worker, None)
+        self._place(e.worker)
         self._end_saving(out, worker=e.worker)  # its pending writes died with it
         for batch_id in [
             b.batch_id
@@ -1115,6 +1180,8 @@ class Scheduler:
             if b.worker == e.worker or b.batch_id == e.batch_id
         ]:
             batch = self._batches.pop(batch_id)
+            self._forget(batch)
+            self._unpromise_all(batch)
             self._touched.add(batch_id)
             self._charge(batch, batch.position)
             if not batch.aborted:
@@ -1292,23 +1359,28 @@ class Scheduler:
                 saving = self._saving.get(batch_id)
                 self._index_saving(batch_id, None if saving is None else saving.checkpoint)
         self._touched.clear()
-        held = []
-        for w in self._idle:
-            at = self._worker_at.get(w)
-            if at is not None:
-                for batch_id in self._holding.get(at, ()):
-                    if self._saving[batch_id].worker == w:
-                        held.append((self._saving_seq[batch_id], at, w))
-        held.sort()
-        memory: dict[Key, int] = {}
-        first: dict[Key, int] = {}
-        for seq, at, w in held:
-            memory[at] = w
-            first.setdefault(at, seq)
-        for key in first.keys() | self._first.keys():
-            if first.get(key) != self._first.get(key):
+        # Only where an idle worker or a saving batch's checkpoints came or went: the
+        # model at ``key`` is in memory on the idle workers there whose saving batch
+        # holds it (the last such batch's worker has it; the first one counts it).
+        memory, first = self._memory, self._first
+        for key in self._moved:
+            workers = self._idle_at.get(key)
+            held = []
+            if workers:
+                for batch_id in self._holding.get(key, ()):
+                    w = self._saving[batch_id].worker
+                    if w in workers:
+                        held.append((self._saving_seq[batch_id], w))
+            old = first.get(key)
+            if held:
+                memory[key] = max(held)[1]
+                first[key] = min(held)[0]
+            else:
+                memory.pop(key, None)
+                first.pop(key, None)
+            if first.get(key) != old:
                 todo.update(self._holding.get(key, ()))
-        self._memory, self._first = memory, first
+        self._moved.clear()
         for batch_id in todo:
             seq = self._saving_seq[batch_id]
             b = self._saving.get(batch_id)
@@ -1327,6 +1399,7 @@ class Scheduler:
         new = frozenset(checkpoint or ())
         if old == new:
             return
+        self._moved |= old ^ new
         for key in old - new:
             holders = self._holding[key]
             holders.discard(batch_id)
@@ -1338,6 +1411,108 @@ class Scheduler:
             self._saving_keys[batch_id] = new
         else:
             self._saving_keys.pop(batch_id, None)
+
+    def _promise(self, batch: _Batch, key: Key) -> None:
+        """``batch`` is asked for a checkpoint at ``key`` too."""
+        batch.checkpoint.add(key)
+        if key not in batch.indexed:
+            batch.indexed.add(key)
+            self._promising.setdefault(key, set()).add(batch.batch_id)
+
+    def _unpromise_all(self, batch: _Batch) -> None:
+        """``batch`` is gone (neither running nor saving): out of ``_promising``."""
+        batch_id = batch.batch_id
+        for key in batch.indexed:
+            holders = self._promising.get(key)
+            if holders is not None:
+                holders.discard(batch_id)
+                if not holders:
+                    del self._promising[key]
+        batch.indexed.clear()
+
+    def _promised_at(self, key: Key) -> list[_Batch]:
+        """The running then the saving batches that may hold ``key`` in ``checkpoint``
+        or ``parked``, in the order of ``_batches`` then ``_saving`` (batch ids, then
+        the order they ended in); ``key`` is let go (its checkpoint is durable now)."""
+        ids = self._promising.pop(key, None)
+        if not ids:
+            return []
+        running: list[_Batch] = []
+        saving: list[tuple[int, _Batch]] = []
+        for batch_id in sorted(ids):
+            batch = self._batches.get(batch_id)
+            if batch is not None:
+                running.append(batch)
+            else:
+                saving.append((self._saving_seq[batch_id], self._saving[batch_id]))
+            batch = running[-1] if batch is not None else saving[-1][1]
+            batch.indexed.discard(key)
+        saving.sort(key=lambda x: x[0])
+        return running + [b for _, b in saving]
+
+    def _evaluates(self, batch: _Batch, key: Key) -> None:
+        """Running ``batch`` promises an evaluation at ``key`` too."""
+        batch.evaluate.add(key)
+        if self._batches.get(batch.batch_id) is not batch:
+            return  # an ended batch: not indexed
+        self._evaluators.setdefault(key, set()).add(batch.batch_id)
+        if key in self._requests:
+            self._unneeded.discard(batch.batch_id)
+
+    def _unevaluate(self, batch: _Batch, key: Key) -> None:
+        """``batch`` (running, or ended) no longer promises an evaluation at ``key``."""
+        if key not in batch.evaluate:
+            return
+        batch.evaluate.discard(key)
+        batch_id = batch.batch_id
+        if self._batches.get(batch_id) is not batch:
+            return  # ended: no longer indexed
+        holders = self._evaluators[key]
+        holders.discard(batch_id)
+        if not holders:
+            del self._evaluators[key]
+        if key in self._requests and not any(k in self._requests for k in batch.evaluate):
+            self._unneeded.add(batch_id)
+
+    def _recheck(self, key: Key) -> None:
+        """Request ``key`` was settled or cancelled: the running batches that promise
+        it may promise nothing live now."""
+        for batch_id in self._evaluators.get(key, ()):
+            if not any(k in self._requests for k in self._batches[batch_id].evaluate):
+                self._unneeded.add(batch_id)
+
+    def _forget(self, batch: _Batch) -> None:
+        """``batch`` left the running batches: out of the evaluation index."""
+        batch_id = batch.batch_id
+        for key in batch.evaluate:
+            holders = self._evaluators[key]
+            holders.discard(batch_id)
+            if not holders:
+                del self._evaluators[key]
+        self._unneeded.discard(batch_id)
+        left = self._on_worker[batch.worker] - 1
+        if left:
+            self._on_worker[batch.worker] = left
+        else:
+            del self._on_worker[batch.worker]
+
+    def _place(self, worker: int) -> None:
+        """Keep ``_idle_at`` after ``worker``'s idleness or position may have changed."""
+        new = self._worker_at.get(worker) if worker in self._idle else None
+        old = self._idle_key.get(worker)
+        if old == new:
+            return
+        if old is not None:
+            bucket = self._idle_at[old]
+            bucket.discard(worker)
+            if not bucket:
+                del self._idle_at[old]
+            del self._idle_key[worker]
+            self._moved.add(old)
+        if new is not None:
+            self._idle_at.setdefault(new, set()).add(worker)
+            self._idle_key[worker] = new
+            self._moved.add(new)
 
     @staticmethod
     def _running_position(b: _Batch) -> RunningPosition:
@@ -1399,19 +1574,24 @@ class Scheduler:
     def _split(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
         """Ask running batches for the checkpoints and evaluations pending work needs
         (and note, for fair-share accounting, which pending requests wait for them)."""
-        for batch in self._batches.values():
-            batch.downstream.clear()
+        batches = self._batches
+        for batch_id in self._downstream:
+            running = batches.get(batch_id)
+            if running is not None:
+                running.downstream.clear()
+        self._downstream.clear()
         for c in tree.covered:
             batch = self._any_batch(c.batch_id)
             key = (c.node, c.step)
             batch.downstream[key] = c.step
+            self._downstream.add(c.batch_id)
             if c.step <= batch.position:
                 # A promised checkpoint the worker already passed: the request is
                 # evaluated from it once it is durable.
                 continue
             if key not in batch.evaluate:
-                batch.evaluate.add(key)
-                batch.checkpoint.add(key)
+                self._evaluates(batch, key)
+                self._promise(batch, key)
                 self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, c.node, c.step, True))
         for root in tree.waiting_roots():
@@ -1422,8 +1602,9 @@ class Scheduler:
             for stage in root.subtree():
                 for t in stage.evaluate_at:
                     batch.downstream[(stage.node, t)] = origin.step
+            self._downstream.add(origin.batch_id)
             if key not in batch.checkpoint:
-                batch.checkpoint.add(key)
+                self._promise(batch, key)
                 self._touched.add(batch.batch_id)
                 out.append(AddCheckpoint(batch.batch_id, batch.worker, key[0], key[1], False))
 
@@ -1459,8 +1640,7 @@ class Scheduler:
         """Notes the roots of ``ready`` that an idle worker holds the model of, and those
         starts for :meth:`_pick_worker`; returns ``ready`` as it is (a policy gets it
         through :meth:`_ordered`)."""
-        held = {k for w in self._idle if (k := self._worker_at.get(w)) is not None}
-        self._held_starts, self._held_roots = self._forest.held_starts(held)
+        self._held_starts, self._held_roots = self._forest.held_starts(self._idle_at.keys())
         return ready
 
     def _ordered(self, ready: list[Stage]) -> list[Stage]:
@@ -1481,8 +1661,19 @@ class Scheduler:
     def _pick_worker(self, start: Key | None, need: int = 1) -> int:
         if start in self._memory:  # only that worker has the model
             return self._memory[start]
+        if not (self._devices and self._mixed_devices()):
+            # One kind of worker: the lowest idle one that stands at ``start``, else the
+            # lowest whose model no other ready work continues (the walk below, from the
+            # idle workers by position instead of every idle worker sorted).
+            here = self._idle_at.get(start) if start is not None else None
+            if here:
+                return min(here)
+            kept = {w for k in self._held_starts for w in self._idle_at.get(k, ())}
+            if kept and len(kept) < len(self._idle):
+                return min(w for w in self._idle if w not in kept)
+            return min(self._idle)
         idle = sorted(self._idle)
-        if self._devices and len({self.worker_devices(w) for w in idle}) > 1:
+        if len({self.worker_devices(w) for w in idle}) > 1:
             # A mixed cluster: the smallest workers that have the devices, so that the
             # larger ones stay free for the trees that need them.
             idle = [w for w in idle if self.worker_devices(w) >= need]
@@ -1595,6 +1786,7 @@ class Scheduler:
         worker = self._pick_worker(start, need)
         self._idle.discard(worker)
         self._worker_at.pop(worker, None)
+        self._place(worker)
         batches = [self._batch(path, worker, start) for path in group]
         out.append(batches[0] if len(batches) == 1 else RunFused(worker, tuple(batches)))
 
@@ -1637,9 +1829,17 @@ class Scheduler:
             start,
             start_ref,
             charged=root.start,
+            indexed=set(checkpoint),
         )
+        for key in checkpoint:
+            self._promising.setdefault(key, set()).add(batch_id)
         self._positions[batch_id] = root.start
         self._touched.add(batch_id)
+        self._on_worker[worker] += 1
+        for key in evaluate:
+            self._evaluators.setdefault(key, set()).add(batch_id)
+        if not any(k in self._requests for k in evaluate):
+            self._unneeded.add(batch_id)
         self._steps_planned += sum(b - a for _, a, b in segments)
         return RunBatch(
             batch_id=batch_id,
@@ -1681,14 +1881,24 @@ class Scheduler:
         return interval if interval < end else None
 
     def _preempt(self, tree: StageTree, out: list[Instruction | Notice]) -> None:
+        """Abort the running batches no live request needs (in batch order): none of
+        their promised evaluations is live, and no pending work waits for them."""
+        if not self._unneeded:
+            return
+        batches = self._batches
+        idle = [
+            b
+            for b in (batches[i] for i in sorted(self._unneeded))
+            if not b.aborted and b.position < b.end[1]
+        ]
+        if not idle:
+            return
         needed = {c.batch_id for c in tree.covered}
         for root in tree.waiting_roots():
             assert root.origin is not None and root.origin.batch_id is not None
             needed.add(root.origin.batch_id)
-        for batch in self._active():
-            if batch.batch_id in needed or batch.position >= batch.end[1]:
-                continue
-            if any(k in self._requests for k in batch.evaluate):
+        for batch in idle:
+            if batch.batch_id in needed:
                 continue
             batch.aborted = True
             self._touched.add(batch.batch_id)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -609,11 +609,14 @@ class StageForest:
         self._settled += 1
         return True
 
-    def held_starts(self, held: Iterable[Key]) -> tuple[set[Key], list[Stage]]:
+    def held_starts(self, held: Collection[Key]) -> tuple[set[Key], list[Stage]]:
         """Of the models ``held`` (by idle workers), those some ready root starts from
         as a durable checkpoint; and those roots, in root order."""
         origins = self._ready.origins
-        starts = {k for k in held if k in origins}
+        if len(held) > len(origins):  # walk the smaller side (held may be every worker)
+            starts = {k for k in origins if k in held}
+        else:
+            starts = {k for k in held if k in origins}
         roots = [r for k in starts for r in origins[k]]
         roots.sort(key=self._ready.index)
         return starts, roots

@@ -1,10 +1,14 @@
-"""A check that the batches' inputs the scheduler keeps in its forest (and the models in
-memory) equal the ones listed from scratch, before every stage tree: the fixture
+"""A check that the state the scheduler keeps across decisions equals the state listed
+from scratch, before every stage tree: the batches' inputs in its forest, the models in
+memory, the idle workers by position, the running batches by promised evaluation, those
+that promise nothing live, by worker and with a downstream, the batches by the
+checkpoints asked of them, and the workers by their devices. The fixture
 ``checked_forest`` (imported by ``test_forest_batches.py``), or a pytest plugin for any
 suite (``-p forest_check`` with ``tests/stages`` on the path)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +52,44 @@ def check(scheduler: core.Scheduler) -> None:
     scheduler._report_batches()
     inputs, memory = scratch_inputs(scheduler)
     assert scheduler._forest.batch_inputs() == inputs
-    assert list(scheduler._memory.items()) == list(memory.items())
+    # The models in memory are kept per position across decisions: their order carries
+    # no meaning (every reader looks them up), so they are compared as a mapping.
+    assert scheduler._memory == memory
+    idle_at: dict[Any, set[int]] = {}
+    for w in scheduler._idle:
+        at = scheduler._worker_at.get(w)
+        if at is not None:
+            idle_at.setdefault(at, set()).add(w)
+    assert scheduler._idle_at == idle_at
+    assert scheduler._idle_key == {w: at for at, ws in idle_at.items() for w in ws}
+    evaluators: dict[Any, set[int]] = {}
+    for b in scheduler._batches.values():
+        for key in b.evaluate:
+            evaluators.setdefault(key, set()).add(b.batch_id)
+    assert scheduler._evaluators == evaluators
+    live = scheduler._requests
+    unneeded = {
+        b.batch_id
+        for b in scheduler._batches.values()
+        if not any(key in live for key in b.evaluate)
+    }
+    assert scheduler._unneeded == unneeded
+    for b in (*scheduler._batches.values(), *scheduler._saving.values()):
+        assert b.checkpoint <= b.indexed and b.parked.keys() <= b.indexed
+        for key in b.indexed:
+            assert b.batch_id in scheduler._promising[key]
+    alive = scheduler._batches.keys() | scheduler._saving.keys()
+    for key, ids in scheduler._promising.items():
+        assert ids and ids <= alive
+        assert all(key in scheduler._any_batch(i).indexed for i in ids)
+    assert scheduler._kinds == Counter(scheduler.worker_devices(w) for w in scheduler._workers)
+    on_worker = Counter(b.worker for b in scheduler._batches.values())
+    assert scheduler._on_worker == on_worker
+    assert all(
+        not b.downstream
+        for b in scheduler._batches.values()
+        if b.batch_id not in scheduler._downstream
+    )
 
 
 @pytest.fixture(autouse=True)
