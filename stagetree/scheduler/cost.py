@@ -159,12 +159,21 @@ class CostEstimator:
         self._measured_row = np.full(16, -1, dtype=np.int64)
         self._totals_array = np.zeros(16)
         self._counts_array = np.zeros(16)
+        # Each measured row's mean (``totals / counts``, the same floats), and each
+        # unmeasured node's prediction with the fit it was made at (-1: none): the
+        # forest asks for thousands of pending nodes per decision, and the model
+        # changes far less often than that once fits are spaced out.
+        self._means_array = np.zeros(16)
+        self._guesses = np.zeros(16)
+        self._guessed_at = np.full(16, -1, dtype=np.int64)
         self._cache: dict[int, float] = {}
         self._model: _Model | None = None
         self._fitted = True
-        # Fits of the model, and builds of its design matrix, so far (for tests).
+        # Fits of the model, builds of its design matrix, and predictions of
+        # unmeasured nodes by cost_array, so far (for tests).
         self.fits = 0
         self.designs = 0
+        self.predicted = 0
         # Measurements so far, and the count at which the model is next fitted again
         # (beyond ``EXACT_ROWS`` measured configurations).
         self._observations = 0
@@ -238,6 +247,7 @@ class CostEstimator:
             if row >= len(self._totals_array):
                 self._totals_array = _grown(self._totals_array, 0.0)
                 self._counts_array = _grown(self._counts_array, 0.0)
+                self._means_array = _grown(self._means_array, 0.0)
             features = self._features(i)
             for name in features.keys() - self._columns.keys():
                 self._columns[name] = np.full(len(self._totals_array), math.nan)
@@ -253,6 +263,7 @@ class CostEstimator:
         self._means[row] = (total + sps) / (count + 1)
         self._totals_array[row] = total + sps
         self._counts_array[row] = count + 1
+        self._means_array[row] = self._means[row]
         self._cache.clear()
         self._observations += 1
         if len(self._means) <= EXACT_ROWS or self._observations >= self._refit_at:
@@ -391,6 +402,8 @@ class CostEstimator:
                 self._unrooted.setdefault(node.root_key, []).append(i)
             if i >= len(self._measured_row):
                 self._measured_row = _grown(self._measured_row, -1)
+                self._guesses = _grown(self._guesses, 0.0)
+                self._guessed_at = _grown(self._guessed_at, -1)
                 for name, array in self._feature_arrays.items():
                     self._feature_arrays[name] = _grown(array, math.nan)
             self._place(i)
@@ -417,6 +430,7 @@ class CostEstimator:
             f = _numeric(conf[name]) if name in conf else None
             array[i] = math.nan if f is None else f
         self._measured_row[i] = self._row.get(key, -1)
+        self._guessed_at[i] = -1  # its features may have changed
 
     def _unplace(self, i: int) -> None:
         """Dense node ``i`` no longer has its key (its root's config changed)."""
@@ -449,25 +463,33 @@ class CostEstimator:
         rows = self._measured_row[dense]
         measured = rows >= 0
         if measured.all():
-            return self._totals_array[rows] / self._counts_array[rows]
+            return self._means_array[rows]
         if not self._fitted:
             self._fit()
+        # Unmeasured nodes not predicted since the last fit (or since their features
+        # changed) are predicted now and kept until the next fit.
+        stale = self._guessed_at[dense] != self.fits
+        stale &= ~measured
+        if stale.any():
+            at = dense[stale]
+            self._guesses[at] = self._predict(at)
+            self._guessed_at[at] = self.fits
+            self.predicted += len(at)
+        out = self._guesses[dense]
+        if measured.any():
+            out[measured] = self._means_array[rows[measured]]
+        return out
+
+    def _predict(self, at: np.ndarray) -> np.ndarray:
+        """The fitted model's predictions for the nodes at dense indices ``at``, as
+        :meth:`cost` bounds each (element by element: the same floats for any subset)."""
         model = self._model
         assert model is not None
-        guess = ~measured
-        at = dense[guess]
         value = np.full(len(at), model.coef[0])
         for k, c in zip(model.names, model.coef[1:]):
             column = self._feature_arrays[k][at]
             value = value + c * np.where(np.isnan(column), model.fill[k], column)
-        value = _bounded(value, model)
-        if not measured.any():
-            return value
-        out = np.empty(len(dense))
-        out[guess] = value
-        got = rows[measured]
-        out[measured] = self._totals_array[got] / self._counts_array[got]
-        return out
+        return _bounded(value, model)
 
     def costs(self, nodes: list[Node]) -> list[float]:
         """``[cost(n) for n in nodes]``, the same floats, computed as arrays

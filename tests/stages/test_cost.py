@@ -196,3 +196,45 @@ def test_beyond_the_exact_rows_the_model_is_fitted_again_logarithmically_often(
     stale = est.cost(node(2 * n, bs=20, lr=0.05))
     est._fitted = False
     assert est.cost(node(2 * n + 1, bs=20, lr=0.05)) == pytest.approx(stale, rel=0.05)
+
+
+def test_bulk_predictions_are_kept_until_the_model_or_the_node_changes() -> None:
+    # The forest asks cost_array for every pending node at each decision; between two
+    # fits the model's predictions of unmeasured nodes are the same, so they are made
+    # once per fit (and again for a node whose root's config changed), always the
+    # same floats as ``cost``.
+    import numpy as np
+
+    est = CostEstimator()
+    for i, bs in enumerate([16, 32, 64]):
+        est.register_root(f"m{i}", {"bs": bs})
+        est.observe(node(i, f"m{i}", lr=0.1), 0.01 * bs)
+    pending = []
+    for i in range(100):
+        est.register_root(f"p{i}", {"bs": 100 + i})
+        pending.append(node(100 + i, f"p{i}", lr=0.1))
+    nodes = [node(0, "m0", lr=0.1), *pending]
+    dense = np.array([est.index(n) for n in nodes], dtype=np.int64)
+
+    def plain() -> list[float]:
+        est._cache.clear()
+        return [CostEstimator.cost(est, n) for n in nodes]
+
+    first = est.cost_array(dense)
+    assert est.predicted == 100
+    assert first.tolist() == plain()
+    again = est.cost_array(dense[::-1])
+    assert est.predicted == 100  # no fit since: nothing predicted again
+    assert again.tolist() == first[::-1].tolist()
+    est.observe(nodes[0], 0.5)  # a measurement: the model is fitted again
+    moved = est.cost_array(dense)
+    assert est.predicted == 200
+    assert moved.tolist() == plain()
+    est.register_root("p3", {"bs": 1000})  # one node's features change
+    changed = est.cost_array(dense)
+    assert est.predicted == 201
+    assert changed.tolist() == plain()
+    est.observe(pending[5], 0.3)  # a pending node measured: its mean from now on
+    measured = est.cost_array(dense)
+    assert measured[6] == 0.3
+    assert measured.tolist() == plain()
