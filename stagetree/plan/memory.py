@@ -424,6 +424,7 @@ class MemoryPlanStorage(BasePlanStorage):
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
         unique: bool = False,
+        encoded: tuple[str, str] | None = None,
     ) -> int:
         hp = check_trial(TreeIndex(root_key), hp, steps)
         record = {
@@ -441,7 +442,9 @@ class MemoryPlanStorage(BasePlanStorage):
         with self._lock:
             self._check_open()
             self._study(study)
-            ident = (study, root_key, _codec.dumps(record["config"]), dumps_hp(hp))
+            if encoded is None:
+                encoded = (_codec.dumps(record["config"]), dumps_hp(hp))
+            ident = (study, root_key, *encoded)
             if unique and ident in self._trial_keys:  # one row per (study, root, config, hp)
                 return self._trial_keys[ident]
             trial_id = self._next_trial
