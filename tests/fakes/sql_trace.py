@@ -15,7 +15,8 @@ from stagetree.space import RandomSpace
 from stagetree.study import Study
 from stagetree.tuners import RandomSearch
 
-Statement = tuple[str, Any]  # one statement (white space folded, lower case), its parameters
+# One statement (white space folded, lower case) and its parameters' values, in order.
+Statement = tuple[str, Any]
 
 
 def transactions(plan: SQLPlanStorage) -> list[list[Statement]]:
@@ -25,7 +26,9 @@ def transactions(plan: SQLPlanStorage) -> list[list[Statement]]:
     current: list[Statement] = []
 
     def note(conn: Any, cursor: Any, statement: str, params: Any, *args: Any) -> None:
-        current.append((" ".join(statement.split()).lower(), params))
+        # The values in the statement's order, whatever the driver's parameter style.
+        values = tuple(params.values()) if isinstance(params, dict) else params
+        current.append((" ".join(statement.split()).lower(), values))
 
     def commit(conn: Any) -> None:
         done.append(list(current))
