@@ -37,15 +37,16 @@ the engine rides through, so no other engine takes a stage this one still trains
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagetree.exceptions import StorageError
 from stagetree.plan.base import BasePlanStorage
-from stagetree.plan.leases import Lease, new_owner, outage_proof_ttl, overlaps
+from stagetree.plan.leases import ClaimResult, Lease, new_owner, outage_proof_ttl, overlaps
 from stagetree.plan.model import Node, RequestState
 from stagetree.scheduler import CheckpointAvailable, NodeAdded, RequestAdded, RequestCancelled
 from stagetree.work import BatchDone
@@ -162,15 +163,29 @@ class Coordinator:
 
     # -- batches -------------------------------------------------------------------------
 
-    def claim(self, batch: RunBatch) -> list[Any]:
+    def claim(self, batch: RunBatch, granted: Callable[[], None] | None = None) -> list[Any]:
         """Lease the segments of ``batch``. Returns [] when granted (run it); otherwise
-        the scheduler events that undo the batch and park its requests."""
-        scheduler = self.engine.scheduler
-        known = {}
-        for key in batch.evaluate_at:  # another engine may have answered them meanwhile
-            metrics = self.storage.get_metrics(*key) if scheduler.is_live(key) else None
-            if metrics is not None and self.storage.checkpoint(*key) is not None:
-                known[key] = metrics
+        the scheduler events that undo the batch and park its requests.
+
+        One transaction: the reads of what other engines did meanwhile, the lease, and
+        ``granted`` (storage writes of the batch's start, made only when the lease is
+        granted: the trials it starts marked running). It may run again on a transient
+        failure, so ``granted`` writes only."""
+        storage = self.storage
+        segments = [(s.node, s.start, s.stop) for s in batch.segments]
+
+        def tx() -> tuple[dict[Key, dict[str, float]], list[Any], ClaimResult | None]:
+            known, newer = self._answered(batch), []
+            if not known:
+                newer = self._checkpoints_on(batch.root_key, segments)
+            if known or newer:
+                return known, newer, None
+            result = storage.claim(self.owner, batch.root_key, segments, self.ttl)
+            if result.ok and granted is not None:
+                granted()
+            return known, newer, result
+
+        known, newer, result = storage.atomically(tx)
         if known:
             for key, metrics in known.items():
                 self.engine.resolve(key[0], key[1], metrics=metrics)
@@ -181,11 +196,9 @@ class Coordinator:
                 for study, n in sorted(claims.get(k, {}).items())
             ]
             return [*undo, BatchDone(batch.batch_id, batch.worker, 0.0, 0)]
-        segments = [(s.node, s.start, s.stop) for s in batch.segments]
-        newer = self._checkpoints_on(batch.root_key, segments)
         if newer:  # another engine got further along this path: start from there
             return [*newer, BatchDone(batch.batch_id, batch.worker, 0.0, 0)]
-        result = self.storage.claim(self.owner, batch.root_key, segments, self.ttl)
+        assert result is not None
         _log.debug("claim %s of batch %d: %s", segments, batch.batch_id, result.ok)
         if result.ok:
             self._batch_leases[batch.batch_id] = result.granted
@@ -205,6 +218,17 @@ class Coordinator:
         events.append(BatchDone(batch.batch_id, batch.worker, 0.0, 0))
         return events
 
+    def _answered(self, batch: RunBatch) -> dict[Key, dict[str, float]]:
+        """The live requests ``batch`` evaluates whose metrics another engine stored
+        meanwhile, with a checkpoint there: ``{(node, step): metrics}``."""
+        scheduler = self.engine.scheduler
+        known = {}
+        for key in batch.evaluate_at:
+            metrics = self.storage.get_metrics(*key) if scheduler.is_live(key) else None
+            if metrics is not None and self.storage.checkpoint(*key) is not None:
+                known[key] = metrics
+        return known
+
     def _checkpoints_on(self, root_key: str, segments: list[tuple[int, int, int]]) -> list[Any]:
         """``CheckpointAvailable`` for durable checkpoints the scheduler does not know
         inside the ``segments`` about to be trained (saved by another engine)."""
@@ -221,10 +245,19 @@ class Coordinator:
                 out.append(CheckpointAvailable(node, step, rec.ref))
         return out
 
-    def batch_ended(self, batch_id: int) -> None:
+    def batch_ended(
+        self, batch_id: int, defer: Callable[[Callable[[], object]], None] | None = None
+    ) -> None:
+        """Release the leases of a batch whose checkpoints are durable; with ``defer``,
+        the release is handed to it, to be written with the engine's other writes (their
+        transaction writes the checkpoints' records first)."""
         leases = self._batch_leases.pop(batch_id, ())
         if leases:
-            self.storage.release(self.owner, [lease.id for lease in leases])
+            release = functools.partial(self.storage.release, self.owner, [x.id for x in leases])
+            if defer is None:
+                release()
+            else:
+                defer(release)
 
     # -- studies -------------------------------------------------------------------------
 

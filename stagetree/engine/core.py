@@ -19,6 +19,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -48,9 +49,9 @@ from stagetree.exceptions import (
 from stagetree.executors.base import WALL_CLOCK, BaseExecutor, Clock
 from stagetree.executors.devices import trainer_devices
 from stagetree.hp import Sequence, dumps_hp
-from stagetree.plan.base import BasePlanStorage, TrialFinal
+from stagetree.plan.base import BasePlanStorage, CheckpointRecord, TrialFinal
 from stagetree.plan.leases import host_pid
-from stagetree.plan.model import RequestState
+from stagetree.plan.model import Node, RequestState
 from stagetree.plan.scopes import (
     devices_learned,
     devices_scope,
@@ -133,6 +134,7 @@ class StudySlot:
             only up to floating-point rounding, are never handed to an exact study.
         save_steps: steps its tuner asks for results at (its rungs, see
             :meth:`Engine.save_at`): batches of its plan trees checkpoint there.
+        unlogged: its tuner's log records not written yet (see :meth:`Engine.append_log`).
     """
 
     name: str
@@ -147,6 +149,7 @@ class StudySlot:
     trainer_key: str = ""
     fusible: frozenset[str] = frozenset()
     save_steps: frozenset[int] = frozenset()
+    unlogged: list[dict[str, Any]] = field(default_factory=list)
     # The last root key computed, by its identity text: a trial's key is computed by
     # each call about it (known, submit, history) and the plan keeps the string the
     # first one gave; one string per tree, not one per call.
@@ -355,9 +358,20 @@ _BURST_MAX = 5.0
 # Events that end nothing: what they charge may be written after them (the others find
 # the studies' counts written before they are handled).
 _STEADY = (work.CurveReported, work.Progress, work.CheckpointSaved)
+# Events whose handling reads the plan only through a trial end's transaction, which
+# writes what the ledger kept first (Engine.resolve): nothing is written before them.
+_KEPT_THROUGH = (*_STEADY, work.MetricsReported, work.BatchDone)
 
 
 _FINAL = (RequestState.DONE, RequestState.FAILED, RequestState.CANCELLED)
+
+# What a path's scheduler events are made of (Engine._path_reads): the root's config and
+# counters, the path, the tree's checkpoints (None: not read, not needed).
+_PathReads = tuple[
+    tuple[dict[str, Any], dict[str, float]] | None,
+    list[Node],
+    dict[tuple[int, int], CheckpointRecord] | None,
+]
 
 
 class Engine:
@@ -449,6 +463,7 @@ class Engine:
         self._tree_keys = TreeKeys()
         # study name -> its finished trials read at once, while its run replays its log
         self._replays: dict[str, ReplayAnswers] = {}
+        self._unlogged: set[StudySlot] = set()  # studies with tuner records to write
         # One copy of each set of hp names: a study's trials share it in _tree_keys.
         self._name_sets: dict[frozenset[str], frozenset[str]] = {}
         # Fusion: fusible names of the trees of fusing studies; trainer keys whose
@@ -568,8 +583,7 @@ class Engine:
                 if left <= 0:
                     break
                 self._idle.wait(left)
-            self.ledger.write_counts()
-            self.ledger.write_activity()  # the ends just learnt of, not at the next round
+            self.ledger.flush()  # the ends just learnt of, not at the next round
 
     def close(self) -> None:
         """Stop: withdraw the submissions still waiting, let the running batches
@@ -593,8 +607,16 @@ class Engine:
             else:
                 self.executor.close()
         with self.lock:
-            self.ledger.write_counts()
-            self.ledger.write_activity()
+            try:
+                self._flush_logs()
+            except StagetreeError as exc:  # records no act followed: as if never taken
+                logger.warning("tuner log records not written: %s", exc)
+            try:
+                self.ledger.flush()  # before the leases go: the checkpoints' records first
+            except StagetreeError as exc:  # what no trial's answer needed: recomputed later
+                if self.error is None:
+                    raise
+                logger.warning("the engine's last records not written: %s", exc)
             self.coord.close()
             for (node, step), waiters in self._waiters.items():
                 held = 0
@@ -760,6 +782,7 @@ class Engine:
         """Release the study's tuning lease; record when the run ended (``meta["run"]
         ["ended"]``) when the run wrote its study's row."""
         with self.lock:
+            self._flush_logs()  # before the lease goes: the next run reads the log
             self._replays.pop(slot.name, None)
             self.coord.release_study(slot.name)
             run = slot.meta.get("run")
@@ -790,12 +813,14 @@ class Engine:
     def read_log(self, slot: StudySlot) -> list[dict[str, Any]]:
         """The tuner decisions of the study's latest run, when it used this version."""
         with self.lock:
+            self._flush_logs()
             return _versions.read_log(slot, self.storage)
 
     def has_log(self, slot: StudySlot) -> bool:
         """Whether :meth:`read_log` would return any decision (a run to replay), without
         reading the whole log."""
         with self.lock:
+            self._flush_logs()
             return _versions.has_log(slot, self.storage)
 
     def prepare_replay(self, slot: StudySlot) -> None:
@@ -827,9 +852,46 @@ class Engine:
         return tree, found
 
     def append_log(self, slot: StudySlot, record: Mapping[str, Any]) -> None:
+        """Log a tuner record. It is written with the study's next submission, in its
+        transaction (a tuner logs a decision, then acts on it: its two records of a
+        trial, the submission and the completion seen before it, cost no transaction of
+        their own), and before anything else its tuner does that acts or reads the log
+        (:meth:`cancel`, :meth:`declare`, :meth:`read_log`, :meth:`end_tuning`,
+        :meth:`close`): a decision is durable before it acts. A crash loses at most
+        records no act followed, as if it had come before them."""
         with self.lock:
+            slot.unlogged.append(dict(record))
+            self._unlogged.add(slot)
+
+    def _flush_logs(self) -> None:
+        """Write every study's unwritten tuner records, a transaction a study (lock
+        held)."""
+        for slot in list(self._unlogged):
             self._ensure_row(slot)
-            _versions.append_log(slot, self.storage, dict(record))
+            self._check_log(slot)
+            if slot.unlogged:
+                self.storage.atomically(lambda slot=slot: self._write_log(slot))  # type: ignore[misc]
+                self._logged(slot)
+
+    def _check_log(self, slot: StudySlot) -> None:
+        """Before a study's first record of a run joins another transaction: its row,
+        and the record that starts its version's decisions when needed (once a run, in
+        transactions of their own, so that a transaction run again writes the same)."""
+        if slot.unlogged and not slot.log_checked:
+            self._ensure_row(slot)
+            _versions.append_log(slot, self.storage, slot.unlogged.pop(0))
+            if not slot.unlogged:
+                self._unlogged.discard(slot)
+
+    def _write_log(self, slot: StudySlot) -> None:
+        """Append the study's unwritten records (inside a transaction; :meth:`_check_log`
+        came first). They are dropped from ``slot`` by :meth:`_logged` once committed."""
+        for record in slot.unlogged:
+            _versions.append_log(slot, self.storage, record)
+
+    def _logged(self, slot: StudySlot) -> None:
+        slot.unlogged = []
+        self._unlogged.discard(slot)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[BasePlanStorage]:
@@ -852,18 +914,22 @@ class Engine:
         metrics at ``steps``. The waiter's future resolves with them (at once when the
         plan knows them). ``config`` and ``hp`` are checked by the caller."""
         storage = self.storage
+        # The trial's identity, encoded once: its key here and its row's texts.
+        texts = (canonical_json(config), dumps_hp(hp))
+        ident = trial_digest(texts)
         with self.lock:
             replayed = self._replayed(slot, config, hp, steps)
             if replayed is not None:  # a finished trial of the log: what the plan holds
                 tree, done = replayed
                 assert done.node is not None and done.step is not None and done.final is not None
+                self._flush_logs()  # no transaction of its own to join
                 self._own_root(slot, tree)
-                slot.trial_ids[trial_digest((canonical_json(config), dumps_hp(hp)))] = done.id
+                slot.trial_ids[ident] = done.id
                 waiter = Waiter(slot.name, done.id, tree, done.node, done.step)
                 waiter.future.set_result(dict(done.final))
                 return waiter
             self._ensure_row(slot)
-            ident = trial_digest((canonical_json(config), dumps_hp(hp)))
+            self._check_log(slot)
 
             def plan() -> tuple[str, int, int, int, dict[str, float] | None]:
                 root_key, ins = self._insert_path(slot, config, hp, max(steps, horizon))
@@ -880,24 +946,35 @@ class Engine:
                 )
 
             def record(root_key: str, node: int, step: int, known: Any) -> int:
+                # The tuner's records of this decision (and the completions it saw
+                # before) go with its trial: durable before it acts, no commit of their own.
+                self._write_log(slot)
                 return self._record_trial(
-                    slot, ident, root_key, config, hp, steps, node, step, known
+                    slot, ident, texts, root_key, config, hp, steps, node, step, known
                 )
 
+            reads: _PathReads | None = None
             if self._serving():
-                # Workers up: the trial's path, row and request in one transaction.
-                def whole() -> tuple[str, int, int, int, dict[str, float] | None, int]:
+                # Workers up: the trial's path, row and request in one transaction, with
+                # what the scheduler's events of the path read.
+                def whole() -> tuple[
+                    str, int, int, int, dict[str, float] | None, int, _PathReads | None
+                ]:
                     root_key, leaf, node, step, known = plan()
-                    return root_key, leaf, node, step, known, record(root_key, node, step, known)
+                    tid = record(root_key, node, step, known)
+                    reads = self._path_reads(root_key, leaf) if known is None else None
+                    return root_key, leaf, node, step, known, tid, reads
 
-                root_key, leaf, node, step, known, tid = storage.atomically(whole)
+                root_key, leaf, node, step, known, tid, reads = storage.atomically(whole)
                 slot.trial_ids[ident] = tid  # once committed: a rerun whole() adds it again
+                self._logged(slot)
                 recorded: int | None = tid
             else:
                 root_key, leaf, node, step, known = plan()
                 if known is not None:
                     tid = storage.atomically(lambda: record(root_key, node, step, known))
                     slot.trial_ids[ident] = tid
+                    self._logged(slot)
                     recorded = tid
                 else:
                     recorded = None
@@ -908,13 +985,15 @@ class Engine:
         self.ensure_started()
         with self.lock:
             if recorded is None:  # the workers started for it: its row and request now
+                self._check_log(slot)  # records another thread logged meanwhile
                 tid = storage.atomically(lambda: record(root_key, node, step, None))
                 slot.trial_ids[ident] = tid
+                self._logged(slot)
             waiter = Waiter(slot.name, tid, root_key, node, step)
             self._waiters.setdefault((node, step), []).append(waiter)
             self._waiting_steps.setdefault(node, {})[step] = None
             self._studies.add(slot.name)  # a study served: its meta records the workers
-            events = self._path_events(root_key, leaf) + self._save_events(slot, root_key)
+            events = self._path_events(root_key, leaf, reads) + self._save_events(slot, root_key)
             events.append(RequestAdded(node, step, study=slot.name))
             self._enqueue(events)
         return waiter
@@ -923,6 +1002,7 @@ class Engine:
         self,
         slot: StudySlot,
         ident: bytes,
+        texts: tuple[str, str],
         root_key: str,
         cfg: dict[str, Any],
         seqs: dict[str, Sequence],
@@ -940,7 +1020,16 @@ class Engine:
             # unique: another process may have recorded the same trial meanwhile
             attrs = {"version": slot.version}
             tid = self.storage.add_trial(
-                slot.name, root_key, cfg, seqs, steps, node, step, attrs=attrs, unique=True
+                slot.name,
+                root_key,
+                cfg,
+                seqs,
+                steps,
+                node,
+                step,
+                attrs=attrs,
+                unique=True,
+                encoded=texts,
             )
         rec = self.storage.trial(tid)
         if steps > rec["steps"]:
@@ -969,6 +1058,7 @@ class Engine:
         without requests, and tell the scheduler, so that running batches checkpoint
         where they branch off. ``trials`` are checked by the caller."""
         with self.lock:
+            self._flush_logs()
             for cfg, seqs in trials:
                 root_key, ins = self._insert_path(slot, cfg, seqs, horizon)
                 events = self._path_events(root_key, ins.node)
@@ -1098,26 +1188,43 @@ class Engine:
         with self.lock:
             self.storage.add_stats(scope, **deltas)
 
-    def _path_events(self, root_key: str, leaf: int) -> list[Any]:
+    def _path_reads(self, root_key: str, leaf: int) -> _PathReads:
+        """What :meth:`_path_events` reads of the plan: the root's config and counters
+        (the scheduler does not know the root yet), the path, and the tree's checkpoints
+        (it does not know a node of the path yet). Reads only, so that a submission's
+        transaction makes them (and makes them again when it runs again)."""
+        root = None
+        if root_key not in self._known_roots:
+            root = (self.storage.root_config(root_key), self.storage.stats(devices_scope(root_key)))
+        path = self.storage.path(leaf)
+        ckpts = None
+        if any(n.id not in self._known_nodes for n in path):
+            ckpts = self.storage.checkpoints(root_key)
+        return root, path, ckpts
+
+    def _path_events(self, root_key: str, leaf: int, reads: _PathReads | None = None) -> list[Any]:
         """Scheduler events for the root, the nodes and the durable checkpoints of the
-        path to ``leaf`` that the scheduler has not seen yet."""
+        path to ``leaf`` that the scheduler has not seen yet (from ``reads``, made by
+        :meth:`_path_reads` earlier with the lock held since or not: the scheduler only
+        learns more meanwhile)."""
+        root, path, ckpts = reads if reads is not None else self._path_reads(root_key, leaf)
         events: list[Any] = []
         if root_key not in self._known_roots:
             self._known_roots.add(root_key)
+            assert root is not None
+            config, learned = root
             fusible = self._root_fusible.get(root_key, frozenset())
-            config = self.storage.root_config(root_key)
-            learned = self.storage.stats(devices_scope(root_key))
             devices = self._devices_needed(root_key, config, learned)
             width = learned_fused_width(learned)
             events.append(RootAdded(root_key, config, fusible, devices, width))
-        path = self.storage.path(leaf)
         new = [n for n in path if n.id not in self._known_nodes]
         for n in new:
             self._known_nodes.add(n.id)
             events.append(NodeAdded(n))
         if new:
+            assert ckpts is not None
             ids = {n.id for n in path}
-            for (cnode, cstep), rec in self.storage.checkpoints(root_key).items():
+            for (cnode, cstep), rec in ckpts.items():
                 if cnode in ids and self.store.exists(rec.ref):
                     events.append(CheckpointAvailable(cnode, cstep, rec.ref))
         return events
@@ -1157,6 +1264,7 @@ class Engine:
         needs any more stop with a checkpoint where they stand."""
         node, step = waiter.node, waiter.step
         with self.lock:
+            self._flush_logs()  # the decision to cancel first
             waiters = self._waiters.get((node, step), [])
             if waiter not in waiters:
                 return
@@ -1247,13 +1355,13 @@ class Engine:
                     for ev in events:
                         self._on_event(ev)
                 finally:
-                    self.ledger.write_curves()
+                    # What the round kept, in one transaction (counts throttled while
+                    # only progress came).
                     steady = all(isinstance(ev, _STEADY) for ev in events)
-                    self.ledger.write_counts(COUNTS_EVERY if steady else 0.0)
+                    self.ledger.flush(COUNTS_EVERY if steady else 0.0)
                 self._record_workers(events)
         with self.lock:
-            self.ledger.write_counts(COUNTS_EVERY)  # an idle round: kept ones in time
-            self.ledger.write_activity()
+            self.ledger.flush(COUNTS_EVERY)  # an idle round: kept counts in time
             self.coord.tick()
         return len(events)
 
@@ -1261,10 +1369,9 @@ class Engine:
         """Apply one executor event: the engine's own bookkeeping (its kind's handler in
         :attr:`_handlers`), then the scheduler's decisions, then the studies' accounting
         of the steps the scheduler charged for it."""
-        if not isinstance(ev, _STEADY):
-            # Curves and counts are written before anything that could read them.
-            self.ledger.write_curves()
-            self.ledger.write_counts()
+        if not isinstance(ev, _KEPT_THROUGH):
+            # What the ledger kept is written before anything that could read it.
+            self.ledger.flush()
         batch_id = getattr(ev, "batch_id", None)
         batch = self._batches.get(batch_id) if batch_id is not None else None
         handler = self._handlers.get(type(ev))
@@ -1280,7 +1387,7 @@ class Engine:
             is_saving = self.scheduler.is_saving
             for ended in [b for b in self._unreleased if not is_saving(b)]:
                 self._unreleased.discard(ended)
-                self.coord.batch_ended(ended)
+                self.coord.batch_ended(ended, self.ledger.defer)
             self._released = (len(self._unreleased), self.scheduler.saving_left)
         rate = batch.rate if batch is not None else 0.0
         steps = self.ledger.count_studies(charged, self.scheduler.usage, rate)
@@ -1292,6 +1399,7 @@ class Engine:
             if isinstance(ev, work.BatchDone):
                 self._settle_charges(batch, ev.busy_seconds * self._devices(ev.worker))
         if isinstance(ev, work.CheckpointSaved) and self.checkpoint_budget is not None:
+            self.ledger.flush()  # the eviction reads the checkpoints' records
             self._evict()
 
     def _event_handlers(self) -> dict[type[Any], Callable[[Any, RunningBatch | None], None]]:
@@ -1327,10 +1435,13 @@ class Engine:
             # while the store is down never leaves a trial finished without its model.
             self._unstored[(ev.node, ev.step)] = dict(ev.metrics)
             return
-        self.storage.put_metrics(ev.node, ev.step, ev.metrics)
+        self.ledger.defer(functools.partial(self.storage.put_metrics, ev.node, ev.step, ev.metrics))
 
     def _on_checkpoint_saved(self, ev: work.CheckpointSaved, batch: RunningBatch | None) -> None:
-        self.storage.put_checkpoint(ev.node, ev.step, ev.ref, ev.nbytes)
+        # Written with the round's other kept writes, or with the end of the trial it
+        # settles (Engine.resolve): before its lease is released, in any case.
+        put = self.storage.put_checkpoint
+        self.ledger.defer(functools.partial(put, ev.node, ev.step, ev.ref, ev.nbytes))
         self._note_event(
             "save",
             ev,
@@ -1538,7 +1649,8 @@ class Engine:
                 for member in members:
                     # Another engine holds a lease on some of its stages: the batch is
                     # undone and its requests wait for that engine (stagetree.engine.coordination).
-                    undo = self.coord.claim(member)
+                    # Its trials are marked running in the lease's transaction.
+                    undo = self.coord.claim(member, functools.partial(self._mark_batch, member))
                     if undo:
                         refused.add(member.batch_id)
                         todo.extend(self.scheduler.handle_all(undo))
@@ -1596,9 +1708,12 @@ class Engine:
         if width > 1:
             data["fused"] = width
         self.ledger.note("start", item.batch_id, item.worker, item.root_key, data=data)
+        return item
+
+    def _mark_batch(self, item: Any) -> None:
+        """Mark the trials a starting batch trains running (lock held)."""
         for seg in item.segments:
             self._mark_running(seg.node)
-        return item
 
     # -- the coordinator's port (stagetree.engine.coordination.CoordinationPort) ---------
 
@@ -1664,10 +1779,15 @@ class Engine:
             text, tb, where = error
             failure = failure_record(text, tb, where)
 
+        kept = self.ledger.kept()
+
         def write() -> dict[str, float] | None:
             # The request's metrics and state and its trials' states in one transaction,
             # durable before any trial is answered: a trial reported finished survives a
-            # crash, and none is stored half finished.
+            # crash, and none is stored half finished. First what the ledger kept: the
+            # curve points, metrics and checkpoint records this reads or relies on, and
+            # the counts a trial's answer finds written.
+            self.ledger.write(kept)
             req = self.storage.request(node, step)
             if error is None and held is not None:
                 self.storage.put_metrics(node, step, held)
@@ -1688,6 +1808,7 @@ class Engine:
             if held is not None:  # kept for the next try
                 self._unstored[(node, step)] = held
             raise
+        self.ledger.written(kept)
         if (node, step) in self._waiters:
             self._unwait(node, step)
         self._waiters.pop((node, step), None)

@@ -1,28 +1,61 @@
 """What an engine writes down besides results: the activity records of its batches (the
 dashboard's timeline), learning-curve points, and each study's share of the work.
 
-The :class:`Ledger` buffers records, curve points and per-study counts and writes them
-once per round of the engine's driver (one transaction each; counts at most every
-:data:`COUNTS_EVERY` seconds while only progress is reported), and before any event that
-could read them; it is called with the engine's lock held.
+The :class:`Ledger` buffers records, curve points and per-study counts, and the
+engine's other writes that nothing reads before the round ends (a checkpoint's record,
+a metric, a lease's release: :meth:`Ledger.defer`), and writes them all in one
+transaction (:meth:`Ledger.flush`) once per round of the engine's driver (counts alone
+at most every :data:`COUNTS_EVERY` seconds while only progress is reported), before any
+event that could read them, or inside the transaction of a trial's end
+(:meth:`Ledger.kept` and :meth:`Ledger.write`, then :meth:`Ledger.written`); it is
+called with the engine's lock held.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from stagetree.exceptions import StagetreeError
 from stagetree.plan.base import BasePlanStorage
 from stagetree.plan.scopes import study_scope
 
-__all__ = ["COUNTS_EVERY", "Ledger"]
+__all__ = ["COUNTS_EVERY", "Kept", "Ledger"]
 
 logger = logging.getLogger("stagetree")
 
 #: Seconds between writes of the per-study counts while a round brings progress only.
 COUNTS_EVERY = 1.0
+
+
+class _Curves:
+    """Learning-curve points kept together, written in one call (in their place among
+    the engine's other deferred writes: a metric reported after them lands after them)."""
+
+    __slots__ = ("points", "storage")
+
+    def __init__(self, storage: BasePlanStorage) -> None:
+        self.storage = storage
+        self.points: list[Any] = []
+
+    def __call__(self) -> None:
+        self.storage.put_metrics_many(self.points)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What one transaction writes of what the ledger kept (:meth:`Ledger.kept`): the
+    first ``deferred`` and ``activity`` items of its lists, and its counts when
+    ``counts`` is not None. Written again as it is when the transaction runs again."""
+
+    deferred: tuple[Callable[[], object], ...]
+    counts: dict[str, dict[str, float]] | None
+    activity: tuple[dict[str, Any], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.deferred or self.counts or self.activity)
 
 
 class Ledger:
@@ -45,11 +78,59 @@ class Ledger:
         self._clock = clock
         self.study_versions: dict[str, str] = {}
         self._activity: list[dict[str, Any]] = []  # activity records not written yet
-        self._curves: list[Any] = []  # learning-curve points not written yet
         # per-study step counts not written yet, {scope: {counter: delta}}: one
         # transaction per round of events, not one per progress report
         self._counts: dict[str, dict[str, float]] = {}
         self._counts_at = float("-inf")  # clock time of the last write of counts
+        self._deferred: list[Callable[[], object]] = []  # the engine's writes, in order
+
+    def defer(self, write: Callable[[], object]) -> None:
+        """Keep a storage write of the engine for the next :meth:`flush` (or the next
+        trial end's transaction): nothing reads it before then. It may run twice when
+        its transaction is rolled back and run again."""
+        self._deferred.append(write)
+
+    def kept(self, every: float = 0.0) -> Kept:
+        """What is kept, for one transaction: the counts only when anything else goes
+        too or ``every`` seconds passed since their last write (see
+        :meth:`write_counts`)."""
+        counts: dict[str, dict[str, float]] | None = None
+        others = bool(self._deferred or self._activity)
+        if self._counts and (others or every <= 0 or self._clock() - self._counts_at >= every):
+            counts = self._counts
+        return Kept(tuple(self._deferred), counts, tuple(self._activity))
+
+    def write(self, kept: Kept) -> None:
+        """Write ``kept`` (inside the caller's transaction)."""
+        for write in kept.deferred:
+            write()
+        if kept.counts:
+            self.storage.add_stats_many(kept.counts)
+        if kept.activity:
+            self.storage.record_activity(list(kept.activity))
+
+    def written(self, kept: Kept) -> None:
+        """``kept`` is committed: drop it (what was kept meanwhile stays)."""
+        del self._deferred[: len(kept.deferred)]
+        del self._activity[: len(kept.activity)]
+        if kept.counts is not None:
+            self._counts = {}
+            self._counts_at = self._clock()
+
+    def flush(self, every: float = 0.0) -> None:
+        """Write what is kept in one transaction (nothing when nothing is due). Activity
+        records alone are informative: a storage error then is logged, and training
+        goes on."""
+        kept = self.kept(every)
+        if not kept:
+            return
+        try:
+            self.storage.atomically(lambda: self.write(kept))
+        except StagetreeError as exc:
+            if kept.deferred or kept.counts:
+                raise
+            logger.warning("worker activity not recorded: %s", exc)
+        self.written(kept)
 
     def note(self, kind: str, batch: int, worker: int, root_key: str, **fields: Any) -> None:
         """Keep one activity record for the storage (:class:`~stagetree.plan.model.ActivityRecord`),
@@ -79,15 +160,12 @@ class Ledger:
             logger.warning("worker activity not recorded: %s", exc)
 
     def add_curves(self, points: Iterable[Any]) -> None:
-        """Keep learning-curve points for :meth:`write_curves`."""
-        self._curves.extend(points)
-
-    def write_curves(self) -> None:
-        """Store the learning-curve points received since the last write (one
-        transaction)."""
-        if self._curves:
-            points, self._curves = self._curves, []
-            self.storage.put_metrics_many(points)
+        """Keep learning-curve points for the next write of what is kept."""
+        last = self._deferred[-1] if self._deferred else None
+        if not isinstance(last, _Curves):
+            last = _Curves(self.storage)
+            self._deferred.append(last)
+        last.points.extend(points)
 
     def count(self, scope: str, **deltas: float) -> None:
         """Add ``deltas`` to the counters of ``scope`` with the round's other counts

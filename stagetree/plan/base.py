@@ -612,10 +612,13 @@ class BasePlanStorage(ABC):
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
         unique: bool = False,
+        encoded: tuple[str, str] | None = None,
     ) -> int:
         """Record a trial of ``study``; returns its id (unique across the storage). With
         ``unique``, a trial of the study with the same root key, config and hp is not
-        recorded again: its id is returned.
+        recorded again: its id is returned. ``encoded``: the caller's texts of
+        ``config`` (canonical JSON) and ``hp`` (:func:`~stagetree.hp.dumps_hp`), when it
+        has them (the engine computed them for the trial's identity): not encoded again.
 
         Raises:
             PlanKeyError: the study does not exist.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import heapq
 import threading
 import time
 from collections import defaultdict
@@ -76,6 +77,12 @@ class MemoryPlanStorage(BasePlanStorage):
         self._trial_keys: dict[tuple[str, str, str, str], int] = {}
         self._logs: dict[str, list[str]] = defaultdict(list)
         self._leases: dict[int, Lease] = {}
+        # Expiry without a pass over every lease at each claim (a claim per batch, one
+        # lease per worker): the leases' deadlines in a heap (an entry may be older than
+        # its lease's renewed deadline: looked at again when it comes up), and the
+        # leases of each holder, whose process is checked once, not once per lease.
+        self._deadlines: list[tuple[float, int]] = []
+        self._holders: dict[tuple[str, str, int], set[int]] = {}
         self._next_lease = 1
         self._activity: list[ActivityRecord] = []
         self._revision = 0
@@ -417,6 +424,7 @@ class MemoryPlanStorage(BasePlanStorage):
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
         unique: bool = False,
+        encoded: tuple[str, str] | None = None,
     ) -> int:
         hp = check_trial(TreeIndex(root_key), hp, steps)
         record = {
@@ -434,7 +442,9 @@ class MemoryPlanStorage(BasePlanStorage):
         with self._lock:
             self._check_open()
             self._study(study)
-            ident = (study, root_key, _codec.dumps(record["config"]), dumps_hp(hp))
+            if encoded is None:
+                encoded = (_codec.dumps(record["config"]), dumps_hp(hp))
+            ident = (study, root_key, *encoded)
             if unique and ident in self._trial_keys:  # one row per (study, root, config, hp)
                 return self._trial_keys[ident]
             trial_id = self._next_trial
@@ -540,11 +550,44 @@ class MemoryPlanStorage(BasePlanStorage):
         lease = Lease(self._next_lease, owner, scope, node, a, b, host, pid, now, now + ttl)
         self._next_lease += 1
         self._leases[lease.id] = lease
+        self._holders.setdefault((owner, host, pid), set()).add(lease.id)
+        self._deadline(lease)
         return lease
 
+    def _deadline(self, lease: Lease) -> None:
+        """Keep ``lease``'s deadline in the heap (rebuilt from the live leases when
+        released ones fill it)."""
+        heapq.heappush(self._deadlines, (lease.expires, lease.id))
+        if len(self._deadlines) > 2 * len(self._leases) + 64:
+            self._deadlines = [(v.expires, k) for k, v in self._leases.items()]
+            heapq.heapify(self._deadlines)
+
+    def _drop(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id)
+        key = (lease.owner, lease.host, lease.pid)
+        ids = self._holders[key]
+        ids.discard(lease_id)
+        if not ids:
+            del self._holders[key]
+
     def _expire(self, now: float) -> None:
-        for lease_id in [k for k, v in self._leases.items() if not v.live(now)]:
-            del self._leases[lease_id]
+        """Drop the leases that are not live at ``now`` (:meth:`Lease.live`): those whose
+        deadline passed, and those of a holder that is a dead process of this machine."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, lease_id = heapq.heappop(deadlines)
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                continue  # released
+            if lease.expires > now:  # renewed since: its new deadline
+                heapq.heappush(deadlines, (lease.expires, lease_id))
+            else:
+                self._drop(lease_id)
+        # Whether a holder is dead depends on its owner, host and pid only.
+        for ids in list(self._holders.values()):
+            if self._leases[next(iter(ids))].holder_dead():
+                for lease_id in list(ids):
+                    self._drop(lease_id)
 
     @_writes
     def claim(
@@ -572,6 +615,7 @@ class MemoryPlanStorage(BasePlanStorage):
             for lease in self._leases.values():
                 if lease.node is None and lease.scope == study and lease.owner == owner:
                     lease = self._leases[lease.id] = replace(lease, expires=now + ttl)
+                    self._deadline(lease)
                     return ClaimResult(granted=(lease,))
             return ClaimResult(granted=(self._grant(owner, study, None, 0, 0, ttl),))
 
@@ -581,7 +625,10 @@ class MemoryPlanStorage(BasePlanStorage):
             expires = time.time() + ttl
             mine = [k for k, v in self._leases.items() if v.owner == owner]
             for k in mine:
-                self._leases[k] = replace(self._leases[k], expires=expires)
+                before = self._leases[k]
+                self._leases[k] = replace(before, expires=expires)
+                if expires < before.expires:  # sooner: the heap's entry would be late
+                    self._deadline(self._leases[k])
             return len(mine)
 
     @_writes
@@ -593,7 +640,7 @@ class MemoryPlanStorage(BasePlanStorage):
                 k for k, v in self._leases.items() if v.owner == owner and (ids is None or k in ids)
             ]
             for k in gone:
-                del self._leases[k]
+                self._drop(k)
             return len(gone)
 
     def leases(self, scope: str | None = None, live_only: bool = True) -> list[Lease]:

@@ -1212,12 +1212,12 @@ class SQLPlanStorage(BasePlanStorage):
         state: str = "pending",
         attrs: Mapping[str, Any] | None = None,
         unique: bool = False,
+        encoded: tuple[str, str] | None = None,
     ) -> int:
-        ident = (
-            root_key,
-            _codec.dumps(dict(config), "trial config"),
-            dumps_hp(check_trial(TreeIndex(root_key), hp, steps)),
-        )
+        checked = check_trial(TreeIndex(root_key), hp, steps)
+        if encoded is None:
+            encoded = (_codec.dumps(dict(config), "trial config"), dumps_hp(checked))
+        ident = (root_key, *encoded)
         row = {
             "study": study,
             "root_key": root_key,

@@ -7,73 +7,26 @@ reported finished whose state or metrics are not stored yet."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from sqlalchemy import event
+from sql_trace import Statement, random_search, transactions, writes
 
-from stagetree.distributions import LogUniform
-from stagetree.executors.simulated import LearningCurve, SimulatedExecutor, SimulatedTrainer
-from stagetree.hp import Constant
 from stagetree.plan.sql import SQLPlanStorage
-from stagetree.space import RandomSpace
-from stagetree.study import Study
-from stagetree.tuners import RandomSearch
 
 TRIALS = 12
 
 
-def _transactions(plan: SQLPlanStorage) -> list[list[str]]:
-    """The statements of each committed transaction (a list per commit), recorded."""
-    done: list[list[str]] = []
-    current: list[str] = []
-
-    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        current.append(" ".join(statement.split()).lower())
-
-    def commit(conn: Any) -> None:
-        done.append(list(current))
-        current.clear()
-
-    def rollback(conn: Any) -> None:
-        current.clear()
-
-    event.listen(plan._engine, "before_cursor_execute", note)
-    event.listen(plan._engine, "commit", commit)
-    event.listen(plan._engine, "rollback", rollback)
-    return done
-
-
-def _writes(tx: list[str], table: str) -> bool:
-    return any(
-        s.startswith((f"insert into stagetree_{table} ", f"update stagetree_{table} ")) for s in tx
-    )
+def _writes(tx: list[Statement], table: str) -> bool:
+    return writes(tx, table, "insert into") or writes(tx, table, "update")
 
 
 def test_a_trial_is_submitted_and_ended_in_one_transaction_each(
     sql_plan_url: str, tmp_path: Path
 ) -> None:
     plan = SQLPlanStorage(sql_plan_url)
-    seen = _transactions(plan)
-    executor = SimulatedExecutor(4, curve=LearningCurve(aliases={"acc": "accuracy"}))
-    space = RandomSpace(hp={"lr": Constant(LogUniform(1e-3, 0.3))})  # type: ignore[arg-type]
-    study = Study(
-        "s",
-        SimulatedTrainer,
-        storage=plan,
-        workers=4,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        executor=lambda: executor,
-        version="v",
-    )
-    try:
-        study.tune(RandomSearch(space, "acc", steps=8, num_trials=TRIALS, seed=0))
-        trials = plan.trials("s")
-    finally:
-        study.close()
+    seen = transactions(plan)
+    trials = random_search(plan, tmp_path, TRIALS)["trials"]
     assert [t["state"] for t in trials] == ["done"] * TRIALS
-    new_trials = [
-        tx for tx in seen if any(s.startswith("insert into stagetree_trials ") for s in tx)
-    ]
+    new_trials = [tx for tx in seen if writes(tx, "trials", "insert into")]
     assert len(new_trials) == TRIALS
     for tx in new_trials:  # the trial's row and its request go in together
         assert _writes(tx, "requests")
