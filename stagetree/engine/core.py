@@ -599,6 +599,7 @@ class Engine:
             self._stop_batches()
             busy = not self.wait_stopped()
         self._stop.set()
+        self._wake_driver()
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.executor is not None:
@@ -1246,7 +1247,15 @@ class Engine:
             self._first_queued = now
         self._last_queued = now
         self._queued.extend(events)
+        self._wake_driver()
+
+    def _wake_driver(self) -> None:
+        """Wake the driver thread where it sleeps or waits on the executor's events:
+        a submission, a cancellation or a stop is handled without waiting a poll out."""
         self._wake.set()
+        executor = self.executor
+        if executor is not None:
+            executor.wake()
 
     def _flush(self, coalesce: bool = False) -> None:
         with self.lock:  # _enqueue runs under the lock: the queue and its times agree
@@ -1331,7 +1340,7 @@ class Engine:
         """The end of a burst :meth:`begin_burst` announced."""
         with self.lock:
             self._bursts = max(0, self._bursts - 1)
-            self._wake.set()
+            self._wake_driver()
 
     def _settled(self) -> bool:
         now = time.monotonic()

@@ -15,6 +15,10 @@ runs again instead of finding a stopped engine.
 A process that opened an engine freezes its garbage collector at exit
 (:func:`freeze_at_exit`): the interpreter's shutdown then frees what it frees without
 traversing every object of the libraries loaded (0.5-1.5 s with PyTorch).
+
+A process forked from one with open engines (a worker forked from the driver, see
+:mod:`stagetree.executors._driverfork`) starts with none: the parent's engines have no
+driver thread there, and a study the child opens makes its own.
 """
 
 from __future__ import annotations
@@ -65,6 +69,17 @@ class EngineLease:
 _ENGINES: dict[str, _Entry] = {}
 _LOCK = threading.Lock()
 _EXIT_HOOK: list[bool] = []  # registered once per process
+
+
+def _forget() -> None:
+    """In a forked child: the parent's engines (and its lock, which another thread may
+    have held at the fork) are not this process's."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _ENGINES.clear()
+
+
+os.register_at_fork(after_in_child=_forget)
 
 
 def freeze_at_exit() -> None:

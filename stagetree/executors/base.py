@@ -272,7 +272,15 @@ class BaseExecutor(ABC):
 
     @abstractmethod
     def events(self, timeout: float | None = None) -> list[WorkerEvent]:
-        """Events since the last call; waits up to ``timeout`` seconds for the first."""
+        """Events since the last call; waits up to ``timeout`` seconds for the first
+        (an executor with a :meth:`wake` may return none sooner when woken)."""
+
+    def wake(self) -> None:  # noqa: B027 (a hint: most executors do not wait long)
+        """Let a call of :meth:`events` waiting in another thread return now (with what
+        it has, maybe nothing): the engine calls it when a submission or cancellation
+        arrives, so that it plans it without waiting its poll out. Safe from any thread,
+        before a start and after a close. Default: nothing (the wait ends by its
+        timeout)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -229,6 +229,38 @@ def _stop_workers(
         shutdown_slots(slots, timeout)
 
 
+class _WakePipe:
+    """A pipe whose read end :meth:`LocalExecutor.events` waits on with the workers'
+    pipes: a byte written to it (:meth:`set`, from any thread) ends that wait.
+
+    Its descriptors live as long as the executor (a finalizer closes them), not just
+    until its close: a wake after a close then writes to this pipe, never to a
+    descriptor number the process reused for something else.
+    """
+
+    def __init__(self, owner: object) -> None:
+        self.r, self.w = os.pipe()  # not inherited by spawned workers (PEP 446)
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)
+        weakref.finalize(owner, _close_fds, self.r, self.w)
+
+    def set(self) -> None:
+        # A full pipe has a wake pending already.
+        with contextlib.suppress(OSError):
+            os.write(self.w, b"\0")
+
+    def clear(self) -> None:
+        with contextlib.suppress(OSError):
+            while os.read(self.r, 4096):
+                pass
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class LocalExecutor(BaseExecutor):
     """Worker processes on this machine (see the module docstring for the layout).
 
@@ -324,6 +356,7 @@ class LocalExecutor(BaseExecutor):
         # thread reads, replaces or restarts a worker (see _stop_workers).
         self._closing = threading.Event()
         self._lock = threading.Lock()
+        self._alarm = _WakePipe(self)
         # Trainers added with add_trainer: as given (to compare), and as they travel.
         self._trainers: dict[str, Any] = {}
         self._specs: dict[str, TrainerSpec] = {}
@@ -436,15 +469,16 @@ class LocalExecutor(BaseExecutor):
             raise StagetreeError("executor is not running: call start() first")
         deadline = None if timeout is None else time.monotonic() + timeout
         out: list[WorkerEvent] = []
+        woken = False
         while True:
             with self._lock:
                 out.extend(self._local)
                 self._local.clear()
                 if not self._closed:
                     self._collect(out)
-                if out or self._closed:
+                if out or self._closed or woken:
                     return out
-                waitables: list[Any] = []
+                waitables: list[Any] = [self._alarm.r]
                 for slot in self._slots:
                     if slot.outbox is not None:
                         waitables.append(slot.outbox)
@@ -456,7 +490,12 @@ class LocalExecutor(BaseExecutor):
             # close() (or the exit finalizer) may close a pipe while this waits: the next
             # round sees the executor closed.
             with contextlib.suppress(OSError, ValueError):
-                multiprocessing.connection.wait(waitables, remaining)
+                if self._alarm.r in multiprocessing.connection.wait(waitables, remaining):
+                    self._alarm.clear()  # wake(): one more look at the workers, then return
+                    woken = True
+
+    def wake(self) -> None:
+        self._alarm.set()
 
     def close(self) -> None:
         self._close(wait_busy=True)
@@ -474,6 +513,7 @@ class LocalExecutor(BaseExecutor):
             if self._closing.is_set():
                 return
             self._closing.set()
+            self._alarm.set()  # an events() waiting in another thread returns
             atexit.unregister(self._finalizer)
             self._finalizer.detach()
             slots = self._slots

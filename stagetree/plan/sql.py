@@ -19,6 +19,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -380,6 +381,20 @@ def _sqlite_engine(url: URL, readonly: bool = False) -> Engine:
     return engine
 
 
+# The engines of this process's storages: a forked child drops their pooled
+# connections (the parent's) without closing them, as SQLAlchemy's docs on
+# multiprocessing say; a storage the child uses then connects afresh.
+_OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _forget_connections() -> None:
+    for engine in list(_OPEN_ENGINES):
+        engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_forget_connections)
+
+
 class SQLPlanStorage(BasePlanStorage):
     """:class:`BasePlanStorage` in SQLite or PostgreSQL tables (``stagetree_*``).
 
@@ -450,6 +465,7 @@ class SQLPlanStorage(BasePlanStorage):
                 )
         except (ArgumentError, ImportError, SQLAlchemyError) as exc:
             raise StorageError(f"cannot open plan storage {self._url!r}: {exc}") from None
+        _OPEN_ENGINES.add(self._engine)
         self._pg = backend == "postgresql"
         window = window_from_env(DB_RETRY_ENV) if retry_seconds is None else retry_seconds
         self._ride = RideThrough(max(0.0, window), f"plan storage {self._url!r}", DB_RETRY_ENV)

@@ -245,3 +245,78 @@ def test_a_study_trains_bit_identical_on_workers_forked_from_the_driver(tmp_path
     assert outs["1"][0] != "SERVER None" and outs["0"][0] == "SERVER None"
     assert outs["1"][1:] == outs["0"][1:]
     assert len(outs["1"]) > 6
+
+
+STATE_TRAINER = textwrap.dedent(
+    """
+    import gc
+    import sqlalchemy
+    from stagetree.engine import pool
+    from stagetree.trainer import Trainer
+
+
+    class Inspect(Trainer):
+        def train(self):
+            self.t = getattr(self, "t", 0) + 1
+
+        def evaluate(self):
+            gc.unfreeze()  # the fork server froze what it inherited: see all of it
+            engines = [o for o in gc.get_objects() if isinstance(o, sqlalchemy.engine.Engine)]
+            return {
+                "engines": float(len(pool.open_storages())),
+                "pooled": float(sum(e.pool.checkedin() for e in engines)),
+                "sql_engines": float(len(engines)),
+            }
+
+        def state_dict(self):
+            return {"t": getattr(self, "t", 0)}
+
+        def load_state_dict(self, state):
+            self.t = state["t"]
+    """
+)
+
+STATE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from stagetree.executors import _driverfork
+    from stagetree.hp import Constant
+    from stagetree.space import GridSpace
+    from stagetree.study import Study
+    from stagetree.tuners.basic import GridSearch
+    from inspect_trainer import Inspect
+
+    if __name__ == "__main__":
+        space = GridSpace({"lr": [Constant(0.1)]})
+        with Study("s", Inspect, storage=f"sqlite:///{sys.argv[1]}", workers=1) as s:
+            s.tune(GridSearch(space, "engines", steps=1), progress=False)
+            print("SERVER", _driverfork.server_pid(), flush=True)
+            [trial] = s.trials()
+            for name, value in sorted(trial.metrics[1].items()):
+                print(name.upper(), int(value), flush=True)
+    """
+)
+
+
+def test_a_worker_forked_from_the_driver_holds_none_of_its_engines(tmp_path: Path) -> None:
+    # A worker forked from the driver inherits its modules: the engine registry must
+    # not hand the worker the driver's engine (no driver thread there), and the
+    # driver's pooled database connections are dropped, not reused, in the child.
+    (tmp_path / "inspect_trainer.py").write_text(STATE_TRAINER)
+    script = tmp_path / "study.py"
+    script.write_text(STATE_SCRIPT)
+    path = os.pathsep.join([str(tmp_path), str(Path(stagetree.__file__).parents[1])])
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "plan.db")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=path, STAGETREE_FORK_DRIVER="1"),
+    ).stdout
+    lines = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
+    assert lines["SERVER"] != ["None"]  # the worker was forked from the driver
+    assert int(lines["SQL_ENGINES"][0]) >= 1  # it inherited the driver's storage engine
+    assert lines["ENGINES"] == ["0"]
+    assert lines["POOLED"] == ["0"]
