@@ -15,7 +15,16 @@ again only the plan trees whose inputs changed since the last decision:
 * the models idle workers hold that count as durable (compared with the last
   decision's: only the plan trees of those that came or went are marked).
 
-A plan tree whose inputs changed is built again only if the build would read them
+Within a plan tree, the requests are kept in groups that share no stage: a group is
+the requests whose paths have their first steps on the same node (the *anchor*, see
+:meth:`StageForest._anchor`). Paths of different anchors meet at step 0 of the root at
+most, where no stage lies, so a build over the plan tree is the union of the builds over
+its groups; a plan tree of trials that each differ from step 0 (a random search) is one
+group per trial, and a decision after one trial's change builds that trial's stages
+only, not those of every pending trial. Inputs are kept per group, those at step 0 of
+the root (which every group of the plan tree reads) per plan tree.
+
+A group whose inputs changed is built again only if the build would read them
 differently. A build asks, at a fixed set of steps per plan node (the requests' steps
 and the branch points above them, :func:`_queries`), for the latest available model at
 or before that step (:func:`~stagetree.stages.available_at`); where every answer is
@@ -74,6 +83,9 @@ from stagetree.stages import (
 __all__ = ["StageForest"]
 
 Key = tuple[int, int]
+# Inputs are kept by group: an anchor node's id (:meth:`StageForest._anchor`), or a plan
+# tree's root key for those every group of the tree reads (step 0 of its root).
+Group = int | str
 Slot = tuple[int, int]  # a batch's place in the order a build lists running positions
 _Order = tuple[int, int, int]
 
@@ -252,30 +264,31 @@ class StageForest:
 
     def __init__(self, nodes: Mapping[int, Node]) -> None:
         self._nodes = nodes
-        # Live requests per root key: request -> sequence number (the order of the
+        # Live requests per group (anchor): request -> sequence number (the order of the
         # scheduler's live requests, which a whole build iterates).
-        self._requests: dict[str, dict[Key, int]] = {}
+        self._requests: dict[int, dict[Key, int]] = {}
         self._seq: dict[Key, int] = {}
         self._next = 0
-        self._checkpoints: dict[str, set[Key]] = {}
+        self._checkpoints: dict[Group, set[Key]] = {}
         # Checkpoints not checked yet (a whole build refuses an unknown node or a
         # position that is not canonical, and so does the next decision).
         self._unchecked: set[Key] = set()
         self._version: Any = None  # of the estimator, when every cost was last computed
-        self._dirty: set[str] = set()
-        self._parts: dict[str, _Part] = {}
-        self._covered: dict[str, list[Covered]] = {}
-        self._volatile: dict[str, Any] = {}  # last signature of the per-call inputs
+        self._dirty: set[int] = set()
+        self._parts: dict[int, _Part] = {}
+        self._covered: dict[int, list[Covered]] = {}
+        self._volatile: dict[Group, Any] = {}  # last signature of the per-call inputs
         # Batches' inputs, kept per plan tree as the scheduler reports them
         # (:meth:`set_batch`): positions by slot, and promised evaluations with the
         # number of batches that promise each; and what each slot last reported.
-        self._positions: dict[str, dict[Slot, RunningPosition]] = {}
-        self._promises: dict[str, dict[Key, int]] = {}
-        self._batches: dict[Slot, tuple[str | None, RunningPosition | None, frozenset[Key]]] = {}
+        self._positions: dict[Group, dict[Slot, RunningPosition]] = {}
+        self._promises: dict[int, dict[Key, int]] = {}
+        self._batches: dict[Slot, tuple[Group | None, RunningPosition | None, frozenset[Key]]] = {}
         self._compared = 0
         # The models in memory at the last decision, and by plan tree.
         self._memory: set[Key] = set()
-        self._memory_by_tree: dict[str, set[Key]] = {}
+        self._memory_by_tree: dict[Group, set[Key]] = {}
+        self._anchors: dict[int, int] = {}  # node -> its anchor (:meth:`_anchor`)
         self._all = _Sorted()
         self._ready = _Ready()
         self._waiting = _Sorted()
@@ -321,20 +334,77 @@ class StageForest:
     def _root_key(self, node: int) -> str:
         return self._nodes[node].root_key
 
+    def _anchor(self, node: int) -> int:
+        """The group of requests on ``node``: the highest node on its path with steps
+        of its own (paths of different anchors meet at step 0 of the root at most, so
+        their stages never mix: they are built apart). Kept per node."""
+        got = self._anchors.get(node)
+        if got is not None:
+            return got
+        nodes, trail, m = self._nodes, [], node
+        while True:
+            got = self._anchors.get(m)
+            if got is not None:
+                break
+            trail.append(m)
+            at = nodes[m]
+            if at.parent is None:
+                got = m
+                break
+            b, q = at.branch_step, nodes[at.parent]
+            while q.branch_step >= b and q.parent is not None:  # the node of position b
+                q = nodes[q.parent]
+            if q.parent is None and b == 0:
+                got = m  # nothing above but the root's step 0
+                break
+            m = q.id
+        for m in trail:
+            self._anchors[m] = got
+        return got
+
+    def _group(self, key: Key) -> Group:
+        """The group a model at ``key`` may start builds of: its anchor's, or every
+        group of its plan tree (by root key) for step 0 of a root."""
+        node = self._nodes[key[0]]
+        if node.parent is None and key[1] == 0:
+            return node.root_key
+        return self._anchor(key[0])
+
+    def _position_group(self, position: RunningPosition) -> Group:
+        """The group of a running batch's position (those of the positions it offers)."""
+        for key in position.saving:
+            if isinstance(self._group(key), str):
+                return self._nodes[key[0]].root_key
+        for m, s0, s1 in position.segments:
+            if max(s0, position.step) + 1 <= s1:
+                return self._anchor(m)
+        first = position.segments[0][0] if position.segments else position.saving[0][0]
+        return self._anchor(first)
+
+    def _touch(self, group: Group) -> None:
+        """Compare ``group`` (every group of a plan tree, for a root key) at the next
+        :meth:`tree`."""
+        if isinstance(group, int):
+            self._dirty.add(group)
+        else:
+            self._dirty.update(
+                g for g in self._requests if isinstance(g, int) and self._root_key(g) == group
+            )
+
     def add_request(self, key: Key) -> None:
         """A new live request (the scheduler checked its node)."""
-        root_key = self._root_key(key[0])
-        self._requests.setdefault(root_key, {})[key] = self._next
+        group = self._anchor(key[0])
+        self._requests.setdefault(group, {})[key] = self._next
         self._seq[key] = self._next
         self._next += 1
-        self._dirty.add(root_key)
+        self._dirty.add(group)
 
     def remove_request(self, key: Key) -> None:
         """A live request settled or was cancelled."""
-        root_key = self._root_key(key[0])
-        del self._requests[root_key][key]
+        group = self._anchor(key[0])
+        del self._requests[group][key]
         del self._seq[key]
-        self._dirty.add(root_key)
+        self._dirty.add(group)
 
     def add_checkpoint(self, key: Key) -> None:
         """A durable checkpoint."""
@@ -343,10 +413,10 @@ class StageForest:
     def remove_checkpoint(self, key: Key) -> None:
         """A checkpoint that is gone (lost, unreadable)."""
         self._unchecked.discard(key)
-        node = self._nodes.get(key[0])
-        if node is not None:
-            self._checkpoints.get(node.root_key, set()).discard(key)
-            self._dirty.add(node.root_key)
+        if key[0] in self._nodes:
+            group = self._group(key)
+            self._checkpoints.get(group, set()).discard(key)
+            self._touch(group)
 
     def set_batch(
         self, slot: Slot, position: RunningPosition | None, evaluate: Iterable[Key] = ()
@@ -357,10 +427,9 @@ class StageForest:
         the next :meth:`tree`."""
         was = self._batches.get(slot)
         promised = frozenset(evaluate)
-        root_key = None
+        root_key: Group | None = None
         if position is not None and (position.segments or position.saving):
-            first = position.segments[0][0] if position.segments else position.saving[0][0]
-            root_key = self._root_key(first)
+            root_key = self._position_group(position)
         else:
             position = None  # it offers no position
         if was is not None:
@@ -369,11 +438,13 @@ class StageForest:
                 return
             if old_key is not None:
                 del self._positions[old_key][slot]
-                self._dirty.add(old_key)
+                if isinstance(old_key, str) and not self._positions[old_key]:
+                    del self._positions[old_key]  # no group's rebuild drops it
+                self._touch(old_key)
             self._promise(old_promised, -1)
         if root_key is not None and position is not None:
             self._positions.setdefault(root_key, {})[slot] = position
-            self._dirty.add(root_key)
+            self._touch(root_key)
         self._promise(promised, 1)
         if root_key is None and not promised:
             self._batches.pop(slot, None)
@@ -382,7 +453,7 @@ class StageForest:
 
     def _promise(self, keys: frozenset[Key], sign: int) -> None:
         for key in keys:
-            root_key = self._root_key(key[0])
+            root_key = self._anchor(key[0])
             counts = self._promises.setdefault(root_key, {})
             n = counts.get(key, 0) + sign
             if n:
@@ -394,13 +465,18 @@ class StageForest:
     def batch_inputs(self) -> dict[str, tuple[tuple[RunningPosition, ...], frozenset[Key]]]:
         """The running batches' inputs per plan tree as kept: positions in batch order,
         promised evaluations (plan trees with neither left out)."""
+        by_tree: dict[str, tuple[dict[Slot, RunningPosition], set[Key]]] = {}
+        for group in self._positions.keys() | self._promises.keys():
+            tree = group if isinstance(group, str) else self._root_key(group)
+            positions, promised = by_tree.setdefault(tree, ({}, set()))
+            positions.update(self._positions.get(group, {}))
+            if isinstance(group, int):
+                promised.update(self._promises.get(group, ()))
         out = {}
-        for root_key in self._positions.keys() | self._promises.keys():
-            positions = self._positions.get(root_key, {})
+        for tree, (positions, promised) in by_tree.items():
             running = tuple(positions[b] for b in sorted(positions))
-            promised = frozenset(self._promises.get(root_key, ()))
             if running or promised:
-                out[root_key] = (running, promised)
+                out[tree] = (running, frozenset(promised))
         return out
 
     # -- the tree --------------------------------------------------------------------
@@ -441,59 +517,66 @@ class StageForest:
             if not (key[1] > node.branch_step or (node.parent is None and key[1] == 0)):
                 raise ValueError(f"checkpoint (node {key[0]}, step {key[1]}) is not canonical")
             self._unchecked.discard(key)
-            self._checkpoints.setdefault(node.root_key, set()).add(key)
-            self._dirty.add(node.root_key)
+            group = self._group(key)
+            self._checkpoints.setdefault(group, set()).add(key)
+            self._touch(group)
         dirty = self._dirty
-        # The models in memory: only the plan trees of those that came or went.
+        # The models in memory: only the groups of those that came or went.
         now = set(memory)
         for key in now ^ self._memory:
-            root_key = self._root_key(key[0])
-            held = self._memory_by_tree.setdefault(root_key, set())
+            group = self._group(key)
+            held = self._memory_by_tree.setdefault(group, set())
             if key in now:
                 held.add(key)
             else:
                 held.discard(key)
                 if not held:
-                    del self._memory_by_tree[root_key]
-            dirty.add(root_key)
+                    del self._memory_by_tree[group]
+            self._touch(group)
         self._memory = now
-        volatile: dict[str, tuple[list[RunningPosition], set[Key]]] = {}
+        volatile: dict[Group, tuple[list[RunningPosition], set[Key]]] = {}
 
-        def part(root_key: str) -> tuple[list[RunningPosition], set[Key]]:
-            got = volatile.get(root_key)
+        def part(group: Group) -> tuple[list[RunningPosition], set[Key]]:
+            got = volatile.get(group)
             if got is None:
-                got = volatile[root_key] = ([], set())
+                got = volatile[group] = ([], set())
             return got
 
         for pos in running:
             if pos.segments or pos.saving:  # else it offers no position
-                first = pos.segments[0][0] if pos.segments else pos.saving[0][0]
-                part(self._root_key(first))[0].append(pos)
+                part(self._position_group(pos))[0].append(pos)
         for key in promised:
-            part(self._root_key(key[0]))[1].add(key)
+            part(self._anchor(key[0]))[1].add(key)
         signatures = {k: (tuple(r), frozenset(p)) for k, (r, p) in volatile.items()}
         for k in self._volatile.keys() | signatures.keys():
             if self._volatile.get(k) != signatures.get(k):
-                dirty.add(k)
+                self._touch(k)
         self._volatile = signatures
         if estimator is not self._estimator:
             self._reindex(estimator)
         self._compared = len(dirty)
-        for root_key in dirty:
-            running_k, promised_k = volatile.get(root_key, ((), set()))
-            memory_k = self._memory_by_tree.get(root_key, set())
+        for group in dirty:
+            tree = self._root_key(group)
+            running_k, promised_k = volatile.get(group, ((), set()))
+            running_k = list(running_k) + volatile.get(tree, ([], set()))[0]
+            # With the models at step 0 of the root, which every group of the tree reads.
+            memory_k = self._memory_by_tree.get(group, set()) | self._checkpoints.get(tree, set())
+            memory_k |= self._memory_by_tree.get(tree, set())
             # The batches' positions come first, in slot order.
-            positions = self._positions.get(root_key)
+            positions = self._positions.get(group)
+            if positions is not None and not positions:
+                del self._positions[group]
+            tree_positions = self._positions.get(tree)
+            if tree_positions:
+                positions = {**tree_positions, **(positions or {})}
             if positions:
-                running_k = [positions[b] for b in sorted(positions)] + list(running_k)
-            elif positions is not None:
-                del self._positions[root_key]
-            promises = self._promises.get(root_key)
+                running_k = [positions[b] for b in sorted(positions)] + running_k
+            promises = self._promises.get(group)
             if promises:
                 promised_k = promised_k | promises.keys()
             elif promises is not None:
-                del self._promises[root_key]
-            self._rebuild(root_key, running_k, promised_k, memory_k, cost, version)
+                del self._promises[group]
+            self._rebuild(group, running_k, promised_k, memory_k, cost, version)
         dirty.clear()
         self._pending = None
         if version is None or version != self._version:
@@ -516,15 +599,16 @@ class StageForest:
 
     def _rebuild(
         self,
-        root_key: str,
+        root_key: int,
         running: Iterable[RunningPosition],
         promised: set[Key],
         memory: set[Key],
         cost: Callable[[Node], float],
         version: Any,
     ) -> None:
-        """Build ``root_key``'s stage tree again, unless the build would read what the
-        kept one read (a running batch moved between the steps the build asks about)."""
+        """Build the stage tree of group ``root_key`` (an anchor's id) again, unless the
+        build would read what the kept one read (a running batch moved between the steps
+        the build asks about)."""
         running = tuple(running)
         requests = tuple(k for k in self._requests.get(root_key, ()) if k not in promised)
         checkpoints = self._checkpoints.get(root_key, set()) | memory
@@ -736,7 +820,7 @@ class StageForest:
             self._pending = None
 
     def _part_of(self, root: Stage) -> _Part:
-        return self._parts[self._root_key(root.node)]
+        return self._parts[self._anchor(root.node)]
 
     def _costed(self, part: _Part) -> None:
         """``part``'s costs current (after a lazy :meth:`tree`)."""

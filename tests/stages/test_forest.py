@@ -25,15 +25,17 @@ from stagetree.stages import (
 Key = tuple[int, int]
 
 
-def plan(seed: int) -> tuple[dict[int, Node], list[Key]]:
+def plan(seed: int, from_zero: bool = False) -> tuple[dict[int, Node], list[Key]]:
     """Nodes of four plan trees whose trials share prefixes, and canonical positions on
-    them (requests and checkpoints are drawn among those)."""
+    them (requests and checkpoints are drawn among those). ``from_zero``: most trials
+    differ from step 0 on (their first learning rate drawn among four)."""
     rng = random.Random(seed)
     storage = MemoryPlanStorage()
     for root in ("a", "b", "c", "d"):
         items = []
         for _ in range(6):
-            lr = MultiStep(0.1, sorted(rng.sample(range(2, 14), rng.randint(0, 2))), 0.5)
+            first = rng.choice([0.1, 0.2, 0.3, 0.4]) if from_zero else 0.1
+            lr = MultiStep(first, sorted(rng.sample(range(2, 14), rng.randint(0, 2))), 0.5)
             bs = rng.choice([Constant(64), Piecewise([64, 128], [rng.randint(2, 12)])])
             items.append(({"lr": lr, "bs": bs}, rng.randint(4, 16)))
         storage.insert_trials(root, items, request=False)
@@ -155,6 +157,27 @@ def _churn(
     return nodes, keys, random.Random(rng_seed), StageForest(nodes), CostEstimator(), {}, set()
 
 
+def assert_whole_build(
+    forest: StageForest,
+    estimator: CostEstimator,
+    requests: dict[Key, None],
+    checkpoints: set[Key],
+    running: list[RunningPosition],
+    promised: set[Key],
+    memory: set[Key],
+) -> None:
+    """A decision's tree from ``forest`` equals a whole build over the same inputs."""
+    got = forest.tree(running, promised, memory, estimator.cost, estimator.version)
+    want = build_stage_tree(
+        forest._nodes,
+        [k for k in requests if k not in promised],
+        checkpoints | memory,
+        running,
+        estimator.cost,
+    )
+    assert snapshot(got) == snapshot(want)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
     nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(seed, seed)
@@ -173,15 +196,7 @@ def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
         running = _running(rng, nodes, keys)
         promised = {k for k in requests if rng.random() < 0.1}
         memory = {k for k in rng.sample(keys, 3) if rng.random() < 0.3}
-        got = forest.tree(running, promised, memory, estimator.cost, estimator.version)
-        want = build_stage_tree(
-            nodes,
-            [k for k in requests if k not in promised],
-            checkpoints | memory,
-            running,
-            estimator.cost,
-        )
-        assert snapshot(got) == snapshot(want)
+        assert_whole_build(forest, estimator, requests, checkpoints, running, promised, memory)
 
 
 def test_forest_refuses_what_a_whole_build_refuses() -> None:
