@@ -162,6 +162,12 @@ class _Ready(_Sorted):
         del self.value[i]
         del self.value_steps[i]
         del self.stamp[i]
+        if not self.stages:
+            # An array keeps the buffer of its peak size (random search has every
+            # trial ready at once): start small again.
+            self.dense, self.steps, self.deep = array("q"), array("q"), array("b")
+            self.value, self.value_steps, self.stamp = array("d"), array("q"), array("q")
+            self.origins = {}
 
     @staticmethod
     def numpy(values: array[Any]) -> np.ndarray:
@@ -257,7 +263,9 @@ class StageForest:
         self._requests: dict[str, dict[Key, int]] = {}
         self._seq: dict[Key, int] = {}
         self._next = 0
-        self._checkpoints: dict[str, set[Key]] = {}
+        # Durable checkpoints per root key, as a tuple (a set holds at least 216 bytes;
+        # each change marks the tree for a build, which reads them all anyway).
+        self._checkpoints: dict[str, tuple[Key, ...]] = {}
         # Checkpoints not checked yet (a whole build refuses an unknown node or a
         # position that is not canonical, and so does the next decision).
         self._unchecked: set[Key] = set()
@@ -334,6 +342,8 @@ class StageForest:
         root_key = self._root_key(key[0])
         del self._requests[root_key][key]
         del self._seq[key]
+        if not self._seq:
+            self._seq = {}  # a dict keeps the table of its peak size: start small again
         self._dirty.add(root_key)
 
     def add_checkpoint(self, key: Key) -> None:
@@ -345,8 +355,15 @@ class StageForest:
         self._unchecked.discard(key)
         node = self._nodes.get(key[0])
         if node is not None:
-            self._checkpoints.get(node.root_key, set()).discard(key)
-            self._dirty.add(node.root_key)
+            root_key = node.root_key
+            kept = self._checkpoints.get(root_key, ())
+            if key in kept:
+                left = tuple(k for k in kept if k != key)
+                if left:
+                    self._checkpoints[root_key] = left
+                else:
+                    del self._checkpoints[root_key]
+            self._dirty.add(root_key)
 
     def set_batch(
         self, slot: Slot, position: RunningPosition | None, evaluate: Iterable[Key] = ()
@@ -441,7 +458,9 @@ class StageForest:
             if not (key[1] > node.branch_step or (node.parent is None and key[1] == 0)):
                 raise ValueError(f"checkpoint (node {key[0]}, step {key[1]}) is not canonical")
             self._unchecked.discard(key)
-            self._checkpoints.setdefault(node.root_key, set()).add(key)
+            kept = self._checkpoints.get(node.root_key, ())
+            if key not in kept:
+                self._checkpoints[node.root_key] = (*kept, key)
             self._dirty.add(node.root_key)
         dirty = self._dirty
         # The models in memory: only the plan trees of those that came or went.
@@ -495,6 +514,7 @@ class StageForest:
                 del self._promises[root_key]
             self._rebuild(root_key, running_k, promised_k, memory_k, cost, version)
         dirty.clear()
+        self._shrink()
         self._pending = None
         if version is None or version != self._version:
             if lazy:
@@ -514,6 +534,21 @@ class StageForest:
             waiting=list(self._waiting.stages),
         )
 
+    def _shrink(self) -> None:
+        """Make the per-tree tables that emptied small again: a dict keeps the table
+        of its peak size (random search has every trial live at once), and a plan tree
+        whose work ended has no entry left in them."""
+        if not self._requests:
+            self._requests = {}
+        if not self._parts:
+            self._parts, self._covered = {}, {}
+        if not self._positions:
+            self._positions = {}
+        if not self._promises:
+            self._promises = {}
+        if not self._batches:
+            self._batches = {}
+
     def _rebuild(
         self,
         root_key: str,
@@ -527,7 +562,7 @@ class StageForest:
         kept one read (a running batch moved between the steps the build asks about)."""
         running = tuple(running)
         requests = tuple(k for k in self._requests.get(root_key, ()) if k not in promised)
-        checkpoints = self._checkpoints.get(root_key, set()) | memory
+        checkpoints = memory.union(self._checkpoints.get(root_key, ()))
         old = self._parts.get(root_key)
         if old is not None and requests == old.requests:
             if old.queries is None or old.answers is None:
