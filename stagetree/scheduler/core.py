@@ -137,6 +137,38 @@ __all__ = ["BatchInfo", "Scheduler"]
 Key = tuple[int, int]
 
 
+class _Configs:
+    """Plan trees' configs by root key, kept as one tuple per tree: the config's names
+    (one tuple of each distinct list of names, shared by the trees that have it), then
+    its values. A dict per tree holds about 200 bytes; this, 40 plus 8 per value."""
+
+    __slots__ = ("_names", "_rows")
+
+    def __init__(self) -> None:
+        self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._rows: dict[str, tuple[Any, ...]] = {}
+
+    def __contains__(self, root_key: object) -> bool:
+        return root_key in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def put(self, root_key: str, config: Mapping[str, Any]) -> None:
+        """Keep ``config`` (its values, not a copy of them) as ``root_key``'s."""
+        names = tuple(config)
+        self._rows[root_key] = (self._names.setdefault(names, names), *config.values())
+
+    def get(self, root_key: str) -> dict[str, Any]:
+        """A new dict equal to the config kept for ``root_key`` (same order).
+
+        Raises:
+            KeyError: no config was kept for ``root_key``.
+        """
+        row = self._rows[root_key]
+        return dict(zip(row[0], row[1:]))
+
+
 @dataclass
 class _Batch:
     batch_id: int
@@ -326,9 +358,12 @@ class Scheduler:
         self._branch_steps: dict[str, Counter[int]] = {}
         self._trained: set[str] = set()
         self._growing: set[str] = set()
-        # Steps where batches of each plan tree checkpoint as they pass (SaveSteps).
+        # Steps where batches of each plan tree checkpoint as they pass (SaveSteps), one
+        # set of each (trees of a bracket save at the same rungs: one frozenset for all).
         self._save_steps: dict[str, frozenset[int]] = {}
-        self._roots: dict[str, dict[str, Any]] = {}
+        self._save_sets: dict[frozenset[int], frozenset[int]] = {}
+        # Each plan tree's config (RootAdded), without a dict per tree (see _Configs).
+        self._roots = _Configs()
         self._nodes: dict[int, Node] = {}
         self._requests: dict[Key, int] = {}
         # Fair share: references by study per live request, live requests per active
@@ -576,7 +611,7 @@ class Scheduler:
     # -- plan events -----------------------------------------------------------------------
 
     def _on_root(self, e: RootAdded, out: list[Instruction | Notice]) -> None:
-        self._roots[e.root_key] = dict(e.config)
+        self._roots.put(e.root_key, e.config)
         self.estimator.register_root(e.root_key, e.config)
         devices = getattr(e, "devices", 1)
         if devices > self._need.get(e.root_key, 1):
@@ -634,7 +669,8 @@ class Scheduler:
                 self._checkpoint_new_branch(node, out)
 
     def _on_save_steps(self, e: SaveSteps, out: list[Instruction | Notice]) -> None:
-        self._save_steps[e.root_key] = self._save_steps.get(e.root_key, frozenset()) | e.steps
+        steps = self._save_steps.get(e.root_key, frozenset()) | e.steps
+        self._save_steps[e.root_key] = self._save_sets.setdefault(steps, steps)
 
     def _save_points(self, segments: tuple[tuple[int, int, int], ...]) -> set[Key]:
         """Points inside a path at the steps its tree saves at (``SaveSteps``): a request
@@ -768,6 +804,7 @@ class Scheduler:
             self._forest.remove_request(key)
             self._recheck(key)
             del self._claims[key]
+            self._shrink_requests()
         self._dirty = True
 
     def _drop(self, key: Key) -> bool:
@@ -778,7 +815,14 @@ class Scheduler:
         self._recheck(key)
         for study in self._claims.pop(key, {}):
             self._unhold(study)
+        self._shrink_requests()
         return True
+
+    def _shrink_requests(self) -> None:
+        # A dict keeps the table of its peak size: once no request is live (random
+        # search has every trial live at once), start again from small ones.
+        if not self._requests:
+            self._requests, self._claims = {}, {}
 
     def _unhold(self, study: str) -> None:
         left = self._held[study] - 1
@@ -1845,7 +1889,7 @@ class Scheduler:
             batch_id=batch_id,
             worker=worker,
             root_key=root_key,
-            config=dict(self._roots[root_key]),
+            config=self._roots.get(root_key),
             start_step=root.start,
             start_at=start,
             start_checkpoint=start_ref,

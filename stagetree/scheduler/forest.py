@@ -174,6 +174,12 @@ class _Ready(_Sorted):
         del self.value[i]
         del self.value_steps[i]
         del self.stamp[i]
+        if not self.stages:
+            # An array keeps the buffer of its peak size (random search has every
+            # trial ready at once): start small again.
+            self.dense, self.steps, self.deep = array("q"), array("q"), array("b")
+            self.value, self.value_steps, self.stamp = array("d"), array("q"), array("q")
+            self.origins = {}
 
     @staticmethod
     def numpy(values: array[Any]) -> np.ndarray:
@@ -269,7 +275,9 @@ class StageForest:
         self._requests: dict[int, dict[Key, int]] = {}
         self._seq: dict[Key, int] = {}
         self._next = 0
-        self._checkpoints: dict[Group, set[Key]] = {}
+        # Durable checkpoints per group, as a tuple (a set holds at least 216 bytes;
+        # each change marks the group for a build, which reads them all anyway).
+        self._checkpoints: dict[Group, tuple[Key, ...]] = {}
         # Checkpoints not checked yet (a whole build refuses an unknown node or a
         # position that is not canonical, and so does the next decision).
         self._unchecked: set[Key] = set()
@@ -404,6 +412,8 @@ class StageForest:
         group = self._anchor(key[0])
         del self._requests[group][key]
         del self._seq[key]
+        if not self._seq:
+            self._seq = {}  # a dict keeps the table of its peak size: start small again
         self._dirty.add(group)
 
     def add_checkpoint(self, key: Key) -> None:
@@ -415,7 +425,13 @@ class StageForest:
         self._unchecked.discard(key)
         if key[0] in self._nodes:
             group = self._group(key)
-            self._checkpoints.get(group, set()).discard(key)
+            kept = self._checkpoints.get(group, ())
+            if key in kept:
+                left = tuple(k for k in kept if k != key)
+                if left:
+                    self._checkpoints[group] = left
+                else:
+                    del self._checkpoints[group]
             self._touch(group)
 
     def set_batch(
@@ -518,7 +534,9 @@ class StageForest:
                 raise ValueError(f"checkpoint (node {key[0]}, step {key[1]}) is not canonical")
             self._unchecked.discard(key)
             group = self._group(key)
-            self._checkpoints.setdefault(group, set()).add(key)
+            kept = self._checkpoints.get(group, ())
+            if key not in kept:
+                self._checkpoints[group] = (*kept, key)
             self._touch(group)
         dirty = self._dirty
         # The models in memory: only the groups of those that came or went.
@@ -560,8 +578,10 @@ class StageForest:
             running_k, promised_k = volatile.get(group, ((), set()))
             running_k = list(running_k) + volatile.get(tree, ([], set()))[0]
             # With the models at step 0 of the root, which every group of the tree reads.
-            memory_k = self._memory_by_tree.get(group, set()) | self._checkpoints.get(tree, set())
-            memory_k |= self._memory_by_tree.get(tree, set())
+            memory_k = self._memory_by_tree.get(group, set())
+            memory_k = memory_k.union(
+                self._memory_by_tree.get(tree, ()), self._checkpoints.get(tree, ())
+            )
             # The batches' positions come first, in slot order.
             positions = self._positions.get(group)
             if positions is not None and not positions:
@@ -578,6 +598,7 @@ class StageForest:
                 del self._promises[group]
             self._rebuild(group, running_k, promised_k, memory_k, cost, version)
         dirty.clear()
+        self._shrink()
         self._pending = None
         if version is None or version != self._version:
             if lazy:
@@ -597,6 +618,22 @@ class StageForest:
             waiting=list(self._waiting.stages),
         )
 
+    def _shrink(self) -> None:
+        """Make the per-tree tables that emptied small again: a dict keeps the table
+        of its peak size (random search has every trial live at once), and a plan tree
+        whose work ended has no entry left in them."""
+        if not self._requests:
+            self._requests = {}
+            self._anchors = {}  # a cache: nothing live to look up again soon
+        if not self._parts:
+            self._parts, self._covered = {}, {}
+        if not self._positions:
+            self._positions = {}
+        if not self._promises:
+            self._promises = {}
+        if not self._batches:
+            self._batches = {}
+
     def _rebuild(
         self,
         root_key: int,
@@ -611,7 +648,7 @@ class StageForest:
         the build asks about)."""
         running = tuple(running)
         requests = tuple(k for k in self._requests.get(root_key, ()) if k not in promised)
-        checkpoints = self._checkpoints.get(root_key, set()) | memory
+        checkpoints = memory.union(self._checkpoints.get(root_key, ()))
         old = self._parts.get(root_key)
         if old is not None and requests == old.requests:
             if old.queries is None or old.answers is None:
