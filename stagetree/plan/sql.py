@@ -1258,6 +1258,8 @@ class SQLPlanStorage(BasePlanStorage):
                 old = self._same_trial(conn, study, ident)
                 if old is not None:
                     return old
+            if self._engine.dialect.insert_returning:  # the next id and the row at once
+                return int(conn.execute(_add_trial_query(), row).scalar_one())
             trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
             conn.execute(_trials.insert(), {"id": trial_id, **row})
             return int(trial_id)
@@ -1628,6 +1630,15 @@ _ACTIVITY_COLUMNS = tuple(_activity.c[f.name] for f in dataclasses.fields(Activi
 # PostgreSQL answer by index look-ups (SQLite scans the whole table for a row-value
 # IN list); a short last chunk repeats its last key, so that one statement serves all.
 _AT_CHUNK = 250
+
+
+@functools.cache
+def _add_trial_query() -> Any:
+    """``INSERT ... SELECT`` of a trial row (a parameter per column but ``id``),
+    returning its id: the largest plus one, 1 for the first; built once."""
+    values = [bindparam(c.name, type_=c.type) for c in _trials.c if c.name != "id"]
+    rows = select(func.coalesce(func.max(_trials.c.id), 0) + 1, *values)
+    return _trials.insert().from_select(list(_trials.c.keys()), rows).returning(_trials.c.id)
 
 
 @functools.cache
