@@ -1842,7 +1842,7 @@ class Engine:
         try:
             needs_attrs = error is not None or state in ("done", "cancelled")
             # one read of the row serves both questions
-            row = self.storage.trial(w.trial_id) if only_from or needs_attrs else {}
+            row = self.storage.trial(w.trial_id) if only_from is not None or needs_attrs else {}
             if only_from is not None and row["state"] != only_from:
                 return
             attrs = None
