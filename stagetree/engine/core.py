@@ -1852,7 +1852,7 @@ class Engine:
                     attrs["error"] = error
                 elif attrs.pop("error", None) is None:
                     attrs = None  # nothing to change
-            self.storage.update_trial(w.trial_id, state=state, attrs=attrs)
+            self.storage.update_trial(w.trial_id, state=state, attrs=attrs, seen=row or None)
         except StagetreeError:
             pass  # the trial record is informative only
 

@@ -1302,16 +1302,24 @@ class SQLPlanStorage(BasePlanStorage):
         step: int | None = None,
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
+        seen: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:
             changes["attrs"] = _codec.dumps(dict(attrs), "trial attrs")
-        with self._tx(write=False) as conn:  # a replayed trial changes nothing: no write
-            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
-        if row is None:
-            raise PlanKeyError(f"no trial {trial_id}")
-        if all(getattr(row, k) == v for k, v in changes.items()):
-            return _trial(row)
+        if seen is not None:  # the caller's read of the row, to spare this one
+            stored = {k: seen[k] for k in changes if k != "attrs"}
+            if "attrs" in changes:
+                stored["attrs"] = _codec.dumps(dict(seen["attrs"] or {}), "trial attrs")
+            if stored == changes:
+                return dict(seen)
+        else:
+            with self._tx(write=False) as conn:  # a replayed trial changes nothing: no write
+                row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+            if row is None:
+                raise PlanKeyError(f"no trial {trial_id}")
+            if all(getattr(row, k) == v for k, v in changes.items()):
+                return _trial(row)
         with self._tx(write=True) as conn:
             update = _trials.update().where(_trials.c.id == trial_id).values(**changes)
             if self._engine.dialect.update_returning:  # the row as written, one statement
