@@ -1840,18 +1840,19 @@ class Engine:
         """Record a trial's state; a failure keeps its error in ``attrs["error"]``, and any
         other final state drops an error left by an earlier run."""
         try:
-            if only_from is not None:
-                current = self.storage.trial(w.trial_id)["state"]
-                if current != only_from:
-                    return
+            needs_attrs = error is not None or state in ("done", "cancelled")
+            # one read of the row serves both questions
+            row = self.storage.trial(w.trial_id) if only_from is not None or needs_attrs else {}
+            if only_from is not None and row["state"] != only_from:
+                return
             attrs = None
-            if error is not None or state in ("done", "cancelled"):
-                attrs = dict(self.storage.trial(w.trial_id).get("attrs") or {})
+            if needs_attrs:
+                attrs = dict(row.get("attrs") or {})
                 if error is not None:
                     attrs["error"] = error
                 elif attrs.pop("error", None) is None:
                     attrs = None  # nothing to change
-            self.storage.update_trial(w.trial_id, state=state, attrs=attrs)
+            self.storage.update_trial(w.trial_id, state=state, attrs=attrs, seen=row or None)
         except StagetreeError:
             pass  # the trial record is informative only
 

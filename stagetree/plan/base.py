@@ -634,8 +634,12 @@ class BasePlanStorage(ABC):
         step: int | None = None,
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
+        seen: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Change the given fields of a trial (``attrs`` replaces); returns the trial.
+
+        ``seen``: the trial as the caller just read it (:meth:`trial`); a storage that
+        reads the row to write nothing when nothing changes may decide on it instead.
 
         Raises:
             PlanKeyError: no such trial.

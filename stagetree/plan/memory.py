@@ -463,6 +463,7 @@ class MemoryPlanStorage(BasePlanStorage):
         step: int | None = None,
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
+        seen: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:

@@ -437,6 +437,9 @@ class SQLPlanStorage(BasePlanStorage):
         self._trial_keys: dict[str, tuple[int, dict[int, int]]] = {}
         self._changes = 0  # write transactions committed through this handle
         self._roots_seen: dict[str, str] = {}  # root key -> config registered (committed)
+        # Studies found stored: no API deletes one (drop_all clears this), so a trial or
+        # a log record checks its study's row once per handle, not per write.
+        self._studies_seen: set[str] = set()
         try:
             parsed = make_url(url)
         except ArgumentError as exc:
@@ -1211,8 +1214,11 @@ class SQLPlanStorage(BasePlanStorage):
         return [{"name": r.name, "meta": _codec.loads(r.meta), "created": r.created} for r in rows]
 
     def _check_study(self, conn: Connection, study: str) -> None:
+        if study in self._studies_seen:
+            return
         if conn.execute(select(_studies.c.seq).where(_studies.c.name == study)).first() is None:
             raise PlanKeyError(f"no study {study!r}")
+        self._studies_seen.add(study)
 
     @_retried
     def add_trial(
@@ -1252,6 +1258,8 @@ class SQLPlanStorage(BasePlanStorage):
                 old = self._same_trial(conn, study, ident)
                 if old is not None:
                     return old
+            if self._engine.dialect.insert_returning:  # the next id and the row at once
+                return int(conn.execute(_add_trial_query(), row).scalar_one())
             trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
             conn.execute(_trials.insert(), {"id": trial_id, **row})
             return int(trial_id)
@@ -1294,20 +1302,31 @@ class SQLPlanStorage(BasePlanStorage):
         step: int | None = None,
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
+        seen: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:
             changes["attrs"] = _codec.dumps(dict(attrs), "trial attrs")
-        with self._tx(write=False) as conn:  # a replayed trial changes nothing: no write
-            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
-        if row is None:
-            raise PlanKeyError(f"no trial {trial_id}")
-        if all(getattr(row, k) == v for k, v in changes.items()):
-            return _trial(row)
+        if seen is not None:  # the caller's read of the row, to spare this one
+            stored = {k: seen[k] for k in changes if k != "attrs"}
+            if "attrs" in changes:
+                stored["attrs"] = _codec.dumps(dict(seen["attrs"] or {}), "trial attrs")
+            if stored == changes:
+                return dict(seen)
+        else:
+            with self._tx(write=False) as conn:  # a replayed trial changes nothing: no write
+                row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+            if row is None:
+                raise PlanKeyError(f"no trial {trial_id}")
+            if all(getattr(row, k) == v for k, v in changes.items()):
+                return _trial(row)
         with self._tx(write=True) as conn:
-            if changes:
-                conn.execute(_trials.update().where(_trials.c.id == trial_id).values(**changes))
-            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+            update = _trials.update().where(_trials.c.id == trial_id).values(**changes)
+            if self._engine.dialect.update_returning:  # the row as written, one statement
+                row = conn.execute(update.returning(*_trials.c)).first()
+            else:
+                conn.execute(update)
+                row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
             if row is None:
                 raise PlanKeyError(f"no trial {trial_id}")
             return _trial(row)
@@ -1411,6 +1430,8 @@ class SQLPlanStorage(BasePlanStorage):
         data = _codec.dumps(dict(record), "log record")
         with self._tx(write=True) as conn:
             self._check_study(conn, study)
+            if self._engine.dialect.insert_returning:  # the next seq and the row at once
+                return int(conn.execute(_append_log_query(), {"s": study, "r": data}).scalar_one())
             last = conn.execute(
                 select(func.max(_logs.c.seq)).where(_logs.c.study == study)
             ).scalar()
@@ -1606,6 +1627,7 @@ class SQLPlanStorage(BasePlanStorage):
         self._node_cache.clear()
         self._trial_keys.clear()
         self._roots_seen.clear()
+        self._studies_seen.clear()
 
 
 # The columns of an ActivityRecord, in its fields' order.
@@ -1616,6 +1638,26 @@ _ACTIVITY_COLUMNS = tuple(_activity.c[f.name] for f in dataclasses.fields(Activi
 # PostgreSQL answer by index look-ups (SQLite scans the whole table for a row-value
 # IN list); a short last chunk repeats its last key, so that one statement serves all.
 _AT_CHUNK = 250
+
+
+@functools.cache
+def _add_trial_query() -> Any:
+    """``INSERT ... SELECT`` of a trial row (a parameter per column but ``id``),
+    returning its id: the largest plus one, 1 for the first; built once."""
+    values = [bindparam(c.name, type_=c.type) for c in _trials.c if c.name != "id"]
+    rows = select(func.coalesce(func.max(_trials.c.id), 0) + 1, *values)
+    return _trials.insert().from_select(list(_trials.c.keys()), rows).returning(_trials.c.id)
+
+
+@functools.cache
+def _append_log_query() -> Any:
+    """``INSERT ... SELECT`` of a study's next log record (parameters ``s``, the study,
+    and ``r``, the record's text), returning its seq: the study's largest plus one, 0
+    for its first; built once."""
+    study = bindparam("s", type_=String)
+    seq = func.coalesce(func.max(_logs.c.seq) + 1, 0)
+    rows = select(study, seq, bindparam("r", type_=Text)).where(_logs.c.study == study)
+    return _logs.insert().from_select(["study", "seq", "record"], rows).returning(_logs.c.seq)
 
 
 @functools.cache

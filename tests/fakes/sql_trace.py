@@ -70,3 +70,15 @@ def random_search(plan: SQLPlanStorage, tmp_path: Path, trials: int) -> dict[str
         return {"trials": plan.trials("s"), "log": plan.read_log("s")}
     finally:
         study.close()
+
+
+def statements(plan: SQLPlanStorage) -> list[str]:
+    """Every statement ``plan`` sends from now on (white space folded, lower case),
+    committed or not, reads included."""
+    seen: list[str] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(" ".join(statement.split()).lower())
+
+    event.listen(plan._engine, "before_cursor_execute", note)
+    return seen

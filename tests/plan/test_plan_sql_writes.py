@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
+from stagetree.exceptions import PlanKeyError
 from stagetree.hp import Constant
 from stagetree.plan import SQLPlanStorage
 
@@ -98,5 +99,29 @@ def test_atomically_commits_its_calls_once_or_not_at_all(url: str) -> None:
         again = plan.insert_trial("q", {"lr": Constant(0.1)}, 4, request=False)
         assert plan.locate("q", {"lr": Constant(0.1)}, 4) == (again.node, 4)
         assert plan.node(again.node).root_key == "q"
+    finally:
+        plan.close()
+
+
+def test_update_trial_decides_on_the_callers_read(url: str) -> None:
+    """``update_trial(seen=...)`` reads nothing: unchanged, it writes nothing; changed,
+    it sends one statement and returns the row as written."""
+    plan = SQLPlanStorage(url)
+    try:
+        plan.create_study("s", {})
+        ins = plan.insert_trial("r", {}, 4, request=False)
+        tid = plan.add_trial("s", "r", {}, {}, 4, ins.node, ins.step, attrs={"a": 1})
+        seen = _statements(plan)
+        row = plan.trial(tid)
+        del seen[:]
+        assert plan.update_trial(tid, state="pending", attrs={"a": 1}, seen=row) == row
+        assert seen == []
+        out = plan.update_trial(tid, state="done", attrs={"b": 2}, seen=row)
+        assert out["state"] == "done" and out["attrs"] == {"b": 2}
+        trials = [s for s in seen if "stagetree_trials" in s]
+        assert len(trials) == 1 and trials[0].lstrip().upper().startswith("UPDATE")
+        assert plan.trial(tid) == out
+        with pytest.raises(PlanKeyError):
+            plan.update_trial(tid + 1, state="done", seen=row)
     finally:
         plan.close()
