@@ -450,6 +450,7 @@ class Engine:
         # thread, a cancellation): only that falls back on the quiet window.
         self._watched: dict[int, int] = {}
         self._blind = False
+        self._burst_ended = threading.Event()  # ends the driver's wait in _coalesce
         self._idle = threading.Condition(self.lock)
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
@@ -1266,6 +1267,7 @@ class Engine:
         """Wake the driver thread where it sleeps or waits on the executor's events:
         a submission, a cancellation or a stop is handled without waiting a poll out."""
         self._wake.set()
+        self._burst_ended.set()
         executor = self.executor
         if executor is not None:
             executor.wake()
@@ -1339,9 +1341,10 @@ class Engine:
         a burst announced with :meth:`begin_burst`; at once when all of it came from
         watched bursts, now ended (a tune()'s tuner waiting for results)."""
         while self._queued and not self._stop.is_set() and not self._settled():
-            # woken early by end_burst: a tuner that waits is not kept waiting
-            self._wake.wait(max(0.001, _QUIET - (time.monotonic() - self._last_queued)))
-            self._wake.clear()
+            # woken early by end_burst: a tuner that waits is not kept waiting (its own
+            # event: _wake stays set for the round that follows)
+            self._burst_ended.wait(max(0.001, _QUIET - (time.monotonic() - self._last_queued)))
+            self._burst_ended.clear()
 
     def begin_burst(self, watched: bool = False) -> None:
         """More submissions follow in this burst: plan none of it before
