@@ -21,6 +21,7 @@ import inspect
 import json
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,14 @@ from stagetree.reports import export
 from stagetree.reports import trials as report_trials
 from stagetree.reports.open import open_existing_storage
 from stagetree.server.client import RemoteStudy
-from stagetree.study_api import StudyAPI, StudyArguments, check_weight, remote_url, run_coro
+from stagetree.study_api import (
+    TUNING,
+    StudyAPI,
+    StudyArguments,
+    check_weight,
+    remote_url,
+    run_coro,
+)
 from stagetree.tuners.base import TrialResult
 
 if TYPE_CHECKING:
@@ -66,6 +74,49 @@ def _same_value(a: Any, b: Any) -> bool:
     """Whether metric value ``b`` may stand for ``a`` to the bit (same type and text:
     ``0.0`` is not ``-0.0``, ``1`` not ``1.0``, NaN only itself)."""
     return a is b or (type(a) is type(b) and a == b and str(a) == str(b))
+
+
+class _IdleEnd:
+    """Ends the watched bursts a tuner's event loop began once that loop has nothing
+    ready to run: every task of the tuner waits then (for a result, a timer, a thread).
+    One check per loop, however many submissions it made."""
+
+    _ROUNDS = 1000  # loop turns at most (a busy loop: a replay answering many trials)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine: Engine) -> None:
+        self.loop = loop
+        self.engine = engine
+        self.count = 0  # bursts begun and not ended
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop, engine: Engine) -> _IdleEnd:
+        """The check of ``loop`` for ``engine`` (made on first use)."""
+        ends = _IDLE_ENDS.setdefault(loop, {})
+        end = ends.get(id(engine))
+        if end is None:
+            end = ends[id(engine)] = cls(loop, engine)
+        return end
+
+    def add(self) -> None:
+        """One more burst, ended at the loop's next idle moment."""
+        self.count += 1
+        if self.count == 1:
+            self.loop.call_soon(self._check, 0)
+
+    def _check(self, rounds: int) -> None:
+        ready = getattr(self.loop, "_ready", None)  # CPython's queue of ready callbacks
+        if ready and rounds < self._ROUNDS:
+            self.loop.call_soon(self._check, rounds + 1)
+            return
+        count, self.count = self.count, 0
+        for _ in range(count):
+            self.engine.end_burst(watched=True)
+
+
+# The idle checks of each running event loop, by engine.
+_IDLE_ENDS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, _IdleEnd]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Study(StudyAPI):
@@ -329,14 +380,12 @@ class Study(StudyAPI):
             raise StagetreeError(f"study {self.name!r} is closed")
         cfg, seqs = self._normalise(config, hp, steps)
         engine = self._engine
-        # The submissions of this pass of the event loop (a tuner's rung, a gather) are
-        # planned together: the burst ends when the loop comes round again.
-        engine.begin_burst()
-        asyncio.get_running_loop().call_soon(engine.end_burst)
+        self._burst()
         waiter = engine.submit(self._study_slot, cfg, seqs, steps, self._horizon)
         try:
             metrics = await asyncio.wrap_future(waiter.future)
         except asyncio.CancelledError:
+            self._burst(watched_only=True)
             engine.cancel(waiter)
             raise
         history = engine.history(self._study_slot, cfg, seqs, steps)
@@ -347,6 +396,25 @@ class Study(StudyAPI):
             at = {**at, **metrics}
         return TrialResult(config=cfg, hp=seqs, steps=steps, metrics=at, history=history)
 
+    def _burst(self, watched_only: bool = False) -> None:
+        """Announce what this pass of the running event loop (a tuner's rung, a gather)
+        submits as one burst, planned together: it ends when the loop comes round again;
+        a tuner's, once its loop has nothing left to run (every task of it waits), and is
+        planned then without the quiet window (simulated time plans each instant as it
+        comes). Outside an event loop, nothing is announced; with ``watched_only``, only
+        a tuner's (its declarations, between its submissions)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        engine = self._engine
+        if TUNING.get() and not self._virtual_time():
+            engine.begin_burst(watched=True)
+            _IdleEnd.of(loop, engine).add()
+        elif not watched_only:
+            engine.begin_burst()
+            loop.call_soon(engine.end_burst)
+
     def declare(self, trials: Iterable[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> None:
         trials = list(trials)
         for _config, hp in trials:
@@ -354,6 +422,7 @@ class Study(StudyAPI):
         if not self._horizon:
             return  # no horizon known: submissions insert all there is to know
         checked = [self._normalise(config, hp, self._horizon) for config, hp in trials]
+        self._burst(watched_only=True)
         self._engine.declare(self._study_slot, checked, self._horizon)
 
     def plan_ahead(self, horizon: int, rungs: Iterable[int] = ()) -> None:
@@ -362,6 +431,7 @@ class Study(StudyAPI):
         batches of its plan trees checkpoint there as they pass, see
         :class:`~stagetree.scheduler.events.SaveSteps`)."""
         self._horizon = max(self._horizon, int(horizon))
+        self._burst(watched_only=True)
         self._engine.save_at(self._study_slot, rungs)
 
     def eval(

@@ -14,6 +14,7 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import inspect
 import logging
@@ -55,6 +56,9 @@ logger = logging.getLogger("stagetree")
 
 #: What a run stopped by Ctrl-C says (``tune()`` and ``stagetree run``).
 INTERRUPTED_MESSAGE = "interrupted; run again to resume"
+# Set in the task that runs tune()'s tuner (its tasks inherit it): a submission made
+# there is followed by a wait the study can see (the tuner's loop going idle).
+TUNING: contextvars.ContextVar[bool] = contextvars.ContextVar("stagetree_tuning", default=False)
 
 _S = TypeVar("_S", bound="StudyAPI")
 
@@ -528,6 +532,7 @@ class StudyAPI(abc.ABC):
 
             async def guarded() -> TrialResult | None:
                 nonlocal guard
+                TUNING.set(True)  # the tuner's tasks (copies of this context) submit
                 guard = BudgetGuard(limits, self.progress, clock, self._answered, started=started)
                 runner.guard = guard
                 return await guard.run(tuner, runner)

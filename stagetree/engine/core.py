@@ -345,7 +345,9 @@ class RunningBatch:
 
 # Submissions closer together than _QUIET seconds are planned together (waiting at most
 # _MAX_DELAY seconds): cheap next to a training step, and it spares the workers from
-# racing past branch points of trials that were submitted at the same moment.
+# racing past branch points of trials that were submitted at the same moment. The
+# window is only the fallback for submitters the engine cannot see wait: a tuner run by
+# tune() ends its bursts once it waits (begin_burst(watched=True)), planned then.
 _QUIET = 0.02
 _MAX_DELAY = 0.25
 # Seconds the driver waits for the executor's events in one round.
@@ -443,6 +445,12 @@ class Engine:
         self._first_queued = self._last_queued = 0.0
         self._bursts = 0  # bursts announced and not ended (begin_burst)
         self._burst_at = 0.0  # when the last one began
+        # Threads whose open bursts a tuner ends once it waits (begin_burst(watched=True)),
+        # and whether anything queued since the last plan came from elsewhere (a user
+        # thread, a cancellation): only that falls back on the quiet window.
+        self._watched: dict[int, int] = {}
+        self._blind = False
+        self._burst_ended = threading.Event()  # ends the driver's wait in _coalesce
         self._idle = threading.Condition(self.lock)
         # Leases and the requests waiting on other engines (processes) sharing the storage.
         self.coord = Coordinator(self)
@@ -1246,6 +1254,12 @@ class Engine:
         if not self._queued:
             self._first_queued = now
         self._last_queued = now
+        # A study's weight waits for no more (it shapes no plan): the rest does, unless
+        # from a thread whose submitter tells when it waits (begin_burst(watched=True)).
+        if not self._watched.get(threading.get_ident()) and not all(
+            isinstance(e, StudyWeight) for e in events
+        ):
+            self._blind = True
         self._queued.extend(events)
         self._wake_driver()
 
@@ -1253,6 +1267,7 @@ class Engine:
         """Wake the driver thread where it sleeps or waits on the executor's events:
         a submission, a cancellation or a stop is handled without waiting a poll out."""
         self._wake.set()
+        self._burst_ended.set()
         executor = self.executor
         if executor is not None:
             executor.wake()
@@ -1262,6 +1277,7 @@ class Engine:
             if coalesce and not self._settled():
                 return
             events, self._queued = self._queued, []
+            self._blind = False
             if events:
                 events += self.coord.foreign_nodes(events)  # other processes' branch points
                 self._apply(self.scheduler.handle_all(events))
@@ -1322,30 +1338,50 @@ class Engine:
         """Let a burst of submissions (a tuner submitting a rung, ``asyncio.gather`` of
         several trials) finish arriving before planning: wait until no request came for
         ``_QUIET`` s, at most ``_MAX_DELAY`` s after the first one, and until the end of
-        a burst announced with :meth:`begin_burst`."""
+        a burst announced with :meth:`begin_burst`; at once when all of it came from
+        watched bursts, now ended (a tune()'s tuner waiting for results)."""
         while self._queued and not self._stop.is_set() and not self._settled():
-            time.sleep(max(0.001, _QUIET - (time.monotonic() - self._last_queued)))
+            # woken early by end_burst: a tuner that waits is not kept waiting (its own
+            # event: _wake stays set for the round that follows)
+            self._burst_ended.wait(max(0.001, _QUIET - (time.monotonic() - self._last_queued)))
+            self._burst_ended.clear()
 
-    def begin_burst(self) -> None:
+    def begin_burst(self, watched: bool = False) -> None:
         """More submissions follow in this burst: plan none of it before
         :meth:`end_burst` (the planning of trials submitted together then does not
-        depend on how fast each was inserted)."""
+        depend on how fast each was inserted). ``watched``: the caller ends the burst
+        only once its submitter waits for a result (a tuner whose every task waits), so
+        what this thread submits meanwhile is planned at the end, without the quiet
+        window."""
         with self.lock:
             if time.monotonic() - max(self._burst_at, self._last_queued) > _BURST_MAX:
                 self._bursts = 0  # ends never announced: forgotten
+                self._watched.clear()
             self._bursts += 1
             self._burst_at = time.monotonic()
+            if watched:
+                ident = threading.get_ident()
+                self._watched[ident] = self._watched.get(ident, 0) + 1
 
-    def end_burst(self) -> None:
-        """The end of a burst :meth:`begin_burst` announced."""
+    def end_burst(self, watched: bool = False) -> None:
+        """The end of a burst :meth:`begin_burst` announced (from the same thread)."""
         with self.lock:
             self._bursts = max(0, self._bursts - 1)
+            if watched:
+                ident = threading.get_ident()
+                left = self._watched.get(ident, 0) - 1
+                if left > 0:
+                    self._watched[ident] = left
+                else:
+                    self._watched.pop(ident, None)
             self._wake_driver()
 
     def _settled(self) -> bool:
         now = time.monotonic()
         if self._bursts and now - max(self._burst_at, self._last_queued) <= _BURST_MAX:
             return False
+        if not self._blind:
+            return True  # all of it came from submitters now waiting for results
         return now - self._last_queued >= _QUIET or now - self._first_queued >= _MAX_DELAY
 
     def pump(self, timeout: float | None, coalesce: bool = False) -> int:

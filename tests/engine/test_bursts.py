@@ -17,10 +17,11 @@ import pytest
 from study_trainers import LinearTrainer
 
 from stagetree import Study
+from stagetree.engine import core
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan import open_storage
 from stagetree.space import GridSpace
-from stagetree.tuners import GridSearch
+from stagetree.tuners import ASHA, GridSearch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,3 +50,20 @@ def test_a_rung_inserted_slowly_is_planned_as_one(tmp_path: Path) -> None:
     # (5 and 10); each trial's end is kept, nothing else.
     assert first.data["segments"] == [[1, 0, 5], [1, 5, 10], [1, 10, 20]]
     assert checkpoints == {(1, 5), (1, 10), (1, 20), (2, 20), (3, 20), (4, 20)}
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_tuner_is_planned_without_the_quiet_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22: a tuner that submitted and now waits for its results has nothing more
+    to add, so its trials are planned at once (not after the quiet window: here an
+    hour, longer than the test's timeout)."""
+    monkeypatch.setattr(core, "_QUIET", 3600.0)
+    monkeypatch.setattr(core, "_MAX_DELAY", 3600.0)
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    tuner = ASHA(SPACE, "score", min_steps=2, max_steps=8, num_trials=4, eta=2)
+    with Study("s", LinearTrainer, storage=url, executor="inline") as study:
+        best = study.tune(tuner)
+    assert best is not None
+    assert len(study.trials()) == 4
