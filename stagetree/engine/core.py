@@ -1319,7 +1319,8 @@ class Engine:
                     # the executor already waited the poll out watching its workers (a
                     # sleep here would not see a worker's event until it ends).
                     rest = _POLL - (time.monotonic() - began)
-                    if rest > 0:
+                    executor = self.executor
+                    if rest > 0 and (executor is None or not executor.waits_in_events):
                         self._wake.wait(rest)
                         self._wake.clear()
         except BaseException as exc:  # keep the error for every waiter and later calls

@@ -275,6 +275,12 @@ class BaseExecutor(ABC):
         """Events since the last call; waits up to ``timeout`` seconds for the first
         (an executor with a :meth:`wake` may return none sooner when woken)."""
 
+    #: True when :meth:`events` waits its whole timeout unless an event comes or
+    #: :meth:`wake` is called: the engine's driver then never sleeps beside it (a sleep
+    #: would not see a worker's event, and a wake already taken by ``events`` would
+    #: leave it sleeping the rest of its poll).
+    waits_in_events: bool = False
+
     def wake(self) -> None:  # noqa: B027 (a hint: most executors do not wait long)
         """Let a call of :meth:`events` waiting in another thread return now (with what
         it has, maybe nothing): the engine calls it when a submission or cancellation

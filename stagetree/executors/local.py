@@ -494,6 +494,8 @@ class LocalExecutor(BaseExecutor):
                     self._alarm.clear()  # wake(): one more look at the workers, then return
                     woken = True
 
+    waits_in_events = True
+
     def wake(self) -> None:
         self._alarm.set()
 

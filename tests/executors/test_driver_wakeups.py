@@ -60,3 +60,41 @@ def test_an_idle_driver_sleeps_only_inside_the_executors_wait(tmp_path: Path) ->
         assert wake.sleeps == 0
         # A submission still reaches the driver.
         assert study.run({"seed": 1}, {"lr": 0.01}, 2).steps == 2
+
+
+class WokenExecutor(InlineExecutor):
+    """An inline executor that waits in ``events`` until an event or a wake, as a process
+    pool does, and here returns after 1 ms with nothing, as a wake taken by ``events``
+    (while the driver's own wake-up was already cleared) leaves it."""
+
+    waits_in_events = True
+
+    def events(self, timeout: float | None = None) -> list[Any]:
+        out = super().events(timeout)
+        if not out and timeout:
+            time.sleep(0.001)
+        return out
+
+
+def test_an_executor_woken_with_nothing_is_asked_again_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With a poll of an hour, a driver that slept "the rest of its poll" after such a
+    # return would not look at its workers for an hour (seen as a hang of a submission
+    # whose wake the executor's wait had taken).
+    from stagetree.engine import core
+
+    monkeypatch.setattr(core, "_POLL", 3600.0)
+
+    def factory() -> InlineExecutor:
+        return WokenExecutor(LinearTrainer, checkpoint_dir=tmp_path / "ck")
+
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    with Study("s", LinearTrainer, storage=url, executor=factory) as study:
+        assert study.run({"seed": 0}, {"lr": 0.01}, 3).steps == 3
+        engine = study._engine
+        wake = CountingWake()
+        engine._wake = wake
+        time.sleep(0.1)
+        assert wake.sleeps == 0
+        assert study.run({"seed": 1}, {"lr": 0.01}, 2).steps == 2
