@@ -46,20 +46,28 @@ class CountingWake(threading.Event):
         return super().wait(timeout)
 
 
-def test_an_idle_driver_sleeps_only_inside_the_executors_wait(tmp_path: Path) -> None:
+def _driver_sleeps_while_idle(tmp_path: Path, executor: type[InlineExecutor], idle: float) -> int:
+    """Run a trial on ``executor``, count the driver's sleeps on its own wake-up over
+    ``idle`` seconds with nothing to do, then check a submission still reaches it."""
+
     def factory() -> InlineExecutor:
-        return WatchingExecutor(LinearTrainer, checkpoint_dir=tmp_path / "ck")
+        return executor(LinearTrainer, checkpoint_dir=tmp_path / "ck")
 
     url = f"sqlite:///{tmp_path / 'p.db'}"
     with Study("s", LinearTrainer, storage=url, executor=factory) as study:
         assert study.run({"seed": 0}, {"lr": 0.01}, 3).steps == 3
-        engine = study._engine
         wake = CountingWake()
-        engine._wake = wake
-        time.sleep(0.3)  # about 30 rounds of the driver with nothing to do
-        assert wake.sleeps == 0
+        study._engine._wake = wake
+        time.sleep(idle)
+        sleeps = wake.sleeps
         # A submission still reaches the driver.
         assert study.run({"seed": 1}, {"lr": 0.01}, 2).steps == 2
+    return sleeps
+
+
+def test_an_idle_driver_sleeps_only_inside_the_executors_wait(tmp_path: Path) -> None:
+    # About 30 rounds of the driver with nothing to do.
+    assert _driver_sleeps_while_idle(tmp_path, WatchingExecutor, 0.3) == 0
 
 
 class WokenExecutor(InlineExecutor):
@@ -85,16 +93,4 @@ def test_an_executor_woken_with_nothing_is_asked_again_at_once(
     from stagetree.engine import core
 
     monkeypatch.setattr(core, "_POLL", 3600.0)
-
-    def factory() -> InlineExecutor:
-        return WokenExecutor(LinearTrainer, checkpoint_dir=tmp_path / "ck")
-
-    url = f"sqlite:///{tmp_path / 'p.db'}"
-    with Study("s", LinearTrainer, storage=url, executor=factory) as study:
-        assert study.run({"seed": 0}, {"lr": 0.01}, 3).steps == 3
-        engine = study._engine
-        wake = CountingWake()
-        engine._wake = wake
-        time.sleep(0.1)
-        assert wake.sleeps == 0
-        assert study.run({"seed": 1}, {"lr": 0.01}, 2).steps == 2
+    assert _driver_sleeps_while_idle(tmp_path, WokenExecutor, 0.1) == 0
