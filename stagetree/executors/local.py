@@ -79,6 +79,7 @@ from stagetree.executors._process import (
     worker_main,
 )
 from stagetree.executors._spec import TrainerSpec, no_main_rerun
+from stagetree.executors._watch import Watch
 from stagetree.executors.base import BaseExecutor
 from stagetree.executors.devices import check_worker_devices, device_count, device_groups
 from stagetree.trainer import Trainer
@@ -357,6 +358,7 @@ class LocalExecutor(BaseExecutor):
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._alarm = _WakePipe(self)
+        self._watch = Watch(self._alarm.r)
         # Trainers added with add_trainer: as given (to compare), and as they travel.
         self._trainers: dict[str, Any] = {}
         self._specs: dict[str, TrainerSpec] = {}
@@ -478,19 +480,14 @@ class LocalExecutor(BaseExecutor):
                     self._collect(out)
                 if out or self._closed or woken:
                     return out
-                waitables: list[Any] = [self._alarm.r]
-                for slot in self._slots:
-                    if slot.outbox is not None:
-                        waitables.append(slot.outbox)
-                    if slot.process is not None:
-                        waitables.append(slot.process.sentinel)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return out
+            # Watches what the last look saw (a worker replaced since: the next look).
             # close() (or the exit finalizer) may close a pipe while this waits: the next
             # round sees the executor closed.
             with contextlib.suppress(OSError, ValueError):
-                if self._alarm.r in multiprocessing.connection.wait(waitables, remaining):
+                if self._watch.wait(remaining):
                     self._alarm.clear()  # wake(): one more look at the workers, then return
                     woken = True
 
@@ -599,19 +596,26 @@ class LocalExecutor(BaseExecutor):
         slot.born = time.time()
 
     def _collect(self, out: list[WorkerEvent]) -> None:
-        """Read every available event; report and replace dead workers."""
-        for slot in self._slots:
+        """Read every available event; report and replace dead workers (only those
+        whose event pipe or process sentinel is ready: one look at all of them)."""
+        watch = self._watch
+        ready_slots, ready = watch.look(self._slots)
+        for i in ready_slots:
+            slot = self._slots[i]
             conn = slot.outbox
             if conn is None:
                 continue
+            fd = conn.fileno()
             eof = False
             try:
-                while conn.poll():
+                if fd in ready:
                     self._accept(slot, conn.recv(), out)
+                    while watch.readable(fd):
+                        self._accept(slot, conn.recv(), out)
             except (EOFError, OSError):
                 eof = True
             process = slot.process
-            if eof or process.exitcode is not None:
+            if eof or (process.sentinel in ready and process.exitcode is not None):
                 if process.exitcode is None:
                     process.join(1.0)
                     if process.exitcode is None:
