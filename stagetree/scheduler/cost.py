@@ -85,17 +85,26 @@ def _numeric(value: Any) -> float | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Model:
     """``coef[0] + sum(coef[i + 1] * feature[names[i]])``; missing features take
-    ``fill`` (their mean); ``lo``/``hi``/``mean`` summarise the measurements."""
+    ``fill`` (their mean); ``lo``/``hi``/``mean`` summarise the measurements (``mean``
+    from ``rows``, the measured means it was fitted on, when first read: most fits
+    never read it, and the sum is a walk over every measured configuration)."""
 
     names: list[str]
     coef: list[float]
     fill: dict[str, float]
     lo: float
     hi: float
-    mean: float
+    rows: list[float]
+    _mean: float | None = None
+
+    @property
+    def mean(self) -> float:
+        if self._mean is None:
+            self._mean = sum(self.rows) / len(self.rows)
+        return self._mean
 
 
 def _grown(array: np.ndarray, fill: Any) -> np.ndarray:
@@ -145,6 +154,11 @@ class CostEstimator:
         # columns, the features that vary, the design matrix): it changes only when a
         # row is added, not when a measured row's mean moves, so it is kept until then.
         self._design: tuple[int, dict[str, float], list[str], np.ndarray | None] | None = None
+        # Per column, kept as rows are added: whether every row has it (no NaN), and
+        # whether a row's value differs from the first row's: for such a column the
+        # design matrix needs its mean alone, not a pass that fills and compares.
+        self._whole: dict[str, bool] = {}
+        self._varies: dict[str, bool] = {}
         # Nodes by a dense index (given on first sight): their configuration key, their
         # features as arrays (NaN: missing) and the row of their measured configuration
         # (-1: none), kept up to date as configurations are measured and roots change;
@@ -251,10 +265,17 @@ class CostEstimator:
             features = self._features(i)
             for name in features.keys() - self._columns.keys():
                 self._columns[name] = np.full(len(self._totals_array), math.nan)
+                self._whole[name] = row == 0  # earlier rows lack it
+                self._varies[name] = False
             for name, column in self._columns.items():
                 if len(column) <= row:
                     column = self._columns[name] = _grown(column, math.nan)
-                column[row] = features.get(name, math.nan)
+                value = features.get(name, math.nan)
+                column[row] = value
+                if math.isnan(value):
+                    self._whole[name] = False
+                elif row and value != column[0]:
+                    self._varies[name] = True
             for j in self._nodes_of(key):
                 self._measured_row[j] = row
             self._design = None
@@ -329,16 +350,17 @@ class CostEstimator:
         self._fitted = True
         self.fits += 1
         self._refit_at = self._observations + self._observations // REFIT_EVERY
-        means = self._means
-        mean = sum(means) / len(means)
+        means = list(self._means)
         rows = len(means)
         means_a = self._totals_array[:rows] / self._counts_array[:rows]
         fill, varying, x = self._design_matrix()
-        coef = [mean]
+        model = _Model(varying, [], fill, float(means_a.min()), float(means_a.max()), means)
         if x is not None:
             solution, *_ = np.linalg.lstsq(x, means_a, rcond=None)
-            coef = [float(c) for c in solution]
-        self._model = _Model(varying, coef, fill, float(means_a.min()), float(means_a.max()), mean)
+            model.coef = [float(c) for c in solution]
+        else:
+            model.coef = [model.mean]
+        self._model = model
 
     def _design_matrix(self) -> tuple[dict[str, float], list[str], np.ndarray | None]:
         """Each feature's fill, the features that vary once filled and the design
@@ -350,12 +372,20 @@ class CostEstimator:
         self.designs += 1
         fill: dict[str, float] = {}
         filled: dict[str, np.ndarray] = {}
+        varying = []
         for k in sorted(self._columns):
             column = self._columns[k][:rows]
+            if self._whole[k]:  # what the pass below gives such a column, without it
+                fill[k] = float(column.mean())
+                filled[k] = column
+                if self._varies[k]:
+                    varying.append(k)
+                continue
             missing = np.isnan(column)
             fill[k] = float(np.mean(column[~missing] if missing.any() else column))
             filled[k] = np.where(missing, fill[k], column)
-        varying = [k for k in fill if bool((filled[k] != filled[k][0]).any())]
+            if bool((filled[k] != filled[k][0]).any()):
+                varying.append(k)
         x = None
         if rows >= 2 and varying:
             x = np.column_stack([np.ones(rows)] + [filled[k] for k in varying])

@@ -238,3 +238,42 @@ def test_bulk_predictions_are_kept_until_the_model_or_the_node_changes() -> None
     measured = est.cost_array(dense)
     assert measured[6] == 0.3
     assert measured.tolist() == plain()
+
+
+def test_a_fit_over_columns_every_row_has_skips_the_fill_pass_and_the_mean(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A random search measures one new configuration per trial and asks a prediction
+    # at each decision: every fit adds a row. For a feature every measured row has,
+    # the fill pass (NaN mask, fill, compare with the first row) gives the column as
+    # it is, so the fit takes its mean only; the mean of the measurements (a sum over
+    # every row in Python) is summed only where it is read. Both stay the plain fit's.
+    import numpy as np
+
+    from stagetree.scheduler import cost as cost_module
+
+    wheres = _counting(monkeypatch, np, "where")
+    sums = [0]
+
+    def counted_sum(values: object) -> float:
+        sums[0] += 1
+        return sum(values)  # type: ignore[call-overload, no-any-return]
+
+    monkeypatch.setattr(cost_module, "sum", counted_sum, raising=False)
+    est = CostEstimator()
+    for i in range(200):
+        est.observe(node(i, lr=0.001 * (i + 1), bs=64), 0.01 + 0.0001 * i)
+        est.cost(node(1000 + i, lr=0.5, bs=64))
+        assert est._model is not None
+        assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)
+    # One sum: the first fit's, over one row (its coefficient is the mean); on main one
+    # sum and two fill passes per fit (400 np.where).
+    assert wheres[0] == 0 and sums[0] == 1
+    assert est._model.names == ["hp.lr"]  # bs is the same on every row: not a feature
+    means = [total / count for total, count, _ in est.measured_rows()]
+    assert est._model.mean == sum(means) / len(means)  # summed when read
+    # A feature a row lacks takes the fill pass again (the plain fit's answer too).
+    est.observe(node(5000, lr=0.3), 0.02)
+    est.cost(node(5001, lr=0.5, bs=64))
+    assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)
+    assert wheres[0] > 0
