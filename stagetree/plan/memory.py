@@ -62,7 +62,9 @@ class MemoryPlanStorage(BasePlanStorage):
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._roots: dict[str, dict[str, Any]] = {}
+        # Each root's config as its canonical JSON text: compared as it is when the
+        # root is registered again (every submission does), decoded when read.
+        self._roots: dict[str, str] = {}
         self._trees: dict[str, TreeIndex] = {}
         self._seqs = SeqCache()
         self._nodes: dict[int, Node] = {}
@@ -122,16 +124,16 @@ class MemoryPlanStorage(BasePlanStorage):
         with self._lock:
             self._check_open()
             old = self._roots.get(root_key)
-            if old is not None and _codec.dumps(old) != text:
+            if old is not None and old != text:
                 raise StorageError(f"root {root_key!r} is registered with another config")
-            self._roots[root_key] = _codec.loads(text)
+            self._roots[root_key] = text
 
     def root_config(self, root_key: str) -> dict[str, Any]:
         with self._lock:
             self._check_open()
             if root_key not in self._roots:
                 raise PlanKeyError(f"root {root_key!r} is not registered")
-            return _codec.copy(self._roots[root_key])
+            return _codec.loads(self._roots[root_key])
 
     def root_keys(self) -> list[str]:
         with self._lock:
