@@ -36,6 +36,9 @@ EXACT_ROWS = 4096
 #: Beyond ``EXACT_ROWS``: the model is fitted again once the measurements since its
 #: fit reach ``1 / REFIT_EVERY`` of those it was fitted on.
 REFIT_EVERY = 64
+#: Up to this many nodes not cached, :meth:`CostEstimator.costs` asks :meth:`cost` for
+#: each (the same floats as the arrays give, without their set-up).
+_ONE_BY_ONE = 8
 
 
 def _hashable(value: Any) -> Any:
@@ -524,14 +527,20 @@ class CostEstimator:
     def costs(self, nodes: list[Node]) -> list[float]:
         """``[cost(n) for n in nodes]``, the same floats, computed as arrays
         (:meth:`cost_array`: what keeps the scheduler's cost refresh cheap over
-        thousands of pending nodes after each measurement).
+        thousands of pending nodes after each measurement); a few nodes one by one
+        (the arrays' set-up costs more than they save: the forest costs the part of
+        the chosen path, a node or two, at every decision).
         """
         if not self._row:
             return [self.default] * len(nodes)
         cache = self._cache
         out: list[float | None] = [cache.get(node.id) for node in nodes]
         todo = [j for j, hit in enumerate(out) if hit is None]
-        if todo:
+        if 0 < len(todo) <= _ONE_BY_ONE:
+            cost = self.cost
+            for j in todo:
+                out[j] = cost(nodes[j])
+        elif todo:
             dense = np.array([self.index(nodes[j]) for j in todo], dtype=np.int64)
             for j, v in zip(todo, self.cost_array(dense).tolist()):
                 out[j] = cache[nodes[j].id] = v

@@ -277,3 +277,21 @@ def test_a_fit_over_columns_every_row_has_skips_the_fill_pass_and_the_mean(
     est.cost(node(5001, lr=0.5, bs=64))
     assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)
     assert wheres[0] > 0
+
+
+def test_costs_of_a_few_nodes_go_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The forest costs the part of the chosen path (a node or two) at every decision:
+    # arrays for one node cost more than the prediction itself. The same floats.
+    est = CostEstimator()
+    measured = [node(i, lr=0.01 * (i + 1), bs=16 * (i % 3 + 1)) for i in range(30)]
+    for n in measured:
+        est.observe(n, 0.001 * n.hp["bs"](0))  # type: ignore[operator]
+    pending = [node(100 + i, lr=0.003 * (i + 1), bs=32) for i in range(20)]
+    arrays = _counting(monkeypatch, CostEstimator, "cost_array")
+    few = est.costs([pending[0], measured[3], pending[1]])
+    assert arrays[0] == 0  # on main: one call, for three nodes
+    many = est.costs(pending)
+    assert arrays[0] == 1
+    est._cache.clear()
+    assert few == [CostEstimator.cost(est, n) for n in (pending[0], measured[3], pending[1])]
+    assert many == [CostEstimator.cost(est, n) for n in pending]
