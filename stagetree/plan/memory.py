@@ -211,7 +211,7 @@ class MemoryPlanStorage(BasePlanStorage):
             self._canonical_node(node, step)
             req = after_add(self._requests.get((node, step)), node, step, count)
             self._requests[(node, step)] = req
-            return replace(req)
+            return _copy_request(req)
 
     @_writes
     def release_request(self, node: int, step: int, count: int = 1) -> Request:
@@ -219,7 +219,7 @@ class MemoryPlanStorage(BasePlanStorage):
             self._check_open()
             req = after_release(self._requests.get((node, step)), node, step, count)
             self._requests[(node, step)] = req
-            return replace(req)
+            return _copy_request(req)
 
     @_writes
     def set_request_state(
@@ -231,15 +231,15 @@ class MemoryPlanStorage(BasePlanStorage):
             req = self._requests.get((node, step))
             if req is None:
                 raise PlanKeyError(f"no request at (node {node}, step {step})")
-            req = replace(req, state=state, error=error)
+            req = Request(req.node, req.step, req.refcount, state, error)
             self._requests[(node, step)] = req
-            return replace(req)
+            return _copy_request(req)
 
     def request(self, node: int, step: int) -> Request | None:
         with self._lock:
             self._check_open()
             req = self._requests.get((node, step))
-            return None if req is None else replace(req)
+            return None if req is None else _copy_request(req)
 
     def requests(
         self,
@@ -250,7 +250,7 @@ class MemoryPlanStorage(BasePlanStorage):
         with self._lock:
             self._check_open()
             return [
-                replace(req)
+                _copy_request(req)
                 for key, req in sorted(self._requests.items())
                 if (root_key is None or self._nodes[key[0]].root_key == root_key)
                 and (wanted is None or req.state in wanted)
@@ -687,6 +687,12 @@ class MemoryPlanStorage(BasePlanStorage):
 
     def __repr__(self) -> str:
         return f"MemoryPlanStorage(nodes={len(self._nodes)})"
+
+
+def _copy_request(req: Request) -> Request:
+    """A copy of a stored request (what ``dataclasses.replace`` gives, without its walk
+    over the fields: a request is read and written several times a trial)."""
+    return Request(req.node, req.step, req.refcount, req.state, req.error)
 
 
 def _copy_trial(trial: dict[str, Any], light: bool = False) -> dict[str, Any]:

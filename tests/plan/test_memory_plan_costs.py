@@ -1,14 +1,18 @@
-"""The memory plan keeps each root's config as its canonical text: registering the root
-again (every submission does) compares texts, without encoding the stored config again
-or decoding the new one."""
+"""What the memory plan does per trial: a root registered again (every submission does)
+compares texts, without encoding the stored config again or decoding the new one; a
+request read or written comes back as a copy made field by field."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from stagetree.exceptions import StorageError
-from stagetree.plan import _codec
+from stagetree.hp import Constant
+from stagetree.plan import _codec, memory
 from stagetree.plan.memory import MemoryPlanStorage
+from stagetree.plan.model import Request, RequestState
 
 
 def test_registering_a_root_again_encodes_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,3 +51,23 @@ def test_another_config_for_a_root_is_refused(other: dict[str, object]) -> None:
     with pytest.raises(StorageError, match="another config"):
         storage.register_root("r", other)
     assert storage.root_config("r") == {"bs": 64}
+
+
+def test_a_request_comes_back_as_a_detached_copy_of_every_field() -> None:
+    # The copy names the fields: a field added to Request must be copied too.
+    names = tuple(f.name for f in dataclasses.fields(Request))
+    assert names == ("node", "step", "refcount", "state", "error")
+    req = Request(3, 7, 2, RequestState.FAILED, "boom")
+    copy = memory._copy_request(req)
+    assert copy == dataclasses.replace(req) and copy is not req
+    storage = MemoryPlanStorage()
+    storage.register_root("r", {})
+    ins = storage.insert_trial("r", {"lr": Constant(0.1)}, 4)
+    added = storage.request(ins.node, ins.step)
+    assert added is not None and (added.refcount, added.state) == (1, RequestState.PENDING)
+    added.refcount = 99  # a copy: the stored request is not changed
+    failed = storage.set_request_state(ins.node, ins.step, RequestState.FAILED, error="x")
+    assert (failed.refcount, failed.state, failed.error) == (1, RequestState.FAILED, "x")
+    failed.error = "changed"
+    [stored] = storage.requests("r")
+    assert stored == Request(ins.node, ins.step, 1, RequestState.FAILED, "x")
