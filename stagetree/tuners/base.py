@@ -743,11 +743,13 @@ def draw_specs(
         if sampler is not None:
             return SampledSpecs(sampler, n)
         drawn = list(space.sample(n, seed))
-        distinct = {_spec_key(s) for s in drawn}
-        if len(distinct) < len(drawn):
+        distinct = len(drawn)
+        if _distinct_specs(drawn) < distinct:  # texts only where some may be the same
+            distinct = len({_spec_key(s) for s in drawn})
+        if distinct < len(drawn):
             warnings.warn(
-                f"{len(drawn)} trials were drawn but only {len(distinct)} are distinct (the "
-                f"space has few configurations): {len(drawn) - len(distinct)} draws repeat a "
+                f"{len(drawn)} trials were drawn but only {distinct} are distinct (the "
+                f"space has few configurations): {len(drawn) - distinct} draws repeat a "
                 "trial, and identical trials train once; widen the space or draw fewer",
                 StagetreeWarning,
                 stacklevel=3,
@@ -796,6 +798,17 @@ def space_size(space: Any) -> int | None:
         return len(space)
     except TypeError:
         return None
+
+
+def _distinct_specs(specs: list[Any]) -> int:
+    """How many of ``specs`` differ as ``TrialSpec`` values (hash and equality: the
+    canonical config and the sequences), or 0 where they are not all hashable. Specs
+    that differ so have different :func:`_spec_key` texts too: a random space's draws
+    (distinct already) need no text each."""
+    try:
+        return len(set(specs))
+    except TypeError:
+        return 0
 
 
 def _spec_key(spec: Any) -> str:

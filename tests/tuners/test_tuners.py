@@ -639,3 +639,37 @@ def test_median_stopping_takes_each_completed_trials_average_once_per_step() -> 
         before = len(averaged)
         assert tuner.should_stop(probe, 4) == scan(probe, 4)
         assert len(averaged) - before <= 1  # only the trial completed since the last check
+
+
+def test_draw_specs_encodes_no_text_for_distinct_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A random space's draws are distinct TrialSpecs already: their texts (a JSON
+    # encoding of each config and sequence) are compared only where some are equal.
+    import warnings
+
+    from stagetree.distributions import LogUniform
+    from stagetree.exceptions import StagetreeWarning
+    from stagetree.hp import Constant
+    from stagetree.space import RandomSpace, TrialSpec
+    from stagetree.tuners import base as tuner_base
+
+    texts = [0]
+    real = tuner_base._spec_key
+
+    def counted(spec: object) -> str:
+        texts[0] += 1
+        return real(spec)
+
+    monkeypatch.setattr(tuner_base, "_spec_key", counted)
+    space = RandomSpace(hp={"lr": Constant(LogUniform(1e-4, 1.0))}, fixed={"bs": 64})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drawn = tuner_base.draw_specs(space, 200, seed=3)
+    assert len(drawn) == 200 and texts[0] == 0  # on main: 200
+
+    class Repeating:  # a space whose draws repeat (equal values, unequal objects)
+        def sample(self, n: int, seed: int) -> list[TrialSpec]:
+            return [TrialSpec({"bs": 64}, {"lr": 0.1 * (i % 3)}) for i in range(n)]
+
+    with pytest.warns(StagetreeWarning, match="only 3 are distinct"):
+        tuner_base.draw_specs(Repeating(), 9, seed=0)
+    assert texts[0] == 9
