@@ -262,25 +262,30 @@ def timeline(
     for worker, sent in sorted(by_worker.items()):
         idle["start"] += first - start
         free = first  # when the worker last became free
+        read: set[str] = set()  # the start checkpoints this worker loaded so far
         for at, bid in sorted(sent):
             batch, ev = batches[bid], done[bid]
             gap = max(0.0, began[bid] - free)
             ref = batch.start_checkpoint
             source = "in memory" if batch.start_at is not None else "fresh"
+            kind = source
             wait = 0.0
             if ref is not None and ref in writer:
                 w = writer[ref]
                 source = f"w{w.worker} b{w.batch_id} ({w.node}, {w.step})"
                 wait = min(gap, max(0.0, saved_at[ref] - free))
+                kind = "its own" if w.worker == worker else "read before" if ref in read else "new"
             elif ref is not None:
-                source = "an earlier run's"
+                source = kind = "an earlier run's"
+            if ref is not None:
+                read.add(ref)
             idle["checkpoint"] += wait
             idle["decision"] += gap - wait
             rows.append({
                 "worker": worker, "batch": bid, "idle_ms": gap * 1e3, "ckpt_wait_ms": wait * 1e3,
                 "sent_ms": (at - start) * 1e3, "end_ms": (received[bid] - start) * 1e3,
                 "busy_ms": ev.busy_seconds * 1e3, "load_ms": ev.load_seconds * 1e3,
-                "steps": ev.steps, "from": source,
+                "steps": ev.steps, "from": source, "kind": kind,
             })  # fmt: skip
             free = received[bid]
         idle["imbalance"] += last - free
@@ -305,6 +310,13 @@ def timeline_report(row: Mapping[str, Any]) -> str:
     ]  # fmt: skip
     idle = row["idle"]
     total = sum(idle.values())
+    kinds: dict[str, list[float]] = {}
+    for r in row["timeline"]:
+        kinds.setdefault(r["kind"], []).append(r["load_ms"])
+    loads = "; ".join(
+        f"{kind}: {len(ms)}, median {median(ms) or 0.0:.2f} ms"
+        for kind, ms in sorted(kinds.items())
+    )
     return (
         f"\nTimeline of the last {row['mode']} run (ms from tune(); wall {row['wall']:.2f} s, "
         f"load {row['load']}):\n\n"
@@ -314,7 +326,9 @@ def timeline_report(row: Mapping[str, Any]) -> str:
         + " (start: tune() -> the run's first batch; checkpoint: a batch's start "
         "checkpoint was still being written; decision: the rest of a gap before a batch; "
         "imbalance: a worker's last batch ended -> the run's last did; close: -> tune() "
-        "returned)"
+        "returned)" + f"\n\nstart loads by the start checkpoint's writer: {loads} (its own: this "
+        "worker wrote it; new: another worker did, read here first; read before: another "
+        "worker did, read here by an earlier batch)"
     )
 
 
