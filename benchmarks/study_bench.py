@@ -63,12 +63,24 @@ Per study run, also the gap per batch between a worker's batches, from the drive
 received -> that worker's next batch sent) and the round trip (a batch sent -> its end
 received, less the worker's busy time).
 
+**(e) The timeline of a run** (``--timeline``): per worker, each batch of the last share
+run (when it was sent and ended, its busy time and its start-checkpoint load, where its
+start checkpoint came from) and each idle interval, with what it waited for: the run's
+start (``tune()`` -> the run's first batch started), a start checkpoint another batch
+was still writing (from the worker's previous end until that ``CheckpointSaved`` reached
+the driver), the decision and dispatch (the rest of a gap before a batch: the end's way
+to the driver, the decision, the instruction's way back), the last batches' imbalance
+(a worker's last batch ended -> the run's last one did) and the close (-> ``tune()``
+returned). Times are the driver's; a batch ran on its worker during the ``busy``
+seconds before its end was received.
+
 Run::
 
     .venv/bin/python benchmarks/study_bench.py                 # full: ~4 minutes
     .venv/bin/python benchmarks/study_bench.py --quick         # 12 trials, ~1.5 minutes
     .venv/bin/python benchmarks/study_bench.py --plot study_bench.png
     .venv/bin/python benchmarks/study_bench.py --no-replay --repeats 0 --loads 40
+    .venv/bin/python benchmarks/study_bench.py --no-replay --repeats 1 --timeline
 """
 
 from __future__ import annotations
@@ -181,7 +193,9 @@ class _RecordingExecutor(LocalExecutor):
     def events(self, timeout: float | None = None) -> list[Any]:
         out = super().events(timeout)
         now = _perf()
-        self.log["saves"].extend(e for e in out if isinstance(e, CheckpointSaved))
+        saves = [e for e in out if isinstance(e, CheckpointSaved)]
+        self.log["saves"].extend(saves)
+        self.log["saved"].extend((e.ref, now) for e in saves)
         done = [e for e in out if isinstance(e, BatchDone)]
         self.log["done"].extend(done)
         self.log["received"].extend((e.batch_id, now) for e in done)
@@ -218,6 +232,106 @@ def batch_gaps(log: Mapping[str, list[Any]]) -> dict[str, float]:
     }
 
 
+#: Causes of a worker's idle time in a run's timeline (see the module docstring, (e)).
+IDLE_CAUSES = ("start", "checkpoint", "decision", "imbalance", "close")
+
+
+def timeline(
+    log: Mapping[str, list[Any]], start: float, end: float
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """(e): per worker, its batches in order with the idle interval before each split
+    by cause; returns the rows (times in ms from ``start``) and the idle worker-seconds
+    by cause (:data:`IDLE_CAUSES`)."""
+    received = dict(log["received"])
+    done = {e.batch_id: e for e in log["done"]}
+    batches = {b.batch_id: b for b in log["batches"]}
+    writer = {e.ref: e for e in log["saves"]}
+    saved_at = dict(log["saved"])
+    idle = dict.fromkeys(IDLE_CAUSES, 0.0)
+    rows: list[dict[str, Any]] = []
+    by_worker: dict[int, list[tuple[float, int]]] = {}
+    for bid, worker, at in log["sent"]:
+        if bid in received and bid in done:
+            by_worker.setdefault(worker, []).append((at, bid))
+    if not by_worker:
+        return rows, idle
+    # A batch ran on its worker during the busy seconds before its end was received.
+    began = {b: received[b] - done[b].busy_seconds for s in by_worker.values() for _, b in s}
+    first = min(began.values())  # the run's first batch started: start-up until then
+    last = max(received[b] for b in began)
+    for worker, sent in sorted(by_worker.items()):
+        idle["start"] += first - start
+        free = first  # when the worker last became free
+        read: set[str] = set()  # the start checkpoints this worker loaded so far
+        for at, bid in sorted(sent):
+            batch, ev = batches[bid], done[bid]
+            gap = max(0.0, began[bid] - free)
+            ref = batch.start_checkpoint
+            source = "in memory" if batch.start_at is not None else "fresh"
+            kind = source
+            wait = 0.0
+            if ref is not None and ref in writer:
+                w = writer[ref]
+                source = f"w{w.worker} b{w.batch_id} ({w.node}, {w.step})"
+                wait = min(gap, max(0.0, saved_at[ref] - free))
+                kind = "its own" if w.worker == worker else "read before" if ref in read else "new"
+            elif ref is not None:
+                source = kind = "an earlier run's"
+            if ref is not None:
+                read.add(ref)
+            idle["checkpoint"] += wait
+            idle["decision"] += gap - wait
+            rows.append({
+                "worker": worker, "batch": bid, "idle_ms": gap * 1e3, "ckpt_wait_ms": wait * 1e3,
+                "sent_ms": (at - start) * 1e3, "end_ms": (received[bid] - start) * 1e3,
+                "busy_ms": ev.busy_seconds * 1e3, "load_ms": ev.load_seconds * 1e3,
+                "steps": ev.steps, "from": source, "kind": kind,
+            })  # fmt: skip
+            free = received[bid]
+        idle["imbalance"] += last - free
+        idle["close"] += max(0.0, end - last)
+    return rows, idle
+
+
+_TIMELINE_HEADERS = [
+    "worker", "batch", "sent", "ended", "idle before", "of which: its checkpoint", "busy",
+    "load", "steps", "start checkpoint from",
+]  # fmt: skip
+
+
+def timeline_report(row: Mapping[str, Any]) -> str:
+    """The table of (e) for one run."""
+    table = [
+        [
+            f"w{r['worker']}", r["batch"], r["sent_ms"], r["end_ms"], r["idle_ms"],
+            r["ckpt_wait_ms"], r["busy_ms"], r["load_ms"], r["steps"], r["from"],
+        ]
+        for r in row["timeline"]
+    ]  # fmt: skip
+    idle = row["idle"]
+    total = sum(idle.values())
+    kinds: dict[str, list[float]] = {}
+    for r in row["timeline"]:
+        kinds.setdefault(r["kind"], []).append(r["load_ms"])
+    loads = "; ".join(
+        f"{kind}: {len(ms)}, median {median(ms) or 0.0:.2f} ms"
+        for kind, ms in sorted(kinds.items())
+    )
+    return (
+        f"\nTimeline of the last {row['mode']} run (ms from tune(); wall {row['wall']:.2f} s, "
+        f"load {row['load']}):\n\n"
+        + markdown_table(_TIMELINE_HEADERS, table)
+        + f"\n\nidle worker-seconds by cause: total {total:.3f} = "
+        + ", ".join(f"{k} {idle[k]:.3f}" for k in IDLE_CAUSES)
+        + " (start: tune() -> the run's first batch; checkpoint: a batch's start "
+        "checkpoint was still being written; decision: the rest of a gap before a batch; "
+        "imbalance: a worker's last batch ended -> the run's last did; close: -> tune() "
+        "returned)" + f"\n\nstart loads by the start checkpoint's writer: {loads} (its own: this "
+        "worker wrote it; new: another worker did, read here first; read before: another "
+        "worker did, read here by an earlier batch)"
+    )
+
+
 def run_study(
     share: bool, space: GridSpace, steps: int, workers: int, threads: int, root: Path
 ) -> tuple[dict[str, Any], list[RunBatch]]:
@@ -227,6 +341,7 @@ def run_study(
     ckdir = root / "checkpoints"
     log: dict[str, list[Any]] = {
         "batches": [], "saves": [], "done": [], "executor": [], "sent": [], "received": [],
+        "saved": [],
     }  # fmt: skip
 
     def factory() -> LocalExecutor:
@@ -253,7 +368,7 @@ def run_study(
         asyncio.run(warm_up())
         startup = _perf() - begin
         warm.stats()  # waits for the warm-up batches to report their end
-        for key in ("batches", "saves", "done", "sent", "received"):
+        for key in ("batches", "saves", "done", "sent", "received", "saved"):
             log[key].clear()
         [executor] = log["executor"]
         cpu_before = cpu_seconds(executor)
@@ -292,6 +407,7 @@ def run_study(
         "efficiency_line": efficiency_line(stats) or "not recorded",
         **batch_gaps(log),
     }
+    row["timeline"], row["idle"] = timeline(log, start, start + wall)
     if stats["steps_executed"] != row["steps_executed"]:
         print(
             f"note: study.stats() says {stats['steps_executed']:.0f} steps executed, the "
@@ -710,6 +826,9 @@ def main(argv: list[str] | None = None) -> int:
         "--loads", type=int, default=0, help="(d): paired start-checkpoint loads, N rounds"
     )
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    parser.add_argument(
+        "--timeline", action="store_true", help="(e): the last share run's timeline"
+    )
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
@@ -741,6 +860,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     if rows:
         print(report(rows, ckpt, args))
+        if args.timeline:
+            print(timeline_report([r for r in rows if r["mode"] == "share"][-1]))
         if args.plot:
             write_plot(args.plot, plot, rows, ckpt)
     if args.loads:

@@ -182,7 +182,7 @@ def pack(
     return [_MAGIC + struct.pack("<Q", len(header)) + header, *(p for s in sections for p in s)]
 
 
-def read_meta(prefix: bytes) -> dict[str, Any] | None:
+def read_meta(prefix: bytes | bytearray) -> dict[str, Any] | None:
     """The header of a checkpoint (a dict) from its first bytes, or None when ``prefix``
     is not the start of a checkpoint."""
     if len(prefix) < 16 or prefix[:8] != _MAGIC:
@@ -206,7 +206,7 @@ def tagged_ref(name: str, parts: list[bytes]) -> str:
     return f"{name}-h{header[0][:32]}{SUFFIX}"
 
 
-def check_content(ref: str, raw: bytes, of: Mapping[str, Any] | None = None) -> None:
+def check_content(ref: str, raw: bytes | bytearray, of: Mapping[str, Any] | None = None) -> None:
     """Refuse bytes that are not the checkpoint ``ref`` names, from their header (call it
     before :func:`decode`, which verifies that the body has the header's checksum): the
     sha256 the ref's tag names, and, when ``of`` is given and the checkpoint says what it
@@ -251,8 +251,12 @@ def read_header(prefix: bytes) -> tuple[str, int] | None:
     return digest, 16 + hlen + sum(sections)
 
 
-def decode(raw: bytes, map_location: Any) -> Any:
+def decode(raw: bytes | bytearray, map_location: Any) -> Any:
     """The state held by the bytes of one checkpoint.
+
+    The raw tensors of a checkpoint given in a ``bytearray`` are views of its memory
+    (no copy): the caller hands the buffer over and must not change or reuse it. Of
+    ``bytes``, they view one writable copy of their section.
 
     Raises:
         CheckpointError: not a checkpoint, truncated, or failing its checksum.
@@ -312,8 +316,12 @@ def _decode_body(
             map_location=map_location,
             weights_only=True,
         )
-    # One writable copy of the raw section, which its tensors view (no copy each).
-    buffer = bytearray(body[n_skel + n_arr + n_ten :]) if fmt != 1 else bytearray()
+    # The raw section, which its tensors view (no copy each): in place in a writable
+    # buffer handed over by the caller, else one writable copy.
+    buffer: bytearray | memoryview = bytearray()
+    if fmt != 1:
+        section = body[n_skel + n_arr + n_ten :]
+        buffer = section if not section.readonly else bytearray(section)
     return _from_skeleton(skeleton, arrays, tensors, (buffer, map_location))
 
 
@@ -348,7 +356,7 @@ def _raw_node(tensor: Any, raw: list[Any]) -> list[Any] | None:
     return [_RAW, [name, list(tensor.shape), offset, where]]
 
 
-def _raw_tensor(payload: list[Any], raw: tuple[bytearray, Any]) -> Any:
+def _raw_tensor(payload: list[Any], raw: tuple[bytearray | memoryview, Any]) -> Any:
     torch = _torch()
     buffer, map_location = raw
     name, shape, offset, where = payload
@@ -449,7 +457,7 @@ def _to_skeleton(
 
 
 def _from_skeleton(
-    node: Any, arrays: list[Any], tensors: list[Any], raw: tuple[bytearray, Any]
+    node: Any, arrays: list[Any], tensors: list[Any], raw: tuple[bytearray | memoryview, Any]
 ) -> Any:
     if not isinstance(node, list):
         return node

@@ -383,12 +383,15 @@ class CheckpointStore:
                     return self._decode(ref, hit[1], map_location, of)
                 except CheckpointError:
                     self.cache.drop(*hit[0])  # a damaged cache entry: download
+        if self.cache is None:
+            # Read into a buffer of its own that the raw tensors then view in place.
+            buffer = self._read(ref, lambda: self.bytes.get_writable(ref), writable=True)
+            return self._decode(ref, buffer, map_location, of)
         raw = self._read(ref, lambda: self.bytes.get(ref))
         state = self._decode(ref, raw, map_location, of)
-        if self.cache is not None:
-            header = read_header(raw[:HEADER_BYTES])
-            if header is not None and header[1] == len(raw):
-                self.cache.put(header[0], header[1], raw)  # verified bytes only
+        header = read_header(raw[:HEADER_BYTES])
+        if header is not None and header[1] == len(raw):
+            self.cache.put(header[0], header[1], raw)  # verified bytes only
         return state
 
     def _cached(self, ref: str) -> tuple[tuple[str, int], bytes] | None:
@@ -405,17 +408,19 @@ class CheckpointStore:
             self.cache.drop(*header)
         return None
 
-    def _read(self, ref: str, read: Callable[[], bytes]) -> bytes:
+    def _read(self, ref: str, read: Callable[[], Any], writable: bool = False) -> Any:
+        """``read()``'s bytes (``writable``: the ``bytearray`` it returned)."""
         try:
-            return bytes(
-                self._riding(
-                    read,
-                    lambda exc: CheckpointError(f"cannot read checkpoint {ref}: {exc}"),
-                    lambda note, exc: CheckpointUnreachableError(
-                        f"cannot read checkpoint {ref}: {self.location} {note}: {exc}"
-                    ),
-                )
+            data = self._riding(
+                read,
+                lambda exc: CheckpointError(f"cannot read checkpoint {ref}: {exc}"),
+                lambda note, exc: CheckpointUnreachableError(
+                    f"cannot read checkpoint {ref}: {self.location} {note}: {exc}"
+                ),
             )
+            if writable:
+                return data if isinstance(data, bytearray) else bytearray(data)
+            return bytes(data)
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {ref} does not exist in {self.location}") from None
 
@@ -449,7 +454,11 @@ class CheckpointStore:
         ).call(once)
 
     def _decode(
-        self, ref: str, raw: bytes, map_location: Any, of: Mapping[str, Any] | None = None
+        self,
+        ref: str,
+        raw: bytes | bytearray,
+        map_location: Any,
+        of: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         check_content(ref, raw, of)  # before decoding: a wrong file is never decoded
         try:

@@ -87,6 +87,12 @@ class BaseByteStore(abc.ABC):
         """The first ``nbytes`` bytes of ``key`` (all of it when shorter)."""
         return self.get(key)[:nbytes]
 
+    def get_writable(self, key: str) -> bytearray:
+        """The bytes of ``key`` in a buffer of the caller's own, which it may change or
+        hand on (a checkpoint's tensors are decoded in place there, see
+        :func:`stagetree.checkpoints.format.decode`)."""
+        return bytearray(self.get(key))
+
     @abc.abstractmethod
     def exists(self, key: str) -> bool:
         """Whether ``key`` is present."""
@@ -214,6 +220,24 @@ class LocalByteStore(BaseByteStore):
     def get(self, key: str) -> bytes:
         _check_key(key)
         return (self.directory / key).read_bytes()
+
+    def get_writable(self, key: str) -> bytearray:
+        # Read straight into the caller's buffer: one copy from the page cache.
+        _check_key(key)
+        with open(self.directory / key, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            buffer = bytearray(size)
+            view = memoryview(buffer)
+            done = 0
+            while done < size:
+                n = f.readinto(view[done:])
+                if not n:
+                    break
+                done += n
+            view.release()
+        if done < size:  # shrunk while read (never, for a file renamed into place)
+            del buffer[done:]
+        return buffer
 
     def get_prefix(self, key: str, nbytes: int) -> bytes:
         _check_key(key)

@@ -53,6 +53,7 @@ import stat
 import sys
 import threading
 import traceback
+import warnings
 from multiprocessing import forkserver, resource_tracker, spawn
 from typing import Any
 
@@ -143,7 +144,11 @@ class _DriverServer(_ForkServer):
                 alive_r, alive_w = os.pipe()
                 go_r, go_w = os.pipe()
                 _util._flush_std_streams()  # nothing buffered is written twice
-                pid = os.fork()
+                # Python 3.12+ warns when a process with native threads forks; those
+                # threads are counted right below and such a child only ends.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    pid = os.fork()
                 if pid == 0:
                     os.close(alive_w)
                     os.close(go_w)

@@ -1,11 +1,14 @@
-"""The checkpoints a worker wrote, kept in its memory for the batches it starts from them.
+"""The checkpoints a worker wrote or read, kept in its memory for the batches it starts
+from them.
 
 A worker captures every checkpoint as an independent copy of its trainer's state (see
 :func:`stagetree.executors.worker.snapshot_state`) and writes that copy to the store.
 Batches often start from a checkpoint the same worker wrote moments before (the
 siblings of a branch point it trained): keeping the copy saves reading the file back,
 verifying its checksum and decoding it. The copy is the state the file holds, so a
-trainer restored from either is the same.
+trainer restored from either is the same. Likewise a checkpoint another worker wrote
+is kept (a copy of what its verified file held) once read, for the next sibling
+batch this worker starts from it.
 
 Only states held in host memory are kept (tensors on the CPU, numpy arrays, plain
 values): a state on an accelerator would hold device memory the trainer needs. The
@@ -95,6 +98,12 @@ class KeptStates:
                 _, (_, _, dropped) = self._states.popitem(last=False)
                 self._bytes -= dropped
         return True
+
+    def would_keep(self, state: Any) -> bool:
+        """Whether :meth:`put` would keep ``state`` (in host memory, within the bound):
+        asked before copying a state only to keep it."""
+        size = host_nbytes(state)
+        return self.max_bytes > 0 and size is not None and size <= self.max_bytes
 
     def get(self, ref: str, at: tuple[int, int] | None) -> Any:
         """The state kept for ``ref`` if it is the checkpoint of position ``at``, else

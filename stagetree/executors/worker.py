@@ -123,7 +123,7 @@ class WorkerStats:
         steps: ``train()`` calls.
         loads: checkpoint loads (fresh trainer restored from a checkpoint).
         kept_loads: those of ``loads`` restored from the state the worker kept in memory
-            when it wrote that checkpoint (no file read).
+            when it wrote or first read that checkpoint (no file read).
         reuses: batches that continued the in-memory trainer without loading.
         load_seconds: total seconds spent building trainers and loading checkpoints.
         last_load_seconds: the same for the latest batch (0 when it reused the trainer).
@@ -216,8 +216,8 @@ class Worker:
         progress_interval: seconds between throttled ``Progress`` events.
         max_pending_saves: captured checkpoints waiting for the writer before training
             blocks (bounds the memory held by snapshots).
-        keep_bytes: bound of the checkpoints it wrote that it keeps in memory to start
-            later batches from (0: none).
+        keep_bytes: bound of the checkpoints it wrote or read that it keeps in memory
+            to start later batches from (0: none).
     """
 
     def __init__(
@@ -597,10 +597,15 @@ class Worker:
                 if kept is not None and self.store.exists(ref):
                     self.stats.kept_loads += 1
                     return snapshot_state(kept)  # the trainer may change what it gets
-                of = None
-                if batch.start_at is not None:
-                    of = {"node": batch.start_at[0], "step": batch.start_at[1]}
-                return self.store.load(ref, of=of)
+                if batch.start_at is None:
+                    return self.store.load(ref)
+                at = tuple(batch.start_at)
+                state = self.store.load(ref, of={"node": at[0], "step": at[1]})
+                if self._kept.would_keep(state):
+                    # A copy of what the verified file holds: the next sibling batch
+                    # this worker starts from it reads nothing.
+                    self._kept.put(ref, (at[0], at[1]), snapshot_state(state))
+                return state
             if self._held is not None and self._held[0] == self._where(batch):
                 return snapshot_state(self._held[1])  # a fused job's in-memory start
             if batch.start_step != 0:

@@ -677,6 +677,41 @@ def test_a_batch_starts_from_the_checkpoint_its_worker_kept_without_reading_it(
     assert bare.stats.kept_loads == 0 and store.reads == 2
 
 
+def test_a_checkpoint_read_once_is_kept_for_the_next_sibling_batch(tmp_path: Path) -> None:
+    writer_events = Collector()
+    Worker(0, Noisy, CheckpointStore(tmp_path), writer_events).run(
+        _batch(1, [(1, 0, 6, HP)], checkpoint_at=((1, 3),))
+    )
+    ref = writer_events.of(CheckpointSaved)[0].ref
+    store = _CountingStore(tmp_path)
+    events = Collector()
+    reader = Worker(1, Noisy, store, events)
+    # Two siblings of branch point 3 on a worker that did not write it: one read.
+    for bid in (2, 3):
+        reader.run(
+            _batch(bid, [(bid, 3, 5, HP)], start_at=(1, 3), start_checkpoint=ref,
+                   evaluate_at=((bid, 5),))
+        )  # fmt: skip
+    assert store.reads == 1
+    assert reader.stats.loads == 2 and reader.stats.kept_loads == 1
+    # The same results as a worker that reads the file each time.
+    bare_events = Collector()
+    bare = Worker(2, Noisy, store, bare_events, keep_bytes=0)
+    for bid in (2, 3):
+        bare.run(
+            _batch(bid, [(bid, 3, 5, HP)], start_at=(1, 3), start_checkpoint=ref,
+                   evaluate_at=((bid, 5),))
+        )  # fmt: skip
+    assert store.reads == 3 and bare.stats.kept_loads == 0
+    got = [e.metrics for e in events.of(MetricsReported)]
+    assert got == [e.metrics for e in bare_events.of(MetricsReported)]
+    assert got[0] == got[1]
+    # A file gone since: the batch fails as a lost checkpoint, kept copy or not.
+    store.delete(ref)
+    reader.run(_batch(4, [(4, 3, 5, HP)], start_at=(1, 3), start_checkpoint=ref))
+    assert events.of(BatchFailed)[-1].kind == "checkpoint"
+
+
 def test_kept_states_are_bounded_and_match_their_position() -> None:
     from stagetree.executors.kept import KeptStates, host_nbytes
 
