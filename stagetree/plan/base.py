@@ -485,6 +485,16 @@ class BasePlanStorage(ABC):
     def checkpoints(self, root_key: str | None = None) -> dict[tuple[int, int], CheckpointRecord]:
         """Checkpoints of one tree (or all) by ``(node, step)``."""
 
+    def checkpoints_on(self, nodes: Collection[int]) -> dict[tuple[int, int], CheckpointRecord]:
+        """Checkpoints of the nodes ``nodes`` (any steps) by ``(node, step)``: what a
+        path or a batch's segments need, read by the checkpoints' key, whatever the size
+        of their tree (the backends here answer in the number of those checkpoints; this
+        default filters :meth:`checkpoints`)."""
+        wanted = set(nodes)
+        if not wanted:
+            return {}
+        return {key: rec for key, rec in self.checkpoints().items() if key[0] in wanted}
+
     # -- metrics -------------------------------------------------------------------------
 
     @abstractmethod

@@ -1003,6 +1003,23 @@ class SQLPlanStorage(BasePlanStorage):
             for node, step, ref, nbytes, created in rows
         }
 
+    @_retried
+    def checkpoints_on(self, nodes: Collection[int]) -> dict[tuple[int, int], CheckpointRecord]:
+        # By the primary key (node, step): a path's few nodes, whatever their tree holds.
+        c = _checkpoints.c
+        out: dict[tuple[int, int], CheckpointRecord] = {}
+        ids = sorted(set(nodes))
+        with self._tx(write=False) as conn:
+            for i in range(0, len(ids), _CHUNK):
+                rows = conn.execute(
+                    select(c.node, c.step, c.ref, c.nbytes, c.created)
+                    .where(c.node.in_(ids[i : i + _CHUNK]))
+                    .order_by(c.node, c.step)
+                ).all()
+                for node, step, ref, nbytes, created in rows:
+                    out[(node, step)] = CheckpointRecord(ref, nbytes, created)
+        return out
+
     # -- metrics -------------------------------------------------------------------------
 
     def put_metrics(self, node: int, step: int, metrics: Mapping[str, float]) -> None:
