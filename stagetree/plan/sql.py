@@ -225,6 +225,26 @@ TABLES = tuple(_md.sorted_tables)
 _PG_TRANSIENT = ("08", "57P01", "57P02", "57P03", "53300", "40001", "40P01")
 
 
+@dataclasses.dataclass
+class _Written:
+    """What the open write transaction of a handle knows for sure: it holds the write
+    lock (every writer of every process takes it), so nothing it read or wrote changes
+    under it until it commits. Reads are answered from here instead of the database.
+
+    Attributes:
+        fresh: trees read up to their last node (``_refresh``) in this transaction.
+        bare: nodes it created that no metrics or checkpoint were written on yet (and
+            no request but those in ``requests``).
+        trials: trial rows (column -> stored value) as this transaction wrote or read them.
+        requests: requests as this transaction wrote or read them (None: none stored).
+    """
+
+    fresh: set[str] = dataclasses.field(default_factory=set)
+    bare: set[int] = dataclasses.field(default_factory=set)
+    trials: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    requests: dict[tuple[int, int], Request | None] = dataclasses.field(default_factory=dict)
+
+
 def _transient(exc: SQLAlchemyError, pg: bool) -> bool:
     """Whether ``exc`` is a fault that goes away by itself (a lost connection, a server
     restarting, a busy SQLite file), so that the transaction is worth running again."""
@@ -375,7 +395,10 @@ def _sqlite_engine(url: URL, readonly: bool = False) -> Engine:
     def _begin(conn: Connection) -> None:
         # IMMEDIATE takes the write lock up front: a deferred transaction that reads
         # and later writes can fail with SQLITE_BUSY without waiting under WAL.
-        write = conn.get_execution_options().get("stagetree_write", False)
+        options = conn.get_execution_options()
+        write = options.get("stagetree_write", False)
+        if not write and options.get("stagetree_single", False):
+            return  # one SELECT: its own snapshot in autocommit mode, no BEGIN sent
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
@@ -440,6 +463,7 @@ class SQLPlanStorage(BasePlanStorage):
         # Studies found stored: no API deletes one (drop_all clears this), so a trial or
         # a log record checks its study's row once per handle, not per write.
         self._studies_seen: set[str] = set()
+        self._w: _Written | None = None  # the open write transaction's (lock held)
         try:
             parsed = make_url(url)
         except ArgumentError as exc:
@@ -511,9 +535,11 @@ class SQLPlanStorage(BasePlanStorage):
             self._outer.active = False
 
     @contextmanager
-    def _tx(self, write: bool, bump: bool = True) -> Iterator[Connection]:
+    def _tx(self, write: bool, bump: bool = True, single: bool = False) -> Iterator[Connection]:
         """One transaction; writers are serialised across processes. A write transaction
-        increments the revision (unless ``bump`` is False) when it commits.
+        increments the revision (unless ``bump`` is False) when it commits. A read that
+        sends one statement only says so with ``single``: SQLite then reads it without
+        a BEGIN (a statement is its own consistent snapshot).
 
         A transient failure raises :class:`~stagetree.retry.Outage` (the retried method
         runs again), unless it struck the COMMIT of a write, which may have been applied.
@@ -533,13 +559,18 @@ class SQLPlanStorage(BasePlanStorage):
             committing = False
             try:
                 with self._engine.connect() as conn:
-                    conn.execution_options(stagetree_write=write)
+                    conn.execution_options(stagetree_write=write, stagetree_single=single)
                     with conn.begin():
                         if write and self._pg:
                             conn.execute(
                                 text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY}
                             )
-                        yield conn
+                        if write:
+                            self._w = _Written()
+                        try:
+                            yield conn
+                        finally:
+                            self._w = None
                         if write and bump:
                             conn.execute(_BUMP)
                         committing = write
@@ -638,6 +669,11 @@ class SQLPlanStorage(BasePlanStorage):
         """The tree of ``root_key`` with every committed node (append-only: load only
         ids above the largest cached one)."""
         tree = self._trees.get(root_key)
+        w = self._w
+        if w is not None:
+            if tree is not None and root_key in w.fresh:
+                return tree  # no other writer commits before this transaction does
+            w.fresh.add(root_key)
         if tree is None:
             tree = self._trees[root_key] = TreeIndex(root_key, self._seqs)
         rows = conn.execute(
@@ -652,6 +688,19 @@ class SQLPlanStorage(BasePlanStorage):
         for row in rows:
             tree.add(cache[row.id])
         return tree
+
+    def _cached_walk(self, root_key: str, hp: Mapping[str, Sequence], steps: int) -> Any:
+        """:func:`walk` of a trial in tree ``root_key`` as this handle caches it, when
+        it finds the trial's end (else None): trees are append-only, and a node's
+        children are keyed by where and how they branch, so a path found in the cache
+        is the path the whole tree holds; only a path not found needs the nodes
+        appended since (:meth:`_refresh`)."""
+        with self._lock:
+            tree = self._trees.get(root_key)
+            if self._closed or tree is None or tree.root is None:
+                return None
+            found = walk(tree, hp, steps)
+            return found if found.end is not None else None
 
     def _node(self, conn: Connection, node_id: int) -> Node:
         node = self._node_cache.get(node_id)
@@ -741,6 +790,8 @@ class SQLPlanStorage(BasePlanStorage):
                     ]
                     if rows:
                         conn.execute(_nodes.insert(), rows)
+                        if self._w is not None:
+                            self._w.bare.update(n.id for ins in out for n in ins.new_nodes)
                     if request:
                         counts: dict[tuple[int, int], int] = {}
                         for ins in out:
@@ -762,6 +813,9 @@ class SQLPlanStorage(BasePlanStorage):
         """The insertions of ``items`` when every one's path is in the tree already (a
         resumed study submits its trials again), found in a read transaction; None when
         one needs a node (then the write transaction does it all)."""
+        cached = [self._cached_walk(root_key, hp, steps) for hp, steps in items]
+        if all(found is not None for found in cached):  # no transaction
+            return [Insertion(found.end, steps) for found, (_, steps) in zip(cached, items)]
         with self._tx(write=False) as conn:
             tree = self._refresh(conn, root_key)
             ends = [walk(tree, hp, steps).end for hp, steps in check_items(tree, items)]
@@ -786,12 +840,20 @@ class SQLPlanStorage(BasePlanStorage):
     def _add_requests(
         self, conn: Connection, root_key: str, counts: Mapping[tuple[int, int], int]
     ) -> dict[tuple[int, int], Request]:
-        old = self._load_requests(conn, counts.keys())
+        w = self._w
+        unread: Collection[tuple[int, int]] = counts.keys()
+        if w is not None:  # nothing stored on a bare node, the rest maybe known already
+            unread = [k for k in counts if k[0] not in w.bare and k not in w.requests]
+        old = self._load_requests(conn, unread) if unread else {}
+        if w is not None:
+            old.update((k, r) for k in counts if (r := w.requests.get(k)) is not None)
         new = {key: after_add(old.get(key), *key, n) for key, n in counts.items()}
         inserts = [_request_row(r, root_key) for key, r in new.items() if key not in old]
         updates = [_request_row(r, root_key) for key, r in new.items() if key in old]
         if inserts:
             conn.execute(_requests.insert(), inserts)
+            if w is not None:
+                w.requests.update((key, r) for key, r in new.items() if key not in old)
         if updates:
             self._update_requests(conn, updates)
         return new
@@ -808,6 +870,10 @@ class SQLPlanStorage(BasePlanStorage):
         )
         keys = ("node", "step", "refcount", "state", "error")
         conn.execute(stmt, [{f"b_{k}": row[k] for k in keys} for row in rows])
+        if self._w is not None:
+            self._w.requests.update(
+                ((row["node"], row["step"]), _request(_Row(row))) for row in rows
+            )
 
     @_retried
     def tree_names(self, root_key: str) -> tuple[str, ...] | None:
@@ -828,9 +894,10 @@ class SQLPlanStorage(BasePlanStorage):
     def locate(
         self, root_key: str, hp: Mapping[str, Sequence], step: int
     ) -> tuple[int, int] | None:
-        with self._tx(write=False) as conn:
-            tree = self._refresh(conn, root_key)
-            result = walk(tree, hp, step)
+        result = self._cached_walk(root_key, hp, step)  # no transaction when found
+        if result is None:
+            with self._tx(write=False, single=True) as conn:
+                result = walk(self._refresh(conn, root_key), hp, step)
         return None if result.end is None else (result.end, step)
 
     @_retried
@@ -868,7 +935,7 @@ class SQLPlanStorage(BasePlanStorage):
         cond = _nodes.c.id > after_id
         if wanted:
             cond = or_(cond, _nodes.c.id.in_(wanted))
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=True) as conn:
             rows = conn.execute(select(_nodes).where(cond).order_by(_nodes.c.id)).all()
         cache = self._node_cache
         fresh = [row for row in rows if row.id not in cache]
@@ -897,10 +964,19 @@ class SQLPlanStorage(BasePlanStorage):
             return self._add_requests(conn, n.root_key, {(node, step): count})[(node, step)]
 
     def _get_request(self, conn: Connection, node: int, step: int) -> Request | None:
+        w = self._w
+        if w is not None:
+            if (node, step) in w.requests:
+                return w.requests[(node, step)]
+            if node in w.bare:
+                return None
         row = conn.execute(
             select(_requests).where(_requests.c.node == node, _requests.c.step == step)
         ).first()
-        return None if row is None else _request(row)
+        req = None if row is None else _request(row)
+        if w is not None:
+            w.requests[(node, step)] = req
+        return req
 
     @_retried
     def release_request(self, node: int, step: int, count: int = 1) -> Request:
@@ -924,7 +1000,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def request(self, node: int, step: int) -> Request | None:
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=True) as conn:
             return self._get_request(conn, node, step)
 
     @_retried
@@ -955,10 +1031,10 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=True) as conn:
             n = self._node(conn, node)
             check_canonical(n, step)
-            key = (_checkpoints.c.node == node) & (_checkpoints.c.step == step)
-            conn.execute(_checkpoints.delete().where(key))
-            conn.execute(
-                _checkpoints.insert(),
+            if self._w is not None:
+                self._w.bare.discard(node)
+            conn.execute(  # an upsert: one statement, replacing a record there
+                _put_checkpoint_query(self._pg),
                 {
                     "node": node,
                     "step": step,
@@ -982,7 +1058,9 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def checkpoint(self, node: int, step: int) -> CheckpointRecord | None:
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=True) as conn:
+            if self._w is not None and node in self._w.bare:
+                return None
             row = conn.execute(
                 select(_checkpoints).where(
                     (_checkpoints.c.node == node) & (_checkpoints.c.step == step)
@@ -1008,8 +1086,9 @@ class SQLPlanStorage(BasePlanStorage):
         # By the primary key (node, step): a path's few nodes, whatever their tree holds.
         c = _checkpoints.c
         out: dict[tuple[int, int], CheckpointRecord] = {}
-        ids = sorted(set(nodes))
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=len(set(nodes)) <= _CHUNK) as conn:
+            bare = self._w.bare if self._w is not None else ()
+            ids = sorted(n for n in set(nodes) if n not in bare)  # bare: none there
             for i in range(0, len(ids), _CHUNK):
                 rows = conn.execute(
                     select(c.node, c.step, c.ref, c.nbytes, c.created)
@@ -1042,7 +1121,10 @@ class SQLPlanStorage(BasePlanStorage):
             # What is stored already: one query per chunk of nodes (a batch of the
             # engine's curve points spans many trials), over the steps the batch spans.
             stored: dict[tuple[int, int], dict[str, float]] = {}
-            ids = sorted(spans)
+            w = self._w
+            ids = sorted(n for n in spans if w is None or n not in w.bare)
+            if w is not None:
+                w.bare.difference_update(spans)
             for i in range(0, len(ids), _CHUNK):
                 chunk = ids[i : i + _CHUNK]
                 lo = min(spans[n][0] for n in chunk)
@@ -1082,7 +1164,9 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=True) as conn:
+            if self._w is not None and node in self._w.bare:
+                return None  # created by this transaction: nothing stored on it yet
             raw = conn.execute(
                 select(_metrics.c.data).where((_metrics.c.node == node) & (_metrics.c.step == step))
             ).scalar_one_or_none()
@@ -1093,8 +1177,10 @@ class SQLPlanStorage(BasePlanStorage):
         self, root_key: str, hp: Mapping[str, Sequence], steps: int
     ) -> dict[int, dict[str, float]]:
         out: dict[int, dict[str, float]] = {}
-        with self._tx(write=False) as conn:
-            segments = walk(self._refresh(conn, root_key), hp, steps).segments
+        cached = self._cached_walk(root_key, hp, steps)  # then one statement
+        with self._tx(write=False, single=cached is not None) as conn:
+            found = cached if cached is not None else walk(self._refresh(conn, root_key), hp, steps)
+            segments = found.segments
             ranges = {node: (first, last) for node, first, last in segments}
             if not ranges:
                 return out
@@ -1189,7 +1275,7 @@ class SQLPlanStorage(BasePlanStorage):
             query = select(_stats.c.key, func.sum(_stats.c.value)).group_by(_stats.c.key)
         else:
             query = select(_stats.c.key, _stats.c.value).where(_stats.c.scope == scope)
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=True) as conn:
             return {key: float(value) for key, value in sorted(conn.execute(query).all())}
 
     # -- studies -------------------------------------------------------------------------
@@ -1276,10 +1362,13 @@ class SQLPlanStorage(BasePlanStorage):
                 if old is not None:
                     return old
             if self._engine.dialect.insert_returning:  # the next id and the row at once
-                return int(conn.execute(_add_trial_query(), row).scalar_one())
-            trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
-            conn.execute(_trials.insert(), {"id": trial_id, **row})
-            return int(trial_id)
+                trial_id = int(conn.execute(_add_trial_query(), row).scalar_one())
+            else:
+                trial_id = int((conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1)
+                conn.execute(_trials.insert(), {"id": trial_id, **row})
+            if self._w is not None:  # the row as stored, for reads in this transaction
+                self._w.trials[trial_id] = {"id": trial_id, **row}
+            return trial_id
 
     def _same_trial(self, conn: Connection, study: str, ident: tuple[str, str, str]) -> int | None:
         """The first trial of ``study`` with ``ident`` (root key, config and hp as
@@ -1346,12 +1435,19 @@ class SQLPlanStorage(BasePlanStorage):
                 row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
             if row is None:
                 raise PlanKeyError(f"no trial {trial_id}")
+            if self._w is not None:
+                self._w.trials[trial_id] = dict(row._mapping)
             return _trial(row)
 
     @_retried
     def trial(self, trial_id: int) -> dict[str, Any]:
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=True) as conn:
+            w = self._w
+            if w is not None and trial_id in w.trials:  # written or read by this transaction
+                return _trial(_Row(w.trials[trial_id]))
             row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+            if row is not None and w is not None:
+                w.trials[trial_id] = dict(row._mapping)
         if row is None:
             raise PlanKeyError(f"no trial {trial_id}")
         return _trial(row)
@@ -1488,6 +1584,7 @@ class SQLPlanStorage(BasePlanStorage):
     def _grant(
         self,
         conn: Connection,
+        live: list[Lease],
         owner: str,
         scope: str,
         spans: list[tuple[int | None, int, int]],
@@ -1495,7 +1592,8 @@ class SQLPlanStorage(BasePlanStorage):
     ) -> tuple[Lease, ...]:
         host, pid = host_pid()
         now = time.time()
-        first = (conn.execute(select(func.max(_leases.c.id))).scalar() or 0) + 1
+        # every row of the table was read by _live_leases (the expired ones deleted)
+        first = max((lease.id for lease in live), default=0) + 1
         out = tuple(
             Lease(first + i, owner, scope, n, a, b, host, pid, now, now + ttl)
             for i, (n, a, b) in enumerate(spans)
@@ -1514,11 +1612,12 @@ class SQLPlanStorage(BasePlanStorage):
     ) -> ClaimResult:
         with self._tx(write=True) as conn:
             now = time.time()
-            conflicts = stage_conflicts(self._live_leases(conn, now), owner, segments, now)
+            live = self._live_leases(conn, now)
+            conflicts = stage_conflicts(live, owner, segments, now)
             if conflicts:
                 return ClaimResult(conflicts=tuple(conflicts))
             spans: list[tuple[int | None, int, int]] = [(n, a, b) for n, a, b in segments if b > a]
-            return ClaimResult(granted=self._grant(conn, owner, root_key, spans, ttl))
+            return ClaimResult(granted=self._grant(conn, live, owner, root_key, spans, ttl))
 
     @_retried
     def claim_study(self, owner: str, study: str, ttl: float) -> ClaimResult:
@@ -1534,7 +1633,7 @@ class SQLPlanStorage(BasePlanStorage):
                         _leases.update().where(_leases.c.id == lease.id).values(expires=now + ttl)
                     )
                     return ClaimResult(granted=(_replace_expiry(lease, now + ttl),))
-            return ClaimResult(granted=self._grant(conn, owner, study, [(None, 0, 0)], ttl))
+            return ClaimResult(granted=self._grant(conn, live, owner, study, [(None, 0, 0)], ttl))
 
     @_retried
     def renew(self, owner: str, ttl: float) -> int:
@@ -1559,7 +1658,7 @@ class SQLPlanStorage(BasePlanStorage):
         wanted = sorted(set(nodes))
         if not wanted:
             return []
-        with self._tx(write=False) as conn:  # the primary key (node, step) answers it
+        with self._tx(write=False, single=True) as conn:  # by the primary key (node, step)
             rows = conn.execute(_requests_on_query(), {"nodes": wanted}).all()
         known = _STATES
         return [
@@ -1702,6 +1801,17 @@ def _add_stats_query(pg: bool) -> Any:
 
 
 @functools.cache
+def _put_checkpoint_query(pg: bool) -> Any:
+    """Stores checkpoint record (``node``, ``step``), replacing the one there: an upsert,
+    one statement (built once)."""
+    stmt = (pg_insert if pg else sqlite_insert)(_checkpoints)
+    return stmt.on_conflict_do_update(
+        index_elements=[_checkpoints.c.node, _checkpoints.c.step],
+        set_={k: stmt.excluded[k] for k in ("root_key", "ref", "nbytes", "created")},
+    )
+
+
+@functools.cache
 def _requests_on_query() -> Select[Any]:
     """Requests on the nodes bound as ``nodes`` (built once: a poll's statement is
     compiled from the cache, not put together again)."""
@@ -1720,6 +1830,21 @@ def _shown(stored: dict[str, float]) -> dict[str, float]:
 
 
 _STATES = {state.value: state for state in RequestState}  # RequestState(x) is slow
+
+
+class _Row:
+    """A row given as a mapping, read by attribute (as SQLAlchemy's rows are)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._values = values
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def _request(row: Any) -> Request:
