@@ -286,6 +286,59 @@ _BUMP = (
     .values(value=cast(cast(_meta.c.value, Integer) + 1, Text))
 )
 
+# The statements of a trial's path, built once with bound parameters: putting a select
+# together costs SQLAlchemy more than sending it (constructs, coercions, cache key), so
+# these are compiled from the cache instead of built again per call.
+_N, _T, _R, _M, _C, _L = _nodes.c, _trials.c, _requests.c, _metrics.c, _checkpoints.c, _leases.c
+_NODES_ADDED = (
+    select(_N.id, _N.parent, _N.branch_step, _N.hp)
+    .where(_N.root_key == bindparam("r"), _N.id > bindparam("i"))
+    .order_by(_N.id)
+)
+_NODE = select(_nodes).where(_N.id == bindparam("i"))
+_LAST_NODE = select(func.max(_N.id))
+_NODES_INSERT = _nodes.insert()
+_METRICS_AT = select(_M.data).where(_M.node == bindparam("n"), _M.step == bindparam("s"))
+_METRICS_OF = select(_M.node, _M.step, _M.data).where(_M.node.in_(bindparam("ns", expanding=True)))
+_METRICS_SPAN = _METRICS_OF.where(_M.step.between(bindparam("lo"), bindparam("hi")))
+_METRICS_INSERT = _metrics.insert()
+_METRICS_SET = (
+    _metrics.update()
+    .where(_M.node == bindparam("b_node"), _M.step == bindparam("b_step"))
+    .values(data=bindparam("b_data"))
+)
+_TRIAL = select(_trials).where(_T.id == bindparam("i"))
+_TRIALS_ADDED = (
+    select(_T.id, _T.root_key, _T.config, _T.hp)
+    .where(_T.study == bindparam("s"), _T.id > bindparam("i"))
+    .order_by(_T.id)
+)
+_REQUEST = select(_requests).where(_R.node == bindparam("n"), _R.step == bindparam("s"))
+_REQUESTS_OF = select(_requests).where(_R.node.in_(bindparam("ns", expanding=True)))
+_REQUESTS_INSERT = _requests.insert()
+_REQUESTS_SET = (
+    _requests.update()
+    .where(_R.node == bindparam("b_node"), _R.step == bindparam("b_step"))
+    .values(
+        refcount=bindparam("b_refcount"), state=bindparam("b_state"), error=bindparam("b_error")
+    )
+)
+_CHECKPOINT = select(_checkpoints).where(_C.node == bindparam("n"), _C.step == bindparam("s"))
+_CHECKPOINTS_OF = (
+    select(_C.node, _C.step, _C.ref, _C.nbytes, _C.created)
+    .where(_C.node.in_(bindparam("ns", expanding=True)))
+    .order_by(_C.node, _C.step)
+)
+_LEASES_EXPIRED = _leases.delete().where(_L.expires <= bindparam("now"))
+_LEASES = select(_leases).order_by(_L.id)
+_LEASES_INSERT = _leases.insert()
+_LEASES_RELEASE = _leases.delete().where(
+    _L.owner == bindparam("o"), _L.id.in_(bindparam("ids", expanding=True))
+)
+_STATS_OF = select(_stats.c.key, _stats.c.value).where(_stats.c.scope == bindparam("s"))
+_ROOT_CONFIG = select(_roots.c.config).where(_roots.c.root_key == bindparam("r"))
+_ACTIVITY_INSERT = _activity.insert()
+
 
 def _sqlite_readonly(url: URL) -> bool:
     """Whether a SQLite database can only be read here (the file, or the directory its
@@ -676,11 +729,7 @@ class SQLPlanStorage(BasePlanStorage):
             w.fresh.add(root_key)
         if tree is None:
             tree = self._trees[root_key] = TreeIndex(root_key, self._seqs)
-        rows = conn.execute(
-            select(_nodes.c.id, _nodes.c.parent, _nodes.c.branch_step, _nodes.c.hp)
-            .where(_nodes.c.root_key == root_key, _nodes.c.id > tree.last_id)
-            .order_by(_nodes.c.id)
-        ).all()
+        rows = conn.execute(_NODES_ADDED, {"r": root_key, "i": tree.last_id}).all()
         cache = self._node_cache
         fresh = [row for row in rows if row.id not in cache]
         for row, hp in zip(fresh, self._seqs.decode_hp_many([row.hp for row in fresh])):
@@ -706,7 +755,7 @@ class SQLPlanStorage(BasePlanStorage):
         node = self._node_cache.get(node_id)
         if node is not None:
             return node
-        row = conn.execute(select(_nodes).where(_nodes.c.id == node_id)).first()
+        row = conn.execute(_NODE, {"i": node_id}).first()
         if row is None:
             raise PlanKeyError(f"no node {node_id} in plan storage {self._url!r}")
         hp = self._seqs.decode_hp(row.hp)
@@ -722,9 +771,7 @@ class SQLPlanStorage(BasePlanStorage):
         if self._roots_seen.get(root_key) == data:  # roots never change: no transaction
             return
         with self._tx(write=True) as conn:
-            old = conn.execute(
-                select(_roots.c.config).where(_roots.c.root_key == root_key)
-            ).scalar_one_or_none()
+            old = conn.execute(_ROOT_CONFIG, {"r": root_key}).scalar_one_or_none()
             if old is None:
                 conn.execute(_roots.insert(), {"root_key": root_key, "config": data})
             elif old != data:
@@ -734,9 +781,7 @@ class SQLPlanStorage(BasePlanStorage):
     @_retried
     def root_config(self, root_key: str) -> dict[str, Any]:
         with self._tx(write=False) as conn:
-            raw = conn.execute(
-                select(_roots.c.config).where(_roots.c.root_key == root_key)
-            ).scalar_one_or_none()
+            raw = conn.execute(_ROOT_CONFIG, {"r": root_key}).scalar_one_or_none()
         if raw is None:
             raise PlanKeyError(f"root {root_key!r} is not registered")
         return _codec.loads(raw)
@@ -770,7 +815,7 @@ class SQLPlanStorage(BasePlanStorage):
                     tree = self._refresh(conn, root_key)
                     checked = check_items(tree, items)
                     mark = tree.last_id
-                    next_id = [(conn.execute(select(func.max(_nodes.c.id))).scalar() or 0) + 1]
+                    next_id = [(conn.execute(_LAST_NODE).scalar() or 0) + 1]
 
                     def new_id() -> int:
                         next_id[0] += 1
@@ -789,7 +834,7 @@ class SQLPlanStorage(BasePlanStorage):
                         for n in ins.new_nodes
                     ]
                     if rows:
-                        conn.execute(_nodes.insert(), rows)
+                        conn.execute(_NODES_INSERT, rows)
                         if self._w is not None:
                             self._w.bare.update(n.id for ins in out for n in ins.new_nodes)
                     if request:
@@ -829,9 +874,7 @@ class SQLPlanStorage(BasePlanStorage):
         found: dict[tuple[int, int], Request] = {}
         node_ids = sorted({node for node, _ in keys})
         for i in range(0, len(node_ids), _CHUNK):
-            rows = conn.execute(
-                select(_requests).where(_requests.c.node.in_(node_ids[i : i + _CHUNK]))
-            ).all()
+            rows = conn.execute(_REQUESTS_OF, {"ns": node_ids[i : i + _CHUNK]}).all()
             for row in rows:
                 if (row.node, row.step) in keys:
                     found[(row.node, row.step)] = _request(row)
@@ -851,7 +894,7 @@ class SQLPlanStorage(BasePlanStorage):
         inserts = [_request_row(r, root_key) for key, r in new.items() if key not in old]
         updates = [_request_row(r, root_key) for key, r in new.items() if key in old]
         if inserts:
-            conn.execute(_requests.insert(), inserts)
+            conn.execute(_REQUESTS_INSERT, inserts)
             if w is not None:
                 w.requests.update((key, r) for key, r in new.items() if key not in old)
         if updates:
@@ -859,17 +902,8 @@ class SQLPlanStorage(BasePlanStorage):
         return new
 
     def _update_requests(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
-        stmt = (
-            _requests.update()
-            .where(_requests.c.node == bindparam("b_node"), _requests.c.step == bindparam("b_step"))
-            .values(
-                refcount=bindparam("b_refcount"),
-                state=bindparam("b_state"),
-                error=bindparam("b_error"),
-            )
-        )
         keys = ("node", "step", "refcount", "state", "error")
-        conn.execute(stmt, [{f"b_{k}": row[k] for k in keys} for row in rows])
+        conn.execute(_REQUESTS_SET, [{f"b_{k}": row[k] for k in keys} for row in rows])
         if self._w is not None:
             self._w.requests.update(
                 ((row["node"], row["step"]), _request(_Row(row))) for row in rows
@@ -925,7 +959,7 @@ class SQLPlanStorage(BasePlanStorage):
     @_retried
     def last_node_id(self) -> int:
         with self._tx(write=False) as conn:
-            return int(conn.execute(select(func.max(_nodes.c.id))).scalar() or 0)
+            return int(conn.execute(_LAST_NODE).scalar() or 0)
 
     @_retried
     def nodes_after(self, after_id: int, also: Collection[int] = ()) -> list[Node]:
@@ -970,9 +1004,7 @@ class SQLPlanStorage(BasePlanStorage):
                 return w.requests[(node, step)]
             if node in w.bare:
                 return None
-        row = conn.execute(
-            select(_requests).where(_requests.c.node == node, _requests.c.step == step)
-        ).first()
+        row = conn.execute(_REQUEST, {"n": node, "s": step}).first()
         req = None if row is None else _request(row)
         if w is not None:
             w.requests[(node, step)] = req
@@ -1061,11 +1093,7 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=False, single=True) as conn:
             if self._w is not None and node in self._w.bare:
                 return None
-            row = conn.execute(
-                select(_checkpoints).where(
-                    (_checkpoints.c.node == node) & (_checkpoints.c.step == step)
-                )
-            ).first()
+            row = conn.execute(_CHECKPOINT, {"n": node, "s": step}).first()
         return None if row is None else CheckpointRecord(row.ref, row.nbytes, row.created)
 
     @_retried
@@ -1084,17 +1112,12 @@ class SQLPlanStorage(BasePlanStorage):
     @_retried
     def checkpoints_on(self, nodes: Collection[int]) -> dict[tuple[int, int], CheckpointRecord]:
         # By the primary key (node, step): a path's few nodes, whatever their tree holds.
-        c = _checkpoints.c
         out: dict[tuple[int, int], CheckpointRecord] = {}
         with self._tx(write=False, single=len(set(nodes)) <= _CHUNK) as conn:
             bare = self._w.bare if self._w is not None else ()
             ids = sorted(n for n in set(nodes) if n not in bare)  # bare: none there
             for i in range(0, len(ids), _CHUNK):
-                rows = conn.execute(
-                    select(c.node, c.step, c.ref, c.nbytes, c.created)
-                    .where(c.node.in_(ids[i : i + _CHUNK]))
-                    .order_by(c.node, c.step)
-                ).all()
+                rows = conn.execute(_CHECKPOINTS_OF, {"ns": ids[i : i + _CHUNK]}).all()
                 for node, step, ref, nbytes, created in rows:
                     out[(node, step)] = CheckpointRecord(ref, nbytes, created)
         return out
@@ -1129,11 +1152,7 @@ class SQLPlanStorage(BasePlanStorage):
                 chunk = ids[i : i + _CHUNK]
                 lo = min(spans[n][0] for n in chunk)
                 hi = max(spans[n][1] for n in chunk)
-                rows = conn.execute(
-                    select(_metrics.c.node, _metrics.c.step, _metrics.c.data).where(
-                        _metrics.c.node.in_(chunk) & _metrics.c.step.between(lo, hi)
-                    )
-                ).all()
+                rows = conn.execute(_METRICS_SPAN, {"ns": chunk, "lo": lo, "hi": hi}).all()
                 rows = [r for r in rows if spans[r[0]][0] <= r[1] <= spans[r[0]][1]]
                 datas = _codec.loads_many([r[2] for r in rows])
                 stored.update(((r[0], r[1]), data) for r, data in zip(rows, datas))
@@ -1153,23 +1172,21 @@ class SQLPlanStorage(BasePlanStorage):
                 if key not in stored
             ]
             if new:
-                conn.execute(_metrics.insert(), new)
-            for key, data in merged.items():
-                if key in stored:
-                    conn.execute(
-                        _metrics.update()
-                        .where((_metrics.c.node == key[0]) & (_metrics.c.step == key[1]))
-                        .values(data=_codec.dumps(data))
-                    )
+                conn.execute(_METRICS_INSERT, new)
+            changed = [
+                {"b_node": key[0], "b_step": key[1], "b_data": _codec.dumps(data)}
+                for key, data in merged.items()
+                if key in stored
+            ]
+            if changed:
+                conn.execute(_METRICS_SET, changed)
 
     @_retried
     def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
         with self._tx(write=False, single=True) as conn:
             if self._w is not None and node in self._w.bare:
                 return None  # created by this transaction: nothing stored on it yet
-            raw = conn.execute(
-                select(_metrics.c.data).where((_metrics.c.node == node) & (_metrics.c.step == step))
-            ).scalar_one_or_none()
+            raw = conn.execute(_METRICS_AT, {"n": node, "s": step}).scalar_one_or_none()
         return None if raw is None else evaluated_metrics(_codec.loads(raw))
 
     @_retried
@@ -1184,11 +1201,7 @@ class SQLPlanStorage(BasePlanStorage):
             ranges = {node: (first, last) for node, first, last in segments}
             if not ranges:
                 return out
-            rows = conn.execute(
-                select(_metrics.c.node, _metrics.c.step, _metrics.c.data).where(
-                    _metrics.c.node.in_(list(ranges))
-                )
-            ).all()
+            rows = conn.execute(_METRICS_OF, {"ns": list(ranges)}).all()
         rows = [r for r in rows if ranges[r.node][0] <= r.step <= ranges[r.node][1]]
         for row, data in zip(rows, _codec.loads_many([r.data for r in rows])):
             out[row.step] = _shown(data)
@@ -1274,9 +1287,10 @@ class SQLPlanStorage(BasePlanStorage):
         if scope is None:
             query = select(_stats.c.key, func.sum(_stats.c.value)).group_by(_stats.c.key)
         else:
-            query = select(_stats.c.key, _stats.c.value).where(_stats.c.scope == scope)
+            query = _STATS_OF
         with self._tx(write=False, single=True) as conn:
-            return {key: float(value) for key, value in sorted(conn.execute(query).all())}
+            rows = conn.execute(query, {"s": scope}).all()
+            return {key: float(value) for key, value in sorted(rows)}
 
     # -- studies -------------------------------------------------------------------------
 
@@ -1377,11 +1391,7 @@ class SQLPlanStorage(BasePlanStorage):
         on its row, and only a hash collision compares the study's rows in SQL."""
         c = _trials.c
         last, index = self._trial_keys.get(study, (0, {}))
-        added = conn.execute(
-            select(c.id, c.root_key, c.config, c.hp)
-            .where(c.study == study, c.id > last)
-            .order_by(c.id)
-        ).all()
+        added = conn.execute(_TRIALS_ADDED, {"s": study, "i": last}).all()
         for r in added:
             index.setdefault(hash((r.root_key, r.config, r.hp)), int(r.id))
         self._trial_keys[study] = (int(added[-1].id) if added else last, index)
@@ -1420,19 +1430,21 @@ class SQLPlanStorage(BasePlanStorage):
             if stored == changes:
                 return dict(seen)
         else:
-            with self._tx(write=False) as conn:  # a replayed trial changes nothing: no write
-                row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+            with self._tx(write=False, single=True) as conn:  # nothing changes: no write
+                row = conn.execute(_TRIAL, {"i": trial_id}).first()
             if row is None:
                 raise PlanKeyError(f"no trial {trial_id}")
             if all(getattr(row, k) == v for k, v in changes.items()):
                 return _trial(row)
         with self._tx(write=True) as conn:
-            update = _trials.update().where(_trials.c.id == trial_id).values(**changes)
-            if self._engine.dialect.update_returning:  # the row as written, one statement
-                row = conn.execute(update.returning(*_trials.c)).first()
+            returning = self._engine.dialect.update_returning  # the row as written with it
+            update = _update_trial_query(tuple(changes), returning)
+            values = {"b_id": trial_id, **{f"b_{k}": v for k, v in changes.items()}}
+            if returning:
+                row = conn.execute(update, values).first()
             else:
-                conn.execute(update)
-                row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+                conn.execute(update, values)
+                row = conn.execute(_TRIAL, {"i": trial_id}).first()
             if row is None:
                 raise PlanKeyError(f"no trial {trial_id}")
             if self._w is not None:
@@ -1445,7 +1457,7 @@ class SQLPlanStorage(BasePlanStorage):
             w = self._w
             if w is not None and trial_id in w.trials:  # written or read by this transaction
                 return _trial(_Row(w.trials[trial_id]))
-            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+            row = conn.execute(_TRIAL, {"i": trial_id}).first()
             if row is not None and w is not None:
                 w.trials[trial_id] = dict(row._mapping)
         if row is None:
@@ -1599,12 +1611,12 @@ class SQLPlanStorage(BasePlanStorage):
             for i, (n, a, b) in enumerate(spans)
         )
         if out:
-            conn.execute(_leases.insert(), [_lease_row(lease) for lease in out])
+            conn.execute(_LEASES_INSERT, [_lease_row(lease) for lease in out])
         return out
 
     def _live_leases(self, conn: Connection, now: float) -> list[Lease]:
-        conn.execute(_leases.delete().where(_leases.c.expires <= now))
-        return [_lease(row) for row in conn.execute(select(_leases).order_by(_leases.c.id))]
+        conn.execute(_LEASES_EXPIRED, {"now": now})
+        return [_lease(row) for row in conn.execute(_LEASES)]
 
     @_retried
     def claim(
@@ -1645,11 +1657,13 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def release(self, owner: str, lease_ids: Collection[int] | None = None) -> int:
-        query = _leases.delete().where(_leases.c.owner == owner)
         if lease_ids is not None:
             if not lease_ids:
                 return 0
-            query = query.where(_leases.c.id.in_(list(lease_ids)))
+            with self._tx(write=True) as conn:
+                done = conn.execute(_LEASES_RELEASE, {"o": owner, "ids": list(lease_ids)})
+                return int(done.rowcount or 0)
+        query = _leases.delete().where(_leases.c.owner == owner)
         with self._tx(write=True) as conn:
             return int(conn.execute(query).rowcount or 0)
 
@@ -1698,7 +1712,7 @@ class SQLPlanStorage(BasePlanStorage):
         for row in rows:
             row["data"] = _codec.dumps(row["data"], "activity data")
         with self._tx(write=True) as conn:
-            conn.execute(_activity.insert(), rows)
+            conn.execute(_ACTIVITY_INSERT, rows)
 
     @_retried
     def activity(
@@ -1798,6 +1812,15 @@ def _add_stats_query(pg: bool) -> Any:
         index_elements=[_stats.c.scope, _stats.c.key],
         set_={"value": _stats.c.value + stmt.excluded.value},
     )
+
+
+@functools.cache
+def _update_trial_query(keys: tuple[str, ...], returning: bool) -> Any:
+    """``UPDATE`` of trial ``b_id``'s columns ``keys`` (parameters ``b_<key>``), the row
+    returned with it when ``returning``; built once per set of columns."""
+    update = _trials.update().where(_T.id == bindparam("b_id"))
+    update = update.values({k: bindparam(f"b_{k}") for k in keys})
+    return update.returning(*_trials.c) if returning else update
 
 
 @functools.cache
