@@ -1879,6 +1879,9 @@ class Engine:
         other final state drops an error left by an earlier run."""
         try:
             needs_attrs = error is not None or state in ("done", "cancelled")
+            if only_from is not None and not needs_attrs:  # checked and set at once
+                self.storage.update_trial(w.trial_id, state=state, only_from=only_from)
+                return
             # one read of the row serves both questions
             row = self.storage.trial(w.trial_id) if only_from is not None or needs_attrs else {}
             if only_from is not None and row["state"] != only_from:

@@ -645,11 +645,15 @@ class BasePlanStorage(ABC):
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
         seen: Mapping[str, Any] | None = None,
+        only_from: str | None = None,
     ) -> dict[str, Any]:
         """Change the given fields of a trial (``attrs`` replaces); returns the trial.
 
         ``seen``: the trial as the caller just read it (:meth:`trial`); a storage that
         reads the row to write nothing when nothing changes may decide on it instead.
+        ``only_from``: change nothing unless the trial's state is this one (checked
+        and changed at once: no read of the row before); the trial is returned as it
+        is then.
 
         Raises:
             PlanKeyError: no such trial.

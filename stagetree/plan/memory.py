@@ -481,6 +481,7 @@ class MemoryPlanStorage(BasePlanStorage):
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
         seen: Mapping[str, Any] | None = None,
+        only_from: str | None = None,
     ) -> dict[str, Any]:
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:
@@ -490,7 +491,8 @@ class MemoryPlanStorage(BasePlanStorage):
             trial = self._trials.get(trial_id)
             if trial is None:
                 raise PlanKeyError(f"no trial {trial_id}")
-            trial.update(changes)
+            if only_from is None or trial["state"] == only_from:
+                trial.update(changes)
             return _copy_trial(trial)
 
     def trial(self, trial_id: int) -> dict[str, Any]:

@@ -1419,10 +1419,13 @@ class SQLPlanStorage(BasePlanStorage):
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
         seen: Mapping[str, Any] | None = None,
+        only_from: str | None = None,
     ) -> dict[str, Any]:
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:
             changes["attrs"] = _codec.dumps(dict(attrs), "trial attrs")
+        if only_from is not None:  # compare and set: one statement, no read before
+            return self._update_trial_from(trial_id, changes, only_from)
         if seen is not None:  # the caller's read of the row, to spare this one
             stored = {k: seen[k] for k in changes if k != "attrs"}
             if "attrs" in changes:
@@ -1444,6 +1447,27 @@ class SQLPlanStorage(BasePlanStorage):
                 row = conn.execute(update, values).first()
             else:
                 conn.execute(update, values)
+                row = conn.execute(_TRIAL, {"i": trial_id}).first()
+            if row is None:
+                raise PlanKeyError(f"no trial {trial_id}")
+            if self._w is not None:
+                self._w.trials[trial_id] = dict(row._mapping)
+            return _trial(row)
+
+    def _update_trial_from(
+        self, trial_id: int, changes: dict[str, Any], only_from: str
+    ) -> dict[str, Any]:
+        """:meth:`update_trial` with ``only_from``: the changes go where the state is
+        ``only_from`` (the row comes back with them); elsewhere the row is read."""
+        with self._tx(write=True) as conn:
+            returning = self._engine.dialect.update_returning
+            values = {f"b_{k}": v for k, v in changes.items()}
+            values.update(b_id=trial_id, b_from=only_from)
+            query = _update_trial_query(tuple(changes), returning, True)
+            row = conn.execute(query, values).first() if returning else None
+            if row is None:  # not changed (or no RETURNING): the row as it is
+                if not returning:
+                    conn.execute(query, values)
                 row = conn.execute(_TRIAL, {"i": trial_id}).first()
             if row is None:
                 raise PlanKeyError(f"no trial {trial_id}")
@@ -1815,10 +1839,13 @@ def _add_stats_query(pg: bool) -> Any:
 
 
 @functools.cache
-def _update_trial_query(keys: tuple[str, ...], returning: bool) -> Any:
-    """``UPDATE`` of trial ``b_id``'s columns ``keys`` (parameters ``b_<key>``), the row
-    returned with it when ``returning``; built once per set of columns."""
+def _update_trial_query(keys: tuple[str, ...], returning: bool, only_from: bool = False) -> Any:
+    """``UPDATE`` of trial ``b_id``'s columns ``keys`` (parameters ``b_<key>``), where its
+    state is ``b_from`` too when ``only_from``, the row returned with it when
+    ``returning``; built once per set of columns."""
     update = _trials.update().where(_T.id == bindparam("b_id"))
+    if only_from:
+        update = update.where(_T.state == bindparam("b_from"))
     update = update.values({k: bindparam(f"b_{k}") for k in keys})
     return update.returning(*_trials.c) if returning else update
 

@@ -13,7 +13,10 @@ import pytest
 from sql_trace import random_search, statements
 from sqlalchemy.sql.selectable import Select
 
+from stagetree.exceptions import PlanKeyError
 from stagetree.hp import Constant, Then
+from stagetree.plan.base import BasePlanStorage
+from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.plan.sql import SQLPlanStorage
 
 TRIALS = 12
@@ -111,7 +114,8 @@ def test_a_trial_sends_fewer_statements_still(sql_plan_url: str, tmp_path: Path)
     # included), 47 now; PostgreSQL 56 before, 45 now
     assert len(seen) <= 50 * TRIALS
     row_reads = [s for s in seen if s.startswith("select") and "where stagetree_trials.id =" in s]
-    assert len(row_reads) <= 2 * TRIALS  # the running state's and the end's (was 3)
+    # the end's only: the running state is set where the row is pending, no read before
+    assert len(row_reads) <= TRIALS  # was 3 a trial
 
 
 def test_an_update_without_returning_reads_the_row_back(tmp_path: Path) -> None:
@@ -122,9 +126,12 @@ def test_an_update_without_returning_reads_the_row_back(tmp_path: Path) -> None:
     plan._engine.dialect.update_returning = False
     try:
         row = plan.update_trial(tid, state="running", attrs={"a": 1})
+        assert plan.update_trial(tid, state="done", only_from="pending") == row
+        done = plan.update_trial(tid, state="done", only_from="running")
     finally:
         plan._engine.dialect.update_returning = True
-    assert row == plan.trial(tid) and row["state"] == "running" and row["attrs"] == {"a": 1}
+    assert row["state"] == "running" and row["attrs"] == {"a": 1}
+    assert done == {**row, "state": "done"} == plan.trial(tid)
     assert plan.update_trial(tid, steps=9, node=None, step=None)["steps"] == 9
 
 
@@ -145,3 +152,19 @@ def test_a_trial_builds_no_select(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
         random_search(SQLPlanStorage(f"sqlite:///{tmp_path / f'p{n}.db'}"), tmp_path, n)
         counts.append(built[0])
     assert (counts[1] - counts[0]) / 12 <= 1.0, counts
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+def test_a_state_changes_only_from_the_one_given(backend: str, tmp_path: Path) -> None:
+    plan: BasePlanStorage = (
+        MemoryPlanStorage() if backend == "memory" else SQLPlanStorage(f"sqlite:///{tmp_path}/p.db")
+    )
+    plan.create_study("s", {})
+    tid = plan.add_trial("s", "r", {}, {"lr": Constant(0.1)}, 8, None, None)
+    row = plan.update_trial(tid, state="running", only_from="pending")
+    assert row["state"] == "running" and plan.trial(tid) == row
+    plan.update_trial(tid, state="done")
+    again = plan.update_trial(tid, state="running", only_from="pending")  # not pending
+    assert again["state"] == "done" and plan.trial(tid)["state"] == "done"
+    with pytest.raises(PlanKeyError):
+        plan.update_trial(tid + 1, state="running", only_from="pending")
