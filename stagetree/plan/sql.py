@@ -1425,7 +1425,8 @@ class SQLPlanStorage(BasePlanStorage):
         if attrs is not None:
             changes["attrs"] = _codec.dumps(dict(attrs), "trial attrs")
         if only_from is not None:  # compare and set: one statement, no read before
-            return self._update_trial_from(trial_id, changes, only_from)
+            with self._tx(write=True) as conn:
+                return self._write_trial(conn, trial_id, changes, only_from)
         if seen is not None:  # the caller's read of the row, to spare this one
             stored = {k: seen[k] for k in changes if k != "attrs"}
             if "attrs" in changes:
@@ -1440,40 +1441,30 @@ class SQLPlanStorage(BasePlanStorage):
             if all(getattr(row, k) == v for k, v in changes.items()):
                 return _trial(row)
         with self._tx(write=True) as conn:
-            returning = self._engine.dialect.update_returning  # the row as written with it
-            update = _update_trial_query(tuple(changes), returning)
-            values = {"b_id": trial_id, **{f"b_{k}": v for k, v in changes.items()}}
-            if returning:
-                row = conn.execute(update, values).first()
-            else:
-                conn.execute(update, values)
-                row = conn.execute(_TRIAL, {"i": trial_id}).first()
-            if row is None:
-                raise PlanKeyError(f"no trial {trial_id}")
-            if self._w is not None:
-                self._w.trials[trial_id] = dict(row._mapping)
-            return _trial(row)
+            return self._write_trial(conn, trial_id, changes, None)
 
-    def _update_trial_from(
-        self, trial_id: int, changes: dict[str, Any], only_from: str
+    def _write_trial(
+        self, conn: Connection, trial_id: int, changes: dict[str, Any], only_from: str | None
     ) -> dict[str, Any]:
-        """:meth:`update_trial` with ``only_from``: the changes go where the state is
-        ``only_from`` (the row comes back with them); elsewhere the row is read."""
-        with self._tx(write=True) as conn:
-            returning = self._engine.dialect.update_returning
-            values = {f"b_{k}": v for k, v in changes.items()}
-            values.update(b_id=trial_id, b_from=only_from)
-            query = _update_trial_query(tuple(changes), returning, True)
-            row = conn.execute(query, values).first() if returning else None
-            if row is None:  # not changed (or no RETURNING): the row as it is
-                if not returning:
-                    conn.execute(query, values)
-                row = conn.execute(_TRIAL, {"i": trial_id}).first()
-            if row is None:
-                raise PlanKeyError(f"no trial {trial_id}")
-            if self._w is not None:
-                self._w.trials[trial_id] = dict(row._mapping)
-            return _trial(row)
+        """The ``UPDATE`` of :meth:`update_trial` (where the state is ``only_from`` when
+        given: checked and set at once); the row as stored after it, returned with it
+        (RETURNING), else read."""
+        returning = self._engine.dialect.update_returning
+        values = {f"b_{k}": v for k, v in changes.items()}
+        values["b_id"] = trial_id
+        if only_from is not None:
+            values["b_from"] = only_from
+        query = _update_trial_query(tuple(changes), returning, only_from is not None)
+        row = conn.execute(query, values).first() if returning else None
+        if row is None:  # no RETURNING, or nothing changed (only_from): the row as it is
+            if not returning:
+                conn.execute(query, values)
+            row = conn.execute(_TRIAL, {"i": trial_id}).first()
+        if row is None:
+            raise PlanKeyError(f"no trial {trial_id}")
+        if self._w is not None:
+            self._w.trials[trial_id] = dict(row._mapping)
+        return _trial(row)
 
     @_retried
     def trial(self, trial_id: int) -> dict[str, Any]:
