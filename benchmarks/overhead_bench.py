@@ -23,6 +23,8 @@ plan tree) with a trivial trainer (``TrivialTrainer``: no work, its metric is it
 learning rate) on 2 real local worker processes, against Optuna's ask/tell loop of the
 same N trials (``RandomSampler``, one ``suggest_float``, a ``report`` per step), each on
 the in-memory and the SQLite storage, each (system, storage, N) in a fresh process.
+``--child stagetree N STEPS URL`` runs one stagetree study on the database at ``URL``
+(PostgreSQL; its stagetree tables are emptied first).
 Measured: CPU seconds of the driver's process (the engine, scheduler, tuner and plan
 storage; not the workers) per trial, and the growth exponent of CPU in N (1: constant
 cost per trial). With ``--per-step S2`` the stagetree study also runs with ``S2`` steps
@@ -137,6 +139,11 @@ def stagetree_trials(n: int, steps: int, storage: str, tmp: str) -> float:
     from stagetree.tuners import RandomSearch
 
     url = "memory://" if storage == "memory" else f"sqlite:///{tmp}/plan.db"
+    if "://" in storage:  # a database URL (PostgreSQL): emptied first
+        from stagetree.plan.sql import SQLPlanStorage
+
+        url = storage
+        SQLPlanStorage(url).drop_all()
     space = RandomSpace(hp={"lr": Constant(LogUniform(1e-4, 1.0))})  # type: ignore[arg-type]
     tuner = RandomSearch(space, "loss", mode="min", steps=steps, num_trials=n, seed=0)
     with Study(

@@ -2,7 +2,8 @@
 ``tests/fakes/sql_trace.random_search`` (a random search of 8-step trials on 4
 simulated workers) on a fresh SQLite file, every statement counted (reads, BEGINs).
 
-Usage: ``python benchmarks/sql_statements.py [TRIALS]`` from a checkout's root.
+Usage: ``python benchmarks/sql_statements.py [TRIALS] [URL]`` from a checkout's root;
+``URL``: a PostgreSQL database instead (its stagetree tables are emptied first).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from stagetree.plan.sql import SQLPlanStorage
 def main() -> None:
     trials = int(sys.argv[1]) if len(sys.argv) > 1 else 100
     folder = Path(tempfile.mkdtemp())
-    plan = SQLPlanStorage(f"sqlite:///{folder / 'plan.db'}")
+    url = sys.argv[2] if len(sys.argv) > 2 else f"sqlite:///{folder / 'plan.db'}"
+    plan = SQLPlanStorage(url)
+    if len(sys.argv) > 2:
+        plan.drop_all()
+        plan = SQLPlanStorage(url)
     shapes: collections.Counter[str] = collections.Counter()
 
     def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:

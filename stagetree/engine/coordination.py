@@ -177,7 +177,7 @@ class Coordinator:
         def tx() -> tuple[dict[Key, dict[str, float]], list[Any], ClaimResult | None]:
             known, newer = self._answered(batch), []
             if not known:
-                newer = self._checkpoints_on(batch.root_key, segments)
+                newer = self._checkpoints_on(segments)
             if known or newer:
                 return known, newer, None
             result = storage.claim(self.owner, batch.root_key, segments, self.ttl)
@@ -229,14 +229,17 @@ class Coordinator:
                 known[key] = metrics
         return known
 
-    def _checkpoints_on(self, root_key: str, segments: list[tuple[int, int, int]]) -> list[Any]:
+    def _checkpoints_on(self, segments: list[tuple[int, int, int]]) -> list[Any]:
         """``CheckpointAvailable`` for durable checkpoints the scheduler does not know
         inside the ``segments`` about to be trained (saved by another engine)."""
         if not self.shared:
             return []
         known = self.engine.scheduler.checkpoints
         out: list[Any] = []
-        for (node, step), rec in self.storage.checkpoints(root_key).items():
+        # The segments' nodes only (by the checkpoints' key): constant per claim, not the
+        # whole tree's checkpoints (quadratic for a study in one shared tree).
+        on = self.storage.checkpoints_on([n for n, _, _ in segments])
+        for (node, step), rec in on.items():
             if (node, step) in known or not any(
                 n == node and a < step <= b for n, a, b in segments
             ):

@@ -1199,16 +1199,17 @@ class Engine:
 
     def _path_reads(self, root_key: str, leaf: int) -> _PathReads:
         """What :meth:`_path_events` reads of the plan: the root's config and counters
-        (the scheduler does not know the root yet), the path, and the tree's checkpoints
-        (it does not know a node of the path yet). Reads only, so that a submission's
-        transaction makes them (and makes them again when it runs again)."""
+        (the scheduler does not know the root yet), the path, and the checkpoints of the
+        path's nodes (it does not know a node of the path yet; by their key, not the
+        whole tree's: constant per submission in a shared tree). Reads only, so that a
+        submission's transaction makes them (and makes them again when it runs again)."""
         root = None
         if root_key not in self._known_roots:
             root = (self.storage.root_config(root_key), self.storage.stats(devices_scope(root_key)))
         path = self.storage.path(leaf)
         ckpts = None
         if any(n.id not in self._known_nodes for n in path):
-            ckpts = self.storage.checkpoints(root_key)
+            ckpts = self.storage.checkpoints_on([n.id for n in path])
         return root, path, ckpts
 
     def _path_events(self, root_key: str, leaf: int, reads: _PathReads | None = None) -> list[Any]:
@@ -1878,6 +1879,9 @@ class Engine:
         other final state drops an error left by an earlier run."""
         try:
             needs_attrs = error is not None or state in ("done", "cancelled")
+            if only_from is not None and not needs_attrs:  # checked and set at once
+                self.storage.update_trial(w.trial_id, state=state, only_from=only_from)
+                return
             # one read of the row serves both questions
             row = self.storage.trial(w.trial_id) if only_from is not None or needs_attrs else {}
             if only_from is not None and row["state"] != only_from:

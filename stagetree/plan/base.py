@@ -485,6 +485,16 @@ class BasePlanStorage(ABC):
     def checkpoints(self, root_key: str | None = None) -> dict[tuple[int, int], CheckpointRecord]:
         """Checkpoints of one tree (or all) by ``(node, step)``."""
 
+    def checkpoints_on(self, nodes: Collection[int]) -> dict[tuple[int, int], CheckpointRecord]:
+        """Checkpoints of the nodes ``nodes`` (any steps) by ``(node, step)``: what a
+        path or a batch's segments need, read by the checkpoints' key, whatever the size
+        of their tree (the backends here answer in the number of those checkpoints; this
+        default filters :meth:`checkpoints`)."""
+        wanted = set(nodes)
+        if not wanted:
+            return {}
+        return {key: rec for key, rec in self.checkpoints().items() if key[0] in wanted}
+
     # -- metrics -------------------------------------------------------------------------
 
     @abstractmethod
@@ -635,11 +645,15 @@ class BasePlanStorage(ABC):
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
         seen: Mapping[str, Any] | None = None,
+        only_from: str | None = None,
     ) -> dict[str, Any]:
         """Change the given fields of a trial (``attrs`` replaces); returns the trial.
 
         ``seen``: the trial as the caller just read it (:meth:`trial`); a storage that
         reads the row to write nothing when nothing changes may decide on it instead.
+        ``only_from``: change nothing unless the trial's state is this one (checked
+        and changed at once: no read of the row before); the trial is returned as it
+        is then.
 
         Raises:
             PlanKeyError: no such trial.

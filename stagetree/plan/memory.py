@@ -71,6 +71,7 @@ class MemoryPlanStorage(BasePlanStorage):
         self._next_id = 1
         self._requests: dict[tuple[int, int], Request] = {}
         self._checkpoints: dict[tuple[int, int], CheckpointRecord] = {}
+        self._checkpoint_steps: dict[int, set[int]] = {}  # node -> its checkpoints' steps
         self._metrics: dict[int, dict[int, dict[str, float]]] = {}
         self._stats: dict[str, dict[str, float]] = defaultdict(dict)
         self._studies: dict[str, dict[str, Any]] = {}
@@ -265,12 +266,18 @@ class MemoryPlanStorage(BasePlanStorage):
             self._canonical_node(node, step)
             record = CheckpointRecord(str(ref), int(nbytes), time.time())
             self._checkpoints[(node, step)] = record
+            self._checkpoint_steps.setdefault(node, set()).add(step)
             return record
 
     @_writes
     def remove_checkpoint(self, node: int, step: int) -> bool:
         with self._lock:
             self._check_open()
+            steps = self._checkpoint_steps.get(node)
+            if steps is not None:
+                steps.discard(step)
+                if not steps:
+                    del self._checkpoint_steps[node]
             return self._checkpoints.pop((node, step), None) is not None
 
     def checkpoint(self, node: int, step: int) -> CheckpointRecord | None:
@@ -285,6 +292,16 @@ class MemoryPlanStorage(BasePlanStorage):
                 key: rec
                 for key, rec in sorted(self._checkpoints.items())
                 if root_key is None or self._nodes[key[0]].root_key == root_key
+            }
+
+    def checkpoints_on(self, nodes: Collection[int]) -> dict[tuple[int, int], CheckpointRecord]:
+        with self._lock:
+            self._check_open()
+            found = self._checkpoint_steps
+            return {
+                (node, step): self._checkpoints[(node, step)]
+                for node in sorted(set(nodes))
+                for step in sorted(found.get(node, ()))
             }
 
     # -- metrics -------------------------------------------------------------------------
@@ -466,6 +483,7 @@ class MemoryPlanStorage(BasePlanStorage):
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
         seen: Mapping[str, Any] | None = None,
+        only_from: str | None = None,
     ) -> dict[str, Any]:
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:
@@ -475,7 +493,8 @@ class MemoryPlanStorage(BasePlanStorage):
             trial = self._trials.get(trial_id)
             if trial is None:
                 raise PlanKeyError(f"no trial {trial_id}")
-            trial.update(changes)
+            if only_from is None or trial["state"] == only_from:
+                trial.update(changes)
             return _copy_trial(trial)
 
     def trial(self, trial_id: int) -> dict[str, Any]:

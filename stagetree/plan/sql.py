@@ -225,6 +225,26 @@ TABLES = tuple(_md.sorted_tables)
 _PG_TRANSIENT = ("08", "57P01", "57P02", "57P03", "53300", "40001", "40P01")
 
 
+@dataclasses.dataclass
+class _Written:
+    """What the open write transaction of a handle knows for sure: it holds the write
+    lock (every writer of every process takes it), so nothing it read or wrote changes
+    under it until it commits. Reads are answered from here instead of the database.
+
+    Attributes:
+        fresh: trees read up to their last node (``_refresh``) in this transaction.
+        bare: nodes it created that no metrics or checkpoint were written on yet (and
+            no request but those in ``requests``).
+        trials: trial rows (column -> stored value) as this transaction wrote or read them.
+        requests: requests as this transaction wrote or read them (None: none stored).
+    """
+
+    fresh: set[str] = dataclasses.field(default_factory=set)
+    bare: set[int] = dataclasses.field(default_factory=set)
+    trials: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    requests: dict[tuple[int, int], Request | None] = dataclasses.field(default_factory=dict)
+
+
 def _transient(exc: SQLAlchemyError, pg: bool) -> bool:
     """Whether ``exc`` is a fault that goes away by itself (a lost connection, a server
     restarting, a busy SQLite file), so that the transaction is worth running again."""
@@ -265,6 +285,59 @@ _BUMP = (
     .where(_meta.c.key == _REVISION)
     .values(value=cast(cast(_meta.c.value, Integer) + 1, Text))
 )
+
+# The statements of a trial's path, built once with bound parameters: putting a select
+# together costs SQLAlchemy more than sending it (constructs, coercions, cache key), so
+# these are compiled from the cache instead of built again per call.
+_N, _T, _R, _M, _C, _L = _nodes.c, _trials.c, _requests.c, _metrics.c, _checkpoints.c, _leases.c
+_NODES_ADDED = (
+    select(_N.id, _N.parent, _N.branch_step, _N.hp)
+    .where(_N.root_key == bindparam("r"), _N.id > bindparam("i"))
+    .order_by(_N.id)
+)
+_NODE = select(_nodes).where(_N.id == bindparam("i"))
+_LAST_NODE = select(func.max(_N.id))
+_NODES_INSERT = _nodes.insert()
+_METRICS_AT = select(_M.data).where(_M.node == bindparam("n"), _M.step == bindparam("s"))
+_METRICS_OF = select(_M.node, _M.step, _M.data).where(_M.node.in_(bindparam("ns", expanding=True)))
+_METRICS_SPAN = _METRICS_OF.where(_M.step.between(bindparam("lo"), bindparam("hi")))
+_METRICS_INSERT = _metrics.insert()
+_METRICS_SET = (
+    _metrics.update()
+    .where(_M.node == bindparam("b_node"), _M.step == bindparam("b_step"))
+    .values(data=bindparam("b_data"))
+)
+_TRIAL = select(_trials).where(_T.id == bindparam("i"))
+_TRIALS_ADDED = (
+    select(_T.id, _T.root_key, _T.config, _T.hp)
+    .where(_T.study == bindparam("s"), _T.id > bindparam("i"))
+    .order_by(_T.id)
+)
+_REQUEST = select(_requests).where(_R.node == bindparam("n"), _R.step == bindparam("s"))
+_REQUESTS_OF = select(_requests).where(_R.node.in_(bindparam("ns", expanding=True)))
+_REQUESTS_INSERT = _requests.insert()
+_REQUESTS_SET = (
+    _requests.update()
+    .where(_R.node == bindparam("b_node"), _R.step == bindparam("b_step"))
+    .values(
+        refcount=bindparam("b_refcount"), state=bindparam("b_state"), error=bindparam("b_error")
+    )
+)
+_CHECKPOINT = select(_checkpoints).where(_C.node == bindparam("n"), _C.step == bindparam("s"))
+_CHECKPOINTS_OF = (
+    select(_C.node, _C.step, _C.ref, _C.nbytes, _C.created)
+    .where(_C.node.in_(bindparam("ns", expanding=True)))
+    .order_by(_C.node, _C.step)
+)
+_LEASES_EXPIRED = _leases.delete().where(_L.expires <= bindparam("now"))
+_LEASES = select(_leases).order_by(_L.id)
+_LEASES_INSERT = _leases.insert()
+_LEASES_RELEASE = _leases.delete().where(
+    _L.owner == bindparam("o"), _L.id.in_(bindparam("ids", expanding=True))
+)
+_STATS_OF = select(_stats.c.key, _stats.c.value).where(_stats.c.scope == bindparam("s"))
+_ROOT_CONFIG = select(_roots.c.config).where(_roots.c.root_key == bindparam("r"))
+_ACTIVITY_INSERT = _activity.insert()
 
 
 def _sqlite_readonly(url: URL) -> bool:
@@ -375,7 +448,10 @@ def _sqlite_engine(url: URL, readonly: bool = False) -> Engine:
     def _begin(conn: Connection) -> None:
         # IMMEDIATE takes the write lock up front: a deferred transaction that reads
         # and later writes can fail with SQLITE_BUSY without waiting under WAL.
-        write = conn.get_execution_options().get("stagetree_write", False)
+        options = conn.get_execution_options()
+        write = options.get("stagetree_write", False)
+        if not write and options.get("stagetree_single", False):
+            return  # one SELECT: its own snapshot in autocommit mode, no BEGIN sent
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
@@ -440,6 +516,7 @@ class SQLPlanStorage(BasePlanStorage):
         # Studies found stored: no API deletes one (drop_all clears this), so a trial or
         # a log record checks its study's row once per handle, not per write.
         self._studies_seen: set[str] = set()
+        self._w: _Written | None = None  # the open write transaction's (lock held)
         try:
             parsed = make_url(url)
         except ArgumentError as exc:
@@ -511,9 +588,11 @@ class SQLPlanStorage(BasePlanStorage):
             self._outer.active = False
 
     @contextmanager
-    def _tx(self, write: bool, bump: bool = True) -> Iterator[Connection]:
+    def _tx(self, write: bool, bump: bool = True, single: bool = False) -> Iterator[Connection]:
         """One transaction; writers are serialised across processes. A write transaction
-        increments the revision (unless ``bump`` is False) when it commits.
+        increments the revision (unless ``bump`` is False) when it commits. A read that
+        sends one statement only says so with ``single``: SQLite then reads it without
+        a BEGIN (a statement is its own consistent snapshot).
 
         A transient failure raises :class:`~stagetree.retry.Outage` (the retried method
         runs again), unless it struck the COMMIT of a write, which may have been applied.
@@ -533,13 +612,18 @@ class SQLPlanStorage(BasePlanStorage):
             committing = False
             try:
                 with self._engine.connect() as conn:
-                    conn.execution_options(stagetree_write=write)
+                    conn.execution_options(stagetree_write=write, stagetree_single=single)
                     with conn.begin():
                         if write and self._pg:
                             conn.execute(
                                 text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY}
                             )
-                        yield conn
+                        if write:
+                            self._w = _Written()
+                        try:
+                            yield conn
+                        finally:
+                            self._w = None
                         if write and bump:
                             conn.execute(_BUMP)
                         committing = write
@@ -638,13 +722,14 @@ class SQLPlanStorage(BasePlanStorage):
         """The tree of ``root_key`` with every committed node (append-only: load only
         ids above the largest cached one)."""
         tree = self._trees.get(root_key)
+        w = self._w
+        if w is not None:
+            if tree is not None and root_key in w.fresh:
+                return tree  # no other writer commits before this transaction does
+            w.fresh.add(root_key)
         if tree is None:
             tree = self._trees[root_key] = TreeIndex(root_key, self._seqs)
-        rows = conn.execute(
-            select(_nodes.c.id, _nodes.c.parent, _nodes.c.branch_step, _nodes.c.hp)
-            .where(_nodes.c.root_key == root_key, _nodes.c.id > tree.last_id)
-            .order_by(_nodes.c.id)
-        ).all()
+        rows = conn.execute(_NODES_ADDED, {"r": root_key, "i": tree.last_id}).all()
         cache = self._node_cache
         fresh = [row for row in rows if row.id not in cache]
         for row, hp in zip(fresh, self._seqs.decode_hp_many([row.hp for row in fresh])):
@@ -653,11 +738,24 @@ class SQLPlanStorage(BasePlanStorage):
             tree.add(cache[row.id])
         return tree
 
+    def _cached_walk(self, root_key: str, hp: Mapping[str, Sequence], steps: int) -> Any:
+        """:func:`walk` of a trial in tree ``root_key`` as this handle caches it, when
+        it finds the trial's end (else None): trees are append-only, and a node's
+        children are keyed by where and how they branch, so a path found in the cache
+        is the path the whole tree holds; only a path not found needs the nodes
+        appended since (:meth:`_refresh`)."""
+        with self._lock:
+            tree = self._trees.get(root_key)
+            if self._closed or tree is None or tree.root is None:
+                return None
+            found = walk(tree, hp, steps)
+            return found if found.end is not None else None
+
     def _node(self, conn: Connection, node_id: int) -> Node:
         node = self._node_cache.get(node_id)
         if node is not None:
             return node
-        row = conn.execute(select(_nodes).where(_nodes.c.id == node_id)).first()
+        row = conn.execute(_NODE, {"i": node_id}).first()
         if row is None:
             raise PlanKeyError(f"no node {node_id} in plan storage {self._url!r}")
         hp = self._seqs.decode_hp(row.hp)
@@ -673,9 +771,7 @@ class SQLPlanStorage(BasePlanStorage):
         if self._roots_seen.get(root_key) == data:  # roots never change: no transaction
             return
         with self._tx(write=True) as conn:
-            old = conn.execute(
-                select(_roots.c.config).where(_roots.c.root_key == root_key)
-            ).scalar_one_or_none()
+            old = conn.execute(_ROOT_CONFIG, {"r": root_key}).scalar_one_or_none()
             if old is None:
                 conn.execute(_roots.insert(), {"root_key": root_key, "config": data})
             elif old != data:
@@ -685,9 +781,7 @@ class SQLPlanStorage(BasePlanStorage):
     @_retried
     def root_config(self, root_key: str) -> dict[str, Any]:
         with self._tx(write=False) as conn:
-            raw = conn.execute(
-                select(_roots.c.config).where(_roots.c.root_key == root_key)
-            ).scalar_one_or_none()
+            raw = conn.execute(_ROOT_CONFIG, {"r": root_key}).scalar_one_or_none()
         if raw is None:
             raise PlanKeyError(f"root {root_key!r} is not registered")
         return _codec.loads(raw)
@@ -721,7 +815,7 @@ class SQLPlanStorage(BasePlanStorage):
                     tree = self._refresh(conn, root_key)
                     checked = check_items(tree, items)
                     mark = tree.last_id
-                    next_id = [(conn.execute(select(func.max(_nodes.c.id))).scalar() or 0) + 1]
+                    next_id = [(conn.execute(_LAST_NODE).scalar() or 0) + 1]
 
                     def new_id() -> int:
                         next_id[0] += 1
@@ -740,7 +834,9 @@ class SQLPlanStorage(BasePlanStorage):
                         for n in ins.new_nodes
                     ]
                     if rows:
-                        conn.execute(_nodes.insert(), rows)
+                        conn.execute(_NODES_INSERT, rows)
+                        if self._w is not None:
+                            self._w.bare.update(n.id for ins in out for n in ins.new_nodes)
                     if request:
                         counts: dict[tuple[int, int], int] = {}
                         for ins in out:
@@ -762,6 +858,9 @@ class SQLPlanStorage(BasePlanStorage):
         """The insertions of ``items`` when every one's path is in the tree already (a
         resumed study submits its trials again), found in a read transaction; None when
         one needs a node (then the write transaction does it all)."""
+        cached = [self._cached_walk(root_key, hp, steps) for hp, steps in items]
+        if all(found is not None for found in cached):  # no transaction
+            return [Insertion(found.end, steps) for found, (_, steps) in zip(cached, items)]
         with self._tx(write=False) as conn:
             tree = self._refresh(conn, root_key)
             ends = [walk(tree, hp, steps).end for hp, steps in check_items(tree, items)]
@@ -775,9 +874,7 @@ class SQLPlanStorage(BasePlanStorage):
         found: dict[tuple[int, int], Request] = {}
         node_ids = sorted({node for node, _ in keys})
         for i in range(0, len(node_ids), _CHUNK):
-            rows = conn.execute(
-                select(_requests).where(_requests.c.node.in_(node_ids[i : i + _CHUNK]))
-            ).all()
+            rows = conn.execute(_REQUESTS_OF, {"ns": node_ids[i : i + _CHUNK]}).all()
             for row in rows:
                 if (row.node, row.step) in keys:
                     found[(row.node, row.step)] = _request(row)
@@ -786,28 +883,31 @@ class SQLPlanStorage(BasePlanStorage):
     def _add_requests(
         self, conn: Connection, root_key: str, counts: Mapping[tuple[int, int], int]
     ) -> dict[tuple[int, int], Request]:
-        old = self._load_requests(conn, counts.keys())
+        w = self._w
+        unread: Collection[tuple[int, int]] = counts.keys()
+        if w is not None:  # nothing stored on a bare node, the rest maybe known already
+            unread = [k for k in counts if k[0] not in w.bare and k not in w.requests]
+        old = self._load_requests(conn, unread) if unread else {}
+        if w is not None:
+            old.update((k, r) for k in counts if (r := w.requests.get(k)) is not None)
         new = {key: after_add(old.get(key), *key, n) for key, n in counts.items()}
         inserts = [_request_row(r, root_key) for key, r in new.items() if key not in old]
         updates = [_request_row(r, root_key) for key, r in new.items() if key in old]
         if inserts:
-            conn.execute(_requests.insert(), inserts)
+            conn.execute(_REQUESTS_INSERT, inserts)
+            if w is not None:
+                w.requests.update((key, r) for key, r in new.items() if key not in old)
         if updates:
             self._update_requests(conn, updates)
         return new
 
     def _update_requests(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
-        stmt = (
-            _requests.update()
-            .where(_requests.c.node == bindparam("b_node"), _requests.c.step == bindparam("b_step"))
-            .values(
-                refcount=bindparam("b_refcount"),
-                state=bindparam("b_state"),
-                error=bindparam("b_error"),
-            )
-        )
         keys = ("node", "step", "refcount", "state", "error")
-        conn.execute(stmt, [{f"b_{k}": row[k] for k in keys} for row in rows])
+        conn.execute(_REQUESTS_SET, [{f"b_{k}": row[k] for k in keys} for row in rows])
+        if self._w is not None:
+            self._w.requests.update(
+                ((row["node"], row["step"]), _request(_Row(row))) for row in rows
+            )
 
     @_retried
     def tree_names(self, root_key: str) -> tuple[str, ...] | None:
@@ -828,9 +928,10 @@ class SQLPlanStorage(BasePlanStorage):
     def locate(
         self, root_key: str, hp: Mapping[str, Sequence], step: int
     ) -> tuple[int, int] | None:
-        with self._tx(write=False) as conn:
-            tree = self._refresh(conn, root_key)
-            result = walk(tree, hp, step)
+        result = self._cached_walk(root_key, hp, step)  # no transaction when found
+        if result is None:
+            with self._tx(write=False, single=True) as conn:
+                result = walk(self._refresh(conn, root_key), hp, step)
         return None if result.end is None else (result.end, step)
 
     @_retried
@@ -858,7 +959,7 @@ class SQLPlanStorage(BasePlanStorage):
     @_retried
     def last_node_id(self) -> int:
         with self._tx(write=False) as conn:
-            return int(conn.execute(select(func.max(_nodes.c.id))).scalar() or 0)
+            return int(conn.execute(_LAST_NODE).scalar() or 0)
 
     @_retried
     def nodes_after(self, after_id: int, also: Collection[int] = ()) -> list[Node]:
@@ -868,7 +969,7 @@ class SQLPlanStorage(BasePlanStorage):
         cond = _nodes.c.id > after_id
         if wanted:
             cond = or_(cond, _nodes.c.id.in_(wanted))
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=True) as conn:
             rows = conn.execute(select(_nodes).where(cond).order_by(_nodes.c.id)).all()
         cache = self._node_cache
         fresh = [row for row in rows if row.id not in cache]
@@ -897,10 +998,17 @@ class SQLPlanStorage(BasePlanStorage):
             return self._add_requests(conn, n.root_key, {(node, step): count})[(node, step)]
 
     def _get_request(self, conn: Connection, node: int, step: int) -> Request | None:
-        row = conn.execute(
-            select(_requests).where(_requests.c.node == node, _requests.c.step == step)
-        ).first()
-        return None if row is None else _request(row)
+        w = self._w
+        if w is not None:
+            if (node, step) in w.requests:
+                return w.requests[(node, step)]
+            if node in w.bare:
+                return None
+        row = conn.execute(_REQUEST, {"n": node, "s": step}).first()
+        req = None if row is None else _request(row)
+        if w is not None:
+            w.requests[(node, step)] = req
+        return req
 
     @_retried
     def release_request(self, node: int, step: int, count: int = 1) -> Request:
@@ -924,7 +1032,7 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def request(self, node: int, step: int) -> Request | None:
-        with self._tx(write=False) as conn:
+        with self._tx(write=False, single=True) as conn:
             return self._get_request(conn, node, step)
 
     @_retried
@@ -955,10 +1063,10 @@ class SQLPlanStorage(BasePlanStorage):
         with self._tx(write=True) as conn:
             n = self._node(conn, node)
             check_canonical(n, step)
-            key = (_checkpoints.c.node == node) & (_checkpoints.c.step == step)
-            conn.execute(_checkpoints.delete().where(key))
-            conn.execute(
-                _checkpoints.insert(),
+            if self._w is not None:
+                self._w.bare.discard(node)
+            conn.execute(  # an upsert: one statement, replacing a record there
+                _put_checkpoint_query(self._pg),
                 {
                     "node": node,
                     "step": step,
@@ -982,12 +1090,10 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def checkpoint(self, node: int, step: int) -> CheckpointRecord | None:
-        with self._tx(write=False) as conn:
-            row = conn.execute(
-                select(_checkpoints).where(
-                    (_checkpoints.c.node == node) & (_checkpoints.c.step == step)
-                )
-            ).first()
+        with self._tx(write=False, single=True) as conn:
+            if self._w is not None and node in self._w.bare:
+                return None
+            row = conn.execute(_CHECKPOINT, {"n": node, "s": step}).first()
         return None if row is None else CheckpointRecord(row.ref, row.nbytes, row.created)
 
     @_retried
@@ -1002,6 +1108,19 @@ class SQLPlanStorage(BasePlanStorage):
             (node, step): CheckpointRecord(ref, nbytes, created)
             for node, step, ref, nbytes, created in rows
         }
+
+    @_retried
+    def checkpoints_on(self, nodes: Collection[int]) -> dict[tuple[int, int], CheckpointRecord]:
+        # By the primary key (node, step): a path's few nodes, whatever their tree holds.
+        out: dict[tuple[int, int], CheckpointRecord] = {}
+        with self._tx(write=False, single=len(set(nodes)) <= _CHUNK) as conn:
+            bare = self._w.bare if self._w is not None else ()
+            ids = sorted(n for n in set(nodes) if n not in bare)  # bare: none there
+            for i in range(0, len(ids), _CHUNK):
+                rows = conn.execute(_CHECKPOINTS_OF, {"ns": ids[i : i + _CHUNK]}).all()
+                for node, step, ref, nbytes, created in rows:
+                    out[(node, step)] = CheckpointRecord(ref, nbytes, created)
+        return out
 
     # -- metrics -------------------------------------------------------------------------
 
@@ -1025,16 +1144,15 @@ class SQLPlanStorage(BasePlanStorage):
             # What is stored already: one query per chunk of nodes (a batch of the
             # engine's curve points spans many trials), over the steps the batch spans.
             stored: dict[tuple[int, int], dict[str, float]] = {}
-            ids = sorted(spans)
+            w = self._w
+            ids = sorted(n for n in spans if w is None or n not in w.bare)
+            if w is not None:
+                w.bare.difference_update(spans)
             for i in range(0, len(ids), _CHUNK):
                 chunk = ids[i : i + _CHUNK]
                 lo = min(spans[n][0] for n in chunk)
                 hi = max(spans[n][1] for n in chunk)
-                rows = conn.execute(
-                    select(_metrics.c.node, _metrics.c.step, _metrics.c.data).where(
-                        _metrics.c.node.in_(chunk) & _metrics.c.step.between(lo, hi)
-                    )
-                ).all()
+                rows = conn.execute(_METRICS_SPAN, {"ns": chunk, "lo": lo, "hi": hi}).all()
                 rows = [r for r in rows if spans[r[0]][0] <= r[1] <= spans[r[0]][1]]
                 datas = _codec.loads_many([r[2] for r in rows])
                 stored.update(((r[0], r[1]), data) for r, data in zip(rows, datas))
@@ -1054,21 +1172,21 @@ class SQLPlanStorage(BasePlanStorage):
                 if key not in stored
             ]
             if new:
-                conn.execute(_metrics.insert(), new)
-            for key, data in merged.items():
-                if key in stored:
-                    conn.execute(
-                        _metrics.update()
-                        .where((_metrics.c.node == key[0]) & (_metrics.c.step == key[1]))
-                        .values(data=_codec.dumps(data))
-                    )
+                conn.execute(_METRICS_INSERT, new)
+            changed = [
+                {"b_node": key[0], "b_step": key[1], "b_data": _codec.dumps(data)}
+                for key, data in merged.items()
+                if key in stored
+            ]
+            if changed:
+                conn.execute(_METRICS_SET, changed)
 
     @_retried
     def get_metrics(self, node: int, step: int) -> dict[str, float] | None:
-        with self._tx(write=False) as conn:
-            raw = conn.execute(
-                select(_metrics.c.data).where((_metrics.c.node == node) & (_metrics.c.step == step))
-            ).scalar_one_or_none()
+        with self._tx(write=False, single=True) as conn:
+            if self._w is not None and node in self._w.bare:
+                return None  # created by this transaction: nothing stored on it yet
+            raw = conn.execute(_METRICS_AT, {"n": node, "s": step}).scalar_one_or_none()
         return None if raw is None else evaluated_metrics(_codec.loads(raw))
 
     @_retried
@@ -1076,16 +1194,14 @@ class SQLPlanStorage(BasePlanStorage):
         self, root_key: str, hp: Mapping[str, Sequence], steps: int
     ) -> dict[int, dict[str, float]]:
         out: dict[int, dict[str, float]] = {}
-        with self._tx(write=False) as conn:
-            segments = walk(self._refresh(conn, root_key), hp, steps).segments
+        cached = self._cached_walk(root_key, hp, steps)  # then one statement
+        with self._tx(write=False, single=cached is not None) as conn:
+            found = cached if cached is not None else walk(self._refresh(conn, root_key), hp, steps)
+            segments = found.segments
             ranges = {node: (first, last) for node, first, last in segments}
             if not ranges:
                 return out
-            rows = conn.execute(
-                select(_metrics.c.node, _metrics.c.step, _metrics.c.data).where(
-                    _metrics.c.node.in_(list(ranges))
-                )
-            ).all()
+            rows = conn.execute(_METRICS_OF, {"ns": list(ranges)}).all()
         rows = [r for r in rows if ranges[r.node][0] <= r.step <= ranges[r.node][1]]
         for row, data in zip(rows, _codec.loads_many([r.data for r in rows])):
             out[row.step] = _shown(data)
@@ -1171,9 +1287,10 @@ class SQLPlanStorage(BasePlanStorage):
         if scope is None:
             query = select(_stats.c.key, func.sum(_stats.c.value)).group_by(_stats.c.key)
         else:
-            query = select(_stats.c.key, _stats.c.value).where(_stats.c.scope == scope)
-        with self._tx(write=False) as conn:
-            return {key: float(value) for key, value in sorted(conn.execute(query).all())}
+            query = _STATS_OF
+        with self._tx(write=False, single=True) as conn:
+            rows = conn.execute(query, {"s": scope}).all()
+            return {key: float(value) for key, value in sorted(rows)}
 
     # -- studies -------------------------------------------------------------------------
 
@@ -1259,10 +1376,13 @@ class SQLPlanStorage(BasePlanStorage):
                 if old is not None:
                     return old
             if self._engine.dialect.insert_returning:  # the next id and the row at once
-                return int(conn.execute(_add_trial_query(), row).scalar_one())
-            trial_id = (conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1
-            conn.execute(_trials.insert(), {"id": trial_id, **row})
-            return int(trial_id)
+                trial_id = int(conn.execute(_add_trial_query(), row).scalar_one())
+            else:
+                trial_id = int((conn.execute(select(func.max(_trials.c.id))).scalar() or 0) + 1)
+                conn.execute(_trials.insert(), {"id": trial_id, **row})
+            if self._w is not None:  # the row as stored, for reads in this transaction
+                self._w.trials[trial_id] = {"id": trial_id, **row}
+            return trial_id
 
     def _same_trial(self, conn: Connection, study: str, ident: tuple[str, str, str]) -> int | None:
         """The first trial of ``study`` with ``ident`` (root key, config and hp as
@@ -1271,11 +1391,7 @@ class SQLPlanStorage(BasePlanStorage):
         on its row, and only a hash collision compares the study's rows in SQL."""
         c = _trials.c
         last, index = self._trial_keys.get(study, (0, {}))
-        added = conn.execute(
-            select(c.id, c.root_key, c.config, c.hp)
-            .where(c.study == study, c.id > last)
-            .order_by(c.id)
-        ).all()
+        added = conn.execute(_TRIALS_ADDED, {"s": study, "i": last}).all()
         for r in added:
             index.setdefault(hash((r.root_key, r.config, r.hp)), int(r.id))
         self._trial_keys[study] = (int(added[-1].id) if added else last, index)
@@ -1303,10 +1419,14 @@ class SQLPlanStorage(BasePlanStorage):
         state: str | None = None,
         attrs: Mapping[str, Any] | None = None,
         seen: Mapping[str, Any] | None = None,
+        only_from: str | None = None,
     ) -> dict[str, Any]:
         changes = trial_changes(steps, node, step, state)
         if attrs is not None:
             changes["attrs"] = _codec.dumps(dict(attrs), "trial attrs")
+        if only_from is not None:  # compare and set: one statement, no read before
+            with self._tx(write=True) as conn:
+                return self._write_trial(conn, trial_id, changes, only_from)
         if seen is not None:  # the caller's read of the row, to spare this one
             stored = {k: seen[k] for k in changes if k != "attrs"}
             if "attrs" in changes:
@@ -1314,27 +1434,47 @@ class SQLPlanStorage(BasePlanStorage):
             if stored == changes:
                 return dict(seen)
         else:
-            with self._tx(write=False) as conn:  # a replayed trial changes nothing: no write
-                row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+            with self._tx(write=False, single=True) as conn:  # nothing changes: no write
+                row = conn.execute(_TRIAL, {"i": trial_id}).first()
             if row is None:
                 raise PlanKeyError(f"no trial {trial_id}")
             if all(getattr(row, k) == v for k, v in changes.items()):
                 return _trial(row)
         with self._tx(write=True) as conn:
-            update = _trials.update().where(_trials.c.id == trial_id).values(**changes)
-            if self._engine.dialect.update_returning:  # the row as written, one statement
-                row = conn.execute(update.returning(*_trials.c)).first()
-            else:
-                conn.execute(update)
-                row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
-            if row is None:
-                raise PlanKeyError(f"no trial {trial_id}")
-            return _trial(row)
+            return self._write_trial(conn, trial_id, changes, None)
+
+    def _write_trial(
+        self, conn: Connection, trial_id: int, changes: dict[str, Any], only_from: str | None
+    ) -> dict[str, Any]:
+        """The ``UPDATE`` of :meth:`update_trial` (where the state is ``only_from`` when
+        given: checked and set at once); the row as stored after it, returned with it
+        (RETURNING), else read."""
+        returning = self._engine.dialect.update_returning
+        values = {f"b_{k}": v for k, v in changes.items()}
+        values["b_id"] = trial_id
+        if only_from is not None:
+            values["b_from"] = only_from
+        query = _update_trial_query(tuple(changes), returning, only_from is not None)
+        row = conn.execute(query, values).first() if returning else None
+        if row is None:  # no RETURNING, or nothing changed (only_from): the row as it is
+            if not returning:
+                conn.execute(query, values)
+            row = conn.execute(_TRIAL, {"i": trial_id}).first()
+        if row is None:
+            raise PlanKeyError(f"no trial {trial_id}")
+        if self._w is not None:
+            self._w.trials[trial_id] = dict(row._mapping)
+        return _trial(row)
 
     @_retried
     def trial(self, trial_id: int) -> dict[str, Any]:
-        with self._tx(write=False) as conn:
-            row = conn.execute(select(_trials).where(_trials.c.id == trial_id)).first()
+        with self._tx(write=False, single=True) as conn:
+            w = self._w
+            if w is not None and trial_id in w.trials:  # written or read by this transaction
+                return _trial(_Row(w.trials[trial_id]))
+            row = conn.execute(_TRIAL, {"i": trial_id}).first()
+            if row is not None and w is not None:
+                w.trials[trial_id] = dict(row._mapping)
         if row is None:
             raise PlanKeyError(f"no trial {trial_id}")
         return _trial(row)
@@ -1471,6 +1611,7 @@ class SQLPlanStorage(BasePlanStorage):
     def _grant(
         self,
         conn: Connection,
+        live: list[Lease],
         owner: str,
         scope: str,
         spans: list[tuple[int | None, int, int]],
@@ -1478,18 +1619,19 @@ class SQLPlanStorage(BasePlanStorage):
     ) -> tuple[Lease, ...]:
         host, pid = host_pid()
         now = time.time()
-        first = (conn.execute(select(func.max(_leases.c.id))).scalar() or 0) + 1
+        # every row of the table was read by _live_leases (the expired ones deleted)
+        first = max((lease.id for lease in live), default=0) + 1
         out = tuple(
             Lease(first + i, owner, scope, n, a, b, host, pid, now, now + ttl)
             for i, (n, a, b) in enumerate(spans)
         )
         if out:
-            conn.execute(_leases.insert(), [_lease_row(lease) for lease in out])
+            conn.execute(_LEASES_INSERT, [_lease_row(lease) for lease in out])
         return out
 
     def _live_leases(self, conn: Connection, now: float) -> list[Lease]:
-        conn.execute(_leases.delete().where(_leases.c.expires <= now))
-        return [_lease(row) for row in conn.execute(select(_leases).order_by(_leases.c.id))]
+        conn.execute(_LEASES_EXPIRED, {"now": now})
+        return [_lease(row) for row in conn.execute(_LEASES)]
 
     @_retried
     def claim(
@@ -1497,11 +1639,12 @@ class SQLPlanStorage(BasePlanStorage):
     ) -> ClaimResult:
         with self._tx(write=True) as conn:
             now = time.time()
-            conflicts = stage_conflicts(self._live_leases(conn, now), owner, segments, now)
+            live = self._live_leases(conn, now)
+            conflicts = stage_conflicts(live, owner, segments, now)
             if conflicts:
                 return ClaimResult(conflicts=tuple(conflicts))
             spans: list[tuple[int | None, int, int]] = [(n, a, b) for n, a, b in segments if b > a]
-            return ClaimResult(granted=self._grant(conn, owner, root_key, spans, ttl))
+            return ClaimResult(granted=self._grant(conn, live, owner, root_key, spans, ttl))
 
     @_retried
     def claim_study(self, owner: str, study: str, ttl: float) -> ClaimResult:
@@ -1517,7 +1660,7 @@ class SQLPlanStorage(BasePlanStorage):
                         _leases.update().where(_leases.c.id == lease.id).values(expires=now + ttl)
                     )
                     return ClaimResult(granted=(_replace_expiry(lease, now + ttl),))
-            return ClaimResult(granted=self._grant(conn, owner, study, [(None, 0, 0)], ttl))
+            return ClaimResult(granted=self._grant(conn, live, owner, study, [(None, 0, 0)], ttl))
 
     @_retried
     def renew(self, owner: str, ttl: float) -> int:
@@ -1529,11 +1672,13 @@ class SQLPlanStorage(BasePlanStorage):
 
     @_retried
     def release(self, owner: str, lease_ids: Collection[int] | None = None) -> int:
-        query = _leases.delete().where(_leases.c.owner == owner)
         if lease_ids is not None:
             if not lease_ids:
                 return 0
-            query = query.where(_leases.c.id.in_(list(lease_ids)))
+            with self._tx(write=True) as conn:
+                done = conn.execute(_LEASES_RELEASE, {"o": owner, "ids": list(lease_ids)})
+                return int(done.rowcount or 0)
+        query = _leases.delete().where(_leases.c.owner == owner)
         with self._tx(write=True) as conn:
             return int(conn.execute(query).rowcount or 0)
 
@@ -1542,7 +1687,7 @@ class SQLPlanStorage(BasePlanStorage):
         wanted = sorted(set(nodes))
         if not wanted:
             return []
-        with self._tx(write=False) as conn:  # the primary key (node, step) answers it
+        with self._tx(write=False, single=True) as conn:  # by the primary key (node, step)
             rows = conn.execute(_requests_on_query(), {"nodes": wanted}).all()
         known = _STATES
         return [
@@ -1582,7 +1727,7 @@ class SQLPlanStorage(BasePlanStorage):
         for row in rows:
             row["data"] = _codec.dumps(row["data"], "activity data")
         with self._tx(write=True) as conn:
-            conn.execute(_activity.insert(), rows)
+            conn.execute(_ACTIVITY_INSERT, rows)
 
     @_retried
     def activity(
@@ -1685,6 +1830,29 @@ def _add_stats_query(pg: bool) -> Any:
 
 
 @functools.cache
+def _update_trial_query(keys: tuple[str, ...], returning: bool, only_from: bool = False) -> Any:
+    """``UPDATE`` of trial ``b_id``'s columns ``keys`` (parameters ``b_<key>``), where its
+    state is ``b_from`` too when ``only_from``, the row returned with it when
+    ``returning``; built once per set of columns."""
+    update = _trials.update().where(_T.id == bindparam("b_id"))
+    if only_from:
+        update = update.where(_T.state == bindparam("b_from"))
+    update = update.values({k: bindparam(f"b_{k}") for k in keys})
+    return update.returning(*_trials.c) if returning else update
+
+
+@functools.cache
+def _put_checkpoint_query(pg: bool) -> Any:
+    """Stores checkpoint record (``node``, ``step``), replacing the one there: an upsert,
+    one statement (built once)."""
+    stmt = (pg_insert if pg else sqlite_insert)(_checkpoints)
+    return stmt.on_conflict_do_update(
+        index_elements=[_checkpoints.c.node, _checkpoints.c.step],
+        set_={k: stmt.excluded[k] for k in ("root_key", "ref", "nbytes", "created")},
+    )
+
+
+@functools.cache
 def _requests_on_query() -> Select[Any]:
     """Requests on the nodes bound as ``nodes`` (built once: a poll's statement is
     compiled from the cache, not put together again)."""
@@ -1703,6 +1871,21 @@ def _shown(stored: dict[str, float]) -> dict[str, float]:
 
 
 _STATES = {state.value: state for state in RequestState}  # RequestState(x) is slow
+
+
+class _Row:
+    """A row given as a mapping, read by attribute (as SQLAlchemy's rows are)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._values = values
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def _request(row: Any) -> Request:
