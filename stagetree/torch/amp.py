@@ -12,7 +12,7 @@ overflow skips its step and halves its scale alone, as it would trained alone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -160,15 +160,27 @@ class MemberScales:
         return losses * self.scale
 
     @torch.no_grad()
-    def unscale(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    def unscale(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Divide each member's slice of the stacked ``grads`` by its scale in place (as
         ``GradScaler.unscale_``: times the float32 reciprocal computed in float64); return
-        ``[B]`` bools: the members whose gradients hold an inf or a NaN."""
+        ``[B]`` bools on the device: the members whose gradients hold an inf or a NaN
+        (before the division, as ``GradScaler`` checks them).
+
+        A constant number of operations whatever the number of parameters (one check over
+        the gradients laid side by side, one multi-tensor multiply), and no host sync.
+        """
+        if not grads:
+            return torch.zeros_like(self.scale, dtype=torch.bool)
+        size = self.scale.shape[0]
+        flat = torch.cat([g.reshape(size, -1) for g in grads], dim=1)
+        found = ~torch.isfinite(flat).all(dim=1)
+        del flat
         inv = self.scale.double().reciprocal().float()
-        found = torch.zeros_like(self.scale, dtype=torch.bool)
+        views: dict[int, torch.Tensor] = {}
         for g in grads:
-            found |= ~torch.isfinite(g.flatten(1)).all(dim=1)
-            g.mul_(inv.view(-1, *([1] * (g.dim() - 1))))
+            if g.dim() not in views:
+                views[g.dim()] = inv.view(-1, *([1] * (g.dim() - 1)))
+        torch._foreach_mul_(list(grads), [views[g.dim()] for g in grads])
         return found
 
     @torch.no_grad()

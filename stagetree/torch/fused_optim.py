@@ -83,8 +83,15 @@ class FusedOptimizer:
         for name, default in self.HP.items():
             self.set_hp(name, hp.get(name, default))
         self.state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.params}
-        self.steps = torch.zeros(self.size, dtype=torch.float64)  # per member
+        device = next(iter(self.params.values())).device
+        # Per member, on the parameters' device: a step skipped by a mask (a GradScaler's
+        # overflow) leaves a member's count as it is without the host reading the mask.
+        self.steps = torch.zeros(self.size, dtype=torch.float64, device=device)
         self._stepped: set[str] = set()  # parameters stepped (or loaded) at least once
+        # The step's mask: None (every member steps) or ``[B]`` bools on the device, and
+        # its views shaped for a parameter's dim (see :meth:`_ok`).
+        self._mask: torch.Tensor | None = None
+        self._mask_views: dict[int, torch.Tensor] = {}
 
     def set_hp(self, name: str, values: Any) -> None:
         """Set one hyper-parameter for every member (a number) or each (B numbers)."""
@@ -144,39 +151,52 @@ class FusedOptimizer:
         gradient is None for a parameter are left as they are there).
 
         Args:
-            skip: ``[B]`` bools (any device): members that do not step (their parameters,
-                state and step count stay as they are; a ``GradScaler`` found their
-                gradients not finite).
+            skip: ``[B]`` bools on the parameters' device: members that do not step
+                (their parameters, state and step count stay as they are; a
+                ``GradScaler`` found their gradients not finite). Applied on the device
+                (each update is selected per member with ``torch.where``): the host
+                never reads it, so the step does not wait for the backward.
         """
-        skipped = None if skip is None else skip.to("cpu")
-        if skipped is not None and bool(skipped.any()):
-            self._step_some(skipped)
-            return
-        self.steps += 1
+        if skip is None:
+            self._mask = None
+            self.steps += 1
+        else:
+            self._mask = ~skip.to(device=self.steps.device, dtype=torch.bool)
+            self.steps += self._mask
+        self._mask_views = {}
         self._forget("step")
-        for name, p in self.params.items():
-            if p.grad is not None:
-                self._stepped.add(name)
-                self._update(name, p, p.grad)
+        try:
+            for name, p in self.params.items():
+                if p.grad is not None:
+                    self._stepped.add(name)
+                    self._update(name, p, p.grad)
+        finally:
+            self._mask = None
+            self._mask_views = {}
 
-    def _step_some(self, skipped: torch.Tensor) -> None:
-        """Step all, then put the ``skipped`` members' slices back (rare: an overflow)."""
-        before = {name: p.clone() for name, p in self.params.items()}
-        state = {n: {k: v.clone() for k, v in s.items()} for n, s in self.state.items()}
-        stepped = set(self._stepped)
-        self.step()
-        for name, p in self.params.items():
-            p[skipped.to(p.device)] = before[name][skipped.to(p.device)]
-        for name, saved in state.items():
-            current = self.state[name]
-            for key, value in saved.items():
-                current[key][skipped.to(value.device)] = value[skipped.to(value.device)]
-            for key in set(current) - set(saved):  # created by this step: zeros for them
-                current[key][skipped.to(current[key].device)] = 0
-        self.steps[skipped] -= 1
-        self._forget("step")
-        if bool(skipped.all()):
-            self._stepped = stepped
+    def _ok(self, like: torch.Tensor) -> torch.Tensor | None:
+        """This step's mask (True: the member steps) shaped to broadcast over a stacked
+        parameter like ``like``; None when every member steps."""
+        if self._mask is None:
+            return None
+        view = self._mask_views.get(like.dim())
+        if view is None:
+            view = self._mask_views[like.dim()] = self._mask.view(-1, *([1] * (like.dim() - 1)))
+        return view
+
+    @staticmethod
+    def _assign(target: torch.Tensor, new: torch.Tensor, ok: torch.Tensor | None) -> None:
+        """``target`` becomes ``new`` for the members that step (``ok``; None: all)."""
+        if ok is None:
+            target.copy_(new)
+        else:
+            torch.where(ok, new, target, out=target)
+
+    @staticmethod
+    def _descend(p: torch.Tensor, update: torch.Tensor, ok: torch.Tensor | None) -> None:
+        """``p -= update`` for the members that step: the others subtract an exact zero
+        (their update may be an inf or a NaN)."""
+        p.sub_(update if ok is None else torch.where(ok, update, 0.0))
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         raise NotImplementedError
@@ -222,38 +242,64 @@ class FusedSGD(FusedOptimizer):
     ) -> None:
         super().__init__(params, **hp)
         self.nesterov = bool(nesterov)
+        # Parameters whose members all have a momentum buffer (known on the host).
+        self._started: set[str] = set()
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         hp = self.hp
+        ok = self._ok(p)
         d_p = grad
         if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
             d_p = grad + self._col("weight_decay", p) * p
         lr = self._col("lr", p)
         if not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any()):
-            p.sub_(lr * d_p)  # plain SGD for everyone: buffers stay as they are
+            self._descend(p, lr * d_p, ok)  # plain SGD for everyone: buffers stay as they are
             return
         state = self.state[name]
         buf = state.get("momentum_buffer")
-        has = state.get("has_buffer")  # [B] bool on the CPU: member b's buffer exists
+        has = state.get("has_buffer")  # [B] bool on p's device: member b's buffer exists
         if buf is None or has is None:
             buf = state["momentum_buffer"] = torch.zeros_like(p)
-            has = state["has_buffer"] = torch.zeros(self.size, dtype=torch.bool)
+            has = state["has_buffer"] = torch.zeros(self.size, dtype=torch.bool, device=p.device)
         momentum = self._col("momentum", p)
         keep = self._col("dampening:keep", p, lambda: 1.0 - hp["dampening"])
-        if self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and bool(has.all()):
-            # The usual case: every member has momentum and a buffer.
-            buf.mul_(momentum).add_(d_p * keep)
+        if self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and (
+            name in self._started
+            or self._flag("dampening:none", lambda: (hp["dampening"] == 0).all())
+        ):
+            # The usual case: every member has momentum, and a buffer (or no dampening:
+            # a buffer not started yet is zeros, and zeros * momentum + d_p is d_p, the
+            # buffer torch.optim starts with).
+            if ok is None:
+                buf.mul_(momentum).add_(d_p * keep)
+            else:
+                torch.where(ok, buf * momentum + d_p * keep, buf, out=buf)
+            if name not in self._started:
+                if ok is None:
+                    has.fill_(True)
+                    self._started.add(name)
+                else:  # who started is on the device: the host does not learn it
+                    has.logical_or_(ok.flatten())
             step = d_p + momentum * buf if self.nesterov else buf
-            p.sub_(lr * step)
+            self._descend(p, lr * step, ok)
             return
-        uses = self._col("momentum:uses", p, lambda: (hp["momentum"] > 0).double()) > 0
-        started = self._scale(has.double(), p) > 0
+
+        def momentum_uses() -> torch.Tensor:
+            return (hp["momentum"] > 0).double()
+
+        uses = self._col("momentum:uses", p, momentum_uses) > 0
+        started = has.view(-1, *([1] * (p.dim() - 1)))
         # A member's first step with momentum starts its buffer at its gradient; a member
         # without momentum leaves its buffer as it is.
-        buf.copy_(torch.where(uses, torch.where(started, buf * momentum + d_p * keep, d_p), buf))
-        has.logical_or_(hp["momentum"] > 0)
+        self._assign(
+            buf, torch.where(uses, torch.where(started, buf * momentum + d_p * keep, d_p), buf), ok
+        )
+        starts = self._col("momentum:uses", self.steps, momentum_uses) > 0
+        has.logical_or_(starts if self._mask is None else starts & self._mask)
+        if self._mask is None and self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()):
+            self._started.add(name)
         step = d_p + momentum * buf if self.nesterov else buf
-        p.sub_(lr * torch.where(uses, step, d_p))
+        self._descend(p, lr * torch.where(uses, step, d_p), ok)
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -278,7 +324,7 @@ class FusedSGD(FusedOptimizer):
             s = self.state[name]
             if "momentum_buffer" not in s:
                 s["momentum_buffer"] = torch.zeros_like(p)
-                s["has_buffer"] = torch.zeros(self.size, dtype=torch.bool)
+                s["has_buffer"] = torch.zeros(self.size, dtype=torch.bool, device=p.device)
             s["momentum_buffer"][b].copy_(buf)
             s["has_buffer"][b] = True
 
@@ -338,23 +384,40 @@ class FusedAdam(_SlotOptimizer):
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         hp, s = self.hp, self._slots(name, p)
+        ok = self._ok(p)
         if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
             if self.decoupled:
-                p.mul_(
-                    self._col("lr+weight_decay:keep", p, lambda: 1 - hp["lr"] * hp["weight_decay"])
+                keep = self._col(
+                    "lr+weight_decay:keep", p, lambda: 1 - hp["lr"] * hp["weight_decay"]
                 )
+                p.mul_(keep if ok is None else torch.where(ok, keep, 1.0))
             else:
                 grad = grad + self._col("weight_decay", p) * p
         beta1, beta2 = self._col("beta1", p), self._col("beta2", p)
-        s["exp_avg"].lerp_(grad, 1 - beta1)
-        s["exp_avg_sq"].mul_(beta2).add_((1 - beta2) * grad * grad)
+        exp_avg, exp_avg_sq = s["exp_avg"], s["exp_avg_sq"]
+        if ok is None:
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
+        else:
+            torch.where(ok, exp_avg.lerp(grad, 1 - beta1), exp_avg, out=exp_avg)
+            torch.where(
+                ok, exp_avg_sq * beta2 + (1 - beta2) * grad * grad, exp_avg_sq, out=exp_avg_sq
+            )
         # Bias corrections in float64 per member, as torch.optim computes them in Python
-        # (once per step: "step:" columns are dropped by every step()).
+        # (once per step: "step:" columns are dropped by every step()), on the device
+        # where the step counts are.
         steps = self.steps
-        step_size = self._col("step:size", p, lambda: hp["lr"] / (1 - hp["beta1"] ** steps))
-        correction2_sqrt = self._col("step:c2", p, lambda: (1 - hp["beta2"] ** steps).sqrt())
-        denom = (s["exp_avg_sq"].sqrt() / correction2_sqrt).add_(self._col("eps", p))
-        p.sub_(step_size * (s["exp_avg"] / denom))
+
+        def size() -> torch.Tensor:
+            return self._col("lr", steps) / (1 - self._col("beta1", steps) ** steps)
+
+        def c2() -> torch.Tensor:
+            return (1 - self._col("beta2", steps) ** steps).sqrt()
+
+        step_size = self._col("step:size", p, size)
+        correction2_sqrt = self._col("step:c2", p, c2)
+        denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(self._col("eps", p))
+        self._descend(p, step_size * (exp_avg / denom), ok)
 
 
 class FusedAdadelta(_SlotOptimizer):
@@ -376,9 +439,16 @@ class FusedAdadelta(_SlotOptimizer):
         rho = self._col("rho", p)
         keep = self._col("rho:keep", p, lambda: 1 - hp["rho"])
         eps = self._col("eps", p)
+        ok = self._ok(p)
         square_avg, acc_delta = s["square_avg"], s["acc_delta"]
-        square_avg.mul_(rho).add_(keep * grad * grad)
+        if ok is None:
+            square_avg.mul_(rho).add_(keep * grad * grad)
+        else:
+            torch.where(ok, square_avg * rho + keep * grad * grad, square_avg, out=square_avg)
         std = square_avg.add(eps).sqrt_()
         delta = acc_delta.add(eps).sqrt_().div_(std).mul_(grad)
-        acc_delta.mul_(rho).add_(keep * delta * delta)
-        p.sub_(self._col("lr", p) * delta)
+        if ok is None:
+            acc_delta.mul_(rho).add_(keep * delta * delta)
+        else:
+            torch.where(ok, acc_delta * rho + keep * delta * delta, acc_delta, out=acc_delta)
+        self._descend(p, self._col("lr", p) * delta, ok)
