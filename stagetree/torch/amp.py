@@ -160,22 +160,27 @@ class MemberScales:
         return losses * self.scale
 
     @torch.no_grad()
-    def unscale(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    def unscale(self, grads: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Divide each member's slice of the stacked ``grads`` by its scale in place (as
         ``GradScaler.unscale_``: times the float32 reciprocal computed in float64); return
         ``[B]`` bools on the device: the members whose gradients hold an inf or a NaN
         (before the division, as ``GradScaler`` checks them).
 
-        A constant number of operations whatever the number of parameters (one check over
-        the gradients laid side by side, one multi-tensor multiply), and no host sync.
+        ``grads``: the stacked gradients, or all of them side by side (one ``[B, width]``
+        tensor, :meth:`stagetree.torch.fused_optim.FusedOptimizer.flat_grad`). A constant
+        number of operations whatever the number of parameters (one check over the
+        gradients side by side, one multiplication or a multi-tensor one), and no host
+        sync.
         """
+        inv = self.scale.double().reciprocal().float()
+        if isinstance(grads, torch.Tensor):
+            found = ~torch.isfinite(grads).all(dim=1)
+            grads.mul_(inv.view(-1, 1))
+            return found
         if not grads:
             return torch.zeros_like(self.scale, dtype=torch.bool)
         size = self.scale.shape[0]
-        flat = torch.cat([g.reshape(size, -1) for g in grads], dim=1)
-        found = ~torch.isfinite(flat).all(dim=1)
-        del flat
-        inv = self.scale.double().reciprocal().float()
+        found = ~torch.isfinite(torch.cat([g.reshape(size, -1) for g in grads], dim=1)).all(dim=1)
         views: dict[int, torch.Tensor] = {}
         for g in grads:
             if g.dim() not in views:

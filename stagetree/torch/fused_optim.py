@@ -27,7 +27,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["FusedAdadelta", "FusedAdam", "FusedOptimizer", "FusedSGD"]
+__all__ = ["FLAT", "FusedAdadelta", "FusedAdam", "FusedOptimizer", "FusedSGD"]
+
+#: The name :meth:`FusedOptimizer._update` gets for a step over all parameters side by
+#: side (its tensors ``[B, width]``).
+FLAT = "*"
 
 
 def _column(values: Any, size: int, name: str) -> torch.Tensor:
@@ -92,6 +96,25 @@ class FusedOptimizer:
         # its views shaped for a parameter's dim (see :meth:`_ok`).
         self._mask: torch.Tensor | None = None
         self._mask_views: dict[int, torch.Tensor] = {}
+        # Every member's parameters side by side: parameter ``name`` is columns
+        # ``[offset, offset + numel)`` of a ``[B, width]`` tensor. The state is kept in
+        # that layout (each parameter's state a view of it), so that a step can run over
+        # all parameters at once (:meth:`flat_grad`): a few operations per step instead
+        # of a few per parameter, what bounds a step on an accelerator when kernels are
+        # short. None: the parameters differ in dtype or device (steps per parameter).
+        self.flat = True  #: take flat steps where the values allow (False: never)
+        self._layout: dict[str, tuple[int, int]] | None = None
+        kinds = {(p.dtype, p.device) for p in self.params.values()}
+        if len(kinds) == 1:
+            offset, self._layout = 0, {}
+            for name, p in self.params.items():
+                numel = p[0].numel()
+                self._layout[name] = (offset, numel)
+                offset += numel
+            self._width = offset
+            (self._dtype, self._device) = kinds.pop()
+        self._storage: dict[str, torch.Tensor] = {}  # slot -> [B, width] state
+        self._grad_buffer: torch.Tensor | None = None
 
     def set_hp(self, name: str, values: Any) -> None:
         """Set one hyper-parameter for every member (a number) or each (B numbers)."""
@@ -146,7 +169,7 @@ class FusedOptimizer:
             del self._flags[flag]
 
     @torch.no_grad()
-    def step(self, skip: torch.Tensor | None = None) -> None:
+    def step(self, skip: torch.Tensor | None = None, flat_grad: torch.Tensor | None = None) -> None:
         """One step of every member from the parameters' ``.grad`` (members whose
         gradient is None for a parameter are left as they are there).
 
@@ -156,7 +179,12 @@ class FusedOptimizer:
                 ``GradScaler`` found their gradients not finite). Applied on the device
                 (each update is selected per member with ``torch.where``): the host
                 never reads it, so the step does not wait for the backward.
+            flat_grad: :meth:`flat_grad`'s gradients (unscaled by the caller, perhaps),
+                used instead of the ``.grad`` s: the step runs on all parameters side by
+                side.
         """
+        if flat_grad is None:
+            flat_grad = self.flat_grad()
         if skip is None:
             self._mask = None
             self.steps += 1
@@ -166,6 +194,10 @@ class FusedOptimizer:
         self._mask_views = {}
         self._forget("step")
         try:
+            if flat_grad is not None:
+                self._stepped.update(self.params)
+                self._update(FLAT, flat_grad, flat_grad)
+                return
             for name, p in self.params.items():
                 if p.grad is not None:
                     self._stepped.add(name)
@@ -173,6 +205,59 @@ class FusedOptimizer:
         finally:
             self._mask = None
             self._mask_views = {}
+
+    def flat_grad(self) -> torch.Tensor | None:
+        """Every parameter's ``.grad`` side by side (``[B, width]``, a copy; see
+        :meth:`step`), or None where this step goes parameter by parameter: a gradient
+        is missing, the parameters differ in dtype or device, or the update rule needs
+        the parameters themselves (weight decay, :meth:`_flat_ready`)."""
+        if not self.flat or self._layout is None or not self._flat_ready():
+            return None
+        grads = []
+        for p in self.params.values():
+            if p.grad is None:
+                return None
+            grads.append(p.grad.reshape(self.size, -1))
+        buffer = self._grad_buffer
+        if buffer is None or buffer.dtype != grads[0].dtype:
+            buffer = self._grad_buffer = torch.empty(
+                self.size, self._width, dtype=grads[0].dtype, device=self._device
+            )
+        return torch.cat(grads, dim=1, out=buffer)
+
+    def _flat_ready(self) -> bool:
+        """Whether this step's values let :meth:`_update` run on all parameters side by
+        side (host-known facts only)."""
+        return False
+
+    def _slot(self, name: str, kind: str, p: torch.Tensor) -> torch.Tensor:
+        """State ``kind`` of parameter ``name`` (:data:`FLAT`: of all of them side by
+        side), zeros at first use; a view of the flat layout where there is one."""
+        state = self.state.get(name)
+        if state is not None and kind in state:
+            return state[kind]
+        if self._layout is None:
+            assert state is not None
+            tensor = state[kind] = torch.zeros_like(p)
+            return tensor
+        storage = self._storage.get(kind)
+        if storage is None:
+            storage = self._storage[kind] = torch.zeros(
+                self.size, self._width, dtype=self._dtype, device=self._device
+            )
+        if name == FLAT:
+            for n in self.params:
+                self.state[n].setdefault(kind, self._view(storage, n))
+            return storage
+        assert state is not None
+        tensor = state[kind] = self._view(storage, name)
+        return tensor
+
+    def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter ``name``'s part of a ``[B, width]`` tensor, shaped like it."""
+        assert self._layout is not None
+        offset, numel = self._layout[name]
+        return flat[:, offset : offset + numel].view(self.params[name].shape)
 
     def _ok(self, like: torch.Tensor) -> torch.Tensor | None:
         """This step's mask (True: the member steps) shaped to broadcast over a stacked
@@ -192,11 +277,22 @@ class FusedOptimizer:
         else:
             torch.where(ok, new, target, out=target)
 
-    @staticmethod
-    def _descend(p: torch.Tensor, update: torch.Tensor, ok: torch.Tensor | None) -> None:
+    def _descend(
+        self, name: str, p: torch.Tensor, update: torch.Tensor, ok: torch.Tensor | None
+    ) -> None:
         """``p -= update`` for the members that step: the others subtract an exact zero
-        (their update may be an inf or a NaN)."""
-        p.sub_(update if ok is None else torch.where(ok, update, 0.0))
+        (their update may be an inf or a NaN). :data:`FLAT`: every parameter's part of
+        ``update`` (one multi-tensor call)."""
+        if ok is not None:
+            update = torch.where(ok, update, 0.0)
+        if name != FLAT:
+            p.sub_(update)
+            return
+        assert self._layout is not None
+        sizes = [numel for _, numel in self._layout.values()]
+        parts = update.split(sizes, dim=1)
+        params = list(self.params.values())
+        torch._foreach_sub_(params, [part.view(q.shape) for part, q in zip(parts, params)])
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         raise NotImplementedError
@@ -242,8 +338,33 @@ class FusedSGD(FusedOptimizer):
     ) -> None:
         super().__init__(params, **hp)
         self.nesterov = bool(nesterov)
-        # Parameters whose members all have a momentum buffer (known on the host).
+        # Whether member b's buffer exists, per parameter (row: parameter, on the
+        # device: a step masked there starts buffers the host does not learn of).
+        device = next(iter(self.params.values())).device
+        self._rows = {name: row for row, name in enumerate(self.params)}
+        self._has = torch.zeros(len(self.params), self.size, dtype=torch.bool, device=device)
+        # Parameters whose members all have a buffer (known on the host).
         self._started: set[str] = set()
+
+    def _has_row(self, name: str) -> torch.Tensor:
+        """``[B]`` (:data:`FLAT`: ``[P, B]``): whose buffer exists."""
+        return self._has if name == FLAT else self._has[self._rows[name]]
+
+    def _all_started(self, name: str) -> bool:
+        if name == FLAT:
+            return len(self._started) == len(self.params)
+        return name in self._started
+
+    def _flat_ready(self) -> bool:
+        hp = self.hp
+        if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
+            return False
+        if not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any()):
+            return True
+        return self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and (
+            self._all_started(FLAT)
+            or self._flag("dampening:none", lambda: (hp["dampening"] == 0).all())
+        )
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         hp = self.hp
@@ -253,18 +374,15 @@ class FusedSGD(FusedOptimizer):
             d_p = grad + self._col("weight_decay", p) * p
         lr = self._col("lr", p)
         if not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any()):
-            self._descend(p, lr * d_p, ok)  # plain SGD for everyone: buffers stay as they are
+            # plain SGD for everyone: buffers stay as they are
+            self._descend(name, p, lr * d_p, ok)
             return
-        state = self.state[name]
-        buf = state.get("momentum_buffer")
-        has = state.get("has_buffer")  # [B] bool on p's device: member b's buffer exists
-        if buf is None or has is None:
-            buf = state["momentum_buffer"] = torch.zeros_like(p)
-            has = state["has_buffer"] = torch.zeros(self.size, dtype=torch.bool, device=p.device)
+        buf = self._slot(name, "momentum_buffer", p)
+        has = self._has_row(name)
         momentum = self._col("momentum", p)
         keep = self._col("dampening:keep", p, lambda: 1.0 - hp["dampening"])
         if self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and (
-            name in self._started
+            self._all_started(name)
             or self._flag("dampening:none", lambda: (hp["dampening"] == 0).all())
         ):
             # The usual case: every member has momentum, and a buffer (or no dampening:
@@ -274,14 +392,14 @@ class FusedSGD(FusedOptimizer):
                 buf.mul_(momentum).add_(d_p * keep)
             else:
                 torch.where(ok, buf * momentum + d_p * keep, buf, out=buf)
-            if name not in self._started:
-                if ok is None:
+            if not self._all_started(name):
+                if self._mask is None:
                     has.fill_(True)
-                    self._started.add(name)
+                    self._started.update(self.params if name == FLAT else (name,))
                 else:  # who started is on the device: the host does not learn it
-                    has.logical_or_(ok.flatten())
+                    has.logical_or_(self._mask)
             step = d_p + momentum * buf if self.nesterov else buf
-            self._descend(p, lr * step, ok)
+            self._descend(name, p, lr * step, ok)
             return
 
         def momentum_uses() -> torch.Tensor:
@@ -299,14 +417,14 @@ class FusedSGD(FusedOptimizer):
         if self._mask is None and self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()):
             self._started.add(name)
         step = d_p + momentum * buf if self.nesterov else buf
-        self._descend(p, lr * torch.where(uses, step, d_p), ok)
+        self._descend(name, p, lr * torch.where(uses, step, d_p), ok)
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
+        has = self._has[:, b].tolist()
         for name in self.params:
-            state = self.state[name]
-            buf, has = state.get("momentum_buffer"), state.get("has_buffer")
-            if buf is not None and has is not None and bool(has[b]):
+            buf = self.state[name].get("momentum_buffer")
+            if buf is not None and has[self._rows[name]]:
                 out[name] = {"momentum_buffer": buf[b].clone()}
             elif name in self._stepped and _sgd_records_empty_buffers():
                 out[name] = {"momentum_buffer": None}
@@ -321,12 +439,8 @@ class FusedSGD(FusedOptimizer):
             buf = member.get("momentum_buffer")
             if buf is None:
                 continue
-            s = self.state[name]
-            if "momentum_buffer" not in s:
-                s["momentum_buffer"] = torch.zeros_like(p)
-                s["has_buffer"] = torch.zeros(self.size, dtype=torch.bool, device=p.device)
-            s["momentum_buffer"][b].copy_(buf)
-            s["has_buffer"][b] = True
+            self._slot(name, "momentum_buffer", p)[b].copy_(buf)
+            self._has[self._rows[name], b] = True
 
 
 class _SlotOptimizer(FusedOptimizer):
@@ -336,12 +450,13 @@ class _SlotOptimizer(FusedOptimizer):
     SLOTS: tuple[str, ...] = ()
 
     def _slots(self, name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Parameter ``name``'s state, its slots created (zeros) on first use."""
-        s = self.state[name]
-        if self.SLOTS[0] not in s:
-            for slot in self.SLOTS:
-                s[slot] = torch.zeros_like(p)
-        return s
+        """Parameter ``name``'s state (:data:`FLAT`: all parameters'), its slots created
+        (zeros) on first use."""
+        return {slot: self._slot(name, slot, p) for slot in self.SLOTS}
+
+    def _flat_ready(self) -> bool:
+        hp = self.hp
+        return not self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any())
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
         if not self.steps[b]:  # it never stepped (skipped steps): torch.optim keeps nothing
@@ -417,7 +532,7 @@ class FusedAdam(_SlotOptimizer):
         step_size = self._col("step:size", p, size)
         correction2_sqrt = self._col("step:c2", p, c2)
         denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(self._col("eps", p))
-        self._descend(p, step_size * (exp_avg / denom), ok)
+        self._descend(name, p, step_size * (exp_avg / denom), ok)
 
 
 class FusedAdadelta(_SlotOptimizer):
@@ -451,4 +566,4 @@ class FusedAdadelta(_SlotOptimizer):
             acc_delta.mul_(rho).add_(keep * delta * delta)
         else:
             torch.where(ok, acc_delta * rho + keep * delta * delta, acc_delta, out=acc_delta)
-        self._descend(p, self._col("lr", p) * delta, ok)
+        self._descend(name, p, self._col("lr", p) * delta, ok)

@@ -189,3 +189,46 @@ def test_on_cuda_loss_scaling_adds_no_synchronisation() -> None:
         return sum("synchroniz" in str(w.message) for w in caught)
 
     assert syncs(True) <= syncs(False)
+
+
+def _optimizers() -> list[tuple[str, Any, dict[str, Any]]]:
+    from stagetree.torch.fused_optim import FusedAdadelta, FusedAdam, FusedSGD
+
+    return [
+        ("sgd", FusedSGD, {"lr": [0.1, 0.2, 0.3]}),
+        ("momentum", FusedSGD, {"lr": [0.1, 0.2, 0.3], "momentum": 0.9}),
+        ("nesterov", lambda p, **hp: FusedSGD(p, nesterov=True, **hp), {"momentum": 0.8}),
+        ("adam", FusedAdam, {"lr": [1e-3, 2e-3, 3e-3], "beta1": [0.9, 0.8, 0.5]}),
+        ("adadelta", FusedAdadelta, {"rho": [0.9, 0.95, 0.5]}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_a_step_over_all_parameters_side_by_side_equals_steps_per_parameter(index: int) -> None:
+    """The flat step (every parameter's columns of one ``[B, width]`` tensor) gives the
+    per-parameter step's values bit for bit, masks included, and the same state."""
+    _, rule, hp = _optimizers()[index]
+    gen = torch.Generator().manual_seed(index)
+    shapes = [(3, 4, 2, 2), (3, 4), (3, 7)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    runs = []
+    for flat in (True, False):
+        params = {f"p{i}": t.clone().requires_grad_(True) for i, t in enumerate(start)}
+        opt = rule(params, **hp)
+        opt.flat = flat
+        gen.manual_seed(100 + index)
+        for step in range(6):
+            for p in params.values():
+                p.grad = torch.randn(p.shape, generator=gen)
+            assert (opt.flat_grad() is not None) == flat
+            skip = torch.tensor([step % 3 == 1, step == 0, False])
+            opt.step(skip=skip if step % 2 else None)
+        runs.append((params, opt))
+    (fp, fo), (pp, po) = runs
+    for name in fp:
+        assert torch.equal(fp[name], pp[name]), name
+    for b in range(3):
+        got, want = dict(leaves(fo.member_state(b))), dict(leaves(po.member_state(b)))
+        assert got.keys() == want.keys()
+        for path, x in got.items():
+            assert torch.equal(x, want[path]) if isinstance(x, torch.Tensor) else x == want[path]
