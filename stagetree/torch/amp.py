@@ -174,7 +174,9 @@ class MemberScales:
         """
         inv = self.scale.double().reciprocal().float()
         if isinstance(grads, torch.Tensor):
-            found = ~torch.isfinite(grads).all(dim=1)
+            # A row's float64 sum is not finite iff the row holds an inf or a NaN (float64
+            # cannot overflow on float32 sums): one read of the gradients, no bool copy.
+            found = ~torch.isfinite(grads.sum(dim=1, dtype=torch.float64))
             grads.mul_(inv.view(-1, 1))
             return found
         if not grads:

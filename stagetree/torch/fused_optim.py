@@ -259,6 +259,17 @@ class FusedOptimizer:
         offset, numel = self._layout[name]
         return flat[:, offset : offset + numel].view(self.params[name].shape)
 
+    def _col_masked(self, name: str, like: torch.Tensor, neutral: float) -> torch.Tensor:
+        """:meth:`_col` where this step's mask holds, ``neutral`` for the members that
+        skip (once a step)."""
+        key = (f"step+{name}:masked", like.dtype, like.device, like.dim())
+        column = self._columns.get(key)
+        if column is None:
+            ok = self._ok(like)
+            assert ok is not None
+            column = self._columns[key] = torch.where(ok, self._col(name, like), neutral)
+        return column
+
     def _ok(self, like: torch.Tensor) -> torch.Tensor | None:
         """This step's mask (True: the member steps) shaped to broadcast over a stacked
         parameter like ``like``; None when every member steps."""
@@ -373,25 +384,36 @@ class FusedSGD(FusedOptimizer):
         if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
             d_p = grad + self._col("weight_decay", p) * p
         lr = self._col("lr", p)
-        if not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any()):
-            # plain SGD for everyone: buffers stay as they are
-            self._descend(name, p, lr * d_p, ok)
+        plain = not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any())
+        fast = (
+            not plain
+            and self._flag("momentum:all", lambda: (hp["momentum"] > 0).all())
+            and (
+                self._all_started(name)
+                or self._flag("dampening:none", lambda: (hp["dampening"] == 0).all())
+            )
+        )
+        neutral = ok is not None and (plain or fast)
+        if neutral:
+            # A member that skips steps with a zero gradient, lr 0 and momentum 1: its
+            # buffer * 1 + 0 and its weights - 0 * buffer stay as they are (up to the sign
+            # of a zero), at no more passes over the tensors than an unmasked step.
+            d_p = torch.where(ok, d_p, 0.0)
+            lr = self._col_masked("lr", p, 0.0)
+        if plain:  # plain SGD for everyone: buffers stay as they are
+            self._descend(name, p, lr * d_p, None)
             return
         buf = self._slot(name, "momentum_buffer", p)
         has = self._has_row(name)
         momentum = self._col("momentum", p)
         keep = self._col("dampening:keep", p, lambda: 1.0 - hp["dampening"])
-        if self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and (
-            self._all_started(name)
-            or self._flag("dampening:none", lambda: (hp["dampening"] == 0).all())
-        ):
+        if fast:
             # The usual case: every member has momentum, and a buffer (or no dampening:
             # a buffer not started yet is zeros, and zeros * momentum + d_p is d_p, the
             # buffer torch.optim starts with).
-            if ok is None:
-                buf.mul_(momentum).add_(d_p * keep)
-            else:
-                torch.where(ok, buf * momentum + d_p * keep, buf, out=buf)
+            if neutral:
+                momentum = self._col_masked("momentum", p, 1.0)
+            buf.mul_(momentum).add_(d_p * keep)
             if not self._all_started(name):
                 if self._mask is None:
                     has.fill_(True)
@@ -399,7 +421,7 @@ class FusedSGD(FusedOptimizer):
                 else:  # who started is on the device: the host does not learn it
                     has.logical_or_(self._mask)
             step = d_p + momentum * buf if self.nesterov else buf
-            self._descend(name, p, lr * step, ok)
+            self._descend(name, p, lr * step, None)
             return
 
         def momentum_uses() -> torch.Tensor:

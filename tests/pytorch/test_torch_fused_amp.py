@@ -232,3 +232,30 @@ def test_a_step_over_all_parameters_side_by_side_equals_steps_per_parameter(inde
         assert got.keys() == want.keys()
         for path, x in got.items():
             assert torch.equal(x, want[path]) if isinstance(x, torch.Tensor) else x == want[path]
+
+
+def test_the_overflow_check_flags_exactly_the_members_with_an_inf_or_a_nan() -> None:
+    """Side by side or per parameter: a member is flagged iff one of its gradients holds
+    an inf or a NaN (huge finite values that would overflow a float32 sum are not), and
+    the others are unscaled as ``GradScaler`` unscales them (times 1/scale in float32)."""
+    from stagetree.torch.amp import MemberScales
+
+    scalers = [torch.amp.GradScaler("cpu", init_scale=s) for s in (2.0**16, 3.0, 2.0**-3, 1.0)]
+    big = torch.finfo(torch.float32).max
+    grads = [torch.randn(4, 3, 5), torch.randn(4, 6)]
+    grads[0][0, 1, 2] = float("inf")
+    grads[1][1, 3] = float("nan")
+    grads[0][2].fill_(big)  # finite: sums to more than float32 holds
+    grads[1][3, 0], grads[1][3, 1] = float("inf"), float("-inf")
+    want = [g.clone() for g in grads]
+    for g, scaler in zip(zip(*want), scalers):  # member by member, as a GradScaler would
+        inv = torch.full((), scaler.get_scale(), dtype=torch.float64).reciprocal().float()
+        for part in g:
+            part.mul_(inv)
+    flat = torch.cat([g.reshape(4, -1) for g in grads], dim=1)
+    found_flat = MemberScales(scalers, torch.device("cpu")).unscale(flat)
+    found_list = MemberScales(scalers, torch.device("cpu")).unscale(grads)
+    assert found_flat.tolist() == found_list.tolist() == [True, True, False, True]
+    for g, w in zip(grads, want):
+        assert torch.equal(g[2], w[2])
+    assert torch.equal(flat[2], torch.cat([w[2].reshape(-1) for w in want]))
