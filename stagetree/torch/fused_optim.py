@@ -393,8 +393,9 @@ class FusedSGD(FusedOptimizer):
                 or self._flag("dampening:none", lambda: (hp["dampening"] == 0).all())
             )
         )
-        neutral = ok is not None and (plain or fast)
-        if neutral:
+        neutral = False
+        if ok is not None and (plain or fast):
+            neutral = True
             # A member that skips steps with a zero gradient, lr 0 and momentum 1: its
             # buffer * 1 + 0 and its weights - 0 * buffer stay as they are (up to the sign
             # of a zero), at no more passes over the tensors than an unmasked step.
