@@ -174,9 +174,10 @@ class MemberScales:
         """
         inv = self.scale.double().reciprocal().float()
         if isinstance(grads, torch.Tensor):
-            # A row's float64 sum is not finite iff the row holds an inf or a NaN (float64
-            # cannot overflow on float32 sums): one read of the gradients, no bool copy.
-            found = ~torch.isfinite(grads.sum(dim=1, dtype=torch.float64))
+            # A row's minimum and maximum are finite iff every element is (aminmax
+            # propagates NaNs): one read of the gradients, where isfinite writes masks.
+            low, high = torch.aminmax(grads, dim=1)
+            found = ~(torch.isfinite(low) & torch.isfinite(high))
             grads.mul_(inv.view(-1, 1))
             return found
         if not grads:

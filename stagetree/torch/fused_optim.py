@@ -115,6 +115,8 @@ class FusedOptimizer:
             (self._dtype, self._device) = kinds.pop()
         self._storage: dict[str, torch.Tensor] = {}  # slot -> [B, width] state
         self._grad_buffer: torch.Tensor | None = None
+        self._update_buffer: torch.Tensor | None = None
+        self._update_views: list[torch.Tensor] = []
 
     def set_hp(self, name: str, values: Any) -> None:
         """Set one hyper-parameter for every member (a number) or each (B numbers)."""
@@ -289,21 +291,30 @@ class FusedOptimizer:
             torch.where(ok, new, target, out=target)
 
     def _descend(
-        self, name: str, p: torch.Tensor, update: torch.Tensor, ok: torch.Tensor | None
+        self,
+        name: str,
+        p: torch.Tensor,
+        factor: torch.Tensor,
+        step: torch.Tensor,
+        ok: torch.Tensor | None,
     ) -> None:
-        """``p -= update`` for the members that step: the others subtract an exact zero
-        (their update may be an inf or a NaN). :data:`FLAT`: every parameter's part of
-        ``update`` (one multi-tensor call)."""
-        if ok is not None:
-            update = torch.where(ok, update, 0.0)
+        """``p -= factor * step`` for the members that step: the others subtract an exact
+        zero (their update may be an inf or a NaN). :data:`FLAT`: every parameter's part
+        of the update, computed into a buffer kept across steps (its parameter-shaped
+        views too) and subtracted with one multi-tensor call."""
         if name != FLAT:
-            p.sub_(update)
+            update = factor * step
+            p.sub_(update if ok is None else torch.where(ok, update, 0.0))
             return
         assert self._layout is not None
-        sizes = [numel for _, numel in self._layout.values()]
-        parts = update.split(sizes, dim=1)
-        params = list(self.params.values())
-        torch._foreach_sub_(params, [part.view(q.shape) for part, q in zip(parts, params)])
+        buffer = self._update_buffer
+        if buffer is None or buffer.dtype != step.dtype:
+            buffer = self._update_buffer = torch.empty_like(step)
+            self._update_views = [self._view(buffer, n) for n in self.params]
+        torch.mul(factor, step, out=buffer)
+        if ok is not None:
+            buffer.masked_fill_(~ok, 0.0)
+        torch._foreach_sub_(list(self.params.values()), self._update_views)
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         raise NotImplementedError
@@ -399,10 +410,11 @@ class FusedSGD(FusedOptimizer):
             # A member that skips steps with a zero gradient, lr 0 and momentum 1: its
             # buffer * 1 + 0 and its weights - 0 * buffer stay as they are (up to the sign
             # of a zero), at no more passes over the tensors than an unmasked step.
-            d_p = torch.where(ok, d_p, 0.0)
+            # (the flat gradients are this optimizer's own buffer: zeroed in place)
+            d_p = d_p.masked_fill_(~ok, 0.0) if name == FLAT else torch.where(ok, d_p, 0.0)
             lr = self._col_masked("lr", p, 0.0)
         if plain:  # plain SGD for everyone: buffers stay as they are
-            self._descend(name, p, lr * d_p, None)
+            self._descend(name, p, lr, d_p, None)
             return
         buf = self._slot(name, "momentum_buffer", p)
         has = self._has_row(name)
@@ -414,7 +426,10 @@ class FusedSGD(FusedOptimizer):
             # buffer torch.optim starts with).
             if neutral:
                 momentum = self._col_masked("momentum", p, 1.0)
-            buf.mul_(momentum).add_(d_p * keep)
+            if self._flag("dampening:none", lambda: (hp["dampening"] == 0).all()):
+                buf.mul_(momentum).add_(d_p)  # d_p * 1 is d_p: a pass over the tensors less
+            else:
+                buf.mul_(momentum).add_(d_p * keep)
             if not self._all_started(name):
                 if self._mask is None:
                     has.fill_(True)
@@ -422,7 +437,7 @@ class FusedSGD(FusedOptimizer):
                 else:  # who started is on the device: the host does not learn it
                     has.logical_or_(self._mask)
             step = d_p + momentum * buf if self.nesterov else buf
-            self._descend(name, p, lr * step, None)
+            self._descend(name, p, lr, step, None)
             return
 
         def momentum_uses() -> torch.Tensor:
@@ -440,7 +455,7 @@ class FusedSGD(FusedOptimizer):
         if self._mask is None and self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()):
             self._started.add(name)
         step = d_p + momentum * buf if self.nesterov else buf
-        self._descend(name, p, lr * torch.where(uses, step, d_p), ok)
+        self._descend(name, p, lr, torch.where(uses, step, d_p), ok)
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -555,7 +570,7 @@ class FusedAdam(_SlotOptimizer):
         step_size = self._col("step:size", p, size)
         correction2_sqrt = self._col("step:c2", p, c2)
         denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(self._col("eps", p))
-        self._descend(name, p, step_size * (exp_avg / denom), ok)
+        self._descend(name, p, step_size, exp_avg / denom, ok)
 
 
 class FusedAdadelta(_SlotOptimizer):
@@ -589,4 +604,4 @@ class FusedAdadelta(_SlotOptimizer):
             acc_delta.mul_(rho).add_(keep * delta * delta)
         else:
             torch.where(ok, acc_delta * rho + keep * delta * delta, acc_delta, out=acc_delta)
-        self._descend(name, p, self._col("lr", p) * delta, ok)
+        self._descend(name, p, self._col("lr", p), delta, ok)
