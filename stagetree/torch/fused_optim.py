@@ -249,7 +249,8 @@ class FusedOptimizer:
             )
         if name == FLAT:
             for n in self.params:
-                self.state[n].setdefault(kind, self._view(storage, n))
+                if kind not in self.state[n]:
+                    self.state[n][kind] = self._view(storage, n)
             return storage
         assert state is not None
         tensor = state[kind] = self._view(storage, name)
