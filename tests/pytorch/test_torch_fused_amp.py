@@ -41,6 +41,7 @@ class OverflowDigits(DigitsTrainer):
     and a GradScaler on any device; :attr:`rule` picks the optimizer (its fused rule)."""
 
     rule = "momentum"
+    scaled = True  #: a GradScaler (else float16 autocast alone)
 
     def build_model(self, c: Mapping[str, Any]) -> torch.nn.Module:
         hidden = int(c["hidden"])
@@ -64,19 +65,22 @@ class OverflowDigits(DigitsTrainer):
             self.optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
         elif kind == "adadelta":
             self.optimizer = torch.optim.Adadelta(params, weight_decay=1e-4)
-        self.enable_amp(torch.float16, scaler=True, growth_interval=3)
+        self.enable_amp(torch.float16, scaler=self.scaled, growth_interval=3)
 
 
 RULES = {
     rule: type(f"OverflowDigits_{rule}", (OverflowDigits,), {"rule": rule})
     for rule in ("momentum", "nesterov", "sgd-dampening", "adam", "adamw", "adadelta")
 }
+#: float16 autocast without loss scaling (the reference of the sync count).
+Unscaled = type("UnscaledDigits", (OverflowDigits,), {"scaled": False})
 
 
 def make(config: Mapping[str, Any], i: int, rule: str = "momentum") -> OverflowDigits:
     """Member ``i`` with ``rule``: its own first loss scale and learning rate."""
-    trainer = RULES[rule](config)
-    trainer.enable_amp(torch.float16, scaler=True, init_scale=INIT_SCALES[i], growth_interval=3)
+    trainer = RULES[rule](config) if rule in RULES else Unscaled(config)
+    if trainer.scaled:
+        trainer.enable_amp(torch.float16, scaler=True, init_scale=INIT_SCALES[i], growth_interval=3)
     trainer.setup({"lr": (ADAM_LRS if rule.startswith("adam") else LRS)[i]})
     return trainer
 
@@ -167,16 +171,9 @@ def test_on_cuda_loss_scaling_adds_no_synchronisation() -> None:
     read, and the loader's)."""
     import warnings
 
-    def syncs(scaler: bool) -> int:
+    def syncs(rule: str) -> int:
         config = {"dropout": 0.0, "batches_per_step": 2, "hidden": 16, "device": "cuda"}
-        members = []
-        for i in range(len(INIT_SCALES)):
-            trainer = make(config, i)
-            if not scaler:
-                trainer.enable_amp(torch.float16, scaler=False)
-                del trainer.grad_scaler
-            members.append(trainer)
-        group = OverflowDigits.fuse(members)
+        group = OverflowDigits.fuse([make(config, i, rule) for i in range(len(INIT_SCALES))])
         group.step()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
@@ -188,7 +185,7 @@ def test_on_cuda_loss_scaling_adds_no_synchronisation() -> None:
             torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(w.message) for w in caught)
 
-    assert syncs(True) <= syncs(False)
+    assert syncs("momentum") <= syncs("unscaled")
 
 
 def _optimizers() -> list[tuple[str, Any, dict[str, Any]]]:
