@@ -115,8 +115,8 @@ class FusedOptimizer:
             (self._dtype, self._device) = kinds.pop()
         self._storage: dict[str, torch.Tensor] = {}  # slot -> [B, width] state
         self._grad_buffer: torch.Tensor | None = None
-        self._update_buffer: torch.Tensor | None = None
-        self._update_views: list[torch.Tensor] = []
+        self._update_views: list[torch.Tensor] = []  # of the gradient buffer
+        self._update_views_of: torch.Tensor | None = None
 
     def set_hp(self, name: str, values: Any) -> None:
         """Set one hyper-parameter for every member (a number) or each (B numbers)."""
@@ -181,7 +181,7 @@ class FusedOptimizer:
                 ``GradScaler`` found their gradients not finite). Applied on the device
                 (each update is selected per member with ``torch.where``): the host
                 never reads it, so the step does not wait for the backward.
-            flat_grad: :meth:`flat_grad`'s gradients (unscaled by the caller, perhaps),
+            flat_grad: what :meth:`flat_grad` returned (unscaled by the caller, perhaps),
                 used instead of the ``.grad`` s: the step runs on all parameters side by
                 side.
         """
@@ -301,17 +301,19 @@ class FusedOptimizer:
     ) -> None:
         """``p -= factor * step`` for the members that step: the others subtract an exact
         zero (their update may be an inf or a NaN). :data:`FLAT`: every parameter's part
-        of the update, computed into a buffer kept across steps (its parameter-shaped
-        views too) and subtracted with one multi-tensor call."""
+        of the update, computed into :meth:`flat_grad`'s buffer and subtracted with one
+        multi-tensor call."""
         if name != FLAT:
             update = factor * step
             p.sub_(update if ok is None else torch.where(ok, update, 0.0))
             return
-        assert self._layout is not None
-        buffer = self._update_buffer
-        if buffer is None or buffer.dtype != step.dtype:
-            buffer = self._update_buffer = torch.empty_like(step)
+        # The update goes where the gradients were (read by now): no more memory, and
+        # the buffer's parameter-shaped views are made once.
+        buffer = self._grad_buffer
+        assert buffer is not None and buffer.shape == step.shape
+        if self._update_views_of is not buffer:
             self._update_views = [self._view(buffer, n) for n in self.params]
+            self._update_views_of = buffer
         torch.mul(factor, step, out=buffer)
         if ok is not None:
             buffer.masked_fill_(~ok, 0.0)
