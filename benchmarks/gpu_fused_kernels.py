@@ -25,7 +25,9 @@ With AMP, every member has a GradScaler: float16 on CUDA, bfloat16 with a scaler
 (so that the rehearsal runs the scaled path too).
 
 ``--host-ops`` adds, for each fused column, one more step counted op by op: the
-operations dispatched (``aten`` ops a step, views included), the host reads of a tensor
+operations dispatched (``aten`` ops a step, views included; in the fused forward, in the
+backward and the rest of the step, and in the AMP step: unscale, check, optimizer step,
+scale update), the host reads of a tensor
 value (``.item()``, ``bool()``, ``nonzero``), on CUDA the synchronisations that
 ``torch.cuda.set_sync_debug_mode`` reports, and the host time of one step (the call's
 wall time after a synchronize: until its last update is queued, and until its losses
@@ -190,10 +192,25 @@ class OpCount(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.phase = "backward"  #: what runs now (the fused step's forward, AMP step)
+        self.phases: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops[func._schema.name] += 1
+        self.phases[self.phase] += 1
         return func(*args, **(kwargs or {}))
+
+    def during(self, phase: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call``, its ops counted under ``phase``."""
+
+        def counted(*args: Any) -> Any:
+            before, self.phase = self.phase, phase
+            try:
+                return call(*args)
+            finally:
+                self.phase = before
+
+        return counted
 
 
 def host_ops(group: TorchFusedGroup, device: torch.device) -> dict[str, float]:
@@ -218,8 +235,15 @@ def host_ops(group: TorchFusedGroup, device: torch.device) -> dict[str, float]:
     finally:
         group._amp_step = amp_step  # type: ignore[method-assign]
     synchronize(device)
-    with OpCount() as count:
-        group.step()
+    count = OpCount()
+    loss = group._loss
+    group._loss = count.during("forward", loss)  # type: ignore[method-assign]
+    group._amp_step = count.during("amp step", amp_step)  # type: ignore[method-assign]
+    try:
+        with count:
+            group.step()
+    finally:
+        group._loss, group._amp_step = loss, amp_step  # type: ignore[method-assign]
     synchronize(device)
     syncs = float("nan")
     if device.type == "cuda":
@@ -234,6 +258,7 @@ def host_ops(group: TorchFusedGroup, device: torch.device) -> dict[str, float]:
     synchronize(device)
     return {
         "ops": sum(count.ops.values()),
+        **{f"{phase} ops": count.phases[phase] for phase in ("forward", "backward", "amp step")},
         "reads": sum(count.ops[n] for n in OpCount.READS),
         "syncs": syncs,
         "queued_ms": (marks[-1] - begin) * 1e3,
@@ -373,6 +398,7 @@ def host_table(rows: Sequence[dict[str, Any]]) -> str:
             r["B"],
             r["column"],
             fmt(r["ops"], 0),
+            *(fmt(r[f"{phase} ops"], 0) for phase in ("forward", "backward", "amp step")),
             fmt(r["reads"], 0),
             "-" if r["syncs"] != r["syncs"] else fmt(r["syncs"], 0),
             fmt(r["queued_ms"], 1),
@@ -381,7 +407,8 @@ def host_table(rows: Sequence[dict[str, Any]]) -> str:
         for r in sorted(rows, key=lambda r: (r["B"], r["column"]))
         if "ops" in r
     ]
-    headers = ["B", "column", "ops/step", "host reads/step", "CUDA syncs/step"]
+    headers = ["B", "column", "ops/step", "forward", "backward (and the rest)", "AMP step"]
+    headers += ["host reads/step", "CUDA syncs/step"]
     headers += ["queued ms", "step ms"]
     return markdown_table(headers, lines)
 
