@@ -68,11 +68,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import warnings
 
 import fusion_bench
 import torch
 from _common import fmt, load_average, machine_info, markdown_table
+from amp_digits import cuda_syncs  # tests/fakes, on the path by fusion_bench
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stagetree.torch import FusibleTrainer, TorchFusedGroup
@@ -245,16 +245,7 @@ def host_ops(group: TorchFusedGroup, device: torch.device) -> dict[str, float]:
     finally:
         group._loss, group._amp_step = loss, amp_step  # type: ignore[method-assign]
     synchronize(device)
-    syncs = float("nan")
-    if device.type == "cuda":
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                group.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = float(cuda_syncs(group.step)) if device.type == "cuda" else float("nan")
     synchronize(device)
     return {
         "ops": sum(count.ops.values()),

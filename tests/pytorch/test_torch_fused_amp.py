@@ -11,7 +11,7 @@ accelerator each one waits for every kernel queued before it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -19,10 +19,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
+from amp_digits import BiasFreeDigits, cuda_syncs, tensors  # noqa: E402 (tests/fakes)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from stagetree.torch import FusibleTrainer  # noqa: E402
-from stagetree.torch.examples import DigitsTrainer  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("fused_vs_unfused_determinism")]
 
@@ -36,20 +36,12 @@ LRS = (0.01, 0.03, 0.1)
 ADAM_LRS = (1e-4, 3e-4, 1e-3)
 
 
-class OverflowDigits(DigitsTrainer):
-    """The digits MLP (no biases: see test_torch_fused.AmpDigits) with float16 autocast
-    and a GradScaler on any device; :attr:`rule` picks the optimizer (its fused rule)."""
+class OverflowDigits(BiasFreeDigits):
+    """The digits MLP (no biases) with float16 autocast and a GradScaler on any device;
+    :attr:`rule` picks the optimizer (its fused rule)."""
 
     rule = "momentum"
     scaled = True  #: a GradScaler (else float16 autocast alone)
-
-    def build_model(self, c: Mapping[str, Any]) -> torch.nn.Module:
-        hidden = int(c["hidden"])
-        return torch.nn.Sequential(
-            torch.nn.Linear(64, hidden, bias=False),
-            torch.nn.ReLU(),
-            torch.nn.Linear(hidden, 10, bias=False),
-        )
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         kind = self.rule
@@ -85,17 +77,6 @@ def make(config: Mapping[str, Any], i: int, rule: str = "momentum") -> OverflowD
     return trainer
 
 
-def leaves(state: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(state, Mapping):
-        for key in state:
-            yield from leaves(state[key], f"{path}.{key}")
-    elif isinstance(state, (list, tuple)):
-        for i, item in enumerate(state):
-            yield from leaves(item, f"{path}[{i}]")
-    else:
-        yield path, state
-
-
 @pytest.mark.parametrize("rule", list(RULES))
 def test_a_member_that_overflows_skips_alone_as_with_its_own_grad_scaler(rule: str) -> None:
     config = {"dropout": 0.0, "batches_per_step": 2, "hidden": 32}
@@ -110,7 +91,7 @@ def test_a_member_that_overflows_skips_alone_as_with_its_own_grad_scaler(rule: s
         assert isinstance(member, FusibleTrainer)
         # The scale, its growth tracker: exactly GradScaler's.
         assert member.grad_scaler.state_dict() == alone.grad_scaler.state_dict(), i
-        got, want = dict(leaves(member.state_dict())), dict(leaves(alone.state_dict()))
+        got, want = dict(tensors(member.state_dict())), dict(tensors(alone.state_dict()))
         assert got.keys() == want.keys(), i  # the same optimizer state (steps skipped)
         for path, x in got.items():
             y = want[path]
@@ -169,21 +150,12 @@ def test_on_cuda_loss_scaling_adds_no_synchronisation() -> None:
     """On CUDA, ``torch.cuda.set_sync_debug_mode`` counts what waits for the device: a
     fused step with a GradScaler per member waits as often as one without (its losses'
     read, and the loader's)."""
-    import warnings
 
     def syncs(rule: str) -> int:
         config = {"dropout": 0.0, "batches_per_step": 2, "hidden": 16, "device": "cuda"}
         group = OverflowDigits.fuse([make(config, i, rule) for i in range(len(INIT_SCALES))])
         group.step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                group.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
+        return cuda_syncs(group.step)
 
     assert syncs("momentum") <= syncs("unscaled")
 
@@ -225,7 +197,7 @@ def test_a_step_over_all_parameters_side_by_side_equals_steps_per_parameter(inde
     for name in fp:
         assert torch.equal(fp[name], pp[name]), name
     for b in range(3):
-        got, want = dict(leaves(fo.member_state(b))), dict(leaves(po.member_state(b)))
+        got, want = dict(tensors(fo.member_state(b))), dict(tensors(po.member_state(b)))
         assert got.keys() == want.keys()
         for path, x in got.items():
             assert torch.equal(x, want[path]) if isinstance(x, torch.Tensor) else x == want[path]
