@@ -179,8 +179,9 @@ class FusedOptimizer:
             skip: ``[B]`` bools on the parameters' device: members that do not step
                 (their parameters, state and step count stay as they are; a
                 ``GradScaler`` found their gradients not finite). Applied on the device
-                (each update is selected per member with ``torch.where``): the host
-                never reads it, so the step does not wait for the backward.
+                (SGD: a zero gradient, lr 0 and momentum 1 for them; the others: each
+                updated tensor selected with ``torch.where``): the host never reads it,
+                so the step does not wait for the backward.
             flat_grad: what :meth:`flat_grad` returned (unscaled by the caller, perhaps),
                 used instead of the ``.grad`` s: the step runs on all parameters side by
                 side.
