@@ -6,7 +6,9 @@ A :class:`~stagetree.torch.FusibleTrainer` opts in with
 (the trainer holds it, so it is checkpointed like the optimizer). Fused, B members share
 one autocast forward, but each keeps *its own* loss scale: :class:`MemberScales` is B
 ``GradScaler`` s side by side (scale, growth tracker), so that a member whose gradients
-overflow skips its step and halves its scale alone, as it would trained alone.
+overflow skips its step and halves its scale alone, as it would trained alone. All of it
+stays on the device (the overflow flags mask the fused optimizer's step there): a fused
+step never waits for the device to tell the host who overflowed.
 """
 
 from __future__ import annotations
