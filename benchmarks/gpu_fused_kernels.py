@@ -31,7 +31,8 @@ scale update), the host reads of a tensor
 value (``.item()``, ``bool()``, ``nonzero``), on CUDA the synchronisations that
 ``torch.cuda.set_sync_debug_mode`` reports, and the host time of one step (the call's
 wall time after a synchronize: until its last update is queued, and until its losses
-are read; see :func:`host_ops`).
+are read; see :func:`host_ops`), and the process's CPU time a step over the timed rounds
+(on a CPU, the host work whatever the other processes' load).
 
 Throughput is training samples per second over the B models (median of ``--repeats``
 rounds of ``--steps`` steps, after ``--warmup`` steps; on CUDA every timed block ends
@@ -308,15 +309,20 @@ def run(column: str, width: int, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):  # cuDNN's algorithm search, allocations
         step()
     synchronize(device)
-    rounds = []
+    rounds, cpu = [], []
     for _ in range(args.repeats):
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             step()
         synchronize(device)
         rounds.append(time.perf_counter() - begin)
+        cpu.append(time.process_time() - begin_cpu)
     row: dict[str, Any] = {
-        "samples_s": width * args.batch_size * args.steps / statistics.median(rounds)
+        "samples_s": width * args.batch_size * args.steps / statistics.median(rounds),
+        # The process's CPU time a step: on a CPU device the host work, which other
+        # processes' load leaves alone (unlike the wall clock); on CUDA it counts the
+        # host spinning in a synchronisation too.
+        "cpu_ms": statistics.median(cpu) / args.steps * 1e3,
     }
     if args.host_ops and group is not None:
         row.update(host_ops(group, device))
@@ -394,13 +400,14 @@ def host_table(rows: Sequence[dict[str, Any]]) -> str:
             "-" if r["syncs"] != r["syncs"] else fmt(r["syncs"], 0),
             fmt(r["queued_ms"], 1),
             fmt(r["step_ms"], 1),
+            fmt(r["cpu_ms"], 1),
         ]
         for r in sorted(rows, key=lambda r: (r["B"], r["column"]))
         if "ops" in r
     ]
     headers = ["B", "column", "ops/step", "forward", "backward (and the rest)", "AMP step"]
     headers += ["host reads/step", "CUDA syncs/step"]
-    headers += ["queued ms", "step ms"]
+    headers += ["queued ms", "step ms", "CPU ms/step (timed rounds)"]
     return markdown_table(headers, lines)
 
 
