@@ -14,7 +14,25 @@ different learning rates):
   before the grouped kernels);
 * ``grouped fp32`` / ``grouped fp32+cl`` / ``grouped amp``: the fused job with the
   default grouped kernels (NCHW in float32 unless ``fused_channels_last``; with AMP,
-  channels_last on CUDA).
+  channels_last on CUDA);
+* ``grouped amp sync``: ``grouped amp`` with the AMP step before issue 26's change (see
+  :func:`host_synced_amp_step`): the members' gradients unscaled and checked parameter
+  by parameter, the overflow flags read on the host (a wait for the backward) to decide
+  whether any member skips, and the optimizer stepping parameter by parameter. The two
+  columns side by side measure what the device-side step saves.
+
+With AMP, every member has a GradScaler: float16 on CUDA, bfloat16 with a scaler on a CPU
+(so that the rehearsal runs the scaled path too).
+
+``--host-ops`` adds, for each fused column, one more step counted op by op: the
+operations dispatched (``aten`` ops a step, views included; in the fused forward, in the
+backward and the rest of the step, and in the AMP step: unscale, check, optimizer step,
+scale update), the host reads of a tensor
+value (``.item()``, ``bool()``, ``nonzero``), on CUDA the synchronisations that
+``torch.cuda.set_sync_debug_mode`` reports, and the host time of one step (the call's
+wall time after a synchronize: until its last update is queued, and until its losses
+are read; see :func:`host_ops`), and the process's CPU time a step over the timed rounds
+(on a CPU, the host work whatever the other processes' load).
 
 Throughput is training samples per second over the B models (median of ``--repeats``
 rounds of ``--steps`` steps, after ``--warmup`` steps; on CUDA every timed block ends
@@ -28,11 +46,18 @@ Run::
 
     python benchmarks/gpu_fused_kernels.py                 # CUDA: B = 1, 8, 32
     DEVICE=cpu python benchmarks/gpu_fused_kernels.py      # rehearsal: tiny sizes, CPU
+    python benchmarks/gpu_fused_kernels.py --widths 8,32 --steps 3 --repeats 2 \
+        --columns "seq fp32,grouped amp sync,grouped amp" --host-ops   # issue 26's AMP
+    DEVICE=cpu python benchmarks/gpu_fused_kernels.py --model cnn --widths 8 \
+        --batch-size 32 --steps 20 --repeats 3 --host-ops   # a host-bound step on a CPU
+    DEVICE=cpu python benchmarks/gpu_fused_kernels.py --narrow 16 --widths 8 \
+        --batch-size 8 --steps 10 --repeats 3 --host-ops    # ResNet-18's layers, host-bound
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import os
 import statistics
@@ -44,9 +69,45 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+
 import fusion_bench
 import torch
 from _common import fmt, load_average, machine_info, markdown_table
+from amp_digits import cuda_syncs  # tests/fakes, on the path by fusion_bench
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from stagetree.torch import FusibleTrainer, TorchFusedGroup
+from stagetree.torch.examples import DIGITS_CONV_DEFAULTS, DigitsConvTrainer
+
+
+def narrow(model: torch.nn.Module, divisor: int) -> torch.nn.Module:
+    """``model`` with every convolution's, BatchNorm's and linear layer's channels divided
+    by ``divisor`` (3 input channels and 10 classes kept): the same layers and parameter
+    count, kernels ``divisor**2`` times shorter, so that a step on a CPU shows the host
+    time a GPU spends around the kernels."""
+
+    def less(channels: int) -> int:
+        return channels if channels in (3, 10) else max(1, channels // divisor)
+
+    for name, module in list(model.named_modules()):
+        new: torch.nn.Module | None = None
+        if isinstance(module, torch.nn.Conv2d):
+            new = torch.nn.Conv2d(
+                less(module.in_channels),
+                less(module.out_channels),
+                module.kernel_size,
+                module.stride,
+                module.padding,
+                bias=module.bias is not None,
+            )
+        elif isinstance(module, torch.nn.BatchNorm2d):
+            new = torch.nn.BatchNorm2d(less(module.num_features))
+        elif isinstance(module, torch.nn.Linear):
+            new = torch.nn.Linear(less(module.in_features), module.out_features)
+        if new is not None:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, new.to(module.weight.device))
+    return model
 
 
 class BenchResNet(fusion_bench.SyntheticResNetTrainer):
@@ -55,10 +116,13 @@ class BenchResNet(fusion_bench.SyntheticResNetTrainer):
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)
+        if config.get("narrow", 1) > 1:
+            self.model = narrow(self.model, int(config["narrow"]))
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         if config.get("channels_last"):
             self.model.to(memory_format=torch.channels_last)  # in place: the optimizer's
         if config.get("amp"):
-            self.enable_amp()
+            self.enable_amp(scaler=True)  # float16 on CUDA, bfloat16 on a CPU
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
@@ -66,6 +130,22 @@ class BenchResNet(fusion_bench.SyntheticResNetTrainer):
             x = x.contiguous(memory_format=torch.channels_last)
         return super().loss((x, y))
 
+
+class BenchCNN(DigitsConvTrainer):
+    """``--model cnn``: the digits CNN (two convolutions with BatchNorm, 1x8x8 images,
+    SGD with momentum, one minibatch a step), whose kernels are so short that a step is
+    host time on any device; ``config["amp"]`` as :class:`BenchResNet`'s (its
+    ``channels_last`` is ignored: the images are reshaped inside the model)."""
+
+    defaults = {**DIGITS_CONV_DEFAULTS, "amp": False, "channels_last": False, "narrow": 1}
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__({**config, "optimizer": "momentum", "batches_per_step": 1})
+        if config.get("amp"):
+            self.enable_amp(scaler=True)
+
+
+MODELS: dict[str, type[FusibleTrainer]] = {"resnet18": BenchResNet, "cnn": BenchCNN}
 
 #: column -> (fused kernels, or None: sequential; AMP; channels_last: the model and input,
 #: fused ``fused_channels_last = True``, which AMP on CUDA has by default)
@@ -77,7 +157,105 @@ RUNS: dict[str, tuple[str | None, bool, bool]] = {
     "grouped fp32": ("grouped", False, False),
     "grouped fp32+cl": ("grouped", False, True),
     "grouped amp": ("grouped", True, False),
+    "grouped amp sync": ("grouped", True, False),
 }
+#: Columns whose fused job takes :func:`host_synced_amp_step`.
+HOST_SYNCED = frozenset({"grouped amp sync"})
+
+
+@torch.no_grad()
+def host_synced_amp_step(group: TorchFusedGroup) -> None:
+    """The fused AMP step as it was before issue 26's change (for comparison): per
+    parameter, an overflow check and an unscale of each member's slice; the flags read
+    on the host (a wait for the backward) and, unless some member overflowed, the
+    optimizer's step parameter by parameter (a masked step otherwise)."""
+    scales, optimizer = group._scales, group._optimizer
+    optimizer.flat = False
+    if scales is None:
+        optimizer.step()
+        return
+    grads = [p.grad for p in optimizer.params.values() if p.grad is not None]
+    inv = scales.scale.double().reciprocal().float()
+    found = torch.zeros_like(scales.scale, dtype=torch.bool)
+    for g in grads:
+        found |= ~torch.isfinite(g.flatten(1)).all(dim=1)
+        g.mul_(inv.view(-1, *([1] * (g.dim() - 1))))
+    skipped = found.to("cpu")
+    optimizer.step(skip=found if bool(skipped.any()) else None)
+    scales.update(found)
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the ops dispatched, and those that read a tensor's value on the host."""
+
+    READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.phase = "backward"  #: what runs now (the fused step's forward, AMP step)
+        self.phases: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func._schema.name] += 1
+        self.phases[self.phase] += 1
+        return func(*args, **(kwargs or {}))
+
+    def during(self, phase: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call``, its ops counted under ``phase``."""
+
+        def counted(*args: Any) -> Any:
+            before, self.phase = self.phase, phase
+            try:
+                return call(*args)
+            finally:
+                self.phase = before
+
+        return counted
+
+
+def host_ops(group: TorchFusedGroup, device: torch.device) -> dict[str, float]:
+    """One fused step counted: ops dispatched, host reads, CUDA syncs; and the wall
+    milliseconds of a step (``step_ms``, until its losses are read: the device's time
+    where it is the bottleneck) and until the host has queued its last update
+    (``queued_ms``, waits for the device included: where it is under ``step_ms`` the
+    device is the bottleneck, where they are equal the host is)."""
+    marks: list[float] = []
+    amp_step = group._amp_step
+
+    def marked() -> None:
+        amp_step()
+        marks.append(time.perf_counter())
+
+    group._amp_step = marked  # type: ignore[method-assign]
+    try:
+        synchronize(device)
+        begin = time.perf_counter()
+        group.step()
+        end = time.perf_counter()
+    finally:
+        group._amp_step = amp_step  # type: ignore[method-assign]
+    synchronize(device)
+    count = OpCount()
+    loss = group._loss
+    group._loss = count.during("forward", loss)  # type: ignore[method-assign]
+    group._amp_step = count.during("amp step", amp_step)  # type: ignore[method-assign]
+    try:
+        with count:
+            group.step()
+    finally:
+        group._loss, group._amp_step = loss, amp_step  # type: ignore[method-assign]
+    synchronize(device)
+    syncs = float(cuda_syncs(group.step)) if device.type == "cuda" else float("nan")
+    synchronize(device)
+    return {
+        "ops": sum(count.ops.values()),
+        **{f"{phase} ops": count.phases[phase] for phase in ("forward", "backward", "amp step")},
+        "reads": sum(count.ops[n] for n in OpCount.READS),
+        "syncs": syncs,
+        "queued_ms": (marks[-1] - begin) * 1e3,
+        "step_ms": (end - begin) * 1e3,
+    }
 
 
 def synchronize(device: torch.device) -> None:
@@ -91,8 +269,9 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run(column: str, width: int, args: argparse.Namespace) -> float:
-    """Samples per second of ``width`` ResNet-18s trained as ``column`` says."""
+def run(column: str, width: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Samples per second (``samples_s``) of ``width`` ResNet-18s trained as ``column``
+    says; with ``--host-ops``, :func:`host_ops`'s figures of a fused column too."""
     kernels, amp, channels_last = RUNS[column]
     config = {
         "device": args.device,
@@ -100,10 +279,13 @@ def run(column: str, width: int, args: argparse.Namespace) -> float:
         "amp": amp,
         # Fused, the members' own tensors stay NCHW; the grouped kernels pick the layout.
         "channels_last": channels_last and kernels is None,
+        "narrow": args.narrow,
     }
-    trainers = [BenchResNet(config) for _ in range(width)]
+    model = MODELS[args.model]
+    trainers = [model(config) for _ in range(width)]
     lrs = [0.05 * (0.5 + i / width) for i in range(width)]
     step: Callable[[], Any]
+    group: TorchFusedGroup | None = None
     if kernels is None:
         for trainer, lr in zip(trainers, lrs):
             trainer.setup({"lr": lr})
@@ -117,7 +299,9 @@ def run(column: str, width: int, args: argparse.Namespace) -> float:
             trainer.fused_kernels = kernels
             if channels_last:
                 trainer.fused_channels_last = True
-        group = BenchResNet.fuse(trainers)
+        group = fused = model.fuse(trainers)
+        if column in HOST_SYNCED:
+            fused._amp_step = lambda: host_synced_amp_step(fused)  # type: ignore[method-assign]
         for i, lr in enumerate(lrs):
             group.setup(i, {"lr": lr})
         step = group.step
@@ -125,14 +309,24 @@ def run(column: str, width: int, args: argparse.Namespace) -> float:
     for _ in range(args.warmup):  # cuDNN's algorithm search, allocations
         step()
     synchronize(device)
-    rounds = []
+    rounds, cpu = [], []
     for _ in range(args.repeats):
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             step()
         synchronize(device)
         rounds.append(time.perf_counter() - begin)
-    return width * args.batch_size * args.steps / statistics.median(rounds)
+        cpu.append(time.process_time() - begin_cpu)
+    row: dict[str, Any] = {
+        "samples_s": width * args.batch_size * args.steps / statistics.median(rounds),
+        # The process's CPU time a step: on a CPU device the host work, which other
+        # processes' load leaves alone (unlike the wall clock); on CUDA it counts the
+        # host spinning in a synchronisation too.
+        "cpu_ms": statistics.median(cpu) / args.steps * 1e3,
+    }
+    if args.host_ops and group is not None:
+        row.update(host_ops(group, device))
+    return row
 
 
 def measure(column: str, width: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -143,7 +337,7 @@ def measure(column: str, width: int, args: argparse.Namespace) -> dict[str, Any]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        row["samples_s"] = run(column, width, args)
+        row.update(run(column, width, args))
     except torch.cuda.OutOfMemoryError:
         row["error"] = "out of memory"
     if device.type == "cuda":
@@ -187,7 +381,33 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         "grouped amp / seq amp+cl",
         "grouped amp / vmap amp",
         "grouped fp32 / vmap fp32",
+        "grouped amp / grouped amp sync",
     ]
+    for line in lines:
+        line.append(ratio(int(line[0]), "grouped amp", "grouped amp sync"))
+    return markdown_table(headers, lines)
+
+
+def host_table(rows: Sequence[dict[str, Any]]) -> str:
+    """:func:`host_ops`'s figures, a row per (B, fused column)."""
+    lines = [
+        [
+            r["B"],
+            r["column"],
+            fmt(r["ops"], 0),
+            *(fmt(r[f"{phase} ops"], 0) for phase in ("forward", "backward", "amp step")),
+            fmt(r["reads"], 0),
+            "-" if r["syncs"] != r["syncs"] else fmt(r["syncs"], 0),
+            fmt(r["queued_ms"], 1),
+            fmt(r["step_ms"], 1),
+            fmt(r["cpu_ms"], 1),
+        ]
+        for r in sorted(rows, key=lambda r: (r["B"], r["column"]))
+        if "ops" in r
+    ]
+    headers = ["B", "column", "ops/step", "forward", "backward (and the rest)", "AMP step"]
+    headers += ["host reads/step", "CUDA syncs/step"]
+    headers += ["queued ms", "step ms", "CPU ms/step (timed rounds)"]
     return markdown_table(headers, lines)
 
 
@@ -208,6 +428,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--columns", default=",".join(RUNS), help="which runs, of: " + ",".join(RUNS)
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
+    parser.add_argument(
+        "--narrow",
+        type=int,
+        default=1,
+        help="ResNet-18 with its channels divided by this (host time on a CPU)",
+    )
+    parser.add_argument(
+        "--host-ops",
+        action="store_true",
+        help="count each fused column's ops, host reads and syncs over one more step",
     )
     args = parser.parse_args(argv)
     args.device = device
@@ -233,10 +465,14 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    print(f"## Fused kernels: ResNet-18, batch {args.batch_size}, {device}\n")
+    name = args.model + (f" (channels / {args.narrow})" if args.narrow > 1 else "")
+    print(f"## Fused kernels: {name}, batch {args.batch_size}, {device}\n")
     facts = "; ".join(f"{k}: {v}" for k, v in machine_info().items())
     print(f"{facts}; load average {load_average()}; {time.perf_counter() - begin:.0f} s\n")
     print(table(rows))
+    if args.host_ops:
+        print("\nOne fused step, counted:\n")
+        print(host_table(rows))
     return 0
 
 

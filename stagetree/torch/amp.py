@@ -6,13 +6,15 @@ A :class:`~stagetree.torch.FusibleTrainer` opts in with
 (the trainer holds it, so it is checkpointed like the optimizer). Fused, B members share
 one autocast forward, but each keeps *its own* loss scale: :class:`MemberScales` is B
 ``GradScaler`` s side by side (scale, growth tracker), so that a member whose gradients
-overflow skips its step and halves its scale alone, as it would trained alone.
+overflow skips its step and halves its scale alone, as it would trained alone. All of it
+stays on the device (the overflow flags mask the fused optimizer's step there): a fused
+step never waits for the device to tell the host who overflowed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -160,15 +162,35 @@ class MemberScales:
         return losses * self.scale
 
     @torch.no_grad()
-    def unscale(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    def unscale(self, grads: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Divide each member's slice of the stacked ``grads`` by its scale in place (as
         ``GradScaler.unscale_``: times the float32 reciprocal computed in float64); return
-        ``[B]`` bools: the members whose gradients hold an inf or a NaN."""
+        ``[B]`` bools on the device: the members whose gradients hold an inf or a NaN
+        (before the division, as ``GradScaler`` checks them).
+
+        ``grads``: the stacked gradients, or all of them side by side (one ``[B, width]``
+        tensor, :meth:`stagetree.torch.fused_optim.FusedOptimizer.flat_grad`). A constant
+        number of operations whatever the number of parameters (one check over the
+        gradients side by side, one multiplication or a multi-tensor one), and no host
+        sync.
+        """
         inv = self.scale.double().reciprocal().float()
-        found = torch.zeros_like(self.scale, dtype=torch.bool)
+        if isinstance(grads, torch.Tensor):
+            # A row's minimum and maximum are finite iff every element is (aminmax
+            # propagates NaNs): one read of the gradients, where isfinite writes masks.
+            low, high = torch.aminmax(grads, dim=1)
+            found = ~(torch.isfinite(low) & torch.isfinite(high))
+            grads.mul_(inv.view(-1, 1))
+            return found
+        if not grads:
+            return torch.zeros_like(self.scale, dtype=torch.bool)
+        size = self.scale.shape[0]
+        found = ~torch.isfinite(torch.cat([g.reshape(size, -1) for g in grads], dim=1)).all(dim=1)
+        views: dict[int, torch.Tensor] = {}
         for g in grads:
-            found |= ~torch.isfinite(g.flatten(1)).all(dim=1)
-            g.mul_(inv.view(-1, *([1] * (g.dim() - 1))))
+            if g.dim() not in views:
+                views[g.dim()] = inv.view(-1, *([1] * (g.dim() - 1)))
+        torch._foreach_mul_(list(grads), [views[g.dim()] for g in grads])
         return found
 
     @torch.no_grad()

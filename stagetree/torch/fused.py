@@ -705,9 +705,15 @@ class TorchFusedGroup(FusedGroup):
         if scales is None:
             self._optimizer.step()
             return
-        grads = [p.grad for p in self._optimizer.params.values() if p.grad is not None]
-        found = scales.unscale(grads)
-        self._optimizer.step(skip=found)
+        optimizer = self._optimizer
+        flat = optimizer.flat_grad()  # every gradient side by side: a step of a few ops
+        if flat is not None:
+            found = scales.unscale(flat)
+        else:
+            found = scales.unscale(
+                [p.grad for p in optimizer.params.values() if p.grad is not None]
+            )
+        optimizer.step(skip=found, flat_grad=flat)
         scales.update(found)
 
     def sync(self, i: int, optimizer: bool = True) -> None:

@@ -27,7 +27,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["FusedAdadelta", "FusedAdam", "FusedOptimizer", "FusedSGD"]
+__all__ = ["FLAT", "FusedAdadelta", "FusedAdam", "FusedOptimizer", "FusedSGD"]
+
+#: The name :meth:`FusedOptimizer._update` gets for a step over all parameters side by
+#: side (its tensors ``[B, width]``).
+FLAT = "*"
 
 
 def _column(values: Any, size: int, name: str) -> torch.Tensor:
@@ -83,8 +87,36 @@ class FusedOptimizer:
         for name, default in self.HP.items():
             self.set_hp(name, hp.get(name, default))
         self.state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in self.params}
-        self.steps = torch.zeros(self.size, dtype=torch.float64)  # per member
+        device = next(iter(self.params.values())).device
+        # Per member, on the parameters' device: a step skipped by a mask (a GradScaler's
+        # overflow) leaves a member's count as it is without the host reading the mask.
+        self.steps = torch.zeros(self.size, dtype=torch.float64, device=device)
         self._stepped: set[str] = set()  # parameters stepped (or loaded) at least once
+        # The step's mask: None (every member steps) or ``[B]`` bools on the device, and
+        # its views shaped for a parameter's dim (see :meth:`_ok`).
+        self._mask: torch.Tensor | None = None
+        self._mask_views: dict[int, torch.Tensor] = {}
+        # Every member's parameters side by side: parameter ``name`` is columns
+        # ``[offset, offset + numel)`` of a ``[B, width]`` tensor. The state is kept in
+        # that layout (each parameter's state a view of it), so that a step can run over
+        # all parameters at once (:meth:`flat_grad`): a few operations per step instead
+        # of a few per parameter, what bounds a step on an accelerator when kernels are
+        # short. None: the parameters differ in dtype or device (steps per parameter).
+        self.flat = True  #: take flat steps where the values allow (False: never)
+        self._layout: dict[str, tuple[int, int]] | None = None
+        kinds = {(p.dtype, p.device) for p in self.params.values()}
+        if len(kinds) == 1:
+            offset, self._layout = 0, {}
+            for name, p in self.params.items():
+                numel = p[0].numel()
+                self._layout[name] = (offset, numel)
+                offset += numel
+            self._width = offset
+            (self._dtype, self._device) = kinds.pop()
+        self._storage: dict[str, torch.Tensor] = {}  # slot -> [B, width] state
+        self._grad_buffer: torch.Tensor | None = None
+        self._update_views: list[torch.Tensor] = []  # of the gradient buffer
+        self._update_views_of: torch.Tensor | None = None
 
     def set_hp(self, name: str, values: Any) -> None:
         """Set one hyper-parameter for every member (a number) or each (B numbers)."""
@@ -139,44 +171,154 @@ class FusedOptimizer:
             del self._flags[flag]
 
     @torch.no_grad()
-    def step(self, skip: torch.Tensor | None = None) -> None:
+    def step(self, skip: torch.Tensor | None = None, flat_grad: torch.Tensor | None = None) -> None:
         """One step of every member from the parameters' ``.grad`` (members whose
         gradient is None for a parameter are left as they are there).
 
         Args:
-            skip: ``[B]`` bools (any device): members that do not step (their parameters,
-                state and step count stay as they are; a ``GradScaler`` found their
-                gradients not finite).
+            skip: ``[B]`` bools on the parameters' device: members that do not step
+                (their parameters, state and step count stay as they are; a
+                ``GradScaler`` found their gradients not finite). Applied on the device
+                (SGD: a zero gradient, lr 0 and momentum 1 for them; the others: each
+                updated tensor selected with ``torch.where``): the host never reads it,
+                so the step does not wait for the backward.
+            flat_grad: what :meth:`flat_grad` returned (unscaled by the caller, perhaps),
+                used instead of the ``.grad`` s: the step runs on all parameters side by
+                side.
         """
-        skipped = None if skip is None else skip.to("cpu")
-        if skipped is not None and bool(skipped.any()):
-            self._step_some(skipped)
-            return
-        self.steps += 1
+        if flat_grad is None:
+            flat_grad = self.flat_grad()
+        if skip is None:
+            self._mask = None
+            self.steps += 1
+        else:
+            self._mask = ~skip.to(device=self.steps.device, dtype=torch.bool)
+            self.steps += self._mask
+        self._mask_views = {}
         self._forget("step")
-        for name, p in self.params.items():
-            if p.grad is not None:
-                self._stepped.add(name)
-                self._update(name, p, p.grad)
+        try:
+            if flat_grad is not None:
+                self._stepped.update(self.params)
+                self._update(FLAT, flat_grad, flat_grad)
+                return
+            for name, p in self.params.items():
+                if p.grad is not None:
+                    self._stepped.add(name)
+                    self._update(name, p, p.grad)
+        finally:
+            self._mask = None
+            self._mask_views = {}
 
-    def _step_some(self, skipped: torch.Tensor) -> None:
-        """Step all, then put the ``skipped`` members' slices back (rare: an overflow)."""
-        before = {name: p.clone() for name, p in self.params.items()}
-        state = {n: {k: v.clone() for k, v in s.items()} for n, s in self.state.items()}
-        stepped = set(self._stepped)
-        self.step()
-        for name, p in self.params.items():
-            p[skipped.to(p.device)] = before[name][skipped.to(p.device)]
-        for name, saved in state.items():
-            current = self.state[name]
-            for key, value in saved.items():
-                current[key][skipped.to(value.device)] = value[skipped.to(value.device)]
-            for key in set(current) - set(saved):  # created by this step: zeros for them
-                current[key][skipped.to(current[key].device)] = 0
-        self.steps[skipped] -= 1
-        self._forget("step")
-        if bool(skipped.all()):
-            self._stepped = stepped
+    def flat_grad(self) -> torch.Tensor | None:
+        """Every parameter's ``.grad`` side by side (``[B, width]``, a copy; see
+        :meth:`step`), or None where this step goes parameter by parameter: a gradient
+        is missing, the parameters differ in dtype or device, or the update rule needs
+        the parameters themselves (weight decay, :meth:`_flat_ready`)."""
+        if not self.flat or self._layout is None or not self._flat_ready():
+            return None
+        grads = []
+        for p in self.params.values():
+            if p.grad is None:
+                return None
+            grads.append(p.grad.reshape(self.size, -1))
+        buffer = self._grad_buffer
+        if buffer is None or buffer.dtype != grads[0].dtype:
+            buffer = self._grad_buffer = torch.empty(
+                self.size, self._width, dtype=grads[0].dtype, device=self._device
+            )
+        return torch.cat(grads, dim=1, out=buffer)
+
+    def _flat_ready(self) -> bool:
+        """Whether this step's values let :meth:`_update` run on all parameters side by
+        side (host-known facts only)."""
+        return False
+
+    def _slot(self, name: str, kind: str, p: torch.Tensor) -> torch.Tensor:
+        """State ``kind`` of parameter ``name`` (:data:`FLAT`: of all of them side by
+        side), zeros at first use; a view of the flat layout where there is one."""
+        state = self.state.get(name)
+        if state is not None and kind in state:
+            return state[kind]
+        if self._layout is None:
+            assert state is not None
+            tensor = state[kind] = torch.zeros_like(p)
+            return tensor
+        storage = self._storage.get(kind)
+        if storage is None:
+            storage = self._storage[kind] = torch.zeros(
+                self.size, self._width, dtype=self._dtype, device=self._device
+            )
+        if name == FLAT:
+            for n in self.params:
+                if kind not in self.state[n]:
+                    self.state[n][kind] = self._view(storage, n)
+            return storage
+        assert state is not None
+        tensor = state[kind] = self._view(storage, name)
+        return tensor
+
+    def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter ``name``'s part of a ``[B, width]`` tensor, shaped like it."""
+        assert self._layout is not None
+        offset, numel = self._layout[name]
+        return flat[:, offset : offset + numel].view(self.params[name].shape)
+
+    def _col_masked(self, name: str, like: torch.Tensor, neutral: float) -> torch.Tensor:
+        """:meth:`_col` where this step's mask holds, ``neutral`` for the members that
+        skip (once a step)."""
+        key = (f"step+{name}:masked", like.dtype, like.device, like.dim())
+        column = self._columns.get(key)
+        if column is None:
+            ok = self._ok(like)
+            assert ok is not None
+            column = self._columns[key] = torch.where(ok, self._col(name, like), neutral)
+        return column
+
+    def _ok(self, like: torch.Tensor) -> torch.Tensor | None:
+        """This step's mask (True: the member steps) shaped to broadcast over a stacked
+        parameter like ``like``; None when every member steps."""
+        if self._mask is None:
+            return None
+        view = self._mask_views.get(like.dim())
+        if view is None:
+            view = self._mask_views[like.dim()] = self._mask.view(-1, *([1] * (like.dim() - 1)))
+        return view
+
+    @staticmethod
+    def _assign(target: torch.Tensor, new: torch.Tensor, ok: torch.Tensor | None) -> None:
+        """``target`` becomes ``new`` for the members that step (``ok``; None: all)."""
+        if ok is None:
+            target.copy_(new)
+        else:
+            torch.where(ok, new, target, out=target)
+
+    def _descend(
+        self,
+        name: str,
+        p: torch.Tensor,
+        factor: torch.Tensor,
+        step: torch.Tensor,
+        ok: torch.Tensor | None,
+    ) -> None:
+        """``p -= factor * step`` for the members that step: the others subtract an exact
+        zero (their update may be an inf or a NaN). :data:`FLAT`: every parameter's part
+        of the update, computed into :meth:`flat_grad`'s buffer and subtracted with one
+        multi-tensor call."""
+        if name != FLAT:
+            update = factor * step
+            p.sub_(update if ok is None else torch.where(ok, update, 0.0))
+            return
+        # The update goes where the gradients were (read by now): no more memory, and
+        # the buffer's parameter-shaped views are made once.
+        buffer = self._grad_buffer
+        assert buffer is not None and buffer.shape == step.shape
+        if self._update_views_of is not buffer:
+            self._update_views = [self._view(buffer, n) for n in self.params]
+            self._update_views_of = buffer
+        torch.mul(factor, step, out=buffer)
+        if ok is not None:
+            buffer.masked_fill_(~ok, 0.0)
+        torch._foreach_sub_(list(self.params.values()), self._update_views)
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         raise NotImplementedError
@@ -222,45 +364,109 @@ class FusedSGD(FusedOptimizer):
     ) -> None:
         super().__init__(params, **hp)
         self.nesterov = bool(nesterov)
+        # Whether member b's buffer exists, per parameter (row: parameter, on the
+        # device: a step masked there starts buffers the host does not learn of).
+        device = next(iter(self.params.values())).device
+        self._rows = {name: row for row, name in enumerate(self.params)}
+        self._has = torch.zeros(len(self.params), self.size, dtype=torch.bool, device=device)
+        # Parameters whose members all have a buffer (known on the host).
+        self._started: set[str] = set()
+
+    def _has_row(self, name: str) -> torch.Tensor:
+        """``[B]`` (:data:`FLAT`: ``[P, B]``): whose buffer exists."""
+        return self._has if name == FLAT else self._has[self._rows[name]]
+
+    def _all_started(self, name: str) -> bool:
+        if name == FLAT:
+            return len(self._started) == len(self.params)
+        return name in self._started
+
+    def _flat_ready(self) -> bool:
+        hp = self.hp
+        if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
+            return False
+        if not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any()):
+            return True
+        return self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and (
+            self._all_started(FLAT)
+            or self._flag("dampening:none", lambda: (hp["dampening"] == 0).all())
+        )
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         hp = self.hp
+        ok = self._ok(p)
         d_p = grad
         if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
             d_p = grad + self._col("weight_decay", p) * p
         lr = self._col("lr", p)
-        if not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any()):
-            p.sub_(lr * d_p)  # plain SGD for everyone: buffers stay as they are
+        plain = not self._flag("momentum:any", lambda: (hp["momentum"] > 0).any())
+        fast = (
+            not plain
+            and self._flag("momentum:all", lambda: (hp["momentum"] > 0).all())
+            and (
+                self._all_started(name)
+                or self._flag("dampening:none", lambda: (hp["dampening"] == 0).all())
+            )
+        )
+        neutral = False
+        if ok is not None and (plain or fast):
+            neutral = True
+            # A member that skips steps with a zero gradient, lr 0 and momentum 1: its
+            # buffer * 1 + 0 and its weights - 0 * buffer stay as they are (up to the sign
+            # of a zero), at no more passes over the tensors than an unmasked step.
+            # (the flat gradients are this optimizer's own buffer: zeroed in place)
+            d_p = d_p.masked_fill_(~ok, 0.0) if name == FLAT else torch.where(ok, d_p, 0.0)
+            lr = self._col_masked("lr", p, 0.0)
+        if plain:  # plain SGD for everyone: buffers stay as they are
+            self._descend(name, p, lr, d_p, None)
             return
-        state = self.state[name]
-        buf = state.get("momentum_buffer")
-        has = state.get("has_buffer")  # [B] bool on the CPU: member b's buffer exists
-        if buf is None or has is None:
-            buf = state["momentum_buffer"] = torch.zeros_like(p)
-            has = state["has_buffer"] = torch.zeros(self.size, dtype=torch.bool)
+        buf = self._slot(name, "momentum_buffer", p)
+        has = self._has_row(name)
         momentum = self._col("momentum", p)
         keep = self._col("dampening:keep", p, lambda: 1.0 - hp["dampening"])
-        if self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()) and bool(has.all()):
-            # The usual case: every member has momentum and a buffer.
-            buf.mul_(momentum).add_(d_p * keep)
+        if fast:
+            # The usual case: every member has momentum, and a buffer (or no dampening:
+            # a buffer not started yet is zeros, and zeros * momentum + d_p is d_p, the
+            # buffer torch.optim starts with).
+            if neutral:
+                momentum = self._col_masked("momentum", p, 1.0)
+            if self._flag("dampening:none", lambda: (hp["dampening"] == 0).all()):
+                buf.mul_(momentum).add_(d_p)  # d_p * 1 is d_p: a pass over the tensors less
+            else:
+                buf.mul_(momentum).add_(d_p * keep)
+            if not self._all_started(name):
+                if self._mask is None:
+                    has.fill_(True)
+                    self._started.update(self.params if name == FLAT else (name,))
+                else:  # who started is on the device: the host does not learn it
+                    has.logical_or_(self._mask)
             step = d_p + momentum * buf if self.nesterov else buf
-            p.sub_(lr * step)
+            self._descend(name, p, lr, step, None)
             return
-        uses = self._col("momentum:uses", p, lambda: (hp["momentum"] > 0).double()) > 0
-        started = self._scale(has.double(), p) > 0
+
+        def momentum_uses() -> torch.Tensor:
+            return (hp["momentum"] > 0).double()
+
+        uses = self._col("momentum:uses", p, momentum_uses) > 0
+        started = has.view(-1, *([1] * (p.dim() - 1)))
         # A member's first step with momentum starts its buffer at its gradient; a member
         # without momentum leaves its buffer as it is.
-        buf.copy_(torch.where(uses, torch.where(started, buf * momentum + d_p * keep, d_p), buf))
-        has.logical_or_(hp["momentum"] > 0)
+        self._assign(
+            buf, torch.where(uses, torch.where(started, buf * momentum + d_p * keep, d_p), buf), ok
+        )
+        starts = self._col("momentum:uses", self.steps, momentum_uses) > 0
+        has.logical_or_(starts if self._mask is None else starts & self._mask)
+        if self._mask is None and self._flag("momentum:all", lambda: (hp["momentum"] > 0).all()):
+            self._started.add(name)
         step = d_p + momentum * buf if self.nesterov else buf
-        p.sub_(lr * torch.where(uses, step, d_p))
+        self._descend(name, p, lr, torch.where(uses, step, d_p), ok)
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
+        has = self._has[:, b].tolist()
         for name in self.params:
-            state = self.state[name]
-            buf, has = state.get("momentum_buffer"), state.get("has_buffer")
-            if buf is not None and has is not None and bool(has[b]):
+            buf = self.state[name].get("momentum_buffer")
+            if buf is not None and has[self._rows[name]]:
                 out[name] = {"momentum_buffer": buf[b].clone()}
             elif name in self._stepped and _sgd_records_empty_buffers():
                 out[name] = {"momentum_buffer": None}
@@ -275,12 +481,8 @@ class FusedSGD(FusedOptimizer):
             buf = member.get("momentum_buffer")
             if buf is None:
                 continue
-            s = self.state[name]
-            if "momentum_buffer" not in s:
-                s["momentum_buffer"] = torch.zeros_like(p)
-                s["has_buffer"] = torch.zeros(self.size, dtype=torch.bool)
-            s["momentum_buffer"][b].copy_(buf)
-            s["has_buffer"][b] = True
+            self._slot(name, "momentum_buffer", p)[b].copy_(buf)
+            self._has[self._rows[name], b] = True
 
 
 class _SlotOptimizer(FusedOptimizer):
@@ -290,12 +492,13 @@ class _SlotOptimizer(FusedOptimizer):
     SLOTS: tuple[str, ...] = ()
 
     def _slots(self, name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Parameter ``name``'s state, its slots created (zeros) on first use."""
-        s = self.state[name]
-        if self.SLOTS[0] not in s:
-            for slot in self.SLOTS:
-                s[slot] = torch.zeros_like(p)
-        return s
+        """Parameter ``name``'s state (:data:`FLAT`: all parameters'), its slots created
+        (zeros) on first use."""
+        return {slot: self._slot(name, slot, p) for slot in self.SLOTS}
+
+    def _flat_ready(self) -> bool:
+        hp = self.hp
+        return not self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any())
 
     def member_state(self, b: int) -> dict[str, dict[str, Any]]:
         if not self.steps[b]:  # it never stepped (skipped steps): torch.optim keeps nothing
@@ -338,23 +541,40 @@ class FusedAdam(_SlotOptimizer):
 
     def _update(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
         hp, s = self.hp, self._slots(name, p)
+        ok = self._ok(p)
         if self._flag("weight_decay:any", lambda: (hp["weight_decay"] > 0).any()):
             if self.decoupled:
-                p.mul_(
-                    self._col("lr+weight_decay:keep", p, lambda: 1 - hp["lr"] * hp["weight_decay"])
+                keep = self._col(
+                    "lr+weight_decay:keep", p, lambda: 1 - hp["lr"] * hp["weight_decay"]
                 )
+                p.mul_(keep if ok is None else torch.where(ok, keep, 1.0))
             else:
                 grad = grad + self._col("weight_decay", p) * p
         beta1, beta2 = self._col("beta1", p), self._col("beta2", p)
-        s["exp_avg"].lerp_(grad, 1 - beta1)
-        s["exp_avg_sq"].mul_(beta2).add_((1 - beta2) * grad * grad)
+        exp_avg, exp_avg_sq = s["exp_avg"], s["exp_avg_sq"]
+        if ok is None:
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
+        else:
+            torch.where(ok, exp_avg.lerp(grad, 1 - beta1), exp_avg, out=exp_avg)
+            torch.where(
+                ok, exp_avg_sq * beta2 + (1 - beta2) * grad * grad, exp_avg_sq, out=exp_avg_sq
+            )
         # Bias corrections in float64 per member, as torch.optim computes them in Python
-        # (once per step: "step:" columns are dropped by every step()).
+        # (once per step: "step:" columns are dropped by every step()), on the device
+        # where the step counts are.
         steps = self.steps
-        step_size = self._col("step:size", p, lambda: hp["lr"] / (1 - hp["beta1"] ** steps))
-        correction2_sqrt = self._col("step:c2", p, lambda: (1 - hp["beta2"] ** steps).sqrt())
-        denom = (s["exp_avg_sq"].sqrt() / correction2_sqrt).add_(self._col("eps", p))
-        p.sub_(step_size * (s["exp_avg"] / denom))
+
+        def size() -> torch.Tensor:
+            return self._col("lr", steps) / (1 - self._col("beta1", steps) ** steps)
+
+        def c2() -> torch.Tensor:
+            return (1 - self._col("beta2", steps) ** steps).sqrt()
+
+        step_size = self._col("step:size", p, size)
+        correction2_sqrt = self._col("step:c2", p, c2)
+        denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(self._col("eps", p))
+        self._descend(name, p, step_size, exp_avg / denom, ok)
 
 
 class FusedAdadelta(_SlotOptimizer):
@@ -376,9 +596,16 @@ class FusedAdadelta(_SlotOptimizer):
         rho = self._col("rho", p)
         keep = self._col("rho:keep", p, lambda: 1 - hp["rho"])
         eps = self._col("eps", p)
+        ok = self._ok(p)
         square_avg, acc_delta = s["square_avg"], s["acc_delta"]
-        square_avg.mul_(rho).add_(keep * grad * grad)
+        if ok is None:
+            square_avg.mul_(rho).add_(keep * grad * grad)
+        else:
+            torch.where(ok, square_avg * rho + keep * grad * grad, square_avg, out=square_avg)
         std = square_avg.add(eps).sqrt_()
         delta = acc_delta.add(eps).sqrt_().div_(std).mul_(grad)
-        acc_delta.mul_(rho).add_(keep * delta * delta)
-        p.sub_(self._col("lr", p) * delta)
+        if ok is None:
+            acc_delta.mul_(rho).add_(keep * delta * delta)
+        else:
+            torch.where(ok, acc_delta * rho + keep * delta * delta, acc_delta, out=acc_delta)
+        self._descend(name, p, self._col("lr", p), delta, ok)

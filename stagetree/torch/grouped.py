@@ -117,14 +117,16 @@ def _members_first(t: torch.Tensor | None, dim: int | None, size: int) -> torch.
         return None
     if dim is None:
         return t.expand(size, *t.shape)
-    return t.movedim(dim, 0)
+    # movedim dispatches a permute even to where the dimension is: a host op saved per
+    # tensor per layer (and its backward), what a GPU step waits on when kernels are short
+    return t if dim == 0 else t.movedim(dim, 0)
 
 
 def _grouped_input(x: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
     """Physical activations ``[N, B, C, ...]`` (any layout) as ``[N, B*C, ...]``."""
     if dim is None:
         x = x.unsqueeze(1).expand(x.shape[0], size, *x.shape[1:])
-    else:
+    elif dim != 1:
         x = x.movedim(dim, 1)
     return x.flatten(1, 2)
 
@@ -236,7 +238,8 @@ def _linear_rule(
             # The same input for every member: one product with B*O outputs.
             y = F.linear(x, w.flatten(0, 1), None if b is None else b.flatten())
             return y.unflatten(-1, (size, out)), y.dim() - 1
-        x = x.movedim(in_dims[0], 0)
+        if in_dims[0] != 0:
+            x = x.movedim(in_dims[0], 0)
         flat = x.reshape(size, -1, x.shape[-1])
         if b is None:
             y = torch.bmm(flat, w.transpose(1, 2))

@@ -27,13 +27,15 @@ these (:data:`BOUNDS`), 2x more on CUDA. Measured on an NVIDIA H100 (torch 2.11,
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
+
+from amp_digits import BiasFreeDigits, tensors  # noqa: E402 (tests/fakes, see conftest)
 
 from stagetree.exceptions import FusionError  # noqa: E402
 from stagetree.torch import FusibleTrainer, TorchFusedGroup  # noqa: E402
@@ -79,18 +81,9 @@ class AdadeltaDigits(DigitsTrainer):
         self.optimizer = torch.optim.Adadelta(self.model.parameters(), weight_decay=1e-4)
 
 
-class AmpDigits(DigitsTrainer):
+class AmpDigits(BiasFreeDigits):
     """An MLP on the digits with automatic mixed precision: bfloat16 autocast on a CPU,
-    float16 and a GradScaler on CUDA. Its layers have no bias: under vmap a linear
-    layer's bias is added after the autocast product, in float32 (see docs/fusion.md)."""
-
-    def build_model(self, c: Mapping[str, Any]) -> torch.nn.Module:
-        hidden = int(c["hidden"])
-        return torch.nn.Sequential(
-            torch.nn.Linear(64, hidden, bias=False),
-            torch.nn.ReLU(),
-            torch.nn.Linear(hidden, 10, bias=False),
-        )
+    float16 and a GradScaler on CUDA. Its layers have no bias (see BiasFreeDigits)."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__(config)
@@ -147,18 +140,6 @@ def train_alone(
             trainer.setup(hp)
         metrics.append(trainer.train())
     return trainer, metrics
-
-
-def tensors(state: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, leaf) of a state tree, leaves in order."""
-    if isinstance(state, Mapping):
-        for key in state:
-            yield from tensors(state[key], f"{path}.{key}")
-    elif isinstance(state, (list, tuple)):
-        for i, item in enumerate(state):
-            yield from tensors(item, f"{path}[{i}]")
-    else:
-        yield path, state
 
 
 def structure(state: Any) -> list[tuple[str, Any]]:
