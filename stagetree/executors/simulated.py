@@ -875,25 +875,36 @@ async def drive(
         return bool(getattr(executor, "pending", False))
 
     task = asyncio.ensure_future(main)
+    # CPython's queue of ready callbacks: empty after a pump, the instant woke nothing
+    # (no result reached the tuner), so a settle would run nothing and the next instant
+    # is delivered at once (the same events, decisions and clock; instants a few ulps
+    # apart, which grow common as the clock grows, cost no settle each).
+    ready = getattr(asyncio.get_running_loop(), "_ready", None)
     idle = busy = 0
+    quiet = False
     try:
         while not task.done():
-            if not await settle_loop():
-                # Still busy (a replay answers many trials at once): not a stall, unless
-                # it never ends (a tuner that spins without ever waiting for a result).
-                busy += 1
-                if busy > BUSY_SETTLES:
-                    raise StagetreeError(
-                        f"simulation stalled: the event loop stayed busy for {busy} settles "
-                        "without waiting for any result (a tuner that never awaits one?)"
-                    )
-                continue
-            busy = 0
-            if task.done():
-                break
+            if not quiet:
+                if not await settle_loop():
+                    # Still busy (a replay answers many trials at once): not a stall,
+                    # unless it never ends (a tuner that spins without ever waiting for
+                    # a result).
+                    busy += 1
+                    if busy > BUSY_SETTLES:
+                        raise StagetreeError(
+                            f"simulation stalled: the event loop stayed busy for {busy} "
+                            "settles without waiting for any result (a tuner that never "
+                            "awaits one?)"
+                        )
+                    continue
+                busy = 0
+                if task.done():
+                    break
             if pump(0):
                 idle = 0
+                quiet = ready is not None and not ready
                 continue
+            quiet = False
             idle += 1
             if idle >= 2 and not pending():
                 raise StagetreeError(
