@@ -859,7 +859,9 @@ async def drive(
 
     Loop: let ``main`` settle (every ready callback runs, so the tuner's reactions to
     one instant's results are submitted at that instant), then ``pump(0)`` (the study
-    engine's :meth:`pump`) plans what was submitted and delivers the next instant.
+    engine's :meth:`pump`) plans what was submitted and delivers the next instant; after
+    an instant that woke nothing in the loop (no result for the tuner), the next one is
+    delivered at once, as a settle would run nothing.
     When ``main`` returns, :attr:`SimulatedExecutor.done_at` records the virtual time
     and the work still in flight (cancelled batches, background saves) is pumped to
     its end so that accounting is complete. A settle that ends with callbacks still
