@@ -134,20 +134,34 @@ def run_one(
     tuner = _tuner(kind, n)
     base = _rss_kib()
     executor = SimulatedExecutor(workers, curve=LearningCurve(aliases={"acc": "accuracy"}))
-    decisions = 0
-    submit = executor.submit
+    decisions = instants = 0
+    window = (0.0, 0)  # CPU seconds and instants at the last progress line
+    submit, events = executor.submit, executor.events
 
     def counting(instruction: Any) -> None:
-        nonlocal decisions
+        nonlocal decisions, window
         if isinstance(instruction, (RunBatch, RunFused)):
             decisions += 1
             if progress and decisions % progress == 0:
                 cpu = time.process_time() - cpu0
-                print(f"{kind} N={n} W={workers}: {decisions} batches, {cpu:.1f} s CPU",
+                # Per batch over the window: CPU, and the virtual instants delivered (each
+                # costs a driver round; they grow as the workers drift out of step).
+                per = (cpu - window[0]) / progress * 1e3, (instants - window[1]) / progress
+                window = (cpu, instants)
+                print(f"{kind} N={n} W={workers}: {decisions} batches, since the line "
+                      f"before {per[0]:.2f} ms CPU and {per[1]:.2f} instants per batch, "
+                      f"virtual clock {executor.now:.0f} s, {cpu:.1f} s CPU",
                       file=sys.stderr, flush=True)  # fmt: skip
         submit(instruction)
 
+    def timed(timeout: float | None = None) -> Any:
+        nonlocal instants
+        got = events(timeout)
+        instants += bool(got)
+        return got
+
     executor.submit = counting  # type: ignore[method-assign]
+    executor.events = timed  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
         study = open_study(storage, tmp, workers, executor)
         prof = cProfile.Profile() if profile else None
@@ -170,6 +184,7 @@ def run_one(
         "cpu_s": cpu,
         "wall_s": wall,
         "decisions": decisions,
+        "instants": instants,
         "virtual_s": executor.now,
         "peak_rss_mib": _rss_kib() / 1024,
         "rss_per_trial_kib": max(0, _rss_kib() - base) / n,

@@ -859,7 +859,9 @@ async def drive(
 
     Loop: let ``main`` settle (every ready callback runs, so the tuner's reactions to
     one instant's results are submitted at that instant), then ``pump(0)`` (the study
-    engine's :meth:`pump`) plans what was submitted and delivers the next instant.
+    engine's :meth:`pump`) plans what was submitted and delivers the next instant; after
+    an instant that woke nothing in the loop (no result for the tuner), the next one is
+    delivered at once, as a settle would run nothing.
     When ``main`` returns, :attr:`SimulatedExecutor.done_at` records the virtual time
     and the work still in flight (cancelled batches, background saves) is pumped to
     its end so that accounting is complete. A settle that ends with callbacks still
@@ -875,25 +877,36 @@ async def drive(
         return bool(getattr(executor, "pending", False))
 
     task = asyncio.ensure_future(main)
+    # CPython's queue of ready callbacks: empty after a pump, the instant woke nothing
+    # (no result reached the tuner), so a settle would run nothing and the next instant
+    # is delivered at once (the same events, decisions and clock; instants a few ulps
+    # apart, which grow common as the clock grows, cost no settle each).
+    ready = getattr(asyncio.get_running_loop(), "_ready", None)
     idle = busy = 0
+    quiet = False
     try:
         while not task.done():
-            if not await settle_loop():
-                # Still busy (a replay answers many trials at once): not a stall, unless
-                # it never ends (a tuner that spins without ever waiting for a result).
-                busy += 1
-                if busy > BUSY_SETTLES:
-                    raise StagetreeError(
-                        f"simulation stalled: the event loop stayed busy for {busy} settles "
-                        "without waiting for any result (a tuner that never awaits one?)"
-                    )
-                continue
-            busy = 0
-            if task.done():
-                break
+            if not quiet:
+                if not await settle_loop():
+                    # Still busy (a replay answers many trials at once): not a stall,
+                    # unless it never ends (a tuner that spins without ever waiting for
+                    # a result).
+                    busy += 1
+                    if busy > BUSY_SETTLES:
+                        raise StagetreeError(
+                            f"simulation stalled: the event loop stayed busy for {busy} "
+                            "settles without waiting for any result (a tuner that never "
+                            "awaits one?)"
+                        )
+                    continue
+                busy = 0
+                if task.done():
+                    break
             if pump(0):
                 idle = 0
+                quiet = ready is not None and not ready
                 continue
+            quiet = False
             idle += 1
             if idle >= 2 and not pending():
                 raise StagetreeError(

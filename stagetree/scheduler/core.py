@@ -1317,6 +1317,8 @@ class Scheduler:
                 return path
         self._forest.ensure_costs()
         ready = self._ordered(ready)
+        if ready is self._forest.ready_roots:
+            ready = list(ready)  # a policy gets a list of its own
         if len(self._held) <= 1:
             return self.policy.choose(tree, ready)
         # Studies whose live requests lie in each stage or below it.
@@ -1573,9 +1575,10 @@ class Scheduler:
             out.update(batch.parked)
         return out
 
-    def _tree(self, lazy: bool = False) -> StageTree:
+    def _tree(self, lazy: bool = False, shared: bool = False) -> StageTree:
         """The stage tree now (``lazy``: stage costs left for
-        :meth:`StageForest.ensure_costs`)."""
+        :meth:`StageForest.ensure_costs`; ``shared``: its root lists are the forest's
+        own, for a decision done before the next call)."""
         # Batches' positions and promises are kept in the forest: only those of
         # batches touched since the last decision are reported.
         self._report_batches()
@@ -1592,6 +1595,7 @@ class Scheduler:
             estimator.costs if plain else None,
             estimator=estimator if plain else None,
             lazy=lazy,
+            shared=shared,
         )
 
     def _any_batch(self, batch_id: int) -> _Batch:
@@ -1602,9 +1606,11 @@ class Scheduler:
     def _schedule(self, out: list[Instruction | Notice]) -> None:
         self.policy.workers = len(self._workers)
         while True:
-            tree = self._tree(lazy=True)
+            # The forest's own lists, no copy per decision: nothing changes them
+            # before the next _tree.
+            tree = self._tree(lazy=True, shared=True)
             self._split(tree, out)
-            ready = self._held_first(tree.ready_roots())
+            ready = self._held_first(self._forest.ready_roots)
             if self._need and ready:
                 ready = self._fitting(ready, out)
             if not ready or not self._idle:

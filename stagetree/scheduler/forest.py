@@ -508,6 +508,7 @@ class StageForest:
         *,
         estimator: Estimator | None = None,
         lazy: bool = False,
+        shared: bool = False,
     ) -> StageTree:
         """The stage tree of every live request not in ``promised``, from the durable
         checkpoints, the models in ``memory`` (counted as durable) and the ``running``
@@ -520,6 +521,9 @@ class StageForest:
         ``estimator``: the estimator behind ``cost`` and ``version``, for
         :meth:`critical_path`. ``lazy``: leave the stages' costs as they are until
         :meth:`ensure_costs` (or :meth:`critical_path`, for the path it returns).
+        ``shared``: the tree's roots, ready and waiting roots are the forest's own
+        lists (no copy: the next call changes them; read them, never change them),
+        for a decision that is done before the next call.
 
         Raises:
             ValueError: a checkpoint on a node that is not among the plan nodes.
@@ -609,6 +613,18 @@ class StageForest:
         covered = [c for cs in self._covered.values() for c in cs]
         if len(self._covered) > 1:
             covered.sort(key=lambda c: self._seq[(c.node, c.step)])
+        if shared:
+            # A decision reads them before the next call: copies of every root (half
+            # of a Hyperband study's trials are ready at once) per decision would make
+            # its cost grow with the study.
+            return StageTree(
+                None,
+                self._all.stages,
+                covered,
+                self._nodes,
+                ready=self._ready.stages,
+                waiting=self._waiting.stages,
+            )
         return StageTree(
             None,
             list(self._all.stages),
@@ -617,6 +633,13 @@ class StageForest:
             ready=list(self._ready.stages),
             waiting=list(self._waiting.stages),
         )
+
+    @property
+    def ready_roots(self) -> list[Stage]:
+        """The ready roots of the last :meth:`tree`, in root order: the forest's own
+        list (no copy; the next :meth:`tree` changes it), kept as plan trees are built
+        again (read it, never change it)."""
+        return self._ready.stages
 
     def _shrink(self) -> None:
         """Make the per-tree tables that emptied small again: a dict keeps the table

@@ -78,6 +78,11 @@ def check(scheduler: core.Scheduler) -> None:
         assert b.checkpoint <= b.indexed and b.parked.keys() <= b.indexed
         for key in b.indexed:
             assert b.batch_id in scheduler._promising[key]
+    # The ready roots a decision reads without a copy: those of every root that can
+    # start now, in root order (before this tree: as the last tree left them).
+    forest = scheduler._forest
+    ready = [r for r in forest._all.stages if r.origin is None or r.origin.ready]
+    assert forest.ready_roots == ready
     alive = scheduler._batches.keys() | scheduler._saving.keys()
     for key, ids in scheduler._promising.items():
         assert ids and ids <= alive
@@ -97,9 +102,9 @@ def checked_forest(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Check the kept inputs before every stage tree a scheduler builds."""
     tree = core.Scheduler._tree
 
-    def checked(self: core.Scheduler, lazy: bool = False) -> Any:
+    def checked(self: core.Scheduler, lazy: bool = False, shared: bool = False) -> Any:
         check(self)
-        return tree(self, lazy)
+        return tree(self, lazy, shared)
 
     monkeypatch.setattr(core.Scheduler, "_tree", checked)
     yield

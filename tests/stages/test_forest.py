@@ -4,6 +4,7 @@ of changes it equals a whole build over the same inputs."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -120,6 +121,21 @@ def change(
     return True
 
 
+def add_checkpoints(forest: StageForest, checkpoints: set[Key], keys: Iterable[Key]) -> None:
+    """The checkpoints at ``keys`` become durable (those not yet), in both."""
+    for key in keys:
+        if key not in checkpoints:
+            checkpoints.add(key)
+            forest.add_checkpoint(key)
+
+
+def lose_checkpoint(rng: random.Random, forest: StageForest, checkpoints: set[Key]) -> None:
+    """A durable checkpoint at random is gone, in both."""
+    key = rng.choice(sorted(checkpoints))
+    checkpoints.discard(key)
+    forest.remove_checkpoint(key)
+
+
 def _running(rng: random.Random, nodes: dict[int, Node], keys: list[Key]) -> list[RunningPosition]:
     """Up to three running batches on random paths (so that some roots wait for them),
     with checkpoints promised at positions they passed (canonical, on their path)."""
@@ -165,9 +181,11 @@ def assert_whole_build(
     running: list[RunningPosition],
     promised: set[Key],
     memory: set[Key],
+    shared: bool = False,
 ) -> None:
-    """A decision's tree from ``forest`` equals a whole build over the same inputs."""
-    got = forest.tree(running, promised, memory, estimator.cost, estimator.version)
+    """A decision's tree from ``forest`` equals a whole build over the same inputs
+    (``shared``: the tree over the forest's own root lists, and its kept ready roots)."""
+    got = forest.tree(running, promised, memory, estimator.cost, estimator.version, shared=shared)
     want = build_stage_tree(
         forest._nodes,
         [k for k in requests if k not in promised],
@@ -176,6 +194,10 @@ def assert_whole_build(
         estimator.cost,
     )
     assert snapshot(got) == snapshot(want)
+    if shared:
+        assert got.roots is forest._all.stages
+        index = {id(s): i for i, s in enumerate(got.stages)}
+        assert [index[id(r)] for r in forest.ready_roots] == snapshot(want)["ready"]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -197,6 +219,29 @@ def test_forest_equals_a_whole_build_after_every_change(seed: int) -> None:
         promised = {k for k in requests if rng.random() < 0.1}
         memory = {k for k in rng.sample(keys, 3) if rng.random() < 0.3}
         assert_whole_build(forest, estimator, requests, checkpoints, running, promised, memory)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shared_tree_and_kept_ready_roots_equal_a_whole_build_after_every_change(
+    seed: int,
+) -> None:
+    """The tree a decision reads without copies (the forest's own root lists) and the
+    ready roots it keeps equal a whole build after every change, checkpoints made
+    durable where batches promised them (ready in place) included."""
+    nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(seed, seed + 100)
+    running: list[RunningPosition] = []
+    for _ in range(150):
+        op = rng.random()
+        if change(rng, forest, keys, requests, checkpoints, op, (0.35, 0.5, 0.6)):
+            pass
+        elif op < 0.75 and running:
+            # A promised model becomes durable: the roots waiting for it become ready.
+            add_checkpoints(forest, checkpoints, rng.choice(running).saving)
+        elif op < 0.85 and checkpoints:
+            lose_checkpoint(rng, forest, checkpoints)
+        else:
+            running = _running(rng, nodes, keys)
+        assert_whole_build(forest, estimator, requests, checkpoints, running, set(), set(), True)
 
 
 def test_forest_refuses_what_a_whole_build_refuses() -> None:

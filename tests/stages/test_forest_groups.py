@@ -9,7 +9,14 @@ import random
 from typing import Any
 
 import pytest
-from test_forest import _running, assert_whole_build, change, plan
+from test_forest import (
+    _running,
+    add_checkpoints,
+    assert_whole_build,
+    change,
+    lose_checkpoint,
+    plan,
+)
 
 from stagetree.hp import Constant
 from stagetree.plan import MemoryPlanStorage
@@ -36,14 +43,9 @@ def test_grouped_forest_equals_a_whole_build_after_every_change(seed: int) -> No
         if change(rng, forest, keys, requests, checkpoints, op, (0.35, 0.5, 0.6)):
             pass
         elif op < 0.66:  # a checkpoint at step 0 of a root: every group reads it
-            key = (rng.choice(roots), 0)
-            if key not in checkpoints:
-                checkpoints.add(key)
-                forest.add_checkpoint(key)
+            add_checkpoints(forest, checkpoints, [(rng.choice(roots), 0)])
         elif op < 0.74 and checkpoints:
-            key = rng.choice(sorted(checkpoints))
-            checkpoints.discard(key)
-            forest.remove_checkpoint(key)
+            lose_checkpoint(rng, forest, checkpoints)
         elif op < 0.8:
             estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
         running = _running(rng, nodes, keys)

@@ -388,6 +388,50 @@ def test_a_loop_that_never_stops_spinning_is_a_stall(monkeypatch: pytest.MonkeyP
         asyncio.run(drive(spinning(), lambda _: 0, None))
 
 
+def test_an_instant_that_wakes_nothing_costs_no_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an instant that answered nothing the tuner awaits (its loop has nothing
+    ready), the next instant is delivered without a settle of the loop; after one that
+    woke it, the tuner reacts before the next instant, as ever."""
+    log: list[tuple[str, Any]] = []
+    settle = simulated.settle_loop
+
+    async def counted(*args: Any) -> bool:
+        log.append(("settle", None))
+        return await settle(*args)
+
+    monkeypatch.setattr(simulated, "settle_loop", counted)
+    waiting: list[asyncio.Future[None]] = []
+
+    async def tuner() -> str:
+        for i in range(3):
+            waiting.append(asyncio.get_running_loop().create_future())
+            await waiting[-1]
+            log.append(("tuner", i))
+        return "done"
+
+    wakes = [False, False, True, False, True, False, False, True]  # per instant
+
+    def pump(_: float) -> int:
+        if not wakes:
+            return 0
+        wake = wakes.pop(0)
+        log.append(("pump", wake))
+        if wake:
+            waiting[-1].set_result(None)
+        return 1
+
+    assert asyncio.run(drive(tuner(), pump, None)) == "done"
+    instant = [("pump", False)]
+    woke = [("pump", True), ("settle", None)]
+    assert log == [
+        ("settle", None),
+        *instant * 2, *woke, ("tuner", 0),
+        *instant, *woke, ("tuner", 1),
+        *instant * 2, *woke, ("tuner", 2),
+        ("settle", None),  # the work left after the tuner's end
+    ]  # fmt: skip
+
+
 def test_progress_lets_the_scheduler_learn_costs() -> None:
     ex = executor(step_cost=StepCost(2.0), progress_interval=None)
     drain(ex)
