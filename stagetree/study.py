@@ -464,8 +464,8 @@ class Study(StudyAPI):
             check_checkpointable(self.trainer)  # (tune() checks it too) not for nothing
             start_server_early(self.trainer)
 
-    def _end_early(self) -> None:
-        end_unused_server()
+    def _end_early(self, stopping: bool = False) -> None:
+        end_unused_server(stopping)
 
     def _ensure_started(self) -> None:
         # The workers start with the first trial the storage cannot answer (what they fork

@@ -509,6 +509,7 @@ class StudyAPI(abc.ABC):
                 check_checkpointable(self.trainer)
             return self._tune(tuner, limits, progress)
         except KeyboardInterrupt:
+            self._end_early(stopping=True)  # even while a worker is being started from it
             # Ctrl-C: the event loop's cancellation chained under it tells a user
             # nothing; what was trained is stored and a new run resumes from it.
             raise KeyboardInterrupt(f"study {self.name!r}: {INTERRUPTED_MESSAGE}") from None
@@ -592,9 +593,9 @@ class StudyAPI(abc.ABC):
         """A run begins: start what its workers are made from, when they run here, before
         the storage opens (:meth:`_end_early` ends it where no worker came of it)."""
 
-    def _end_early(self) -> None:  # noqa: B027 (a hook: nothing to end remotely)
+    def _end_early(self, stopping: bool = False) -> None:  # noqa: B027 (a hook: nothing remote)
         """The run ended (or failed): end what :meth:`_start_early` started if no worker
-        came of it."""
+        came of it (``stopping``, on Ctrl-C: nor is one starting to)."""
 
     def _ensure_started(self) -> None:  # noqa: B027 (a hook: nothing to start remotely)
         """Start the workers, when they run here."""

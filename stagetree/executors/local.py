@@ -38,6 +38,7 @@ importing torch and the trainer). The pool is bounded, idle processes stop after
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import glob
@@ -214,9 +215,10 @@ def _start_forkserver(preload: list[str]) -> None:
 
 
 # Whether a worker was forked from this process's fork server (that one, or any later
-# one): a server that served none may be ended at once (end_unused_server). Under
-# _EARLY_LOCK, never held while this process forks.
+# one), and how many are being forked now: a server that served none may be ended at
+# once (end_unused_server). Under _EARLY_LOCK, never held while this process forks.
 _FORKED_A_WORKER = False
+_FORKING = 0
 _STARTED_MP_SERVER = False  # multiprocessing's fork server was started here
 _EARLY_LOCK = threading.Lock()
 
@@ -234,15 +236,17 @@ def start_server_early(trainer: Any) -> None:
         _server_context(_preload_modules(trainer))
 
 
-def end_unused_server() -> None:
+def end_unused_server(stopping: bool = False) -> None:
     """End the fork server started in this process when no worker was forked from it
     (a study closed untuned, a run answered from the storage, a run that failed before
-    its workers started): killed at once, not waited for while it imports. It also runs
-    at exit, so that nothing holds the program's output open after it. A server that
-    forked a worker stays for the workers to come (the pool's)."""
+    its workers started): killed at once, not waited for while it imports. A server
+    that forked a worker stays for the workers to come (the pool's), and so does one
+    that a worker is being forked from now, unless ``stopping`` (Ctrl-C, the program's
+    exit: that start is abandoned, and fails). It runs at exit too, so that nothing holds
+    the program's output open after it."""
     global _STARTED_MP_SERVER
     with _EARLY_LOCK:
-        if _FORKED_A_WORKER:
+        if _FORKED_A_WORKER or (_FORKING and not stopping):
             return
         stop_server()
         if not _STARTED_MP_SERVER:
@@ -259,14 +263,35 @@ def end_unused_server() -> None:
                 server._stop()  # closes its pipe, reaps it, removes its socket
 
 
+@contextlib.contextmanager
+def _interruptible(waits: bool) -> Iterator[None]:
+    """Where ``waits`` (a start from a fork server, which may still be importing for
+    seconds), Ctrl-C raises KeyboardInterrupt in the main thread during the start:
+    ``tune()``'s event loop (asyncio's runner) only cancels the run at its next turn, so
+    its handler would leave the interrupted program waiting for the server's imports."""
+    handler = signal.getsignal(signal.SIGINT) if waits else None
+    method = getattr(handler, "func", handler)  # the runner's: a partial of its method
+    if threading.current_thread() is not threading.main_thread() or not isinstance(
+        getattr(method, "__self__", None), asyncio.Runner
+    ):
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
 def _forget_servers() -> None:
     """In a forked child: the servers and their state are its parent's."""
-    global _EARLY_LOCK, _FORKED_A_WORKER, _STARTED_MP_SERVER
+    global _EARLY_LOCK, _FORKED_A_WORKER, _FORKING, _STARTED_MP_SERVER
     _EARLY_LOCK = threading.Lock()  # another thread of the parent may have held it
     _FORKED_A_WORKER = _STARTED_MP_SERVER = False
+    _FORKING = 0
 
 
-atexit.register(end_unused_server)
+atexit.register(end_unused_server, stopping=True)
 os.register_at_fork(after_in_child=_forget_servers)
 
 
@@ -642,10 +667,18 @@ class LocalExecutor(BaseExecutor):
         self._spawn(slot)
 
     def _spawn(self, slot: Slot) -> None:
+        global _FORKED_A_WORKER, _FORKING
+        with _EARLY_LOCK:  # no server is ended as unused while this forks a worker
+            _FORKING += 1
+        try:
+            self._spawn_worker(slot)
+        finally:
+            with _EARLY_LOCK:
+                _FORKING -= 1
+                _FORKED_A_WORKER = _FORKED_A_WORKER or slot.process is not None
+
+    def _spawn_worker(self, slot: Slot) -> None:
         if self._preload:  # the server forked from this process, while it runs
-            global _FORKED_A_WORKER
-            with _EARLY_LOCK:  # from here on no server is ended as unused
-                _FORKED_A_WORKER = True
             self._ctx = _server_context(self._preload)
         inbox_recv, inbox_send = self._ctx.Pipe(duplex=False)
         outbox_recv, outbox_send = self._ctx.Pipe(duplex=False)
@@ -661,7 +694,8 @@ class LocalExecutor(BaseExecutor):
             args=(cfg, inbox_recv, outbox_send),
             name=f"stagetree-worker-{slot.worker}",
         )
-        with _environ(child_env(slot.device, self.threads_per_worker)), no_main_rerun():
+        env = child_env(slot.device, self.threads_per_worker)
+        with _environ(env), no_main_rerun(), _interruptible(forked):
             process.start()
         # Our copies of the child's ends: closing them lets EOF/EPIPE signal its death.
         inbox_recv.close()

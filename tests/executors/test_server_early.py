@@ -7,9 +7,11 @@ driver needs a process with no other thread)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -156,16 +158,23 @@ SLOW_TRAINER = textwrap.dedent(
 )
 
 
+def _slow_server_script(tmp_path: Path, text: str) -> tuple[Path, str]:
+    """``text`` as a script in ``tmp_path`` beside a trainer whose fork server imports
+    for a minute, and the PYTHONPATH to run it with."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(60)\n")
+    (tmp_path / "slow_trainer.py").write_text(SLOW_TRAINER)
+    script = tmp_path / "script.py"
+    script.write_text(text.format(here=str(tmp_path)))
+    path = os.pathsep.join([str(tmp_path), str(FAKES), str(Path(stagetree.__file__).parents[1])])
+    return script, path
+
+
 def test_a_program_that_exits_with_an_unused_server_does_not_wait_for_it(
     tmp_path: Path,
 ) -> None:
     # The server still imports when the program ends: it is ended, not left holding
     # the program's output open (a pipeline such as `python x.py | tee log` waits).
-    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(60)\n")
-    (tmp_path / "slow_trainer.py").write_text(SLOW_TRAINER)
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_SCRIPT.format(here=str(tmp_path)))
-    path = os.pathsep.join([str(tmp_path), str(FAKES), str(Path(stagetree.__file__).parents[1])])
+    script, path = _slow_server_script(tmp_path, EXIT_SCRIPT)
     done = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
@@ -177,3 +186,51 @@ def test_a_program_that_exits_with_an_unused_server_does_not_wait_for_it(
     pid = done.stdout.split("SERVER", 1)[1].split()[0]
     assert pid != "None"
     assert _gone(int(pid))
+
+
+INTERRUPT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {here!r})
+    from stagetree import Study
+    from stagetree.hp import Constant
+    from stagetree.space import GridSpace
+    from stagetree.tuners import ASHA
+    from slow_trainer import SlowImports
+
+    space = GridSpace({{"lr": [Constant(0.01), Constant(0.02)]}}, fixed={{"seed": [0]}})
+    tuner = ASHA(space, "score", mode="max", min_steps=1, max_steps=2, eta=2,
+                 num_trials=len(space), seed=0)
+    study = Study("s", SlowImports, storage=f"sqlite:///{{sys.argv[1]}}", workers=2)
+    print("TUNING", flush=True)
+    study.tune(tuner, progress=False)  # its server imports for a minute
+    """
+)
+
+
+def test_ctrl_c_while_the_fork_server_imports_ends_the_program_and_the_server(
+    tmp_path: Path,
+) -> None:
+    # tune() waits for the server to fork its first worker; a Ctrl-C then stops the
+    # program at once (not after the server's imports), and the server with it.
+    script, path = _slow_server_script(tmp_path, INTERRUPT_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "plan.db")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "TUNING"
+    time.sleep(2.0)  # the server forked and importing; tune() waits for it
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=30)  # the output closes: the server ended too
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the program or its fork server still ran 30 s after Ctrl-C")
+    assert proc.returncode != 0
+    assert "interrupted; run again to resume" in err
+    assert "Exception ignored" not in err, err
