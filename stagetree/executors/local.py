@@ -56,7 +56,7 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError
-from stagetree.executors._driverfork import driver_context, stop_server
+from stagetree.executors._driverfork import driver_context, server_pid, stop_server
 from stagetree.executors._events import (
     accept_event,
     admit,
@@ -219,6 +219,7 @@ def _start_forkserver(preload: list[str]) -> None:
 # once (end_unused_server). Under _EARLY_LOCK, never held while this process forks.
 _FORKED_A_WORKER = False
 _FORKING = 0
+_STARTED_EARLY = False  # by start_server_early: only such a server is ended as unused
 _STARTED_MP_SERVER = False  # multiprocessing's fork server was started here
 _EARLY_LOCK = threading.Lock()
 
@@ -231,23 +232,30 @@ def start_server_early(trainer: Any) -> None:
     building the engine, the tuner's first decisions). Nothing with another start
     method (``$STAGETREE_START_METHOD=spawn``) or a trainer that is not a class. A run
     that turns out to train nothing ends it again (:func:`end_unused_server`)."""
+    global _STARTED_EARLY
     method = os.environ.get("STAGETREE_START_METHOD") or _DEFAULT_START
     if method == "forkserver" and isinstance(trainer, type):
+        before = (server_pid(), forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
         _server_context(_preload_modules(trainer))
+        after = (server_pid(), forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+        if after != before:  # started here, not one that runs for others already
+            with _EARLY_LOCK:
+                _STARTED_EARLY = True
 
 
 def end_unused_server(stopping: bool = False) -> None:
-    """End the fork server started in this process when no worker was forked from it
-    (a study closed untuned, a run answered from the storage, a run that failed before
-    its workers started): killed at once, not waited for while it imports. A server
+    """End the fork server :func:`start_server_early` started when no worker was forked
+    from it (a study closed untuned, a run answered from the storage, a run that failed
+    before its workers started): killed at once, not waited for while it imports. A server
     that forked a worker stays for the workers to come (the pool's), and so does one
     that a worker is being forked from now, unless ``stopping`` (Ctrl-C, the program's
     exit: that start is abandoned, and fails). It runs at exit too, so that nothing holds
     the program's output open after it."""
-    global _STARTED_MP_SERVER
+    global _STARTED_EARLY, _STARTED_MP_SERVER
     with _EARLY_LOCK:
-        if _FORKED_A_WORKER or (_FORKING and not stopping):
+        if not _STARTED_EARLY or _FORKED_A_WORKER or (_FORKING and not stopping):
             return
+        _STARTED_EARLY = False
         stop_server()
         if not _STARTED_MP_SERVER:
             return
@@ -285,9 +293,9 @@ def _interruptible(waits: bool) -> Iterator[None]:
 
 def _forget_servers() -> None:
     """In a forked child: the servers and their state are its parent's."""
-    global _EARLY_LOCK, _FORKED_A_WORKER, _FORKING, _STARTED_MP_SERVER
+    global _EARLY_LOCK, _FORKED_A_WORKER, _FORKING, _STARTED_EARLY, _STARTED_MP_SERVER
     _EARLY_LOCK = threading.Lock()  # another thread of the parent may have held it
-    _FORKED_A_WORKER = _STARTED_MP_SERVER = False
+    _FORKED_A_WORKER = _STARTED_EARLY = _STARTED_MP_SERVER = False
     _FORKING = 0
 
 

@@ -234,3 +234,38 @@ def test_ctrl_c_while_the_fork_server_imports_ends_the_program_and_the_server(
     assert proc.returncode != 0
     assert "interrupted; run again to resume" in err
     assert "Exception ignored" not in err, err
+
+
+PREPARED_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {fakes!r})
+    from stagetree.executors._driverfork import server_pid
+    from stagetree.executors.local import _preload_modules, _server_context, end_unused_server
+    from study_trainers import LinearTrainer
+
+    if __name__ == "__main__":
+        _server_context(_preload_modules(LinearTrainer))  # as an executor's prepare() does
+        before = server_pid()
+        end_unused_server()
+        print("SERVERS", before, server_pid(), flush=True)
+    """
+)
+
+
+def test_only_a_server_started_early_is_ended_as_unused(tmp_path: Path) -> None:
+    # A server an executor started (another study's, about to fork its workers) is not
+    # ended by a study that closes or re-runs beside it.
+    script = tmp_path / "prepared.py"
+    script.write_text(PREPARED_SCRIPT.format(fakes=str(FAKES)))
+    path = os.pathsep.join([str(FAKES), str(Path(stagetree.__file__).parents[1])])
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": path},
+        check=True,
+    ).stdout
+    before, after = out.split("SERVERS", 1)[1].split()
+    assert before != "None" and after == before
