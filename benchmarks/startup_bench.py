@@ -32,6 +32,13 @@ its threads (stagetree's driver; for Optuna, also the training).
 before and an after in one session), e.g. ``--checkout before=../main --checkout
 after=.``. ``STAGETREE_FORK_DRIVER=0`` in the environment: the workers fork from a fresh
 fork server, not from one forked from the script's process.
+
+``--timeline``: where the stagetree run of ``--vs-optuna`` spends its time, per checkout:
+seconds from the process's start to each mark (imports done, ``Study()``, ``tune()``
+entered, the storage opened, the fork server forked and done importing, each worker's
+start, the first result, ``tune()`` returned, closed, the process's exit), from
+wrappers that the child installs around those functions (medians over ``--repeats``).
+Functions a checkout lacks are left out.
 """
 
 from __future__ import annotations
@@ -142,8 +149,68 @@ def first_result_optuna(root: Path) -> None:
     study.optimize(objective, n_trials=FIRST_TRIALS)
 
 
+TIMELINE_ENV = "STAGETREE_BENCH_TIMELINE"
+# (module, attribute path, mark): the functions the timeline wraps (entry "> ", exit "< ").
+TIMELINE_MARKS = [
+    ("stagetree.study", "Study.__init__", "Study()"),
+    ("stagetree.study_api", "StudyAPI.tune", "tune()"),
+    ("stagetree.study", "Study._attach", "storage opened"),
+    ("stagetree.executors.local", "_server_context", "fork server started"),
+    ("stagetree.executors._driverfork", "_preload", "fork server imports"),
+    ("stagetree.executors._process", "_serve", "worker serves"),
+    ("stagetree.study", "Study.close", "close"),
+]
+
+
+def _mark(what: str) -> None:
+    path = os.environ.get(TIMELINE_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {time.time()} {what}\n")
+
+
+def _install_timeline() -> None:
+    """Wrap :data:`TIMELINE_MARKS` to write their entries and exits (a checkout that
+    lacks one is timed without it); the first ``evaluate()`` of each process too."""
+    import functools
+    import importlib
+
+    for module, attr, what in TIMELINE_MARKS:
+        try:
+            owner: Any = importlib.import_module(module)
+            *path, name = attr.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            orig = getattr(owner, name)
+        except (ImportError, AttributeError):
+            continue
+
+        def wrapped(*a: Any, _orig: Any = orig, _what: str = what, **k: Any) -> Any:
+            _mark(f"> {_what}")
+            try:
+                return _orig(*a, **k)
+            finally:
+                _mark(f"< {_what}")
+
+        setattr(owner, name, functools.wraps(orig)(wrapped))
+    evaluate = FirstResultDigitsTrainer.evaluate
+    seen: list[int] = []
+
+    def first_evaluate(self: FirstResultDigitsTrainer) -> dict[str, float]:
+        out = evaluate(self)
+        if os.getpid() not in seen:
+            seen.append(os.getpid())
+            _mark("first result (this process)")
+        return out
+
+    FirstResultDigitsTrainer.evaluate = first_evaluate  # type: ignore[method-assign]
+
+
 def first_result_child(system: str) -> None:
     imported = time.time()
+    _mark("imports done")
+    if system == "stagetree" and os.environ.get(TIMELINE_ENV):
+        _install_timeline()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         {"stagetree": first_result_stagetree, "optuna": first_result_optuna}[system](root)
@@ -256,6 +323,49 @@ def first_result(repeats: int, checkouts: list[str]) -> None:
     print(markdown_table(header, rows))
 
 
+def timeline(repeats: int, checkouts: list[str]) -> None:
+    """Runs ``--timeline``: the stagetree run of ``--vs-optuna`` with marks, ``repeats``
+    fresh processes per checkout (alternating), medians of each mark's first time."""
+    from _common import fmt, load_average, machine_info, markdown_table
+
+    paths = dict(c.split("=", 1) for c in checkouts) or {"stagetree": ""}
+    marks: dict[str, dict[str, list[float]]] = {name: {} for name in paths}
+    load = [load_average()]
+    for repeat in range(repeats):
+        for name in list(paths) if repeat % 2 == 0 else list(paths)[::-1]:
+            with tempfile.TemporaryDirectory() as tmp:
+                log = Path(tmp) / "timeline"
+                log.touch()
+                env = dict(os.environ, **{TIMELINE_ENV: str(log), STAMPS_ENV: os.devnull})
+                if paths[name]:
+                    env["PYTHONPATH"] = os.path.abspath(paths[name])
+                started = time.time()
+                _, exited, _ = _run_timed(["--first-result", "stagetree"], env)
+                first: dict[str, float] = {}
+                driver = None
+                for line in log.read_text().splitlines():
+                    pid, t, what = line.split(" ", 2)
+                    driver = driver or pid  # the first mark is the driver's
+                    kind = what if pid == driver or what.startswith("first") else f"{what} *"
+                    first.setdefault(kind, float(t) - started)
+                first["process exit"] = exited
+            for kind, t in first.items():
+                marks[name].setdefault(kind, []).append(t)
+    load.append(load_average())
+    order = sorted(
+        {k for m in marks.values() for k in m},
+        key=lambda k: min(statistics.median(m[k]) for m in marks.values() if k in m),
+    )
+    rows = [
+        [kind, *(fmt(statistics.median(m[kind])) if kind in m else "" for m in marks.values())]
+        for kind in order
+    ]
+    print(", ".join(f"{k}: {v}" for k, v in machine_info().items()))
+    print(f"load average before / after: {load[0]} / {load[1]}; median of {repeats}")
+    print("seconds from the process's start; > entered, < returned; * in a child process\n")
+    print(markdown_table(["mark", *marks], rows))
+
+
 def _one_study(name: str, workers: int, stamps: Path, root: Path) -> dict[str, float]:
     from stagetree import Study
     from stagetree.hp import Constant
@@ -309,11 +419,15 @@ def main() -> None:
     )
     parser.add_argument("--vs-optuna", action="store_true", help="time to the first result")
     parser.add_argument(
+        "--timeline", action="store_true", help="where --vs-optuna's stagetree run spends its time"
+    )
+    parser.add_argument(
         "--checkout",
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="with --vs-optuna: stagetree from this checkout (PYTHONPATH=PATH), repeatable",
+        help="with --vs-optuna or --timeline: stagetree from this checkout "
+        "(PYTHONPATH=PATH), repeatable",
     )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--first-result", choices=["stagetree", "optuna"], help=argparse.SUPPRESS)
@@ -323,6 +437,9 @@ def main() -> None:
         return
     if args.vs_optuna:
         first_result(args.repeats, args.checkout)
+        return
+    if args.timeline:
+        timeline(args.repeats, args.checkout)
         return
     if args.child:
         child(args.child)

@@ -39,6 +39,7 @@ from stagetree.exceptions import (
     StudyBusyError,
 )
 from stagetree.executors.base import Clock, ExecutorOptions
+from stagetree.executors.local import end_unused_server, start_server_early
 from stagetree.executors.registry import make_executor
 from stagetree.executors.simulated import drive
 from stagetree.fusion import fusion_names
@@ -62,6 +63,7 @@ from stagetree.study_api import (
     remote_url,
     run_coro,
 )
+from stagetree.trainer import check_checkpointable
 from stagetree.tuners.base import TrialResult
 
 if TYPE_CHECKING:
@@ -329,6 +331,7 @@ class Study(StudyAPI):
         if self._closed:
             return
         self._closed = True
+        end_unused_server()  # started by a tune() that never started a worker
         if self._lease is None:
             return
         if pool.release(self._lease):
@@ -453,6 +456,17 @@ class Study(StudyAPI):
         with self._engine.reading() as storage:
             return report_trials.device_seconds(storage, self.name, self.version)
 
+    def _start_early(self) -> None:
+        # The fork server of the local workers starts before the storage opens and the
+        # engine is built: its imports overlap them (issue 22). A run answered from the
+        # storage ends it again (begin_tuning), as does a run that fails before.
+        if self.settings.executor == "local" and not self._closed:
+            check_checkpointable(self.trainer)  # (tune() checks it too) not for nothing
+            start_server_early(self.trainer)
+
+    def _end_early(self, stopping: bool = False) -> None:
+        end_unused_server(stopping)
+
     def _ensure_started(self) -> None:
         # The workers start with the first trial the storage cannot answer (what they fork
         # from started in begin_tuning for a first run, which will train).
@@ -503,6 +517,8 @@ class Study(StudyAPI):
             # fork from starts now, while the tuner is built, and before the engine's
             # thread (see stagetree.executors._driverfork: forked from this process).
             engine.prepare_workers()
+        else:
+            end_unused_server()  # a re-run trains nothing, or starts its workers later
         holder = engine.begin_tuning(self._study_slot, meta)
         if holder is not None:
             left = max(0.0, holder.expires - time.time())

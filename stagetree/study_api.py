@@ -503,14 +503,18 @@ class StudyAPI(abc.ABC):
             )
         # What is known without training stops the run before any worker starts.
         check_tuner_fits(self.trainer, tuner)
-        if not self._virtual_time():  # a simulated executor never builds the trainer
-            check_checkpointable(self.trainer)
+        self._start_early()  # before the storage opens (the next line, for a local study)
         try:
+            if not self._virtual_time():  # a simulated executor never builds the trainer
+                check_checkpointable(self.trainer)
             return self._tune(tuner, limits, progress)
         except KeyboardInterrupt:
+            self._end_early(stopping=True)  # even while a worker is being started from it
             # Ctrl-C: the event loop's cancellation chained under it tells a user
             # nothing; what was trained is stored and a new run resumes from it.
             raise KeyboardInterrupt(f"study {self.name!r}: {INTERRUPTED_MESSAGE}") from None
+        finally:
+            self._end_early()
 
     def _tune(
         self, tuner: Tuner, limits: Budget | None, progress: bool | None
@@ -584,6 +588,14 @@ class StudyAPI(abc.ABC):
     def _drive(self, coro: Any) -> Any:
         """Run ``coro`` to completion from sync code."""
         return run_coro(coro)
+
+    def _start_early(self) -> None:  # noqa: B027 (a hook: nothing to start remotely)
+        """A run begins: start what its workers are made from, when they run here, before
+        the storage opens (:meth:`_end_early` ends it where no worker came of it)."""
+
+    def _end_early(self, stopping: bool = False) -> None:  # noqa: B027 (a hook: nothing remote)
+        """The run ended (or failed): end what :meth:`_start_early` started if no worker
+        came of it (``stopping``, on Ctrl-C: nor is one starting to)."""
 
     def _ensure_started(self) -> None:  # noqa: B027 (a hook: nothing to start remotely)
         """Start the workers, when they run here."""

@@ -4,7 +4,8 @@ start without a fresh interpreter importing torch first (the driver has it alrea
 multiprocessing's fork server is a fresh interpreter: before it can fork the first
 worker it imports torch (about a second on an idle machine, several on a busy one),
 although the driver imported torch already. This server is a fork of the driver taken
-when the executor gets ready (:meth:`LocalExecutor.prepare`, or its start); it runs
+when a run begins (:func:`~stagetree.executors.local.start_server_early`, from
+``tune()`` before the storage opens; or when the executor gets ready or starts); it runs
 multiprocessing's own fork-server loop (:func:`multiprocessing.forkserver.main`: the
 same protocol, exit codes and sentinels, so its workers are ``forkserver`` processes in
 every other respect). Before it forks a worker, it imports the modules the executor
@@ -64,7 +65,7 @@ _ForkServer: Any = forkserver.ForkServer
 _ForkServerPopen: Any = multiprocessing.popen_forkserver.Popen
 _connection: Any = multiprocessing.connection
 
-__all__ = ["driver_context", "fork_is_safe", "server_pid"]
+__all__ = ["driver_context", "fork_is_safe", "server_pid", "stop_server"]
 
 ENV = "STAGETREE_FORK_DRIVER"
 
@@ -125,6 +126,25 @@ class _DriverServer(_ForkServer):
         with self._lock:
             if not self.running():
                 raise OSError("the fork server forked from the driver has ended")
+
+    def stop(self) -> None:
+        """End the server now, without waiting for the imports it may be doing (for
+        seconds): it is killed and reaped. Only for a server no worker was forked from:
+        a worker's end of its pipes would be cut."""
+        with self._lock:
+            pid = self._forkserver_pid
+            if pid is None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            assert self._forkserver_alive_fd is not None
+            os.close(self._forkserver_alive_fd)
+            if not _util.is_abstract_socket_namespace(self._forkserver_address):
+                with contextlib.suppress(OSError):
+                    os.unlink(self._forkserver_address)
+            self._forkserver_address = self._forkserver_alive_fd = self._forkserver_pid = None
 
     def start(self, preload: list[str]) -> bool:
         """Fork the server unless it runs already; False when this process may not fork
@@ -284,6 +304,12 @@ def driver_context(preload: list[str]) -> Any:
     process (forked now, with ``preload`` imported, unless it runs already), or None
     where this process may not fork it (see :func:`fork_is_safe`)."""
     return _CONTEXT if _SERVER.start(preload) else None
+
+
+def stop_server() -> None:
+    """Kill and reap the fork server forked from this process, if one runs (see
+    :meth:`_DriverServer.stop`: only one that no worker was forked from)."""
+    _SERVER.stop()
 
 
 def server_pid() -> int | None:

@@ -1,12 +1,11 @@
 """What multiprocessing's fork server of a :class:`~stagetree.executors.local.LocalExecutor`
-imports for itself (one of its preloaded modules, right after torch; never imported
-elsewhere).
+imports for itself (the last of its preloaded modules; never imported elsewhere).
 
-- Its objects so far (torch's: hundreds of thousands) go to the garbage collector's
-  permanent generation (:func:`gc.freeze`): the collections that the next imports
-  trigger in the server, and those in every worker forked from it, no longer traverse
-  them (an import of ``torch._dynamo`` there takes about a fifth less), and collections
-  in a worker do not write to the pages it shares with the server.
+- Its objects so far (torch's: hundreds of thousands), imported with the garbage
+  collector off (:mod:`stagetree.executors._forkserver_begin`, its first preloaded
+  module), go to the collector's permanent generation (:func:`gc.freeze`), and the
+  collector is on again: the collections in every worker forked from it no longer
+  traverse them, and do not write to the pages a worker shares with the server.
 - When the program that started it exits, the server ends at once (:func:`os._exit`)
   instead of tearing down its interpreter with torch loaded (seconds on a busy machine,
   which a caller reading the program's output pipes waits for). It has nothing to flush:
@@ -38,4 +37,5 @@ def _exit_now() -> None:
 
 
 gc.freeze()
+gc.enable()
 atexit.register(_exit_now)

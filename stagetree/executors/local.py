@@ -38,22 +38,25 @@ importing torch and the trainer). The pool is bounded, idle processes stop after
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import glob
 import importlib.util
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from multiprocessing import forkserver
 from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError
-from stagetree.executors._driverfork import driver_context
+from stagetree.executors._driverfork import driver_context, server_pid, stop_server
 from stagetree.executors._events import (
     accept_event,
     admit,
@@ -91,7 +94,14 @@ from stagetree.work import (
     WorkerLost,
 )
 
-__all__ = ["LocalExecutor", "TrainerSpec", "pooled_pids", "shutdown_pool"]
+__all__ = [
+    "LocalExecutor",
+    "TrainerSpec",
+    "end_unused_server",
+    "pooled_pids",
+    "shutdown_pool",
+    "start_server_early",
+]
 
 _PINNED_VARS = frozenset((*THREAD_VARS, "CUDA_VISIBLE_DEVICES"))
 _ENV_LOCK = threading.Lock()
@@ -161,21 +171,24 @@ _DEFAULT_START = (
 )
 
 
+_SERVER_FIRST = "stagetree.executors._forkserver_begin"
 _SERVER_HOOKS = "stagetree.executors._forkserver"
 
 
 def _preload_modules(trainer: Any) -> list[str]:
     """What the fork server imports once for its children: torch (when this process has
-    it), :mod:`stagetree.executors._forkserver` (the server's own garbage-collector and
-    exit settings), stagetree's modules the trainer class is made of
-    (``stagetree.torch``...) and what the class says its ``warmup`` imports
-    (``warmup_imports``; a :class:`~stagetree.torch.TorchTrainer`'s: ``torch._dynamo``,
-    seconds per worker otherwise). Other libraries are left to the workers: a module that
-    leaves a lock held by a thread it starts would make forking from the server unsafe."""
-    modules = ["stagetree.executors._process"]
+    it), stagetree's modules the trainer class is made of (``stagetree.torch``...) and
+    what the class says its ``warmup`` imports (``warmup_imports``; a
+    :class:`~stagetree.torch.TorchTrainer`'s: ``torch._dynamo``, seconds per worker
+    otherwise), between the server's own first and last modules
+    (:mod:`stagetree.executors._forkserver_begin`: the garbage collector off while it
+    imports; :mod:`stagetree.executors._forkserver`: what it imported frozen, the
+    collector on, its exit settings). Other libraries are left to the workers: a module
+    that leaves a lock held by a thread it starts would make forking from the server
+    unsafe."""
+    modules = [_SERVER_FIRST, "stagetree.executors._process"]
     if "torch" in sys.modules:
         modules.append("torch")
-    modules.append(_SERVER_HOOKS)  # after torch: its objects are frozen
     if isinstance(trainer, type):
         for cls in trainer.__mro__:
             name = cls.__module__
@@ -184,7 +197,7 @@ def _preload_modules(trainer: Any) -> list[str]:
         imports = getattr(trainer, "warmup_imports", ())
         if isinstance(imports, (tuple, list)):
             modules += [m for m in imports if isinstance(m, str) and m not in modules]
-    return modules
+    return [*modules, _SERVER_HOOKS]  # last: it freezes what the others imported
 
 
 def _start_forkserver(preload: list[str]) -> None:
@@ -193,11 +206,102 @@ def _start_forkserver(preload: list[str]) -> None:
     already keeps what it imported. Only imports: ``Trainer.warmup`` runs in each forked
     worker, as work that may start threads (torch's thread pools) must never precede a
     fork (its children can hang on a lock held by a thread they do not have)."""
-    from multiprocessing import forkserver
-
+    global _STARTED_MP_SERVER
     with _FORKSERVER_LOCK, no_main_rerun():
         multiprocessing.set_forkserver_preload(preload)
+        before = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
         forkserver.ensure_running()
+        if forkserver._forkserver._forkserver_pid != before:  # type: ignore[attr-defined]
+            _STARTED_MP_SERVER = True
+
+
+# Whether a worker was forked from this process's fork server (that one, or any later
+# one), and how many are being forked now: a server that served none may be ended at
+# once (end_unused_server). Under _EARLY_LOCK, never held while this process forks.
+_FORKED_A_WORKER = False
+_FORKING = 0
+_STARTED_EARLY = False  # by start_server_early: only such a server is ended as unused
+_STARTED_MP_SERVER = False  # multiprocessing's fork server was started here
+_EARLY_LOCK = threading.Lock()
+
+
+def start_server_early(trainer: Any) -> None:
+    """Start the fork server that a :class:`LocalExecutor` of ``trainer`` forks its
+    workers from (see :func:`_server_context`) before the executor exists: ``tune()``
+    calls it first thing, so that the server's imports (torch's, the trainer's
+    ``warmup_imports``: seconds) overlap the driver's own work (opening the storage,
+    building the engine, the tuner's first decisions). Nothing with another start
+    method (``$STAGETREE_START_METHOD=spawn``) or a trainer that is not a class. A run
+    that turns out to train nothing ends it again (:func:`end_unused_server`)."""
+    global _STARTED_EARLY
+    method = os.environ.get("STAGETREE_START_METHOD") or _DEFAULT_START
+    if method == "forkserver" and isinstance(trainer, type):
+        before = (server_pid(), forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+        _server_context(_preload_modules(trainer))
+        after = (server_pid(), forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+        if after != before:  # started here, not one that runs for others already
+            with _EARLY_LOCK:
+                _STARTED_EARLY = True
+
+
+def end_unused_server(stopping: bool = False) -> None:
+    """End the fork server :func:`start_server_early` started when no worker was forked
+    from it (a study closed untuned, a run answered from the storage, a run that failed
+    before its workers started): killed at once, not waited for while it imports. A server
+    that forked a worker stays for the workers to come (the pool's), and so does one
+    that a worker is being forked from now, unless ``stopping`` (Ctrl-C, the program's
+    exit: that start is abandoned, and fails). It runs at exit too, so that nothing holds
+    the program's output open after it."""
+    global _STARTED_EARLY, _STARTED_MP_SERVER
+    with _EARLY_LOCK:
+        if not _STARTED_EARLY or _FORKED_A_WORKER or (_FORKING and not stopping):
+            return
+        _STARTED_EARLY = False
+        stop_server()
+        if not _STARTED_MP_SERVER:
+            return
+        server: Any = forkserver._forkserver
+        with _FORKSERVER_LOCK:
+            pid = server._forkserver_pid
+            _STARTED_MP_SERVER = False
+            if pid is None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                server._stop()  # closes its pipe, reaps it, removes its socket
+
+
+@contextlib.contextmanager
+def _interruptible(waits: bool) -> Iterator[None]:
+    """Where ``waits`` (a start from a fork server, which may still be importing for
+    seconds), Ctrl-C raises KeyboardInterrupt in the main thread during the start:
+    ``tune()``'s event loop (asyncio's runner) only cancels the run at its next turn, so
+    its handler would leave the interrupted program waiting for the server's imports."""
+    handler = signal.getsignal(signal.SIGINT) if waits else None
+    method = getattr(handler, "func", handler)  # the runner's: a partial of its method
+    if threading.current_thread() is not threading.main_thread() or not isinstance(
+        getattr(method, "__self__", None), asyncio.Runner
+    ):
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
+def _forget_servers() -> None:
+    """In a forked child: the servers and their state are its parent's."""
+    global _EARLY_LOCK, _FORKED_A_WORKER, _FORKING, _STARTED_EARLY, _STARTED_MP_SERVER
+    _EARLY_LOCK = threading.Lock()  # another thread of the parent may have held it
+    _FORKED_A_WORKER = _STARTED_EARLY = _STARTED_MP_SERVER = False
+    _FORKING = 0
+
+
+atexit.register(end_unused_server, stopping=True)
+os.register_at_fork(after_in_child=_forget_servers)
 
 
 def _server_context(preload: list[str]) -> Any:
@@ -568,6 +672,17 @@ class LocalExecutor(BaseExecutor):
         self._spawn(slot)
 
     def _spawn(self, slot: Slot) -> None:
+        global _FORKED_A_WORKER, _FORKING
+        with _EARLY_LOCK:  # no server is ended as unused while this forks a worker
+            _FORKING += 1
+        try:
+            self._spawn_worker(slot)
+        finally:
+            with _EARLY_LOCK:
+                _FORKING -= 1
+                _FORKED_A_WORKER = _FORKED_A_WORKER or slot.process is not None
+
+    def _spawn_worker(self, slot: Slot) -> None:
         if self._preload:  # the server forked from this process, while it runs
             self._ctx = _server_context(self._preload)
         inbox_recv, inbox_send = self._ctx.Pipe(duplex=False)
@@ -584,7 +699,8 @@ class LocalExecutor(BaseExecutor):
             args=(cfg, inbox_recv, outbox_send),
             name=f"stagetree-worker-{slot.worker}",
         )
-        with _environ(child_env(slot.device, self.threads_per_worker)), no_main_rerun():
+        env = child_env(slot.device, self.threads_per_worker)
+        with _environ(env), no_main_rerun(), _interruptible(forked):
             process.start()
         # Our copies of the child's ends: closing them lets EOF/EPIPE signal its death.
         inbox_recv.close()

@@ -289,6 +289,7 @@ STATE_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         space = GridSpace({"lr": [Constant(0.1)]})
         with Study("s", Inspect, storage=f"sqlite:///{sys.argv[1]}", workers=1) as s:
+            s.trials()  # the storage opens before tune() forks the server
             s.tune(GridSearch(space, "engines", steps=1), progress=False)
             print("SERVER", _driverfork.server_pid(), flush=True)
             [trial] = s.trials()

@@ -64,11 +64,11 @@ def test_a_worker_keeps_what_it_imported_before_serving_out_of_collections(
     assert metrics.metrics["frozen"] > 1000
 
 
-def _run(script: Path, modules: Path, *args: str) -> str:
+def _run(script: Path, modules: Path, *args: str, env: Mapping[str, str] | None = None) -> str:
     """The output of ``script`` run in a fresh interpreter, with ``modules`` and this
     checkout's stagetree on PYTHONPATH: a fork server imports through it (not through
-    the sys.path of the program that started it). Returns once the fork server, which
-    holds the output pipes, ended too."""
+    the sys.path of the program that started it), and ``env`` added to its environment.
+    Returns once the fork server, which holds the output pipes, ended too."""
     path = os.pathsep.join([str(modules), str(Path(stagetree.__file__).parents[1])])
     return subprocess.run(
         [sys.executable, str(script), *args],
@@ -76,7 +76,7 @@ def _run(script: Path, modules: Path, *args: str) -> str:
         text=True,
         timeout=120,
         check=True,
-        env=dict(os.environ, PYTHONPATH=path),
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
     ).stdout
 
 
@@ -177,6 +177,52 @@ def test_what_a_trainer_says_its_warmup_imports_is_imported_once_in_the_fork_ser
     workers = {int(p) for p in out.split("WORKERS", 1)[1].split()}
     [importer] = [int(p) for p in imported.read_text().split()]  # once, for both workers
     assert importer not in workers  # by the server the workers were forked from
+
+
+GC_PROBE_TRAINER = textwrap.dedent(
+    """
+    import gc
+    import os
+    from imports_trainer import Imports
+
+
+    class Probe(Imports):
+        warmup_imports = ("gc_probe",)
+
+        @classmethod
+        def warmup(cls):
+            with open(os.environ["GC_PROBE_OUT"], "a") as f:
+                f.write(f"worker {os.getpid()} {gc.isenabled()}\\n")
+    """
+)
+
+
+@pytest.mark.parametrize("fork_driver", ["1", "0"])
+def test_the_fork_server_imports_with_the_collector_off_and_its_workers_collect(
+    tmp_path: Path, fork_driver: str
+) -> None:
+    # A fresh fork server (STAGETREE_FORK_DRIVER=0, as when the driver may not fork it)
+    # imports torch, the trainer's modules and its warm-up imports with the garbage
+    # collector off, as the one forked from the driver does; the workers collect again.
+    out = tmp_path / "gc"
+    (tmp_path / "gc_probe.py").write_text(
+        "import gc, os\n"
+        "with open(os.environ['GC_PROBE_OUT'], 'a') as f:\n"
+        "    f.write(f'server {os.getpid()} {gc.isenabled()}\\n')\n"
+    )
+    (tmp_path / "imports_trainer.py").write_text(TRAINER_MODULE.format())
+    (tmp_path / "probe_trainer.py").write_text(GC_PROBE_TRAINER)
+    script = tmp_path / "workers.py"
+    script.write_text(
+        WORKERS_SCRIPT.replace(
+            "from imports_trainer import Imports", "from probe_trainer import Probe as Imports"
+        ).format()
+    )
+    env = {"GC_PROBE_OUT": str(out), "STAGETREE_FORK_DRIVER": fork_driver}
+    _run(script, tmp_path, str(tmp_path / "ckpt"), env=env)
+    lines = sorted(out.read_text().splitlines())
+    assert [line.split()[2] for line in lines if line.startswith("server")] == ["False"]
+    assert [line.split()[2] for line in lines if line.startswith("worker")] == ["True"] * 2
 
 
 def test_the_fork_server_of_the_digits_trainers_imports_scikit_learn() -> None:
