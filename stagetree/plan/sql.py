@@ -623,7 +623,8 @@ class SQLPlanStorage(BasePlanStorage):
                         try:
                             yield conn
                         finally:
-                            self._w = None
+                            if write:  # a read nested in the thread's write keeps it
+                                self._w = None
                         if write and bump:
                             conn.execute(_BUMP)
                         committing = write
