@@ -53,6 +53,7 @@ from stagetree.exceptions import (
 from stagetree.hp import dumps_hp
 from stagetree.ranking import MODES, best_key, ranked_ids, signed_value
 from stagetree.records import trial_fingerprint
+from stagetree.space import strict_json
 from stagetree.tuners.optuna_bridge import (
     SampledSpecs,
     SamplerBridge,
@@ -385,7 +386,7 @@ class Job:
 
 def _json(record: Mapping[str, Any]) -> dict[str, Any]:
     """The record as it comes back from JSON storage (tuples become lists...)."""
-    out = json.loads(json.dumps(dict(record), allow_nan=False))
+    out = json.loads(strict_json(dict(record)))
     assert isinstance(out, dict)
     return out
 
