@@ -391,7 +391,7 @@ class Study(StudyAPI):
             self._burst(watched_only=True)
             engine.cancel(waiter)
             raise
-        history = engine.history(self._study_slot, cfg, seqs, steps)
+        history = engine.history(self._study_slot, cfg, seqs, steps, at=waiter)
         # What the plan holds at ``steps``: train() metrics of that step too; the
         # history's entry itself when that is all (one dict per result, not two).
         at = history.get(steps, {})
