@@ -471,10 +471,17 @@ class MemoryPlanStorage(BasePlanStorage):
         encoded: tuple[str, str] | None = None,
     ) -> int:
         hp = check_trial(TreeIndex(root_key), hp, steps)
+        # The caller's canonical text, where given, is the stored config (what SQL
+        # stores): decoded, not encoded again.
+        stored = (
+            _codec.copy(dict(config), "trial config")
+            if encoded is None
+            else _codec.loads(encoded[0])
+        )
         record = {
             "study": study,
             "root_key": root_key,
-            "config": _codec.copy(dict(config), "trial config"),
+            "config": stored,
             "hp": dict(hp),
             "steps": steps,
             "node": node,
