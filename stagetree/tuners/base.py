@@ -385,10 +385,25 @@ class Job:
 
 
 def _json(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record as it comes back from JSON storage (tuples become lists...)."""
-    out = json.loads(strict_json(dict(record)))
-    assert isinstance(out, dict)
-    return out
+    """The record as it comes back from JSON storage (tuples become lists...).
+
+    A record of text keys and plain finite scalars (most of a tuner's: a submission, a
+    job's end) comes back as it is: its copy, without a JSON round trip."""
+    out = dict(record)
+    for key, value in out.items():
+        kind = type(value)
+        if type(key) is not str or kind not in _PLAIN or (kind is float and not _finite(value)):
+            break
+    else:
+        return out
+    decoded = json.loads(strict_json(out))
+    assert isinstance(decoded, dict)
+    return decoded
+
+
+# The JSON scalars that decode to an equal value of the same type (a finite float too).
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+_finite = math.isfinite
 
 
 def _effective_log(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

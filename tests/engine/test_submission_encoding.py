@@ -4,6 +4,7 @@ same refusals as ``json.dumps``."""
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Iterator
@@ -78,3 +79,51 @@ def test_checking_a_trial_builds_no_encoder(no_new_encoders: list[str]) -> None:
         with pytest.raises(InvalidTrialError, match="cannot be a fixed configuration"):
             study.check({"seed": math.nan}, {"lr": Constant(0.1)})
         assert no_new_encoders == []
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+SCALAR_RECORDS: list[dict[Any, Any]] = [
+    {"event": "submit", "key": 3, "trial": 1, "steps": 8, "fp": "0123abcd"},
+    {"event": "done", "key": 3, "status": "ok"},
+    {"event": "stop", "value": -0.0, "big": 2**70, "flag": True, "none": None, "x": 1e-300},
+]
+OTHER_RECORDS: list[dict[Any, Any]] = [
+    {"event": "exploit", "hp": [1, 2], "pair": (1, 2)},
+    {"event": "x", "nested": {"a": (1,)}},
+    {1: "an int key"},
+    {"level": Level.LOW},
+]
+
+
+@pytest.mark.parametrize("record", SCALAR_RECORDS)
+def test_a_record_of_plain_scalars_is_copied_without_a_json_round_trip(
+    record: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = json.loads(json.dumps(record))
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("a JSON round trip")
+
+    monkeypatch.setattr(json, "loads", refuse)
+    out = _json(record)
+    assert out == expected and out is not record
+    assert [type(v) for v in out.values()] == [type(v) for v in expected.values()]
+    if "value" in out:
+        assert repr(out["value"]) == "-0.0"
+
+
+@pytest.mark.parametrize("record", OTHER_RECORDS)
+def test_other_records_come_back_as_json_has_them(record: dict[Any, Any]) -> None:
+    expected = json.loads(json.dumps(record))
+    out = _json(record)
+    assert out == expected
+    assert [type(v) for v in out.values()] == [type(v) for v in expected.values()]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_record_with_a_non_finite_number_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="JSON compliant"):
+        _json({"event": "stop", "value": bad})
