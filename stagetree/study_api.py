@@ -39,7 +39,7 @@ from stagetree.plan.tree import check_steps
 from stagetree.progress import ProgressDisplay
 from stagetree.records import TrialError, TrialRecord
 from stagetree.trainer import Trainer, check_checkpointable
-from stagetree.tuners.base import Trial, TrialResult, Tuner
+from stagetree.tuners.base import TrialResult, Tuner, submitted_fingerprint
 
 __all__ = [
     "INTERRUPTED_MESSAGE",
@@ -805,7 +805,7 @@ class StudyRunner:
     ) -> TrialResult:
         if self.guard is None:
             return await self.study.submit(config, hp, steps)
-        fingerprint = Trial(0, config, hp).fingerprint
+        fingerprint = submitted_fingerprint(config, hp)
 
         async def call() -> TrialResult:
             return await self.study.submit(config, hp, steps)
