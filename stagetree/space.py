@@ -49,6 +49,7 @@ __all__ = [
     "canonical_json",
     "config_key",
     "load_space_file",
+    "strict_json",
     "validate_trial",
 ]
 
@@ -123,6 +124,17 @@ def canonical_json(value: Any) -> str:
 
 # json.dumps would build an encoder per call (most of the cost of a small config's text)
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=repr)
+
+
+def strict_json(value: Any) -> str:
+    """``json.dumps(value, allow_nan=False)``: a NaN, an infinity or a value JSON cannot
+    hold raises (``ValueError``, ``TypeError``), without an encoder built per call (a
+    trial's config and its tuner's log records are checked this way at each
+    submission)."""
+    return _STRICT.encode(value)
+
+
+_STRICT = json.JSONEncoder(allow_nan=False)
 
 
 def config_key(config: Mapping[str, Any], salt: str = "") -> str:

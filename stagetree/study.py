@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-import json
 import time
 import warnings
 import weakref
@@ -55,6 +54,7 @@ from stagetree.reports import export
 from stagetree.reports import trials as report_trials
 from stagetree.reports.open import open_existing_storage
 from stagetree.server.client import RemoteStudy
+from stagetree.space import strict_json
 from stagetree.study_api import (
     TUNING,
     StudyAPI,
@@ -356,7 +356,7 @@ class Study(StudyAPI):
         seqs = {str(k): as_sequence(v) for k, v in hp.items()}
         cfg = dict(config)
         try:  # strict: a NaN, or an object written through its repr, has no stable identity
-            json.dumps(cfg, allow_nan=False)
+            strict_json(cfg)
         except (TypeError, ValueError) as exc:
             raise InvalidTrialError(
                 f"config {cfg!r} cannot be a fixed configuration ({exc}): use finite numbers, "
@@ -391,7 +391,7 @@ class Study(StudyAPI):
             self._burst(watched_only=True)
             engine.cancel(waiter)
             raise
-        history = engine.history(self._study_slot, cfg, seqs, steps)
+        history = engine.history(self._study_slot, cfg, seqs, steps, at=waiter)
         # What the plan holds at ``steps``: train() metrics of that step too; the
         # history's entry itself when that is all (one dict per result, not two).
         at = history.get(steps, {})

@@ -16,12 +16,13 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import gc
 import inspect
 import logging
 import math
 import os
 import sys
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,7 +39,7 @@ from stagetree.plan.tree import check_steps
 from stagetree.progress import ProgressDisplay
 from stagetree.records import TrialError, TrialRecord
 from stagetree.trainer import Trainer, check_checkpointable
-from stagetree.tuners.base import Trial, TrialResult, Tuner
+from stagetree.tuners.base import TrialResult, Tuner, submitted_fingerprint
 
 __all__ = [
     "INTERRUPTED_MESSAGE",
@@ -48,6 +49,7 @@ __all__ = [
     "StudyRunner",
     "check_identity",
     "check_weight",
+    "frozen_heap",
     "remote_url",
     "run_coro",
 ]
@@ -541,7 +543,7 @@ class StudyAPI(abc.ABC):
                 runner.guard = guard
                 return await guard.run(tuner, runner)
 
-            with display:
+            with display, frozen_heap():
                 best: TrialResult | None = self._drive(guarded())
             if guard is not None and guard.stopped_by is not None:
                 self._after_stop()  # what the cancelled work trained is in the plan
@@ -803,7 +805,7 @@ class StudyRunner:
     ) -> TrialResult:
         if self.guard is None:
             return await self.study.submit(config, hp, steps)
-        fingerprint = Trial(0, config, hp).fingerprint
+        fingerprint = submitted_fingerprint(config, hp)
 
         async def call() -> TrialResult:
             return await self.study.submit(config, hp, steps)
@@ -912,6 +914,30 @@ def check_tuner_object(tuner: Any) -> None:
         f"tune() takes a tuner object, e.g. {example}, not {tuner!r:.60}; tuners: "
         + ", ".join(_TUNER_CLASSES)
     )
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Move what the process holds now (its imported modules, the study, its engine) to
+    the collector's permanent generation while the block runs, and back when it ends
+    (however it ends).
+
+    A run keeps a hundred-odd objects per trial, enough to start full collections as
+    the study grows (four in 3,000 trials), and each walks every object alive, mostly
+    objects that live as long as the process (30 µs a trial at 1,000 trials, 60 at
+    3,000, with a trivial trainer). Frozen, they are skipped; garbage made in the
+    block is collected as usual, and what was frozen is collectable again afterwards.
+    A collector turned off, or a heap the user froze already (:func:`gc.freeze`
+    before), is left as it is.
+    """
+    if not gc.isenabled() or gc.get_freeze_count() > 0:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def run_coro(coro: Any) -> Any:

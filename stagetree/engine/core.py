@@ -397,6 +397,10 @@ class Engine:
         stop_timeout: float = 5.0,
     ) -> None:
         self.storage = storage
+        # A result's curve read from its path's end where that is the cheaper read (the
+        # memory plan: up the parent links; SQL finds a path by a cached walk and reads
+        # its metrics in one statement, less than reading the path first).
+        self._reads_paths = bool(getattr(storage, "cheap_paths", False))
         # Seconds a stop (closing, Ctrl-C, a budget) waits for the running batches to
         # checkpoint where they stand and end; workers still busy then are stopped.
         self.stop_timeout = stop_timeout
@@ -1174,15 +1178,24 @@ class Engine:
             return self.storage.get_metrics(*where), (rec.ref if rec is not None else None)
 
     def history(
-        self, slot: StudySlot, config: dict[str, Any], hp: dict[str, Sequence], steps: int
+        self,
+        slot: StudySlot,
+        config: dict[str, Any],
+        hp: dict[str, Sequence],
+        steps: int,
+        at: Waiter | None = None,
     ) -> dict[int, dict[str, float]]:
-        """Every known metric on the trial's path up to ``steps``, by step."""
+        """Every known metric on the trial's path up to ``steps``, by step; ``at``: its
+        submission's waiter, whose ``(node, step)`` is the path's end (canonical keys
+        never move: the path is read from there, not found again by the sequences)."""
         with self.lock:
             replayed = self._replayed(slot, config, hp, steps)
             if replayed is not None:
                 curve = self._replays[slot.name].curve(*replayed)
                 if curve is not None:
                     return curve
+            if at is not None and at.step == steps and self._reads_paths:
+                return self.storage.path_metrics(at.node, at.step)
             tree = self._tree_key(slot.root_key(config, hp), frozenset(hp))
             return self.storage.metrics_along(tree, hp, steps)
 

@@ -35,7 +35,15 @@ from stagetree.plan.base import (
 )
 from stagetree.plan.leases import ClaimResult, Lease, host_pid, stage_conflicts, study_conflicts
 from stagetree.plan.model import Node, Request, RequestState
-from stagetree.plan.tree import Insertion, TreeIndex, check_items, check_trial, insert, walk
+from stagetree.plan.tree import (
+    Insertion,
+    TreeIndex,
+    check_items,
+    check_trial,
+    insert,
+    path_segments,
+    walk,
+)
 
 __all__ = ["MemoryPlanStorage"]
 
@@ -59,6 +67,11 @@ def _writes(method: _F) -> _F:
 
 class MemoryPlanStorage(BasePlanStorage):
     """:class:`BasePlanStorage` in dictionaries, guarded by one lock (thread-safe)."""
+
+    #: :meth:`path_metrics` (a path read up its parent links) costs less than
+    #: :meth:`metrics_along` (a path found by its sequences): the engine reads a
+    #: result's curve from its submission's end.
+    cheap_paths = True
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -330,12 +343,24 @@ class MemoryPlanStorage(BasePlanStorage):
     ) -> dict[int, dict[str, float]]:
         with self._lock:
             self._check_open()
-            out: dict[int, dict[str, float]] = {}
-            for node, first, last in walk(self._tree(root_key), hp, steps).segments:
-                for step, values in self._metrics.get(node, {}).items():
-                    if first <= step <= last:
-                        out[step] = shown_metrics(values)
-            return dict(sorted(out.items()))
+            return self._along(walk(self._tree(root_key), hp, steps).segments)
+
+    def path_metrics(self, node: int, step: int) -> dict[int, dict[str, float]]:
+        # The path up the parent links: no walk by the sequences, no copy of a node's
+        # metrics off the path (a submission's curve, read when its result comes).
+        with self._lock:
+            self._check_open()
+            self._node(node)
+            return self._along(path_segments(self._nodes, node, step))
+
+    def _along(self, segments: Iterable[tuple[int, int, int]]) -> dict[int, dict[str, float]]:
+        """The metrics on a path's ``(node, first, last)`` segments, by step in order."""
+        out: dict[int, dict[str, float]] = {}
+        for node, first, last in segments:
+            for step, values in self._metrics.get(node, {}).items():
+                if first <= step <= last:
+                    out[step] = shown_metrics(values)
+        return dict(sorted(out.items()))
 
     def metrics(
         self, root_key: str, nodes: Collection[int] | None = None
@@ -446,10 +471,17 @@ class MemoryPlanStorage(BasePlanStorage):
         encoded: tuple[str, str] | None = None,
     ) -> int:
         hp = check_trial(TreeIndex(root_key), hp, steps)
+        # The caller's canonical text, where given, is the stored config (what SQL
+        # stores): decoded, not encoded again.
+        stored = (
+            _codec.copy(dict(config), "trial config")
+            if encoded is None
+            else _codec.loads(encoded[0])
+        )
         record = {
             "study": study,
             "root_key": root_key,
-            "config": _codec.copy(dict(config), "trial config"),
+            "config": stored,
             "hp": dict(hp),
             "steps": steps,
             "node": node,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import heapq
 import json
@@ -53,6 +54,7 @@ from stagetree.exceptions import (
 from stagetree.hp import dumps_hp
 from stagetree.ranking import MODES, best_key, ranked_ids, signed_value
 from stagetree.records import trial_fingerprint
+from stagetree.space import strict_json
 from stagetree.tuners.optuna_bridge import (
     SampledSpecs,
     SamplerBridge,
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from stagetree.hp import Sequence
 
 __all__ = [
+    "SUBMITTED",
     "Job",
     "JobQueue",
     "ReplayDivergedWarning",
@@ -77,6 +80,7 @@ __all__ = [
     "iter_specs",
     "rung_levels",
     "space_size",
+    "submitted_fingerprint",
 ]
 
 
@@ -103,6 +107,25 @@ class TrialResult:
     def __post_init__(self) -> None:
         if not self.history:
             object.__setattr__(self, "history", {self.steps: dict(self.metrics)})
+
+
+#: In the task of a submission a :class:`ReplayingRunner` makes: the ``config`` and
+#: ``hp`` dicts it gives ``runner.submit`` and their trial's fingerprint (logged with
+#: the decision), so that a runner that keys trials by fingerprint need not compute it
+#: again (:func:`submitted_fingerprint`).
+SUBMITTED: contextvars.ContextVar[tuple[dict[str, Any], dict[str, Any], str] | None] = (
+    contextvars.ContextVar("stagetree_submitted", default=None)
+)
+
+
+def submitted_fingerprint(config: dict[str, Any], hp: dict[str, Any]) -> str:
+    """The fingerprint of the trial ``(config, hp)`` (:attr:`Trial.fingerprint`): the
+    one its :class:`ReplayingRunner` logged when these are the very dicts it submits in
+    this task, else computed."""
+    given = SUBMITTED.get()
+    if given is not None and given[0] is config and given[1] is hp:
+        return given[2]
+    return trial_fingerprint(config, hp)
 
 
 @runtime_checkable
@@ -384,10 +407,25 @@ class Job:
 
 
 def _json(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record as it comes back from JSON storage (tuples become lists...)."""
-    out = json.loads(json.dumps(dict(record), allow_nan=False))
-    assert isinstance(out, dict)
-    return out
+    """The record as it comes back from JSON storage (tuples become lists...).
+
+    A record of text keys and plain finite scalars (most of a tuner's: a submission, a
+    job's end) comes back as it is: its copy, without a JSON round trip."""
+    out = dict(record)
+    for key, value in out.items():
+        kind = type(value)
+        if type(key) is not str or kind not in _PLAIN or (kind is float and not _finite(value)):
+            break
+    else:
+        return out
+    decoded = json.loads(strict_json(out))
+    assert isinstance(decoded, dict)
+    return decoded
+
+
+# The JSON scalars that decode to an equal value of the same type (a finite float too).
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+_finite = math.isfinite
 
 
 def _effective_log(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -530,21 +568,24 @@ class ReplayingRunner:
         self._next_key += 1
         # refuse a trial that cannot run before logging it
         self._runner.check(dict(trial.config), dict(trial.hp))
+        fingerprint = trial.fingerprint
         self._append(
             {
                 "event": event,
                 "key": key,
                 "trial": trial.id,
                 "steps": steps,
-                "fp": trial.fingerprint,
+                "fp": fingerprint,
                 **fields,
             }
         )
         runner = self._runner
 
         async def call() -> TrialResult:
+            config, hp = dict(trial.config), dict(trial.hp)
+            SUBMITTED.set((config, hp, fingerprint))  # this task's own context
             try:
-                return await runner.submit(dict(trial.config), dict(trial.hp), steps)
+                return await runner.submit(config, hp, steps)
             finally:
                 self._finished(key)
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from stagetree.exceptions import StorageError
-from stagetree.hp import Constant
+from stagetree.hp import Constant, dumps_hp
 from stagetree.plan import _codec, memory
 from stagetree.plan.memory import MemoryPlanStorage
 from stagetree.plan.model import Request, RequestState
@@ -71,3 +71,29 @@ def test_a_request_comes_back_as_a_detached_copy_of_every_field() -> None:
     failed.error = "changed"
     [stored] = storage.requests("r")
     assert stored == Request(ins.node, ins.step, 1, RequestState.FAILED, "x")
+
+
+def test_a_trial_with_its_texts_is_stored_without_encoding_its_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    storage = MemoryPlanStorage()
+    storage.create_study("s", {})
+    config = {"bs": 64, "opt": {"name": "sgd", "betas": (0.9, 0.99)}}
+    hp = {"lr": Constant(0.1)}
+    texts = (_codec.dumps(config), dumps_hp(hp))
+    encoded: list[str] = []
+    real_dumps = _codec.dumps
+
+    def dumps(value: object, what: str = "value") -> str:
+        encoded.append(what)
+        return real_dumps(value, what)
+
+    monkeypatch.setattr(_codec, "dumps", dumps)
+    tid = storage.add_trial("s", "r", config, hp, 4, None, None, encoded=texts)
+    assert "trial config" not in encoded  # on main: encoded again to copy it
+    row = storage.trial(tid)
+    assert row["config"] == {"bs": 64, "opt": {"name": "sgd", "betas": [0.9, 0.99]}}
+    row["config"]["opt"]["name"] = "adam"  # a copy: the stored row is its own
+    assert storage.trial(tid)["config"]["opt"]["name"] == "sgd"
+    again = storage.add_trial("s", "r", dict(config), hp, 4, None, None, unique=True)
+    assert again == tid  # the same identity as the texts given
