@@ -72,7 +72,12 @@ the driver), the decision and dispatch (the rest of a gap before a batch: the en
 to the driver, the decision, the instruction's way back), the last batches' imbalance
 (a worker's last batch ended -> the run's last one did) and the close (-> ``tune()``
 returned). Times are the driver's; a batch ran on its worker during the ``busy``
-seconds before its end was received.
+seconds before its end was received. Then the hand-offs: each batch that waited for a
+checkpoint another worker was writing (the root's), from that step's ``Progress``
+received to the ``CheckpointSaved`` received (and the capture + write the writer timed),
+the batch sent, started on its worker and its load; and the driver's reads: how many
+events came in how many reads, and how many batch ends it read whole (the last
+step's ``MetricsReported`` in the same read as the ``BatchDone``).
 
 Run::
 
@@ -114,6 +119,8 @@ from stagetree.work import (
     BatchDone,
     BatchFailed,
     CheckpointSaved,
+    MetricsReported,
+    Progress,
     RunBatch,
     Segment,
     WorkerLost,
@@ -193,6 +200,14 @@ class _RecordingExecutor(LocalExecutor):
     def events(self, timeout: float | None = None) -> list[Any]:
         out = super().events(timeout)
         now = _perf()
+        if out:
+            read = len(self.log["reads"])  # which read of the driver brought them
+            self.log["reads"].append((len(out), now))
+            for e in out:
+                if isinstance(e, Progress):
+                    self.log["progress"].append(((e.batch_id, e.step), now))
+                elif isinstance(e, (MetricsReported, BatchDone)):
+                    self.log["ends"].append((e, read))
         saves = [e for e in out if isinstance(e, CheckpointSaved)]
         self.log["saves"].extend(saves)
         self.log["saved"].extend((e.ref, now) for e in saves)
@@ -293,6 +308,55 @@ def timeline(
     return rows, idle
 
 
+def handoffs(log: Mapping[str, list[Any]]) -> list[dict[str, Any]]:
+    """(e): each batch that started from a checkpoint another worker wrote, after waiting
+    for it (the root's hand-off): in ms, the checkpoint's step reported
+    (``Progress`` received) -> its ``CheckpointSaved`` received (``write``; of which
+    ``worker``: the capture and write the worker timed) -> the batch sent (``decision``)
+    -> the batch started on its worker (``dispatch``: the instruction's way there) ->
+    its load done (``load``)."""
+    progress = dict(log["progress"])
+    saved_at = dict(log["saved"])
+    writer = {e.ref: e for e in log["saves"]}
+    received = dict(log["received"])
+    done = {e.batch_id: e for e in log["done"]}
+    out: list[dict[str, Any]] = []
+    for bid, worker, sent in log["sent"]:
+        batch = next((b for b in log["batches"] if b.batch_id == bid), None)
+        ref = batch.start_checkpoint if batch is not None else None
+        w = writer.get(ref) if ref is not None else None
+        if w is None or w.worker == worker or bid not in done or ref not in saved_at:
+            continue
+        if sent - saved_at[ref] > 0.5:  # not waited for: sent long after it was saved
+            continue
+        began = received[bid] - done[bid].busy_seconds
+        reported = progress.get((w.batch_id, w.step))
+        out.append({
+            "batch": bid, "from": f"w{w.worker} b{w.batch_id} ({w.node}, {w.step})",
+            "write_ms": (saved_at[ref] - reported) * 1e3 if reported is not None else None,
+            "worker_ms": w.seconds * 1e3,
+            "decision_ms": (sent - saved_at[ref]) * 1e3,
+            "dispatch_ms": (began - sent) * 1e3,
+            "load_ms": done[bid].load_seconds * 1e3,
+        })  # fmt: skip
+    return out
+
+
+def ends_read_whole(log: Mapping[str, list[Any]]) -> tuple[int, int]:
+    """(e): of the batches whose last step reported metrics, how many ends the driver
+    read whole (that ``MetricsReported`` and the ``BatchDone`` in one read), and how
+    many there were."""
+    last = {b.batch_id: b.segments[-1].stop for b in log["batches"] if b.segments}
+    metrics = {
+        e.batch_id: read
+        for e, read in log["ends"]
+        if isinstance(e, MetricsReported) and last.get(e.batch_id) == e.step
+    }
+    ends = [(e.batch_id, read) for e, read in log["ends"] if isinstance(e, BatchDone)]
+    pairs = [(metrics[bid], read) for bid, read in ends if bid in metrics]
+    return sum(1 for m, d in pairs if m == d), len(pairs)
+
+
 _TIMELINE_HEADERS = [
     "worker", "batch", "sent", "ended", "idle before", "of which: its checkpoint", "busy",
     "load", "steps", "start checkpoint from",
@@ -328,7 +392,31 @@ def timeline_report(row: Mapping[str, Any]) -> str:
         "imbalance: a worker's last batch ended -> the run's last did; close: -> tune() "
         "returned)" + f"\n\nstart loads by the start checkpoint's writer: {loads} (its own: this "
         "worker wrote it; new: another worker did, read here first; read before: another "
-        "worker did, read here by an earlier batch)"
+        "worker did, read here by an earlier batch)" + _messages_report(row)
+    )
+
+
+_HANDOFF_HEADERS = [
+    "batch", "start checkpoint", "write", "of which worker", "decision", "dispatch", "load",
+]  # fmt: skip
+
+
+def _messages_report(row: Mapping[str, Any]) -> str:
+    """The hand-offs and the driver's reads of (e)."""
+    table = [
+        [h["batch"], h["from"], h["write_ms"], h["worker_ms"], h["decision_ms"],
+         h["dispatch_ms"], h["load_ms"]]
+        for h in row["handoffs"]
+    ]  # fmt: skip
+    whole, ends = row["ends_whole"]
+    reads, events = row["reads"]
+    return (
+        "\n\nHand-offs (a batch that waited for another worker's checkpoint; ms: its "
+        "step's Progress received -> CheckpointSaved received, of which the worker's "
+        "capture + write; -> the batch sent; -> it started; its load):\n\n"
+        + markdown_table(_HANDOFF_HEADERS, table)
+        + f"\n\ndriver reads: {events} events in {reads} reads; batch ends read whole "
+        f"(the last MetricsReported with its BatchDone): {whole} of {ends}"
     )
 
 
@@ -341,7 +429,7 @@ def run_study(
     ckdir = root / "checkpoints"
     log: dict[str, list[Any]] = {
         "batches": [], "saves": [], "done": [], "executor": [], "sent": [], "received": [],
-        "saved": [],
+        "saved": [], "progress": [], "reads": [], "ends": [],
     }  # fmt: skip
 
     def factory() -> LocalExecutor:
@@ -368,8 +456,9 @@ def run_study(
         asyncio.run(warm_up())
         startup = _perf() - begin
         warm.stats()  # waits for the warm-up batches to report their end
-        for key in ("batches", "saves", "done", "sent", "received", "saved"):
-            log[key].clear()
+        for key in log:
+            if key != "executor":
+                log[key].clear()
         [executor] = log["executor"]
         cpu_before = cpu_seconds(executor)
         study = Study("share" if share else "no-share", DigitsTrainer, **opts)
@@ -408,6 +497,9 @@ def run_study(
         **batch_gaps(log),
     }
     row["timeline"], row["idle"] = timeline(log, start, start + wall)
+    row["handoffs"] = handoffs(log)
+    row["ends_whole"] = ends_read_whole(log)
+    row["reads"] = (len(log["reads"]), sum(n for n, _ in log["reads"]))
     if stats["steps_executed"] != row["steps_executed"]:
         print(
             f"note: study.stats() says {stats['steps_executed']:.0f} steps executed, the "

@@ -135,12 +135,18 @@ class _Slot(Protocol):
 
 
 def accept_event(slot: _Slot, event: Any, out: list[WorkerEvent], spec: Any) -> None:
-    """Take one event of the worker in ``slot``: a start-up failure raises (naming the
-    trainer ``spec``); ``WorkerReady`` marks the slot ready; a terminal event frees it.
+    """Take one message of the worker in ``slot``: an event, or a list of events sent
+    together (see :class:`~stagetree.executors.worker.Worker`'s ``emit_many``), taken
+    in order. A start-up failure raises (naming the trainer ``spec``); ``WorkerReady``
+    marks the slot ready; a terminal event frees it.
 
     Raises:
         TrainerError: the worker could not start.
     """
+    if type(event) is list:
+        for one in event:
+            accept_event(slot, one, out, spec)
+        return
     if isinstance(event, StartupError):
         raise TrainerError(
             f"worker {event.worker} could not start ({spec}): {event.error}", event.traceback

@@ -173,7 +173,14 @@ def _serve(
             "worker %s: %s.warmup failed", lease.worker, trainer_cls
         )
     trainers = TrainerClasses(trainer_cls)
-    worker = Worker(lease.worker, trainers, store, emit, progress_interval=lease.progress_interval)
+    worker = Worker(
+        lease.worker,
+        trainers,
+        store,
+        emit,
+        progress_interval=lease.progress_interval,
+        emit_many=emit,  # a list of events goes down the pipe as one message
+    )
     served = threading.Event()
     if lease.step_timeout is not None:
         threading.Thread(

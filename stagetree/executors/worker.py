@@ -26,6 +26,13 @@ one, right after a ``Progress`` and before the ``MetricsReported`` of a point),
 ``MetricsReported``, ``CheckpointSaved`` (from the writer thread, when durable),
 ``SplitMissed`` (answers to live splits it cannot honour), and exactly one terminal
 event, ``BatchDone`` or ``BatchFailed`` (after the last ``CurveReported``).
+With ``emit_many`` (a process worker's pipe), the events a point gives after its
+``Progress`` (its ``CurveReported`` and ``MetricsReported``, those of the batch's last
+step with its ``BatchDone``) go out together, in one message: one write and one
+wake-up of the driver instead of one per event, and the driver reads a batch's end
+whole. The order of all events stays the same (held events are sent before a
+checkpoint write starts, so a ``CheckpointSaved`` never overtakes them), and a
+``Progress`` is never held (the scheduler times live splits by it).
 ``BatchDone`` is sent as soon as training is done: the writes of the batch's last
 checkpoints go on in the background, and their ``CheckpointSaved`` (or
 ``CheckpointFailed``) may follow it, so checkpoint I/O is off the critical path (the
@@ -218,6 +225,9 @@ class Worker:
             blocks (bounds the memory held by snapshots).
         keep_bytes: bound of the checkpoints it wrote or read that it keeps in memory
             to start later batches from (0: none).
+        emit_many: sends several events at once, in order (one message); None: each
+            goes through ``emit`` (see the module docstring). Called from the
+            calling thread only.
     """
 
     def __init__(
@@ -230,6 +240,7 @@ class Worker:
         progress_interval: float = 0.2,
         max_pending_saves: int = 2,
         keep_bytes: int = DEFAULT_KEEP_BYTES,
+        emit_many: Callable[[list[WorkerEvent]], None] | None = None,
     ) -> None:
         if max_pending_saves < 1:
             raise ValueError(f"max_pending_saves must be >= 1, got {max_pending_saves}")
@@ -240,6 +251,10 @@ class Worker:
         )
         self.store = store
         self.emit = emit
+        self.emit_many = emit_many
+        # Events of the calling thread held to go out together (None: none are held);
+        # see _gather.
+        self._outgoing: list[WorkerEvent] | None = None
         self.progress_interval = progress_interval
         self.max_pending_saves = max_pending_saves
         self.stats = WorkerStats()
@@ -300,6 +315,37 @@ class Worker:
         ``CheckpointSaved``/``CheckpointFailed`` was emitted)."""
         self._wait_saves()
 
+    def _send(self, event: WorkerEvent) -> None:
+        """Emit ``event`` from the calling thread: now, or with the events gathered."""
+        out = self._outgoing
+        if out is None:
+            self.emit(event)
+        else:
+            out.append(event)
+
+    def _gather(self) -> None:
+        """Hold the calling thread's next events until :meth:`_release` sends them in
+        one message (only with ``emit_many``)."""
+        if self.emit_many is not None and self._outgoing is None:
+            self._outgoing = []
+
+    def _send_held(self) -> None:
+        """Send the events held so far (and go on gathering): before anything that
+        another thread may report (a checkpoint write), so that the order stays."""
+        out = self._outgoing
+        if out:
+            self._outgoing = []
+            if len(out) == 1:
+                self.emit(out[0])
+            else:
+                assert self.emit_many is not None
+                self.emit_many(out)
+
+    def _release(self) -> None:
+        """Send the events held and stop gathering."""
+        self._send_held()
+        self._outgoing = None
+
     def close(self) -> None:
         """Wait for background writes, stop the writer thread and drop the trainer."""
         self._wait_saves()
@@ -321,9 +367,14 @@ class Worker:
             poll: called between steps without blocking; returns live instructions
                 (``AddCheckpoint``/``Abort``) that arrived for this worker.
         """
+        try:
+            self._run(batch, poll or _no_instructions)
+        finally:
+            self._release()  # what the batch's end gathered goes out together
+
+    def _run(self, batch: RunBatch, poll: Callable[[], list[AddCheckpoint | Abort]]) -> None:
         begin = _perf()
-        poll = poll or _no_instructions
-        emit = self.emit
+        emit = self._send
         wid = self.worker_id
         bid = batch.batch_id
         self.stats.batches += 1
@@ -367,6 +418,9 @@ class Worker:
                         point = points.get(step)
                         if point is not None or step == seg_stop or now - mark >= interval:
                             emit(Progress(bid, wid, node, step, (now - mark) / since))
+                            # The point's curve and metrics go out together (with the
+                            # batch's BatchDone at its last step).
+                            self._gather()
                             self._curve_point(trainer, job, node, step, trained, point)
                             self._flush_curve(job)
                             mark = _perf()
@@ -379,6 +433,8 @@ class Worker:
                             aborted = self._apply(instructions, trainer, job, step)
                             if aborted:
                                 break
+                        if step < job.end_step:
+                            self._release()
                     if aborted:
                         break
             self._step_at = None
@@ -542,7 +598,7 @@ class Worker:
             error = f"{type(exc).__name__}: {exc}"
             logger.warning("worker %s: training unfused: %s", self.worker_id, error)
         event = FusionFailed(self.worker_id, batch.root_key, batch.trainer, error, members, whole)
-        self.emit(event)
+        self._send(event)
 
     def _run_each(self, members: tuple[RunBatch, ...], mail: _Mailbox) -> None:
         for batch in members:
@@ -710,7 +766,7 @@ class Worker:
     def _flush_curve(self, job: _Job) -> None:
         if job.curve:
             curve, job.curve = job.curve, []
-            self.emit(CurveReported(job.batch.batch_id, self.worker_id, tuple(curve)))
+            self._send(CurveReported(job.batch.batch_id, self.worker_id, tuple(curve)))
 
     def _evaluate(self, trainer: Trainer, job: _Job, node: int, step: int) -> dict[str, float]:
         """``evaluate()`` of the model at ``step``, at most once per step of a batch."""
@@ -737,7 +793,7 @@ class Worker:
             point.eval_done = True
             metrics = self._evaluate(trainer, job, point.eval_node, step)
             self._flush_curve(job)  # the curve reaches the plan first
-            self.emit(
+            self._send(
                 MetricsReported(batch.batch_id, self.worker_id, point.eval_node, step, metrics)
             )
 
@@ -768,7 +824,7 @@ class Worker:
         if not isinstance(ins, (AddCheckpoint, Abort)):
             raise TypeError(f"poll() returned {type(ins).__name__}, not AddCheckpoint/Abort")
         if isinstance(ins, AddCheckpoint):
-            self.emit(SplitMissed(ins.batch_id, self.worker_id, ins.node, ins.step))
+            self._send(SplitMissed(ins.batch_id, self.worker_id, ins.node, ins.step))
 
     def _add_point(self, ins: AddCheckpoint, job: _Job, step: int) -> _Point | None:
         """The point of a live split of ``job`` at ``step`` (None, answered with
@@ -845,6 +901,7 @@ class Worker:
                 1, thread_name_prefix=f"stagetree-ckpt-{self.worker_id}"
             )
         name = _checkpoint_name(job.batch.root_key, node, step)
+        self._send_held()  # its CheckpointSaved must not overtake them
         try:
             future = self._writer.submit(self._write, job, node, step, name, snapshot, capture)
         except RuntimeError:
@@ -883,6 +940,7 @@ class Worker:
         )
 
     def _wait_saves(self) -> None:
+        self._send_held()  # before the CheckpointSaved of the writes waited for
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
@@ -914,7 +972,7 @@ class Worker:
         kind = "checkpoint" if failed.checkpoint else "trainer"
         if not failed.checkpoint and is_out_of_memory(failed.error):
             kind = "oom"  # a worker with more devices may train it (the scheduler's call)
-        self.emit(
+        self._send(
             BatchFailed(
                 batch.batch_id,
                 self.worker_id,

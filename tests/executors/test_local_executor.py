@@ -401,3 +401,26 @@ def test_inline_executor_follows_the_contract(tmp_path: Path) -> None:
         [metrics] = _of(ex.events(), MetricsReported)
         assert metrics.metrics["t"] == 8
         assert ex.workers[0].stats.reuses == 1
+
+
+def test_a_message_of_several_events_is_taken_in_order() -> None:
+    """A worker process sends a batch's last events as one message (a list): the
+    executor takes each, in order, and the batch's end frees its worker."""
+    from stagetree.executors._events import accept_event
+    from stagetree.work import CurveReported
+
+    class Slot:
+        ready = True
+        start_failures = 0
+        running = {5}
+
+    slot = Slot()
+    end = [
+        CurveReported(5, 0, ((1, 4, {"t": 4.0}, True),)),
+        MetricsReported(5, 0, 1, 4, {"t": 4.0}),
+        BatchDone(5, 0, 0.1, 4, 0.0),
+    ]
+    out: list[Any] = []
+    accept_event(slot, end, out, "spec")
+    assert out == end
+    assert slot.running == set()

@@ -773,3 +773,42 @@ def _tensors(obj: Any, path: str = "") -> list[tuple[str, Any]]:
     if isinstance(obj, (list, tuple)):
         return [t for i, v in enumerate(obj) for t in _tensors(v, f"{path}/{i}")]
     return [(path, obj)] if hasattr(obj, "dtype") and hasattr(obj, "shape") else []
+
+
+def test_a_points_events_and_the_batch_end_go_out_in_one_message_each(tmp_path: Path) -> None:
+    """With ``emit_many`` (a process worker's pipe), a point's curve and metrics go out
+    as one message, the last step's with the BatchDone; Progress is never held, and the
+    events and their order are those of a worker that sends them one by one."""
+    batch = _batch(
+        7,
+        [(1, 0, 4, HP), (2, 4, 8, HP)],
+        evaluate_at=((1, 2), (2, 8)),
+        checkpoint_at=((1, 4),),
+    )
+    messages: list[Any] = []
+    lock = threading.Lock()
+
+    def send(message: Any) -> None:
+        with lock:
+            messages.append(message)
+
+    worker = Worker(0, Noisy, CheckpointStore(tmp_path / "a"), send, emit_many=send)
+    worker.progress_interval = 1e9
+    worker.run(batch)
+    one_by_one, events = _worker(tmp_path / "b", progress_interval=1e9)
+    one_by_one.run(batch)
+
+    def kinds(seq: list[Any]) -> list[str]:
+        return [type(e).__name__ for e in seq if not isinstance(e, CheckpointSaved)]
+
+    flat = [e for m in messages for e in (m if isinstance(m, list) else [m])]
+    assert kinds(flat) == kinds(events.events)
+    groups = [kinds(m) for m in messages if isinstance(m, list)]
+    assert groups == [
+        ["CurveReported", "MetricsReported"],
+        ["CurveReported", "MetricsReported", "BatchDone"],
+    ]
+    # The checkpoint at step 4 is reported after its step's Progress.
+    [saved] = [i for i, e in enumerate(flat) if isinstance(e, CheckpointSaved)]
+    progress_4 = next(i for i, e in enumerate(flat) if isinstance(e, Progress) and e.step == 4)
+    assert saved > progress_4
