@@ -21,9 +21,11 @@ multiprocessing's fork server):
 - right after the fork, the driver has no native thread either. Thread pools that
   handle a fork (numpy's and scipy's OpenBLAS) stop their threads before it; others are
   still there (torch's OpenMP pool once the driver computed with several threads: a
-  child's first parallel operation would wait forever for threads it does not have;
-  pyarrow's allocator thread, which scikit-learn's import starts), and the child is told
-  to end instead of serving;
+  child's first parallel operation would wait forever for threads it does not have),
+  and the child is told to end instead of serving. A thread whose library handles the
+  fork itself does not count: jemalloc's background thread (pyarrow's allocator, which
+  importing pandas or scikit-learn starts) takes jemalloc's locks before the fork and
+  is turned off in the child;
 - ``$STAGETREE_FORK_DRIVER`` is not ``0``.
 
 What the child does not take over from the driver: it ignores Ctrl-C (the driver stops
@@ -70,9 +72,29 @@ __all__ = ["driver_context", "fork_is_safe", "server_pid", "stop_server"]
 ENV = "STAGETREE_FORK_DRIVER"
 
 
+#: Native threads whose library makes forking safe while they run: jemalloc's background
+#: thread (pyarrow's allocator, which importing pandas or scikit-learn starts): jemalloc
+#: takes its own locks before a fork (``pthread_atfork``) and turns its background
+#: threads off in the child, which runs without them.
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
 def _threads() -> int:
-    """The threads of this process, native ones included."""
-    return len(os.listdir("/proc/self/task"))
+    """The threads of this process that a fork may not leave behind: every thread,
+    native ones included, but the main one and those of :data:`FORK_SAFE_THREADS`."""
+    count = 0
+    main = str(os.getpid())
+    for tid in os.listdir("/proc/self/task"):
+        if tid == main:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # it ended meanwhile
+        if name not in FORK_SAFE_THREADS:
+            count += 1
+    return count
 
 
 def fork_is_safe() -> bool:
@@ -176,7 +198,7 @@ class _DriverServer(_ForkServer):
                 os.close(alive_r)
                 os.close(go_r)
                 # Thread pools that survive a fork are not fork-safe: the child ends.
-                safe = _threads() == 1
+                safe = _threads() == 0
                 with contextlib.suppress(OSError):
                     os.write(go_w, b"1" if safe else b"0")
                 os.close(go_w)
