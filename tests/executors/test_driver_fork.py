@@ -131,6 +131,7 @@ DRIVER_SCRIPT = textwrap.dedent(
                     codes.append(int(e.metrics["child"]))
         print("DONE", len(done), flush=True)
         print("SERVER", _driverfork.server_pid(), flush=True)
+        print("REFUSED", _driverfork.refusal(), flush=True)
         print("PARENTS", *sorted(parents), flush=True)
         print("CODES", *codes, flush=True)
         os.close(w)
@@ -166,6 +167,7 @@ def _run(tmp_path: Path, case: str, **env: str) -> dict[str, list[str]]:
 def test_workers_fork_from_a_server_forked_from_the_driver(tmp_path: Path) -> None:
     out = _run(tmp_path, "fork")
     assert out["DONE"] == ["2"]
+    assert out["REFUSED"] == ["None"]
     [server] = out["SERVER"]
     assert out["PARENTS"] == [server]  # both workers forked by that server
     # What the driver imported (a warm-up import of the trainer) was not imported again
@@ -188,6 +190,9 @@ def test_a_driver_that_may_not_fork_falls_back_to_a_fresh_fork_server(
     )
     assert out["DONE"] == ["2"]
     assert out["SERVER"] == ["None"]
+    # Why, for the user (a debug log line) and the benchmarks.
+    why = " ".join(out["REFUSED"])
+    assert why.startswith("other Python threads alive" if case == "thread" else "$")
     assert len(out["imported"]) == 2  # the driver, and the fresh server
     assert out["PIPE"] == ["closed"]
 
@@ -229,6 +234,7 @@ def test_a_driver_whose_torch_thread_pool_runs_does_not_fork(tmp_path: Path) -> 
     out = _run(tmp_path, "omp")
     assert out["DONE"] == ["2"]
     assert out["SERVER"] == ["None"]
+    assert " ".join(out["REFUSED"]).startswith("native threads left after a fork: ")
 
 
 STUDY_SCRIPT = textwrap.dedent(
