@@ -47,7 +47,9 @@ in the child just before the run (per batch size), / 2 workers, / the wall-clock
 from the activity log, the seconds to the first batch, the batches' busy seconds and the
 seconds after the last batch; and a breakdown of its wall-clock (start-up, loads, saves,
 training, evaluation, idle, scheduling: :func:`breakdown`) with how its batches started
-(fresh, from a loaded checkpoint, continuing the worker's model: :func:`load_counts`).
+(fresh, from a loaded checkpoint, continuing the worker's model: :func:`load_counts`),
+and what its workers were forked from (:func:`fork_server`: a fresh fork server imports
+torch before the first worker starts).
 
 Measured per run: wall-clock from before the framework starts (``Study(...)``,
 ``ray.init``, ``optuna.create_study``) until it has shut down (imports excluded, the same
@@ -357,6 +359,7 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
     try:
         study.tune(tuner)
         tuned = _perf() - begin
+        server = fork_server()
         stats = study.stats()
         trials = study.trials()
     finally:
@@ -396,7 +399,19 @@ def run_stagetree(s: dict[str, Any], tmp: Path, share: bool, threads: int) -> di
         "merge_rate": stats["merge_rate"],
         "breakdown": parts,
         "eval_alone": evaluation,
+        "server": server,
     }
+
+
+def fork_server() -> str:
+    """What this process's workers were forked from: a fork of this process (no import
+    of torch before the first worker), or a fresh interpreter and why (seconds of
+    start-up: a thread this process started, e.g. torch's pool)."""
+    from stagetree.executors import _driverfork
+
+    if _driverfork.server_pid() is not None:
+        return "a fork of the driver"
+    return f"a fresh interpreter ({_driverfork.refusal() or 'not asked to fork'})"
 
 
 def breakdown(stats: dict[str, Any], evaluation: float, wall: float) -> dict[str, float]:
@@ -950,6 +965,8 @@ def report(
                     f"efficiency {r['efficiency']:.3f} (busy / 2 / wall: "
                     f"{r['device_seconds'] / 2 / r['wall']:.3f})"
                 )
+            if r.get("server"):
+                extra += f", workers forked from {r['server']}"
             out.append(
                 f"- {runner} #{i + 1}: {r['wall']:.1f} s, {r['steps_executed']} steps "
                 f"(runner's own count {r['steps_reported']:.0f}), best "

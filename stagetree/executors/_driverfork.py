@@ -21,9 +21,11 @@ multiprocessing's fork server):
 - right after the fork, the driver has no native thread either. Thread pools that
   handle a fork (numpy's and scipy's OpenBLAS) stop their threads before it; others are
   still there (torch's OpenMP pool once the driver computed with several threads: a
-  child's first parallel operation would wait forever for threads it does not have;
-  pyarrow's allocator thread, which scikit-learn's import starts), and the child is told
-  to end instead of serving;
+  child's first parallel operation would wait forever for threads it does not have),
+  and the child is told to end instead of serving. A thread whose library handles the
+  fork itself does not count: jemalloc's background thread (pyarrow's allocator, which
+  importing pandas or scikit-learn starts) takes jemalloc's locks before the fork and
+  is turned off in the child;
 - ``$STAGETREE_FORK_DRIVER`` is not ``0``.
 
 What the child does not take over from the driver: it ignores Ctrl-C (the driver stops
@@ -65,33 +67,61 @@ _ForkServer: Any = forkserver.ForkServer
 _ForkServerPopen: Any = multiprocessing.popen_forkserver.Popen
 _connection: Any = multiprocessing.connection
 
-__all__ = ["driver_context", "fork_is_safe", "server_pid", "stop_server"]
+__all__ = ["driver_context", "fork_is_safe", "refusal", "server_pid", "stop_server"]
 
 ENV = "STAGETREE_FORK_DRIVER"
 
 
-def _threads() -> int:
-    """The threads of this process, native ones included."""
-    return len(os.listdir("/proc/self/task"))
+#: Native threads whose library makes forking safe while they run: jemalloc's background
+#: thread (pyarrow's allocator, which importing pandas or scikit-learn starts): jemalloc
+#: takes its own locks before a fork (``pthread_atfork``) and turns its background
+#: threads off in the child, which runs without them.
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
+def _threads() -> list[str]:
+    """The names of the threads of this process that a fork may not leave behind: every
+    thread, native ones included, but the main one and those of
+    :data:`FORK_SAFE_THREADS`."""
+    names = []
+    main = str(os.getpid())
+    for tid in os.listdir("/proc/self/task"):
+        if tid == main:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # it ended meanwhile
+        if name not in FORK_SAFE_THREADS:
+            names.append(name)
+    return sorted(names)
+
+
+def _refusal() -> str | None:
+    """Why this process may not fork its own fork server now (None: it may; see the
+    module docstring; the native threads are checked again right after the fork)."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return f"${ENV} is 0"
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return "not on Linux"
+    if threading.current_thread() is not threading.main_thread():
+        return "not called from the main thread"
+    if threading.active_count() != 1:
+        others = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        return f"other Python threads alive: {', '.join(others)}"
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    with contextlib.suppress(Exception):
+        if cuda is not None and cuda.is_initialized():
+            return "CUDA is initialised"
+    return None
 
 
 def fork_is_safe() -> bool:
     """Whether this process may fork its own fork server now (see the module docstring;
     the native threads are checked again right after the fork)."""
-    if os.environ.get(ENV, "1").strip() == "0":
-        return False
-    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
-        return False
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    if threading.active_count() != 1:
-        return False
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    with contextlib.suppress(Exception):
-        if cuda is not None and cuda.is_initialized():
-            return False
-    return True
+    return _refusal() is None
 
 
 class _DriverServer(_ForkServer):
@@ -101,10 +131,13 @@ class _DriverServer(_ForkServer):
     _forkserver_alive_fd: int | None
     _forkserver_pid: int | None
     _lock: threading.Lock
+    #: Why the last :meth:`start` did not fork (None: it forked, or none was asked).
+    refused: str | None = None
 
     def forget(self) -> None:
         """In a forked child: the server is its parent's."""
         _ForkServer.__init__(self)
+        self.refused = None
 
     def running(self) -> bool:
         """Whether the server forked earlier is alive (a dead one is reaped)."""
@@ -152,7 +185,8 @@ class _DriverServer(_ForkServer):
         with self._lock:
             if self.running():
                 return True
-            if not fork_is_safe():
+            self.refused = _refusal()
+            if self.refused is not None:
                 return False
             resource_tracker.ensure_running()
             with socket.socket(socket.AF_UNIX) as listener:
@@ -176,7 +210,10 @@ class _DriverServer(_ForkServer):
                 os.close(alive_r)
                 os.close(go_r)
                 # Thread pools that survive a fork are not fork-safe: the child ends.
-                safe = _threads() == 1
+                left = _threads()
+                safe = not left
+                if left:
+                    self.refused = f"native threads left after a fork: {', '.join(left)}"
                 with contextlib.suppress(OSError):
                     os.write(go_w, b"1" if safe else b"0")
                 os.close(go_w)
@@ -310,6 +347,14 @@ def stop_server() -> None:
     """Kill and reap the fork server forked from this process, if one runs (see
     :meth:`_DriverServer.stop`: only one that no worker was forked from)."""
     _SERVER.stop()
+
+
+def refusal() -> str | None:
+    """Why this process did not fork its fork server when last asked to (the fork
+    server of its workers is then a fresh interpreter), None when it did or was never
+    asked: e.g. ``"native threads left after a fork: ..."`` with their names."""
+    with _SERVER._lock:
+        return _SERVER.refused
 
 
 def server_pid() -> int | None:

@@ -43,6 +43,7 @@ import atexit
 import contextlib
 import glob
 import importlib.util
+import logging
 import multiprocessing
 import os
 import signal
@@ -56,7 +57,7 @@ from typing import Any
 
 from stagetree.checkpoints import CheckpointStore
 from stagetree.exceptions import StagetreeError
-from stagetree.executors._driverfork import driver_context, server_pid, stop_server
+from stagetree.executors._driverfork import driver_context, refusal, server_pid, stop_server
 from stagetree.executors._events import (
     accept_event,
     admit,
@@ -213,6 +214,11 @@ def _start_forkserver(preload: list[str]) -> None:
         forkserver.ensure_running()
         if forkserver._forkserver._forkserver_pid != before:  # type: ignore[attr-defined]
             _STARTED_MP_SERVER = True
+            # Seconds more to the first worker (it imports torch): say why.
+            logging.getLogger(__name__).debug(
+                "workers fork from a fresh fork server: this process may not fork it (%s)",
+                refusal(),
+            )
 
 
 # Whether a worker was forked from this process's fork server (that one, or any later

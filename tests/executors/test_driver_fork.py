@@ -33,6 +33,11 @@ TRAINER_MODULE = textwrap.dedent(
                 a = torch.ones(400, 400)
                 for _ in range(3):
                     a = (a @ a) / 400  # several threads: torch's OpenMP pool
+            if self.config.get("arrow"):  # the allocator whose thread the driver has
+                import pyarrow
+
+                pool = pyarrow.jemalloc_memory_pool()
+                del [pyarrow.allocate_buffer(1 << 20, memory_pool=pool) for _ in range(8)][:]
             if self.config.get("child"):  # a process of the trainer's own
                 import multiprocessing
 
@@ -84,6 +89,14 @@ DRIVER_SCRIPT = textwrap.dedent(
             for _ in range(3):
                 a = a @ a / 400
             threads = 2
+        if case == "arrow":  # pyarrow's jemalloc runs its background thread (a fork is safe)
+            import pyarrow
+
+            pool = pyarrow.jemalloc_memory_pool()
+            del [pyarrow.allocate_buffer(1 << 20, memory_pool=pool) for _ in range(8)][:]
+            names = [open(f"/proc/self/task/{t}/comm").read().strip()
+                     for t in os.listdir("/proc/self/task")]
+            print("JEMALLOC", int("jemalloc_bg_thd" in names), flush=True)
         if case == "server":  # the driver started multiprocessing's fork server itself
             import multiprocessing
 
@@ -100,7 +113,9 @@ DRIVER_SCRIPT = textwrap.dedent(
         for worker in range(2):
             ex.submit(RunBatch(
                 batch_id=worker + 1, worker=worker, root_key="r",
-                config={"matmul": case == "omp", "child": case == "server"},
+                config={
+                    "matmul": case == "omp", "child": case == "server", "arrow": case == "arrow"
+                },
                 start_step=0, start_at=None,
                 start_checkpoint=None, segments=(Segment(1, 0, 1, {"lr": Constant(0.1)}),),
                 evaluate_at=((1, 1),), checkpoint_at=(),
@@ -116,6 +131,7 @@ DRIVER_SCRIPT = textwrap.dedent(
                     codes.append(int(e.metrics["child"]))
         print("DONE", len(done), flush=True)
         print("SERVER", _driverfork.server_pid(), flush=True)
+        print("REFUSED", _driverfork.refusal(), flush=True)
         print("PARENTS", *sorted(parents), flush=True)
         print("CODES", *codes, flush=True)
         os.close(w)
@@ -151,6 +167,7 @@ def _run(tmp_path: Path, case: str, **env: str) -> dict[str, list[str]]:
 def test_workers_fork_from_a_server_forked_from_the_driver(tmp_path: Path) -> None:
     out = _run(tmp_path, "fork")
     assert out["DONE"] == ["2"]
+    assert out["REFUSED"] == ["None"]
     [server] = out["SERVER"]
     assert out["PARENTS"] == [server]  # both workers forked by that server
     # What the driver imported (a warm-up import of the trainer) was not imported again
@@ -173,6 +190,9 @@ def test_a_driver_that_may_not_fork_falls_back_to_a_fresh_fork_server(
     )
     assert out["DONE"] == ["2"]
     assert out["SERVER"] == ["None"]
+    # Why, for the user (a debug log line) and the benchmarks.
+    why = " ".join(out["REFUSED"])
+    assert why.startswith("other Python threads alive" if case == "thread" else "$")
     assert len(out["imported"]) == 2  # the driver, and the fresh server
     assert out["PIPE"] == ["closed"]
 
@@ -186,6 +206,26 @@ def test_a_worker_forked_from_the_driver_starts_processes_of_its_own(tmp_path: P
     assert out["CODES"] == ["0", "0"]
 
 
+def test_a_driver_with_jemallocs_background_thread_forks(tmp_path: Path) -> None:
+    # pyarrow's allocator (which importing pandas or scikit-learn loads) runs jemalloc's
+    # background thread in the driver: jemalloc handles forks (its locks taken before,
+    # its threads off in the child), so the driver still forks its server, and the
+    # workers allocate with it.
+    pyarrow = pytest.importorskip("pyarrow")
+    try:
+        pyarrow.jemalloc_memory_pool()
+    except (NotImplementedError, pyarrow.ArrowNotImplementedError):
+        pytest.skip("pyarrow built without jemalloc")
+    out = _run(tmp_path, "arrow")
+    if out["JEMALLOC"] != ["1"]:
+        pytest.skip("jemalloc started no background thread here")
+    assert out["DONE"] == ["2"]
+    [server] = out["SERVER"]
+    assert server != "None"
+    assert out["PARENTS"] == [server]
+    assert out["PIPE"] == ["closed"]
+
+
 def test_a_driver_whose_torch_thread_pool_runs_does_not_fork(tmp_path: Path) -> None:
     # torch's OpenMP pool does not survive a fork: a worker forked from such a driver
     # would wait forever in its first parallel operation. The driver sees the pool's
@@ -194,6 +234,7 @@ def test_a_driver_whose_torch_thread_pool_runs_does_not_fork(tmp_path: Path) -> 
     out = _run(tmp_path, "omp")
     assert out["DONE"] == ["2"]
     assert out["SERVER"] == ["None"]
+    assert " ".join(out["REFUSED"]).startswith("native threads left after a fork: ")
 
 
 STUDY_SCRIPT = textwrap.dedent(
