@@ -58,6 +58,8 @@ import warnings
 from multiprocessing import forkserver, resource_tracker, spawn
 from typing import Any
 
+from stagetree.executors._spec import no_main_rerun
+
 # multiprocessing's fork server, its process and popen: private parts (untyped here).
 _mp: Any = multiprocessing.context
 _util: Any = multiprocessing.util
@@ -65,7 +67,7 @@ _ForkServer: Any = forkserver.ForkServer
 _ForkServerPopen: Any = multiprocessing.popen_forkserver.Popen
 _connection: Any = multiprocessing.connection
 
-__all__ = ["driver_context", "fork_is_safe", "server_pid", "stop_server"]
+__all__ = ["driver_context", "fork_is_safe", "server_pid", "start_helper", "stop_server"]
 
 ENV = "STAGETREE_FORK_DRIVER"
 
@@ -304,6 +306,24 @@ def driver_context(preload: list[str]) -> Any:
     process (forked now, with ``preload`` imported, unless it runs already), or None
     where this process may not fork it (see :func:`fork_is_safe`)."""
     return _CONTEXT if _SERVER.start(preload) else None
+
+
+def start_helper(target: Any, args: tuple[Any, ...], name: str) -> Any:
+    """``target(*args)`` started in a daemonic process forked by the running fork server
+    forked from this process (no fresh interpreter, no import of what the driver has
+    already), its ``multiprocessing`` process object; None when no such server runs or
+    it cannot fork now. The caller joins it; a daemonic process left running is
+    terminated at the program's exit."""
+    with _SERVER._lock:
+        if not _SERVER.running():
+            return None
+    process = _CONTEXT.Process(target=target, args=args, name=name, daemon=True)
+    try:
+        with no_main_rerun():
+            process.start()
+    except OSError:  # the server ended meanwhile
+        return None
+    return process
 
 
 def stop_server() -> None:
