@@ -44,6 +44,7 @@ Functions a checkout lacks are left out.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import statistics
@@ -55,7 +56,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stagetree.torch.examples import DigitsTrainer
+# The first exit hook registered (before torch imports multiprocessing, whose hook would
+# run after it), so the last to run: the interpreter's teardown follows it.
+atexit.register(lambda: _mark("exit hooks: all done"))
+
+from stagetree.torch.examples import DigitsTrainer  # noqa: E402
 
 STAMPS_ENV = "STAGETREE_BENCH_STAMPS"
 
@@ -158,8 +163,15 @@ TIMELINE_MARKS = [
     ("stagetree.executors.local", "_server_context", "fork server started"),
     ("stagetree.executors._driverfork", "_preload", "fork server imports"),
     ("stagetree.executors._process", "_serve", "worker serves"),
+    ("stagetree.tuners.optuna_bridge", "SamplerBridge.close", "Optuna bridge closed"),
     ("stagetree.study", "Study.close", "close"),
+    # Called by the pool's exit hook too (the last call is the one shown).
+    ("stagetree.executors._pool", "shutdown_slots", "workers stopped"),
+    ("multiprocessing.util", "_run_finalizers", "multiprocessing's finalizers"),
+    ("threading", "_shutdown", "threads joined"),
 ]
+# Marks shown at their last time (the others at their first).
+TIMELINE_LAST = {"> workers stopped", "< workers stopped", "last result", "< worker serves *"}
 
 
 def _mark(what: str) -> None:
@@ -175,6 +187,9 @@ def _install_timeline() -> None:
     import functools
     import importlib
 
+    # Registered before stagetree's exit hooks (the imports below register theirs), so
+    # it runs after them.
+    atexit.register(_mark, "exit hooks: stagetree's done")
     for module, attr, what in TIMELINE_MARKS:
         try:
             owner: Any = importlib.import_module(module)
@@ -201,6 +216,7 @@ def _install_timeline() -> None:
         if os.getpid() not in seen:
             seen.append(os.getpid())
             _mark("first result (this process)")
+        _mark("last result")
         return out
 
     FirstResultDigitsTrainer.evaluate = first_evaluate  # type: ignore[method-assign]
@@ -215,6 +231,8 @@ def first_result_child(system: str) -> None:
         root = Path(tmp)
         {"stagetree": first_result_stagetree, "optuna": first_result_optuna}[system](root)
     print(json.dumps({"imported": imported, "cpu": time.process_time()}), flush=True)
+    _mark("script done")
+    atexit.register(_mark, "exit hooks: first")
 
 
 def _run_child(args: list[str], env: dict[str, str]) -> str:
@@ -244,6 +262,7 @@ def _run_timed(args: list[str], env: dict[str, str]) -> tuple[str, float, float]
     closed = time.time()
     watcher.join()
     if proc.returncode:
+        sys.stderr.write(err[-4000:])  # the child's traceback
         raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
     return out, exited[0] - started, closed - started
 
@@ -346,9 +365,18 @@ def timeline(repeats: int, checkouts: list[str]) -> None:
                 for line in log.read_text().splitlines():
                     pid, t, what = line.split(" ", 2)
                     driver = driver or pid  # the first mark is the driver's
-                    kind = what if pid == driver or what.startswith("first") else f"{what} *"
-                    first.setdefault(kind, float(t) - started)
+                    kind = (
+                        what if pid == driver or what.startswith(("first", "last")) else f"{what} *"
+                    )
+                    if kind in TIMELINE_LAST:
+                        first[kind] = float(t) - started
+                    else:
+                        first.setdefault(kind, float(t) - started)
                 first["process exit"] = exited
+                if "last result" in first:  # per run: the tail after the first result
+                    head = first["first result (this process)"]
+                    first["= last result - first result"] = first["last result"] - head
+                    first["= process exit - first result"] = exited - head
             for kind, t in first.items():
                 marks[name].setdefault(kind, []).append(t)
     load.append(load_average())
