@@ -23,7 +23,8 @@ learning rate and momentum, up to 8 steps) with TPE and successive halving (stag
 Optuna: ``TPESampler(seed=0)`` and ``SuccessiveHalvingPruner(reduction_factor=2)``, its
 default of one trial at a time, in-memory storage), each reporting after every step.
 Seconds from the process's start: imports done, the first ``evaluate()`` result (any
-process), the whole run (the process's exit), all processes gone (its output closed:
+process), the whole run (the process's exit; and, per run, its part after the first
+result), all processes gone (its output closed:
 the processes it started, which hold its output, exited too, as a pipeline such as
 ``python script.py | tee log`` waits for); the systems alternate order between repeats.
 "main process CPU s": the CPU-seconds of the script's own process up to its end, all
@@ -36,9 +37,12 @@ fork server, not from one forked from the script's process.
 ``--timeline``: where the stagetree run of ``--vs-optuna`` spends its time, per checkout:
 seconds from the process's start to each mark (imports done, ``Study()``, ``tune()``
 entered, the storage opened, the fork server forked and done importing, each worker's
-start, the first result, ``tune()`` returned, closed, the process's exit), from
-wrappers that the child installs around those functions (medians over ``--repeats``).
-Functions a checkout lacks are left out.
+start, the first result, the last result, the Optuna bridge's close, ``tune()``
+returned, closed; then the exit's stages: the script's end, threads joined, the first
+exit hook, the pool's workers stopped, stagetree's exit hooks done, all exit hooks done
+(the interpreter's teardown follows), the process's exit), from wrappers that the child
+installs around those functions (medians over ``--repeats``), and per run the tail
+after the first result (``= ...`` rows). Functions a checkout lacks are left out.
 """
 
 from __future__ import annotations
@@ -312,6 +316,7 @@ def first_result(repeats: int, checkouts: list[str]) -> None:
             fmt(med(system, "first")),
             fmt(statistics.median(r["first"] - r["imports"] for r in runs[system])),
             fmt(med(system, "whole")),
+            fmt(statistics.median(r["whole"] - r["first"] for r in runs[system])),
             fmt(med(system, "gone")),
             fmt(med(system, "cpu")),
         ]
@@ -324,6 +329,7 @@ def first_result(repeats: int, checkouts: list[str]) -> None:
                 *(fmt(med(system, k) / med("optuna", k)) for k in ("imports", "first")),
                 "",
                 fmt(med(system, "whole") / med("optuna", "whole")),
+                "",
                 fmt(med(system, "gone") / med("optuna", "gone")),
                 "",
             ]
@@ -336,6 +342,7 @@ def first_result(repeats: int, checkouts: list[str]) -> None:
         "first result s",
         "first result - imports s",
         "whole run s",
+        "whole run - first result s",
         "all processes gone s",
         "main process CPU s",
     ]
