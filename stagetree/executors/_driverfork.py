@@ -43,6 +43,7 @@ import contextlib
 import gc
 import importlib
 import io
+import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 import multiprocessing.popen_forkserver
@@ -309,15 +310,21 @@ def driver_context(preload: list[str]) -> Any:
 
 
 def start_helper(target: Any, args: tuple[Any, ...], name: str) -> Any:
-    """``target(*args)`` started in a daemonic process forked by the running fork server
-    forked from this process (no fresh interpreter, no import of what the driver has
-    already), its ``multiprocessing`` process object; None when no such server runs or
-    it cannot fork now. The caller joins it; a daemonic process left running is
-    terminated at the program's exit."""
+    """``target(*args)`` started in a daemonic process forked by a fork server that runs
+    already (the one forked from this process, else multiprocessing's, where this
+    process started it: no fresh interpreter, nothing it preloaded imported again), its
+    ``multiprocessing`` process object; None when neither runs or it cannot fork now.
+    The caller joins it; a daemonic process left running is terminated at the program's
+    exit."""
+    ctx: Any = None
     with _SERVER._lock:
-        if not _SERVER.running():
-            return None
-    process = _CONTEXT.Process(target=target, args=args, name=name, daemon=True)
+        if _SERVER.running():
+            ctx = _CONTEXT
+    if ctx is None and forkserver._forkserver._forkserver_pid is not None:  # type: ignore[attr-defined]
+        ctx = multiprocessing.get_context("forkserver")
+    if ctx is None:
+        return None
+    process = ctx.Process(target=target, args=args, name=name, daemon=True)
     try:
         with no_main_rerun():
             process.start()

@@ -31,7 +31,7 @@ stamping Optuna's tables) costs seconds, more than a small task's first step. Wh
 database holds no trial of the study yet (a first run: one SQL query says so), the
 bridge works on an in-memory Optuna study and writes it behind into the database
 (:class:`_WriteBehind`): from the first result on, a copy process (forked from the
-local executor's fork server, where the driver runs one; else a thread of the driver)
+local executor's fork server, where one runs; else a thread of the driver)
 opens the storage and writes what each bridge call changed, as the direct storage
 would have written it. The search's end (or its interruption) waits for the copy.
 Decisions are those of the direct storage (the sampler reads the same trials); a run
@@ -368,8 +368,8 @@ def _copier_main(url: str, name: str, direction: str, inbox: Any, outbox: Any) -
 class _WriteBehind:
     """The database copy of a bridge's in-memory Optuna study (see the module doc).
 
-    :meth:`start` starts the copy: where the driver runs a fork server of its own (a
-    local executor's), in a process forked from it (the copy process opens the
+    :meth:`start` starts the copy: where a fork server runs (a local executor's), in a
+    process forked from it (the copy process opens the
     ``RDBStorage`` and does every write: the driver's threads never wait for SQLAlchemy's
     ORM, nor for the interpreter lock it holds); elsewhere in a thread of the driver
     that opens the storage. :meth:`write` hands the copy the trials that changed since

@@ -458,12 +458,16 @@ def test_the_core_imports_without_optuna() -> None:
 # --------------------------------------------------------------------------- the copy process
 
 
-def test_the_database_copy_runs_in_a_process_beside_the_driver(tmp_path: Path) -> None:
-    """With local workers forked from the driver's own fork server, a first run's copy of
-    the Optuna study to the database (Optuna's ORM: about half of a small run's time
-    after its first result, in the driver) is written by a process forked from that
-    server: the driver never opens the RDBStorage; at the end the database holds every
-    trial finished, and the copy process has ended."""
+@pytest.mark.parametrize("fork_driver", ["1", "0"])
+def test_the_database_copy_runs_in_a_process_beside_the_driver(
+    tmp_path: Path, fork_driver: str
+) -> None:
+    """With local workers forked from a fork server (the driver's own, or with
+    ``STAGETREE_FORK_DRIVER=0`` multiprocessing's), a first run's copy of the Optuna
+    study to the database (Optuna's ORM: about half of a small run's time after its
+    first result, in the driver) is written by a process forked from that server: the
+    driver never opens the RDBStorage; at the end the database holds every trial
+    finished, and the copy process has ended."""
     here = Path(__file__).parent.parent / "fakes"
     out = subprocess.run(
         [sys.executable, str(here / "optuna_copy_run.py"), str(tmp_path)],
@@ -471,7 +475,11 @@ def test_the_database_copy_runs_in_a_process_beside_the_driver(tmp_path: Path) -
         text=True,
         check=True,
         cwd=here,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(here), *sys.path]),
+            "STAGETREE_FORK_DRIVER": fork_driver,
+        },
     ).stdout
     got = json.loads(out.strip().splitlines()[-1])
     assert got["copies"] == [0] and got["exit_codes"] == [0]  # one process, ended well
@@ -525,3 +533,32 @@ def test_a_copy_process_writes_what_the_driver_would_have(
     assert started == [0]  # one copy process, joined when the search returned
     monkeypatch.setattr(rdb, "__init__", init)
     assert_whole_study(url, tuner, 12)
+
+
+def test_a_copy_process_that_fails_stops_the_search_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy process that cannot write (here: a database it cannot open) ends the
+    search with a TunerError naming the study and the cause, and is gone."""
+    import multiprocessing
+
+    import stagetree.tuners.optuna_bridge as bridge
+
+    started: list[Any] = []
+
+    def spawn(target: Any, args: tuple[Any, ...], name: str) -> Any:
+        process = multiprocessing.get_context("spawn").Process(
+            target=target, args=args, name=name, daemon=True
+        )
+        process.start()
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(bridge, "start_helper", spawn)
+    monkeypatch.setattr(bridge, "_holds_trials", lambda url, name: False)
+    url = f"sqlite:///{tmp_path / 'missing' / 'o.db'}"  # its directory does not exist
+    with pytest.raises(TunerError, match="could not be copied to the plan's database"):
+        run(asha(12), StoredRunner(url, object(), order_seed=4, workers=3))
+    assert len(started) == 1
+    with pytest.raises(ValueError, match="closed"):  # joined and closed by the bridge
+        started[0].is_alive()
