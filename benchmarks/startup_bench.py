@@ -23,7 +23,8 @@ learning rate and momentum, up to 8 steps) with TPE and successive halving (stag
 Optuna: ``TPESampler(seed=0)`` and ``SuccessiveHalvingPruner(reduction_factor=2)``, its
 default of one trial at a time, in-memory storage), each reporting after every step.
 Seconds from the process's start: imports done, the first ``evaluate()`` result (any
-process), the whole run (the process's exit), all processes gone (its output closed:
+process), the whole run (the process's exit; and, per run, its part after the first
+result), all processes gone (its output closed:
 the processes it started, which hold its output, exited too, as a pipeline such as
 ``python script.py | tee log`` waits for); the systems alternate order between repeats.
 "main process CPU s": the CPU-seconds of the script's own process up to its end, all
@@ -36,14 +37,18 @@ fork server, not from one forked from the script's process.
 ``--timeline``: where the stagetree run of ``--vs-optuna`` spends its time, per checkout:
 seconds from the process's start to each mark (imports done, ``Study()``, ``tune()``
 entered, the storage opened, the fork server forked and done importing, each worker's
-start, the first result, ``tune()`` returned, closed, the process's exit), from
-wrappers that the child installs around those functions (medians over ``--repeats``).
-Functions a checkout lacks are left out.
+start, the first result, the last result, the Optuna bridge's close, ``tune()``
+returned, closed; then the exit's stages: the script's end, threads joined, the first
+exit hook, the pool's workers stopped, stagetree's exit hooks done, all exit hooks done
+(the interpreter's teardown follows), the process's exit), from wrappers that the child
+installs around those functions (medians over ``--repeats``), and per run the tail
+after the first result (``= ...`` rows). Functions a checkout lacks are left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import statistics
@@ -55,7 +60,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stagetree.torch.examples import DigitsTrainer
+# The first exit hook registered (before torch imports multiprocessing, whose hook would
+# run after it), so the last to run: the interpreter's teardown follows it.
+atexit.register(lambda: _mark("exit hooks: all done"))
+
+from stagetree.torch.examples import DigitsTrainer  # noqa: E402
 
 STAMPS_ENV = "STAGETREE_BENCH_STAMPS"
 
@@ -158,8 +167,15 @@ TIMELINE_MARKS = [
     ("stagetree.executors.local", "_server_context", "fork server started"),
     ("stagetree.executors._driverfork", "_preload", "fork server imports"),
     ("stagetree.executors._process", "_serve", "worker serves"),
+    ("stagetree.tuners.optuna_bridge", "SamplerBridge.close", "Optuna bridge closed"),
     ("stagetree.study", "Study.close", "close"),
+    # Called by the pool's exit hook too (the last call is the one shown).
+    ("stagetree.executors._pool", "shutdown_slots", "workers stopped"),
+    ("multiprocessing.util", "_run_finalizers", "multiprocessing's finalizers"),
+    ("threading", "_shutdown", "threads joined"),
 ]
+# Marks shown at their last time (the others at their first).
+TIMELINE_LAST = {"> workers stopped", "< workers stopped", "last result", "< worker serves *"}
 
 
 def _mark(what: str) -> None:
@@ -175,6 +191,9 @@ def _install_timeline() -> None:
     import functools
     import importlib
 
+    # Registered before stagetree's exit hooks (the imports below register theirs), so
+    # it runs after them.
+    atexit.register(_mark, "exit hooks: stagetree's done")
     for module, attr, what in TIMELINE_MARKS:
         try:
             owner: Any = importlib.import_module(module)
@@ -201,6 +220,7 @@ def _install_timeline() -> None:
         if os.getpid() not in seen:
             seen.append(os.getpid())
             _mark("first result (this process)")
+        _mark("last result")
         return out
 
     FirstResultDigitsTrainer.evaluate = first_evaluate  # type: ignore[method-assign]
@@ -215,6 +235,8 @@ def first_result_child(system: str) -> None:
         root = Path(tmp)
         {"stagetree": first_result_stagetree, "optuna": first_result_optuna}[system](root)
     print(json.dumps({"imported": imported, "cpu": time.process_time()}), flush=True)
+    _mark("script done")
+    atexit.register(_mark, "exit hooks: first")
 
 
 def _run_child(args: list[str], env: dict[str, str]) -> str:
@@ -244,6 +266,7 @@ def _run_timed(args: list[str], env: dict[str, str]) -> tuple[str, float, float]
     closed = time.time()
     watcher.join()
     if proc.returncode:
+        sys.stderr.write(err[-4000:])  # the child's traceback
         raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
     return out, exited[0] - started, closed - started
 
@@ -293,6 +316,7 @@ def first_result(repeats: int, checkouts: list[str]) -> None:
             fmt(med(system, "first")),
             fmt(statistics.median(r["first"] - r["imports"] for r in runs[system])),
             fmt(med(system, "whole")),
+            fmt(statistics.median(r["whole"] - r["first"] for r in runs[system])),
             fmt(med(system, "gone")),
             fmt(med(system, "cpu")),
         ]
@@ -305,6 +329,7 @@ def first_result(repeats: int, checkouts: list[str]) -> None:
                 *(fmt(med(system, k) / med("optuna", k)) for k in ("imports", "first")),
                 "",
                 fmt(med(system, "whole") / med("optuna", "whole")),
+                "",
                 fmt(med(system, "gone") / med("optuna", "gone")),
                 "",
             ]
@@ -317,6 +342,7 @@ def first_result(repeats: int, checkouts: list[str]) -> None:
         "first result s",
         "first result - imports s",
         "whole run s",
+        "whole run - first result s",
         "all processes gone s",
         "main process CPU s",
     ]
@@ -346,9 +372,18 @@ def timeline(repeats: int, checkouts: list[str]) -> None:
                 for line in log.read_text().splitlines():
                     pid, t, what = line.split(" ", 2)
                     driver = driver or pid  # the first mark is the driver's
-                    kind = what if pid == driver or what.startswith("first") else f"{what} *"
-                    first.setdefault(kind, float(t) - started)
+                    kind = (
+                        what if pid == driver or what.startswith(("first", "last")) else f"{what} *"
+                    )
+                    if kind in TIMELINE_LAST:
+                        first[kind] = float(t) - started
+                    else:
+                        first.setdefault(kind, float(t) - started)
                 first["process exit"] = exited
+                if "last result" in first:  # per run: the tail after the first result
+                    head = first["first result (this process)"]
+                    first["= last result - first result"] = first["last result"] - head
+                    first["= process exit - first result"] = exited - head
             for kind, t in first.items():
                 marks[name].setdefault(kind, []).append(t)
     load.append(load_average())

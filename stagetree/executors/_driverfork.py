@@ -45,6 +45,7 @@ import contextlib
 import gc
 import importlib
 import io
+import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 import multiprocessing.popen_forkserver
@@ -60,6 +61,8 @@ import warnings
 from multiprocessing import forkserver, resource_tracker, spawn
 from typing import Any
 
+from stagetree.executors._spec import no_main_rerun
+
 # multiprocessing's fork server, its process and popen: private parts (untyped here).
 _mp: Any = multiprocessing.context
 _util: Any = multiprocessing.util
@@ -67,7 +70,14 @@ _ForkServer: Any = forkserver.ForkServer
 _ForkServerPopen: Any = multiprocessing.popen_forkserver.Popen
 _connection: Any = multiprocessing.connection
 
-__all__ = ["driver_context", "fork_is_safe", "refusal", "server_pid", "stop_server"]
+__all__ = [
+    "driver_context",
+    "fork_is_safe",
+    "refusal",
+    "server_pid",
+    "start_helper",
+    "stop_server",
+]
 
 ENV = "STAGETREE_FORK_DRIVER"
 
@@ -341,6 +351,30 @@ def driver_context(preload: list[str]) -> Any:
     process (forked now, with ``preload`` imported, unless it runs already), or None
     where this process may not fork it (see :func:`fork_is_safe`)."""
     return _CONTEXT if _SERVER.start(preload) else None
+
+
+def start_helper(target: Any, args: tuple[Any, ...], name: str) -> Any:
+    """``target(*args)`` started in a daemonic process forked by a fork server that runs
+    already (the one forked from this process, else multiprocessing's, where this
+    process started it: no fresh interpreter, nothing it preloaded imported again), its
+    ``multiprocessing`` process object; None when neither runs or it cannot fork now.
+    The caller joins it; a daemonic process left running is terminated at the program's
+    exit."""
+    ctx: Any = None
+    with _SERVER._lock:
+        if _SERVER.running():
+            ctx = _CONTEXT
+    if ctx is None and forkserver._forkserver._forkserver_pid is not None:  # type: ignore[attr-defined]
+        ctx = multiprocessing.get_context("forkserver")
+    if ctx is None:
+        return None
+    process = ctx.Process(target=target, args=args, name=name, daemon=True)
+    try:
+        with no_main_rerun():
+            process.start()
+    except OSError:  # the server ended meanwhile
+        return None
+    return process
 
 
 def stop_server() -> None:

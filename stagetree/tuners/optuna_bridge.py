@@ -30,19 +30,27 @@ Opening an ``RDBStorage`` (importing SQLAlchemy's ORM and Alembic, creating and
 stamping Optuna's tables) costs seconds, more than a small task's first step. When the
 database holds no trial of the study yet (a first run: one SQL query says so), the
 bridge works on an in-memory Optuna study and writes it behind into the database
-(:class:`_WriteBehind`): the storage is opened in a thread from the first result on,
-and once it is open every bridge call copies what changed, as the direct storage
+(:class:`_WriteBehind`): from the first result on, a copy process (forked from the
+local executor's fork server, where one runs; else a thread of the driver)
+opens the storage and writes what each bridge call changed, as the direct storage
 would have written it. The search's end (or its interruption) waits for the copy.
 Decisions are those of the direct storage (the sampler reads the same trials); a run
 killed before the copy began leaves the database without its trials, and its resume
 asks a fresh copy of the sampler again: the same configurations for a seeded sampler.
+In a process, the copy runs beside the tuner instead of in its thread (SQLAlchemy's
+ORM and Alembic in the driver cost a small ASHA + TPE run about half of its time after
+the first result, ``benchmarks/RESULTS.md``); a run killed mid-search may then miss the
+changes its last hand-over had not taken, and its resume asks again from there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
+import multiprocessing
+import signal
 import threading
 import weakref
 from collections.abc import Iterator
@@ -52,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import InvalidSequenceError, InvalidSpaceError, TunerError
+from stagetree.executors._driverfork import start_helper
 from stagetree.extras import install_hint
 from stagetree.space import RandomSpace, TrialSpec, _check_fixed_value, _to_sequence
 
@@ -284,12 +293,89 @@ def _storage_for(runner: Any) -> tuple[Any, str | None, str, str]:
     return None, url, name, version
 
 
+def _open_study(url: str, name: str, direction: str) -> Any:
+    """The Optuna study ``name`` in the database at ``url`` (created if need be)."""
+    return _optuna().create_study(
+        storage=_open_rdb(url), study_name=name, direction=direction, load_if_exists=True
+    )
+
+
+class _Copy:
+    """Writes what changed in an in-memory Optuna study to its study in the database,
+    as the database storage would have written it (in the copy process, or in the
+    driver where there is none)."""
+
+    def __init__(self, study: Any, name: str) -> None:
+        self._storage, self._study_id = study._storage, study._study_id
+        self._name = name
+        # By number: what was written of each trial (a copy: an optuna.Trial updates
+        # its first object in place), and its id in the database.
+        self._written: list[_Written] = []
+        self._ids: list[int] = []
+        self._attrs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+
+    def apply(self, user: dict[str, Any], system: dict[str, Any], trials: list[Any]) -> None:
+        """Write the study's attributes and ``trials`` (those that changed, in number
+        order; the new ones numbered on from the last written, so numbers agree).
+
+        Raises:
+            TunerError: someone else added trials to the study in the database.
+        """
+        storage, study_id = self._storage, self._study_id
+        if not self._ids and storage.get_all_trials(study_id, deepcopy=False):
+            raise TunerError(
+                f"Optuna study {self._name!r} received trials from elsewhere while "
+                "stagetree opened it: another process adds trials to it; give this "
+                "study its own name"
+            )
+        for key, value in user.items():
+            if self._attrs[0].get(key, _MISSING) != value:
+                storage.set_study_user_attr(study_id, key, value)
+        for key, value in system.items():
+            if self._attrs[1].get(key, _MISSING) != value:
+                storage.set_study_system_attr(study_id, key, value)
+        self._attrs = (dict(user), dict(system))
+        for trial in trials:
+            n = trial.number
+            if n == len(self._ids):
+                self._ids.append(storage.create_new_trial(study_id, template_trial=trial))
+                self._written.append(_Written.of(trial))
+            else:
+                self._written[n] = _write_changes(storage, self._ids[n], self._written[n], trial)
+
+
+def _copier_main(url: str, name: str, direction: str, inbox: Any, outbox: Any) -> None:
+    """The copy process: open the database study, then write each change the bridge
+    sends (``("copy", user attrs, system attrs, trials, last)``), answering ``("ok",)``
+    after each, until the last; ``("error", text, is a TunerError)`` ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's interruption waits for it
+    try:
+        copier = _Copy(_open_study(url, name, direction), name)
+        while True:
+            _, user, system, trials, last = inbox.recv()
+            copier.apply(user, system, trials)
+            outbox.send(("ok",))
+            if last:
+                return
+    except EOFError:
+        return  # the driver ended without its last copy: nothing to wait for
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            outbox.send(("error", f"{exc}", isinstance(exc, TunerError)))
+        raise SystemExit(1) from None
+
+
 class _WriteBehind:
     """The database copy of a bridge's in-memory Optuna study (see the module doc).
 
-    :meth:`start` opens the ``RDBStorage`` and the study in a thread; :meth:`write`
-    copies the trials that changed since the last copy (new trials in number order,
-    so numbers agree), or nothing while the storage is still opening.
+    :meth:`start` starts the copy: where a fork server runs (a local executor's), in a
+    process forked from it (the copy process opens the
+    ``RDBStorage`` and does every write: the driver's threads never wait for SQLAlchemy's
+    ORM, nor for the interpreter lock it holds); elsewhere in a thread of the driver
+    that opens the storage. :meth:`write` hands the copy the trials that changed since
+    the last hand-over (to a busy process: at the next call), or nothing while the
+    storage opens in the thread; with ``wait`` it returns once the database holds
+    everything.
     """
 
     def __init__(self, url: str, study_name: str, direction: str) -> None:
@@ -297,20 +383,31 @@ class _WriteBehind:
         self._name = study_name
         self._direction = direction
         self._thread: threading.Thread | None = None
-        self._study: Any = None  # the Optuna study in the database, once open
+        self._copy: _Copy | None = None  # the thread's, once the storage opened
         self._error: BaseException | None = None
-        # By number: the in-memory trial object last copied (an unchanged trial is the
-        # same object: the in-memory storage replaces a trial on every write), what was
-        # written of it (a copy: an optuna.Trial updates its first object in place),
-        # and its id in the database.
+        self._process: Any = None  # the copy process, its pipes, and whether it is busy
+        self._to: Any = None
+        self._from: Any = None
+        self._busy = False
+        self._last = False  # the copy process wrote its last copy and ended
+        # By number: the in-memory trial object last handed to the copy (an unchanged
+        # trial is the same object: the in-memory storage replaces a trial on every write).
         self._seen: list[Any] = []
-        self._written: list[_Written] = []
-        self._ids: list[int] = []
-        self._attrs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+        self._attrs: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def start(self) -> None:
-        """Start opening the database storage (once)."""
-        if self._thread is None:
+        """Start the copy (once): its process, else its thread opening the storage."""
+        if self._thread is not None or self._process is not None or self._last:
+            return
+        recv_in, self._to = multiprocessing.Pipe(duplex=False)
+        self._from, send_out = multiprocessing.Pipe(duplex=False)
+        args = (self._url, self._name, self._direction, recv_in, send_out)
+        self._process = start_helper(_copier_main, args, "stagetree-optuna-copy")
+        recv_in.close()  # the process's ends: its exit reads as EOF here
+        send_out.close()
+        if self._process is None:
+            self._to.close()
+            self._from.close()
             self._thread = threading.Thread(
                 target=self._open, name="stagetree-optuna-storage", daemon=True
             )
@@ -318,25 +415,24 @@ class _WriteBehind:
 
     def _open(self) -> None:
         try:
-            self._study = _optuna().create_study(
-                storage=_open_rdb(self._url),
-                study_name=self._name,
-                direction=self._direction,
-                load_if_exists=True,
-            )
+            self._copy = _Copy(_open_study(self._url, self._name, self._direction), self._name)
         except BaseException as exc:  # raised in the tuner's thread by write()
             self._error = exc
 
     def write(self, memory: Any, wait: bool = False) -> None:
         """Copy what changed in ``memory`` (the in-memory Optuna study) to the database;
-        with ``wait``, open the storage first if need be, else skip while it opens.
+        with ``wait``, start the copy first if need be and return once the database
+        holds everything, else skip while the copy is busy or the storage opens.
 
         Raises:
-            TunerError: the storage could not be opened, or someone else added trials
-                to the study in the database.
+            TunerError: the storage could not be opened or written, or someone else
+                added trials to the study in the database.
         """
         if wait:
             self.start()
+        if self._process is not None or self._last:
+            self._write_process(memory, wait)
+            return
         if self._thread is None or (self._thread.is_alive() and not wait):
             return
         self._thread.join()
@@ -345,34 +441,77 @@ class _WriteBehind:
                 f"the Optuna study {self._name!r} could not be opened in the plan's "
                 f"database: {self._error}"
             ) from self._error
-        storage, study_id = self._study._storage, self._study._study_id
-        if not self._ids and storage.get_all_trials(study_id, deepcopy=False):
-            raise TunerError(
-                f"Optuna study {self._name!r} received trials from elsewhere while "
-                "stagetree opened it: another process adds trials to it; give this "
-                "study its own name"
-            )
-        self._write_attrs(memory, storage, study_id)
-        for trial in memory.get_trials(deepcopy=False):
-            n = trial.number
-            if n == len(self._ids):
-                self._ids.append(storage.create_new_trial(study_id, template_trial=trial))
-                self._seen.append(trial)
-                self._written.append(_Written.of(trial))
-            elif self._seen[n] is not trial:
-                self._written[n] = _write_changes(storage, self._ids[n], self._written[n], trial)
-                self._seen[n] = trial
+        assert self._copy is not None
+        self._copy.apply(*self._changes(memory))
 
-    def _write_attrs(self, memory: Any, storage: Any, study_id: int) -> None:
+    def _changes(self, memory: Any) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+        """The study's attributes and the trials changed since the last hand-over."""
         user = memory._storage.get_study_user_attrs(memory._study_id)
         system = memory._storage.get_study_system_attrs(memory._study_id)
-        for key, value in user.items():
-            if self._attrs[0].get(key, _MISSING) != value:
-                storage.set_study_user_attr(study_id, key, value)
-        for key, value in system.items():
-            if self._attrs[1].get(key, _MISSING) != value:
-                storage.set_study_system_attr(study_id, key, value)
-        self._attrs = (dict(user), dict(system))
+        changed = []
+        for trial in memory.get_trials(deepcopy=False):
+            n = trial.number
+            if n == len(self._seen):
+                self._seen.append(trial)
+            elif self._seen[n] is trial:
+                continue
+            self._seen[n] = trial
+            changed.append(trial)
+        return user, system, changed
+
+    def _write_process(self, memory: Any, wait: bool) -> None:
+        if self._last:
+            raise TunerError(
+                f"the Optuna study {self._name!r} was copied already: the search ended"
+            )
+        self._receive(block=False)
+        if self._busy and not wait:
+            return  # the changes go with the next hand-over
+        while self._busy:
+            self._receive(block=True)
+        user, system, changed = self._changes(memory)
+        if changed or wait or (user, system) != self._attrs:
+            self._attrs = (dict(user), dict(system))
+            with contextlib.suppress(OSError):  # it ended: its answer (or EOF) says why
+                self._to.send(("copy", user, system, changed, wait))
+            self._busy = True
+        if wait:
+            while self._busy:
+                self._receive(block=True)
+            self._end_process()
+            self._last = True
+
+    def _receive(self, block: bool) -> None:
+        """Take the copy process's answer, if any (``block``: wait for it)."""
+        if not self._busy or not (block or self._from.poll()):
+            return
+        try:
+            answer = self._from.recv()
+        except (EOFError, OSError):
+            answer = ("error", "the copy process ended", False)
+        if answer[0] == "ok":
+            self._busy = False
+            return
+        self._end_process()
+        self._last = True
+        if answer[2]:
+            raise TunerError(answer[1])
+        raise TunerError(
+            f"the Optuna study {self._name!r} could not be copied to the plan's "
+            f"database: {answer[1]}"
+        )
+
+    def _end_process(self) -> None:
+        """Wait for the copy process to end (it ends after its last copy or an error)."""
+        process, self._process = self._process, None
+        self._busy = False
+        self._to.close()
+        self._from.close()
+        process.join(5.0)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+        process.close()
 
 
 _MISSING = object()

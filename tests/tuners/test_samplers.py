@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import subprocess
 import sys
@@ -269,6 +271,19 @@ def test_a_killed_asha_resumes_its_sampler_and_replays_without_diverging(
     assert len(study.get_trials(deepcopy=False)) == 24
 
 
+def assert_whole_study(url: str, tuner: Tuner, n: int) -> None:
+    """The database holds the tuner's ``n`` trials, finished, as the tuner saw them."""
+    trials = optuna_trials(url, tuner)
+    assert [t.number for t in trials] == list(range(n))
+    assert all(t.state.is_finished() for t in trials)
+    for t in trials:
+        assert t.user_attrs["stagetree_trial"] == t.number
+        assert tuner.trials[t.number].fingerprint == suggest(t).fingerprint
+        seen = {r.steps: r.metrics["acc"] for tid, r in tuner.results if tid == t.number}
+        assert dict(t.intermediate_values) == {s: seen[s] for s in t.intermediate_values}
+        assert t.value == t.intermediate_values[max(t.intermediate_values)]
+
+
 def test_the_first_trials_are_submitted_before_the_database_storage_opens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -292,15 +307,7 @@ def test_the_first_trials_are_submitted_before_the_database_storage_opens(
     submitted, results = opened[0]
     assert submitted >= 3 and results >= 1  # one trial per worker, and a result
     monkeypatch.setattr(rdb, "__init__", init)
-    trials = optuna_trials(url, tuner)
-    assert [t.number for t in trials] == list(range(12))
-    assert all(t.state.is_finished() for t in trials)
-    for t in trials:
-        assert t.user_attrs["stagetree_trial"] == t.number
-        assert tuner.trials[t.number].fingerprint == suggest(t).fingerprint
-        seen = {r.steps: r.metrics["acc"] for tid, r in tuner.results if tid == t.number}
-        assert dict(t.intermediate_values) == {s: seen[s] for s in t.intermediate_values}
-        assert t.value == t.intermediate_values[max(t.intermediate_values)]
+    assert_whole_study(url, tuner, 12)
 
 
 def test_a_budget_stop_leaves_the_asked_trials_in_the_database_and_continues(
@@ -446,3 +453,112 @@ def test_the_core_imports_without_optuna() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert "TunerError" in out and "stagetree[optuna]" in out
+
+
+# --------------------------------------------------------------------------- the copy process
+
+
+@pytest.mark.parametrize("fork_driver", ["1", "0"])
+def test_the_database_copy_runs_in_a_process_beside_the_driver(
+    tmp_path: Path, fork_driver: str
+) -> None:
+    """With local workers forked from a fork server (the driver's own, or with
+    ``STAGETREE_FORK_DRIVER=0`` multiprocessing's), a first run's copy of the Optuna
+    study to the database (Optuna's ORM: about half of a small run's time after its
+    first result, in the driver) is written by a process forked from that server: the
+    driver never opens the RDBStorage; at the end the database holds every trial
+    finished, and the copy process has ended."""
+    here = Path(__file__).parent.parent / "fakes"
+    out = subprocess.run(
+        [sys.executable, str(here / "optuna_copy_run.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=here,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(here), *sys.path]),
+            "STAGETREE_FORK_DRIVER": fork_driver,
+        },
+    ).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["copies"] == [0] and got["exit_codes"] == [0]  # one process, ended well
+    assert got["left"] == []
+    assert got["opened_in_driver"] == 0
+    assert not [name for name in got["alive"] if "optuna" in name]
+    assert got["numbers"] == list(range(got["asked"])) and got["asked"] == 12
+    assert got["finished"] and got["reported"] >= 12
+
+
+def test_a_copy_process_writes_what_the_driver_would_have(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy process (here a spawned one) writes the same study as the driver's own
+    copy: every trial, its parameters, reported values, attributes and state; the driver
+    opens no RDBStorage; the process has ended when the search returns."""
+    import multiprocessing
+
+    import stagetree.tuners.optuna_bridge as bridge
+
+    started: list[Any] = []
+
+    def spawn(target: Any, args: tuple[Any, ...], name: str) -> Any:
+        process = multiprocessing.get_context("spawn").Process(
+            target=target, args=args, name=name, daemon=True
+        )
+        process.start()
+        close = process.close
+
+        def closing() -> None:  # its exit code, before the object forgets it
+            started.append(process.exitcode)
+            close()
+
+        process.close = closing  # type: ignore[method-assign]
+        return process
+
+    monkeypatch.setattr(bridge, "start_helper", spawn)
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    opened: list[int] = []
+    rdb = optuna.storages.RDBStorage
+    init = rdb.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        opened.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(rdb, "__init__", spy)
+    tuner = asha(12)
+    run(tuner, StoredRunner(url, object(), order_seed=4, workers=3))
+    assert opened == []
+    assert started == [0]  # one copy process, joined when the search returned
+    monkeypatch.setattr(rdb, "__init__", init)
+    assert_whole_study(url, tuner, 12)
+
+
+def test_a_copy_process_that_fails_stops_the_search_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy process that cannot write (here: a database it cannot open) ends the
+    search with a TunerError naming the study and the cause, and is gone."""
+    import multiprocessing
+
+    import stagetree.tuners.optuna_bridge as bridge
+
+    started: list[Any] = []
+
+    def spawn(target: Any, args: tuple[Any, ...], name: str) -> Any:
+        process = multiprocessing.get_context("spawn").Process(
+            target=target, args=args, name=name, daemon=True
+        )
+        process.start()
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(bridge, "start_helper", spawn)
+    monkeypatch.setattr(bridge, "_holds_trials", lambda url, name: False)
+    url = f"sqlite:///{tmp_path / 'missing' / 'o.db'}"  # its directory does not exist
+    with pytest.raises(TunerError, match="could not be copied to the plan's database"):
+        run(asha(12), StoredRunner(url, object(), order_seed=4, workers=3))
+    assert len(started) == 1
+    with pytest.raises(ValueError, match="closed"):  # joined and closed by the bridge
+        started[0].is_alive()
