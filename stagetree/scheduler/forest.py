@@ -125,6 +125,8 @@ class _Sorted:
 
 
 _DTYPES = {"q": np.int64, "b": np.int8, "d": np.float64}
+#: Up to this many plan nodes, a part's steps are added to the work one by one.
+_FEW = 8
 
 
 class _Ready(_Sorted):
@@ -132,9 +134,21 @@ class _Ready(_Sorted):
     flat arrays (cheap to insert into, read as numpy arrays): its node's dense index in
     the cost estimator, its steps, and whether it has children; and for a root with
     children its best (cost, steps) below, with the cost epoch it was computed at (-1:
-    not yet), so that a decision reads the values of unchanged roots as arrays."""
+    not yet), so that a decision reads the values of unchanged roots as arrays. Counted
+    as they come and go: the roots with children, and the roots of each length (a
+    decision over leaves of one length needs no arrays for either)."""
 
-    __slots__ = ("deep", "dense", "origins", "stamp", "steps", "value", "value_steps")
+    __slots__ = (
+        "deep",
+        "deeps",
+        "dense",
+        "lengths",
+        "origins",
+        "stamp",
+        "steps",
+        "value",
+        "value_steps",
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,6 +160,8 @@ class _Ready(_Sorted):
         self.value = array("d")
         self.value_steps = array("q")
         self.stamp = array("q")
+        self.deeps = 0
+        self.lengths: dict[int, int] = {}
 
     def put(self, stage: Stage, dense: int) -> None:
         i = self.add(stage)
@@ -153,8 +169,11 @@ class _Ready(_Sorted):
         if origin is not None and origin.kind == CHECKPOINT:
             self.origins.setdefault((origin.node, origin.step), []).append(stage)
         self.dense.insert(i, dense)
-        self.steps.insert(i, stage.stop - stage.start)
+        length = stage.stop - stage.start
+        self.steps.insert(i, length)
+        self.lengths[length] = self.lengths.get(length, 0) + 1
         self.deep.insert(i, 1 if stage.children else 0)
+        self.deeps += 1 if stage.children else 0
         self.value.insert(i, 0.0)
         self.value_steps.insert(i, 0)
         self.stamp.insert(i, -1)
@@ -169,8 +188,13 @@ class _Ready(_Sorted):
             if not same:
                 del self.origins[key]
         del self.dense[i]
-        del self.steps[i]
-        del self.deep[i]
+        length = self.steps.pop(i)
+        left = self.lengths[length] - 1
+        if left:
+            self.lengths[length] = left
+        else:
+            del self.lengths[length]
+        self.deeps -= self.deep.pop(i)
         del self.value[i]
         del self.value_steps[i]
         del self.stamp[i]
@@ -179,7 +203,7 @@ class _Ready(_Sorted):
             # trial ready at once): start small again.
             self.dense, self.steps, self.deep = array("q"), array("q"), array("b")
             self.value, self.value_steps, self.stamp = array("d"), array("q"), array("q")
-            self.origins = {}
+            self.origins, self.lengths = {}, {}
 
     @staticmethod
     def numpy(values: array[Any]) -> np.ndarray:
@@ -820,6 +844,13 @@ class StageForest:
     def _add_steps(self, part: _Part, sign: int) -> None:
         if part.dense is None or part.steps is None:
             return
+        if len(part.dense) <= _FEW:
+            # A trial's own tree has a node or two: element by element is cheaper than
+            # fancy indexing, and the same sums (whole numbers, exact either way).
+            at = self._steps_at
+            for i, steps in zip(part.dense.tolist(), part.steps.tolist()):
+                at[i] += sign * steps
+            return
         # A part's nodes are distinct: one index each, no repeated index to add up.
         self._steps_at[part.dense] += sign * part.steps
 
@@ -983,9 +1014,10 @@ class StageForest:
         held = len(first)
         steps = r.numpy(r.steps)
         per_step = self._estimator.cost_array(r.numpy(r.dense))
-        cost = steps * per_step + 0.0
-        deep = r.numpy(r.deep).astype(bool)
-        if deep.any():
+        cost = steps * per_step
+        cost += 0.0  # no -0.0 (as a walk's sums give)
+        if r.deeps:
+            deep = r.numpy(r.deep).astype(bool)
             # The estimator version the stages' costs are (or will be) computed at.
             at = self._version if self._pending is None else self._pending[1]
             if at != self._epoch_of:
@@ -998,7 +1030,8 @@ class StageForest:
                 r.stamp[i] = epoch
             cost = np.where(deep, r.numpy(r.value), cost)
             steps = np.where(deep, r.numpy(r.value_steps), steps)
-        values = cost.copy() if policy is not None else cost
+        # The roots' values before the held ones are set aside (only they change cost).
+        values = cost.copy() if policy is not None and held else cost
         chosen: Stage | None = None
         top: tuple[float, int] | None = None
         if held:
@@ -1009,12 +1042,17 @@ class StageForest:
                     chosen, top = r.stages[i], v
             cost[at] = -np.inf
         if held < len(ready):
-            m = cost.max()
-            tied = np.flatnonzero(cost == m)
-            if len(tied) > 1:
-                s = steps[tied]
-                tied = tied[s == s.max()]
-            i = int(tied[0])
+            if not r.deeps and len(r.lengths) == 1:
+                # Leaves of one length: a tie on cost is one on steps too, the first
+                # of the greatest wins.
+                i = int(np.argmax(cost))
+            else:
+                m = cost.max()
+                tied = np.flatnonzero(cost == m)
+                if len(tied) > 1:
+                    s = steps[tied]
+                    tied = tied[s == s.max()]
+                i = int(tied[0])
             v = (float(cost[i]), int(steps[i]))
             if top is None or v > top:
                 chosen = r.stages[i]
