@@ -127,6 +127,8 @@ class _Sorted:
 _DTYPES = {"q": np.int64, "b": np.int8, "d": np.float64}
 #: Up to this many plan nodes, a part's steps are added to the work one by one.
 _FEW = 8
+#: Up to this many stages in their plan trees, roots with children are valued by a walk.
+_FEW_STAGES = 64
 
 
 class _Ready(_Sorted):
@@ -932,6 +934,16 @@ class StageForest:
         return got
 
     def _deep_values(self, roots: list[Stage]) -> list[tuple[float, int]]:
+        """:meth:`_deep_value` of each of ``roots`` at the estimator's current
+        predictions: by a walk where their plan trees hold few stages (a grid's tree of
+        a few dozen: the arrays' set-up costs more than the walk), else
+        :meth:`_deep_arrays`."""
+        parts = {id(part): part for part in map(self._part_of, roots)}
+        if sum(part.count for part in parts.values()) <= _FEW_STAGES:
+            return [self._deep_value(root) for root in roots]
+        return self._deep_arrays(roots)
+
+    def _deep_arrays(self, roots: list[Stage]) -> list[tuple[float, int]]:
         """:meth:`_deep_value` of each of ``roots`` at the estimator's current
         predictions, as array work over all their stages at once (their parts' stage
         costs are left for :meth:`_costed`): the same floats as

@@ -523,11 +523,43 @@ def test_roots_valued_as_arrays_equal_path_values_to_the_bit(seed: int) -> None:
         got = _lazy_tree(forest, estimator, _running(rng, nodes, keys))
         deep = [r for r in got.ready_roots() if r.children]
         values = forest._deep_values(deep)
+        arrays = forest._deep_arrays(deep)  # the arrays whatever the trees' size
         forest.ensure_costs()
         best = path_values(deep)
         assert values == [best[id(r)] for r in deep]
+        assert arrays == values
         compared += len(deep)
     assert compared > 0
+
+
+def test_roots_with_children_in_small_trees_are_valued_by_a_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A grid of a few dozen trials is one tree of a few dozen stages: valuing its roots
+    # with children as arrays (a sort per level) costs more than walking them. The
+    # decisions stay the whole build's.
+    import numpy as np
+
+    sorts = counting(monkeypatch, np, "lexsort")
+    nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(2, 77)
+    node_list = list(nodes.values())
+    valued = 0
+    for _ in range(60):
+        if not change(rng, forest, keys, requests, checkpoints, rng.random(), (0.5, 0.6, 0.7)):
+            estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
+        got = _lazy_tree(forest, estimator, [])
+        ready = got.ready_roots()
+        if not ready:
+            continue
+        assert max(part.count for part in forest._parts.values()) <= 64  # small trees
+        path = forest.critical_path(got, ready, [])
+        assert path is not None
+        forest.ensure_costs()
+        want = build_stage_tree(nodes, list(requests), checkpoints, [], estimator.cost)
+        assert _spans(path) == _spans(critical_path(want, want.ready_roots()))
+        valued += any(r.children for r in ready)
+    assert valued > 0
+    assert sorts[0] == 0  # on main: one sort per level of the trees at each valuation
 
 
 def test_a_decision_over_leaves_of_one_length_takes_the_first_of_the_greatest(
