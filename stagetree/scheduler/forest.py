@@ -474,20 +474,25 @@ class StageForest:
             root_key = self._position_group(position)
         else:
             position = None  # it offers no position
+        # The same promises (a batch that moved on): their counts, so every build's
+        # input but the positions', stay what they are.
+        same = was is not None and was[2] == promised
         if was is not None:
             old_key, old_position, old_promised = was
-            if old_key == root_key and old_position == position and old_promised == promised:
+            if old_key == root_key and old_position == position and same:
                 return
             if old_key is not None:
                 del self._positions[old_key][slot]
                 if isinstance(old_key, str) and not self._positions[old_key]:
                     del self._positions[old_key]  # no group's rebuild drops it
                 self._touch(old_key)
-            self._promise(old_promised, -1)
+            if not same:
+                self._promise(old_promised, -1)
         if root_key is not None and position is not None:
             self._positions.setdefault(root_key, {})[slot] = position
             self._touch(root_key)
-        self._promise(promised, 1)
+        if not same:
+            self._promise(promised, 1)
         if root_key is None and not promised:
             self._batches.pop(slot, None)
         else:
@@ -583,23 +588,19 @@ class StageForest:
             self._touch(group)
         self._memory = now
         volatile: dict[Group, tuple[list[RunningPosition], set[Key]]] = {}
-
-        def part(group: Group) -> tuple[list[RunningPosition], set[Key]]:
-            got = volatile.get(group)
-            if got is None:
-                got = volatile[group] = ([], set())
-            return got
-
-        for pos in running:
-            if pos.segments or pos.saving:  # else it offers no position
-                part(self._position_group(pos))[0].append(pos)
-        for key in promised:
-            part(self._anchor(key[0]))[1].add(key)
-        signatures = {k: (tuple(r), frozenset(p)) for k, (r, p) in volatile.items()}
-        for k in self._volatile.keys() | signatures.keys():
-            if self._volatile.get(k) != signatures.get(k):
-                self._touch(k)
-        self._volatile = signatures
+        running = running if isinstance(running, (list, tuple)) else list(running)
+        if running or promised or self._volatile:  # the scheduler passes none
+            for pos in running:
+                if pos.segments or pos.saving:  # else it offers no position
+                    group = self._position_group(pos)
+                    volatile.setdefault(group, ([], set()))[0].append(pos)
+            for key in promised:
+                volatile.setdefault(self._anchor(key[0]), ([], set()))[1].add(key)
+            signatures = {k: (tuple(r), frozenset(p)) for k, (r, p) in volatile.items()}
+            for k in self._volatile.keys() | signatures.keys():
+                if self._volatile.get(k) != signatures.get(k):
+                    self._touch(k)
+            self._volatile = signatures
         if estimator is not self._estimator:
             self._reindex(estimator)
         self._compared = len(dirty)
