@@ -100,14 +100,24 @@ class _Model:
     fill: dict[str, float]
     lo: float
     hi: float
-    rows: list[float]
+    rows: np.ndarray
     _mean: float | None = None
 
     @property
     def mean(self) -> float:
         if self._mean is None:
-            self._mean = sum(self.rows) / len(self.rows)
+            # Summed in Python over the same floats, in the same order, as ever.
+            self._mean = sum(self.rows.tolist()) / len(self.rows)
         return self._mean
+
+
+# The reductions ``ndarray.min``/``max``/``mean`` run, without their Python wrappers
+# (the same floats: ``mean`` is the sum divided by the count).
+_MIN = np.minimum.reduce
+_MAX = np.maximum.reduce
+_SUM = np.add.reduce
+#: The stamp of a measured node's kept cost: current at every fit.
+_MEASURED = np.iinfo(np.int64).max
 
 
 def _grown(array: np.ndarray, fill: Any) -> np.ndarray:
@@ -118,12 +128,17 @@ def _grown(array: np.ndarray, fill: Any) -> np.ndarray:
 
 
 def _bounded(value: np.ndarray, model: _Model) -> np.ndarray:
-    """Predictions as :meth:`CostEstimator.cost` bounds each (array version)."""
-    bad = ~np.isfinite(value) | (value <= 0)
-    if bad.any():
-        value = np.where(bad, model.mean, value)
+    """Predictions as :meth:`CostEstimator.cost` bounds each (array version; ``value``
+    is the caller's own array, bounded in place where it can be)."""
+    # One look at the extremes instead of a mask per element: a NaN makes the minimum
+    # NaN, so every bad value (NaN, infinite, not positive) fails this comparison.
+    if not (len(value) and _MIN(value) > 0 and _MAX(value) < math.inf):
+        bad = ~np.isfinite(value) | (value <= 0)
+        if bad.any():
+            value = np.where(bad, model.mean, value)
     # Extrapolation far outside what was seen is not trustworthy.
-    return np.minimum(np.maximum(value, model.lo / 10), model.hi * 10)
+    np.maximum(value, model.lo / 10, out=value)
+    return np.minimum(value, model.hi * 10, out=value)
 
 
 class CostEstimator:
@@ -157,6 +172,10 @@ class CostEstimator:
         # columns, the features that vary, the design matrix): it changes only when a
         # row is added, not when a measured row's mean moves, so it is kept until then.
         self._design: tuple[int, dict[str, float], list[str], np.ndarray | None] | None = None
+        # The design matrix over columns every row has, grown in place as rows come
+        # (the features it is over, the rows filled, the buffer): a random search adds
+        # a row at nearly every fit, and stacking every row again grows with the study.
+        self._x: tuple[tuple[str, ...], int, np.ndarray] | None = None
         # Per column, kept as rows are added: whether every row has it (no NaN), and
         # whether a row's value differs from the first row's: for such a column the
         # design matrix needs its mean alone, not a pass that fills and compares.
@@ -173,16 +192,21 @@ class CostEstimator:
         self._by_key: dict[Any, int | list[int]] = {}
         self._unrooted: dict[str, list[int]] = {}
         self._feature_arrays: dict[str, np.ndarray] = {}
+        # Per feature, whether some node lacks it (NaN in its array; once true, kept):
+        # a prediction over a feature every node has needs no fill.
+        self._partial: dict[str, bool] = {}
         self._measured_row = np.full(16, -1, dtype=np.int64)
         self._totals_array = np.zeros(16)
         self._counts_array = np.zeros(16)
         # Each measured row's mean (``totals / counts``, the same floats), and each
-        # unmeasured node's prediction with the fit it was made at (-1: none): the
-        # forest asks for thousands of pending nodes per decision, and the model
-        # changes far less often than that once fits are spaced out.
+        # node's cost as cost_array gives it with its stamp: an unmeasured node's
+        # prediction with the fit it was made at (-1: none), a measured node's mean
+        # (kept as it moves) with ``_MEASURED``. The forest asks for thousands of
+        # pending nodes per decision, and the model changes far less often than that
+        # once fits are spaced out; one gather answers measured and unmeasured alike.
         self._means_array = np.zeros(16)
-        self._guesses = np.zeros(16)
-        self._guessed_at = np.full(16, -1, dtype=np.int64)
+        self._values = np.zeros(16)
+        self._stamp = np.full(16, -1, dtype=np.int64)
         self._cache: dict[int, float] = {}
         self._model: _Model | None = None
         self._fitted = True
@@ -281,13 +305,16 @@ class CostEstimator:
                     self._varies[name] = True
             for j in self._nodes_of(key):
                 self._measured_row[j] = row
+                self._stamp[j] = _MEASURED
             self._design = None
         else:
             total, count = float(self._totals_array[row]), int(self._counts_array[row])
-        self._means[row] = (total + sps) / (count + 1)
+        mean = self._means[row] = (total + sps) / (count + 1)
         self._totals_array[row] = total + sps
         self._counts_array[row] = count + 1
-        self._means_array[row] = self._means[row]
+        self._means_array[row] = mean
+        for j in self._nodes_of(key):
+            self._values[j] = mean
         self._cache.clear()
         self._observations += 1
         if len(self._means) <= EXACT_ROWS or self._observations >= self._refit_at:
@@ -353,14 +380,13 @@ class CostEstimator:
         self._fitted = True
         self.fits += 1
         self._refit_at = self._observations + self._observations // REFIT_EVERY
-        means = list(self._means)
-        rows = len(means)
+        rows = len(self._means)
         means_a = self._totals_array[:rows] / self._counts_array[:rows]
         fill, varying, x = self._design_matrix()
-        model = _Model(varying, [], fill, float(means_a.min()), float(means_a.max()), means)
+        model = _Model(varying, [], fill, float(_MIN(means_a)), float(_MAX(means_a)), means_a)
         if x is not None:
             solution, *_ = np.linalg.lstsq(x, means_a, rcond=None)
-            model.coef = [float(c) for c in solution]
+            model.coef = solution.tolist()
         else:
             model.coef = [model.mean]
         self._model = model
@@ -379,7 +405,7 @@ class CostEstimator:
         for k in sorted(self._columns):
             column = self._columns[k][:rows]
             if self._whole[k]:  # what the pass below gives such a column, without it
-                fill[k] = float(column.mean())
+                fill[k] = float(_SUM(column)) / rows  # float(column.mean())
                 filled[k] = column
                 if self._varies[k]:
                     varying.append(k)
@@ -391,11 +417,30 @@ class CostEstimator:
                 varying.append(k)
         x = None
         if rows >= 2 and varying:
-            x = np.column_stack([np.ones(rows)] + [filled[k] for k in varying])
+            if all(self._whole[k] for k in varying):
+                x = self._grown_design(tuple(varying), rows)
+            else:  # a filled column changes with its fill: stacked again
+                x = np.column_stack([np.ones(rows)] + [filled[k] for k in varying])
         else:
             varying = []
         self._design = (rows, fill, varying, x)
         return fill, varying, x
+
+    def _grown_design(self, names: tuple[str, ...], rows: int) -> np.ndarray:
+        """The design matrix over columns ``names`` (each one every row has) for the
+        first ``rows`` rows: ``np.column_stack([np.ones(rows)] + columns)``, the same
+        floats and layout, filled only where rows were added since the last call (a
+        row's features never change)."""
+        kept = self._x
+        if kept is not None and kept[0] == names and len(kept[2]) >= rows:
+            x, start = kept[2], kept[1]
+        else:
+            x, start = np.empty((max(64, 2 * rows), 1 + len(names))), 0
+            x[:, 0] = 1.0
+        for j, k in enumerate(names, 1):
+            x[start:rows, j] = self._columns[k][start:rows]
+        self._x = (names, rows, x)
+        return x[:rows]
 
     def cost(self, node: Node) -> float:
         """Estimated seconds per step of ``node`` (``default`` with no measurement)."""
@@ -435,8 +480,8 @@ class CostEstimator:
                 self._unrooted.setdefault(node.root_key, []).append(i)
             if i >= len(self._measured_row):
                 self._measured_row = _grown(self._measured_row, -1)
-                self._guesses = _grown(self._guesses, 0.0)
-                self._guessed_at = _grown(self._guessed_at, -1)
+                self._values = _grown(self._values, 0.0)
+                self._stamp = _grown(self._stamp, -1)
                 for name, array in self._feature_arrays.items():
                     self._feature_arrays[name] = _grown(array, math.nan)
             self._place(i)
@@ -459,11 +504,20 @@ class CostEstimator:
             f = _numeric(value)
             if f is not None and name not in self._feature_arrays:
                 self._feature_arrays[name] = np.full(len(self._measured_row), math.nan)
+                self._partial[name] = len(self._dense_nodes) > 1  # the others lack it
         for name, array in self._feature_arrays.items():
             f = _numeric(conf[name]) if name in conf else None
-            array[i] = math.nan if f is None else f
-        self._measured_row[i] = self._row.get(key, -1)
-        self._guessed_at[i] = -1  # its features may have changed
+            if f is None:
+                array[i] = math.nan
+                self._partial[name] = True
+            else:
+                array[i] = f
+        row = self._measured_row[i] = self._row.get(key, -1)
+        if row >= 0:
+            self._values[i] = self._means_array[row]
+            self._stamp[i] = _MEASURED
+        else:
+            self._stamp[i] = -1  # its features may have changed
 
     def _unplace(self, i: int) -> None:
         """Dense node ``i`` no longer has its key (its root's config changed)."""
@@ -493,35 +547,42 @@ class CostEstimator:
         the same floats."""
         if not self._row:
             return np.full(len(dense), self.default)
-        rows = self._measured_row[dense]
-        measured = rows >= 0
-        if measured.all():
-            return self._means_array[rows]
+        stamp = self._stamp[dense]
         if not self._fitted:
+            if len(dense) == 0 or _MIN(stamp) == _MEASURED:
+                return self._values[dense]  # every node measured: no fit needed
             self._fit()
         # Unmeasured nodes not predicted since the last fit (or since their features
-        # changed) are predicted now and kept until the next fit.
-        stale = self._guessed_at[dense] != self.fits
-        stale &= ~measured
+        # changed) are predicted now and kept until the next fit (a fit only counts
+        # up, and a measured node's stamp is above every count).
+        stale = stamp < self.fits
         if stale.any():
             at = dense[stale]
-            self._guesses[at] = self._predict(at)
-            self._guessed_at[at] = self.fits
+            self._values[at] = self._predict(at)
+            self._stamp[at] = self.fits
             self.predicted += len(at)
-        out = self._guesses[dense]
-        if measured.any():
-            out[measured] = self._means_array[rows[measured]]
-        return out
+        return self._values[dense]
 
     def _predict(self, at: np.ndarray) -> np.ndarray:
         """The fitted model's predictions for the nodes at dense indices ``at``, as
         :meth:`cost` bounds each (element by element: the same floats for any subset)."""
         model = self._model
         assert model is not None
-        value = np.full(len(at), model.coef[0])
+        # ``coef[0] + c1 * x1 + c2 * x2 ...`` added in that order, in place (an
+        # addition or a product is the same float either way round).
+        value: np.ndarray | None = None
         for k, c in zip(model.names, model.coef[1:]):
             column = self._feature_arrays[k][at]
-            value = value + c * np.where(np.isnan(column), model.fill[k], column)
+            if self._partial[k]:
+                column = np.where(np.isnan(column), model.fill[k], column)
+            column *= c
+            if value is None:
+                value = column
+                value += model.coef[0]
+            else:
+                value += column
+        if value is None:
+            value = np.full(len(at), model.coef[0])
         return _bounded(value, model)
 
     def costs(self, nodes: list[Node]) -> list[float]:

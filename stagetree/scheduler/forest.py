@@ -125,6 +125,10 @@ class _Sorted:
 
 
 _DTYPES = {"q": np.int64, "b": np.int8, "d": np.float64}
+#: Up to this many plan nodes, a part's steps are added to the work one by one.
+_FEW = 8
+#: Up to this many stages in their plan trees, roots with children are valued by a walk.
+_FEW_STAGES = 64
 
 
 class _Ready(_Sorted):
@@ -132,9 +136,21 @@ class _Ready(_Sorted):
     flat arrays (cheap to insert into, read as numpy arrays): its node's dense index in
     the cost estimator, its steps, and whether it has children; and for a root with
     children its best (cost, steps) below, with the cost epoch it was computed at (-1:
-    not yet), so that a decision reads the values of unchanged roots as arrays."""
+    not yet), so that a decision reads the values of unchanged roots as arrays. Counted
+    as they come and go: the roots with children, and the roots of each length (a
+    decision over leaves of one length needs no arrays for either)."""
 
-    __slots__ = ("deep", "dense", "origins", "stamp", "steps", "value", "value_steps")
+    __slots__ = (
+        "deep",
+        "deeps",
+        "dense",
+        "lengths",
+        "origins",
+        "stamp",
+        "steps",
+        "value",
+        "value_steps",
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,6 +162,8 @@ class _Ready(_Sorted):
         self.value = array("d")
         self.value_steps = array("q")
         self.stamp = array("q")
+        self.deeps = 0
+        self.lengths: dict[int, int] = {}
 
     def put(self, stage: Stage, dense: int) -> None:
         i = self.add(stage)
@@ -153,8 +171,11 @@ class _Ready(_Sorted):
         if origin is not None and origin.kind == CHECKPOINT:
             self.origins.setdefault((origin.node, origin.step), []).append(stage)
         self.dense.insert(i, dense)
-        self.steps.insert(i, stage.stop - stage.start)
+        length = stage.stop - stage.start
+        self.steps.insert(i, length)
+        self.lengths[length] = self.lengths.get(length, 0) + 1
         self.deep.insert(i, 1 if stage.children else 0)
+        self.deeps += 1 if stage.children else 0
         self.value.insert(i, 0.0)
         self.value_steps.insert(i, 0)
         self.stamp.insert(i, -1)
@@ -169,8 +190,13 @@ class _Ready(_Sorted):
             if not same:
                 del self.origins[key]
         del self.dense[i]
-        del self.steps[i]
-        del self.deep[i]
+        length = self.steps.pop(i)
+        left = self.lengths[length] - 1
+        if left:
+            self.lengths[length] = left
+        else:
+            del self.lengths[length]
+        self.deeps -= self.deep.pop(i)
         del self.value[i]
         del self.value_steps[i]
         del self.stamp[i]
@@ -179,7 +205,7 @@ class _Ready(_Sorted):
             # trial ready at once): start small again.
             self.dense, self.steps, self.deep = array("q"), array("q"), array("b")
             self.value, self.value_steps, self.stamp = array("d"), array("q"), array("q")
-            self.origins = {}
+            self.origins, self.lengths = {}, {}
 
     @staticmethod
     def numpy(values: array[Any]) -> np.ndarray:
@@ -448,20 +474,25 @@ class StageForest:
             root_key = self._position_group(position)
         else:
             position = None  # it offers no position
+        # The same promises (a batch that moved on): their counts, so every build's
+        # input but the positions', stay what they are.
+        same = was is not None and was[2] == promised
         if was is not None:
             old_key, old_position, old_promised = was
-            if old_key == root_key and old_position == position and old_promised == promised:
+            if old_key == root_key and old_position == position and same:
                 return
             if old_key is not None:
                 del self._positions[old_key][slot]
                 if isinstance(old_key, str) and not self._positions[old_key]:
                     del self._positions[old_key]  # no group's rebuild drops it
                 self._touch(old_key)
-            self._promise(old_promised, -1)
+            if not same:
+                self._promise(old_promised, -1)
         if root_key is not None and position is not None:
             self._positions.setdefault(root_key, {})[slot] = position
             self._touch(root_key)
-        self._promise(promised, 1)
+        if not same:
+            self._promise(promised, 1)
         if root_key is None and not promised:
             self._batches.pop(slot, None)
         else:
@@ -557,23 +588,19 @@ class StageForest:
             self._touch(group)
         self._memory = now
         volatile: dict[Group, tuple[list[RunningPosition], set[Key]]] = {}
-
-        def part(group: Group) -> tuple[list[RunningPosition], set[Key]]:
-            got = volatile.get(group)
-            if got is None:
-                got = volatile[group] = ([], set())
-            return got
-
-        for pos in running:
-            if pos.segments or pos.saving:  # else it offers no position
-                part(self._position_group(pos))[0].append(pos)
-        for key in promised:
-            part(self._anchor(key[0]))[1].add(key)
-        signatures = {k: (tuple(r), frozenset(p)) for k, (r, p) in volatile.items()}
-        for k in self._volatile.keys() | signatures.keys():
-            if self._volatile.get(k) != signatures.get(k):
-                self._touch(k)
-        self._volatile = signatures
+        running = running if isinstance(running, (list, tuple)) else list(running)
+        if running or promised or self._volatile:  # the scheduler passes none
+            for pos in running:
+                if pos.segments or pos.saving:  # else it offers no position
+                    group = self._position_group(pos)
+                    volatile.setdefault(group, ([], set()))[0].append(pos)
+            for key in promised:
+                volatile.setdefault(self._anchor(key[0]), ([], set()))[1].add(key)
+            signatures = {k: (tuple(r), frozenset(p)) for k, (r, p) in volatile.items()}
+            for k in self._volatile.keys() | signatures.keys():
+                if self._volatile.get(k) != signatures.get(k):
+                    self._touch(k)
+            self._volatile = signatures
         if estimator is not self._estimator:
             self._reindex(estimator)
         self._compared = len(dirty)
@@ -820,6 +847,13 @@ class StageForest:
     def _add_steps(self, part: _Part, sign: int) -> None:
         if part.dense is None or part.steps is None:
             return
+        if len(part.dense) <= _FEW:
+            # A trial's own tree has a node or two: element by element is cheaper than
+            # fancy indexing, and the same sums (whole numbers, exact either way).
+            at = self._steps_at
+            for i, steps in zip(part.dense.tolist(), part.steps.tolist()):
+                at[i] += sign * steps
+            return
         # A part's nodes are distinct: one index each, no repeated index to add up.
         self._steps_at[part.dense] += sign * part.steps
 
@@ -902,6 +936,16 @@ class StageForest:
 
     def _deep_values(self, roots: list[Stage]) -> list[tuple[float, int]]:
         """:meth:`_deep_value` of each of ``roots`` at the estimator's current
+        predictions: by a walk where their plan trees hold few stages (a grid's tree of
+        a few dozen: the arrays' set-up costs more than the walk), else
+        :meth:`_deep_arrays`."""
+        parts = {id(part): part for part in map(self._part_of, roots)}
+        if sum(part.count for part in parts.values()) <= _FEW_STAGES:
+            return [self._deep_value(root) for root in roots]
+        return self._deep_arrays(roots)
+
+    def _deep_arrays(self, roots: list[Stage]) -> list[tuple[float, int]]:
+        """:meth:`_deep_value` of each of ``roots`` at the estimator's current
         predictions, as array work over all their stages at once (their parts' stage
         costs are left for :meth:`_costed`): the same floats as
         :func:`~stagetree.stages.path_values` (a stage's cost is its steps times its
@@ -983,9 +1027,10 @@ class StageForest:
         held = len(first)
         steps = r.numpy(r.steps)
         per_step = self._estimator.cost_array(r.numpy(r.dense))
-        cost = steps * per_step + 0.0
-        deep = r.numpy(r.deep).astype(bool)
-        if deep.any():
+        cost = steps * per_step
+        cost += 0.0  # no -0.0 (as a walk's sums give)
+        if r.deeps:
+            deep = r.numpy(r.deep).astype(bool)
             # The estimator version the stages' costs are (or will be) computed at.
             at = self._version if self._pending is None else self._pending[1]
             if at != self._epoch_of:
@@ -998,7 +1043,8 @@ class StageForest:
                 r.stamp[i] = epoch
             cost = np.where(deep, r.numpy(r.value), cost)
             steps = np.where(deep, r.numpy(r.value_steps), steps)
-        values = cost.copy() if policy is not None else cost
+        # The roots' values before the held ones are set aside (only they change cost).
+        values = cost.copy() if policy is not None and held else cost
         chosen: Stage | None = None
         top: tuple[float, int] | None = None
         if held:
@@ -1009,12 +1055,17 @@ class StageForest:
                     chosen, top = r.stages[i], v
             cost[at] = -np.inf
         if held < len(ready):
-            m = cost.max()
-            tied = np.flatnonzero(cost == m)
-            if len(tied) > 1:
-                s = steps[tied]
-                tied = tied[s == s.max()]
-            i = int(tied[0])
+            if not r.deeps and len(r.lengths) == 1:
+                # Leaves of one length: a tie on cost is one on steps too, the first
+                # of the greatest wins.
+                i = int(np.argmax(cost))
+            else:
+                m = cost.max()
+                tied = np.flatnonzero(cost == m)
+                if len(tied) > 1:
+                    s = steps[tied]
+                    tied = tied[s == s.max()]
+                i = int(tied[0])
             v = (float(cost[i]), int(steps[i]))
             if top is None or v > top:
                 chosen = r.stages[i]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from counting import counting
 
 from stagetree.hp import Constant, MultiStep
 from stagetree.plan.model import Node
@@ -131,19 +132,6 @@ def test_fit_and_bulk_costs_equal_the_plain_computation_to_the_bit() -> None:
         assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
-    """Count the calls of ``owner.name`` (still calling it)."""
-    calls = [0]
-    real = getattr(owner, name)
-
-    def counted(*args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, counted)
-    return calls
-
-
 def test_a_fit_after_measured_means_moved_keeps_the_design_matrix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -158,8 +146,8 @@ def test_a_fit_after_measured_means_moved_keeps_the_design_matrix(
         est.observe(n, 0.01 * n.hp["bs"](0))  # type: ignore[operator]
     unmeasured = node(99, bs=1000)
     est.cost(unmeasured)
-    stacks = _counting(monkeypatch, np, "column_stack")
-    solves = _counting(monkeypatch, np.linalg, "lstsq")
+    stacks = counting(monkeypatch, np, "column_stack")
+    solves = counting(monkeypatch, np.linalg, "lstsq")
     for i in range(20):
         est.observe(nodes[i], 0.02 * nodes[i].hp["bs"](0))  # type: ignore[operator]
         est.cost(unmeasured)
@@ -183,7 +171,7 @@ def test_beyond_the_exact_rows_the_model_is_fitted_again_logarithmically_often(
 
     monkeypatch.setattr(cost_module, "EXACT_ROWS", 64, raising=False)
     every = getattr(cost_module, "REFIT_EVERY", 64)
-    solves = _counting(monkeypatch, np.linalg, "lstsq")
+    solves = counting(monkeypatch, np.linalg, "lstsq")
     est = CostEstimator()
     n = 3000
     for i in range(n):
@@ -252,7 +240,7 @@ def test_a_fit_over_columns_every_row_has_skips_the_fill_pass_and_the_mean(
 
     from stagetree.scheduler import cost as cost_module
 
-    wheres = _counting(monkeypatch, np, "where")
+    wheres = counting(monkeypatch, np, "where")
     sums = [0]
 
     def counted_sum(values: object) -> float:
@@ -287,7 +275,7 @@ def test_costs_of_a_few_nodes_go_one_by_one(monkeypatch: pytest.MonkeyPatch) -> 
     for n in measured:
         est.observe(n, 0.001 * n.hp["bs"](0))  # type: ignore[operator]
     pending = [node(100 + i, lr=0.003 * (i + 1), bs=32) for i in range(20)]
-    arrays = _counting(monkeypatch, CostEstimator, "cost_array")
+    arrays = counting(monkeypatch, CostEstimator, "cost_array")
     few = est.costs([pending[0], measured[3], pending[1]])
     assert arrays[0] == 0  # on main: one call, for three nodes
     many = est.costs(pending)
@@ -295,3 +283,55 @@ def test_costs_of_a_few_nodes_go_one_by_one(monkeypatch: pytest.MonkeyPatch) -> 
     est._cache.clear()
     assert few == [CostEstimator.cost(est, n) for n in (pending[0], measured[3], pending[1])]
     assert many == [CostEstimator.cost(est, n) for n in pending]
+
+
+def test_the_design_matrix_over_columns_every_row_has_grows_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A random search adds a measured row at nearly every fit: stacking the design
+    # matrix again over every row each time grows with the study. Over columns every
+    # row has, rows are written once into a kept buffer; the fit stays the plain one.
+    import numpy as np
+
+    stacks = counting(monkeypatch, np, "column_stack")
+    est = CostEstimator()
+    for i in range(300):
+        est.observe(node(i, lr=0.001 * (i + 1) ** 1.3, bs=64), 0.01 + 0.0001 * i)
+        est.cost(node(1000 + i, lr=0.5, bs=64))
+        assert est._model is not None
+        assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)
+    assert est.designs == 300  # one per added row
+    assert stacks[0] == 0  # on main: 298 stacks
+    # A feature a row lacks: its filled column changes with its fill, stacked again.
+    est.observe(node(5000, bs=64), 0.02)
+    est.cost(node(5001, lr=0.5, bs=64))
+    assert (est._model.names, est._model.coef, est._model.fill) == _reference_fit(est)
+    assert stacks[0] == 1
+
+
+def test_bulk_predictions_of_features_every_node_has_need_no_fill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The forest asks for every ready root's cost at each decision, and every fit
+    # makes each unmeasured node's prediction stale: a feature every node has needs no
+    # NaN mask and fill per prediction. The same floats as one by one.
+    import numpy as np
+
+    est = CostEstimator()
+    measured = [node(i, lr=0.01 * (i + 1), bs=16 * (i % 3 + 1)) for i in range(40)]
+    for n in measured:
+        est.observe(n, 0.001 * n.hp["bs"](0) + 0.0001 * n.hp["lr"](0))  # type: ignore[operator]
+    pending = [node(100 + i, lr=0.003 * (i + 1), bs=32 * (i % 2 + 1)) for i in range(50)]
+    nans = counting(monkeypatch, np, "isnan")
+    wheres = counting(monkeypatch, np, "where")
+    got = est.costs(pending + measured)
+    assert nans[0] == 0 and wheres[0] == 0  # on main: one of each per feature
+    est._cache.clear()
+    assert got == [CostEstimator.cost(est, n) for n in pending + measured]
+    # A node that lacks a feature: the fill again, for that feature from then on.
+    lacking = node(500, lr=0.02)
+    est._cache.clear()
+    got = est.costs([*pending, lacking])
+    assert wheres[0] == 1
+    est._cache.clear()
+    assert got == [CostEstimator.cost(est, n) for n in [*pending, lacking]]

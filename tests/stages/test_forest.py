@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from counting import counting
 
 from stagetree.hp import Constant, MultiStep, Piecewise
 from stagetree.plan import MemoryPlanStorage
@@ -522,8 +523,119 @@ def test_roots_valued_as_arrays_equal_path_values_to_the_bit(seed: int) -> None:
         got = _lazy_tree(forest, estimator, _running(rng, nodes, keys))
         deep = [r for r in got.ready_roots() if r.children]
         values = forest._deep_values(deep)
+        arrays = forest._deep_arrays(deep)  # the arrays whatever the trees' size
         forest.ensure_costs()
         best = path_values(deep)
         assert values == [best[id(r)] for r in deep]
+        assert arrays == values
         compared += len(deep)
     assert compared > 0
+
+
+def test_roots_with_children_in_small_trees_are_valued_by_a_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A grid of a few dozen trials is one tree of a few dozen stages: valuing its roots
+    # with children as arrays (a sort per level) costs more than walking them. The
+    # decisions stay the whole build's.
+    import numpy as np
+
+    sorts = counting(monkeypatch, np, "lexsort")
+    nodes, keys, rng, forest, estimator, requests, checkpoints = _churn(2, 77)
+    node_list = list(nodes.values())
+    valued = 0
+    for _ in range(60):
+        if not change(rng, forest, keys, requests, checkpoints, rng.random(), (0.5, 0.6, 0.7)):
+            estimator.observe(rng.choice(node_list), rng.uniform(0.5, 2.0))
+        got = _lazy_tree(forest, estimator, [])
+        ready = got.ready_roots()
+        if not ready:
+            continue
+        assert max(part.count for part in forest._parts.values()) <= 64  # small trees
+        path = forest.critical_path(got, ready, [])
+        assert path is not None
+        forest.ensure_costs()
+        want = build_stage_tree(nodes, list(requests), checkpoints, [], estimator.cost)
+        assert _spans(path) == _spans(critical_path(want, want.ready_roots()))
+        valued += any(r.children for r in ready)
+    assert valued > 0
+    assert sorts[0] == 0  # on main: one sort per level of the trees at each valuation
+
+
+def test_a_decision_over_leaves_of_one_length_takes_the_first_of_the_greatest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A random search has every trial ready at once, each a leaf of the same length:
+    # the critical path is the first root of the greatest cost (a tie on cost is one
+    # on steps too), found without the mask of roots with children or the tie-break
+    # arrays; it stays the whole build's path as lengths and costs change.
+    import numpy as np
+
+    from stagetree.scheduler import forest as forest_module
+
+    rng = random.Random(5)
+    nodes = {
+        i: Node(i, f"t{i}", None, 0, {"lr": Constant(rng.choice([0.1, 0.2, 0.3, 0.5]))})
+        for i in range(120)
+    }
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    requests: list[Key] = []
+    for i in range(100):
+        requests.append((i, 4))
+        forest.add_request((i, 4))
+    scans = counting(monkeypatch, np, "flatnonzero")
+    reads = counting(monkeypatch, forest_module._Ready, "numpy")
+    for round_ in range(40):
+        got = _lazy_tree(forest, estimator, [])
+        ready = got.ready_roots()
+        scans[0] = reads[0] = 0
+        path = forest.critical_path(got, ready, [])
+        assert path is not None
+        want = build_stage_tree(nodes, list(requests), set(), [], estimator.cost)
+        assert _spans(path) == _spans(critical_path(want, want.ready_roots()))
+        one_length = len({r.stop - r.start for r in ready}) == 1
+        if one_length:
+            assert scans[0] == 0 and reads[0] == 2  # on main: 1 and 3
+        estimator.observe(nodes[rng.randrange(120)], rng.choice([1.0, 2.0]))
+        if round_ == 20:  # another length: the tie-break on steps again
+            requests.append((110, 8))
+            forest.add_request((110, 8))
+        if round_ == 30:
+            requests.remove((110, 8))
+            forest.remove_request((110, 8))
+    assert scans[0] == 0
+
+
+def test_a_small_part_adds_its_steps_to_the_work_element_by_element() -> None:
+    # Each trial's tree (a node or two) enters and leaves the remaining work at every
+    # build: fancy indexing into the steps per node costs more than the few sums it
+    # does. The kept work stays the sum of every stage's cost.
+    import numpy as np
+
+    class Counting(np.ndarray):
+        fancy = 0
+
+        def __setitem__(self, key: Any, value: Any) -> None:
+            if isinstance(key, np.ndarray):
+                Counting.fancy += 1
+            super().__setitem__(key, value)
+
+    nodes = {i: Node(i, f"t{i}", None, 0, {"lr": Constant(0.01 * (i + 1))}) for i in range(50)}
+    forest = StageForest(nodes)
+    estimator = CostEstimator()
+    for i in range(30):
+        estimator.observe(nodes[i], 0.5 + 0.01 * i)
+    got = _lazy_tree(forest, estimator, [])  # the estimator's dense indices
+    forest._steps_at = np.zeros(4096).view(Counting)
+    for i in range(40):
+        forest.add_request((i, 3 + i % 4))
+        if i % 3 == 0:
+            got = _lazy_tree(forest, estimator, [])
+    got = _lazy_tree(forest, estimator, [])
+    forest.remove_request((7, 3 + 7 % 4))
+    got = _lazy_tree(forest, estimator, [])
+    assert Counting.fancy == 0  # on main: one per part added or taken out
+    forest.ensure_costs()
+    work, slack = forest.work()
+    assert abs(work - sum(s.cost for s in got.stages)) <= slack

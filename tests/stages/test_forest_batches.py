@@ -58,3 +58,28 @@ def test_one_batch_progress_compares_one_plan_tree() -> None:
     sched.handle(Progress(first.batch_id, first.worker, first.segments[0].node, 3, 0.1))
     sched.stage_tree()
     assert sched._forest.compared == 1
+
+
+def test_a_batch_that_moves_on_leaves_its_promises_counted_as_they_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Progress moves a batch's position, not what it promised: the decision after it
+    neither takes its promises out of the counts nor puts them back (two walks of them
+    per touched batch before), and asks the forest for no per-call inputs (the scheduler
+    reports every batch through set_batch); the tree stays the one a scratch build
+    gives."""
+    from counting import counting
+
+    from stagetree.scheduler.forest import StageForest
+
+    sched, batches = _started(4)
+    promises = counting(monkeypatch, StageForest, "_promise")
+    kept = sched._forest._volatile
+    for step in (3, 5, 7):
+        for batch in batches:
+            node = batch.segments[0].node
+            sched.handle(Progress(batch.batch_id, batch.worker, node, step, 0.1))
+            check(sched)
+            sched.stage_tree()
+    assert promises[0] == 0
+    assert sched._forest._volatile is kept  # no signatures of per-call inputs made again
