@@ -16,6 +16,7 @@ import pytest
 from study_trainers import LinearTrainer
 from tuner_fakes import FakeRunner, kill_after
 
+import stagetree.tuners.optuna_bridge as optuna_bridge
 from stagetree import Study
 from stagetree.distributions import Choice, Distribution, IntUniform, LogUniform, Uniform
 from stagetree.exceptions import InvalidSpaceError, TunerError
@@ -301,6 +302,11 @@ def test_the_first_trials_are_submitted_before_the_database_storage_opens(
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(rdb, "__init__", spy)
+    # The copy in a thread of this process, where the spy sees it open the storage: a
+    # fork server left running by an earlier test would otherwise take the copy to a
+    # process of its own (that path: test_the_database_copy_runs_in_a_process_beside_
+    # the_driver).
+    monkeypatch.setattr(optuna_bridge, "start_helper", lambda *args: None)
     tuner = asha(12)
     run(tuner, runner)
     assert len(opened) == 1
