@@ -1631,8 +1631,14 @@ class SQLPlanStorage(BasePlanStorage):
         return out
 
     def _live_leases(self, conn: Connection, now: float) -> list[Lease]:
-        conn.execute(_LEASES_EXPIRED, {"now": now})
-        return [_lease(row) for row in conn.execute(_LEASES)]
+        # Read first, delete only when some expired (a claim's usual case is none: one
+        # statement fewer in every claim's transaction). The write lock is held, so
+        # what was read is what stays.
+        rows = [_lease(row) for row in conn.execute(_LEASES)]
+        live = [lease for lease in rows if lease.expires > now]
+        if len(live) < len(rows):
+            conn.execute(_LEASES_EXPIRED, {"now": now})
+        return live
 
     @_retried
     def claim(
