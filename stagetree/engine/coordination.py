@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagetree.exceptions import StorageError
-from stagetree.plan.base import BasePlanStorage
+from stagetree.plan.base import BasePlanStorage, CheckpointRecord
 from stagetree.plan.leases import ClaimResult, Lease, new_owner, outage_proof_ttl, overlaps
 from stagetree.plan.model import Node, RequestState
 from stagetree.scheduler import CheckpointAvailable, NodeAdded, RequestAdded, RequestCancelled
@@ -175,9 +175,15 @@ class Coordinator:
         segments = [(s.node, s.start, s.stop) for s in batch.segments]
 
         def tx() -> tuple[dict[Key, dict[str, float]], list[Any], ClaimResult | None]:
-            known, newer = self._answered(batch), []
+            live = [key for key in batch.evaluate_at if self.engine.scheduler.is_live(key)]
+            # One read of the checkpoint records serves both questions (by the nodes'
+            # key); metrics are read only where a record is found (rarely: the batch
+            # is about to train there).
+            nodes = {n for n, _ in live} | ({n for n, _, _ in segments} if self.shared else set())
+            on = storage.checkpoints_on(sorted(nodes)) if nodes else {}
+            known, newer = self._answered(live, on), []
             if not known:
-                newer = self._checkpoints_on(segments)
+                newer = self._checkpoints_on(segments, on)
             if known or newer:
                 return known, newer, None
             result = storage.claim(self.owner, batch.root_key, segments, self.ttl)
@@ -218,27 +224,30 @@ class Coordinator:
         events.append(BatchDone(batch.batch_id, batch.worker, 0.0, 0))
         return events
 
-    def _answered(self, batch: RunBatch) -> dict[Key, dict[str, float]]:
-        """The live requests ``batch`` evaluates whose metrics another engine stored
-        meanwhile, with a checkpoint there: ``{(node, step): metrics}``."""
-        scheduler = self.engine.scheduler
+    def _answered(
+        self, live: list[Key], on: Mapping[Key, CheckpointRecord]
+    ) -> dict[Key, dict[str, float]]:
+        """The ``live`` requests a batch evaluates whose metrics another engine stored
+        meanwhile, with a checkpoint there (``on``: the records on their nodes):
+        ``{(node, step): metrics}``."""
         known = {}
-        for key in batch.evaluate_at:
-            metrics = self.storage.get_metrics(*key) if scheduler.is_live(key) else None
-            if metrics is not None and self.storage.checkpoint(*key) is not None:
+        for key in live:
+            metrics = self.storage.get_metrics(*key) if key in on else None
+            if metrics is not None:
                 known[key] = metrics
         return known
 
-    def _checkpoints_on(self, segments: list[tuple[int, int, int]]) -> list[Any]:
+    def _checkpoints_on(
+        self, segments: list[tuple[int, int, int]], on: Mapping[Key, CheckpointRecord]
+    ) -> list[Any]:
         """``CheckpointAvailable`` for durable checkpoints the scheduler does not know
-        inside the ``segments`` about to be trained (saved by another engine)."""
+        inside the ``segments`` about to be trained (saved by another engine); ``on``:
+        the records on the segments' nodes (by the checkpoints' key, constant per claim,
+        not the whole tree's: quadratic for a study in one shared tree)."""
         if not self.shared:
             return []
         known = self.engine.scheduler.checkpoints
         out: list[Any] = []
-        # The segments' nodes only (by the checkpoints' key): constant per claim, not the
-        # whole tree's checkpoints (quadratic for a study in one shared tree).
-        on = self.storage.checkpoints_on([n for n, _, _ in segments])
         for (node, step), rec in on.items():
             if (node, step) in known or not any(
                 n == node and a < step <= b for n, a, b in segments

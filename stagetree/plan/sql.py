@@ -1465,20 +1465,22 @@ class SQLPlanStorage(BasePlanStorage):
             raise PlanKeyError(f"no trial {trial_id}")
         if self._w is not None:
             self._w.trials[trial_id] = dict(row._mapping)
-        return _trial(row)
+        # Decoded through the sequence cache (under the lock), as in trials(): a batch's
+        # start and a trial's end write its row, whose sequences the cache holds.
+        return _trial(row, self._seqs.decode_hp)
 
     @_retried
     def trial(self, trial_id: int) -> dict[str, Any]:
         with self._tx(write=False, single=True) as conn:
             w = self._w
             if w is not None and trial_id in w.trials:  # written or read by this transaction
-                return _trial(_Row(w.trials[trial_id]))
+                return _trial(_Row(w.trials[trial_id]), self._seqs.decode_hp)
             row = conn.execute(_TRIAL, {"i": trial_id}).first()
             if row is not None and w is not None:
                 w.trials[trial_id] = dict(row._mapping)
-        if row is None:
-            raise PlanKeyError(f"no trial {trial_id}")
-        return _trial(row)
+            if row is None:
+                raise PlanKeyError(f"no trial {trial_id}")
+            return _trial(row, self._seqs.decode_hp)  # under the lock: the cache's
 
     @_retried
     def trials(self, study: str, *, light: bool = False) -> list[dict[str, Any]]:
@@ -1631,8 +1633,14 @@ class SQLPlanStorage(BasePlanStorage):
         return out
 
     def _live_leases(self, conn: Connection, now: float) -> list[Lease]:
-        conn.execute(_LEASES_EXPIRED, {"now": now})
-        return [_lease(row) for row in conn.execute(_LEASES)]
+        # Read first, delete only when some expired (a claim's usual case is none: one
+        # statement fewer in every claim's transaction). The write lock is held, so
+        # what was read is what stays.
+        rows = [_lease(row) for row in conn.execute(_LEASES)]
+        live = [lease for lease in rows if lease.expires > now]
+        if len(live) < len(rows):
+            conn.execute(_LEASES_EXPIRED, {"now": now})
+        return live
 
     @_retried
     def claim(
