@@ -517,6 +517,9 @@ class Study(StudyAPI):
                 url = "postgresql+psycopg:" + url.split(":", 1)[1]
         return url, plan, self.name, self.version
 
+    def _quiet_driver(self) -> contextlib.AbstractContextManager[Any]:
+        return self._engine.reading()
+
     # -- front ends (tune(), and the server for its remote clients) ------------------------
 
     def begin_tuning(self, metric: str, mode: str, tuner: str, horizon: int = 0) -> None:
