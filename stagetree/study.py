@@ -401,6 +401,9 @@ class Study(StudyAPI):
             self._burst(watched_only=True)
             engine.cancel(waiter)
             raise
+        # From the engine in use now: one that stopped on an error meanwhile was
+        # replaced, and closed, by the study's next use (the result is stored anyway).
+        engine = self._engine
         history = engine.history(self._study_slot, cfg, seqs, steps, at=waiter)
         # What the plan holds at ``steps``: train() metrics of that step too; the
         # history's entry itself when that is all (one dict per result, not two).

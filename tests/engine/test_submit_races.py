@@ -130,3 +130,27 @@ def test_a_close_while_a_submission_starts_the_workers_cancels_it(
     with pytest.raises(TrialCancelledError, match="the study was closed"):
         asyncio.run(submit())
     assert engine.executor is None
+
+
+def test_a_result_read_after_its_engine_was_replaced_comes_from_the_replacement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The submission's result is in; before its task reads the trial's history, the
+    # engine stops and another use of the study replaces it (closing its storage).
+    with make(tmp_path) as study:
+        first = study._engine
+        wrap_future = asyncio.wrap_future
+
+        def hooked(future: Any, **kwargs: Any) -> Any:
+            async def later() -> Any:
+                result = await wrap_future(future, **kwargs)
+                stop(first)
+                _ = study._engine  # another task's submission, say
+                return result
+
+            return asyncio.ensure_future(later())
+
+        monkeypatch.setattr(asyncio, "wrap_future", hooked)
+        result = study.run({"seed": 0}, {"lr": Constant(0.01)}, 3)
+        assert result.steps == 3 and sorted(result.history) == [1, 2, 3]
+        assert study._engine is not first and first._closed
