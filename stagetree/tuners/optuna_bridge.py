@@ -33,7 +33,8 @@ bridge works on an in-memory Optuna study and writes it behind into the database
 (:class:`_WriteBehind`): from the first result on, a copy process (forked from the
 local executor's fork server, where one runs; else a thread of the driver, whose
 ORM imports happen before it starts, with the driver held off) opens the storage and
-writes what each bridge call changed, as the direct storage would have written it. The search's end (or its interruption) waits for the copy.
+writes what each bridge call changed, as the direct storage would have written it.
+The search's end (or its interruption) waits for the copy.
 Decisions are those of the direct storage (the sampler reads the same trials); a run
 killed before the copy began leaves the database without its trials, and its resume
 asks a fresh copy of the sampler again: the same configurations for a seeded sampler.
