@@ -29,7 +29,7 @@ from stagetree.checkpoints import CheckpointStore
 from stagetree.checkpoints.location import default_checkpoint_dir
 from stagetree.checkpoints.stores import is_local_location
 from stagetree.engine import pool
-from stagetree.engine.core import Engine, StudySlot
+from stagetree.engine.core import Engine, EngineStoppedError, StudySlot
 from stagetree.engine.settings import EngineSettings, Placement, current_overrides
 from stagetree.exceptions import (
     InvalidTrialError,
@@ -341,7 +341,11 @@ class Study(StudyAPI):
 
     @property
     def _study_slot(self) -> StudySlot:
-        _ = self._engine
+        # The slot of the engine attached now: read after ``self._engine`` (which
+        # replaces a stopped engine), never replacing it itself, so that
+        # ``self._engine.f(self._study_slot)`` pairs an engine with its own slot.
+        if self._slot is None:
+            _ = self._engine
         assert self._slot is not None
         return self._slot
 
@@ -382,15 +386,24 @@ class Study(StudyAPI):
         if self._closed:
             raise StagetreeError(f"study {self.name!r} is closed")
         cfg, seqs = self._normalise(config, hp, steps)
-        engine = self._engine
         self._burst()
-        waiter = engine.submit(self._study_slot, cfg, seqs, steps, self._horizon)
+        engine = self._engine
+        try:
+            waiter = engine.submit(self._study_slot, cfg, seqs, steps, self._horizon)
+        except EngineStoppedError:
+            # It stopped on an error since it was attached, before taking this
+            # submission: its replacement takes it, as it takes every later one.
+            engine = self._engine
+            waiter = engine.submit(self._study_slot, cfg, seqs, steps, self._horizon)
         try:
             metrics = await asyncio.wrap_future(waiter.future)
         except asyncio.CancelledError:
             self._burst(watched_only=True)
             engine.cancel(waiter)
             raise
+        # From the engine in use now: one that stopped on an error meanwhile was
+        # replaced, and closed, by the study's next use (the result is stored anyway).
+        engine = self._engine
         history = engine.history(self._study_slot, cfg, seqs, steps, at=waiter)
         # What the plan holds at ``steps``: train() metrics of that step too; the
         # history's entry itself when that is all (one dict per result, not two).
@@ -506,6 +519,9 @@ class Study(StudyAPI):
             if url.split(":", 1)[0] in ("postgresql", "postgres"):
                 url = "postgresql+psycopg:" + url.split(":", 1)[1]
         return url, plan, self.name, self.version
+
+    def _quiet_driver(self) -> contextlib.AbstractContextManager[Any]:
+        return self._engine.reading()
 
     # -- front ends (tune(), and the server for its remote clients) ------------------------
 

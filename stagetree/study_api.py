@@ -634,6 +634,10 @@ class StudyAPI(abc.ABC):
         in memory, as long as the study lives."""
         return None, self, self.name, str(self.version)
 
+    def _quiet_driver(self) -> contextlib.AbstractContextManager[Any]:
+        """See :meth:`StudyRunner.quiet_driver` (a remote study's driver is elsewhere)."""
+        return contextlib.nullcontext()
+
     def _answered(self, config: Any, hp: Any, steps: int) -> bool:
         """Whether the storage holds the trial's metrics at ``steps`` (no training)."""
         try:
@@ -843,6 +847,11 @@ class StudyRunner:
         open plan storage, or this study when it runs on a server; study name; trainer
         version)``."""
         return self.study._sampler_storage()
+
+    def quiet_driver(self) -> contextlib.AbstractContextManager[Any]:
+        """A block during which the study's driver makes no storage call (a local
+        study's engine lock held): the Optuna bridge imports SQLAlchemy's ORM in it."""
+        return self.study._quiet_driver()
 
 
 def check_identity(name: Any, trainer: Any, version: Any) -> None:

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Engine",
+    "EngineStoppedError",
     "RunningBatch",
     "StudySlot",
     "Waiter",
@@ -90,6 +91,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger("stagetree")
+
+
+class EngineStoppedError(StagetreeError):
+    """The engine stopped on an error (:attr:`Engine.error`) before it took a
+    submission: nothing of it was written; the study gives it to the engine that
+    replaces this one (:mod:`stagetree.engine.pool`)."""
 
 
 class Waiter:
@@ -498,8 +505,7 @@ class Engine:
         executor starts with the driver (it costs nothing, and its caller pumps it).
         """
         with self.lock:
-            if self.error is not None:
-                raise StagetreeError(f"the study engine stopped: {self.error!r}") from self.error
+            self._check_open()
             virtual = self._make_executor().clock.virtual
             if (workers or virtual) and self.executor is None:
                 self._start_executor()
@@ -510,6 +516,16 @@ class Engine:
             # At interpreter exit (a study never closed), stop this engine before its
             # executor's own exit hook stops the workers under the running driver.
             atexit.register(self._close_at_exit)
+
+    def _check_open(self) -> None:
+        """Refuse what needs the engine running (lock held): after its driver stopped
+        on an error (:class:`EngineStoppedError`: a submission refused so has recorded
+        neither its trial nor its request), or after :meth:`close` (its storage
+        closes, its workers stop: a submission is cancelled, as those waiting were)."""
+        if self.error is not None:
+            raise EngineStoppedError(f"the study engine stopped: {self.error!r}") from self.error
+        if self._closed:
+            raise TrialCancelledError("the study was closed")
 
     def _start_executor(self) -> None:
         """Start the executor's workers (lock held).
@@ -931,6 +947,7 @@ class Engine:
         texts = (canonical_json(config), dumps_hp(hp))
         ident = trial_digest(texts)
         with self.lock:
+            self._check_open()
             replayed = self._replayed(slot, config, hp, steps)
             if replayed is not None:  # a finished trial of the log: what the plan holds
                 tree, done = replayed
@@ -995,20 +1012,38 @@ class Engine:
                 waiter = Waiter(slot.name, tid, root_key, node, step)
                 waiter.future.set_result(known)
                 return waiter
+            if recorded is not None:  # the driver runs: it waits from now on, lock held
+                return self._wait(slot, tid, root_key, node, step, leaf, reads)
         self.ensure_started()
         with self.lock:
-            if recorded is None:  # the workers started for it: its row and request now
-                self._check_log(slot)  # records another thread logged meanwhile
-                tid = storage.atomically(lambda: record(root_key, node, step, None))
-                slot.trial_ids[ident] = tid
-                self._logged(slot)
-            waiter = Waiter(slot.name, tid, root_key, node, step)
-            self._waiters.setdefault((node, step), []).append(waiter)
-            self._waiting_steps.setdefault(node, {})[step] = None
-            self._studies.add(slot.name)  # a study served: its meta records the workers
-            events = self._path_events(root_key, leaf, reads) + self._save_events(slot, root_key)
-            events.append(RequestAdded(node, step, study=slot.name))
-            self._enqueue(events)
+            # Closed, or stopped on an error, since the lock was let go: a waiter added
+            # now would never be answered (the close or the stop withdrew them all).
+            self._check_open()
+            self._check_log(slot)  # records another thread logged meanwhile
+            tid = storage.atomically(lambda: record(root_key, node, step, None))
+            slot.trial_ids[ident] = tid
+            self._logged(slot)
+            return self._wait(slot, tid, root_key, node, step, leaf, reads)
+
+    def _wait(
+        self,
+        slot: StudySlot,
+        tid: int,
+        root_key: str,
+        node: int,
+        step: int,
+        leaf: int,
+        reads: _PathReads | None,
+    ) -> Waiter:
+        """The waiter of a submission recorded with its request, handed to the driver
+        (lock held)."""
+        waiter = Waiter(slot.name, tid, root_key, node, step)
+        self._waiters.setdefault((node, step), []).append(waiter)
+        self._waiting_steps.setdefault(node, {})[step] = None
+        self._studies.add(slot.name)  # a study served: its meta records the workers
+        events = self._path_events(root_key, leaf, reads) + self._save_events(slot, root_key)
+        events.append(RequestAdded(node, step, study=slot.name))
+        self._enqueue(events)
         return waiter
 
     def _record_trial(
@@ -1303,6 +1338,8 @@ class Engine:
         needs any more stop with a checkpoint where they stand."""
         node, step = waiter.node, waiter.step
         with self.lock:
+            if self._closed:
+                return  # the close withdrew every submission (its storage may be closed)
             self._flush_logs()  # the decision to cancel first
             waiters = self._waiters.get((node, step), [])
             if waiter not in waiters:

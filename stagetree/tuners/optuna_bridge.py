@@ -31,9 +31,10 @@ stamping Optuna's tables) costs seconds, more than a small task's first step. Wh
 database holds no trial of the study yet (a first run: one SQL query says so), the
 bridge works on an in-memory Optuna study and writes it behind into the database
 (:class:`_WriteBehind`): from the first result on, a copy process (forked from the
-local executor's fork server, where one runs; else a thread of the driver)
-opens the storage and writes what each bridge call changed, as the direct storage
-would have written it. The search's end (or its interruption) waits for the copy.
+local executor's fork server, where one runs; else a thread of the driver, whose
+ORM imports happen before it starts, with the driver held off) opens the storage and
+writes what each bridge call changed, as the direct storage would have written it.
+The search's end (or its interruption) waits for the copy.
 Decisions are those of the direct storage (the sampler reads the same trials); a run
 killed before the copy began leaves the database without its trials, and its resume
 asks a fresh copy of the sampler again: the same configurations for a seeded sampler.
@@ -48,12 +49,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import importlib
 import inspect
 import multiprocessing
 import signal
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -365,6 +367,17 @@ def _copier_main(url: str, name: str, direction: str, inbox: Any, outbox: Any) -
         raise SystemExit(1) from None
 
 
+# What opening an RDBStorage imports (Optuna imports them lazily).
+_ORM_MODULES = (
+    "sqlalchemy.orm",
+    "optuna.storages._rdb.models",
+    "alembic.command",
+    "alembic.config",
+    "alembic.migration",
+    "alembic.script",
+)
+
+
 class _WriteBehind:
     """The database copy of a bridge's in-memory Optuna study (see the module doc).
 
@@ -378,10 +391,17 @@ class _WriteBehind:
     everything.
     """
 
-    def __init__(self, url: str, study_name: str, direction: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        study_name: str,
+        direction: str,
+        quiet: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> None:
         self._url = url
         self._name = study_name
         self._direction = direction
+        self._quiet = quiet  # a block in which the driver makes no storage call
         self._thread: threading.Thread | None = None
         self._copy: _Copy | None = None  # the thread's, once the storage opened
         self._error: BaseException | None = None
@@ -408,6 +428,15 @@ class _WriteBehind:
         if self._process is None:
             self._to.close()
             self._from.close()
+            # SQLAlchemy's ORM, imported in one thread while another builds a Core
+            # statement, fails the latter ("partially initialized module
+            # 'sqlalchemy.orm.exc'": the ORM registers its inspection of any object
+            # before that module is complete): the driver's thread stopped on it. What
+            # the copy thread would import is imported here, the driver held off.
+            with self._quiet() if self._quiet is not None else contextlib.nullcontext():
+                for module in _ORM_MODULES:
+                    with contextlib.suppress(ImportError):  # the thread says what is missing
+                        importlib.import_module(module)
             self._thread = threading.Thread(
                 target=self._open, name="stagetree-optuna-storage", daemon=True
             )
@@ -613,7 +642,8 @@ class SamplerBridge:
             if _holds_trials(url, study_name) is False:  # a first run: write behind
                 storage = _optuna().storages.InMemoryStorage()
                 direction = "maximize" if tuner.mode == "max" else "minimize"
-                behind = _WriteBehind(url, study_name, direction)
+                quiet = getattr(runner, "quiet_driver", None)
+                behind = _WriteBehind(url, study_name, direction, quiet)
             else:  # trials to re-read (or no telling): the database itself
                 storage = _open_rdb(url)
         # Each run starts from the sampler as given (a seeded tuner run twice, as
