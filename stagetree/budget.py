@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -232,14 +232,17 @@ class RunReport:
         return line
 
 
+def _ignore(found: bool) -> None:
+    """What a submission of a trial already counted tells: nothing to record."""
+
+
 class BudgetGuard:
     """Enforces a budget on one tuning run and counts what the run did.
 
     ``progress`` is the study's ``progress()`` (its ``steps_executed`` and
     ``device_seconds`` are study totals: the run's figures are their growth since the
     guard was made); ``clock`` the run's clock (the executor's: virtual when
-    simulated); ``answered(config, hp, steps)`` whether the storage already holds that
-    result; ``started`` when the run began on ``clock`` (default: now), so that the
+    simulated); ``started`` when the run began on ``clock`` (default: now), so that the
     wall-clock limit counts what happened before the guard was made (opening the
     storage, starting workers). The tuner runs in :meth:`run`.
     """
@@ -249,14 +252,12 @@ class BudgetGuard:
         budget: Budget | None,
         progress: Callable[[], Mapping[str, float]],
         clock: Clock,
-        answered: Callable[[Any, Any, int], bool],
         *,
         started: float | None = None,
     ) -> None:
         self.budget = budget
         self._progress = progress
         self._clock = clock
-        self._answered = answered
         base = progress()
         self._base_steps = float(base.get("steps_executed", 0.0))
         self._base_device = float(base.get("device_seconds", 0.0))
@@ -325,11 +326,13 @@ class BudgetGuard:
     # -- the runner's side
 
     async def submit(
-        self, fingerprint: str, call: Callable[[], Any], config: Any, hp: Any, steps: int
+        self, fingerprint: str, call: Callable[[Callable[[bool], None]], Awaitable[Any]]
     ) -> Any:
-        """Run one submission (``await call()``) within the budget: a new trial past the
-        ``trials`` limit, or any submission once the run is stopping, waits until the
-        run is stopped (it is cancelled then)."""
+        """Run one submission (``await call(answered)``) within the budget: a new trial
+        past the ``trials`` limit, or any submission once the run is stopping, waits
+        until the run is stopped (it is cancelled then). ``call`` tells ``answered``
+        whether the storage already held the result when it submitted (its own look-up
+        of the trial: the guard makes none)."""
         self.check()
         new = fingerprint not in self._trials
         limit = self.budget.trials if self.budget is not None else None
@@ -339,11 +342,17 @@ class BudgetGuard:
             if self._active == 0:
                 self._schedule_idle_check()
             await self._release.wait()  # never set: the stop cancels this
+        answered = _ignore
         if new:
-            self._trials[fingerprint] = bool(self._answered(config, hp, steps))
+            self._trials[fingerprint] = False  # until the submission says otherwise
+            trials = self._trials
+
+            def answered(found: bool) -> None:
+                trials[fingerprint] = bool(found)
+
         self._active += 1
         try:
-            return await call()
+            return await call(answered)
         finally:
             self._active -= 1
             self.check()

@@ -21,7 +21,7 @@ import inspect
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagetree.budget import RunReport
@@ -383,6 +383,18 @@ class Study(StudyAPI):
     async def submit(
         self, config: Mapping[str, Any], hp: Mapping[str, Any], steps: int
     ) -> TrialResult:
+        return await self._submit(config, hp, steps)
+
+    async def _submit(
+        self,
+        config: Mapping[str, Any],
+        hp: Mapping[str, Any],
+        steps: int,
+        answered: Callable[[bool], None] | None = None,
+    ) -> TrialResult:
+        """:meth:`submit`; ``answered`` hears, once the engine took the submission,
+        whether the plan already held its metrics (the submission's own look-up: no
+        second one)."""
         if self._closed:
             raise StagetreeError(f"study {self.name!r} is closed")
         cfg, seqs = self._normalise(config, hp, steps)
@@ -395,6 +407,8 @@ class Study(StudyAPI):
             # submission: its replacement takes it, as it takes every later one.
             engine = self._engine
             waiter = engine.submit(self._study_slot, cfg, seqs, steps, self._horizon)
+        if answered is not None:
+            answered(waiter.answered)
         try:
             metrics = await asyncio.wrap_future(waiter.future)
         except asyncio.CancelledError:

@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -539,7 +539,7 @@ class StudyAPI(abc.ABC):
             async def guarded() -> TrialResult | None:
                 nonlocal guard
                 TUNING.set(True)  # the tuner's tasks (copies of this context) submit
-                guard = BudgetGuard(limits, self.progress, clock, self._answered, started=started)
+                guard = BudgetGuard(limits, self.progress, clock, started=started)
                 runner.guard = guard
                 return await guard.run(tuner, runner)
 
@@ -644,6 +644,19 @@ class StudyAPI(abc.ABC):
             return self.eval(config, hp, steps) is not None
         except StagetreeError:  # a trial the study refuses fails at submit, not here
             return False
+
+    async def _submit(
+        self,
+        config: Mapping[str, Any],
+        hp: Mapping[str, Any],
+        steps: int,
+        answered: Callable[[bool], None] | None = None,
+    ) -> TrialResult:
+        """:meth:`submit`, telling ``answered`` first whether the storage already holds
+        the result (a study whose submission looks the trial up says so from there)."""
+        if answered is not None:
+            answered(self._answered(config, hp, steps))
+        return await self.submit(config, hp, steps)
 
     def _raise_if_all_failed(self) -> None:
         """``tune()`` found no best trial: when that is because every trial failed, say
@@ -811,10 +824,10 @@ class StudyRunner:
             return await self.study.submit(config, hp, steps)
         fingerprint = submitted_fingerprint(config, hp)
 
-        async def call() -> TrialResult:
-            return await self.study.submit(config, hp, steps)
+        async def call(answered: Callable[[bool], None]) -> TrialResult:
+            return await self.study._submit(config, hp, steps, answered)
 
-        result: TrialResult = await self.guard.submit(fingerprint, call, config, hp, steps)
+        result: TrialResult = await self.guard.submit(fingerprint, call)
         return result
 
     def num_workers(self) -> int:

@@ -102,10 +102,12 @@ class EngineStoppedError(StagetreeError):
 class Waiter:
     """One submission: a future of its metrics and the request it waits on.
 
-    ``future`` is already resolved when the plan knew the metrics (nothing to train).
+    ``future`` is already resolved when the plan knew the metrics (nothing to train);
+    ``answered`` says so (the future of a trial to train may resolve at any time later,
+    on the driver's thread).
     """
 
-    __slots__ = ("future", "node", "root_key", "step", "study", "trial_id")
+    __slots__ = ("answered", "future", "node", "root_key", "step", "study", "trial_id")
 
     def __init__(self, study: str, trial_id: int, root_key: str, node: int, step: int) -> None:
         self.future: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
@@ -114,6 +116,7 @@ class Waiter:
         self.root_key = root_key
         self.node = node
         self.step = step
+        self.answered = False
 
 
 @dataclass(eq=False)
@@ -957,6 +960,7 @@ class Engine:
                 slot.trial_ids[ident] = done.id
                 waiter = Waiter(slot.name, done.id, tree, done.node, done.step)
                 waiter.future.set_result(dict(done.final))
+                waiter.answered = True
                 return waiter
             self._ensure_row(slot)
             self._check_log(slot)
@@ -1011,6 +1015,7 @@ class Engine:
             if known is not None:
                 waiter = Waiter(slot.name, tid, root_key, node, step)
                 waiter.future.set_result(known)
+                waiter.answered = True
                 return waiter
             if recorded is not None:  # the driver runs: it waits from now on, lock held
                 return self._wait(slot, tid, root_key, node, step, leaf, reads)

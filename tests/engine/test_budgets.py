@@ -317,3 +317,40 @@ def test_the_wall_budget_counts_from_the_start_of_tune(monkeypatch: pytest.Monke
         assert run is not None and run.stopped_by == "wall_seconds"
         assert run.wall_seconds >= 0.3
         assert run.steps_executed == 0
+
+
+def test_the_run_counts_trials_answered_from_their_submission_without_a_look_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard learns whether the storage answered a trial from the submission's own
+    look-up: no second walk of the plan per trial (issue 24)."""
+    from stagetree.engine.core import Engine
+
+    looked_up: list[int] = []
+    known = Engine.known
+
+    def counting(self: Engine, *args: Any) -> Any:
+        looked_up.append(args[-1])
+        return known(self, *args)
+
+    monkeypatch.setattr(Engine, "known", counting)
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    with Study("s", LinearTrainer, storage=url, executor="inline") as study:
+        study.tune(asha(), progress=False)
+        first = study.last_run
+    # The same trials, replayed; then another study's trials, trained by a study
+    # sharing the plan.
+    with Study("s", LinearTrainer, storage=url, executor="inline") as again:
+        again.tune(asha(), progress=False)
+        replayed = again.last_run
+    space = GridSpace({"lr": [Constant(0.01), Constant(0.07)]}, fixed={"seed": [0, 1]})
+    tuner = ASHA(space, "score", mode="max", min_steps=1, max_steps=4, eta=2, num_trials=4)
+    with Study("t", LinearTrainer, storage=url, executor="inline") as other:
+        other.tune(tuner, progress=False)
+    with Study("u", LinearTrainer, storage=url, executor="inline") as other:
+        other.tune(tuner, progress=False)
+        shared = other.last_run
+    assert first is not None and first.trials == 8 and first.trials_answered == 0
+    assert replayed is not None and replayed.trials == replayed.trials_answered == 8
+    assert shared is not None and shared.trials == shared.trials_answered == 4
+    assert looked_up == []
