@@ -1610,11 +1610,23 @@ class Scheduler:
             # before the next _tree.
             tree = self._tree(lazy=True, shared=True)
             self._split(tree, out)
-            ready = self._held_first(self._forest.ready_roots)
+            ready = self._forest.ready_roots
             if self._need and ready:
                 ready = self._fitting(ready, out)
             if not ready or not self._idle:
+                # What a round gives without an idle worker: the checkpoints and
+                # evaluations `_split` asks running batches for (from the tree's
+                # covered stages and waiting roots: a new request, a lost checkpoint
+                # or model, a checkpoint that makes a waiting root ready can change
+                # them), the requests `_fitting` fails (no worker has their devices),
+                # and the aborts `_preempt` finds (a checkpoint that makes a waiting
+                # root ready can leave a batch unneeded). All read the tree, so it is
+                # refreshed (incrementally: a checkpoint, a progress or an ended write
+                # rebuilds no plan tree unless its answers changed). Only the models
+                # idle workers hold (`_held_first`) are left: they are read by the
+                # assignment alone, which needs an idle worker.
                 break
+            ready = self._held_first(ready)
             path = self._choose(tree, ready)
             if not path:
                 break

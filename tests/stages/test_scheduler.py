@@ -309,6 +309,40 @@ def test_request_branching_ahead_of_a_running_batch_splits_it() -> None:
     assert (branch.worker, branch.start_at, segs(branch)) == (1, (1, 50), [(2, 50, 120)])
 
 
+def test_a_round_without_an_idle_worker_reads_no_held_models_and_builds_no_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = Harness(workers=1)
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    h.trial(AT50, 120)  # waits for the batch's checkpoint at 50
+    forest = h.sched._forest
+    calls: list[object] = []
+    held_starts = forest.held_starts
+    monkeypatch.setattr(forest, "held_starts", lambda held: calls.append(held) or held_starts(held))
+    builds = forest.builds
+    h(Progress(batch.batch_id, 0, 1, 30, 0.1))
+    assert h(CheckpointSaved(batch.batch_id, 0, 1, 30, "ck-30", 1, 0.0)) == []
+    assert h.sched.idle_workers == []
+    # the models idle workers hold are read by an assignment only
+    assert calls == []
+    assert forest.builds == builds
+
+
+def test_a_round_without_an_idle_worker_still_splits_and_aborts() -> None:
+    h = Harness(workers=1)
+    (_, out) = h.trial(CONST, 100)
+    (batch,) = only(out, RunBatch)
+    h(Progress(batch.batch_id, 0, 1, 20, 0.1))
+    assert h.sched.idle_workers == []
+    _, out = h.trial(AT50, 120)
+    assert out == [AddCheckpoint(batch.batch_id, 0, 1, 50, evaluate=False)]
+    out = h(RequestCancelled(1, 100, 1))
+    assert only(out, Abort) == []  # the request at (2, 120) still waits for (1, 50)
+    out = h(RequestCancelled(2, 120, 1))
+    assert only(out, Abort) == [Abort(batch.batch_id, 0)]
+
+
 def test_split_missed_plans_a_recomputation() -> None:
     h = Harness(workers=2)
     (_, out) = h.trial(CONST, 100)
