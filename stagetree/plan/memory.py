@@ -69,6 +69,11 @@ def _writes(method: _F) -> _F:
 _SHARED_MAX = 256
 
 
+def _same_sequences(a: Mapping[str, Sequence], b: Mapping[str, Sequence]) -> bool:
+    """Whether two hp mappings hold the very same sequence objects under the same names."""
+    return len(a) == len(b) and all(a.get(name) is seq for name, seq in b.items())
+
+
 class MemoryPlanStorage(BasePlanStorage):
     """:class:`BasePlanStorage` in dictionaries, guarded by one lock (thread-safe)."""
 
@@ -501,6 +506,9 @@ class MemoryPlanStorage(BasePlanStorage):
                 "attrs": self._decoded(attrs_text),
                 "created": time.time(),
             }
+            at = None if node is None else self._nodes.get(node)
+            if at is not None and _same_sequences(at.hp, hp):
+                record["hp"] = at.hp  # the node's own mapping: one kept dict, not two
             ident = (study, root_key, *encoded)
             if unique and ident in self._trial_keys:  # one row per (study, root, config, hp)
                 return self._trial_keys[ident]

@@ -100,8 +100,9 @@ def test_a_trial_with_its_texts_is_stored_without_encoding_its_config(
     assert again == tid  # the same identity as the texts given
 
 
-def _kept_per_trial(storage: MemoryPlanStorage, n: int) -> float:
-    """Container objects the storage keeps per trial added (garbage collected first)."""
+def _kept_per_trial(storage: MemoryPlanStorage, n: int, paths: bool = False) -> float:
+    """Container objects the storage keeps per trial added (garbage collected first);
+    with ``paths``, each trial's path inserted first, as a submission does."""
     storage.create_study("s", {})
     root = "r"
     storage.register_root(root, {"bs": 64})
@@ -110,7 +111,11 @@ def _kept_per_trial(storage: MemoryPlanStorage, n: int) -> float:
     def add(first: int, count: int) -> None:
         for i in range(first, first + count):
             hp = {"lr": Constant(i)}
-            storage.add_trial("s", root, config, hp, 4, None, None, attrs=attrs)
+            node = step = None
+            if paths:
+                ins = storage.insert_trial(root, hp, 4, request=False)
+                node, step = ins.node, ins.step
+            storage.add_trial("s", root, config, hp, 4, node, step, attrs=attrs)
 
     add(0, n)
     gc.collect()
@@ -138,3 +143,14 @@ def test_trials_of_one_config_and_attrs_share_their_stored_values() -> None:
     assert storage.trial(second["id"])["attrs"] == {"version": "v1"}
     ends = {end.id: end for end in storage.trial_ends("s")}
     assert dict(ends[second["id"]].attrs) == {"version": "v1"}
+
+
+def test_a_trial_row_shares_its_nodes_hp_mapping() -> None:
+    # A trial whose insertion made its node keeps one hp mapping (the node's), not two.
+    storage = MemoryPlanStorage()
+    before_rows = _kept_per_trial(MemoryPlanStorage(), 200)
+    # Its path adds the node, its key among its siblings and one hp mapping: on main 3.2.
+    assert _kept_per_trial(storage, 200, paths=True) - before_rows <= 2.5
+    row = storage.trials("s")[-1]
+    node = storage.node(row["node"])
+    assert row["hp"] == node.hp and row["hp"] is not node.hp  # read as a copy
