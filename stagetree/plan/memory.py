@@ -65,6 +65,15 @@ def _writes(method: _F) -> _F:
     return cast(_F, wrapper)
 
 
+#: How many decoded trial texts :meth:`MemoryPlanStorage._decoded` keeps for sharing.
+_SHARED_MAX = 256
+
+
+def _same_sequences(a: Mapping[str, Sequence], b: Mapping[str, Sequence]) -> bool:
+    """Whether two hp mappings hold the very same sequence objects under the same names."""
+    return len(a) == len(b) and all(a.get(name) is seq for name, seq in b.items())
+
+
 class MemoryPlanStorage(BasePlanStorage):
     """:class:`BasePlanStorage` in dictionaries, guarded by one lock (thread-safe)."""
 
@@ -101,6 +110,11 @@ class MemoryPlanStorage(BasePlanStorage):
         self._holders: dict[tuple[str, str, int], set[int]] = {}
         self._next_lease = 1
         self._activity: list[ActivityRecord] = []
+        # Decoded trial configs and attrs by their canonical text, shared between the
+        # rows that store the same one (a study's trials mostly do: its fixed config,
+        # its version's attrs): one kept dict, not one a trial. Never changed in place
+        # (an update replaces a row's attrs; readers get copies); bounded.
+        self._shared: dict[str, Any] = {}
         self._revision = 0
         self._closed = False
 
@@ -470,31 +484,31 @@ class MemoryPlanStorage(BasePlanStorage):
         unique: bool = False,
         encoded: tuple[str, str] | None = None,
     ) -> int:
-        hp = check_trial(TreeIndex(root_key), hp, steps)
+        hp = check_trial(TreeIndex(root_key), hp, steps)  # a fresh dict: stored as is
         # The caller's canonical text, where given, is the stored config (what SQL
         # stores): decoded, not encoded again.
-        stored = (
-            _codec.copy(dict(config), "trial config")
-            if encoded is None
-            else _codec.loads(encoded[0])
-        )
-        record = {
-            "study": study,
-            "root_key": root_key,
-            "config": stored,
-            "hp": dict(hp),
-            "steps": steps,
-            "node": node,
-            "step": step,
-            "state": str(state),
-            "attrs": _codec.copy(dict(attrs or {}), "trial attrs"),
-            "created": time.time(),
-        }
+        if encoded is None:
+            config_text = _codec.dumps(_codec.copy(dict(config), "trial config"))
+            encoded = (config_text, dumps_hp(hp))
+        attrs_text = _codec.dumps(dict(attrs or {}), "trial attrs")
         with self._lock:
             self._check_open()
             self._study(study)
-            if encoded is None:
-                encoded = (_codec.dumps(record["config"]), dumps_hp(hp))
+            record = {
+                "study": study,
+                "root_key": root_key,
+                "config": self._decoded(encoded[0]),
+                "hp": hp,
+                "steps": steps,
+                "node": node,
+                "step": step,
+                "state": str(state),
+                "attrs": self._decoded(attrs_text),
+                "created": time.time(),
+            }
+            at = None if node is None else self._nodes.get(node)
+            if at is not None and _same_sequences(at.hp, hp):
+                record["hp"] = at.hp  # the node's own mapping: one kept dict, not two
             ident = (study, root_key, *encoded)
             if unique and ident in self._trial_keys:  # one row per (study, root, config, hp)
                 return self._trial_keys[ident]
@@ -503,6 +517,16 @@ class MemoryPlanStorage(BasePlanStorage):
             self._next_trial += 1
             self._trials[trial_id] = {"id": trial_id, **record}
             return trial_id
+
+    def _decoded(self, text: str) -> Any:
+        """The stored value of a trial's JSON ``text``: one object for rows that store
+        the same text (lock held)."""
+        value = self._shared.get(text)
+        if value is None:
+            if len(self._shared) >= _SHARED_MAX:
+                self._shared.clear()
+            value = self._shared[text] = _codec.loads(text)
+        return value
 
     @_writes
     def update_trial(
