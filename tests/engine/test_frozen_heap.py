@@ -91,15 +91,20 @@ def test_a_failing_tune_unfreezes_too(error: type[BaseException]) -> None:
     assert all(ref() is None for ref in tuner.garbage)
 
 
-def test_a_users_freeze_is_left_alone() -> None:
+def test_a_users_freeze_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     kept: list[Any] = [{"a": 1}, [2]]
     gc.freeze()
-    frozen = gc.get_freeze_count()
-    assert frozen > 0
+    assert gc.get_freeze_count() > 0
+    # The freeze count itself is no witness: a frozen object that dies during the run
+    # (in a long test session, some do) lowers it. What tune() calls is.
+    calls: list[str] = []
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
     tuner = Recording()
     _tune(tuner)
-    assert tuner.counts == [frozen, frozen]  # nothing more frozen
-    assert gc.get_freeze_count() == frozen  # and nothing thawed
+    assert calls == []  # nothing more frozen, nothing thawed
+    assert all(count > 0 for count in tuner.counts)
+    assert gc.get_freeze_count() > 0
     assert kept
 
 
